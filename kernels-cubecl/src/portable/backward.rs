@@ -1,0 +1,266 @@
+//! Portable backward step for one (query chunk, key chunk) pair, using the stored log-sum-exp:
+//! the forward is never recomputed. `dq` is accumulated per query row, `dk`/`dv` per key row
+//! (summed over the query heads of its group), all in f32.
+
+use cubecl::prelude::*;
+
+use super::forward::{key_visible, visible_key_end};
+use super::{ROWS_PER_CUBE, TILE_ROWS};
+use crate::stats::probability_from_lse;
+
+/// `delta[row] = sum_d dO[row, d] * O[row, d]`, one unit per row, in f32.
+#[cube(launch)]
+pub fn backward_delta<E: Float>(
+    out: &Array<E>,
+    grad_out: &Array<E>,
+    delta: &mut Array<f32>,
+    rows: u32,
+    #[comptime] head_dim: usize,
+) {
+    let row = ABSOLUTE_POS;
+    if row < rows as usize {
+        let mut sum = 0.0f32;
+        for d in 0..head_dim {
+            let at = row * head_dim + d;
+            sum += f32::cast_from(out[at]) * f32::cast_from(grad_out[at]);
+        }
+        delta[row] = sum;
+    }
+}
+
+/// dQ step: one unit per query row, key/value tiles in shared memory.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn backward_dq_portable<E: Float>(
+    q: &Array<E>,
+    k: &Array<E>,
+    v: &Array<E>,
+    grad_out: &Array<E>,
+    lse: &Array<f32>,
+    delta: &Array<f32>,
+    dq: &mut Array<f32>,
+    scale: f32,
+    shift: i32,
+    q_len: u32,
+    kv_len: u32,
+    q_heads: u32,
+    group_size: u32,
+    key_begin: u32,
+    key_end: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] causal: bool,
+) {
+    let bh = CUBE_POS_Y;
+    let batch = bh / q_heads;
+    let kv_head = (bh % q_heads) / group_size;
+    let kv_heads = q_heads / group_size;
+    let kv_base = ((batch * kv_heads + kv_head) * kv_len) as usize * head_dim;
+
+    let block_start = CUBE_POS_X * ROWS_PER_CUBE as u32;
+    let row = block_start + UNIT_POS;
+    let active = row < q_len;
+    let row_index = (bh * q_len + row) as usize;
+    let block_last = min(block_start + ROWS_PER_CUBE as u32, q_len) - 1;
+    let kv_end = visible_key_end(block_last, kv_len, shift, causal);
+
+    let mut q_row = Array::<f32>::new(head_dim);
+    let mut do_row = Array::<f32>::new(head_dim);
+    let mut acc = Array::<f32>::new(head_dim);
+    let mut lse_i = 0.0f32;
+    let mut delta_i = 0.0f32;
+    if active {
+        for d in 0..head_dim {
+            let at = row_index * head_dim + d;
+            q_row[d] = f32::cast_from(q[at]) * scale;
+            do_row[d] = f32::cast_from(grad_out[at]);
+            acc[d] = 0.0f32;
+        }
+        lse_i = lse[row_index];
+        delta_i = delta[row_index];
+    }
+
+    let mut k_tile = SharedMemory::<f32>::new(TILE_ROWS * head_dim);
+    let mut v_tile = SharedMemory::<f32>::new(TILE_ROWS * head_dim);
+    // The host bounds `[key_begin, key_end)` per launch (see `launch::portable_span`).
+    let key_stop = min(kv_end, key_end);
+    let mut num_tiles = 0u32;
+    if key_begin < key_stop {
+        num_tiles = (key_stop - key_begin).div_ceil(TILE_ROWS as u32);
+    }
+    let loads_per_unit = comptime!(TILE_ROWS * head_dim / ROWS_PER_CUBE);
+
+    for tile in 0..num_tiles {
+        let tile_start = key_begin + tile * TILE_ROWS as u32;
+        sync_cube();
+        for r in 0..loads_per_unit {
+            let idx = r * ROWS_PER_CUBE + UNIT_POS as usize;
+            let key = tile_start as usize + idx / head_dim;
+            let mut kval = 0.0f32;
+            let mut vval = 0.0f32;
+            if key < kv_len as usize {
+                let at = kv_base + key * head_dim + idx % head_dim;
+                kval = f32::cast_from(k[at]);
+                vval = f32::cast_from(v[at]);
+            }
+            k_tile[idx] = kval;
+            v_tile[idx] = vval;
+        }
+        sync_cube();
+
+        if active {
+            for j in 0..TILE_ROWS {
+                let key = tile_start + j as u32;
+                if key < key_stop && key_visible(row, key, shift, causal) {
+                    let mut score = 0.0f32;
+                    let mut dp = 0.0f32;
+                    for d in 0..head_dim {
+                        score += q_row[d] * k_tile[j * head_dim + d];
+                        dp += do_row[d] * v_tile[j * head_dim + d];
+                    }
+                    let p = probability_from_lse(score, lse_i);
+                    let ds = p * (dp - delta_i) * scale;
+                    for d in 0..head_dim {
+                        acc[d] += ds * k_tile[j * head_dim + d];
+                    }
+                }
+            }
+        }
+    }
+
+    if active {
+        for d in 0..head_dim {
+            dq[row_index * head_dim + d] += acc[d];
+        }
+    }
+}
+
+/// dK/dV step: one unit per key row, looping over the query heads of its group and over query
+/// tiles (q, dO, lse, delta) staged in shared memory. Grid y = batch * kv_heads.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn backward_dkdv_portable<E: Float>(
+    q: &Array<E>,
+    k: &Array<E>,
+    v: &Array<E>,
+    grad_out: &Array<E>,
+    lse: &Array<f32>,
+    delta: &Array<f32>,
+    dk: &mut Array<f32>,
+    dv: &mut Array<f32>,
+    scale: f32,
+    shift: i32,
+    q_len: u32,
+    kv_len: u32,
+    kv_heads: u32,
+    group_size: u32,
+    query_begin: u32,
+    query_end: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] causal: bool,
+) {
+    let bkv = CUBE_POS_Y;
+    let batch = bkv / kv_heads;
+    let kv_head = bkv % kv_heads;
+    let q_heads = kv_heads * group_size;
+
+    let block_start = CUBE_POS_X * ROWS_PER_CUBE as u32;
+    let key = block_start + UNIT_POS;
+    let active = key < kv_len;
+    let key_index = (bkv * kv_len + key) as usize;
+
+    // First query row that can see the first key of this block.
+    let mut q_begin = 0u32;
+    if causal {
+        q_begin = max(block_start as i32 - shift, 0i32) as u32;
+        q_begin = min(q_begin, q_len);
+    }
+
+    let mut k_row = Array::<f32>::new(head_dim);
+    let mut v_row = Array::<f32>::new(head_dim);
+    let mut dk_acc = Array::<f32>::new(head_dim);
+    let mut dv_acc = Array::<f32>::new(head_dim);
+    if active {
+        for d in 0..head_dim {
+            let at = key_index * head_dim + d;
+            k_row[d] = f32::cast_from(k[at]) * scale;
+            v_row[d] = f32::cast_from(v[at]);
+            dk_acc[d] = 0.0f32;
+            dv_acc[d] = 0.0f32;
+        }
+    }
+
+    let mut q_tile = SharedMemory::<f32>::new(TILE_ROWS * head_dim);
+    let mut do_tile = SharedMemory::<f32>::new(TILE_ROWS * head_dim);
+    let mut lse_tile = SharedMemory::<f32>::new(TILE_ROWS);
+    let mut delta_tile = SharedMemory::<f32>::new(TILE_ROWS);
+    let loads_per_unit = comptime!(TILE_ROWS * head_dim / ROWS_PER_CUBE);
+    // The host bounds `[query_begin, query_end)` per launch (see `launch::portable_span`).
+    let q_first = max(q_begin, query_begin);
+    let q_stop = min(q_len, query_end);
+    let mut num_tiles = 0u32;
+    if q_first < q_stop {
+        num_tiles = (q_stop - q_first).div_ceil(TILE_ROWS as u32);
+    }
+
+    for g in 0..group_size {
+        let q_bh = batch * q_heads + kv_head * group_size + g;
+        let q_base = (q_bh * q_len) as usize;
+        for tile in 0..num_tiles {
+            let tile_start = q_first + tile * TILE_ROWS as u32;
+            sync_cube();
+            for r in 0..loads_per_unit {
+                let idx = r * ROWS_PER_CUBE + UNIT_POS as usize;
+                let qrow = tile_start as usize + idx / head_dim;
+                let mut qval = 0.0f32;
+                let mut doval = 0.0f32;
+                if qrow < q_stop as usize {
+                    let at = (q_base + qrow) * head_dim + idx % head_dim;
+                    qval = f32::cast_from(q[at]);
+                    doval = f32::cast_from(grad_out[at]);
+                }
+                q_tile[idx] = qval;
+                do_tile[idx] = doval;
+            }
+            if UNIT_POS < TILE_ROWS as u32 {
+                let qrow = tile_start + UNIT_POS;
+                let mut lse_val = 0.0f32;
+                let mut delta_val = 0.0f32;
+                if qrow < q_stop {
+                    lse_val = lse[q_base + qrow as usize];
+                    delta_val = delta[q_base + qrow as usize];
+                }
+                lse_tile[UNIT_POS as usize] = lse_val;
+                delta_tile[UNIT_POS as usize] = delta_val;
+            }
+            sync_cube();
+
+            if active {
+                for i in 0..TILE_ROWS {
+                    let qrow = tile_start + i as u32;
+                    if qrow < q_stop && key_visible(qrow, key, shift, causal) {
+                        let mut score = 0.0f32;
+                        let mut dp = 0.0f32;
+                        for d in 0..head_dim {
+                            score += q_tile[i * head_dim + d] * k_row[d];
+                            dp += do_tile[i * head_dim + d] * v_row[d];
+                        }
+                        let p = probability_from_lse(score, lse_tile[i]);
+                        let ds = p * (dp - delta_tile[i]) * scale;
+                        for d in 0..head_dim {
+                            dv_acc[d] += p * do_tile[i * head_dim + d];
+                            dk_acc[d] += ds * q_tile[i * head_dim + d];
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    if active {
+        for d in 0..head_dim {
+            let at = key_index * head_dim + d;
+            dk[at] += dk_acc[d];
+            dv[at] += dv_acc[d];
+        }
+    }
+}

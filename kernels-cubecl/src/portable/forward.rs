@@ -1,0 +1,131 @@
+//! Portable forward step: updates `(o, m, l)` of each query row with one key/value chunk.
+
+use cubecl::prelude::*;
+
+use super::{ROWS_PER_CUBE, TILE_ROWS};
+use crate::stats::{rescale_factor, unnormalised_weight};
+
+/// Exclusive end of the keys that any row of this query block may see.
+#[cube]
+pub fn visible_key_end(
+    block_last_row: u32,
+    kv_len: u32,
+    shift: i32,
+    #[comptime] causal: bool,
+) -> u32 {
+    let mut end = kv_len;
+    if causal {
+        let last = block_last_row as i32 + shift + 1;
+        end = min(max(last, 0i32), kv_len as i32) as u32;
+    }
+    end
+}
+
+/// Whether query row `row` sees key `key` (`key` is already known to be `< kv_len`).
+#[cube]
+pub fn key_visible(row: u32, key: u32, shift: i32, #[comptime] causal: bool) -> bool {
+    let mut visible = true;
+    if causal {
+        visible = key as i32 <= row as i32 + shift;
+    }
+    visible
+}
+
+/// One cube = `ROWS_PER_CUBE` query rows of one (batch, query head); grid y = batch * q_heads.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn forward_step_portable<E: Float>(
+    q: &Array<E>,
+    k: &Array<E>,
+    v: &Array<E>,
+    o: &mut Array<f32>,
+    m: &mut Array<f32>,
+    l: &mut Array<f32>,
+    scale: f32,
+    shift: i32,
+    q_len: u32,
+    kv_len: u32,
+    q_heads: u32,
+    group_size: u32,
+    key_begin: u32,
+    key_end: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] causal: bool,
+) {
+    let bh = CUBE_POS_Y;
+    let batch = bh / q_heads;
+    let kv_head = (bh % q_heads) / group_size;
+    let kv_heads = q_heads / group_size;
+    let kv_base = ((batch * kv_heads + kv_head) * kv_len) as usize * head_dim;
+
+    let block_start = CUBE_POS_X * ROWS_PER_CUBE as u32;
+    let row = block_start + UNIT_POS;
+    let active = row < q_len;
+    let row_index = (bh * q_len + row) as usize;
+    let block_last = min(block_start + ROWS_PER_CUBE as u32, q_len) - 1;
+    let kv_end = visible_key_end(block_last, kv_len, shift, causal);
+
+    let mut q_row = Array::<f32>::new(head_dim);
+    let mut acc = Array::<f32>::new(head_dim);
+    let mut scores = Array::<f32>::new(TILE_ROWS);
+    let mut m_i = 0.0f32;
+    let mut l_i = 0.0f32;
+    if active {
+        for d in 0..head_dim {
+            q_row[d] = f32::cast_from(q[row_index * head_dim + d]) * scale;
+            acc[d] = o[row_index * head_dim + d];
+        }
+        m_i = m[row_index];
+        l_i = l[row_index];
+    }
+
+    // Keys are read straight from global memory (cached); this variant exists for portability,
+    // not speed. The host bounds `[key_begin, key_end)` per launch (see `launch::portable_span`).
+    let key_stop = min(kv_end, key_end);
+    if active && key_begin < key_stop {
+        let num_tiles = (key_stop - key_begin).div_ceil(TILE_ROWS as u32);
+        for tile in 0..num_tiles {
+            let tile_start = key_begin + tile * TILE_ROWS as u32;
+            let mut tile_max = m_i;
+            for j in 0..TILE_ROWS {
+                let key = tile_start + j as u32;
+                let mut dot = 0.0f32;
+                if key < key_stop {
+                    let at = kv_base + key as usize * head_dim;
+                    for d in 0..head_dim {
+                        dot += q_row[d] * f32::cast_from(k[at + d]);
+                    }
+                    if key_visible(row, key, shift, causal) {
+                        tile_max = max(tile_max, dot);
+                    }
+                }
+                scores[j] = dot;
+            }
+            let alpha = rescale_factor(m_i, tile_max);
+            l_i *= alpha;
+            for d in 0..head_dim {
+                acc[d] *= alpha;
+            }
+            for j in 0..TILE_ROWS {
+                let key = tile_start + j as u32;
+                if key < key_stop && key_visible(row, key, shift, causal) {
+                    let p = unnormalised_weight(scores[j], tile_max);
+                    l_i += p;
+                    let at = kv_base + key as usize * head_dim;
+                    for d in 0..head_dim {
+                        acc[d] += p * f32::cast_from(v[at + d]);
+                    }
+                }
+            }
+            m_i = tile_max;
+        }
+    }
+
+    if active {
+        for d in 0..head_dim {
+            o[row_index * head_dim + d] = acc[d];
+        }
+        m[row_index] = m_i;
+        l[row_index] = l_i;
+    }
+}

@@ -1,0 +1,61 @@
+//! The online-softmax statistics shared by every kernel variant.
+//!
+//! A row's partial state is `(o, m, l)`: `o` the unnormalised output `sum_j e^(s_j - m) v_j`, `m` the
+//! running max of the scores seen, `l = sum_j e^(s_j - m)`. A row that has seen no key has
+//! `m = -inf, l = 0, o = 0`. None of these helpers uses an infinite literal (WGSL rejects them): the
+//! `-inf` of an empty row only ever comes from data written by the host.
+
+use cubecl::prelude::*;
+
+/// Scores below this are treated as "no key seen" when they come back as a log-sum-exp.
+const FINITE_FLOOR: f32 = -3.0e38;
+
+/// Factor that rescales a state kept relative to `m_old` so it is relative to `m_new >= m_old`.
+/// Equal maxima (including two empty rows) give exactly 1, never `exp(-inf + inf)`.
+#[cube]
+pub fn rescale_factor(m_old: f32, m_new: f32) -> f32 {
+    let mut factor = 1.0f32;
+    if m_new != m_old {
+        factor = f32::exp(m_old - m_new);
+    }
+    factor
+}
+
+/// Probability weight of a visible key with score `score` relative to the running max `m`
+/// (`m >= score`, and `m` is finite whenever a key is visible).
+#[cube]
+pub fn unnormalised_weight(score: f32, m: f32) -> f32 {
+    f32::exp(score - m)
+}
+
+/// Normalised probability of a key from its score and the row's log-sum-exp (used by the
+/// backward). A row that saw no key anywhere (`lse = -inf`) gives 0, not `exp(+inf)`.
+#[cube]
+pub fn probability_from_lse(score: f32, lse: f32) -> f32 {
+    let mut p = 0.0f32;
+    if lse >= FINITE_FLOOR {
+        p = f32::exp(score - lse);
+    }
+    p
+}
+
+/// Reciprocal of the running sum for the final normalisation; 0 for a row that saw no key, so its
+/// output is 0 instead of `0 / 0`.
+#[cube]
+pub fn output_normaliser(l: f32) -> f32 {
+    let mut inv = 0.0f32;
+    if l > 0.0f32 {
+        inv = 1.0f32 / l;
+    }
+    inv
+}
+
+/// Log-sum-exp of a finished row: `m + ln l`, or `m` (which is `-inf`) for a row that saw no key.
+#[cube]
+pub fn log_sum_exp(m: f32, l: f32) -> f32 {
+    let mut lse = m;
+    if l > 0.0f32 {
+        lse = m + f32::ln(l);
+    }
+    lse
+}

@@ -1,0 +1,1 @@
+pub use distflash_kernels as kernels;

@@ -1,0 +1,587 @@
+//! The CubeCL kernels against the f64 reference: forward, backward, masks and offsets, GQA, odd
+//! lengths, fully-masked rows, chunk-by-chunk stepping and merging, and bad input.
+//!
+//! The suite is generic over the CubeCL runtime. It runs on wgpu (Mesa's software Vulkan in CI)
+//! and, with `--ignored`, on CUDA (the GPU machine), for both kernel variants there.
+
+mod common;
+
+use common::{assert_close, naive_rounding, to_f32, to_f64, Rng};
+use cubecl::prelude::*;
+use distflash_kernels::reference::{self, exact};
+use distflash_kernels::{
+    AttentionDims, DeviceTensor, ElemType, GradAccumulators, KernelError, Mask, SoftmaxState,
+    StepOptions, Variant,
+};
+
+/// One attention problem with its host data.
+struct Case {
+    dims: AttentionDims,
+    mask: Mask,
+    elem: ElemType,
+    q: Vec<f64>,
+    k: Vec<f64>,
+    v: Vec<f64>,
+    grad_out: Vec<f64>,
+}
+
+impl Case {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        seed: u64,
+        (batch, q_heads, kv_heads): (usize, usize, usize),
+        (q_len, kv_len, head_dim): (usize, usize, usize),
+        mask: Mask,
+        elem: ElemType,
+    ) -> Self {
+        let dims = AttentionDims {
+            batch,
+            q_heads,
+            kv_heads,
+            q_len,
+            kv_len,
+            head_dim,
+        };
+        let mut rng = Rng::new(seed);
+        let nq = batch * q_heads * q_len * head_dim;
+        let nk = batch * kv_heads * kv_len * head_dim;
+        // Amplitude 2 gives peaked softmax rows, so masking and max tracking matter.
+        let q = rng.tensor(nq, 2.0, elem);
+        let k = rng.tensor(nk, 2.0, elem);
+        let v = rng.tensor(nk, 1.0, elem);
+        let grad_out = rng.tensor(nq, 1.0, elem);
+        Self {
+            dims,
+            mask,
+            elem,
+            q,
+            k,
+            v,
+            grad_out,
+        }
+    }
+
+    fn scale(&self) -> f64 {
+        1.0 / (self.dims.head_dim as f64).sqrt()
+    }
+
+    fn upload<R: Runtime>(
+        &self,
+        client: &ComputeClient<R>,
+        data: &[f64],
+        shape: Vec<usize>,
+    ) -> DeviceTensor {
+        DeviceTensor::from_f32(client, &to_f32(data), shape, self.elem)
+    }
+
+    fn qkv<R: Runtime>(
+        &self,
+        client: &ComputeClient<R>,
+    ) -> (DeviceTensor, DeviceTensor, DeviceTensor) {
+        (
+            self.upload(client, &self.q, self.dims.q_shape()),
+            self.upload(client, &self.k, self.dims.kv_shape()),
+            self.upload(client, &self.v, self.dims.kv_shape()),
+        )
+    }
+}
+
+fn read<R: Runtime>(client: &ComputeClient<R>, t: &DeviceTensor) -> Vec<f64> {
+    to_f64(&t.to_f32(client))
+}
+
+fn nan_tensor<R: Runtime>(
+    client: &ComputeClient<R>,
+    shape: Vec<usize>,
+    elem: ElemType,
+) -> DeviceTensor {
+    let n = shape.iter().product();
+    DeviceTensor::from_f32(client, &vec![f32::NAN; n], shape, elem)
+}
+
+fn supports<R: Runtime>(client: &ComputeClient<R>, elem: ElemType) -> bool {
+    let ty = match elem {
+        ElemType::F32 => f32::as_type_native_unchecked(),
+        ElemType::F16 => half::f16::as_type_native_unchecked(),
+        ElemType::BF16 => half::bf16::as_type_native_unchecked(),
+    };
+    client.properties().supports_type(ty)
+}
+
+/// Element types this runtime can run, with the variants to test for each.
+fn configurations<R: Runtime>(client: &ComputeClient<R>) -> Vec<(ElemType, Variant)> {
+    let mut out = Vec::new();
+    for elem in [ElemType::F32, ElemType::F16, ElemType::BF16] {
+        if !supports(client, elem) {
+            eprintln!("skipping {elem:?}: not supported by this runtime");
+            continue;
+        }
+        out.push((elem, Variant::Portable));
+        for head_dim in [64, 128] {
+            if distflash_kernels::tensor_core_available(client, elem, head_dim) {
+                out.push((elem, Variant::TensorCore));
+                break;
+            }
+        }
+    }
+    out
+}
+
+fn options(case: &Case, variant: Variant) -> StepOptions {
+    StepOptions {
+        mask: case.mask,
+        scale: None,
+        variant,
+    }
+}
+
+/// Runs the whole forward and checks O and lse (poisoned beforehand) against the reference.
+fn check_forward<R: Runtime>(client: &ComputeClient<R>, case: &Case, variant: Variant) {
+    let (q, k, v) = case.qkv(client);
+    let dims = &case.dims;
+    let state = SoftmaxState::empty(client, dims.batch, dims.q_heads, dims.q_len, dims.head_dim);
+    distflash_kernels::forward_step(client, &q, &k, &v, &state, &options(case, variant)).unwrap();
+    let out = nan_tensor(client, dims.q_shape(), case.elem);
+    let lse = nan_tensor(client, dims.row_shape(), ElemType::F32);
+    distflash_kernels::finalize_into(client, &state, &out, &lse).unwrap();
+
+    let exact_fwd = reference::forward(
+        dims,
+        &case.q,
+        &case.k,
+        &case.v,
+        &case.mask,
+        case.scale(),
+        exact,
+    );
+    let naive = reference::forward(
+        dims,
+        &case.q,
+        &case.k,
+        &case.v,
+        &case.mask,
+        case.scale(),
+        naive_rounding(case.elem),
+    );
+    let what = format!("forward {dims:?} {:?} {variant:?}", case.mask);
+    assert_close(
+        &format!("{what}: O"),
+        &read(client, &out),
+        &exact_fwd.out,
+        &naive.out,
+        case.elem,
+    );
+    // lse is f32 in every variant: compare against f32 precision.
+    assert_close(
+        &format!("{what}: lse"),
+        &read(client, &lse),
+        &exact_fwd.lse,
+        &exact_fwd.lse,
+        ElemType::F32,
+    );
+}
+
+/// Runs the backward from the kernel's own forward, into accumulators that start non-zero (so
+/// accumulation, and every element being written, is checked).
+fn check_backward<R: Runtime>(client: &ComputeClient<R>, case: &Case, variant: Variant) {
+    let (q, k, v) = case.qkv(client);
+    let dims = &case.dims;
+    let opts = options(case, variant);
+    let (out, lse) = distflash_kernels::attention(client, &q, &k, &v, &opts).unwrap();
+    let grad_out = case.upload(client, &case.grad_out, dims.q_shape());
+    let delta = distflash_kernels::backward_delta(client, &out, &grad_out).unwrap();
+
+    let mut rng = Rng::new(7);
+    let start_dq = rng.tensor(q.len(), 1.0, ElemType::F32);
+    let start_dk = rng.tensor(k.len(), 1.0, ElemType::F32);
+    let start_dv = rng.tensor(v.len(), 1.0, ElemType::F32);
+    let up =
+        |d: &[f64], s: Vec<usize>| DeviceTensor::from_f32(client, &to_f32(d), s, ElemType::F32);
+    let grads = GradAccumulators {
+        dq: up(&start_dq, dims.q_shape()),
+        dk: up(&start_dk, dims.kv_shape()),
+        dv: up(&start_dv, dims.kv_shape()),
+    };
+    distflash_kernels::backward_step(client, &q, &k, &v, &grad_out, &lse, &delta, &grads, &opts)
+        .unwrap();
+
+    let args = (&case.q, &case.k, &case.v, &case.grad_out);
+    let exact_g = reference::backward(
+        dims,
+        args.0,
+        args.1,
+        args.2,
+        args.3,
+        &case.mask,
+        case.scale(),
+        exact,
+    );
+    let naive = reference::backward(
+        dims,
+        args.0,
+        args.1,
+        args.2,
+        args.3,
+        &case.mask,
+        case.scale(),
+        naive_rounding(case.elem),
+    );
+    let what = format!("backward {dims:?} {:?} {variant:?}", case.mask);
+    let minus = |got: Vec<f64>, start: &[f64]| -> Vec<f64> {
+        got.iter().zip(start).map(|(g, s)| g - s).collect()
+    };
+    assert_close(
+        &format!("{what}: dq"),
+        &minus(read(client, &grads.dq), &start_dq),
+        &exact_g.dq,
+        &naive.dq,
+        case.elem,
+    );
+    assert_close(
+        &format!("{what}: dk"),
+        &minus(read(client, &grads.dk), &start_dk),
+        &exact_g.dk,
+        &naive.dk,
+        case.elem,
+    );
+    assert_close(
+        &format!("{what}: dv"),
+        &minus(read(client, &grads.dv), &start_dv),
+        &exact_g.dv,
+        &naive.dv,
+        case.elem,
+    );
+}
+
+/// Masks exercised by the shape cases: none, causal aligned at the end (the usual decoder
+/// training case when q_len == kv_len), and causal with keys ahead of queries (leading rows see
+/// nothing at all).
+fn masks(q_len: usize, kv_len: usize) -> Vec<Mask> {
+    vec![
+        Mask::None,
+        Mask::Causal {
+            q_offset: kv_len as i64 - q_len as i64,
+            kv_offset: 0,
+        },
+        Mask::Causal {
+            q_offset: 0,
+            kv_offset: 40,
+        },
+    ]
+}
+
+pub fn forward_matches_reference<R: Runtime>(client: &ComputeClient<R>) {
+    for (elem, variant) in configurations(client) {
+        for (heads, lens) in [
+            ((1, 8, 2), (383, 517, 64)),
+            ((2, 3, 3), (96, 96, 128)),
+            ((1, 4, 1), (33, 70, 64)),
+        ] {
+            for mask in masks(lens.0, lens.1) {
+                let case = Case::new(11, heads, lens, mask, elem);
+                check_forward(client, &case, variant);
+            }
+        }
+    }
+}
+
+pub fn backward_matches_reference<R: Runtime>(client: &ComputeClient<R>) {
+    for (elem, variant) in configurations(client) {
+        for (heads, lens) in [((1, 4, 2), (131, 197, 64)), ((1, 2, 1), (64, 48, 128))] {
+            for mask in masks(lens.0, lens.1) {
+                let case = Case::new(23, heads, lens, mask, elem);
+                check_backward(client, &case, variant);
+            }
+        }
+    }
+}
+
+/// Splits k and v into key chunks `[start, end)` along the sequence.
+fn key_chunk<R: Runtime>(
+    client: &ComputeClient<R>,
+    case: &Case,
+    data: &[f64],
+    start: usize,
+    end: usize,
+) -> DeviceTensor {
+    let d = case.dims;
+    let mut out = Vec::new();
+    for bh in 0..d.batch * d.kv_heads {
+        let base = bh * d.kv_len * d.head_dim;
+        out.extend_from_slice(&data[base + start * d.head_dim..base + end * d.head_dim]);
+    }
+    case.upload(
+        client,
+        &out,
+        vec![d.batch, d.kv_heads, end - start, d.head_dim],
+    )
+}
+
+fn chunk_mask(case: &Case, start: usize) -> Mask {
+    match case.mask {
+        Mask::None => Mask::None,
+        Mask::Causal {
+            q_offset,
+            kv_offset,
+        } => Mask::Causal {
+            q_offset,
+            kv_offset: kv_offset + start as i64,
+        },
+    }
+}
+
+/// Attention over the concatenation of key/value chunks equals stepping chunk by chunk, and equals
+/// merging independent partials; the backward summed over chunks equals the whole backward.
+pub fn chunks_step_and_merge_exactly<R: Runtime>(client: &ComputeClient<R>) {
+    for (elem, variant) in configurations(client) {
+        let causal = Mask::Causal {
+            q_offset: 150,
+            kv_offset: 0,
+        };
+        for mask in [Mask::None, causal] {
+            let case = Case::new(31, (1, 4, 2), (77, 227, 64), mask, elem);
+            let dims = case.dims;
+            let (q, k, v) = case.qkv(client);
+            let opts = options(&case, variant);
+            let (whole_out, whole_lse) =
+                distflash_kernels::attention(client, &q, &k, &v, &opts).unwrap();
+            let bounds = [0, 50, 113, 227];
+
+            let stepped =
+                SoftmaxState::empty(client, dims.batch, dims.q_heads, dims.q_len, dims.head_dim);
+            let merged =
+                SoftmaxState::empty(client, dims.batch, dims.q_heads, dims.q_len, dims.head_dim);
+            for w in bounds.windows(2) {
+                let (kc, vc) = (
+                    key_chunk(client, &case, &case.k, w[0], w[1]),
+                    key_chunk(client, &case, &case.v, w[0], w[1]),
+                );
+                let step_opts = StepOptions {
+                    mask: chunk_mask(&case, w[0]),
+                    ..opts
+                };
+                distflash_kernels::forward_step(client, &q, &kc, &vc, &stepped, &step_opts)
+                    .unwrap();
+                let partial = SoftmaxState::empty(
+                    client,
+                    dims.batch,
+                    dims.q_heads,
+                    dims.q_len,
+                    dims.head_dim,
+                );
+                distflash_kernels::forward_step(client, &q, &kc, &vc, &partial, &step_opts)
+                    .unwrap();
+                distflash_kernels::merge(client, &merged, &partial).unwrap();
+            }
+            let what = format!("chunks {mask:?} {elem:?} {variant:?}");
+            let whole = (read(client, &whole_out), read(client, &whole_lse));
+            for (name, state) in [("stepped", &stepped), ("merged", &merged)] {
+                let (out, lse) = distflash_kernels::finalize(client, state, elem).unwrap();
+                // Same precision on both sides: the chunked result must match the whole one to
+                // within the rounding of the output type.
+                assert_close(
+                    &format!("{what} {name} O"),
+                    &read(client, &out),
+                    &whole.0,
+                    &whole.0,
+                    elem,
+                );
+                assert_close(
+                    &format!("{what} {name} lse"),
+                    &read(client, &lse),
+                    &whole.1,
+                    &whole.1,
+                    ElemType::F32,
+                );
+            }
+
+            // Backward: the sum over key chunks of the per-pair gradients equals the whole.
+            let grad_out = case.upload(client, &case.grad_out, dims.q_shape());
+            let delta = distflash_kernels::backward_delta(client, &whole_out, &grad_out).unwrap();
+            let whole_g = GradAccumulators::zeros(client, &dims);
+            distflash_kernels::backward_step(
+                client, &q, &k, &v, &grad_out, &whole_lse, &delta, &whole_g, &opts,
+            )
+            .unwrap();
+            let dq = distflash_kernels::zeros_f32(client, dims.q_shape());
+            let (mut dk, mut dv) = (Vec::new(), Vec::new());
+            for w in bounds.windows(2) {
+                let (kc, vc) = (
+                    key_chunk(client, &case, &case.k, w[0], w[1]),
+                    key_chunk(client, &case, &case.v, w[0], w[1]),
+                );
+                let chunk_dims = AttentionDims {
+                    kv_len: w[1] - w[0],
+                    ..dims
+                };
+                let g = GradAccumulators {
+                    dq: dq.clone(),
+                    ..GradAccumulators::zeros(client, &chunk_dims)
+                };
+                let step_opts = StepOptions {
+                    mask: chunk_mask(&case, w[0]),
+                    ..opts
+                };
+                distflash_kernels::backward_step(
+                    client, &q, &kc, &vc, &grad_out, &whole_lse, &delta, &g, &step_opts,
+                )
+                .unwrap();
+                dk.push((w[0], w[1], read(client, &g.dk)));
+                dv.push((w[0], w[1], read(client, &g.dv)));
+            }
+            let assemble = |parts: &[(usize, usize, Vec<f64>)]| {
+                let mut full = vec![0.0; dims.batch * dims.kv_heads * dims.kv_len * dims.head_dim];
+                for (s, e, part) in parts {
+                    let len = e - s;
+                    for bh in 0..dims.batch * dims.kv_heads {
+                        let dst = (bh * dims.kv_len + s) * dims.head_dim;
+                        let src = bh * len * dims.head_dim;
+                        full[dst..dst + len * dims.head_dim]
+                            .copy_from_slice(&part[src..src + len * dims.head_dim]);
+                    }
+                }
+                full
+            };
+            let f32_acc = ElemType::F32;
+            assert_close(
+                &format!("{what} dq"),
+                &read(client, &dq),
+                &read(client, &whole_g.dq),
+                &read(client, &whole_g.dq),
+                f32_acc,
+            );
+            assert_close(
+                &format!("{what} dk"),
+                &assemble(&dk),
+                &read(client, &whole_g.dk),
+                &read(client, &whole_g.dk),
+                f32_acc,
+            );
+            assert_close(
+                &format!("{what} dv"),
+                &assemble(&dv),
+                &read(client, &whole_g.dv),
+                &read(client, &whole_g.dv),
+                f32_acc,
+            );
+        }
+    }
+}
+
+/// A row that sees no key gives O = 0 and lse = -inf (never NaN), and zero gradients.
+pub fn fully_masked_rows_are_zero<R: Runtime>(client: &ComputeClient<R>) {
+    for (elem, variant) in configurations(client) {
+        // Keys start at position 50: query rows 0..50 see nothing.
+        let mask = Mask::Causal {
+            q_offset: 0,
+            kv_offset: 50,
+        };
+        let case = Case::new(5, (1, 2, 2), (80, 64, 64), mask, elem);
+        let (q, k, v) = case.qkv(client);
+        let opts = options(&case, variant);
+        let (out, lse) = distflash_kernels::attention(client, &q, &k, &v, &opts).unwrap();
+        let (out, lse) = (read(client, &out), read(client, &lse));
+        for h in 0..2 {
+            for i in 0..80 {
+                let row_lse = lse[h * 80 + i];
+                if i < 50 {
+                    assert_eq!(
+                        row_lse,
+                        f64::NEG_INFINITY,
+                        "row {i} lse ({elem:?} {variant:?})"
+                    );
+                    assert!(
+                        out[(h * 80 + i) * 64..][..64].iter().all(|&x| x == 0.0),
+                        "row {i} output"
+                    );
+                } else {
+                    assert!(row_lse.is_finite(), "row {i} lse {row_lse}");
+                }
+            }
+        }
+    }
+}
+
+/// Bad input is refused with an error that names the problem; nothing is launched.
+pub fn bad_input_is_refused<R: Runtime>(client: &ComputeClient<R>) {
+    let e = ElemType::F32;
+    let t = |shape: Vec<usize>| {
+        DeviceTensor::from_f32(client, &vec![0.0; shape.iter().product()], shape, e)
+    };
+    let opts = StepOptions::default();
+    let q = t(vec![1, 4, 8, 64]);
+    let k = t(vec![1, 2, 8, 64]);
+    let err = |r: Result<_, KernelError>| {
+        r.map(|_: (DeviceTensor, DeviceTensor)| ())
+            .unwrap_err()
+            .to_string()
+    };
+
+    let msg = err(distflash_kernels::attention(
+        client,
+        &q,
+        &t(vec![1, 3, 8, 64]),
+        &t(vec![1, 3, 8, 64]),
+        &opts,
+    ));
+    assert!(msg.contains("multiple of key/value heads"), "{msg}");
+    let msg = err(distflash_kernels::attention(
+        client,
+        &q,
+        &k,
+        &t(vec![1, 2, 9, 64]),
+        &opts,
+    ));
+    assert!(msg.contains("v against k"), "{msg}");
+    let msg = err(distflash_kernels::attention(
+        client,
+        &t(vec![1, 4, 8, 48]),
+        &t(vec![1, 2, 8, 48]),
+        &t(vec![1, 2, 8, 48]),
+        &opts,
+    ));
+    assert!(msg.contains("head dimension 48 is not supported"), "{msg}");
+    let msg = err(distflash_kernels::attention(
+        client,
+        &t(vec![4, 8, 64]),
+        &k,
+        &k,
+        &opts,
+    ));
+    assert!(msg.contains("must have 4 dimensions"), "{msg}");
+    let half_k = DeviceTensor::from_f32(client, &vec![0.0; 1024], vec![1, 2, 8, 64], ElemType::F16);
+    let msg = err(distflash_kernels::attention(
+        client, &q, &half_k, &half_k, &opts,
+    ));
+    assert!(msg.contains("dtype"), "{msg}");
+
+    let wrong_state = SoftmaxState::empty(client, 1, 4, 7, 64);
+    let msg = distflash_kernels::forward_step(client, &q, &k, &k, &wrong_state, &opts)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("state.o"), "{msg}");
+}
+
+/// Instantiates the suite for one runtime.
+macro_rules! suite {
+    ($name:ident, $client:expr $(, #[$attr:meta])?) => {
+        mod $name {
+            use super::*;
+            #[test] $(#[$attr])? fn forward() { forward_matches_reference(&$client) }
+            #[test] $(#[$attr])? fn backward() { backward_matches_reference(&$client) }
+            #[test] $(#[$attr])? fn chunks() { chunks_step_and_merge_exactly(&$client) }
+            #[test] $(#[$attr])? fn fully_masked() { fully_masked_rows_are_zero(&$client) }
+            #[test] $(#[$attr])? fn bad_input() { bad_input_is_refused(&$client) }
+        }
+    };
+}
+
+suite!(
+    wgpu,
+    cubecl::wgpu::WgpuRuntime::client(&cubecl::wgpu::WgpuDevice::Cpu)
+);
+suite!(
+    cuda,
+    cubecl::cuda::CudaRuntime::client(&cubecl::cuda::CudaDevice::new(0)),
+    #[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
+);

@@ -27,6 +27,7 @@ macro_rules! with_elem_type {
         }
     };
 }
+pub(crate) use with_elem_type;
 
 /// Which implementation runs a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -36,7 +37,8 @@ pub enum Variant {
     Auto,
     /// Scalar kernels that run on every CubeCL runtime.
     Portable,
-    /// Tensor-core kernels (CUDA with `mma.sync`); an error where unavailable.
+    /// Tensor-core kernels (CUDA with `mma.sync`) for the forward; an error where unavailable.
+    /// The backward has no tensor-core kernel yet and runs the portable one.
     TensorCore,
 }
 
@@ -430,11 +432,7 @@ pub fn backward_step<R: Runtime>(
     }
     let scale = options.resolved_scale(dims.head_dim);
     let shift = options.mask.diagonal_shift(&dims);
-    if use_tensor_cores(client, options.variant, &dims, q.elem)? {
-        return crate::tensor_core::backward_step(
-            client, q, k, v, grad_out, lse, delta, grads, &dims, scale, shift,
-        );
-    }
+    // The backward has no tensor-core kernel yet: every variant runs the portable kernels.
     for (key_begin, key_end) in portable_ranges(dims.kv_len, dims.head_dim) {
         let (count, dim) = query_grid(&dims);
         with_elem_type!(q.elem, E => portable::backward::backward_dq_portable::launch::<E, R>(

@@ -1,49 +1,86 @@
-//! Tensor-core kernels (CUDA `mma.sync` through CubeCL's manual MMA).
+//! Tensor-core kernels (CUDA `mma.sync` m16n8k16 through CubeCL's manual MMA).
+//!
+//! Only the forward step has a tensor-core kernel so far; the backward runs the portable kernels
+//! on every runtime (see `launch::backward_step`).
 
+pub mod forward;
+pub mod fragments;
+pub mod tiles;
+
+use cubecl::features::MmaConfig;
 use cubecl::prelude::*;
 
 use crate::dims::AttentionDims;
 use crate::error::KernelError;
-use crate::launch::{GradAccumulators, SoftmaxState};
+use crate::launch::SoftmaxState;
 use crate::tensor::{DeviceTensor, ElemType};
+use forward::{BLOCK_ROWS, PLANES};
 
 /// Head dimensions the tensor-core kernels are compiled for.
 pub const HEAD_DIMS: [usize; 2] = [64, 128];
 
-/// Whether this client can run the tensor-core kernels for `elem` and `head_dim`.
-pub fn supports<R: Runtime>(_client: &ComputeClient<R>, _elem: ElemType, _head_dim: usize) -> bool {
-    false
+/// Whether this client can run the tensor-core kernels for `elem` and `head_dim`: f16 or bf16
+/// inputs, a supported head dimension, planes of 32 and `m16n8k16` manual MMA with f32
+/// accumulation.
+pub fn supports<R: Runtime>(client: &ComputeClient<R>, elem: ElemType, head_dim: usize) -> bool {
+    let storage = match elem {
+        ElemType::F16 => half::f16::as_type_native_unchecked().storage_type(),
+        ElemType::BF16 => half::bf16::as_type_native_unchecked().storage_type(),
+        ElemType::F32 => return false,
+    };
+    let properties = client.properties();
+    let config = MmaConfig {
+        a_type: storage,
+        b_type: storage,
+        cd_type: f32::as_type_native_unchecked().storage_type(),
+        m: 16,
+        n: 8,
+        k: 16,
+    };
+    HEAD_DIMS.contains(&head_dim)
+        && properties.hardware.plane_size_min == 32
+        && properties.hardware.plane_size_max == 32
+        && properties.features.matmul.mma.contains(&config)
 }
 
 /// Tensor-core forward step (see [`crate::forward_step`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward_step<R: Runtime>(
-    _client: &ComputeClient<R>,
-    _q: &DeviceTensor,
-    _k: &DeviceTensor,
-    _v: &DeviceTensor,
-    _state: &SoftmaxState,
-    _dims: &AttentionDims,
-    _scale: f32,
-    _shift: Option<i32>,
+    client: &ComputeClient<R>,
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+    state: &SoftmaxState,
+    dims: &AttentionDims,
+    scale: f32,
+    shift: Option<i32>,
 ) -> Result<(), KernelError> {
-    unreachable!("supports() is false")
-}
-
-/// Tensor-core backward step (see [`crate::backward_step`]).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn backward_step<R: Runtime>(
-    _client: &ComputeClient<R>,
-    _q: &DeviceTensor,
-    _k: &DeviceTensor,
-    _v: &DeviceTensor,
-    _grad_out: &DeviceTensor,
-    _lse: &DeviceTensor,
-    _delta: &DeviceTensor,
-    _grads: &GradAccumulators,
-    _dims: &AttentionDims,
-    _scale: f32,
-    _shift: Option<i32>,
-) -> Result<(), KernelError> {
-    unreachable!("supports() is false")
+    let count = CubeCount::Static(
+        dims.q_len.div_ceil(BLOCK_ROWS) as u32,
+        (dims.batch * dims.q_heads) as u32,
+        1,
+    );
+    let dim = CubeDim::new_1d((PLANES * 32) as u32);
+    // SAFETY: shapes were validated by `launch::forward_step`; the kernel guards every global
+    // access against `q_len`/`kv_len` (see `forward_step_mma`).
+    crate::launch::with_elem_type!(q.elem, E => unsafe { forward::forward_step_mma::launch_unchecked::<E, R>(
+        client,
+        count,
+        dim,
+        q.array_arg(),
+        k.array_arg(),
+        v.array_arg(),
+        state.o.array_arg(),
+        state.m.array_arg(),
+        state.l.array_arg(),
+        scale,
+        shift.unwrap_or(0),
+        dims.q_len as u32,
+        dims.kv_len as u32,
+        dims.q_heads as u32,
+        dims.group_size() as u32,
+        dims.head_dim,
+        shift.is_some(),
+    ) });
+    Ok(())
 }

@@ -1,0 +1,310 @@
+//! Tensor-core forward step: FlashAttention-2 style, one cube of four planes takes 64 query rows
+//! (16 per plane), walks the visible key/value tiles of 64 rows staged in shared memory, keeps
+//! scores, probabilities and the output accumulator in `mma` registers, and reads/writes the
+//! running state `(o, m, l)` like the portable kernel.
+
+use cubecl::cmma::MatrixIdent;
+use cubecl::prelude::*;
+
+use super::fragments::{mma_accumulate, mma_definition, FRAG_COLS, FRAG_K, WARP_ROWS};
+use super::tiles::{load_rows_to_shared, padded_stride, quad_max, quad_sum, ROW_SLOTS};
+use crate::portable::forward::{key_visible, visible_key_end};
+use crate::stats::{rescale_factor, unnormalised_weight};
+
+/// Planes per cube.
+pub const PLANES: usize = 4;
+/// Query rows per cube.
+pub const BLOCK_ROWS: usize = PLANES * WARP_ROWS;
+/// Key rows per shared-memory tile.
+pub const BLOCK_KEYS: usize = 64;
+
+/// Grid: x = query blocks of [`BLOCK_ROWS`], y = batch * q_heads; cube = 32 x [`PLANES`] units.
+/// Launched unchecked: every global access is guarded by the kernel itself (rows past `q_len`
+/// or `kv_len` are skipped or zero-filled) and shared-memory indices are in range by construction.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn forward_step_mma<E: Float>(
+    q: &Array<E>,
+    k: &Array<E>,
+    v: &Array<E>,
+    o: &mut Array<f32>,
+    m: &mut Array<f32>,
+    l: &mut Array<f32>,
+    scale: f32,
+    shift: i32,
+    q_len: u32,
+    kv_len: u32,
+    q_heads: u32,
+    group_size: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] causal: bool,
+) {
+    let def = mma_definition::<E>();
+    let size!(NA) = def.vector_size(MatrixIdent::A);
+    let size!(NB) = def.vector_size(MatrixIdent::B);
+    let size!(NC) = def.vector_size(MatrixIdent::Accumulator);
+    let va = def.vectors_per_lane(MatrixIdent::A);
+    let vb = def.vectors_per_lane(MatrixIdent::B);
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sa = def.vector_size(MatrixIdent::A);
+    let sb = def.vector_size(MatrixIdent::B);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let k_steps = comptime!(head_dim / FRAG_K);
+    let key_frags = comptime!(BLOCK_KEYS / FRAG_COLS);
+    let key_steps = comptime!(BLOCK_KEYS / FRAG_K);
+    let out_frags = comptime!(head_dim / FRAG_COLS);
+    let stride = comptime!(padded_stride(head_dim));
+
+    let lane = UNIT_POS_PLANE;
+    let warp = UNIT_POS / 32;
+    let bh = CUBE_POS_Y;
+    let batch = bh / q_heads;
+    let kv_head = (bh % q_heads) / group_size;
+    let kv_heads = q_heads / group_size;
+    let kv_base = ((batch * kv_heads + kv_head) * kv_len) as usize * head_dim;
+    let row_base = (bh * q_len) as usize;
+    let block_start = CUBE_POS_X * BLOCK_ROWS as u32;
+    let warp_start = block_start + warp * WARP_ROWS as u32;
+    let block_last = min(block_start + BLOCK_ROWS as u32, q_len) - 1;
+    let kv_end = visible_key_end(block_last, kv_len, shift, causal);
+
+    // Query fragments, straight from global memory (read once).
+    let mut q_frag = Array::<Vector<E, NA>>::new(comptime!(k_steps * va));
+    #[unroll]
+    for ks in 0..k_steps {
+        #[unroll]
+        for i in 0..va {
+            let mut reg = Vector::<E, NA>::empty();
+            #[unroll]
+            for e in 0..sa {
+                let (r, c) = def.position_of_nth(lane, (i * sa + e) as u32, MatrixIdent::A);
+                let row = warp_start + r;
+                let mut val = E::cast_from(0.0f32);
+                if row < q_len {
+                    val = q[(row_base + row as usize) * head_dim + ks * FRAG_K + c as usize];
+                }
+                reg[e] = val;
+            }
+            q_frag[ks * va + i] = reg;
+        }
+    }
+
+    // Running state: the output accumulator in registers, and for each of the lane's two rows
+    // the running max and a lane-partial running sum (reduced over the quad at the end).
+    #[allow(clippy::manual_is_multiple_of)]
+    let first_in_quad = lane % 4 == 0;
+    let mut o_acc = Array::<Vector<f32, NC>>::new(comptime!(out_frags * vc));
+    #[unroll]
+    for t in 0..out_frags {
+        #[unroll]
+        for i in 0..vc {
+            let mut reg = Vector::<f32, NC>::empty();
+            #[unroll]
+            for e in 0..sc {
+                let (r, c) =
+                    def.position_of_nth(lane, (i * sc + e) as u32, MatrixIdent::Accumulator);
+                let row = warp_start + r;
+                let mut val = 0.0f32;
+                if row < q_len {
+                    val = o[(row_base + row as usize) * head_dim + t * FRAG_COLS + c as usize];
+                }
+                reg[e] = val;
+            }
+            o_acc[t * vc + i] = reg;
+        }
+    }
+    let mut m_row = Array::<f32>::new(ROW_SLOTS);
+    let mut l_row = Array::<f32>::new(ROW_SLOTS);
+    #[unroll]
+    for slot in 0..ROW_SLOTS {
+        let row = warp_start + lane / 4 + (slot * 8) as u32;
+        let mut mv = 0.0f32;
+        let mut lv = 0.0f32;
+        if row < q_len {
+            mv = m[row_base + row as usize];
+            if first_in_quad {
+                lv = l[row_base + row as usize];
+            }
+        }
+        m_row[slot] = mv;
+        l_row[slot] = lv;
+    }
+
+    let mut k_tile = SharedMemory::<E>::new(comptime!(BLOCK_KEYS * stride));
+    let mut v_tile = SharedMemory::<E>::new(comptime!(BLOCK_KEYS * stride));
+    let num_tiles = kv_end.div_ceil(BLOCK_KEYS as u32);
+    for tile in 0..num_tiles {
+        let key_start = tile * BLOCK_KEYS as u32;
+        sync_cube();
+        load_rows_to_shared::<E>(
+            k,
+            kv_base,
+            key_start,
+            kv_len,
+            &mut k_tile,
+            BLOCK_KEYS,
+            head_dim,
+            PLANES,
+        );
+        load_rows_to_shared::<E>(
+            v,
+            kv_base,
+            key_start,
+            kv_len,
+            &mut v_tile,
+            BLOCK_KEYS,
+            head_dim,
+            PLANES,
+        );
+        sync_cube();
+
+        // S = Q K^T for this plane's 16 rows and the tile's 64 keys.
+        let mut s_acc = Array::<Vector<f32, NC>>::new(comptime!(key_frags * vc));
+        #[unroll]
+        for i in 0..comptime!(key_frags * vc) {
+            s_acc[i] = Vector::new(0.0f32);
+        }
+        #[unroll]
+        for nt in 0..key_frags {
+            #[unroll]
+            for ks in 0..k_steps {
+                let mut b = Array::<Vector<E, NB>>::new(vb);
+                #[unroll]
+                for i in 0..vb {
+                    let mut reg = Vector::<E, NB>::empty();
+                    #[unroll]
+                    for e in 0..sb {
+                        let (r, c) = def.position_of_nth(lane, (i * sb + e) as u32, MatrixIdent::B);
+                        reg[e] = k_tile
+                            [(nt * FRAG_COLS + c as usize) * stride + ks * FRAG_K + r as usize];
+                    }
+                    b[i] = reg;
+                }
+                mma_accumulate::<E, NA, NB, NC>(&def, &q_frag, ks * va, &b, 0, &mut s_acc, nt * vc);
+            }
+        }
+
+        // Scale, mask, and the new running max of each row.
+        let mut new_max = Array::<f32>::new(ROW_SLOTS);
+        #[unroll]
+        for slot in 0..ROW_SLOTS {
+            new_max[slot] = m_row[slot];
+        }
+        #[unroll]
+        for nt in 0..key_frags {
+            #[unroll]
+            for i in 0..vc {
+                let mut reg = s_acc[nt * vc + i];
+                #[unroll]
+                for e in 0..sc {
+                    let n = i * sc + e;
+                    let slot = n / 2;
+                    let (r, c) = def.position_of_nth(lane, n as u32, MatrixIdent::Accumulator);
+                    let key = key_start + (nt * FRAG_COLS) as u32 + c;
+                    let val = reg[e] * scale;
+                    reg[e] = val;
+                    if key < kv_end && key_visible(warp_start + r, key, shift, causal) {
+                        new_max[slot] = max(new_max[slot], val);
+                    }
+                }
+                s_acc[nt * vc + i] = reg;
+            }
+        }
+        let mut alpha = Array::<f32>::new(ROW_SLOTS);
+        #[unroll]
+        for slot in 0..ROW_SLOTS {
+            let reduced = quad_max(new_max[slot]);
+            new_max[slot] = reduced;
+            alpha[slot] = rescale_factor(m_row[slot], reduced);
+            l_row[slot] *= alpha[slot];
+            m_row[slot] = reduced;
+        }
+        #[unroll]
+        for t in 0..out_frags {
+            #[unroll]
+            for i in 0..vc {
+                let mut reg = o_acc[t * vc + i];
+                #[unroll]
+                for e in 0..sc {
+                    reg[e] *= alpha[(i * sc + e) / 2];
+                }
+                o_acc[t * vc + i] = reg;
+            }
+        }
+
+        // Probabilities, straight into A fragments: two accumulator tiles make one A fragment.
+        let mut p_frag = Array::<Vector<E, NA>>::new(comptime!(key_steps * va));
+        #[unroll]
+        for kk in 0..key_steps {
+            #[unroll]
+            for i in 0..va {
+                let mut reg = Vector::<E, NA>::empty();
+                #[unroll]
+                for e in 0..sa {
+                    let n = i * sa + e;
+                    let src_tile = 2 * kk + n / 4;
+                    let src_n = n % 4;
+                    let slot = src_n / 2;
+                    let (r, c) = def.position_of_nth(lane, src_n as u32, MatrixIdent::Accumulator);
+                    let key = key_start + (src_tile * FRAG_COLS) as u32 + c;
+                    let mut p = 0.0f32;
+                    if key < kv_end && key_visible(warp_start + r, key, shift, causal) {
+                        let s = s_acc[src_tile * vc + src_n / sc][src_n % sc];
+                        p = unnormalised_weight(s, m_row[slot]);
+                    }
+                    l_row[slot] += p;
+                    reg[e] = E::cast_from(p);
+                }
+                p_frag[kk * va + i] = reg;
+            }
+        }
+
+        // O += P V.
+        #[unroll]
+        for t in 0..out_frags {
+            #[unroll]
+            for kk in 0..key_steps {
+                let mut b = Array::<Vector<E, NB>>::new(vb);
+                #[unroll]
+                for i in 0..vb {
+                    let mut reg = Vector::<E, NB>::empty();
+                    #[unroll]
+                    for e in 0..sb {
+                        let (r, c) = def.position_of_nth(lane, (i * sb + e) as u32, MatrixIdent::B);
+                        reg[e] = v_tile
+                            [(kk * FRAG_K + r as usize) * stride + t * FRAG_COLS + c as usize];
+                    }
+                    b[i] = reg;
+                }
+                mma_accumulate::<E, NA, NB, NC>(&def, &p_frag, kk * va, &b, 0, &mut o_acc, t * vc);
+            }
+        }
+    }
+
+    // Write the state back.
+    #[unroll]
+    for t in 0..out_frags {
+        #[unroll]
+        for i in 0..vc {
+            let reg = o_acc[t * vc + i];
+            #[unroll]
+            for e in 0..sc {
+                let (r, c) =
+                    def.position_of_nth(lane, (i * sc + e) as u32, MatrixIdent::Accumulator);
+                let row = warp_start + r;
+                if row < q_len {
+                    o[(row_base + row as usize) * head_dim + t * FRAG_COLS + c as usize] = reg[e];
+                }
+            }
+        }
+    }
+    #[unroll]
+    for slot in 0..ROW_SLOTS {
+        let total = quad_sum(l_row[slot]);
+        let row = warp_start + lane / 4 + (slot * 8) as u32;
+        if row < q_len && first_in_quad {
+            m[row_base + row as usize] = m_row[slot];
+            l[row_base + row as usize] = total;
+        }
+    }
+}

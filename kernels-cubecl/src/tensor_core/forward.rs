@@ -4,10 +4,13 @@
 //! running state `(o, m, l)` like the portable kernel.
 
 use cubecl::cmma::MatrixIdent;
+use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use super::fragments::{mma_accumulate, mma_definition, FRAG_COLS, FRAG_K, WARP_ROWS};
-use super::tiles::{load_rows_to_shared, padded_stride, quad_max, quad_sum, ROW_SLOTS};
+use super::tiles::{
+    load_matrix_x4, padded_stride, quad_max, quad_sum, stage_rows_async, ROW_SLOTS,
+};
 use crate::portable::forward::{key_visible, visible_key_end};
 use crate::stats::{rescale_factor, unnormalised_weight};
 
@@ -17,6 +20,8 @@ pub const PLANES: usize = 4;
 pub const BLOCK_ROWS: usize = PLANES * WARP_ROWS;
 /// Key rows per shared-memory tile.
 pub const BLOCK_KEYS: usize = 64;
+/// Units per cube.
+const UNITS: usize = PLANES * 32;
 
 /// Grid: x = query blocks of [`BLOCK_ROWS`], y = batch * q_heads; cube = 32 x [`PLANES`] units.
 /// Launched unchecked: every global access is guarded by the kernel itself (rows past `q_len`
@@ -47,7 +52,6 @@ pub fn forward_step_mma<E: Float>(
     let vb = def.vectors_per_lane(MatrixIdent::B);
     let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
     let sa = def.vector_size(MatrixIdent::A);
-    let sb = def.vector_size(MatrixIdent::B);
     let sc = def.vector_size(MatrixIdent::Accumulator);
     let k_steps = comptime!(head_dim / FRAG_K);
     let key_frags = comptime!(BLOCK_KEYS / FRAG_COLS);
@@ -68,24 +72,40 @@ pub fn forward_step_mma<E: Float>(
     let block_last = min(block_start + BLOCK_ROWS as u32, q_len) - 1;
     let kv_end = visible_key_end(block_last, kv_len, shift, causal);
 
-    // Query fragments, straight from global memory (read once).
+    let mut k_tile = SharedMemory::<E>::new_aligned(comptime!(BLOCK_KEYS * stride), 16usize);
+    let mut v_tile = SharedMemory::<E>::new_aligned(comptime!(BLOCK_KEYS * stride), 16usize);
+    let barrier = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    sync_cube();
+
+    // Query fragments: stage the block's rows through the key tile, then `ldmatrix` (lanes 0-15
+    // give rows at column 0 of a 16-column step, lanes 16-31 the same rows at column 8).
+    stage_rows_async::<E>(
+        q,
+        row_base * head_dim,
+        block_start,
+        q_len,
+        &mut k_tile,
+        BLOCK_ROWS,
+        head_dim,
+        UNITS,
+    );
+    barrier.commit_copy_async();
+    barrier.arrive_and_wait();
     let mut q_frag = Array::<Vector<E, NA>>::new(comptime!(k_steps * va));
     #[unroll]
     for ks in 0..k_steps {
+        let regs = load_matrix_x4::<E, NA>(
+            &def,
+            &k_tile,
+            (warp as usize) * WARP_ROWS + (lane as usize) % 16,
+            ks * FRAG_K + ((lane as usize) / 16) * 8,
+            head_dim,
+            MatrixIdent::A,
+            false,
+        );
         #[unroll]
         for i in 0..va {
-            let mut reg = Vector::<E, NA>::empty();
-            #[unroll]
-            for e in 0..sa {
-                let (r, c) = def.position_of_nth(lane, (i * sa + e) as u32, MatrixIdent::A);
-                let row = warp_start + r;
-                let mut val = E::cast_from(0.0f32);
-                if row < q_len {
-                    val = q[(row_base + row as usize) * head_dim + ks * FRAG_K + c as usize];
-                }
-                reg[e] = val;
-            }
-            q_frag[ks * va + i] = reg;
+            q_frag[ks * va + i] = regs[i];
         }
     }
 
@@ -130,13 +150,11 @@ pub fn forward_step_mma<E: Float>(
         l_row[slot] = lv;
     }
 
-    let mut k_tile = SharedMemory::<E>::new(comptime!(BLOCK_KEYS * stride));
-    let mut v_tile = SharedMemory::<E>::new(comptime!(BLOCK_KEYS * stride));
     let num_tiles = kv_end.div_ceil(BLOCK_KEYS as u32);
     for tile in 0..num_tiles {
         let key_start = tile * BLOCK_KEYS as u32;
         sync_cube();
-        load_rows_to_shared::<E>(
+        stage_rows_async::<E>(
             k,
             kv_base,
             key_start,
@@ -144,9 +162,9 @@ pub fn forward_step_mma<E: Float>(
             &mut k_tile,
             BLOCK_KEYS,
             head_dim,
-            PLANES,
+            UNITS,
         );
-        load_rows_to_shared::<E>(
+        stage_rows_async::<E>(
             v,
             kv_base,
             key_start,
@@ -154,9 +172,10 @@ pub fn forward_step_mma<E: Float>(
             &mut v_tile,
             BLOCK_KEYS,
             head_dim,
-            PLANES,
+            UNITS,
         );
-        sync_cube();
+        barrier.commit_copy_async();
+        barrier.arrive_and_wait();
 
         // S = Q K^T for this plane's 16 rows and the tile's 64 keys.
         let mut s_acc = Array::<Vector<f32, NC>>::new(comptime!(key_frags * vc));
@@ -164,23 +183,47 @@ pub fn forward_step_mma<E: Float>(
         for i in 0..comptime!(key_frags * vc) {
             s_acc[i] = Vector::new(0.0f32);
         }
+        // Lane l gives key row (pair + (l / 8) / 2) * 8 + l % 8 at column step ks, half (l / 8) % 2:
+        // registers 0-1 are the B fragment of key tile `pair`, 2-3 that of `pair + 1`.
+        let quarter = (lane as usize) / 8;
         #[unroll]
-        for nt in 0..key_frags {
+        for pair in 0..comptime!(key_frags / 2) {
             #[unroll]
             for ks in 0..k_steps {
-                let mut b = Array::<Vector<E, NB>>::new(vb);
+                let regs = load_matrix_x4::<E, NB>(
+                    &def,
+                    &k_tile,
+                    (2 * pair + quarter / 2) * FRAG_COLS + (lane as usize) % 8,
+                    ks * FRAG_K + (quarter % 2) * 8,
+                    head_dim,
+                    MatrixIdent::B,
+                    false,
+                );
+                let mut b0 = Array::<Vector<E, NB>>::new(vb);
+                let mut b1 = Array::<Vector<E, NB>>::new(vb);
                 #[unroll]
                 for i in 0..vb {
-                    let mut reg = Vector::<E, NB>::empty();
-                    #[unroll]
-                    for e in 0..sb {
-                        let (r, c) = def.position_of_nth(lane, (i * sb + e) as u32, MatrixIdent::B);
-                        reg[e] = k_tile
-                            [(nt * FRAG_COLS + c as usize) * stride + ks * FRAG_K + r as usize];
-                    }
-                    b[i] = reg;
+                    b0[i] = regs[i];
+                    b1[i] = regs[vb + i];
                 }
-                mma_accumulate::<E, NA, NB, NC>(&def, &q_frag, ks * va, &b, 0, &mut s_acc, nt * vc);
+                mma_accumulate::<E, NA, NB, NC>(
+                    &def,
+                    &q_frag,
+                    ks * va,
+                    &b0,
+                    0,
+                    &mut s_acc,
+                    2 * pair * vc,
+                );
+                mma_accumulate::<E, NA, NB, NC>(
+                    &def,
+                    &q_frag,
+                    ks * va,
+                    &b1,
+                    0,
+                    &mut s_acc,
+                    (2 * pair + 1) * vc,
+                );
             }
         }
 
@@ -259,24 +302,47 @@ pub fn forward_step_mma<E: Float>(
             }
         }
 
-        // O += P V.
+        // O += P V. Transposed `ldmatrix`: lane l gives key row kk * 16 + ((l / 8) % 2) * 8 + l % 8
+        // at column tile (pair * 2 + (l / 8) / 2): registers 0-1 are the B fragment of output
+        // tile `2 * pair`, 2-3 that of `2 * pair + 1`.
         #[unroll]
-        for t in 0..out_frags {
+        for pair in 0..comptime!(out_frags / 2) {
             #[unroll]
             for kk in 0..key_steps {
-                let mut b = Array::<Vector<E, NB>>::new(vb);
+                let regs = load_matrix_x4::<E, NB>(
+                    &def,
+                    &v_tile,
+                    kk * FRAG_K + (quarter % 2) * 8 + (lane as usize) % 8,
+                    (2 * pair + quarter / 2) * FRAG_COLS,
+                    head_dim,
+                    MatrixIdent::B,
+                    true,
+                );
+                let mut b0 = Array::<Vector<E, NB>>::new(vb);
+                let mut b1 = Array::<Vector<E, NB>>::new(vb);
                 #[unroll]
                 for i in 0..vb {
-                    let mut reg = Vector::<E, NB>::empty();
-                    #[unroll]
-                    for e in 0..sb {
-                        let (r, c) = def.position_of_nth(lane, (i * sb + e) as u32, MatrixIdent::B);
-                        reg[e] = v_tile
-                            [(kk * FRAG_K + r as usize) * stride + t * FRAG_COLS + c as usize];
-                    }
-                    b[i] = reg;
+                    b0[i] = regs[i];
+                    b1[i] = regs[vb + i];
                 }
-                mma_accumulate::<E, NA, NB, NC>(&def, &p_frag, kk * va, &b, 0, &mut o_acc, t * vc);
+                mma_accumulate::<E, NA, NB, NC>(
+                    &def,
+                    &p_frag,
+                    kk * va,
+                    &b0,
+                    0,
+                    &mut o_acc,
+                    2 * pair * vc,
+                );
+                mma_accumulate::<E, NA, NB, NC>(
+                    &def,
+                    &p_frag,
+                    kk * va,
+                    &b1,
+                    0,
+                    &mut o_acc,
+                    (2 * pair + 1) * vc,
+                );
             }
         }
     }

@@ -20,8 +20,8 @@ use forward::{BLOCK_ROWS, PLANES};
 pub const HEAD_DIMS: [usize; 2] = [64, 128];
 
 /// Whether this client can run the tensor-core kernels for `elem` and `head_dim`: f16 or bf16
-/// inputs, a supported head dimension, planes of 32 and `m16n8k16` manual MMA with f32
-/// accumulation.
+/// inputs, a supported head dimension, planes of 32, asynchronous copies and `m16n8k16` manual
+/// MMA with f32 accumulation.
 pub fn supports<R: Runtime>(client: &ComputeClient<R>, elem: ElemType, head_dim: usize) -> bool {
     let storage = match elem {
         ElemType::F16 => half::f16::as_type_native_unchecked().storage_type(),
@@ -40,6 +40,7 @@ pub fn supports<R: Runtime>(client: &ComputeClient<R>, elem: ElemType, head_dim:
     HEAD_DIMS.contains(&head_dim)
         && properties.hardware.plane_size_min == 32
         && properties.hardware.plane_size_max == 32
+        && properties.features.copy_async
         && properties.features.matmul.mma.contains(&config)
 }
 

@@ -1,5 +1,8 @@
-//! Shared-memory staging and quad reductions used by the tensor-core kernels.
+//! Shared-memory staging (16-byte asynchronous copies), `ldmatrix` fragment loads and quad
+//! reductions used by the tensor-core kernels.
 
+use cubecl::cmma::{MatrixIdent, MmaDefinition};
+use cubecl::prelude::barrier::copy_async_checked;
 use cubecl::prelude::*;
 
 /// Rows of the accumulator layout a lane holds values of (`lane / 4` and `lane / 4 + 8`).
@@ -11,11 +14,15 @@ pub fn padded_stride(head_dim: usize) -> usize {
     head_dim + 8
 }
 
-/// Copies rows `[first, first + rows)` of a `[len, head_dim]` matrix starting at `base` into a
-/// padded shared tile; rows at or past `len` are zero. All `planes * 32` units take part.
+/// Elements moved by one asynchronous copy (16 bytes of f16/bf16).
+pub const COPY_ELEMS: usize = 8;
+
+/// Issues asynchronous 16-byte copies of rows `[first, first + rows)` of a `[len, head_dim]`
+/// matrix starting at element `base` into a padded shared tile; rows at or past `len` are
+/// zero-filled. All `units` units take part; the caller commits and waits on a barrier.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub fn load_rows_to_shared<E: Float>(
+pub fn stage_rows_async<E: Float>(
     src: &Array<E>,
     base: usize,
     first: u32,
@@ -23,22 +30,47 @@ pub fn load_rows_to_shared<E: Float>(
     tile: &mut SharedMemory<E>,
     #[comptime] rows: usize,
     #[comptime] head_dim: usize,
-    #[comptime] planes: usize,
+    #[comptime] units: usize,
 ) {
     let stride = comptime!(padded_stride(head_dim));
-    let units = comptime!(planes * 32);
-    let per_unit = comptime!(rows * head_dim / units);
+    let chunks_per_row = comptime!(head_dim / COPY_ELEMS);
+    let per_unit = comptime!(rows * chunks_per_row / units);
     #[unroll]
     for it in 0..per_unit {
-        let idx = it * units + UNIT_POS as usize;
-        let row = idx / head_dim;
-        let col = idx % head_dim;
-        let mut val = E::cast_from(0.0f32);
+        let chunk = it * units + UNIT_POS as usize;
+        let row = chunk / chunks_per_row;
+        let col = (chunk % chunks_per_row) * COPY_ELEMS;
+        let mut start = 0usize;
+        let mut count = 0usize;
         if first + (row as u32) < len {
-            val = src[base + (first as usize + row) * head_dim + col];
+            start = base + (first as usize + row) * head_dim + col;
+            count = COPY_ELEMS;
         }
-        tile[row * stride + col] = val;
+        let at = row * stride + col;
+        let mut destination = tile.slice_mut(at, at + COPY_ELEMS);
+        copy_async_checked(
+            &src.slice(start, start + count),
+            &mut destination,
+            COPY_ELEMS as u32,
+        );
     }
+}
+
+/// `ldmatrix.x4` from a padded shared tile: lane `l` gives the address of row `row_of(l)` at
+/// column `col_of(l)` (8 contiguous elements), and gets back 4 registers, one per 8x8 matrix.
+#[cube]
+pub fn load_matrix_x4<E: Float, N: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    tile: &SharedMemory<E>,
+    row: usize,
+    col: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] ident: MatrixIdent,
+    #[comptime] transpose: bool,
+) -> Array<Vector<E, N>> {
+    let stride = comptime!(padded_stride(head_dim));
+    let at = row * stride + col;
+    def.load_matrix::<E, N>(&tile.slice(at, at + COPY_ELEMS), ident, 4usize, transpose)
 }
 
 /// Max over the four lanes of a quad (the lanes sharing a row in the accumulator layout).

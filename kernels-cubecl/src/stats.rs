@@ -11,14 +11,11 @@ use cubecl::prelude::*;
 const FINITE_FLOOR: f32 = -3.0e38;
 
 /// Factor that rescales a state kept relative to `m_old` so it is relative to `m_new >= m_old`.
-/// Equal maxima (including two empty rows) give exactly 1, never `exp(-inf + inf)`.
+/// Equal maxima (including two empty rows) give exactly 1, never `exp(-inf + inf)` (that NaN
+/// is computed but not selected; the select keeps the kernels branch-free).
 #[cube]
 pub fn rescale_factor(m_old: f32, m_new: f32) -> f32 {
-    let mut factor = 1.0f32;
-    if m_new != m_old {
-        factor = f32::exp(m_old - m_new);
-    }
-    factor
+    select(m_new != m_old, f32::exp(m_old - m_new), 1.0f32)
 }
 
 /// Probability weight of a visible key with score `score` relative to the running max `m`

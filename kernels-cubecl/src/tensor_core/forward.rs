@@ -7,11 +7,13 @@ use cubecl::cmma::MatrixIdent;
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
-use super::fragments::{mma_accumulate, mma_definition, FRAG_COLS, FRAG_K, WARP_ROWS};
+use super::fragments::{
+    accumulator_col, accumulator_row, mma_accumulate, mma_definition, FRAG_COLS, FRAG_K, WARP_ROWS,
+};
 use super::tiles::{
     load_matrix_x4, padded_stride, quad_max, quad_sum, stage_rows_async, ROW_SLOTS,
 };
-use crate::portable::forward::{key_visible, visible_key_end};
+use crate::portable::forward::visible_key_end;
 use crate::stats::{rescale_factor, unnormalised_weight};
 
 /// Planes per cube.
@@ -74,7 +76,8 @@ pub fn forward_step_mma<E: Float>(
 
     let mut k_tile = SharedMemory::<E>::new_aligned(comptime!(BLOCK_KEYS * stride), 16usize);
     let mut v_tile = SharedMemory::<E>::new_aligned(comptime!(BLOCK_KEYS * stride), 16usize);
-    let barrier = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let k_ready = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let v_ready = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     sync_cube();
 
     // Query fragments: stage the block's rows through the key tile, then `ldmatrix` (lanes 0-15
@@ -89,8 +92,8 @@ pub fn forward_step_mma<E: Float>(
         head_dim,
         UNITS,
     );
-    barrier.commit_copy_async();
-    barrier.arrive_and_wait();
+    k_ready.commit_copy_async();
+    k_ready.arrive_and_wait();
     let mut q_frag = Array::<Vector<E, NA>>::new(comptime!(k_steps * va));
     #[unroll]
     for ks in 0..k_steps {
@@ -121,8 +124,10 @@ pub fn forward_step_mma<E: Float>(
             let mut reg = Vector::<f32, NC>::empty();
             #[unroll]
             for e in 0..sc {
-                let (r, c) =
-                    def.position_of_nth(lane, (i * sc + e) as u32, MatrixIdent::Accumulator);
+                let (r, c) = (
+                    accumulator_row(lane, i * sc + e),
+                    accumulator_col(lane, i * sc + e),
+                );
                 let row = warp_start + r;
                 let mut val = 0.0f32;
                 if row < q_len {
@@ -150,20 +155,41 @@ pub fn forward_step_mma<E: Float>(
         l_row[slot] = lv;
     }
 
+    // Exclusive bound on the keys each of the lane's two rows sees: one compare per score.
+    let mut key_limit = Array::<u32>::new(ROW_SLOTS);
+    #[unroll]
+    for slot in 0..ROW_SLOTS {
+        let row = warp_start + lane / 4 + (slot * 8) as u32;
+        let mut limit = kv_end;
+        if causal {
+            let last_visible = row as i32 + shift + 1;
+            limit = min(max(last_visible, 0i32) as u32, kv_end);
+        }
+        key_limit[slot] = limit;
+    }
+
+    // Software pipeline over key tiles (two mbarriers, one per operand):
+    //   wait K(t) | issue V(t) | S = Q K(t)^T | sync | issue K(t+1) | softmax | wait V(t) | O += P V
+    // so the copy of V overlaps the score matmul and the copy of the next K the softmax and P V.
     let num_tiles = kv_end.div_ceil(BLOCK_KEYS as u32);
-    for tile in 0..num_tiles {
-        let key_start = tile * BLOCK_KEYS as u32;
-        sync_cube();
+    sync_cube();
+    if num_tiles > 0 {
         stage_rows_async::<E>(
             k,
             kv_base,
-            key_start,
+            0,
             kv_len,
             &mut k_tile,
             BLOCK_KEYS,
             head_dim,
             UNITS,
         );
+        k_ready.commit_copy_async();
+    }
+    for tile in 0..num_tiles {
+        let key_start = tile * BLOCK_KEYS as u32;
+        // Every unit arrives here after its P V of the previous tile: V's buffer is free.
+        k_ready.arrive_and_wait();
         stage_rows_async::<E>(
             v,
             kv_base,
@@ -174,8 +200,7 @@ pub fn forward_step_mma<E: Float>(
             head_dim,
             UNITS,
         );
-        barrier.commit_copy_async();
-        barrier.arrive_and_wait();
+        v_ready.commit_copy_async();
 
         // S = Q K^T for this plane's 16 rows and the tile's 64 keys.
         let mut s_acc = Array::<Vector<f32, NC>>::new(comptime!(key_frags * vc));
@@ -227,6 +252,22 @@ pub fn forward_step_mma<E: Float>(
             }
         }
 
+        // Every plane is done reading K(t): prefetch K(t + 1) while the softmax and P V run.
+        sync_cube();
+        if tile + 1 < num_tiles {
+            stage_rows_async::<E>(
+                k,
+                kv_base,
+                key_start + BLOCK_KEYS as u32,
+                kv_len,
+                &mut k_tile,
+                BLOCK_KEYS,
+                head_dim,
+                UNITS,
+            );
+            k_ready.commit_copy_async();
+        }
+
         // Scale, mask, and the new running max of each row.
         let mut new_max = Array::<f32>::new(ROW_SLOTS);
         #[unroll]
@@ -242,13 +283,16 @@ pub fn forward_step_mma<E: Float>(
                 for e in 0..sc {
                     let n = i * sc + e;
                     let slot = n / 2;
-                    let (r, c) = def.position_of_nth(lane, n as u32, MatrixIdent::Accumulator);
+                    let c = accumulator_col(lane, n);
                     let key = key_start + (nt * FRAG_COLS) as u32 + c;
                     let val = reg[e] * scale;
                     reg[e] = val;
-                    if key < kv_end && key_visible(warp_start + r, key, shift, causal) {
-                        new_max[slot] = max(new_max[slot], val);
-                    }
+                    // Branch-free: a divergent `if` per score costs more than the compare.
+                    new_max[slot] = select(
+                        key < key_limit[slot],
+                        max(new_max[slot], val),
+                        new_max[slot],
+                    );
                 }
                 s_acc[nt * vc + i] = reg;
             }
@@ -288,13 +332,14 @@ pub fn forward_step_mma<E: Float>(
                     let src_tile = 2 * kk + n / 4;
                     let src_n = n % 4;
                     let slot = src_n / 2;
-                    let (r, c) = def.position_of_nth(lane, src_n as u32, MatrixIdent::Accumulator);
+                    let c = accumulator_col(lane, src_n);
                     let key = key_start + (src_tile * FRAG_COLS) as u32 + c;
-                    let mut p = 0.0f32;
-                    if key < kv_end && key_visible(warp_start + r, key, shift, causal) {
-                        let s = s_acc[src_tile * vc + src_n / sc][src_n % sc];
-                        p = unnormalised_weight(s, m_row[slot]);
-                    }
+                    let s = s_acc[src_tile * vc + src_n / sc][src_n % sc];
+                    let p = select(
+                        key < key_limit[slot],
+                        unnormalised_weight(s, m_row[slot]),
+                        0.0f32,
+                    );
                     l_row[slot] += p;
                     reg[e] = E::cast_from(p);
                 }
@@ -302,6 +347,7 @@ pub fn forward_step_mma<E: Float>(
             }
         }
 
+        v_ready.arrive_and_wait();
         // O += P V. Transposed `ldmatrix`: lane l gives key row kk * 16 + ((l / 8) % 2) * 8 + l % 8
         // at column tile (pair * 2 + (l / 8) / 2): registers 0-1 are the B fragment of output
         // tile `2 * pair`, 2-3 that of `2 * pair + 1`.
@@ -355,8 +401,10 @@ pub fn forward_step_mma<E: Float>(
             let reg = o_acc[t * vc + i];
             #[unroll]
             for e in 0..sc {
-                let (r, c) =
-                    def.position_of_nth(lane, (i * sc + e) as u32, MatrixIdent::Accumulator);
+                let (r, c) = (
+                    accumulator_row(lane, i * sc + e),
+                    accumulator_col(lane, i * sc + e),
+                );
                 let row = warp_start + r;
                 if row < q_len {
                     o[(row_base + row as usize) * head_dim + t * FRAG_COLS + c as usize] = reg[e];

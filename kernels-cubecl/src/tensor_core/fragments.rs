@@ -64,3 +64,17 @@ pub fn mma_accumulate<E: Float, NA: Size, NB: Size, NC: Size>(
         acc[acc_at + i] = fd[i];
     }
 }
+
+/// Row (0..16) of accumulator value `n` (0..4) held by `lane`: `lane / 4`, or 8 rows below for
+/// values 2 and 3.
+#[cube]
+pub fn accumulator_row(lane: u32, n: usize) -> u32 {
+    lane / 4 + ((n / 2) * 8) as u32
+}
+
+/// Column (0..8) of accumulator value `n` (0..4) held by `lane`: `2 * (lane % 4)`, plus 1 for the
+/// odd values.
+#[cube]
+pub fn accumulator_col(lane: u32, n: usize) -> u32 {
+    (lane % 4) * 2 + (n % 2) as u32
+}

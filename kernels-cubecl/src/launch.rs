@@ -37,8 +37,7 @@ pub enum Variant {
     Auto,
     /// Scalar kernels that run on every CubeCL runtime.
     Portable,
-    /// Tensor-core kernels (CUDA with `mma.sync`) for the forward; an error where unavailable.
-    /// The backward has no tensor-core kernel yet and runs the portable one.
+    /// Tensor-core kernels (CUDA with `mma.sync`); an error where unavailable.
     TensorCore,
 }
 
@@ -432,7 +431,19 @@ pub fn backward_step<R: Runtime>(
     }
     let scale = options.resolved_scale(dims.head_dim);
     let shift = options.mask.diagonal_shift(&dims);
-    // The backward has no tensor-core kernel yet: every variant runs the portable kernels.
+    if use_tensor_cores(client, options.variant, &dims, q.elem)? {
+        return crate::tensor_core::backward_step(
+            client,
+            (q, k, v),
+            grad_out,
+            lse,
+            delta,
+            grads,
+            &dims,
+            scale,
+            shift,
+        );
+    }
     for (key_begin, key_end) in portable_ranges(dims.kv_len, dims.head_dim) {
         let (count, dim) = query_grid(&dims);
         with_elem_type!(q.elem, E => portable::backward::backward_dq_portable::launch::<E, R>(

@@ -29,11 +29,7 @@ pub fn unnormalised_weight(score: f32, m: f32) -> f32 {
 /// backward). A row that saw no key anywhere (`lse = -inf`) gives 0, not `exp(+inf)`.
 #[cube]
 pub fn probability_from_lse(score: f32, lse: f32) -> f32 {
-    let mut p = 0.0f32;
-    if lse >= FINITE_FLOOR {
-        p = f32::exp(score - lse);
-    }
-    p
+    select(lse >= FINITE_FLOOR, f32::exp(score - lse), 0.0f32)
 }
 
 /// Reciprocal of the running sum for the final normalisation; 0 for a row that saw no key, so its

@@ -7,11 +7,11 @@ use cubecl::cmma::MatrixIdent;
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
-use super::fragments::{
-    accumulator_col, accumulator_row, mma_accumulate, mma_definition, FRAG_COLS, FRAG_K, WARP_ROWS,
-};
-use super::tiles::{
-    load_matrix_x4, padded_stride, quad_max, quad_sum, stage_rows_async, ROW_SLOTS,
+use super::fragments::{accumulator_col, mma_definition, FRAG_COLS, WARP_ROWS};
+use super::tiles::{padded_stride, quad_max, quad_sum, stage_rows_async, ROW_SLOTS};
+use super::warp_tile::{
+    accumulator_to_fragments, load_accumulator, load_row_fragments, multiply_by_rows,
+    multiply_by_rows_transposed, store_accumulator, zero_accumulator,
 };
 use crate::portable::forward::visible_key_end;
 use crate::stats::{rescale_factor, unnormalised_weight};
@@ -23,9 +23,15 @@ pub const BLOCK_ROWS: usize = PLANES * WARP_ROWS;
 /// Key rows per shared-memory tile.
 pub const BLOCK_KEYS: usize = 64;
 /// Units per cube.
-const UNITS: usize = PLANES * 32;
+pub const UNITS: usize = PLANES * 32;
 
-/// Grid: x = query blocks of [`BLOCK_ROWS`], y = batch * q_heads; cube = 32 x [`PLANES`] units.
+/// Row `slot` (0 or 1) of the accumulator rows a lane holds, relative to the plane's first row.
+#[cube]
+pub fn slot_row(lane: u32, #[comptime] slot: usize) -> u32 {
+    lane / 4 + (slot * 8) as u32
+}
+
+/// Grid: x = query blocks of [`BLOCK_ROWS`], y = batch * q_heads; cube = [`UNITS`] units.
 /// Launched unchecked: every global access is guarded by the kernel itself (rows past `q_len`
 /// or `kv_len` are skipped or zero-filled) and shared-memory indices are in range by construction.
 #[cube(launch_unchecked)]
@@ -50,14 +56,9 @@ pub fn forward_step_mma<E: Float>(
     let size!(NA) = def.vector_size(MatrixIdent::A);
     let size!(NB) = def.vector_size(MatrixIdent::B);
     let size!(NC) = def.vector_size(MatrixIdent::Accumulator);
-    let va = def.vectors_per_lane(MatrixIdent::A);
-    let vb = def.vectors_per_lane(MatrixIdent::B);
     let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
-    let sa = def.vector_size(MatrixIdent::A);
     let sc = def.vector_size(MatrixIdent::Accumulator);
-    let k_steps = comptime!(head_dim / FRAG_K);
     let key_frags = comptime!(BLOCK_KEYS / FRAG_COLS);
-    let key_steps = comptime!(BLOCK_KEYS / FRAG_K);
     let out_frags = comptime!(head_dim / FRAG_COLS);
     let stride = comptime!(padded_stride(head_dim));
 
@@ -80,8 +81,7 @@ pub fn forward_step_mma<E: Float>(
     let v_ready = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     sync_cube();
 
-    // Query fragments: stage the block's rows through the key tile, then `ldmatrix` (lanes 0-15
-    // give rows at column 0 of a 16-column step, lanes 16-31 the same rows at column 8).
+    // Query fragments: stage the block's rows through the key tile, then `ldmatrix`.
     stage_rows_async::<E>(
         q,
         row_base * head_dim,
@@ -94,55 +94,20 @@ pub fn forward_step_mma<E: Float>(
     );
     k_ready.commit_copy_async();
     k_ready.arrive_and_wait();
-    let mut q_frag = Array::<Vector<E, NA>>::new(comptime!(k_steps * va));
-    #[unroll]
-    for ks in 0..k_steps {
-        let regs = load_matrix_x4::<E, NA>(
-            &def,
-            &k_tile,
-            (warp as usize) * WARP_ROWS + (lane as usize) % 16,
-            ks * FRAG_K + ((lane as usize) / 16) * 8,
-            head_dim,
-            MatrixIdent::A,
-            false,
-        );
-        #[unroll]
-        for i in 0..va {
-            q_frag[ks * va + i] = regs[i];
-        }
-    }
+    let q_frag = load_row_fragments::<E, NA>(&def, &k_tile, (warp as usize) * WARP_ROWS, head_dim);
 
     // Running state: the output accumulator in registers, and for each of the lane's two rows
     // the running max and a lane-partial running sum (reduced over the quad at the end).
     #[allow(clippy::manual_is_multiple_of)]
     let first_in_quad = lane % 4 == 0;
-    let mut o_acc = Array::<Vector<f32, NC>>::new(comptime!(out_frags * vc));
-    #[unroll]
-    for t in 0..out_frags {
-        #[unroll]
-        for i in 0..vc {
-            let mut reg = Vector::<f32, NC>::empty();
-            #[unroll]
-            for e in 0..sc {
-                let (r, c) = (
-                    accumulator_row(lane, i * sc + e),
-                    accumulator_col(lane, i * sc + e),
-                );
-                let row = warp_start + r;
-                let mut val = 0.0f32;
-                if row < q_len {
-                    val = o[(row_base + row as usize) * head_dim + t * FRAG_COLS + c as usize];
-                }
-                reg[e] = val;
-            }
-            o_acc[t * vc + i] = reg;
-        }
-    }
+    let mut o_acc = load_accumulator::<E, NC>(&def, o, row_base, warp_start, q_len, head_dim);
     let mut m_row = Array::<f32>::new(ROW_SLOTS);
     let mut l_row = Array::<f32>::new(ROW_SLOTS);
+    // Exclusive bound on the keys each of the lane's two rows sees: one compare per score.
+    let mut key_limit = Array::<u32>::new(ROW_SLOTS);
     #[unroll]
     for slot in 0..ROW_SLOTS {
-        let row = warp_start + lane / 4 + (slot * 8) as u32;
+        let row = warp_start + slot_row(lane, slot);
         let mut mv = 0.0f32;
         let mut lv = 0.0f32;
         if row < q_len {
@@ -153,17 +118,9 @@ pub fn forward_step_mma<E: Float>(
         }
         m_row[slot] = mv;
         l_row[slot] = lv;
-    }
-
-    // Exclusive bound on the keys each of the lane's two rows sees: one compare per score.
-    let mut key_limit = Array::<u32>::new(ROW_SLOTS);
-    #[unroll]
-    for slot in 0..ROW_SLOTS {
-        let row = warp_start + lane / 4 + (slot * 8) as u32;
         let mut limit = kv_end;
         if causal {
-            let last_visible = row as i32 + shift + 1;
-            limit = min(max(last_visible, 0i32) as u32, kv_end);
+            limit = min(max(row as i32 + shift + 1, 0i32) as u32, kv_end);
         }
         key_limit[slot] = limit;
     }
@@ -202,55 +159,10 @@ pub fn forward_step_mma<E: Float>(
         );
         v_ready.commit_copy_async();
 
-        // S = Q K^T for this plane's 16 rows and the tile's 64 keys.
-        let mut s_acc = Array::<Vector<f32, NC>>::new(comptime!(key_frags * vc));
-        #[unroll]
-        for i in 0..comptime!(key_frags * vc) {
-            s_acc[i] = Vector::new(0.0f32);
-        }
-        // Lane l gives key row (pair + (l / 8) / 2) * 8 + l % 8 at column step ks, half (l / 8) % 2:
-        // registers 0-1 are the B fragment of key tile `pair`, 2-3 that of `pair + 1`.
-        let quarter = (lane as usize) / 8;
-        #[unroll]
-        for pair in 0..comptime!(key_frags / 2) {
-            #[unroll]
-            for ks in 0..k_steps {
-                let regs = load_matrix_x4::<E, NB>(
-                    &def,
-                    &k_tile,
-                    (2 * pair + quarter / 2) * FRAG_COLS + (lane as usize) % 8,
-                    ks * FRAG_K + (quarter % 2) * 8,
-                    head_dim,
-                    MatrixIdent::B,
-                    false,
-                );
-                let mut b0 = Array::<Vector<E, NB>>::new(vb);
-                let mut b1 = Array::<Vector<E, NB>>::new(vb);
-                #[unroll]
-                for i in 0..vb {
-                    b0[i] = regs[i];
-                    b1[i] = regs[vb + i];
-                }
-                mma_accumulate::<E, NA, NB, NC>(
-                    &def,
-                    &q_frag,
-                    ks * va,
-                    &b0,
-                    0,
-                    &mut s_acc,
-                    2 * pair * vc,
-                );
-                mma_accumulate::<E, NA, NB, NC>(
-                    &def,
-                    &q_frag,
-                    ks * va,
-                    &b1,
-                    0,
-                    &mut s_acc,
-                    (2 * pair + 1) * vc,
-                );
-            }
-        }
+        let mut s_acc = zero_accumulator::<E, NC>(&def, key_frags);
+        multiply_by_rows_transposed::<E, NA, NB, NC>(
+            &def, &q_frag, &k_tile, &mut s_acc, BLOCK_KEYS, head_dim,
+        );
 
         // Every plane is done reading K(t): prefetch K(t + 1) while the softmax and P V run.
         sync_cube();
@@ -268,7 +180,8 @@ pub fn forward_step_mma<E: Float>(
             k_ready.commit_copy_async();
         }
 
-        // Scale, mask, and the new running max of each row.
+        // Scale, and the new running max of each row over its visible keys (branch-free: a
+        // divergent `if` per score costs more than the compare).
         let mut new_max = Array::<f32>::new(ROW_SLOTS);
         #[unroll]
         for slot in 0..ROW_SLOTS {
@@ -283,11 +196,9 @@ pub fn forward_step_mma<E: Float>(
                 for e in 0..sc {
                     let n = i * sc + e;
                     let slot = n / 2;
-                    let c = accumulator_col(lane, n);
-                    let key = key_start + (nt * FRAG_COLS) as u32 + c;
+                    let key = key_start + (nt * FRAG_COLS) as u32 + accumulator_col(lane, n);
                     let val = reg[e] * scale;
                     reg[e] = val;
-                    // Branch-free: a divergent `if` per score costs more than the compare.
                     new_max[slot] = select(
                         key < key_limit[slot],
                         max(new_max[slot], val),
@@ -301,7 +212,6 @@ pub fn forward_step_mma<E: Float>(
         #[unroll]
         for slot in 0..ROW_SLOTS {
             let reduced = quad_max(new_max[slot]);
-            new_max[slot] = reduced;
             alpha[slot] = rescale_factor(m_row[slot], reduced);
             l_row[slot] *= alpha[slot];
             m_row[slot] = reduced;
@@ -319,103 +229,42 @@ pub fn forward_step_mma<E: Float>(
             }
         }
 
-        // Probabilities, straight into A fragments: two accumulator tiles make one A fragment.
-        let mut p_frag = Array::<Vector<E, NA>>::new(comptime!(key_steps * va));
+        // Probabilities in place of the scores, then into A fragments.
         #[unroll]
-        for kk in 0..key_steps {
+        for nt in 0..key_frags {
             #[unroll]
-            for i in 0..va {
-                let mut reg = Vector::<E, NA>::empty();
+            for i in 0..vc {
+                let mut reg = s_acc[nt * vc + i];
                 #[unroll]
-                for e in 0..sa {
-                    let n = i * sa + e;
-                    let src_tile = 2 * kk + n / 4;
-                    let src_n = n % 4;
-                    let slot = src_n / 2;
-                    let c = accumulator_col(lane, src_n);
-                    let key = key_start + (src_tile * FRAG_COLS) as u32 + c;
-                    let s = s_acc[src_tile * vc + src_n / sc][src_n % sc];
+                for e in 0..sc {
+                    let n = i * sc + e;
+                    let slot = n / 2;
+                    let key = key_start + (nt * FRAG_COLS) as u32 + accumulator_col(lane, n);
                     let p = select(
                         key < key_limit[slot],
-                        unnormalised_weight(s, m_row[slot]),
+                        unnormalised_weight(reg[e], m_row[slot]),
                         0.0f32,
                     );
                     l_row[slot] += p;
-                    reg[e] = E::cast_from(p);
+                    reg[e] = p;
                 }
-                p_frag[kk * va + i] = reg;
+                s_acc[nt * vc + i] = reg;
             }
         }
+        let p_frag = accumulator_to_fragments::<E, NA, NC>(&def, &s_acc, BLOCK_KEYS);
 
         v_ready.arrive_and_wait();
-        // O += P V. Transposed `ldmatrix`: lane l gives key row kk * 16 + ((l / 8) % 2) * 8 + l % 8
-        // at column tile (pair * 2 + (l / 8) / 2): registers 0-1 are the B fragment of output
-        // tile `2 * pair`, 2-3 that of `2 * pair + 1`.
-        #[unroll]
-        for pair in 0..comptime!(out_frags / 2) {
-            #[unroll]
-            for kk in 0..key_steps {
-                let regs = load_matrix_x4::<E, NB>(
-                    &def,
-                    &v_tile,
-                    kk * FRAG_K + (quarter % 2) * 8 + (lane as usize) % 8,
-                    (2 * pair + quarter / 2) * FRAG_COLS,
-                    head_dim,
-                    MatrixIdent::B,
-                    true,
-                );
-                let mut b0 = Array::<Vector<E, NB>>::new(vb);
-                let mut b1 = Array::<Vector<E, NB>>::new(vb);
-                #[unroll]
-                for i in 0..vb {
-                    b0[i] = regs[i];
-                    b1[i] = regs[vb + i];
-                }
-                mma_accumulate::<E, NA, NB, NC>(
-                    &def,
-                    &p_frag,
-                    kk * va,
-                    &b0,
-                    0,
-                    &mut o_acc,
-                    2 * pair * vc,
-                );
-                mma_accumulate::<E, NA, NB, NC>(
-                    &def,
-                    &p_frag,
-                    kk * va,
-                    &b1,
-                    0,
-                    &mut o_acc,
-                    (2 * pair + 1) * vc,
-                );
-            }
-        }
+        multiply_by_rows::<E, NA, NB, NC>(&def, &p_frag, &v_tile, &mut o_acc, BLOCK_KEYS, head_dim);
     }
 
     // Write the state back.
-    #[unroll]
-    for t in 0..out_frags {
-        #[unroll]
-        for i in 0..vc {
-            let reg = o_acc[t * vc + i];
-            #[unroll]
-            for e in 0..sc {
-                let (r, c) = (
-                    accumulator_row(lane, i * sc + e),
-                    accumulator_col(lane, i * sc + e),
-                );
-                let row = warp_start + r;
-                if row < q_len {
-                    o[(row_base + row as usize) * head_dim + t * FRAG_COLS + c as usize] = reg[e];
-                }
-            }
-        }
-    }
+    store_accumulator::<E, NC>(
+        &def, &o_acc, o, row_base, warp_start, q_len, 1.0f32, head_dim, false,
+    );
     #[unroll]
     for slot in 0..ROW_SLOTS {
         let total = quad_sum(l_row[slot]);
-        let row = warp_start + lane / 4 + (slot * 8) as u32;
+        let row = warp_start + slot_row(lane, slot);
         if row < q_len && first_in_quad {
             m[row_base + row as usize] = m_row[slot];
             l[row_base + row as usize] = total;

@@ -1,0 +1,257 @@
+//! The matrix products one plane (warp) computes on its 16 rows, shared by the forward and the
+//! backward kernels. Operand tiles live in padded shared memory; results stay in `mma` registers.
+
+use cubecl::cmma::{MatrixIdent, MmaDefinition};
+use cubecl::prelude::*;
+
+use super::fragments::{accumulator_col, accumulator_row, mma_accumulate, FRAG_COLS, FRAG_K};
+use super::tiles::load_matrix_x4;
+
+/// A fragments of the 16 rows starting at `row0` of a staged tile, over the full head dimension
+/// (`head_dim / 16` fragments back to back). Lanes 0-15 address rows at column 0 of each 16-column
+/// step, lanes 16-31 the same rows at column 8.
+#[cube]
+pub fn load_row_fragments<E: Float, NA: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    tile: &SharedMemory<E>,
+    row0: usize,
+    #[comptime] head_dim: usize,
+) -> Array<Vector<E, NA>> {
+    let va = def.vectors_per_lane(MatrixIdent::A);
+    let k_steps = comptime!(head_dim / FRAG_K);
+    let lane = UNIT_POS_PLANE as usize;
+    let mut frags = Array::<Vector<E, NA>>::new(comptime!(k_steps * va));
+    #[unroll]
+    for ks in 0..k_steps {
+        let regs = load_matrix_x4::<E, NA>(
+            def,
+            tile,
+            row0 + lane % 16,
+            ks * FRAG_K + (lane / 16) * 8,
+            head_dim,
+            MatrixIdent::A,
+            false,
+        );
+        #[unroll]
+        for i in 0..va {
+            frags[ks * va + i] = regs[i];
+        }
+    }
+    frags
+}
+
+/// `acc (16 x cols) += A (16 x head_dim) . T^T` where `T` is `cols` staged rows of length
+/// `head_dim` (scores against keys, or against queries in the dK/dV kernel). `acc` must be zeroed
+/// by the caller for a fresh product.
+#[cube]
+pub fn multiply_by_rows_transposed<E: Float, NA: Size, NB: Size, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    a: &Array<Vector<E, NA>>,
+    tile: &SharedMemory<E>,
+    acc: &mut Array<Vector<f32, NC>>,
+    #[comptime] cols: usize,
+    #[comptime] head_dim: usize,
+) {
+    let va = def.vectors_per_lane(MatrixIdent::A);
+    let vb = def.vectors_per_lane(MatrixIdent::B);
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let k_steps = comptime!(head_dim / FRAG_K);
+    let lane = UNIT_POS_PLANE as usize;
+    // Lane l addresses row (2 * pair + (l / 8) / 2) * 8 + l % 8 at half (l / 8) % 2 of step ks:
+    // registers 0-1 are the B fragment of column tile 2 * pair, 2-3 that of 2 * pair + 1.
+    let quarter = lane / 8;
+    #[unroll]
+    for pair in 0..comptime!(cols / FRAG_COLS / 2) {
+        #[unroll]
+        for ks in 0..k_steps {
+            let regs = load_matrix_x4::<E, NB>(
+                def,
+                tile,
+                (2 * pair + quarter / 2) * FRAG_COLS + lane % 8,
+                ks * FRAG_K + (quarter % 2) * 8,
+                head_dim,
+                MatrixIdent::B,
+                false,
+            );
+            let mut b0 = Array::<Vector<E, NB>>::new(vb);
+            let mut b1 = Array::<Vector<E, NB>>::new(vb);
+            #[unroll]
+            for i in 0..vb {
+                b0[i] = regs[i];
+                b1[i] = regs[vb + i];
+            }
+            mma_accumulate::<E, NA, NB, NC>(def, a, ks * va, &b0, 0, acc, 2 * pair * vc);
+            mma_accumulate::<E, NA, NB, NC>(def, a, ks * va, &b1, 0, acc, (2 * pair + 1) * vc);
+        }
+    }
+}
+
+/// `acc (16 x head_dim) += P (16 x rows) . T` where `P` is given as A fragments (see
+/// [`accumulator_to_fragments`]) and `T` is `rows` staged rows of length `head_dim`
+/// (P V in the forward, dS K for dQ, P^T dO for dV, dS^T Q for dK).
+#[cube]
+pub fn multiply_by_rows<E: Float, NA: Size, NB: Size, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    p: &Array<Vector<E, NA>>,
+    tile: &SharedMemory<E>,
+    acc: &mut Array<Vector<f32, NC>>,
+    #[comptime] rows: usize,
+    #[comptime] head_dim: usize,
+) {
+    let va = def.vectors_per_lane(MatrixIdent::A);
+    let vb = def.vectors_per_lane(MatrixIdent::B);
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let lane = UNIT_POS_PLANE as usize;
+    // Transposed `ldmatrix`: lane l addresses row kk * 16 + ((l / 8) % 2) * 8 + l % 8 at column
+    // tile 2 * pair + (l / 8) / 2: registers 0-1 are the B fragment of output tile 2 * pair,
+    // 2-3 that of 2 * pair + 1.
+    let quarter = lane / 8;
+    #[unroll]
+    for pair in 0..comptime!(head_dim / FRAG_COLS / 2) {
+        #[unroll]
+        for kk in 0..comptime!(rows / FRAG_K) {
+            let regs = load_matrix_x4::<E, NB>(
+                def,
+                tile,
+                kk * FRAG_K + (quarter % 2) * 8 + lane % 8,
+                (2 * pair + quarter / 2) * FRAG_COLS,
+                head_dim,
+                MatrixIdent::B,
+                true,
+            );
+            let mut b0 = Array::<Vector<E, NB>>::new(vb);
+            let mut b1 = Array::<Vector<E, NB>>::new(vb);
+            #[unroll]
+            for i in 0..vb {
+                b0[i] = regs[i];
+                b1[i] = regs[vb + i];
+            }
+            mma_accumulate::<E, NA, NB, NC>(def, p, kk * va, &b0, 0, acc, 2 * pair * vc);
+            mma_accumulate::<E, NA, NB, NC>(def, p, kk * va, &b1, 0, acc, (2 * pair + 1) * vc);
+        }
+    }
+}
+
+/// Converts a 16 x `cols` f32 accumulator into A fragments of element type `E` covering the same
+/// 16 x `cols` matrix: two adjacent 8-column accumulator tiles make one 16-column A fragment
+/// (see the layout facts in [`super::fragments`]).
+#[cube]
+pub fn accumulator_to_fragments<E: Float, NA: Size, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    acc: &Array<Vector<f32, NC>>,
+    #[comptime] cols: usize,
+) -> Array<Vector<E, NA>> {
+    let va = def.vectors_per_lane(MatrixIdent::A);
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sa = def.vector_size(MatrixIdent::A);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let steps = comptime!(cols / FRAG_K);
+    let mut frags = Array::<Vector<E, NA>>::new(comptime!(steps * va));
+    #[unroll]
+    for kk in 0..steps {
+        #[unroll]
+        for i in 0..va {
+            let mut reg = Vector::<E, NA>::empty();
+            #[unroll]
+            for e in 0..sa {
+                let n = i * sa + e;
+                let src_tile = 2 * kk + n / 4;
+                let src_n = n % 4;
+                reg[e] = E::cast_from(acc[src_tile * vc + src_n / sc][src_n % sc]);
+            }
+            frags[kk * va + i] = reg;
+        }
+    }
+    frags
+}
+
+/// A zeroed accumulator of `frags` 8-column tiles.
+#[cube]
+pub fn zero_accumulator<E: Float, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    #[comptime] frags: usize,
+) -> Array<Vector<f32, NC>> {
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let mut acc = Array::<Vector<f32, NC>>::new(comptime!(frags * vc));
+    #[unroll]
+    for i in 0..comptime!(frags * vc) {
+        acc[i] = Vector::new(0.0f32);
+    }
+    acc
+}
+
+/// Reads the plane's 16 rows (from `row0`, of `len` valid rows) of a row-major f32 matrix with
+/// `cols` columns starting at row `base` into an accumulator; invalid rows read as 0.
+#[cube]
+pub fn load_accumulator<E: Float, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    src: &Array<f32>,
+    base: usize,
+    row0: u32,
+    len: u32,
+    #[comptime] cols: usize,
+) -> Array<Vector<f32, NC>> {
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let lane = UNIT_POS_PLANE;
+    let mut acc = Array::<Vector<f32, NC>>::new(comptime!(cols / FRAG_COLS * vc));
+    #[unroll]
+    for t in 0..comptime!(cols / FRAG_COLS) {
+        #[unroll]
+        for i in 0..vc {
+            let mut reg = Vector::<f32, NC>::empty();
+            #[unroll]
+            for e in 0..sc {
+                let row = row0 + accumulator_row(lane, i * sc + e);
+                let col = t * FRAG_COLS + accumulator_col(lane, i * sc + e) as usize;
+                let mut val = 0.0f32;
+                if row < len {
+                    val = src[(base + row as usize) * cols + col];
+                }
+                reg[e] = val;
+            }
+            acc[t * vc + i] = reg;
+        }
+    }
+    acc
+}
+
+/// Writes `scale * acc` over (or, with `accumulate`, adds it to) the plane's valid rows of a
+/// row-major f32 matrix laid out as in [`load_accumulator`].
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn store_accumulator<E: Float, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    acc: &Array<Vector<f32, NC>>,
+    dst: &mut Array<f32>,
+    base: usize,
+    row0: u32,
+    len: u32,
+    scale: f32,
+    #[comptime] cols: usize,
+    #[comptime] accumulate: bool,
+) {
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let lane = UNIT_POS_PLANE;
+    #[unroll]
+    for t in 0..comptime!(cols / FRAG_COLS) {
+        #[unroll]
+        for i in 0..vc {
+            let reg = acc[t * vc + i];
+            #[unroll]
+            for e in 0..sc {
+                let row = row0 + accumulator_row(lane, i * sc + e);
+                let col = t * FRAG_COLS + accumulator_col(lane, i * sc + e) as usize;
+                if row < len {
+                    let at = (base + row as usize) * cols + col;
+                    if accumulate {
+                        dst[at] += reg[e] * scale;
+                    } else {
+                        dst[at] = reg[e] * scale;
+                    }
+                }
+            }
+        }
+    }
+}

@@ -597,3 +597,26 @@ suite!(
     cubecl::cuda::CudaRuntime::client(&cubecl::cuda::CudaDevice::new(0)),
     #[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
 );
+
+/// Larger and odd shapes, checked on the GPU only (the f64 host reference takes seconds here):
+/// 5 heads at 1023 tokens with head dim 128, and GQA with 32 query heads over 8 key/value heads.
+pub fn larger_shapes_match_reference<R: Runtime>(client: &ComputeClient<R>) {
+    for (elem, variant) in configurations(client) {
+        for (heads, lens) in [((1, 5, 5), (1023, 1023, 128)), ((1, 32, 8), (257, 257, 64))] {
+            let case = Case::new(41, heads, lens, Mask::causal(), elem);
+            check_forward(client, &case, variant);
+            check_backward(client, &case, variant);
+        }
+    }
+}
+
+mod cuda_large {
+    use super::*;
+    #[test]
+    #[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
+    fn larger_shapes() {
+        larger_shapes_match_reference(&cubecl::cuda::CudaRuntime::client(
+            &cubecl::cuda::CudaDevice::new(0),
+        ))
+    }
+}

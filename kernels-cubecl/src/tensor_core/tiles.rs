@@ -40,12 +40,14 @@ pub fn stage_rows_async<E: Float>(
         let chunk = it * units + UNIT_POS as usize;
         let row = chunk / chunks_per_row;
         let col = (chunk % chunks_per_row) * COPY_ELEMS;
-        let mut start = 0usize;
-        let mut count = 0usize;
-        if first + (row as u32) < len {
-            start = base + (first as usize + row) * head_dim + col;
-            count = COPY_ELEMS;
-        }
+        // Branch-free: rows past `len` copy nothing and are zero-filled.
+        let valid = first + (row as u32) < len;
+        let start = select(
+            valid,
+            base + (first as usize + row) * head_dim + col,
+            0usize,
+        );
+        let count = select(valid, COPY_ELEMS, 0usize);
         let at = row * stride + col;
         let mut destination = tile.slice_mut(at, at + COPY_ELEMS);
         copy_async_checked(

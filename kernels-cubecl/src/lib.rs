@@ -11,6 +11,7 @@
 
 pub mod dims;
 pub mod error;
+pub mod geometry;
 pub mod launch;
 pub mod portable;
 pub mod reference;

@@ -4,8 +4,8 @@
 
 use cubecl::prelude::*;
 
-use super::forward::{key_visible, visible_key_end};
 use super::{ROWS_PER_CUBE, TILE_ROWS};
+use crate::geometry::{key_visible, query_block};
 use crate::stats::probability_from_lse;
 
 /// `delta[row] = sum_d dO[row, d] * O[row, d]`, one unit per row, in f32.
@@ -50,18 +50,21 @@ pub fn backward_dq_portable<E: Float>(
     #[comptime] head_dim: usize,
     #[comptime] causal: bool,
 ) {
-    let bh = CUBE_POS_Y;
-    let batch = bh / q_heads;
-    let kv_head = (bh % q_heads) / group_size;
-    let kv_heads = q_heads / group_size;
-    let kv_base = ((batch * kv_heads + kv_head) * kv_len) as usize * head_dim;
-
-    let block_start = CUBE_POS_X * ROWS_PER_CUBE as u32;
-    let row = block_start + UNIT_POS;
+    let block = query_block(
+        q_len,
+        kv_len,
+        q_heads,
+        group_size,
+        shift,
+        ROWS_PER_CUBE,
+        head_dim,
+        causal,
+    );
+    let kv_base = block.kv_base;
+    let kv_end = block.kv_end;
+    let row = block.start + UNIT_POS;
     let active = row < q_len;
-    let row_index = (bh * q_len + row) as usize;
-    let block_last = min(block_start + ROWS_PER_CUBE as u32, q_len) - 1;
-    let kv_end = visible_key_end(block_last, kv_len, shift, causal);
+    let row_index = block.row_base + row as usize;
 
     let mut q_row = Array::<f32>::new(head_dim);
     let mut do_row = Array::<f32>::new(head_dim);

@@ -3,33 +3,8 @@
 use cubecl::prelude::*;
 
 use super::{ROWS_PER_CUBE, TILE_ROWS};
+use crate::geometry::{key_visible, query_block};
 use crate::stats::{rescale_factor, unnormalised_weight};
-
-/// Exclusive end of the keys that any row of this query block may see.
-#[cube]
-pub fn visible_key_end(
-    block_last_row: u32,
-    kv_len: u32,
-    shift: i32,
-    #[comptime] causal: bool,
-) -> u32 {
-    let mut end = kv_len;
-    if causal {
-        let last = block_last_row as i32 + shift + 1;
-        end = min(max(last, 0i32), kv_len as i32) as u32;
-    }
-    end
-}
-
-/// Whether query row `row` sees key `key` (`key` is already known to be `< kv_len`).
-#[cube]
-pub fn key_visible(row: u32, key: u32, shift: i32, #[comptime] causal: bool) -> bool {
-    let mut visible = true;
-    if causal {
-        visible = key as i32 <= row as i32 + shift;
-    }
-    visible
-}
 
 /// One cube = `ROWS_PER_CUBE` query rows of one (batch, query head); grid y = batch * q_heads.
 #[cube(launch)]
@@ -52,18 +27,21 @@ pub fn forward_step_portable<E: Float>(
     #[comptime] head_dim: usize,
     #[comptime] causal: bool,
 ) {
-    let bh = CUBE_POS_Y;
-    let batch = bh / q_heads;
-    let kv_head = (bh % q_heads) / group_size;
-    let kv_heads = q_heads / group_size;
-    let kv_base = ((batch * kv_heads + kv_head) * kv_len) as usize * head_dim;
-
-    let block_start = CUBE_POS_X * ROWS_PER_CUBE as u32;
-    let row = block_start + UNIT_POS;
+    let block = query_block(
+        q_len,
+        kv_len,
+        q_heads,
+        group_size,
+        shift,
+        ROWS_PER_CUBE,
+        head_dim,
+        causal,
+    );
+    let kv_base = block.kv_base;
+    let kv_end = block.kv_end;
+    let row = block.start + UNIT_POS;
     let active = row < q_len;
-    let row_index = (bh * q_len + row) as usize;
-    let block_last = min(block_start + ROWS_PER_CUBE as u32, q_len) - 1;
-    let kv_end = visible_key_end(block_last, kv_len, shift, causal);
+    let row_index = block.row_base + row as usize;
 
     let mut q_row = Array::<f32>::new(head_dim);
     let mut acc = Array::<f32>::new(head_dim);

@@ -14,7 +14,7 @@ use super::warp_tile::{
     accumulator_to_fragments, load_row_fragments, multiply_by_rows, multiply_by_rows_transposed,
     store_accumulator, zero_accumulator,
 };
-use crate::portable::forward::visible_key_end;
+use crate::geometry::{query_block, row_key_limit};
 use crate::stats::probability_from_lse;
 
 /// dQ step. Grid: x = query blocks of [`BLOCK_ROWS`], y = batch * q_heads. Launched unchecked:
@@ -50,16 +50,12 @@ pub fn backward_dq_mma<E: Float>(
 
     let lane = UNIT_POS_PLANE;
     let warp = UNIT_POS / 32;
-    let bh = CUBE_POS_Y;
-    let batch = bh / q_heads;
-    let kv_head = (bh % q_heads) / group_size;
-    let kv_heads = q_heads / group_size;
-    let kv_base = ((batch * kv_heads + kv_head) * kv_len) as usize * head_dim;
-    let row_base = (bh * q_len) as usize;
-    let block_start = CUBE_POS_X * BLOCK_ROWS as u32;
+    let block = query_block(
+        q_len, kv_len, q_heads, group_size, shift, BLOCK_ROWS, head_dim, causal,
+    );
+    let (kv_base, row_base, block_start, kv_end) =
+        (block.kv_base, block.row_base, block.start, block.kv_end);
     let warp_start = block_start + warp * WARP_ROWS as u32;
-    let block_last = min(block_start + BLOCK_ROWS as u32, q_len) - 1;
-    let kv_end = visible_key_end(block_last, kv_len, shift, causal);
 
     let mut k_tile = SharedMemory::<E>::new_aligned(comptime!(BLOCK_KEYS * stride), 16usize);
     let mut v_tile = SharedMemory::<E>::new_aligned(comptime!(BLOCK_KEYS * stride), 16usize);
@@ -106,7 +102,7 @@ pub fn backward_dq_mma<E: Float>(
             dv = delta[row_base + row as usize];
             limit = kv_end;
             if causal {
-                limit = min(max(row as i32 + shift + 1, 0i32) as u32, kv_end);
+                limit = row_key_limit(row, kv_end, shift);
             }
         }
         lse_row[slot] = lv;

@@ -7,6 +7,30 @@ use cubecl::prelude::*;
 use super::fragments::{accumulator_col, accumulator_row, mma_accumulate, FRAG_COLS, FRAG_K};
 use super::tiles::load_matrix_x4;
 
+/// `acc` tiles `acc_at` and the next one `+= a[a_at..] x` the two B fragments held back to back
+/// in `pair` (one `ldmatrix.x4`).
+#[cube]
+pub fn accumulate_pair<E: Float, NA: Size, NB: Size, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    a: &Array<Vector<E, NA>>,
+    a_at: usize,
+    pair: &Array<Vector<E, NB>>,
+    acc: &mut Array<Vector<f32, NC>>,
+    acc_at: usize,
+) {
+    let vb = def.vectors_per_lane(MatrixIdent::B);
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let mut b0 = Array::<Vector<E, NB>>::new(vb);
+    let mut b1 = Array::<Vector<E, NB>>::new(vb);
+    #[unroll]
+    for i in 0..vb {
+        b0[i] = pair[i];
+        b1[i] = pair[vb + i];
+    }
+    mma_accumulate::<E, NA, NB, NC>(def, a, a_at, &b0, 0, acc, acc_at);
+    mma_accumulate::<E, NA, NB, NC>(def, a, a_at, &b1, 0, acc, acc_at + vc);
+}
+
 /// A fragments of the 16 rows starting at `row0` of a staged tile, over the full head dimension
 /// (`head_dim / 16` fragments back to back). Lanes 0-15 address rows at column 0 of each 16-column
 /// step, lanes 16-31 the same rows at column 8.
@@ -53,7 +77,6 @@ pub fn multiply_by_rows_transposed<E: Float, NA: Size, NB: Size, NC: Size>(
     #[comptime] head_dim: usize,
 ) {
     let va = def.vectors_per_lane(MatrixIdent::A);
-    let vb = def.vectors_per_lane(MatrixIdent::B);
     let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
     let k_steps = comptime!(head_dim / FRAG_K);
     let lane = UNIT_POS_PLANE as usize;
@@ -73,15 +96,7 @@ pub fn multiply_by_rows_transposed<E: Float, NA: Size, NB: Size, NC: Size>(
                 MatrixIdent::B,
                 false,
             );
-            let mut b0 = Array::<Vector<E, NB>>::new(vb);
-            let mut b1 = Array::<Vector<E, NB>>::new(vb);
-            #[unroll]
-            for i in 0..vb {
-                b0[i] = regs[i];
-                b1[i] = regs[vb + i];
-            }
-            mma_accumulate::<E, NA, NB, NC>(def, a, ks * va, &b0, 0, acc, 2 * pair * vc);
-            mma_accumulate::<E, NA, NB, NC>(def, a, ks * va, &b1, 0, acc, (2 * pair + 1) * vc);
+            accumulate_pair::<E, NA, NB, NC>(def, a, ks * va, &regs, acc, 2 * pair * vc);
         }
     }
 }
@@ -99,7 +114,6 @@ pub fn multiply_by_rows<E: Float, NA: Size, NB: Size, NC: Size>(
     #[comptime] head_dim: usize,
 ) {
     let va = def.vectors_per_lane(MatrixIdent::A);
-    let vb = def.vectors_per_lane(MatrixIdent::B);
     let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
     let lane = UNIT_POS_PLANE as usize;
     // Transposed `ldmatrix`: lane l addresses row kk * 16 + ((l / 8) % 2) * 8 + l % 8 at column
@@ -119,15 +133,7 @@ pub fn multiply_by_rows<E: Float, NA: Size, NB: Size, NC: Size>(
                 MatrixIdent::B,
                 true,
             );
-            let mut b0 = Array::<Vector<E, NB>>::new(vb);
-            let mut b1 = Array::<Vector<E, NB>>::new(vb);
-            #[unroll]
-            for i in 0..vb {
-                b0[i] = regs[i];
-                b1[i] = regs[vb + i];
-            }
-            mma_accumulate::<E, NA, NB, NC>(def, p, kk * va, &b0, 0, acc, 2 * pair * vc);
-            mma_accumulate::<E, NA, NB, NC>(def, p, kk * va, &b1, 0, acc, (2 * pair + 1) * vc);
+            accumulate_pair::<E, NA, NB, NC>(def, p, kk * va, &regs, acc, 2 * pair * vc);
         }
     }
 }

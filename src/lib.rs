@@ -1,1 +1,19 @@
+//! burn-distflash: exact, memory-efficient attention for Burn, with the softmax statistics that
+//! sequence parallelism needs.
+//!
+//! - [`flash_attention`] / [`flash_attention_with_lse`]: the op Burn users call, on any backend
+//!   implementing [`FlashAttentionBackend`]: the CubeCL backends (CUDA, wgpu) run this project's
+//!   kernels, ndarray runs a portable tensor-op implementation, and `Autodiff<B>` of either adds a
+//!   fused backward.
+//! - [`kernels`]: the CubeCL kernels themselves (`distflash-kernels`), step by step.
+
+mod api;
+mod backend;
+pub mod backends;
+mod options;
+pub mod portable;
+
+pub use api::{flash_attention, flash_attention_with_lse};
+pub use backend::FlashAttentionBackend;
 pub use distflash_kernels as kernels;
+pub use options::{check_shapes, AttentionError, FlashAttentionOptions, Mask};

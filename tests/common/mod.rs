@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests: deterministic random data, the tolerance rule.
 #![allow(dead_code)]
 
+pub mod burn_case;
+
 use distflash_kernels::reference::{self, Rounding};
 use distflash_kernels::ElemType;
 

@@ -1,0 +1,62 @@
+//! The functions Burn users call, shaped like `burn::tensor::module::attention`.
+
+use burn::tensor::{DType, Tensor, TensorPrimitive};
+
+use crate::backend::FlashAttentionBackend;
+use crate::options::{check_shapes, AttentionError, FlashAttentionOptions};
+
+fn check_dtypes<B: FlashAttentionBackend>(
+    q: &Tensor<B, 4>,
+    k: &Tensor<B, 4>,
+    v: &Tensor<B, 4>,
+) -> Result<(), AttentionError> {
+    let dtype = q.dtype();
+    if !matches!(dtype, DType::F16 | DType::BF16 | DType::F32) {
+        return Err(AttentionError::DType(format!(
+            "q is {dtype:?}; supported float types are f16, bf16 and f32"
+        )));
+    }
+    for (name, t) in [("k", k), ("v", v)] {
+        if t.dtype() != dtype {
+            return Err(AttentionError::DType(format!(
+                "{name} is {:?} but q is {dtype:?}; q, k and v must share one float type",
+                t.dtype()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Exact softmax attention: q `[B, Hq, Sq, D]`, k and v `[B, Hkv, Skv, D]` with `Hq` a multiple
+/// of `Hkv` (GQA/MQA without repeating k and v), returns O `[B, Hq, Sq, D]`. Differentiable under
+/// `Autodiff`, with a fused backward.
+pub fn flash_attention<B: FlashAttentionBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    options: FlashAttentionOptions,
+) -> Result<Tensor<B, 4>, AttentionError> {
+    flash_attention_with_lse(q, k, v, options).map(|(out, _)| out)
+}
+
+/// [`flash_attention`] that also returns the log-sum-exp of each query row `[B, Hq, Sq]`
+/// (`-inf` for a row that sees no key). The lse carries no gradient.
+pub fn flash_attention_with_lse<B: FlashAttentionBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    options: FlashAttentionOptions,
+) -> Result<(Tensor<B, 4>, Tensor<B, 3>), AttentionError> {
+    check_shapes(&q.dims(), &k.dims(), &v.dims())?;
+    check_dtypes(&q, &k, &v)?;
+    let (out, lse) = B::flash_attention(
+        q.into_primitive().tensor(),
+        k.into_primitive().tensor(),
+        v.into_primitive().tensor(),
+        options,
+    );
+    Ok((
+        Tensor::from_primitive(TensorPrimitive::Float(out)),
+        Tensor::from_primitive(TensorPrimitive::Float(lse)),
+    ))
+}

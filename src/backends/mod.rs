@@ -1,0 +1,5 @@
+//! [`crate::FlashAttentionBackend`] for each supported Burn backend.
+
+mod autodiff;
+pub mod cube;
+mod ndarray;

@@ -1,0 +1,37 @@
+//! The ndarray backend: the portable implementation from tensor operations.
+
+use burn::tensor::ops::FloatTensor;
+use burn_ndarray::{
+    FloatNdArrayElement, IntNdArrayElement, NdArray, NdArrayTensor, QuantElement, SharedArray,
+};
+
+use crate::backend::FlashAttentionBackend;
+use crate::options::FlashAttentionOptions;
+use crate::portable;
+
+impl<E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement> FlashAttentionBackend
+    for NdArray<E, I, Q>
+where
+    NdArrayTensor: From<SharedArray<E>> + From<SharedArray<I>>,
+{
+    fn flash_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        options: FlashAttentionOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        portable::forward::<Self>(q, k, v, options)
+    }
+
+    fn flash_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad_out: FloatTensor<Self>,
+        options: FlashAttentionOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        portable::backward::<Self>(q, k, v, out, lse, grad_out, options)
+    }
+}

@@ -1,0 +1,140 @@
+//! Attention from Burn tensor operations, for backends without this project's kernels (ndarray,
+//! or any other): exact and differentiable-free (the backward is explicit), but it materialises
+//! the `[B, H, Sq, Skv]` score matrix, so it is slower and uses memory quadratic in the length.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Bool, Int, Tensor, TensorPrimitive};
+
+use crate::options::{FlashAttentionOptions, Mask};
+
+/// Large negative finite value standing in for `-inf` where `-inf - -inf` would give NaN.
+const FLOOR: f64 = -1e30;
+
+fn tensor<B: Backend>(primitive: FloatTensor<B>) -> Tensor<B, 4> {
+    Tensor::from_primitive(TensorPrimitive::Float(primitive))
+}
+
+fn primitive<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> FloatTensor<B> {
+    tensor.into_primitive().tensor()
+}
+
+/// Repeats each key/value head for the `group` query heads that share it.
+fn expand_heads<B: Backend>(t: Tensor<B, 4>, group: usize) -> Tensor<B, 4> {
+    if group == 1 {
+        return t;
+    }
+    let [b, h, s, d] = t.dims();
+    t.unsqueeze_dim::<5>(2)
+        .expand([b, h, group, s, d])
+        .reshape([b, h * group, s, d])
+}
+
+/// Sums the gradients of the `group` query heads that share a key/value head.
+fn sum_heads<B: Backend>(t: Tensor<B, 4>, group: usize) -> Tensor<B, 4> {
+    if group == 1 {
+        return t;
+    }
+    let [b, h, s, d] = t.dims();
+    t.reshape([b, h / group, group, s, d])
+        .sum_dim(2)
+        .reshape([b, h / group, s, d])
+}
+
+/// `[Sq, Skv]` mask of the pairs a causal mask hides (query `i` sees key `j` iff
+/// `j + kv_offset <= i + q_offset`), or `None`.
+fn hidden_pairs<B: Backend>(
+    mask: Mask,
+    q_len: usize,
+    kv_len: usize,
+    device: &B::Device,
+) -> Option<Tensor<B, 2, Bool>> {
+    let Mask::Causal {
+        q_offset,
+        kv_offset,
+    } = mask
+    else {
+        return None;
+    };
+    let rows = Tensor::<B, 1, Int>::arange(0..q_len as i64, device)
+        .add_scalar(q_offset)
+        .reshape([q_len, 1])
+        .expand([q_len, kv_len]);
+    let cols = Tensor::<B, 1, Int>::arange(0..kv_len as i64, device)
+        .add_scalar(kv_offset)
+        .reshape([1, kv_len])
+        .expand([q_len, kv_len]);
+    Some(cols.greater(rows))
+}
+
+/// Masked, scaled scores `[B, Hq, Sq, Skv]` and the expanded k, v.
+fn scores<B: Backend>(
+    q: &Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    options: &FlashAttentionOptions,
+) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>, usize) {
+    let [b, hq, sq, d] = q.dims();
+    let [_, hkv, skv, _] = k.dims();
+    let group = hq / hkv;
+    let (k, v) = (expand_heads(k, group), expand_heads(v, group));
+    let mut s = q
+        .clone()
+        .matmul(k.clone().swap_dims(2, 3))
+        .mul_scalar(options.resolved_scale(d));
+    if let Some(hidden) = hidden_pairs::<B>(options.mask(), sq, skv, &q.device()) {
+        let hidden = hidden.unsqueeze::<4>().expand([b, hq, sq, skv]);
+        s = s.mask_fill(hidden, f64::NEG_INFINITY);
+    }
+    (s, k, v, group)
+}
+
+/// `(O, lse)`; a row that sees no key gets `O = 0`, `lse = -inf`.
+pub fn forward<B: Backend>(
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    options: FlashAttentionOptions,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let q = tensor::<B>(q);
+    let (s, _, v, _) = scores(&q, tensor::<B>(k), tensor::<B>(v), &options);
+    let max = s.clone().max_dim(3).clamp_min(FLOOR);
+    let p = (s - max.clone()).exp();
+    let sum = p.clone().sum_dim(3);
+    // Rows that saw a key have sum >= 1; empty rows have p = 0, so their output stays 0.
+    let out = p.matmul(v) / sum.clone().clamp_min(1e-30);
+    let lse = (max + sum.log()).squeeze_dim::<3>(3);
+    (primitive(out), primitive(lse))
+}
+
+/// `(dq, dk, dv)` from O, lse and dO.
+#[allow(clippy::too_many_arguments)]
+pub fn backward<B: Backend>(
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    out: FloatTensor<B>,
+    lse: FloatTensor<B>,
+    grad_out: FloatTensor<B>,
+    options: FlashAttentionOptions,
+) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+    let q = tensor::<B>(q);
+    let scale = options.resolved_scale(q.dims()[3]);
+    let (s, k, v, group) = scores(&q, tensor::<B>(k), tensor::<B>(v), &options);
+    let lse = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(lse))
+        .clamp_min(FLOOR)
+        .unsqueeze_dim::<4>(3);
+    let p = (s - lse).exp();
+    let grad_out = tensor::<B>(grad_out);
+    let delta = (grad_out.clone() * tensor::<B>(out)).sum_dim(3);
+    let dv = p.clone().swap_dims(2, 3).matmul(grad_out.clone());
+    let dp = grad_out.matmul(v.swap_dims(2, 3));
+    let ds = p * (dp - delta);
+    let dq = ds.clone().matmul(k).mul_scalar(scale);
+    let dk = ds.swap_dims(2, 3).matmul(q).mul_scalar(scale);
+    (
+        primitive(dq),
+        primitive(sum_heads(dk, group)),
+        primitive(sum_heads(dv, group)),
+    )
+}

@@ -1,0 +1,15 @@
+//! The Burn op in half precision on wgpu (its own process: Burn 0.21 fixes one default float type
+//! per device and process, see `burn_op.rs`).
+
+mod common;
+
+use burn::backend::Autodiff;
+use common::burn_case::check_backend;
+use distflash_kernels::ElemType;
+
+type WgpuF16 = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, half::f16, i32, u32>;
+
+#[test]
+fn wgpu_f16_matches_reference() {
+    check_backend::<Autodiff<WgpuF16>>(&cubecl::wgpu::WgpuDevice::Cpu, ElemType::F16);
+}

@@ -3,6 +3,7 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
+use burn::tensor::DType;
 
 use crate::options::FlashAttentionOptions;
 
@@ -12,6 +13,11 @@ use crate::options::FlashAttentionOptions;
 /// lse `[B, Hq, Sq]` (f32 where the backend allows it). Callers validate shapes first
 /// (the public functions do); implementations may panic on invalid input.
 pub trait FlashAttentionBackend: Backend {
+    /// Float type of the lse returned for inputs of type `input` (f32 on the kernel backends).
+    fn lse_dtype(input: DType) -> DType {
+        input
+    }
+
     /// `(O, lse)` of softmax attention of q against k, v.
     fn flash_attention(
         q: FloatTensor<Self>,

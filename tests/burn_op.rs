@@ -12,6 +12,8 @@ use common::burn_case::{check_backend, to_host};
 use distflash_kernels::ElemType;
 
 type WgpuF32 = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>;
+/// What `burn-wgpu`/`burn-cuda` give with default features: the CubeCL backend under `Fusion`.
+type FusedWgpuF32 = burn_fusion::Fusion<WgpuF32>;
 
 #[test]
 fn ndarray_matches_reference() {
@@ -24,7 +26,12 @@ fn wgpu_f32_matches_reference() {
 }
 
 #[test]
-fn lse_of_an_unseen_row_is_minus_infinity() {
+fn fused_wgpu_f32_matches_reference() {
+    check_backend::<Autodiff<FusedWgpuF32>>(&cubecl::wgpu::WgpuDevice::Cpu, ElemType::F32);
+}
+
+#[test]
+fn runs_on_a_plain_backend_and_returns_lse() {
     // Without autodiff too: the op works on the plain backends.
     let device = Default::default();
     let q = Tensor::<NdArray<f32>, 4>::ones([1, 1, 3, 64], &device);

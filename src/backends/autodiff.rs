@@ -2,6 +2,7 @@
 //! backward from the stored q, k, v, O and lse (no recomputation of the forward).
 
 use burn::tensor::ops::FloatTensor;
+use burn::tensor::DType;
 use burn_autodiff::checkpoint::base::Checkpointer;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
@@ -48,6 +49,10 @@ impl<B: FlashAttentionBackend> Backward<B, 3> for FlashAttentionNode {
 }
 
 impl<B: FlashAttentionBackend, C: CheckpointStrategy> FlashAttentionBackend for Autodiff<B, C> {
+    fn lse_dtype(input: DType) -> DType {
+        B::lse_dtype(input)
+    }
+
     fn flash_attention(
         q: AutodiffTensor<B, C>,
         k: AutodiffTensor<B, C>,

@@ -69,6 +69,10 @@ where
     I: IntElement,
     BT: BoolElement,
 {
+    fn lse_dtype(_input: DType) -> DType {
+        DType::F32
+    }
+
     fn flash_attention(
         q: CubeTensor<R>,
         k: CubeTensor<R>,

@@ -2,4 +2,5 @@
 
 mod autodiff;
 pub mod cube;
+mod fusion;
 mod ndarray;

@@ -30,6 +30,18 @@ fn fused_wgpu_f32_matches_reference() {
     check_backend::<Autodiff<FusedWgpuF32>>(&cubecl::wgpu::WgpuDevice::Cpu, ElemType::F32);
 }
 
+type CudaF32 = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
+fn cuda_f32_matches_reference() {
+    check_backend::<Autodiff<CudaF32>>(&cubecl::cuda::CudaDevice::new(0), ElemType::F32);
+    check_backend::<Autodiff<burn_fusion::Fusion<CudaF32>>>(
+        &cubecl::cuda::CudaDevice::new(0),
+        ElemType::F32,
+    );
+}
+
 #[test]
 fn runs_on_a_plain_backend_and_returns_lse() {
     // Without autodiff too: the op works on the plain backends.

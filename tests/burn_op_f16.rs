@@ -13,3 +13,10 @@ type WgpuF16 = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, half::f16, i3
 fn wgpu_f16_matches_reference() {
     check_backend::<Autodiff<WgpuF16>>(&cubecl::wgpu::WgpuDevice::Cpu, ElemType::F16);
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
+fn cuda_f16_matches_reference() {
+    type CudaF16 = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, half::f16, i32, u8>;
+    check_backend::<Autodiff<CudaF16>>(&cubecl::cuda::CudaDevice::new(0), ElemType::F16);
+}

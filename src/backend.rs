@@ -6,6 +6,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::DType;
 
 use crate::options::FlashAttentionOptions;
+use crate::state::{self, AttentionState, StepMask};
 
 /// A Burn backend that can run exact, memory-efficient attention and its fused backward.
 ///
@@ -39,4 +40,59 @@ pub trait FlashAttentionBackend: Backend {
         grad_out: FloatTensor<Self>,
         options: FlashAttentionOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+
+    /// An empty running state (`o = 0, m = -inf, l = 0`) for query rows `[B, H, S, D]` of float
+    /// type `input` (the state itself is f32 on the kernel backends).
+    fn attention_state_empty(
+        shape: [usize; 4],
+        input: DType,
+        device: &Self::Device,
+    ) -> AttentionState<Self> {
+        state::empty::<Self>(shape, input, device)
+    }
+
+    /// Folds one key/value chunk into the running state of the query rows `q`.
+    fn attention_forward_step(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        state: AttentionState<Self>,
+        step: StepMask,
+    ) -> AttentionState<Self> {
+        state::forward_step::<Self>(q, k, v, state, step)
+    }
+
+    /// Merges two partial states of the same query rows.
+    fn attention_merge(a: AttentionState<Self>, b: AttentionState<Self>) -> AttentionState<Self> {
+        state::merge::<Self>(a, b)
+    }
+
+    /// `(O, lse)` of a finished state, O in float type `output`.
+    fn attention_finalize(
+        state: AttentionState<Self>,
+        output: DType,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let _ = output;
+        state::finalize::<Self>(state)
+    }
+
+    /// `delta = rowsum(dO * O)` `[B, H, S]`, the backward's preprocessing.
+    fn attention_delta(out: FloatTensor<Self>, grad_out: FloatTensor<Self>) -> FloatTensor<Self> {
+        state::delta::<Self>(out, grad_out)
+    }
+
+    /// One (query chunk, key chunk) pair's `(dq, dk, dv)` from the full rows' lse and delta
+    /// (f32 on the kernel backends, for accumulation across steps).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward_step(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        grad_out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        delta: FloatTensor<Self>,
+        step: StepMask,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        state::backward_step::<Self>(q, k, v, grad_out, lse, delta, step)
+    }
 }

@@ -12,8 +12,10 @@ mod backend;
 pub mod backends;
 mod options;
 pub mod portable;
+pub mod state;
 
 pub use api::{flash_attention, flash_attention_with_lse};
 pub use backend::FlashAttentionBackend;
 pub use distflash_kernels as kernels;
 pub use options::{check_shapes, AttentionError, FlashAttentionOptions, Mask};
+pub use state::{AttentionState, StepMask};

@@ -67,26 +67,50 @@ fn hidden_pairs<B: Backend>(
     Some(cols.greater(rows))
 }
 
-/// Masked, scaled scores `[B, Hq, Sq, Skv]` and the expanded k, v.
+/// Masked, scaled scores `[B, Hq, Sq, Skv]`, the expanded k, v and the group size.
 fn scores<B: Backend>(
     q: &Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
-    options: &FlashAttentionOptions,
+    mask: Mask,
+    scale: Option<f64>,
 ) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>, usize) {
     let [b, hq, sq, d] = q.dims();
     let [_, hkv, skv, _] = k.dims();
     let group = hq / hkv;
     let (k, v) = (expand_heads(k, group), expand_heads(v, group));
+    let scale = scale.unwrap_or(1.0 / (d as f64).sqrt());
     let mut s = q
         .clone()
         .matmul(k.clone().swap_dims(2, 3))
-        .mul_scalar(options.resolved_scale(d));
-    if let Some(hidden) = hidden_pairs::<B>(options.mask(), sq, skv, &q.device()) {
+        .mul_scalar(scale);
+    if let Some(hidden) = hidden_pairs::<B>(mask, sq, skv, &q.device()) {
         let hidden = hidden.unsqueeze::<4>().expand([b, hq, sq, skv]);
         s = s.mask_fill(hidden, f64::NEG_INFINITY);
     }
     (s, k, v, group)
+}
+
+/// The partial state `(m, l, o)` of q against one key/value chunk: running max (`-inf` for rows
+/// that see no key of the chunk), running sum and unnormalised output.
+pub fn partial<B: Backend>(
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    mask: Mask,
+    scale: Option<f64>,
+) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+    let q = tensor::<B>(q);
+    let (s, _, v, _) = scores(&q, tensor::<B>(k), tensor::<B>(v), mask, scale);
+    let max = s.clone().max_dim(3);
+    let p = (s - max.clone().clamp_min(FLOOR)).exp();
+    let sum = p.clone().sum_dim(3);
+    let out = p.matmul(v);
+    (
+        primitive(max.squeeze_dim::<3>(3)),
+        primitive(sum.squeeze_dim::<3>(3)),
+        primitive(out),
+    )
 }
 
 /// `(O, lse)`; a row that sees no key gets `O = 0`, `lse = -inf`.
@@ -96,15 +120,41 @@ pub fn forward<B: Backend>(
     v: FloatTensor<B>,
     options: FlashAttentionOptions,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
+    let (m, l, o) = partial::<B>(q, k, v, options.mask(), options.scale);
+    crate::state::finalize::<B>(crate::state::AttentionState { o, m, l })
+}
+
+/// One (query chunk, key chunk) pair's `(dq, dk, dv)` from the full rows' lse and delta.
+#[allow(clippy::too_many_arguments)]
+pub fn gradients<B: Backend>(
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    grad_out: FloatTensor<B>,
+    lse: FloatTensor<B>,
+    delta: FloatTensor<B>,
+    mask: Mask,
+    scale: Option<f64>,
+) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
     let q = tensor::<B>(q);
-    let (s, _, v, _) = scores(&q, tensor::<B>(k), tensor::<B>(v), &options);
-    let max = s.clone().max_dim(3).clamp_min(FLOOR);
-    let p = (s - max.clone()).exp();
-    let sum = p.clone().sum_dim(3);
-    // Rows that saw a key have sum >= 1; empty rows have p = 0, so their output stays 0.
-    let out = p.matmul(v) / sum.clone().clamp_min(1e-30);
-    let lse = (max + sum.log()).squeeze_dim::<3>(3);
-    (primitive(out), primitive(lse))
+    let resolved = scale.unwrap_or(1.0 / (q.dims()[3] as f64).sqrt());
+    let (s, k, v, group) = scores(&q, tensor::<B>(k), tensor::<B>(v), mask, scale);
+    let lse = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(lse))
+        .clamp_min(FLOOR)
+        .unsqueeze_dim::<4>(3);
+    let delta = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(delta)).unsqueeze_dim::<4>(3);
+    let p = (s - lse).exp();
+    let grad_out = tensor::<B>(grad_out);
+    let dv = p.clone().swap_dims(2, 3).matmul(grad_out.clone());
+    let dp = grad_out.matmul(v.swap_dims(2, 3));
+    let ds = p * (dp - delta);
+    let dq = ds.clone().matmul(k).mul_scalar(resolved);
+    let dk = ds.swap_dims(2, 3).matmul(q).mul_scalar(resolved);
+    (
+        primitive(dq),
+        primitive(sum_heads(dk, group)),
+        primitive(sum_heads(dv, group)),
+    )
 }
 
 /// `(dq, dk, dv)` from O, lse and dO.
@@ -118,23 +168,6 @@ pub fn backward<B: Backend>(
     grad_out: FloatTensor<B>,
     options: FlashAttentionOptions,
 ) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
-    let q = tensor::<B>(q);
-    let scale = options.resolved_scale(q.dims()[3]);
-    let (s, k, v, group) = scores(&q, tensor::<B>(k), tensor::<B>(v), &options);
-    let lse = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(lse))
-        .clamp_min(FLOOR)
-        .unsqueeze_dim::<4>(3);
-    let p = (s - lse).exp();
-    let grad_out = tensor::<B>(grad_out);
-    let delta = (grad_out.clone() * tensor::<B>(out)).sum_dim(3);
-    let dv = p.clone().swap_dims(2, 3).matmul(grad_out.clone());
-    let dp = grad_out.matmul(v.swap_dims(2, 3));
-    let ds = p * (dp - delta);
-    let dq = ds.clone().matmul(k).mul_scalar(scale);
-    let dk = ds.swap_dims(2, 3).matmul(q).mul_scalar(scale);
-    (
-        primitive(dq),
-        primitive(sum_heads(dk, group)),
-        primitive(sum_heads(dv, group)),
-    )
+    let delta = crate::state::delta::<B>(out, grad_out.clone());
+    gradients::<B>(q, k, v, grad_out, lse, delta, options.mask(), options.scale)
 }

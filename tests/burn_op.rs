@@ -8,7 +8,7 @@ mod common;
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::Tensor;
 use burn_distflash::{flash_attention, flash_attention_with_lse, FlashAttentionOptions};
-use common::burn_case::{check_backend, to_host};
+use common::burn_case::{check_backend, check_steps, to_host};
 use distflash_kernels::ElemType;
 
 type WgpuF32 = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>;
@@ -40,6 +40,13 @@ fn cuda_f32_matches_reference() {
         &cubecl::cuda::CudaDevice::new(0),
         ElemType::F32,
     );
+}
+
+#[test]
+fn steps_match_reference() {
+    check_steps::<NdArray<f32>>(&Default::default(), ElemType::F32);
+    check_steps::<WgpuF32>(&cubecl::wgpu::WgpuDevice::Cpu, ElemType::F32);
+    check_steps::<FusedWgpuF32>(&cubecl::wgpu::WgpuDevice::Cpu, ElemType::F32);
 }
 
 #[test]

@@ -4,10 +4,13 @@ use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
-use distflash_kernels::{DeviceTensor, ElemType, StepOptions, Variant};
+use distflash_kernels::{
+    DeviceTensor, ElemType, GradAccumulators, SoftmaxState, StepOptions, Variant,
+};
 
 use crate::backend::FlashAttentionBackend;
 use crate::options::FlashAttentionOptions;
+use crate::state::{AttentionState, StepMask};
 
 /// The kernel element type of a Burn float dtype.
 pub fn elem_type(dtype: DType) -> Option<ElemType> {
@@ -55,11 +58,42 @@ fn cube_tensor<R: CubeRuntime>(like: &CubeTensor<R>, tensor: DeviceTensor) -> Cu
 }
 
 fn step_options(options: &FlashAttentionOptions) -> StepOptions {
+    kernel_step(StepMask::from_options(options))
+}
+
+fn kernel_step(step: StepMask) -> StepOptions {
     StepOptions {
-        mask: options.mask(),
-        scale: options.scale.map(|s| s as f32),
+        mask: step.mask,
+        scale: step.scale.map(|s| s as f32),
         variant: Variant::Auto,
     }
+}
+
+/// A tensor this call may overwrite: itself when nothing else holds its buffer, else a copy.
+fn exclusive<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
+    let tensor = into_contiguous(tensor);
+    if tensor.can_mut() {
+        tensor
+    } else {
+        tensor.copy()
+    }
+}
+
+/// The kernels' view of a state's `(o, m, l)` (buffers shared, not copied).
+fn kernel_state<R: CubeRuntime>(
+    o: &CubeTensor<R>,
+    m: &CubeTensor<R>,
+    l: &CubeTensor<R>,
+) -> SoftmaxState {
+    SoftmaxState {
+        o: device_tensor(o.clone()),
+        m: device_tensor(m.clone()),
+        l: device_tensor(l.clone()),
+    }
+}
+
+fn fail(what: &str, e: distflash_kernels::KernelError) -> ! {
+    panic!("flash attention {what}: {e}")
 }
 
 impl<R, F, I, BT> FlashAttentionBackend for CubeBackend<R, F, I, BT>
@@ -113,6 +147,125 @@ where
             cube_tensor(&like, dq),
             cube_tensor(&like, dk),
             cube_tensor(&like, dv),
+        )
+    }
+
+    fn attention_state_empty(
+        shape: [usize; 4],
+        _input: DType,
+        device: &R::Device,
+    ) -> AttentionState<Self> {
+        let client = R::client(device);
+        let [b, h, s, d] = shape;
+        let st = SoftmaxState::empty(&client, b, h, s, d);
+        let wrap = |t: DeviceTensor| {
+            CubeTensor::new_contiguous(
+                client.clone(),
+                device.clone(),
+                Shape::from(t.shape),
+                t.handle,
+                DType::F32,
+            )
+        };
+        AttentionState {
+            o: wrap(st.o),
+            m: wrap(st.m),
+            l: wrap(st.l),
+        }
+    }
+
+    fn attention_forward_step(
+        q: CubeTensor<R>,
+        k: CubeTensor<R>,
+        v: CubeTensor<R>,
+        state: AttentionState<Self>,
+        step: StepMask,
+    ) -> AttentionState<Self> {
+        let (o, m, l) = (exclusive(state.o), exclusive(state.m), exclusive(state.l));
+        let client = q.client.clone();
+        distflash_kernels::forward_step(
+            &client,
+            &device_tensor(q),
+            &device_tensor(k),
+            &device_tensor(v),
+            &kernel_state(&o, &m, &l),
+            &kernel_step(step),
+        )
+        .unwrap_or_else(|e| fail("forward step", e));
+        AttentionState { o, m, l }
+    }
+
+    fn attention_merge(a: AttentionState<Self>, b: AttentionState<Self>) -> AttentionState<Self> {
+        let (o, m, l) = (exclusive(a.o), exclusive(a.m), exclusive(a.l));
+        let client = o.client.clone();
+        distflash_kernels::merge(
+            &client,
+            &kernel_state(&o, &m, &l),
+            &kernel_state(&b.o, &b.m, &b.l),
+        )
+        .unwrap_or_else(|e| fail("merge", e));
+        AttentionState { o, m, l }
+    }
+
+    fn attention_finalize(
+        state: AttentionState<Self>,
+        output: DType,
+    ) -> (CubeTensor<R>, CubeTensor<R>) {
+        let like = state.o.clone();
+        let elem = elem_type(output).unwrap_or_else(|| {
+            panic!("flash attention supports f16, bf16 and f32 outputs, got {output:?}")
+        });
+        let (out, lse) = distflash_kernels::finalize(
+            &like.client,
+            &kernel_state(&state.o, &state.m, &state.l),
+            elem,
+        )
+        .unwrap_or_else(|e| fail("finalize", e));
+        (cube_tensor(&like, out), cube_tensor(&like, lse))
+    }
+
+    fn attention_delta(out: CubeTensor<R>, grad_out: CubeTensor<R>) -> CubeTensor<R> {
+        let like = out.clone();
+        let delta = distflash_kernels::backward_delta(
+            &like.client,
+            &device_tensor(out),
+            &device_tensor(grad_out),
+        )
+        .unwrap_or_else(|e| fail("delta", e));
+        cube_tensor(&like, delta)
+    }
+
+    fn attention_backward_step(
+        q: CubeTensor<R>,
+        k: CubeTensor<R>,
+        v: CubeTensor<R>,
+        grad_out: CubeTensor<R>,
+        lse: CubeTensor<R>,
+        delta: CubeTensor<R>,
+        step: StepMask,
+    ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+        let like = q.clone();
+        let client = like.client.clone();
+        let (q, k, v) = (device_tensor(q), device_tensor(k), device_tensor(v));
+        let dims = distflash_kernels::AttentionDims::from_qkv(&q.shape, &k.shape, &v.shape)
+            .unwrap_or_else(|e| fail("backward step", e));
+        let grads = GradAccumulators::zeros(&client, &dims);
+        distflash_kernels::backward_step(
+            &client,
+            &q,
+            &k,
+            &v,
+            &device_tensor(grad_out),
+            &device_tensor(lse),
+            &device_tensor(delta),
+            &grads,
+            &kernel_step(step),
+        )
+        .unwrap_or_else(|e| fail("backward step", e));
+        (
+            cube_tensor(&like, grads.dq),
+            cube_tensor(&like, grads.dk),
+            cube_tensor(&like, grads.dv),
         )
     }
 }

@@ -129,3 +129,139 @@ pub fn check_backend<B: AutodiffBackend + FlashAttentionBackend>(
         check_case::<B>(device, elem, (2, 2, 1), (33, 70, 128), causal);
     }
 }
+
+/// The step operations chunk by chunk (stepping and merging; per-pair backward steps) against
+/// the f64 reference, with keys split into chunks at absolute offsets and a causal mask whose
+/// queries start at position 100.
+pub fn check_steps<B: FlashAttentionBackend>(device: &B::Device, elem: ElemType) {
+    use burn::tensor::TensorPrimitive;
+    use burn_distflash::StepMask;
+    let dims = AttentionDims {
+        batch: 1,
+        q_heads: 4,
+        kv_heads: 2,
+        q_len: 77,
+        kv_len: 150,
+        head_dim: 64,
+    };
+    let mask = Mask::Causal {
+        q_offset: 100,
+        kv_offset: 0,
+    };
+    let mut rng = Rng::new(99);
+    let (q_shape, kv_shape) = ([1, 4, 77, 64], [1, 2, 150, 64]);
+    let (hq, hk, hv, hdo) = (
+        rng.tensor(4 * 77 * 64, 2.0, elem),
+        rng.tensor(2 * 150 * 64, 2.0, elem),
+        rng.tensor(2 * 150 * 64, 1.0, elem),
+        rng.tensor(4 * 77 * 64, 1.0, elem),
+    );
+    let make = |d: &[f64], s: [usize; 4]| -> Tensor<B, 4> {
+        Tensor::from_data(
+            TensorData::new(d.iter().map(|&x| x as f32).collect::<Vec<_>>(), s),
+            device,
+        )
+    };
+    let (q, k, v, dout) = (
+        make(&hq, q_shape),
+        make(&hk, kv_shape),
+        make(&hv, kv_shape),
+        make(&hdo, q_shape),
+    );
+    let prim = |t: Tensor<B, 4>| t.into_primitive().tensor();
+    let bounds = [0usize, 50, 150];
+    let chunk = |t: &Tensor<B, 4>, a: usize, b: usize| t.clone().slice([0..1, 0..2, a..b, 0..64]);
+    let step = |a: usize| StepMask {
+        mask: Mask::Causal {
+            q_offset: 100,
+            kv_offset: a as i64,
+        },
+        scale: None,
+    };
+
+    let mut stepped = B::attention_state_empty(q_shape, q.dtype(), device);
+    let mut merged = B::attention_state_empty(q_shape, q.dtype(), device);
+    for w in bounds.windows(2) {
+        let (kc, vc) = (prim(chunk(&k, w[0], w[1])), prim(chunk(&v, w[0], w[1])));
+        stepped =
+            B::attention_forward_step(prim(q.clone()), kc.clone(), vc.clone(), stepped, step(w[0]));
+        let partial = B::attention_forward_step(
+            prim(q.clone()),
+            kc,
+            vc,
+            B::attention_state_empty(q_shape, q.dtype(), device),
+            step(w[0]),
+        );
+        merged = B::attention_merge(merged, partial);
+    }
+    let scale = 0.125;
+    let fwd = reference::forward(&dims, &hq, &hk, &hv, &mask, scale, exact);
+    let naive = reference::forward(&dims, &hq, &hk, &hv, &mask, scale, naive_rounding(elem));
+    let host = |p: burn::tensor::ops::FloatTensor<B>| -> Vec<f64> {
+        to_host(Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(p)))
+    };
+    let host3 = |p: burn::tensor::ops::FloatTensor<B>| -> Vec<f64> {
+        to_host(Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(p)))
+    };
+    let (out, lse) = B::attention_finalize(stepped, q.dtype());
+    let (merged_out, _) = B::attention_finalize(merged, q.dtype());
+    let what = std::any::type_name::<B>();
+    assert_close(
+        &format!("{what} steps: O"),
+        &host(out.clone()),
+        &fwd.out,
+        &naive.out,
+        elem,
+    );
+    assert_close(
+        &format!("{what} merged: O"),
+        &host(merged_out),
+        &fwd.out,
+        &naive.out,
+        elem,
+    );
+    assert_close(
+        &format!("{what} steps: lse"),
+        &host3(lse.clone()),
+        &fwd.lse,
+        &fwd.lse,
+        elem,
+    );
+
+    let g = reference::backward(&dims, &hq, &hk, &hv, &hdo, &mask, scale, exact);
+    let ng = reference::backward(
+        &dims,
+        &hq,
+        &hk,
+        &hv,
+        &hdo,
+        &mask,
+        scale,
+        naive_rounding(elem),
+    );
+    let delta = B::attention_delta(out, prim(dout.clone()));
+    let mut dq = vec![0.0; hq.len()];
+    let (mut dk, mut dv) = (vec![0.0; hk.len()], vec![0.0; hv.len()]);
+    for w in bounds.windows(2) {
+        let (gq, gk, gv) = B::attention_backward_step(
+            prim(q.clone()),
+            prim(chunk(&k, w[0], w[1])),
+            prim(chunk(&v, w[0], w[1])),
+            prim(dout.clone()),
+            lse.clone(),
+            delta.clone(),
+            step(w[0]),
+        );
+        dq.iter_mut().zip(host(gq)).for_each(|(a, b)| *a += b);
+        let len = w[1] - w[0];
+        for (full, part) in [(&mut dk, host(gk)), (&mut dv, host(gv))] {
+            for h in 0..2 {
+                let dst = (h * 150 + w[0]) * 64;
+                full[dst..dst + len * 64].copy_from_slice(&part[h * len * 64..(h + 1) * len * 64]);
+            }
+        }
+    }
+    assert_close(&format!("{what} steps: dq"), &dq, &g.dq, &ng.dq, elem);
+    assert_close(&format!("{what} steps: dk"), &dk, &g.dk, &ng.dk, elem);
+    assert_close(&format!("{what} steps: dv"), &dv, &g.dv, &ng.dv, elem);
+}

@@ -1,0 +1,131 @@
+//! The running softmax state at the Burn level, and the step operations' portable definitions
+//! from tensor operations (every backend gets these; the CubeCL backends override them with the
+//! kernels).
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Tensor, TensorPrimitive};
+
+use crate::options::{FlashAttentionOptions, Mask};
+use crate::portable;
+
+/// Running state of a block of query rows, all f32 where the backend allows: `o`
+/// (unnormalised output, `[B, H, S, D]`), `m` (running max) and `l` (running sum), `[B, H, S]`.
+#[derive(Debug, Clone)]
+pub struct AttentionState<B: Backend> {
+    /// Unnormalised output.
+    pub o: FloatTensor<B>,
+    /// Running max of the scores seen.
+    pub m: FloatTensor<B>,
+    /// Running sum of `exp(score - m)`.
+    pub l: FloatTensor<B>,
+}
+
+/// One attention step's mask and scale (the mask carries the chunks' absolute offsets).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct StepMask {
+    /// Which keys each query sees.
+    pub mask: Mask,
+    /// Score scale; `None` means `1 / sqrt(head_dim)`.
+    pub scale: Option<f64>,
+}
+
+fn t4<B: Backend>(p: FloatTensor<B>) -> Tensor<B, 4> {
+    Tensor::from_primitive(TensorPrimitive::Float(p))
+}
+fn t3<B: Backend>(p: FloatTensor<B>) -> Tensor<B, 3> {
+    Tensor::from_primitive(TensorPrimitive::Float(p))
+}
+fn prim<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
+    t.into_primitive().tensor()
+}
+
+/// Factor rescaling a state relative to `old` so it is relative to `new >= old`; 1 where both
+/// are `-inf` (an empty row stays empty).
+fn rescale<B: Backend>(old: Tensor<B, 3>, new: Tensor<B, 3>) -> Tensor<B, 3> {
+    let floor = -1e30;
+    (old.clamp_min(floor) - new.clamp_min(floor)).exp()
+}
+
+/// An empty state (`o = 0, m = -inf, l = 0`) for `[batch, heads, len, head_dim]`.
+pub fn empty<B: Backend>(shape: [usize; 4], dtype: DType, device: &B::Device) -> AttentionState<B> {
+    let [b, h, s, _] = shape;
+    AttentionState {
+        o: prim(Tensor::<B, 4>::zeros(shape, (device, dtype))),
+        m: prim(Tensor::<B, 3>::full(
+            [b, h, s],
+            f64::NEG_INFINITY,
+            (device, dtype),
+        )),
+        l: prim(Tensor::<B, 3>::zeros([b, h, s], (device, dtype))),
+    }
+}
+
+/// Merges two partial states of the same rows.
+pub fn merge<B: Backend>(a: AttentionState<B>, b: AttentionState<B>) -> AttentionState<B> {
+    let (ma, mb) = (t3::<B>(a.m), t3::<B>(b.m));
+    let m = ma.clone().max_pair(mb.clone());
+    let (wa, wb) = (rescale(ma, m.clone()), rescale(mb, m.clone()));
+    AttentionState {
+        o: prim(
+            t4::<B>(a.o) * wa.clone().unsqueeze_dim::<4>(3)
+                + t4::<B>(b.o) * wb.clone().unsqueeze_dim::<4>(3),
+        ),
+        l: prim(t3::<B>(a.l) * wa + t3::<B>(b.l) * wb),
+        m: prim(m),
+    }
+}
+
+/// Folds one key/value chunk into the state, as the merge of the state with the chunk's own
+/// partial (computed from tensor operations).
+pub fn forward_step<B: Backend>(
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    state: AttentionState<B>,
+    step: StepMask,
+) -> AttentionState<B> {
+    let (m, l, o) = portable::partial::<B>(q, k, v, step.mask, step.scale);
+    merge(state, AttentionState { o, m, l })
+}
+
+/// `(O, lse)` from a finished state; rows that saw no key give `O = 0`, `lse = -inf`.
+pub fn finalize<B: Backend>(state: AttentionState<B>) -> (FloatTensor<B>, FloatTensor<B>) {
+    let (m, l) = (t3::<B>(state.m), t3::<B>(state.l));
+    let out = t4::<B>(state.o) / l.clone().clamp_min(1e-30).unsqueeze_dim::<4>(3);
+    let lse = m.clamp_min(-1e30) + l.log();
+    (prim(out), prim(lse))
+}
+
+/// `delta = rowsum(dO * O)`, `[B, H, S]`.
+pub fn delta<B: Backend>(out: FloatTensor<B>, grad_out: FloatTensor<B>) -> FloatTensor<B> {
+    prim(
+        (t4::<B>(grad_out) * t4::<B>(out))
+            .sum_dim(3)
+            .squeeze_dim::<3>(3),
+    )
+}
+
+/// This (query chunk, key chunk) pair's `(dq, dk, dv)` from the full rows' lse and delta.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_step<B: Backend>(
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    grad_out: FloatTensor<B>,
+    lse: FloatTensor<B>,
+    delta: FloatTensor<B>,
+    step: StepMask,
+) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+    portable::gradients::<B>(q, k, v, grad_out, lse, delta, step.mask, step.scale)
+}
+
+impl StepMask {
+    /// The one-shot options as a step (offsets 0).
+    pub fn from_options(options: &FlashAttentionOptions) -> Self {
+        Self {
+            mask: options.mask(),
+            scale: options.scale,
+        }
+    }
+}

@@ -4,7 +4,7 @@
 mod common;
 
 use burn::backend::Autodiff;
-use common::burn_case::check_backend;
+use common::burn_case::{check_backend, check_steps};
 use distflash_kernels::ElemType;
 
 type WgpuF16 = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, half::f16, i32, u32>;
@@ -19,4 +19,5 @@ fn wgpu_f16_matches_reference() {
 fn cuda_f16_matches_reference() {
     type CudaF16 = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, half::f16, i32, u8>;
     check_backend::<Autodiff<CudaF16>>(&cubecl::cuda::CudaDevice::new(0), ElemType::F16);
+    check_steps::<CudaF16>(&cubecl::cuda::CudaDevice::new(0), ElemType::F16);
 }

@@ -93,6 +93,6 @@ pub trait FlashAttentionBackend: Backend {
         delta: FloatTensor<Self>,
         step: StepMask,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        state::backward_step::<Self>(q, k, v, grad_out, lse, delta, step)
+        crate::portable::gradients::<Self>(q, k, v, grad_out, lse, delta, step)
     }
 }

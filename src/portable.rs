@@ -7,6 +7,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Bool, Int, Tensor, TensorPrimitive};
 
 use crate::options::{FlashAttentionOptions, Mask};
+use crate::state::StepMask;
 
 /// Large negative finite value standing in for `-inf` where `-inf - -inf` would give NaN.
 const FLOOR: f64 = -1e30;
@@ -133,9 +134,9 @@ pub fn gradients<B: Backend>(
     grad_out: FloatTensor<B>,
     lse: FloatTensor<B>,
     delta: FloatTensor<B>,
-    mask: Mask,
-    scale: Option<f64>,
+    step: StepMask,
 ) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+    let (mask, scale) = (step.mask, step.scale);
     let q = tensor::<B>(q);
     let resolved = scale.unwrap_or(1.0 / (q.dims()[3] as f64).sqrt());
     let (s, k, v, group) = scores(&q, tensor::<B>(k), tensor::<B>(v), mask, scale);
@@ -169,5 +170,13 @@ pub fn backward<B: Backend>(
     options: FlashAttentionOptions,
 ) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
     let delta = crate::state::delta::<B>(out, grad_out.clone());
-    gradients::<B>(q, k, v, grad_out, lse, delta, options.mask(), options.scale)
+    gradients::<B>(
+        q,
+        k,
+        v,
+        grad_out,
+        lse,
+        delta,
+        StepMask::from_options(&options),
+    )
 }

@@ -106,20 +106,6 @@ pub fn delta<B: Backend>(out: FloatTensor<B>, grad_out: FloatTensor<B>) -> Float
     )
 }
 
-/// This (query chunk, key chunk) pair's `(dq, dk, dv)` from the full rows' lse and delta.
-#[allow(clippy::too_many_arguments)]
-pub fn backward_step<B: Backend>(
-    q: FloatTensor<B>,
-    k: FloatTensor<B>,
-    v: FloatTensor<B>,
-    grad_out: FloatTensor<B>,
-    lse: FloatTensor<B>,
-    delta: FloatTensor<B>,
-    step: StepMask,
-) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
-    portable::gradients::<B>(q, k, v, grad_out, lse, delta, step.mask, step.scale)
-}
-
 impl StepMask {
     /// The one-shot options as a step (offsets 0).
     pub fn from_options(options: &FlashAttentionOptions) -> Self {

@@ -29,6 +29,31 @@ pub fn to_host<B: burn::tensor::backend::Backend, const D: usize>(t: Tensor<B, D
         .collect()
 }
 
+/// The exact reference and the naive low-precision computation, forward and backward.
+pub struct Expected {
+    fwd: reference::ReferenceForward,
+    naive_fwd: reference::ReferenceForward,
+    grads: reference::ReferenceGrads,
+    naive_grads: reference::ReferenceGrads,
+}
+
+/// [`Expected`] for host data `(q, k, v, dO)`.
+pub fn expected(
+    dims: &AttentionDims,
+    (q, k, v, dout): (&[f64], &[f64], &[f64], &[f64]),
+    mask: &Mask,
+    scale: f64,
+    elem: ElemType,
+) -> Expected {
+    let naive = naive_rounding(elem);
+    Expected {
+        fwd: reference::forward(dims, q, k, v, mask, scale, exact),
+        naive_fwd: reference::forward(dims, q, k, v, mask, scale, naive),
+        grads: reference::backward(dims, q, k, v, dout, mask, scale, exact),
+        naive_grads: reference::backward(dims, q, k, v, dout, mask, scale, naive),
+    }
+}
+
 /// Forward output and gradients of `sum(O * dO)` against the reference, for one shape.
 pub fn check_case<B: AutodiffBackend + FlashAttentionBackend>(
     device: &B::Device,
@@ -58,14 +83,14 @@ pub fn check_case<B: AutodiffBackend + FlashAttentionBackend>(
     let q = to_tensor::<B>(&hq, q_shape, device).require_grad();
     // Burn 0.21 keeps a default float type per device: the first backend type that touches a
     // device fixes it for the whole process. Make sure this test runs the precision it claims.
-    let expected = match elem {
+    let expected_dtype = match elem {
         ElemType::F16 => DType::F16,
         ElemType::BF16 => DType::BF16,
         ElemType::F32 => DType::F32,
     };
     assert_eq!(
         q.dtype(),
-        expected,
+        expected_dtype,
         "tensors were created as {:?}",
         q.dtype()
     );
@@ -81,19 +106,12 @@ pub fn check_case<B: AutodiffBackend + FlashAttentionBackend>(
 
     let mask = if causal { Mask::causal() } else { Mask::None };
     let scale = 1.0 / (head_dim as f64).sqrt();
-    let fwd = reference::forward(&dims, &hq, &hk, &hv, &mask, scale, exact);
-    let naive_fwd = reference::forward(&dims, &hq, &hk, &hv, &mask, scale, naive_rounding(elem));
-    let g = reference::backward(&dims, &hq, &hk, &hv, &hdo, &mask, scale, exact);
-    let naive_g = reference::backward(
-        &dims,
-        &hq,
-        &hk,
-        &hv,
-        &hdo,
-        &mask,
-        scale,
-        naive_rounding(elem),
-    );
+    let Expected {
+        fwd,
+        naive_fwd,
+        grads: g,
+        naive_grads: naive_g,
+    } = expected(&dims, (&hq, &hk, &hv, &hdo), &mask, scale, elem);
     let what = format!("{} {dims:?} causal={causal}", std::any::type_name::<B>());
     assert_close(
         &format!("{what}: O"),
@@ -195,8 +213,12 @@ pub fn check_steps<B: FlashAttentionBackend>(device: &B::Device, elem: ElemType)
         merged = B::attention_merge(merged, partial);
     }
     let scale = 0.125;
-    let fwd = reference::forward(&dims, &hq, &hk, &hv, &mask, scale, exact);
-    let naive = reference::forward(&dims, &hq, &hk, &hv, &mask, scale, naive_rounding(elem));
+    let Expected {
+        fwd,
+        naive_fwd: naive,
+        grads: g,
+        naive_grads: ng,
+    } = expected(&dims, (&hq, &hk, &hv, &hdo), &mask, scale, elem);
     let host = |p: burn::tensor::ops::FloatTensor<B>| -> Vec<f64> {
         to_host(Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(p)))
     };
@@ -228,17 +250,6 @@ pub fn check_steps<B: FlashAttentionBackend>(device: &B::Device, elem: ElemType)
         elem,
     );
 
-    let g = reference::backward(&dims, &hq, &hk, &hv, &hdo, &mask, scale, exact);
-    let ng = reference::backward(
-        &dims,
-        &hq,
-        &hk,
-        &hv,
-        &hdo,
-        &mask,
-        scale,
-        naive_rounding(elem),
-    );
     let delta = B::attention_delta(out, prim(dout.clone()));
     let mut dq = vec![0.0; hq.len()];
     let (mut dk, mut dv) = (vec![0.0; hk.len()], vec![0.0; hv.len()]);

@@ -10,12 +10,15 @@
 mod api;
 mod backend;
 pub mod backends;
+pub mod collective;
 mod options;
 pub mod portable;
+pub mod schedule;
 pub mod state;
 
 pub use api::{flash_attention, flash_attention_with_lse};
 pub use backend::FlashAttentionBackend;
+pub use collective::{CommError, DeviceGroup};
 pub use distflash_kernels as kernels;
 pub use options::{check_shapes, AttentionError, FlashAttentionOptions, Mask};
 pub use state::{AttentionState, StepMask};

@@ -1,0 +1,113 @@
+//! [`DeviceGroup`]: one rank's handle on a group of devices, with a log of what it sent.
+
+use std::sync::{Arc, Mutex};
+
+use burn::tensor::backend::Backend;
+
+use super::{CommError, Exchange, Incoming, Outgoing, TensorLayout, Transport};
+
+/// Messages and bytes one rank sent, one entry per exchange (step) since the last
+/// [`DeviceGroup::take_traffic`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Traffic {
+    /// Messages sent, per exchange.
+    pub messages: Vec<usize>,
+    /// Bytes sent, per exchange.
+    pub bytes: Vec<usize>,
+}
+
+impl Traffic {
+    /// Total messages sent.
+    pub fn total_messages(&self) -> usize {
+        self.messages.iter().sum()
+    }
+
+    /// Total bytes sent.
+    pub fn total_bytes(&self) -> usize {
+        self.bytes.iter().sum()
+    }
+}
+
+/// One rank of a group of devices that computes sequence-parallel attention together.
+///
+/// Cheap to clone (the transport is shared). Build one per rank with
+/// [`DeviceGroup::in_process`] (threads of one process, any backend) or the NCCL constructors
+/// (`DeviceGroup::nccl`, `DeviceGroup::nccl_from_env`), then hand each rank's handle to the thread
+/// or process driving that rank's device.
+pub struct DeviceGroup<B: Backend> {
+    transport: Arc<dyn Transport<B>>,
+    traffic: Arc<Mutex<Traffic>>,
+}
+
+impl<B: Backend> Clone for DeviceGroup<B> {
+    fn clone(&self) -> Self {
+        Self {
+            transport: self.transport.clone(),
+            traffic: self.traffic.clone(),
+        }
+    }
+}
+
+impl<B: Backend> core::fmt::Debug for DeviceGroup<B> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("DeviceGroup")
+            .field("rank", &self.rank())
+            .field("world_size", &self.world_size())
+            .field("device", self.device())
+            .finish()
+    }
+}
+
+impl<B: Backend> DeviceGroup<B> {
+    /// A rank of a group that moves tensors through `transport`.
+    pub fn new(transport: impl Transport<B> + 'static) -> Self {
+        Self {
+            transport: Arc::new(transport),
+            traffic: Arc::default(),
+        }
+    }
+
+    /// This rank, in `0..world_size`.
+    pub fn rank(&self) -> usize {
+        self.transport.rank()
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.transport.world_size()
+    }
+
+    /// The device this rank computes on.
+    pub fn device(&self) -> &B::Device {
+        self.transport.device()
+    }
+
+    /// Posts one step's sends and receives (see [`Transport::exchange`]) and logs the sends.
+    pub fn exchange(
+        &self,
+        sends: Vec<Outgoing<B>>,
+        receives: Vec<Incoming>,
+    ) -> Result<Box<dyn Exchange<B> + '_>, CommError> {
+        let bytes = sends
+            .iter()
+            .flat_map(|m| m.tensors.iter())
+            .map(|t| TensorLayout::of::<B>(t).bytes())
+            .sum();
+        {
+            let mut traffic = self.traffic.lock().expect("traffic log poisoned");
+            traffic.messages.push(sends.len());
+            traffic.bytes.push(bytes);
+        }
+        self.transport.exchange(sends, receives)
+    }
+
+    /// Every rank's `values`, indexed by rank.
+    pub fn all_gather_values(&self, values: &[u64]) -> Result<Vec<Vec<u64>>, CommError> {
+        self.transport.all_gather_values(values)
+    }
+
+    /// What this rank sent since the last call, and resets the log.
+    pub fn take_traffic(&self) -> Traffic {
+        std::mem::take(&mut *self.traffic.lock().expect("traffic log poisoned"))
+    }
+}

@@ -1,0 +1,311 @@
+//! An in-process transport: the ranks are threads of one process and messages are tensors
+//! handed over channels, then moved to the receiver's device. Works on every Burn backend; used
+//! by the CPU tests and by users without NCCL.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+
+use super::{
+    CommError, DeviceGroup, Exchange, Incoming, MessageKind, Outgoing, Received, TensorLayout,
+    Transport,
+};
+
+/// How long a rank waits for a peer before failing with [`CommError::Timeout`], unless told
+/// otherwise.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// What travels between two threads.
+enum Payload<B: Backend> {
+    Tensors(MessageKind, Vec<FloatTensor<B>>),
+    Values(Vec<u64>),
+}
+
+/// A payload stamped with the sender's exchange number, so out-of-step peers are detected.
+struct Packet<B: Backend> {
+    sequence: u64,
+    payload: Payload<B>,
+}
+
+impl<B: Backend> Packet<B> {
+    fn describe(&self) -> String {
+        match &self.payload {
+            Payload::Tensors(kind, _) => format!("{kind:?} of exchange {}", self.sequence),
+            Payload::Values(_) => format!("values of all-gather {}", self.sequence),
+        }
+    }
+}
+
+/// The receiving end of one peer's channel, with packets that arrived early set aside.
+struct Inbox<B: Backend> {
+    receiver: Receiver<Packet<B>>,
+    early: VecDeque<Packet<B>>,
+}
+
+/// One rank of an in-process group. Build all ranks at once with [`LocalTransport::group`] or
+/// [`DeviceGroup::in_process`].
+pub struct LocalTransport<B: Backend> {
+    rank: usize,
+    device: B::Device,
+    timeout: Duration,
+    /// Sender to each peer (`None` for this rank itself).
+    outboxes: Vec<Option<Mutex<Sender<Packet<B>>>>>,
+    /// Receiver from each peer (`None` for this rank itself).
+    inboxes: Vec<Option<Mutex<Inbox<B>>>>,
+    exchanges: AtomicU64,
+    gathers: AtomicU64,
+}
+
+impl<B: Backend> LocalTransport<B> {
+    /// One transport per device (rank `i` computes on `devices[i]`), fully connected.
+    pub fn group(devices: Vec<B::Device>, timeout: Duration) -> Vec<Self> {
+        let n = devices.len();
+        let mut outboxes: Vec<Vec<Option<Mutex<Sender<Packet<B>>>>>> =
+            (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
+        let mut inboxes: Vec<Vec<Option<Mutex<Inbox<B>>>>> =
+            (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
+        for src in 0..n {
+            for dst in (0..n).filter(|&dst| dst != src) {
+                let (sender, receiver) = channel();
+                outboxes[src][dst] = Some(Mutex::new(sender));
+                inboxes[dst][src] = Some(Mutex::new(Inbox {
+                    receiver,
+                    early: VecDeque::new(),
+                }));
+            }
+        }
+        devices
+            .into_iter()
+            .zip(outboxes.into_iter().zip(inboxes))
+            .enumerate()
+            .map(|(rank, (device, (outboxes, inboxes)))| Self {
+                rank,
+                device,
+                timeout,
+                outboxes,
+                inboxes,
+                exchanges: AtomicU64::new(0),
+                gathers: AtomicU64::new(0),
+            })
+            .collect()
+    }
+
+    fn send(&self, peer: usize, packet: Packet<B>) -> Result<(), CommError> {
+        let outbox = self.peer_slot(&self.outboxes, peer)?;
+        outbox
+            .lock()
+            .expect("outbox poisoned")
+            .send(packet)
+            .map_err(|_| CommError::Disconnected {
+                rank: self.rank,
+                peer,
+            })
+    }
+
+    fn peer_slot<'a, T>(&self, slots: &'a [Option<T>], peer: usize) -> Result<&'a T, CommError> {
+        match slots.get(peer) {
+            Some(Some(slot)) => Ok(slot),
+            Some(None) => Err(CommError::Mismatch {
+                rank: self.rank,
+                peer,
+                detail: "a rank cannot send to or receive from itself".into(),
+            }),
+            None => Err(CommError::Setup(format!(
+                "rank {} addressed rank {peer}, but the group has {} ranks",
+                self.rank,
+                slots.len()
+            ))),
+        }
+    }
+
+    /// Waits for the packet from `peer` with this sequence number that `matches`, setting aside
+    /// packets of later exchanges that arrive first.
+    fn take(
+        &self,
+        peer: usize,
+        sequence: u64,
+        kind: MessageKind,
+        matches: impl Fn(&Payload<B>) -> bool,
+        deadline: Instant,
+    ) -> Result<Packet<B>, CommError> {
+        let mut inbox = self
+            .peer_slot(&self.inboxes, peer)?
+            .lock()
+            .expect("inbox poisoned");
+        let wanted = |p: &Packet<B>| p.sequence == sequence && matches(&p.payload);
+        if let Some(i) = inbox.early.iter().position(wanted) {
+            return Ok(inbox.early.remove(i).expect("index from position"));
+        }
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match inbox.receiver.recv_timeout(left) {
+                Ok(packet) if wanted(&packet) => return Ok(packet),
+                Ok(packet) if packet.sequence >= sequence => inbox.early.push_back(packet),
+                Ok(packet) => {
+                    return Err(CommError::Mismatch {
+                        rank: self.rank,
+                        peer,
+                        detail: format!(
+                            "expected {kind:?} of exchange {sequence}, got {}",
+                            packet.describe()
+                        ),
+                    })
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    return Err(CommError::Timeout {
+                        rank: self.rank,
+                        peer,
+                        kind,
+                        waited: self.timeout,
+                    })
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(CommError::Disconnected {
+                        rank: self.rank,
+                        peer,
+                    })
+                }
+            }
+        }
+    }
+}
+
+impl<B: Backend> DeviceGroup<B> {
+    /// An in-process group over `devices` (rank `i` computes on `devices[i]`; devices may
+    /// repeat), for one thread per rank. Any Burn backend.
+    pub fn in_process(devices: Vec<B::Device>) -> Vec<Self> {
+        Self::in_process_with_timeout(devices, DEFAULT_TIMEOUT)
+    }
+
+    /// [`DeviceGroup::in_process`] with a different wait limit for silent peers.
+    pub fn in_process_with_timeout(devices: Vec<B::Device>, timeout: Duration) -> Vec<Self> {
+        LocalTransport::<B>::group(devices, timeout)
+            .into_iter()
+            .map(DeviceGroup::new)
+            .collect()
+    }
+}
+
+/// A posted in-process exchange: sends are already delivered, receives are taken on wait.
+struct LocalExchange<'a, B: Backend> {
+    transport: &'a LocalTransport<B>,
+    sequence: u64,
+    receives: Vec<Incoming>,
+    deadline: Instant,
+}
+
+impl<B: Backend> Transport<B> for LocalTransport<B> {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.outboxes.len()
+    }
+
+    fn device(&self) -> &B::Device {
+        &self.device
+    }
+
+    fn exchange(
+        &self,
+        sends: Vec<Outgoing<B>>,
+        receives: Vec<Incoming>,
+    ) -> Result<Box<dyn Exchange<B> + '_>, CommError> {
+        let sequence = self.exchanges.fetch_add(1, Ordering::SeqCst);
+        for message in sends {
+            let packet = Packet {
+                sequence,
+                payload: Payload::Tensors(message.kind, message.tensors),
+            };
+            self.send(message.peer, packet)?;
+        }
+        for incoming in &receives {
+            self.peer_slot(&self.inboxes, incoming.peer)?;
+        }
+        Ok(Box::new(LocalExchange {
+            transport: self,
+            sequence,
+            receives,
+            deadline: Instant::now() + self.timeout,
+        }))
+    }
+
+    fn all_gather_values(&self, values: &[u64]) -> Result<Vec<Vec<u64>>, CommError> {
+        let sequence = self.gathers.fetch_add(1, Ordering::SeqCst);
+        let world = self.world_size();
+        for peer in (0..world).filter(|&p| p != self.rank) {
+            let packet = Packet {
+                sequence,
+                payload: Payload::Values(values.to_vec()),
+            };
+            self.send(peer, packet)?;
+        }
+        let deadline = Instant::now() + self.timeout;
+        (0..world)
+            .map(|peer| {
+                if peer == self.rank {
+                    return Ok(values.to_vec());
+                }
+                let packet = self.take(
+                    peer,
+                    sequence,
+                    MessageKind::Values,
+                    |p| matches!(p, Payload::Values(_)),
+                    deadline,
+                )?;
+                match packet.payload {
+                    Payload::Values(v) => Ok(v),
+                    Payload::Tensors(..) => unreachable!("matched on values"),
+                }
+            })
+            .collect()
+    }
+}
+
+impl<B: Backend> Exchange<B> for LocalExchange<'_, B> {
+    fn wait(self: Box<Self>) -> Result<Vec<Received<B>>, CommError> {
+        let transport = self.transport;
+        self.receives
+            .iter()
+            .map(|incoming| {
+                let kind = incoming.kind;
+                let packet = transport.take(
+                    incoming.peer,
+                    self.sequence,
+                    kind,
+                    |p| matches!(p, Payload::Tensors(k, _) if *k == kind),
+                    self.deadline,
+                )?;
+                let Payload::Tensors(_, tensors) = packet.payload else {
+                    unreachable!("matched on tensors")
+                };
+                let layouts: Vec<TensorLayout> =
+                    tensors.iter().map(TensorLayout::of::<B>).collect();
+                if layouts != incoming.layouts {
+                    return Err(CommError::Mismatch {
+                        rank: transport.rank,
+                        peer: incoming.peer,
+                        detail: format!(
+                            "{kind:?} has layouts {layouts:?}, expected {:?}",
+                            incoming.layouts
+                        ),
+                    });
+                }
+                Ok(Received {
+                    peer: incoming.peer,
+                    kind,
+                    tensors: tensors
+                        .into_iter()
+                        .map(|t| B::float_to_device(t, &transport.device))
+                        .collect(),
+                })
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,124 @@
+//! The collective layer: a group of Burn devices that exchange tensors step by step.
+//!
+//! A [`DeviceGroup`] is one rank's handle on a group. It moves tensors through a [`Transport`]:
+//! [`local::LocalTransport`] (threads of one process, any Burn backend: tests and non-CUDA users)
+//! or [`nccl`] (NCCL point-to-point on CUDA, in one process or one process per GPU). A step's
+//! sends and receives are posted together with [`Transport::exchange`] and completed later with
+//! [`Exchange::wait`], so the next step's data travels while the current step computes.
+
+mod error;
+mod group;
+pub mod local;
+#[cfg(feature = "nccl")]
+pub mod nccl;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::DType;
+
+pub use error::CommError;
+pub use group::{DeviceGroup, Traffic};
+
+/// What a message carries; a receiver checks that it gets the kind it expects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum MessageKind {
+    /// A key/value chunk: `[k, v]`.
+    KeyValue,
+    /// A query chunk for a helper's forward: `[q]`.
+    Query,
+    /// A helper's partial forward result, f32: `[o, m, l]`.
+    PartialState,
+    /// A query chunk for a backward step: `[q, dO, lse, delta]`.
+    QueryBundle,
+    /// Query gradient computed elsewhere, f32: `[dq]`.
+    QueryGrad,
+    /// Key/value gradients computed elsewhere, f32: `[dk, dv]`.
+    KeyValueGrad,
+    /// Small host values of [`Transport::all_gather_values`].
+    Values,
+}
+
+/// Shape and float type of one tensor of a message (what a receiver allocates).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorLayout {
+    /// Dimensions.
+    pub shape: Vec<usize>,
+    /// Float type.
+    pub dtype: DType,
+}
+
+impl TensorLayout {
+    /// The layout of a tensor primitive.
+    pub fn of<B: Backend>(tensor: &FloatTensor<B>) -> Self {
+        use burn::tensor::TensorMetadata;
+        Self {
+            shape: tensor.shape().to_vec(),
+            dtype: tensor.dtype(),
+        }
+    }
+
+    /// Size in bytes.
+    pub fn bytes(&self) -> usize {
+        self.shape.iter().product::<usize>() * self.dtype.size()
+    }
+}
+
+/// A message this rank sends.
+pub struct Outgoing<B: Backend> {
+    /// Destination rank.
+    pub peer: usize,
+    /// What it is.
+    pub kind: MessageKind,
+    /// Its tensors, in the order the kind documents.
+    pub tensors: Vec<FloatTensor<B>>,
+}
+
+/// A message this rank expects.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Incoming {
+    /// Source rank.
+    pub peer: usize,
+    /// What it is.
+    pub kind: MessageKind,
+    /// Layouts of its tensors, in order.
+    pub layouts: Vec<TensorLayout>,
+}
+
+/// A message this rank received, its tensors on this rank's device.
+pub struct Received<B: Backend> {
+    /// Source rank.
+    pub peer: usize,
+    /// What it is.
+    pub kind: MessageKind,
+    /// Its tensors, in order.
+    pub tensors: Vec<FloatTensor<B>>,
+}
+
+/// One step's posted sends and receives, completing in the background.
+pub trait Exchange<B: Backend>: Send {
+    /// Blocks until every send of the step has left and every receive has arrived (or the
+    /// group's timeout passes). Received messages come back in the order they were expected.
+    fn wait(self: Box<Self>) -> Result<Vec<Received<B>>, CommError>;
+}
+
+/// Moves tensors between the ranks of a group. Every rank of the group must post the same
+/// sequence of exchanges (matching sends with receives) or the exchanges fail with
+/// [`CommError::Mismatch`] or [`CommError::Timeout`], never hang.
+pub trait Transport<B: Backend>: Send + Sync {
+    /// This rank, in `0..world_size`.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn world_size(&self) -> usize;
+    /// The device this rank computes on.
+    fn device(&self) -> &B::Device;
+    /// Posts one step's sends and receives together. Sent tensors must not be modified until
+    /// the exchange is waited on (callers hand ownership over, so they cannot).
+    fn exchange(
+        &self,
+        sends: Vec<Outgoing<B>>,
+        receives: Vec<Incoming>,
+    ) -> Result<Box<dyn Exchange<B> + '_>, CommError>;
+    /// Every rank's `values` (same length on every rank), indexed by rank; used to check that
+    /// the ranks agree on shapes and options before any tensor moves.
+    fn all_gather_values(&self, values: &[u64]) -> Result<Vec<Vec<u64>>, CommError>;
+}

@@ -1,0 +1,150 @@
+//! Properties of the schedules for every world size from 1 to 16 (pure logic, no tensors).
+
+use std::collections::BTreeMap;
+
+use burn_distflash::schedule::{Pair, Schedule, ScheduleKind};
+
+const WORLDS: std::ops::RangeInclusive<usize> = 1..=16;
+
+fn schedules() -> Vec<Schedule> {
+    WORLDS
+        .flat_map(|p| {
+            [
+                Schedule::new(ScheduleKind::Ring, p, true),
+                Schedule::new(ScheduleKind::Balanced, p, true),
+                Schedule::new(ScheduleKind::Ring, p, false),
+            ]
+        })
+        .collect()
+}
+
+/// Every pair the attention needs: `kv <= query` when causal, all of them otherwise.
+fn required_pairs(world: usize, causal: bool) -> Vec<Pair> {
+    let mut pairs = Vec::new();
+    for query in 0..world {
+        for kv in 0..world {
+            if !causal || kv <= query {
+                pairs.push(Pair { query, kv });
+            }
+        }
+    }
+    pairs
+}
+
+#[test]
+fn every_required_pair_is_computed_exactly_once() {
+    for s in schedules() {
+        let mut count: BTreeMap<Pair, usize> = BTreeMap::new();
+        for step in 0..s.num_steps() {
+            for rank in 0..s.world_size() {
+                if let Some(pair) = s.pair(rank, step) {
+                    *count.entry(pair).or_default() += 1;
+                }
+            }
+        }
+        let required = required_pairs(s.world_size(), s.causal());
+        for pair in &required {
+            assert_eq!(count.get(pair), Some(&1), "{s:?}: pair {pair:?}");
+        }
+        assert_eq!(count.len(), required.len(), "{s:?} computes extra pairs");
+    }
+}
+
+#[test]
+fn a_rank_computes_only_pairs_it_owns_a_side_of() {
+    for s in schedules() {
+        for step in 0..s.num_steps() {
+            for rank in 0..s.world_size() {
+                if let Some(p) = s.pair(rank, step) {
+                    assert!(p.query == rank || p.kv == rank, "{s:?} {rank} {step} {p:?}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn sends_match_receives_and_nobody_talks_to_itself() {
+    for s in schedules() {
+        let p = s.world_size();
+        for step in 0..s.num_steps() {
+            let plans: Vec<_> = (0..p).map(|r| s.rank_step(r, step)).collect();
+            for (rank, plan) in plans.iter().enumerate() {
+                assert_ne!(plan.kv_from, Some(rank));
+                assert_ne!(plan.query_from, Some(rank));
+                assert!(!plan.kv_to.contains(&rank) && !plan.query_to.contains(&rank));
+                for &to in &plan.kv_to {
+                    assert_eq!(plans[to].kv_from, Some(rank), "{s:?} step {step}");
+                }
+                for &to in &plan.query_to {
+                    assert_eq!(plans[to].query_from, Some(rank), "{s:?} step {step}");
+                }
+                if let Some(from) = plan.kv_from {
+                    assert!(plans[from].kv_to.contains(&rank), "{s:?} step {step}");
+                }
+                if let Some(from) = plan.query_from {
+                    assert!(plans[from].query_to.contains(&rank), "{s:?} step {step}");
+                }
+                // Results go back to the owner of the remote side.
+                assert_eq!(plan.query_result_to(), plan.query_from);
+                assert_eq!(plan.kv_result_to(), plan.kv_from);
+            }
+        }
+    }
+}
+
+#[test]
+fn step_counts() {
+    for p in WORLDS {
+        assert_eq!(Schedule::new(ScheduleKind::Ring, p, true).num_steps(), p);
+        assert_eq!(
+            Schedule::new(ScheduleKind::Balanced, p, true).num_steps(),
+            p / 2 + 1
+        );
+    }
+}
+
+#[test]
+fn idle_fractions_match_the_paper() {
+    for p in WORLDS {
+        let pf = p as f64;
+        let ring = Schedule::new(ScheduleKind::Ring, p, true).idle_fraction();
+        assert!(
+            (ring - (pf * pf - pf) / (2.0 * pf * pf)).abs() < 1e-12,
+            "P={p}"
+        );
+        let balanced = Schedule::new(ScheduleKind::Balanced, p, true).idle_fraction();
+        let expected = if p % 2 == 0 { 1.0 / (2.0 * pf) } else { 0.0 };
+        assert!((balanced - expected).abs() < 1e-12, "P={p}: {balanced}");
+    }
+}
+
+#[test]
+fn ideal_speedups() {
+    for p in WORLDS {
+        let pf = p as f64;
+        // One device computes P²/2 pair units (diagonals count half).
+        let ring = Schedule::new(ScheduleKind::Ring, p, true).ideal_speedup();
+        assert!((ring - pf * pf / 2.0 / (pf - 0.5)).abs() < 1e-9, "P={p}");
+        let balanced = Schedule::new(ScheduleKind::Balanced, p, true).ideal_speedup();
+        assert!((balanced - pf * pf / 2.0 / (0.5 + (p / 2) as f64)).abs() < 1e-9);
+        let full = Schedule::new(ScheduleKind::Ring, p, false).ideal_speedup();
+        assert!((full - pf).abs() < 1e-9);
+    }
+    // The paper's P = 8 figures: ring about 4.3x, balanced about 7.1x.
+    let ring8 = Schedule::new(ScheduleKind::Ring, 8, true).ideal_speedup();
+    let balanced8 = Schedule::new(ScheduleKind::Balanced, 8, true).ideal_speedup();
+    assert!((4.2..4.3).contains(&ring8) && (7.1..7.2).contains(&balanced8));
+}
+
+#[test]
+fn auto_picks_balanced_for_causal_and_ring_otherwise() {
+    assert_eq!(
+        Schedule::new(ScheduleKind::Auto, 4, true).kind(),
+        ScheduleKind::Balanced
+    );
+    assert_eq!(
+        Schedule::new(ScheduleKind::Auto, 4, false).kind(),
+        ScheduleKind::Ring
+    );
+}

@@ -5,7 +5,7 @@ use burn::tensor::{DType, Tensor, TensorPrimitive};
 use crate::backend::FlashAttentionBackend;
 use crate::options::{check_shapes, AttentionError, FlashAttentionOptions};
 
-fn check_dtypes<B: FlashAttentionBackend>(
+pub(crate) fn check_dtypes<B: FlashAttentionBackend>(
     q: &Tensor<B, 4>,
     k: &Tensor<B, 4>,
     v: &Tensor<B, 4>,

@@ -11,6 +11,7 @@ mod api;
 mod backend;
 pub mod backends;
 pub mod collective;
+pub mod distributed;
 mod options;
 pub mod portable;
 pub mod schedule;
@@ -20,5 +21,10 @@ pub use api::{flash_attention, flash_attention_with_lse};
 pub use backend::FlashAttentionBackend;
 pub use collective::{CommError, DeviceGroup};
 pub use distflash_kernels as kernels;
+pub use distributed::{
+    sequence_parallel_attention, sequence_parallel_attention_with_lse, DistributedError,
+    SequenceParallelBackend, SequenceParallelOptions,
+};
 pub use options::{check_shapes, AttentionError, FlashAttentionOptions, Mask};
+pub use schedule::ScheduleKind;
 pub use state::{AttentionState, StepMask};

@@ -47,6 +47,9 @@ struct Inbox<B: Backend> {
     early: VecDeque<Packet<B>>,
 }
 
+/// Per-peer slots of one rank (`None` for the rank itself).
+type PeerSlots<T> = Vec<Option<Mutex<T>>>;
+
 /// One rank of an in-process group. Build all ranks at once with [`LocalTransport::group`] or
 /// [`DeviceGroup::in_process`].
 pub struct LocalTransport<B: Backend> {
@@ -54,20 +57,23 @@ pub struct LocalTransport<B: Backend> {
     device: B::Device,
     timeout: Duration,
     /// Sender to each peer (`None` for this rank itself).
-    outboxes: Vec<Option<Mutex<Sender<Packet<B>>>>>,
+    outboxes: PeerSlots<Sender<Packet<B>>>,
     /// Receiver from each peer (`None` for this rank itself).
-    inboxes: Vec<Option<Mutex<Inbox<B>>>>,
+    inboxes: PeerSlots<Inbox<B>>,
     exchanges: AtomicU64,
     gathers: AtomicU64,
+    /// Received tensors kept alive until this rank's queued work is known to be finished: their
+    /// memory belongs to the sender, which must not reuse it while this rank still reads it.
+    held: Mutex<Vec<FloatTensor<B>>>,
 }
 
 impl<B: Backend> LocalTransport<B> {
     /// One transport per device (rank `i` computes on `devices[i]`), fully connected.
     pub fn group(devices: Vec<B::Device>, timeout: Duration) -> Vec<Self> {
         let n = devices.len();
-        let mut outboxes: Vec<Vec<Option<Mutex<Sender<Packet<B>>>>>> =
+        let mut outboxes: Vec<PeerSlots<Sender<Packet<B>>>> =
             (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
-        let mut inboxes: Vec<Vec<Option<Mutex<Inbox<B>>>>> =
+        let mut inboxes: Vec<PeerSlots<Inbox<B>>> =
             (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
         for src in 0..n {
             for dst in (0..n).filter(|&dst| dst != src) {
@@ -91,6 +97,7 @@ impl<B: Backend> LocalTransport<B> {
                 inboxes,
                 exchanges: AtomicU64::new(0),
                 gathers: AtomicU64::new(0),
+                held: Mutex::new(Vec::new()),
             })
             .collect()
     }
@@ -218,6 +225,20 @@ impl<B: Backend> Transport<B> for LocalTransport<B> {
         receives: Vec<Incoming>,
     ) -> Result<Box<dyn Exchange<B> + '_>, CommError> {
         let sequence = self.exchanges.fetch_add(1, Ordering::SeqCst);
+        let mut held = self.held.lock().expect("held tensors poisoned");
+        if !sends.is_empty() || !held.is_empty() {
+            // Backends that queue work per host thread (CubeCL's streams) do not order other
+            // threads' work after this thread's: finish this thread's queued work before handing
+            // tensors over and before releasing the ones received earlier.
+            B::sync(&self.device).map_err(|e| {
+                CommError::Setup(format!(
+                    "rank {}: the device failed during an exchange: {e:?}",
+                    self.rank
+                ))
+            })?;
+            held.clear();
+        }
+        drop(held);
         for message in sends {
             let packet = Packet {
                 sequence,
@@ -297,13 +318,16 @@ impl<B: Backend> Exchange<B> for LocalExchange<'_, B> {
                         ),
                     });
                 }
+                let tensors: Vec<FloatTensor<B>> = tensors
+                    .into_iter()
+                    .map(|t| B::float_to_device(t, &transport.device))
+                    .collect();
+                (transport.held.lock().expect("held tensors poisoned"))
+                    .extend(tensors.iter().cloned());
                 Ok(Received {
                     peer: incoming.peer,
                     kind,
-                    tensors: tensors
-                        .into_iter()
-                        .map(|t| B::float_to_device(t, &transport.device))
-                        .collect(),
+                    tensors,
                 })
             })
             .collect()

@@ -48,6 +48,9 @@ pub trait ScheduleRule {
     fn pair(world: usize, causal: bool, rank: usize, step: usize) -> Option<Pair>;
 }
 
+/// [`ScheduleRule::pair`] of one rule.
+type PairFn = fn(usize, bool, usize, usize) -> Option<Pair>;
+
 /// Which schedule to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 pub enum ScheduleKind {
@@ -86,7 +89,7 @@ impl Schedule {
     pub fn new(kind: ScheduleKind, world: usize, causal: bool) -> Self {
         assert!(world >= 1, "a schedule needs at least one rank");
         let kind = kind.resolve(causal);
-        let (steps, pair): (usize, fn(usize, bool, usize, usize) -> Option<Pair>) = match kind {
+        let (steps, pair): (usize, PairFn) = match kind {
             ScheduleKind::Balanced => (
                 balanced::Balanced::num_steps(world, causal),
                 balanced::Balanced::pair,

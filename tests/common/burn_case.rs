@@ -31,10 +31,10 @@ pub fn to_host<B: burn::tensor::backend::Backend, const D: usize>(t: Tensor<B, D
 
 /// The exact reference and the naive low-precision computation, forward and backward.
 pub struct Expected {
-    fwd: reference::ReferenceForward,
-    naive_fwd: reference::ReferenceForward,
-    grads: reference::ReferenceGrads,
-    naive_grads: reference::ReferenceGrads,
+    pub fwd: reference::ReferenceForward,
+    pub naive_fwd: reference::ReferenceForward,
+    pub grads: reference::ReferenceGrads,
+    pub naive_grads: reference::ReferenceGrads,
 }
 
 /// [`Expected`] for host data `(q, k, v, dO)`.

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod burn_case;
+pub mod distributed_case;
 
 use distflash_kernels::reference::{self, Rounding};
 use distflash_kernels::ElemType;

@@ -1,0 +1,116 @@
+//! The distributed forward: each rank's running state over the key/value chunks its schedule
+//! assigns, helpers' partials merged in, then finalised to `(O, lse)`.
+
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, TensorMetadata};
+
+use super::pipeline::{self, input_messages, outgoing, step_operands, Pass};
+use super::{pair_step, SequenceParallelOptions};
+use crate::backend::FlashAttentionBackend;
+use crate::collective::{
+    CommError, DeviceGroup, Incoming, MessageKind, Outgoing, Received, TensorLayout,
+};
+use crate::schedule::{RankStep, Schedule};
+use crate::state::AttentionState;
+
+/// One rank's forward: its own chunks and its running state.
+struct ForwardPass<B: FlashAttentionBackend> {
+    rank: usize,
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    /// Always `Some` between steps (taken while a step updates it).
+    state: Option<AttentionState<B>>,
+    state_layouts: Vec<TensorLayout>,
+    options: SequenceParallelOptions,
+}
+
+impl<B: FlashAttentionBackend> ForwardPass<B> {
+    fn empty_state(q: &FloatTensor<B>) -> AttentionState<B> {
+        let shape: [usize; 4] = q.shape().dims();
+        B::attention_state_empty(shape, q.dtype(), &B::float_device(q))
+    }
+
+    fn update(&mut self, step: impl FnOnce(AttentionState<B>) -> AttentionState<B>) {
+        let state = self.state.take().expect("state between steps");
+        self.state = Some(step(state));
+    }
+}
+
+impl<B: FlashAttentionBackend> Pass<B> for ForwardPass<B> {
+    fn inputs(&self, plan: &RankStep) -> (Vec<Outgoing<B>>, Vec<Incoming>) {
+        let kv = [self.k.clone(), self.v.clone()];
+        input_messages(plan, &kv, std::slice::from_ref(&self.q), MessageKind::Query)
+    }
+
+    fn compute(&mut self, plan: &RankStep, inputs: Vec<Received<B>>) -> Vec<Outgoing<B>> {
+        let Some(pair) = plan.compute else {
+            return Vec::new();
+        };
+        let own_kv = [self.k.clone(), self.v.clone()];
+        let (kv, query) = step_operands(&own_kv, std::slice::from_ref(&self.q), inputs);
+        let [k, v]: [FloatTensor<B>; 2] = kv.try_into().expect("k, v");
+        let [q]: [FloatTensor<B>; 1] = query.try_into().expect("q");
+        let step = pair_step(pair, &self.options);
+        if pair.query == self.rank {
+            self.update(|state| B::attention_forward_step(q, k, v, state, step));
+            return Vec::new();
+        }
+        // Helper work: a partial for the query's owner.
+        let partial = B::attention_forward_step(q.clone(), k, v, Self::empty_state(&q), step);
+        let tensors = [partial.o, partial.m, partial.l];
+        vec![outgoing(pair.query, MessageKind::PartialState, &tensors)]
+    }
+
+    fn result_receives(&self, plan: &RankStep) -> Vec<Incoming> {
+        plan.query_to
+            .iter()
+            .map(|&peer| Incoming {
+                peer,
+                kind: MessageKind::PartialState,
+                layouts: self.state_layouts.clone(),
+            })
+            .collect()
+    }
+
+    fn absorb(&mut self, results: Vec<Received<B>>) {
+        for message in results {
+            let mut t = message.tensors.into_iter();
+            let partial = AttentionState {
+                o: t.next().expect("o"),
+                m: t.next().expect("m"),
+                l: t.next().expect("l"),
+            };
+            self.update(|state| B::attention_merge(state, partial));
+        }
+    }
+}
+
+/// `(O, lse)` of this rank's query shard against the whole sequence (validated inputs).
+pub(crate) fn run<B: FlashAttentionBackend>(
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    group: &DeviceGroup<B>,
+    schedule: &Schedule,
+    options: &SequenceParallelOptions,
+) -> Result<(FloatTensor<B>, FloatTensor<B>), CommError> {
+    let dtype: DType = q.dtype();
+    let state = ForwardPass::<B>::empty_state(&q);
+    let state_layouts = [&state.o, &state.m, &state.l]
+        .into_iter()
+        .map(TensorLayout::of::<B>)
+        .collect();
+    let mut pass = ForwardPass {
+        rank: group.rank(),
+        q,
+        k,
+        v,
+        state: Some(state),
+        state_layouts,
+        options: *options,
+    };
+    pipeline::run(group, schedule, &mut pass, options.overlap)?;
+    let state = pass.state.expect("state after the last step");
+    Ok(B::attention_finalize(state, dtype))
+}

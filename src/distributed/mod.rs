@@ -1,0 +1,226 @@
+//! Sequence-parallel attention: one long sequence split across the ranks of a
+//! [`DeviceGroup`], attention computed exactly (DistFlashAttn, paper §3.1-3.2).
+//!
+//! Rank `r` of `P` holds the `r`-th contiguous shard of the queries, keys and values, all
+//! shards of one length. [`sequence_parallel_attention`] returns the rank's shard of the output;
+//! under `Autodiff` its backward runs the distributed backward, returning `dk, dv` of every
+//! chunk to its owner. The [`Schedule`] decides who computes which (query chunk, key chunk)
+//! pair; partial states and gradients stay f32 across hops.
+
+mod autodiff;
+mod backend;
+mod backward;
+mod forward;
+mod pipeline;
+
+use core::fmt;
+
+use burn::tensor::{DType, Tensor, TensorPrimitive};
+use serde::{Deserialize, Serialize};
+
+pub use backend::SequenceParallelBackend;
+
+use crate::api::check_dtypes;
+use crate::collective::{CommError, DeviceGroup};
+use crate::options::{check_shapes, AttentionError, FlashAttentionOptions, Mask};
+use crate::schedule::{Pair, Schedule, ScheduleKind};
+use crate::state::StepMask;
+
+/// Options of [`sequence_parallel_attention`].
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct SequenceParallelOptions {
+    /// Causal masking (over the whole sequence) and score scale.
+    pub attention: FlashAttentionOptions,
+    /// Which schedule; `Auto` is the load-balanced one for causal attention.
+    pub schedule: ScheduleKind,
+    /// Overlap communication with computation (prefetch the next step's chunk). Off only to
+    /// measure what the overlap saves.
+    pub overlap: bool,
+}
+
+impl SequenceParallelOptions {
+    /// Causal attention, load-balanced schedule, overlap on.
+    pub fn causal() -> Self {
+        Self {
+            attention: FlashAttentionOptions::causal(),
+            schedule: ScheduleKind::Auto,
+            overlap: true,
+        }
+    }
+
+    /// The same options with another schedule.
+    pub fn with_schedule(self, schedule: ScheduleKind) -> Self {
+        Self { schedule, ..self }
+    }
+
+    /// The same options with overlap switched on or off.
+    pub fn with_overlap(self, overlap: bool) -> Self {
+        Self { overlap, ..self }
+    }
+
+    /// The schedule these options mean on `world` ranks.
+    pub fn schedule_for(&self, world: usize) -> Schedule {
+        Schedule::new(self.schedule, world, self.attention.causal)
+    }
+}
+
+/// Why sequence-parallel attention refused to run or failed.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DistributedError {
+    /// This rank's shards are not valid attention inputs.
+    Attention(AttentionError),
+    /// The shards are not on the group's device.
+    Device(String),
+    /// The ranks' shards or options disagree (shapes, dtypes, schedule).
+    Shards(String),
+    /// Moving tensors between ranks failed.
+    Comm(CommError),
+}
+
+impl fmt::Display for DistributedError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DistributedError::Attention(e) => write!(f, "sequence-parallel attention: {e}"),
+            DistributedError::Device(what) | DistributedError::Shards(what) => {
+                write!(f, "sequence-parallel attention: {what}")
+            }
+            DistributedError::Comm(e) => write!(f, "sequence-parallel attention: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for DistributedError {}
+
+impl From<AttentionError> for DistributedError {
+    fn from(e: AttentionError) -> Self {
+        DistributedError::Attention(e)
+    }
+}
+
+impl From<CommError> for DistributedError {
+    fn from(e: CommError) -> Self {
+        DistributedError::Comm(e)
+    }
+}
+
+/// The mask and scale of one pair: the causal diagonal is masked within the chunk, every other
+/// scheduled pair is fully visible (key chunks before the query chunk, or non-causal).
+pub(crate) fn pair_step(pair: Pair, options: &SequenceParallelOptions) -> StepMask {
+    let mask = if options.attention.causal && pair.is_diagonal() {
+        Mask::causal()
+    } else {
+        Mask::None
+    };
+    StepMask {
+        mask,
+        scale: options.attention.scale,
+    }
+}
+
+fn dtype_code(dtype: DType) -> u64 {
+    match dtype {
+        DType::F16 => 1,
+        DType::BF16 => 2,
+        _ => 3,
+    }
+}
+
+/// Checks this rank's shards, then that every rank has the same shapes, float type and options.
+fn validate<B: SequenceParallelBackend>(
+    q: &Tensor<B, 4>,
+    k: &Tensor<B, 4>,
+    v: &Tensor<B, 4>,
+    group: &DeviceGroup<B::Inner>,
+    options: &SequenceParallelOptions,
+) -> Result<(), DistributedError> {
+    check_shapes(&q.dims(), &k.dims(), &v.dims())?;
+    check_dtypes(q, k, v)?;
+    if B::inner_device(&q.device()) != *group.device() {
+        return Err(DistributedError::Device(format!(
+            "rank {} computes on {:?} but q is on {:?}",
+            group.rank(),
+            group.device(),
+            q.device()
+        )));
+    }
+    let (qd, kd) = (q.dims(), k.dims());
+    let schedule = options.schedule.resolve(options.attention.causal) as u64;
+    let scale = options.attention.scale.map_or(u64::MAX, f64::to_bits);
+    let mine = [
+        qd[0] as u64,
+        qd[1] as u64,
+        kd[1] as u64,
+        qd[2] as u64,
+        kd[2] as u64,
+        qd[3] as u64,
+        dtype_code(q.dtype()),
+        options.attention.causal as u64,
+        scale,
+        schedule,
+        options.overlap as u64,
+    ];
+    let all = group.all_gather_values(&mine)?;
+    let describe = |m: &[u64]| {
+        format!(
+            "q [{}, {}, {}, {}], k/v [{}, {}, {}, {}], dtype code {}, causal {}, scale bits {:#x}, \
+             schedule {}, overlap {}",
+            m[0], m[1], m[3], m[5], m[0], m[2], m[4], m[5], m[6], m[7], m[8], m[9], m[10]
+        )
+    };
+    if let Some((other, theirs)) = all.iter().enumerate().find(|(_, m)| m[..] != mine[..]) {
+        return Err(DistributedError::Shards(format!(
+            "every rank must hold shards of one shape with the same float type and options; \
+             rank {} has {} but rank {other} has {}",
+            group.rank(),
+            describe(&mine),
+            describe(theirs)
+        )));
+    }
+    if qd[2] != kd[2] {
+        return Err(DistributedError::Shards(format!(
+            "query and key/value shards must have the same length (each rank owns the same \
+             positions of q, k and v); got {} query and {} key rows",
+            qd[2], kd[2]
+        )));
+    }
+    Ok(())
+}
+
+/// This rank's shard of exact attention over the whole sequence split across `group`.
+///
+/// q `[B, Hq, S, D]`, k and v `[B, Hkv, S, D]`: rank `r` holds positions `r*S .. (r+1)*S` of
+/// a sequence of `P*S` tokens; every rank must call this with shards of one shape (checked).
+/// Returns O `[B, Hq, S, D]` for the rank's positions. Differentiable under `Autodiff`: the
+/// backward is distributed too, so every rank must run its backward.
+pub fn sequence_parallel_attention<B: SequenceParallelBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    group: &DeviceGroup<B::Inner>,
+    options: &SequenceParallelOptions,
+) -> Result<Tensor<B, 4>, DistributedError> {
+    sequence_parallel_attention_with_lse(q, k, v, group, options).map(|(out, _)| out)
+}
+
+/// [`sequence_parallel_attention`] that also returns the rank's rows' log-sum-exp `[B, Hq, S]`
+/// (no gradient).
+pub fn sequence_parallel_attention_with_lse<B: SequenceParallelBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    group: &DeviceGroup<B::Inner>,
+    options: &SequenceParallelOptions,
+) -> Result<(Tensor<B, 4>, Tensor<B, 3>), DistributedError> {
+    validate(&q, &k, &v, group, options)?;
+    let (out, lse) = B::sequence_parallel_attention(
+        q.into_primitive().tensor(),
+        k.into_primitive().tensor(),
+        v.into_primitive().tensor(),
+        group,
+        options,
+    )?;
+    Ok((
+        Tensor::from_primitive(TensorPrimitive::Float(out)),
+        Tensor::from_primitive(TensorPrimitive::Float(lse)),
+    ))
+}

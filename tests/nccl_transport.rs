@@ -1,0 +1,703 @@
+//! The NCCL transport: the TCP rendezvous and the environment parsing run anywhere (CI); the
+//! exchanges need two CUDA GPUs with NCCL and are `#[ignore]`d: run them with
+//! `cargo test --release --test nccl_transport -- --ignored` on the GPU machine (they skip with a
+//! message when fewer than two GPUs, or no NCCL, are there).
+#![cfg(feature = "nccl")]
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::net::{TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use burn::tensor::ops::FloatTensorOps;
+use burn::tensor::{DType, TensorData};
+use burn_cubecl::CubeBackend;
+use burn_distflash::collective::nccl::rendezvous::{self, EnvConfig, UniqueId, ID_BYTES};
+use burn_distflash::collective::nccl::{self, NcclTransport};
+use burn_distflash::collective::{
+    CommError, DeviceGroup, Incoming, MessageKind, Outgoing, TensorLayout, Transport,
+};
+use cubecl::cuda::{CudaDevice, CudaRuntime};
+use half::bf16;
+
+type B = CubeBackend<CudaRuntime, f32, i32, u8>;
+type Tensor = burn::tensor::ops::FloatTensor<B>;
+
+/// A localhost address with a port that was free a moment ago.
+fn free_addr() -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    let port = listener.local_addr().expect("local address").port();
+    format!("127.0.0.1:{port}")
+}
+
+fn test_id() -> UniqueId {
+    let mut id = [0u8; ID_BYTES];
+    for (i, byte) in id.iter_mut().enumerate() {
+        *byte = (i * 7 + 3) as u8;
+    }
+    id
+}
+
+fn setup_message(result: Result<UniqueId, CommError>) -> String {
+    match result {
+        Err(CommError::Setup(message)) => message,
+        other => panic!("expected a setup error, got {other:?}"),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rendezvous (no GPU)
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn rendezvous_hands_rank0_id_to_every_rank() {
+    let addr = free_addr();
+    let world = 4;
+    let ids: Vec<UniqueId> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let addr = addr.clone();
+                s.spawn(move || {
+                    if rank == 0 {
+                        // Rank 0 starts last: the others must retry until it listens.
+                        std::thread::sleep(Duration::from_millis(300));
+                    }
+                    rendezvous::share_id(rank, world, &addr, Duration::from_secs(20), || {
+                        Ok(test_id())
+                    })
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread").expect("rendezvous"))
+            .collect()
+    });
+    for id in ids {
+        assert_eq!(id, test_id());
+    }
+}
+
+#[test]
+fn rendezvous_with_a_missing_rank_fails_within_the_timeout() {
+    let addr = free_addr();
+    let timeout = Duration::from_millis(1500);
+    let started = Instant::now();
+    let (rank0, rank1) = std::thread::scope(|s| {
+        let a = addr.clone();
+        let rank0 = s.spawn(move || rendezvous::share_id(0, 3, &a, timeout, || Ok(test_id())));
+        let b = addr.clone();
+        // Rank 1 waits longer than rank 0, so it hears rank 0's verdict.
+        let rank1 = s.spawn(move || rendezvous::share_id(1, 3, &b, timeout * 4, || unreachable!()));
+        (rank0.join().unwrap(), rank1.join().unwrap())
+    });
+    let elapsed = started.elapsed();
+    assert!(
+        elapsed < timeout + Duration::from_secs(3),
+        "took {elapsed:?}"
+    );
+    let rank0 = setup_message(rank0);
+    assert!(
+        rank0.contains("never connected") && rank0.contains("[2]"),
+        "{rank0}"
+    );
+    let rank1 = setup_message(rank1);
+    assert!(
+        rank1.contains("never connected") && rank1.contains("[2]"),
+        "{rank1}"
+    );
+}
+
+#[test]
+fn rendezvous_without_rank0_fails_within_the_timeout() {
+    let addr = free_addr();
+    let timeout = Duration::from_millis(1000);
+    let started = Instant::now();
+    let message = setup_message(rendezvous::join(&addr, 1, 2, timeout));
+    let elapsed = started.elapsed();
+    assert!(
+        elapsed >= timeout && elapsed < timeout + Duration::from_secs(3),
+        "took {elapsed:?}"
+    );
+    assert!(message.contains("could not reach rank 0"), "{message}");
+}
+
+#[test]
+fn rendezvous_refuses_ranks_that_disagree_on_the_world_size() {
+    let addr = free_addr();
+    let timeout = Duration::from_secs(10);
+    let (rank0, rank1) = std::thread::scope(|s| {
+        let a = addr.clone();
+        let rank0 = s.spawn(move || rendezvous::share_id(0, 2, &a, timeout, || Ok(test_id())));
+        let b = addr.clone();
+        let rank1 = s.spawn(move || rendezvous::join(&b, 1, 3, timeout));
+        (rank0.join().unwrap(), rank1.join().unwrap())
+    });
+    let rank0 = setup_message(rank0);
+    assert!(rank0.contains("WORLD_SIZE=3"), "{rank0}");
+    let rank1 = setup_message(rank1);
+    assert!(rank1.contains("WORLD_SIZE=3"), "{rank1}");
+}
+
+#[test]
+fn rendezvous_ignores_connections_that_are_not_ranks() {
+    let addr = free_addr();
+    let timeout = Duration::from_secs(10);
+    let (rank0, rank1) = std::thread::scope(|s| {
+        let a = addr.clone();
+        let rank0 = s.spawn(move || rendezvous::share_id(0, 2, &a, timeout, || Ok(test_id())));
+        // A stray client that sends garbage and one that sends nothing and hangs up.
+        let deadline = Instant::now() + timeout;
+        let stray = loop {
+            match TcpStream::connect(&addr) {
+                Ok(stream) => break stream,
+                Err(_) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20))
+                }
+                Err(e) => panic!("rank 0 never listened: {e}"),
+            }
+        };
+        (&stray).write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+        drop(TcpStream::connect(&addr).unwrap());
+        let b = addr.clone();
+        let rank1 = s.spawn(move || rendezvous::join(&b, 1, 2, timeout));
+        (rank0.join().unwrap(), rank1.join().unwrap())
+    });
+    assert_eq!(rank0.expect("rank 0"), test_id());
+    assert_eq!(rank1.expect("rank 1"), test_id());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Environment parsing (no GPU, no process environment touched)
+// ---------------------------------------------------------------------------------------------
+
+fn parse(vars: &[(&str, &str)]) -> Result<EnvConfig, CommError> {
+    let vars: HashMap<String, String> = vars
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    EnvConfig::from_lookup(|name| vars.get(name).cloned())
+}
+
+fn env_error(vars: &[(&str, &str)]) -> String {
+    match parse(vars) {
+        Err(CommError::Setup(message)) => message,
+        other => panic!("expected a setup error for {vars:?}, got {other:?}"),
+    }
+}
+
+const FULL: [(&str, &str); 5] = [
+    ("RANK", "1"),
+    ("WORLD_SIZE", "4"),
+    ("LOCAL_RANK", "1"),
+    ("MASTER_ADDR", "node0"),
+    ("MASTER_PORT", "29500"),
+];
+
+fn without(name: &str) -> Vec<(&'static str, &'static str)> {
+    FULL.iter().copied().filter(|(k, _)| *k != name).collect()
+}
+
+fn with(name: &'static str, value: &'static str) -> Vec<(&'static str, &'static str)> {
+    FULL.iter()
+        .copied()
+        .map(|(k, v)| if k == name { (k, value) } else { (k, v) })
+        .collect()
+}
+
+#[test]
+fn env_parses_torchrun_variables() {
+    assert_eq!(
+        parse(&FULL).unwrap(),
+        EnvConfig {
+            rank: 1,
+            world_size: 4,
+            local_rank: 1,
+            master: Some("node0:29500".into()),
+        }
+    );
+    assert_eq!(
+        parse(&with("MASTER_ADDR", "::1"))
+            .unwrap()
+            .master
+            .as_deref(),
+        Some("[::1]:29500")
+    );
+    // A group of one needs no rendezvous address.
+    assert_eq!(
+        parse(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")]).unwrap(),
+        EnvConfig {
+            rank: 0,
+            world_size: 1,
+            local_rank: 0,
+            master: None,
+        }
+    );
+}
+
+#[test]
+fn env_errors_name_the_variable() {
+    for name in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ] {
+        let message = env_error(&without(name));
+        assert!(
+            message.contains(name) && message.contains("not set"),
+            "{name}: {message}"
+        );
+    }
+    let message = env_error(&with("RANK", "one"));
+    assert!(
+        message.contains("RANK=\"one\"") && message.contains("0..4"),
+        "{message}"
+    );
+    let message = env_error(&with("RANK", "4"));
+    assert!(
+        message.contains("RANK=4") && message.contains("out of range"),
+        "{message}"
+    );
+    let message = env_error(&with("WORLD_SIZE", "0"));
+    assert!(message.contains("WORLD_SIZE=0"), "{message}");
+    let message = env_error(&with("LOCAL_RANK", "-1"));
+    assert!(message.contains("LOCAL_RANK=\"-1\""), "{message}");
+    let message = env_error(&with("MASTER_PORT", "70000"));
+    assert!(
+        message.contains("MASTER_PORT=\"70000\"") && message.contains("1..=65535"),
+        "{message}"
+    );
+    let message = env_error(&with("MASTER_ADDR", " "));
+    assert!(message.contains("MASTER_ADDR is empty"), "{message}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Setup refused before CUDA is touched; missing libraries are errors, not panics (no GPU)
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn bad_device_lists_are_refused() {
+    match DeviceGroup::<B>::nccl(&[]) {
+        Err(CommError::Setup(message)) => assert!(message.contains("none was given"), "{message}"),
+        other => panic!("expected a setup error, got {other:?}"),
+    }
+    let devices = [CudaDevice::new(0), CudaDevice::new(1), CudaDevice::new(0)];
+    match DeviceGroup::<B>::nccl(&devices) {
+        Err(CommError::Setup(message)) => {
+            assert!(
+                message.contains("Cuda(0)") && message.contains("twice"),
+                "{message}"
+            )
+        }
+        other => panic!("expected a setup error, got {other:?}"),
+    }
+    match DeviceGroup::<B>::nccl_with_rendezvous(
+        2,
+        2,
+        CudaDevice::new(0),
+        "127.0.0.1:1",
+        Duration::from_secs(1),
+    ) {
+        Err(CommError::Setup(message)) => assert!(message.contains("rank 2"), "{message}"),
+        other => panic!("expected a setup error, got {other:?}"),
+    }
+}
+
+#[test]
+fn missing_cuda_or_nccl_is_an_error_not_a_panic() {
+    let Err(probe) = nccl::probe() else {
+        eprintln!("skipped: CUDA and NCCL are both present on this machine");
+        return;
+    };
+    let CommError::Nccl(message) = &probe else {
+        panic!("expected an NCCL error, got {probe:?}");
+    };
+    assert!(
+        message.contains("libcuda") || message.contains("libnccl"),
+        "{message}"
+    );
+    let devices = [CudaDevice::new(0), CudaDevice::new(1)];
+    assert_eq!(DeviceGroup::<B>::nccl(&devices).unwrap_err(), probe);
+    let single = DeviceGroup::<B>::nccl_with_rendezvous(
+        0,
+        1,
+        CudaDevice::new(0),
+        "",
+        Duration::from_secs(1),
+    );
+    assert_eq!(single.unwrap_err(), probe);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Exchanges on two GPUs (ignored: run on the GPU machine)
+// ---------------------------------------------------------------------------------------------
+
+/// Whether this machine has `n` GPUs and NCCL; says why not otherwise.
+fn have_gpus(n: usize) -> bool {
+    if let Err(e) = nccl::probe() {
+        eprintln!("skipped: {e}");
+        return false;
+    }
+    match nccl::device_count() {
+        Ok(count) if count >= n => true,
+        Ok(count) => {
+            eprintln!("skipped: needs {n} CUDA devices, this machine has {count}");
+            false
+        }
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            false
+        }
+    }
+}
+
+fn devices(n: usize) -> Vec<CudaDevice> {
+    (0..n).map(CudaDevice::new).collect()
+}
+
+/// Runs `body(group)` for every rank on its own thread and returns the results by rank.
+fn on_each_rank<T: Send>(
+    groups: Vec<DeviceGroup<B>>,
+    body: impl Fn(DeviceGroup<B>) -> T + Sync,
+) -> Vec<T> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .map(|group| {
+                let body = &body;
+                s.spawn(move || body(group))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread panicked"))
+            .collect()
+    })
+}
+
+/// Small integers: exact in bf16 and f32. Different per rank, message and tensor.
+fn values(rank: usize, salt: usize, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((rank * 97 + salt * 31 + i) % 251) as f32 - 100.0)
+        .collect()
+}
+
+fn f32_tensor(device: &CudaDevice, shape: &[usize], data: Vec<f32>) -> Tensor {
+    B::float_from_data(TensorData::new(data, shape.to_vec()), device)
+}
+
+fn bf16_tensor(device: &CudaDevice, shape: &[usize], data: Vec<f32>) -> Tensor {
+    let data: Vec<bf16> = data.into_iter().map(bf16::from_f32).collect();
+    B::float_from_data(TensorData::new(data, shape.to_vec()), device)
+}
+
+/// A tensor on the host: dtype, shape, values.
+type HostTensor = (DType, Vec<usize>, Vec<f32>);
+
+fn host(tensor: Tensor) -> HostTensor {
+    let data = cubecl::future::block_on(B::float_into_data(tensor)).expect("read back");
+    let values = data.iter::<f32>().collect();
+    (data.dtype, data.shape.to_vec(), values)
+}
+
+fn layout(shape: &[usize], dtype: DType) -> TensorLayout {
+    TensorLayout {
+        shape: shape.to_vec(),
+        dtype,
+    }
+}
+
+/// What rank `from` sends: a KeyValue message `[f32 [3, 5], bf16 [2, 7] (sent transposed,
+/// non-contiguous)]` and a Query message `[bf16 [4, 3]]`.
+fn expected(from: usize) -> Vec<(MessageKind, Vec<HostTensor>)> {
+    let transposed: Vec<f32> = {
+        // The [7, 2] tensor rank `from` built, read as its transpose [2, 7].
+        let built = values(from, 2, 14);
+        (0..2)
+            .flat_map(|r| (0..7).map(move |c| (r, c)))
+            .map(|(r, c)| built[c * 2 + r])
+            .collect()
+    };
+    vec![
+        (
+            MessageKind::KeyValue,
+            vec![
+                (DType::F32, vec![3, 5], values(from, 1, 15)),
+                (DType::BF16, vec![2, 7], transposed),
+            ],
+        ),
+        (
+            MessageKind::Query,
+            vec![(DType::BF16, vec![4, 3], values(from, 3, 12))],
+        ),
+    ]
+}
+
+fn sends(rank: usize, peer: usize, device: &CudaDevice) -> Vec<Outgoing<B>> {
+    let kv = Outgoing {
+        peer,
+        kind: MessageKind::KeyValue,
+        tensors: vec![
+            f32_tensor(device, &[3, 5], values(rank, 1, 15)),
+            B::float_swap_dims(bf16_tensor(device, &[7, 2], values(rank, 2, 14)), 0, 1),
+        ],
+    };
+    let query = Outgoing {
+        peer,
+        kind: MessageKind::Query,
+        tensors: vec![bf16_tensor(device, &[4, 3], values(rank, 3, 12))],
+    };
+    // The ranks list their messages in different orders; the transport must still match them.
+    if rank == 0 {
+        vec![kv, query]
+    } else {
+        vec![query, kv]
+    }
+}
+
+fn receives(rank: usize, peer: usize) -> Vec<Incoming> {
+    let kv = Incoming {
+        peer,
+        kind: MessageKind::KeyValue,
+        layouts: vec![layout(&[3, 5], DType::F32), layout(&[2, 7], DType::BF16)],
+    };
+    let query = Incoming {
+        peer,
+        kind: MessageKind::Query,
+        layouts: vec![layout(&[4, 3], DType::BF16)],
+    };
+    if rank == 0 {
+        vec![query, kv]
+    } else {
+        vec![kv, query]
+    }
+}
+
+fn check_received(
+    rank: usize,
+    peer: usize,
+    incoming: &[Incoming],
+    got: Vec<burn_distflash::collective::Received<B>>,
+) {
+    let want = expected(peer);
+    assert_eq!(got.len(), incoming.len());
+    for (message, asked) in got.into_iter().zip(incoming) {
+        assert_eq!((message.peer, message.kind), (asked.peer, asked.kind));
+        let (_, tensors) = want
+            .iter()
+            .find(|(kind, _)| *kind == asked.kind)
+            .expect("a kind that was sent");
+        let got: Vec<_> = message.tensors.into_iter().map(host).collect();
+        assert_eq!(
+            &got, tensors,
+            "rank {rank}: {:?} from rank {peer}",
+            asked.kind
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs and NCCL: run with --ignored on the GPU machine"]
+fn f32_and_bf16_messages_cross_both_ways() {
+    if !have_gpus(2) {
+        return;
+    }
+    let groups = DeviceGroup::<B>::nccl_with_timeout(&devices(2), Duration::from_secs(60))
+        .expect("NCCL group");
+    on_each_rank(groups, |group| {
+        let (rank, peer) = (group.rank(), 1 - group.rank());
+        let device = group.device().clone();
+        let incoming = receives(rank, peer);
+        let exchange = group
+            .exchange(sends(rank, peer, &device), incoming.clone())
+            .expect("post");
+        let got = exchange.wait().expect("wait");
+        check_received(rank, peer, &incoming, got);
+
+        // Addressing itself or a rank outside the group is refused before anything moves.
+        let to_self = group.exchange(
+            Vec::new(),
+            vec![Incoming {
+                peer: rank,
+                ..incoming[0].clone()
+            }],
+        );
+        assert!(matches!(to_self.err(), Some(CommError::Mismatch { .. })));
+        let outside = group.exchange(
+            Vec::new(),
+            vec![Incoming {
+                peer: 2,
+                ..incoming[0].clone()
+            }],
+        );
+        assert!(matches!(outside.err(), Some(CommError::Setup(_))));
+    });
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs and NCCL: run with --ignored on the GPU machine"]
+fn exchanges_posted_before_waiting_complete_in_order() {
+    if !have_gpus(2) {
+        return;
+    }
+    let groups = DeviceGroup::<B>::nccl_with_timeout(&devices(2), Duration::from_secs(60))
+        .expect("NCCL group");
+    on_each_rank(groups, |group| {
+        let (rank, peer) = (group.rank(), 1 - group.rank());
+        let device = group.device().clone();
+        let step = |salt: usize| {
+            let send = Outgoing {
+                peer,
+                kind: MessageKind::KeyValue,
+                tensors: vec![f32_tensor(&device, &[64, 33], values(rank, salt, 64 * 33))],
+            };
+            let receive = Incoming {
+                peer,
+                kind: MessageKind::KeyValue,
+                layouts: vec![layout(&[64, 33], DType::F32)],
+            };
+            group.exchange(vec![send], vec![receive]).expect("post")
+        };
+        let check = |received: Vec<burn_distflash::collective::Received<B>>, salt: usize| {
+            let mut message = received.into_iter().next().expect("one message");
+            let (dtype, shape, data) = host(message.tensors.remove(0));
+            assert_eq!((dtype, shape), (DType::F32, vec![64, 33]));
+            assert_eq!(
+                data,
+                values(peer, salt, 64 * 33),
+                "rank {rank}, step {salt}"
+            );
+        };
+        // Prefetch: step 2 travels while step 1 is consumed; step 3 is posted before step 2 is
+        // waited on.
+        let first = step(1);
+        let second = step(2);
+        check(first.wait().expect("wait 1"), 1);
+        let third = step(3);
+        check(second.wait().expect("wait 2"), 2);
+        check(third.wait().expect("wait 3"), 3);
+    });
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs and NCCL: run with --ignored on the GPU machine"]
+fn all_gather_values_returns_every_rank() {
+    if !have_gpus(2) {
+        return;
+    }
+    let groups = DeviceGroup::<B>::nccl_with_timeout(&devices(2), Duration::from_secs(60))
+        .expect("NCCL group");
+    on_each_rank(groups, |group| {
+        let rank = group.rank() as u64;
+        let gathered = group
+            .all_gather_values(&[rank, 10 + rank, u64::MAX - rank])
+            .expect("all-gather");
+        assert_eq!(
+            gathered,
+            vec![vec![0, 10, u64::MAX], vec![1, 11, u64::MAX - 1]]
+        );
+        // Ranks that disagree on the length get an error, and the group stays usable.
+        let uneven: Vec<u64> = (0..=rank).collect();
+        assert!(matches!(
+            group.all_gather_values(&uneven),
+            Err(CommError::Mismatch { .. })
+        ));
+        assert_eq!(
+            group.all_gather_values(&[]).expect("empty all-gather"),
+            vec![Vec::<u64>::new(), Vec::new()]
+        );
+    });
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs and NCCL: run with --ignored on the GPU machine"]
+fn a_silent_peer_gives_a_timeout() {
+    if !have_gpus(2) {
+        return;
+    }
+    let timeout = Duration::from_secs(3);
+    let groups = DeviceGroup::<B>::nccl_with_timeout(&devices(2), timeout).expect("NCCL group");
+    on_each_rank(groups, |group| {
+        let (rank, peer) = (group.rank(), 1 - group.rank());
+        // Each rank expects a message the other never sends.
+        let kind = if rank == 0 {
+            MessageKind::KeyValue
+        } else {
+            MessageKind::Query
+        };
+        let started = Instant::now();
+        let outcome = group
+            .exchange(
+                Vec::new(),
+                vec![Incoming {
+                    peer,
+                    kind,
+                    layouts: vec![layout(&[128], DType::F32)],
+                }],
+            )
+            .and_then(|exchange| exchange.wait());
+        let elapsed = started.elapsed();
+        match outcome {
+            Err(CommError::Timeout {
+                rank: r,
+                peer: p,
+                kind: k,
+                waited,
+            }) => {
+                assert_eq!((r, p, k), (rank, peer, kind));
+                assert!(waited >= timeout, "waited {waited:?}");
+            }
+            Err(other) => panic!("rank {rank}: expected a timeout, got {other}"),
+            Ok(_) => panic!("rank {rank}: a message nobody sent arrived"),
+        }
+        assert!(
+            elapsed < timeout + Duration::from_secs(12),
+            "took {elapsed:?}"
+        );
+        // The communicator is gone: later calls fail at once instead of hanging.
+        let again = group.all_gather_values(&[1]);
+        assert!(matches!(again, Err(CommError::Nccl(_))), "{again:?}");
+    });
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs and NCCL: run with --ignored on the GPU machine"]
+fn rendezvous_groups_exchange_tensors() {
+    if !have_gpus(2) {
+        return;
+    }
+    let addr = free_addr();
+    let groups: Vec<DeviceGroup<B>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                let addr = addr.clone();
+                s.spawn(move || {
+                    let transport = NcclTransport::<f32, i32, u8>::with_rendezvous(
+                        rank,
+                        2,
+                        CudaDevice::new(rank),
+                        &addr,
+                        Duration::from_secs(60),
+                    )
+                    .expect("rendezvous group");
+                    assert_eq!(Transport::<B>::rank(&transport), rank);
+                    DeviceGroup::new(transport)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    on_each_rank(groups, |group| {
+        let (rank, peer) = (group.rank(), 1 - group.rank());
+        let device = group.device().clone();
+        let incoming = receives(rank, peer);
+        let got = group
+            .exchange(sends(rank, peer, &device), incoming.clone())
+            .expect("post")
+            .wait()
+            .expect("wait");
+        check_received(rank, peer, &incoming, got);
+    });
+}

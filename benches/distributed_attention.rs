@@ -1,0 +1,351 @@
+//! Sequence-parallel attention over NCCL, one process driving P GPUs (one thread per GPU).
+//!
+//! `cargo bench --bench distributed_attention -- [--worlds 2,4] [--tokens 8192,16384,32768]
+//!  [--iters 3] [--no-single]`
+//!
+//! Causal bf16, batch 1, 32 heads, head dim 128, `tokens` per GPU. For each world size and
+//! length: ring and balanced schedules with overlap on and off, and the same schedules with
+//! communication replaced by local buffers (the zero-communication ideal); then this project's
+//! single-GPU attention on the whole sequence. Per-GPU TFLOP/s with FlashAttention's convention
+//! over the whole causal sequence (4 N² H D / 2 forward, x3.5 forward+backward, divided by P).
+//! An iteration's time is the slowest rank's; the median over iterations is reported.
+
+use std::sync::{mpsc, Arc, Barrier};
+use std::thread;
+use std::time::Instant;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Distribution, FloatDType, Shape};
+use burn_distflash::collective::{
+    CommError, Exchange, Incoming, Outgoing, Received, Transport,
+};
+use burn_distflash::schedule::{Schedule, ScheduleKind};
+use burn_distflash::{
+    DeviceGroup, FlashAttentionBackend, FlashAttentionOptions, SequenceParallelBackend,
+    SequenceParallelOptions,
+};
+use cubecl::cuda::CudaDevice;
+
+type Bf16 = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, half::bf16, i32, u8>;
+
+const HEADS: usize = 32;
+const HEAD_DIM: usize = 128;
+
+fn arg_list(args: &[String], name: &str, default: &[usize]) -> Vec<usize> {
+    match args.iter().position(|a| a == name) {
+        Some(i) => args[i + 1].split(',').map(|s| s.parse().expect(name)).collect(),
+        None => default.to_vec(),
+    }
+}
+
+/// A transport that moves nothing: receives are local zero buffers of the right layout. Runs
+/// a schedule's computation exactly, without its communication.
+struct NoComm<B: Backend> {
+    rank: usize,
+    world: usize,
+    device: B::Device,
+}
+
+struct Ready<B: Backend>(Vec<Received<B>>);
+
+impl<B: Backend> Exchange<B> for Ready<B> {
+    fn wait(self: Box<Self>) -> Result<Vec<Received<B>>, CommError> {
+        Ok(self.0)
+    }
+}
+
+impl<B: Backend> Transport<B> for NoComm<B> {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.world
+    }
+    fn device(&self) -> &B::Device {
+        &self.device
+    }
+    fn exchange(
+        &self,
+        _sends: Vec<Outgoing<B>>,
+        receives: Vec<Incoming>,
+    ) -> Result<Box<dyn Exchange<B> + '_>, CommError> {
+        let received = receives
+            .into_iter()
+            .map(|r| Received {
+                peer: r.peer,
+                kind: r.kind,
+                tensors: (r.layouts.iter())
+                    .map(|l| {
+                        let dtype = FloatDType::from(l.dtype);
+                        B::float_zeros(Shape::from(l.shape.clone()), &self.device, dtype)
+                    })
+                    .collect(),
+            })
+            .collect();
+        Ok(Box::new(Ready(received)))
+    }
+    fn all_gather_values(&self, values: &[u64]) -> Result<Vec<Vec<u64>>, CommError> {
+        Ok(vec![values.to_vec(); self.world])
+    }
+}
+
+/// One measured configuration.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Config {
+    schedule: ScheduleKind,
+    overlap: bool,
+    communicate: bool,
+}
+
+fn configs() -> Vec<Config> {
+    let mut all = Vec::new();
+    for schedule in [ScheduleKind::Ring, ScheduleKind::Balanced] {
+        for (overlap, communicate) in [(true, true), (false, true), (true, false)] {
+            all.push(Config {
+                schedule,
+                overlap,
+                communicate,
+            });
+        }
+    }
+    all
+}
+
+fn random(shape: [usize; 4], device: &CudaDevice) -> FloatTensor<Bf16> {
+    burn::tensor::Tensor::<Bf16, 4>::random(shape, Distribution::Default, device)
+        .into_primitive()
+        .tensor()
+}
+
+fn sync(device: &CudaDevice) {
+    Bf16::sync(device).expect("device sync");
+}
+
+/// Seconds of each iteration of `run` on this rank (all ranks start together).
+fn time_iters(iters: usize, barrier: &Barrier, device: &CudaDevice, run: impl Fn()) -> Vec<f64> {
+    run();
+    sync(device);
+    (0..iters)
+        .map(|_| {
+            barrier.wait();
+            let start = Instant::now();
+            run();
+            sync(device);
+            start.elapsed().as_secs_f64()
+        })
+        .collect()
+}
+
+/// Per-rank timings of every configuration, forward and forward+backward.
+type RankTimes = Vec<(Config, Vec<f64>, Vec<f64>)>;
+
+fn rank_main(
+    group: DeviceGroup<Bf16>,
+    tokens: usize,
+    iters: usize,
+    barrier: Arc<Barrier>,
+) -> RankTimes {
+    let device = group.device().clone();
+    let shape = [1, HEADS, tokens, HEAD_DIM];
+    let (q, k, v, dout) = (
+        random(shape, &device),
+        random(shape, &device),
+        random(shape, &device),
+        random(shape, &device),
+    );
+    let local = DeviceGroup::<Bf16>::new(NoComm {
+        rank: group.rank(),
+        world: group.world_size(),
+        device: device.clone(),
+    });
+    configs()
+        .into_iter()
+        .map(|config| {
+            let options = SequenceParallelOptions::causal()
+                .with_schedule(config.schedule)
+                .with_overlap(config.overlap);
+            let g = if config.communicate { &group } else { &local };
+            let forward = || {
+                Bf16::sequence_parallel_attention(q.clone(), k.clone(), v.clone(), g, &options)
+                    .expect("forward")
+            };
+            let fwd = time_iters(iters, &barrier, &device, || {
+                forward();
+            });
+            let fwd_bwd = time_iters(iters, &barrier, &device, || {
+                let (out, lse) = forward();
+                Bf16::sequence_parallel_backward(
+                    q.clone(),
+                    k.clone(),
+                    v.clone(),
+                    out,
+                    lse,
+                    dout.clone(),
+                    g,
+                    &options,
+                )
+                .expect("backward");
+            });
+            (config, fwd, fwd_bwd)
+        })
+        .collect()
+}
+
+/// Median over iterations of the slowest rank's time.
+fn slowest_median(per_rank: &[&Vec<f64>]) -> f64 {
+    let iters = per_rank[0].len();
+    let mut slowest: Vec<f64> = (0..iters)
+        .map(|i| per_rank.iter().map(|t| t[i]).fold(0.0, f64::max))
+        .collect();
+    slowest.sort_by(|a, b| a.total_cmp(b));
+    slowest[iters / 2]
+}
+
+/// Seconds of this project's single-GPU attention over `seq` tokens: (forward, forward+backward).
+fn single_gpu(seq: usize, iters: usize) -> (f64, f64) {
+    let device = CudaDevice::new(0);
+    let shape = [1, HEADS, seq, HEAD_DIM];
+    let (q, k, v, dout) = (
+        random(shape, &device),
+        random(shape, &device),
+        random(shape, &device),
+        random(shape, &device),
+    );
+    let options = FlashAttentionOptions::causal();
+    let one = Barrier::new(1);
+    let forward = || Bf16::flash_attention(q.clone(), k.clone(), v.clone(), options);
+    let median = |mut t: Vec<f64>| {
+        t.sort_by(|a, b| a.total_cmp(b));
+        t[t.len() / 2]
+    };
+    let fwd = median(time_iters(iters, &one, &device, || {
+        forward();
+    }));
+    let fwd_bwd = median(time_iters(iters, &one, &device, || {
+        let (out, lse) = forward();
+        Bf16::flash_attention_backward(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            out,
+            lse,
+            dout.clone(),
+            options,
+        );
+    }));
+    (fwd, fwd_bwd)
+}
+
+fn main() {
+    std::env::set_var("NCCL_NVLS_ENABLE", "0");
+    let args: Vec<String> = std::env::args().collect();
+    let available = burn_distflash::collective::nccl::device_count().expect("CUDA driver");
+    let worlds = arg_list(&args, "--worlds", &[available]);
+    let tokens_list = arg_list(&args, "--tokens", &[8192, 16384, 32768]);
+    let iters = arg_list(&args, "--iters", &[3])[0];
+    let single = !args.iter().any(|a| a == "--no-single");
+    println!(
+        "| P | tokens/GPU | schedule | overlap | comm | fwd ms | fwd TFLOP/s/GPU | fwd+bwd ms | \
+         fwd+bwd TFLOP/s/GPU |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    let mut summary = Vec::new();
+    for &world in &worlds {
+        assert!(world <= available, "{world} GPUs asked, {available} present");
+        let devices: Vec<CudaDevice> = (0..world).map(CudaDevice::new).collect();
+        let groups = DeviceGroup::<Bf16>::nccl(&devices).expect("NCCL group");
+        for &tokens in &tokens_list {
+            let barrier = Arc::new(Barrier::new(world));
+            let (tx, rx) = mpsc::channel();
+            let handles: Vec<_> = groups
+                .iter()
+                .cloned()
+                .map(|group| {
+                    let (barrier, tx) = (barrier.clone(), tx.clone());
+                    thread::spawn(move || {
+                        let rank = group.rank();
+                        tx.send((rank, rank_main(group, tokens, iters, barrier)))
+                            .unwrap();
+                    })
+                })
+                .collect();
+            drop(tx);
+            let mut per_rank: Vec<(usize, RankTimes)> = rx.iter().collect();
+            for h in handles {
+                h.join().expect("rank thread");
+            }
+            per_rank.sort_by_key(|(r, _)| *r);
+            let n = (world * tokens) as f64;
+            let flops = 4.0 * n * n * (HEADS * HEAD_DIM) as f64 / 2.0;
+            let per_gpu = |secs: f64, factor: f64| factor * flops / world as f64 / secs / 1e12;
+            let mut rows = Vec::new();
+            for (i, config) in configs().into_iter().enumerate() {
+                let fwd = slowest_median(&per_rank.iter().map(|(_, t)| &t[i].1).collect::<Vec<_>>());
+                let both = slowest_median(&per_rank.iter().map(|(_, t)| &t[i].2).collect::<Vec<_>>());
+                println!(
+                    "| {world} | {tokens} | {:?} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} |",
+                    config.schedule,
+                    if config.overlap { "on" } else { "off" },
+                    if config.communicate { "NCCL" } else { "none" },
+                    fwd * 1e3,
+                    per_gpu(fwd, 1.0),
+                    both * 1e3,
+                    per_gpu(both, 3.5),
+                );
+                rows.push((config, fwd, both));
+            }
+            let single_times = single.then(|| single_gpu(world * tokens, iters));
+            if let Some((fwd, both)) = single_times {
+                println!(
+                    "| 1 | {} | single GPU | - | - | {:.1} | {:.1} | {:.1} | {:.1} |",
+                    world * tokens,
+                    fwd * 1e3,
+                    flops / fwd / 1e12,
+                    both * 1e3,
+                    3.5 * flops / both / 1e12
+                );
+            }
+            summary.push((world, tokens, rows, single_times));
+        }
+    }
+    println!();
+    println!(
+        "| P | tokens/GPU | ring→balanced speedup (fwd+bwd) | theory | overhead fwd+bwd, overlap \
+         on | overlap off | balanced speedup vs 1 GPU | per-GPU efficiency |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
+    for (world, tokens, rows, single_times) in summary {
+        let find = |schedule, overlap, communicate| {
+            rows.iter()
+                .find(|(c, _, _)| {
+                    *c == Config {
+                        schedule,
+                        overlap,
+                        communicate,
+                    }
+                })
+                .map(|r| r.2)
+                .unwrap()
+        };
+        let ring = find(ScheduleKind::Ring, true, true);
+        let balanced = find(ScheduleKind::Balanced, true, true);
+        let ideal = find(ScheduleKind::Balanced, true, false);
+        let off = find(ScheduleKind::Balanced, false, true);
+        let theory = Schedule::new(ScheduleKind::Ring, world, true).time()
+            / Schedule::new(ScheduleKind::Balanced, world, true).time();
+        let (speedup, efficiency) = match single_times {
+            Some((_, one)) => (
+                format!("{:.2}x", one / balanced),
+                format!("{:.0}%", 100.0 * one / balanced / world as f64),
+            ),
+            None => ("-".into(), "-".into()),
+        };
+        println!(
+            "| {world} | {tokens} | {:.2}x | {theory:.2}x | {:.1}% | {:.1}% | {speedup} | {efficiency} |",
+            ring / balanced,
+            100.0 * (balanced - ideal) / ideal,
+            100.0 * (off - ideal) / ideal,
+        );
+    }
+}

@@ -17,9 +17,7 @@ use std::time::Instant;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Distribution, FloatDType, Shape};
-use burn_distflash::collective::{
-    CommError, Exchange, Incoming, Outgoing, Received, Transport,
-};
+use burn_distflash::collective::{CommError, Exchange, Incoming, Outgoing, Received, Transport};
 use burn_distflash::schedule::{Schedule, ScheduleKind};
 use burn_distflash::{
     DeviceGroup, FlashAttentionBackend, FlashAttentionOptions, SequenceParallelBackend,
@@ -34,7 +32,10 @@ const HEAD_DIM: usize = 128;
 
 fn arg_list(args: &[String], name: &str, default: &[usize]) -> Vec<usize> {
     match args.iter().position(|a| a == name) {
-        Some(i) => args[i + 1].split(',').map(|s| s.parse().expect(name)).collect(),
+        Some(i) => args[i + 1]
+            .split(',')
+            .map(|s| s.parse().expect(name))
+            .collect(),
         None => default.to_vec(),
     }
 }
@@ -252,7 +253,10 @@ fn main() {
     println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     let mut summary = Vec::new();
     for &world in &worlds {
-        assert!(world <= available, "{world} GPUs asked, {available} present");
+        assert!(
+            world <= available,
+            "{world} GPUs asked, {available} present"
+        );
         let devices: Vec<CudaDevice> = (0..world).map(CudaDevice::new).collect();
         let groups = DeviceGroup::<Bf16>::nccl(&devices).expect("NCCL group");
         for &tokens in &tokens_list {
@@ -281,8 +285,10 @@ fn main() {
             let per_gpu = |secs: f64, factor: f64| factor * flops / world as f64 / secs / 1e12;
             let mut rows = Vec::new();
             for (i, config) in configs().into_iter().enumerate() {
-                let fwd = slowest_median(&per_rank.iter().map(|(_, t)| &t[i].1).collect::<Vec<_>>());
-                let both = slowest_median(&per_rank.iter().map(|(_, t)| &t[i].2).collect::<Vec<_>>());
+                let fwd =
+                    slowest_median(&per_rank.iter().map(|(_, t)| &t[i].1).collect::<Vec<_>>());
+                let both =
+                    slowest_median(&per_rank.iter().map(|(_, t)| &t[i].2).collect::<Vec<_>>());
                 println!(
                     "| {world} | {tokens} | {:?} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} |",
                     config.schedule,

@@ -223,6 +223,13 @@ fn env_parses_torchrun_variables() {
             .as_deref(),
         Some("[::1]:29500")
     );
+    // Under torchrun the id travels on another port than torchrun's store.
+    let mut vars = FULL.to_vec();
+    vars.push(("DISTFLASH_RENDEZVOUS_PORT", "29611"));
+    assert_eq!(parse(&vars).unwrap().master.as_deref(), Some("node0:29611"));
+    vars.pop();
+    vars.push(("DISTFLASH_RENDEZVOUS_PORT", "x"));
+    assert!(format!("{:?}", parse(&vars)).contains("DISTFLASH_RENDEZVOUS_PORT"));
     // A group of one needs no rendezvous address.
     assert_eq!(
         parse(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")]).unwrap(),

@@ -31,6 +31,10 @@ const STATUS_REFUSED: u8 = 1;
 /// Longest refusal message a joining rank accepts (anything longer is not this protocol).
 const MAX_MESSAGE: u32 = 64 * 1024;
 
+/// Environment variable that overrides `MASTER_PORT` for the NCCL id rendezvous (needed under
+/// torchrun, whose own store listens on `MASTER_PORT`).
+pub const RENDEZVOUS_PORT_VAR: &str = "DISTFLASH_RENDEZVOUS_PORT";
+
 /// Where and as whom this process joins a group, as torchrun describes it in the environment:
 /// `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -108,12 +112,19 @@ impl EnvConfig {
             "the host name or IP address of the machine running rank 0",
         )?;
         let port_what = "the TCP port rank 0 listens on, an integer in 1..=65535";
-        let port_text = get("MASTER_PORT", port_what)?;
+        // Under torchrun, MASTER_PORT is taken by torchrun's own store: this variable names a
+        // free port for the NCCL id instead.
+        let port_var = if lookup(RENDEZVOUS_PORT_VAR).is_some() {
+            RENDEZVOUS_PORT_VAR
+        } else {
+            "MASTER_PORT"
+        };
+        let port_text = get(port_var, port_what)?;
         let port = match port_text.parse::<u16>() {
             Ok(port) if port != 0 => port,
             _ => {
                 return Err(CommError::Setup(format!(
-                    "MASTER_PORT={port_text:?} is not valid; expected {port_what}"
+                    "{port_var}={port_text:?} is not valid; expected {port_what}"
                 )))
             }
         };
@@ -193,7 +204,7 @@ fn listen(addr: &str) -> Result<TcpListener, CommError> {
     listener.map_err(|e| {
         let hint = if e.kind() == ErrorKind::AddrInUse {
             " (the port is taken: under torchrun, MASTER_PORT belongs to torchrun's own store, so \
-             pass a free port to DeviceGroup::nccl_with_rendezvous instead)"
+             set DISTFLASH_RENDEZVOUS_PORT to a free port)"
         } else {
             ""
         };

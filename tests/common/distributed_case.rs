@@ -144,9 +144,26 @@ pub fn expected_messages(
     log
 }
 
-/// Runs one case on `devices[r]` for rank `r` (one thread per rank) and checks it.
+/// Runs one case on an in-process group over `devices` (rank `r` on `devices[r]`).
 pub fn check<B>(devices: Vec<B::Device>, case: Case, elem: ElemType)
 where
+    B: AutodiffBackend + SequenceParallelBackend,
+{
+    let groups = DeviceGroup::<<B as SequenceParallelBackend>::Inner>::in_process_with_timeout(
+        devices.iter().map(|d| B::inner_device(d)).collect(),
+        Duration::from_secs(120),
+    );
+    check_groups::<B>(devices, groups, case, elem)
+}
+
+/// Runs one case with rank `r` on `devices[r]` in `groups[r]` (one thread per rank) and
+/// checks it.
+pub fn check_groups<B>(
+    devices: Vec<B::Device>,
+    groups: Vec<DeviceGroup<<B as SequenceParallelBackend>::Inner>>,
+    case: Case,
+    elem: ElemType,
+) where
     B: AutodiffBackend + SequenceParallelBackend,
 {
     let Case {
@@ -179,10 +196,6 @@ where
         rng.tensor(n(kv_shape), 2.0, elem),
         rng.tensor(n(kv_shape), 1.0, elem),
         rng.tensor(n(q_shape), 1.0, elem),
-    );
-    let groups = DeviceGroup::<<B as SequenceParallelBackend>::Inner>::in_process_with_timeout(
-        devices.iter().map(|d| B::inner_device(d)).collect(),
-        Duration::from_secs(120),
     );
     let handles: Vec<_> = groups
         .into_iter()

@@ -1,0 +1,114 @@
+//! One long sequence split across a group of devices: each rank holds a contiguous shard of q, k
+//! and v, runs `sequence_parallel_attention`, and backpropagates through it. Rank 0 prints how
+//! far the gathered output is from one-device attention over the whole sequence.
+//!
+//! ```text
+//! cargo run --release --example sequence_parallel                 # 4 ranks as threads, ndarray CPU
+//! cargo run --release --example sequence_parallel -- --nccl 4     # 4 GPUs of this machine, NCCL
+//! # one process per GPU, one or many hosts (torchrun-style environment):
+//! RANK=.. WORLD_SIZE=.. LOCAL_RANK=.. MASTER_ADDR=.. MASTER_PORT=.. \
+//!     cargo run --release --example sequence_parallel -- --env
+//! ```
+
+use std::thread;
+
+use burn::backend::{Autodiff, NdArray};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Distribution, ElementConversion, Tensor, TensorData};
+use burn_distflash::{
+    flash_attention, sequence_parallel_attention, DeviceGroup, FlashAttentionOptions,
+    SequenceParallelBackend, SequenceParallelOptions,
+};
+
+type Cuda = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+
+const SHARD: usize = 256;
+const HEADS: usize = 8;
+const KV_HEADS: usize = 2;
+const HEAD_DIM: usize = 64;
+
+/// The whole sequence's q, k, v, generated from one seed on the host, so every rank (thread or
+/// process) holds the same data and can check its shard.
+fn full_inputs(world: usize) -> [TensorData; 3] {
+    let device = Default::default();
+    NdArray::<f32>::seed(&device, 7);
+    let seq = world * SHARD;
+    let make = |heads| {
+        Tensor::<NdArray<f32>, 4>::random([1, heads, seq, HEAD_DIM], Distribution::Default, &device)
+            .into_data()
+    };
+    [make(HEADS), make(KV_HEADS), make(KV_HEADS)]
+}
+
+/// One rank's training step on its shard; returns the max difference of its output rows from
+/// one-device attention over the whole sequence.
+fn rank_step<B: SequenceParallelBackend>(
+    group: DeviceGroup<B::Inner>,
+    device: B::Device,
+    inputs: [TensorData; 3],
+) -> f32
+where
+    B: burn::tensor::backend::AutodiffBackend,
+{
+    let (rank, world) = (group.rank(), group.world_size());
+    let [q, k, v] = inputs.map(|data| Tensor::<B, 4>::from_data(data, &device));
+    let rows = rank * SHARD..(rank + 1) * SHARD;
+    let shard = |t: &Tensor<B, 4>| t.clone().narrow(2, rows.start, SHARD).require_grad();
+    let (qs, ks, vs) = (shard(&q), shard(&k), shard(&v));
+    let options = SequenceParallelOptions::causal();
+    let out = sequence_parallel_attention(qs.clone(), ks.clone(), vs.clone(), &group, &options)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let grads = out.clone().sum().backward();
+    let (dq, dk) = (qs.grad(&grads).unwrap(), ks.grad(&grads).unwrap());
+    let reference = flash_attention(q, k, v, FlashAttentionOptions::causal()).unwrap();
+    let expected = reference.narrow(2, rows.start, SHARD);
+    let scalar = |t: Tensor<B::InnerBackend, 1>| t.into_scalar().elem::<f32>();
+    let error = scalar((out.inner() - expected.inner()).abs().max());
+    println!(
+        "rank {rank}/{world}: output rows {rows:?}, max |O - O_ref| = {error:.2e}, |dq| = {:.3}, |dk| = {:.3}",
+        scalar(dq.abs().mean()),
+        scalar(dk.abs().mean())
+    );
+    error
+}
+
+fn run_threads<B>(groups: Vec<DeviceGroup<B::Inner>>, devices: Vec<B::Device>)
+where
+    B: SequenceParallelBackend + burn::tensor::backend::AutodiffBackend,
+{
+    let inputs = full_inputs(groups.len());
+    let handles: Vec<_> = groups
+        .into_iter()
+        .zip(devices)
+        .map(|(group, device)| {
+            let inputs = inputs.clone();
+            thread::spawn(move || rank_step::<B>(group, device, inputs))
+        })
+        .collect();
+    let worst = handles
+        .into_iter()
+        .map(|h| h.join().expect("rank"))
+        .fold(0.0f32, f32::max);
+    println!("worst max error over ranks: {worst:.2e}");
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let flag = |name: &str| args.iter().position(|a| a == name);
+    if let Some(i) = flag("--nccl") {
+        let world: usize = args.get(i + 1).and_then(|s| s.parse().ok()).unwrap_or(2);
+        let devices: Vec<_> = (0..world).map(cubecl::cuda::CudaDevice::new).collect();
+        let groups = DeviceGroup::<Cuda>::nccl(&devices).unwrap_or_else(|e| panic!("{e}"));
+        run_threads::<Autodiff<Cuda>>(groups, devices);
+    } else if flag("--env").is_some() {
+        let group = DeviceGroup::<Cuda>::nccl_from_env().unwrap_or_else(|e| panic!("{e}"));
+        let device = group.device().clone();
+        let inputs = full_inputs(group.world_size());
+        rank_step::<Autodiff<Cuda>>(group, device, inputs);
+    } else {
+        let world = 4;
+        let devices = vec![Default::default(); world];
+        let groups = DeviceGroup::<NdArray>::in_process(devices.clone());
+        run_threads::<Autodiff<NdArray>>(groups, devices);
+    }
+}

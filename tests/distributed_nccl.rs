@@ -1,0 +1,46 @@
+//! Sequence-parallel attention over NCCL on 2 and 4 GPUs (run with `--ignored` on a machine
+//! with several CUDA GPUs; each world size is skipped, with a message, where GPUs are missing).
+
+mod common;
+
+use std::time::Duration;
+
+use burn::backend::Autodiff;
+use burn_distflash::collective::nccl;
+use burn_distflash::schedule::ScheduleKind;
+use burn_distflash::DeviceGroup;
+use common::distributed_case::{check_groups, within, Case};
+use cubecl::cuda::CudaDevice;
+use distflash_kernels::ElemType;
+
+type CudaF32 = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+
+#[test]
+#[ignore = "needs 2 or more CUDA GPUs and NCCL"]
+fn nccl_groups_match_single_device_attention() {
+    let available = nccl::device_count().expect("CUDA driver");
+    within(Duration::from_secs(900), move || {
+        for world in [2, 4] {
+            if available < world {
+                eprintln!("skipping world size {world}: {available} GPUs");
+                continue;
+            }
+            for case in [
+                Case::new(world, 100, ScheduleKind::Balanced),
+                Case::new(world, 64, ScheduleKind::Ring),
+                Case {
+                    overlap: false,
+                    head_dim: 128,
+                    q_heads: 8,
+                    kv_heads: 2,
+                    ..Case::new(world, 77, ScheduleKind::Balanced)
+                },
+            ] {
+                let devices: Vec<CudaDevice> = (0..world).map(CudaDevice::new).collect();
+                let groups = DeviceGroup::<CudaF32>::nccl(&devices).expect("NCCL group");
+                check_groups::<Autodiff<CudaF32>>(devices, groups, case, ElemType::F32);
+                eprintln!("ok: {case:?}");
+            }
+        }
+    });
+}

@@ -13,7 +13,7 @@
 use std::thread;
 
 use burn::backend::{Autodiff, NdArray};
-use burn::tensor::backend::Backend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Distribution, ElementConversion, Tensor, TensorData};
 use burn_distflash::{
     flash_attention, sequence_parallel_attention, DeviceGroup, FlashAttentionOptions,
@@ -42,13 +42,9 @@ fn full_inputs(world: usize) -> [TensorData; 3] {
 
 /// One rank's training step on its shard; returns the max difference of its output rows from
 /// one-device attention over the whole sequence.
-fn rank_step<B: SequenceParallelBackend>(
-    group: DeviceGroup<B::Inner>,
-    device: B::Device,
-    inputs: [TensorData; 3],
-) -> f32
+fn rank_step<B>(group: DeviceGroup<B::Inner>, device: B::Device, inputs: [TensorData; 3]) -> f32
 where
-    B: burn::tensor::backend::AutodiffBackend,
+    B: SequenceParallelBackend + AutodiffBackend,
 {
     let (rank, world) = (group.rank(), group.world_size());
     let [q, k, v] = inputs.map(|data| Tensor::<B, 4>::from_data(data, &device));
@@ -74,7 +70,7 @@ where
 
 fn run_threads<B>(groups: Vec<DeviceGroup<B::Inner>>, devices: Vec<B::Device>)
 where
-    B: SequenceParallelBackend + burn::tensor::backend::AutodiffBackend,
+    B: SequenceParallelBackend + AutodiffBackend,
 {
     let inputs = full_inputs(groups.len());
     let handles: Vec<_> = groups

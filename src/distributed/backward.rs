@@ -25,11 +25,12 @@ struct BackwardPass<B: FlashAttentionBackend> {
     options: SequenceParallelOptions,
 }
 
-fn f32<B: FlashAttentionBackend>(t: FloatTensor<B>) -> FloatTensor<B> {
-    if t.dtype() == DType::F32 {
+/// `t` as float type `dtype` (itself when it already is).
+fn cast<B: FlashAttentionBackend>(t: FloatTensor<B>, dtype: DType) -> FloatTensor<B> {
+    if t.dtype() == dtype {
         t
     } else {
-        B::float_cast(t, FloatDType::F32)
+        B::float_cast(t, dtype.into())
     }
 }
 
@@ -52,7 +53,11 @@ impl<B: FlashAttentionBackend> Pass<B> for BackwardPass<B> {
             query.try_into().expect("q, dO, lse, delta");
         let step = pair_step(pair, &self.options);
         let (dq, dk, dv) = B::attention_backward_step(q, k, v, grad_out, lse, delta, step);
-        let (dq, dk, dv) = (f32::<B>(dq), f32::<B>(dk), f32::<B>(dv));
+        let (dq, dk, dv) = (
+            cast::<B>(dq, DType::F32),
+            cast::<B>(dk, DType::F32),
+            cast::<B>(dv, DType::F32),
+        );
         let mut results = Vec::new();
         if pair.query == self.rank {
             self.dq = B::float_add(self.dq.clone(), dq);
@@ -116,12 +121,9 @@ pub(crate) fn run<B: FlashAttentionBackend>(
         options: *options,
     };
     pipeline::run(group, schedule, &mut pass, options.overlap)?;
-    let cast = |t: FloatTensor<B>| {
-        if dtype == DType::F32 {
-            t
-        } else {
-            B::float_cast(t, dtype.into())
-        }
-    };
-    Ok((cast(pass.dq), cast(pass.dk), cast(pass.dv)))
+    Ok((
+        cast::<B>(pass.dq, dtype),
+        cast::<B>(pass.dk, dtype),
+        cast::<B>(pass.dv, dtype),
+    ))
 }

@@ -7,7 +7,7 @@ use std::thread;
 use std::time::Duration;
 
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::Tensor;
 use burn_distflash::schedule::{Schedule, ScheduleKind};
 use burn_distflash::{
     sequence_parallel_attention, DeviceGroup, FlashAttentionOptions, SequenceParallelBackend,
@@ -15,7 +15,7 @@ use burn_distflash::{
 };
 use distflash_kernels::{AttentionDims, ElemType, Mask};
 
-use super::burn_case::{expected, to_host, Expected};
+use super::burn_case::{expected, to_host, to_tensor, Expected};
 use super::{assert_close, Rng};
 
 /// Runs `f` on another thread and fails the test if it does not finish within `limit`.
@@ -94,11 +94,6 @@ pub fn unshard(shards: &[Vec<f64>], [b, h, s, d]: [usize; 4], shard: usize) -> V
         }
     }
     full
-}
-
-fn tensor<B: AutodiffBackend>(data: &[f64], shape: [usize; 4], device: &B::Device) -> Tensor<B, 4> {
-    let values: Vec<f32> = data.iter().map(|&x| x as f32).collect();
-    Tensor::from_data(TensorData::new(values, shape), device)
 }
 
 /// What one rank returns: its output rows, its shards' gradients, and the messages it sent
@@ -213,14 +208,14 @@ pub fn check_groups<B>(
             thread::spawn(move || {
                 let sq = [batch, q_heads, shard, head_dim];
                 let skv = [batch, kv_heads, shard, head_dim];
-                let q = tensor::<B>(&q, sq, &device).require_grad();
-                let k = tensor::<B>(&k, skv, &device).require_grad();
-                let v = tensor::<B>(&v, skv, &device).require_grad();
+                let q = to_tensor::<B>(&q, sq, &device).require_grad();
+                let k = to_tensor::<B>(&k, skv, &device).require_grad();
+                let v = to_tensor::<B>(&v, skv, &device).require_grad();
                 let out =
                     sequence_parallel_attention(q.clone(), k.clone(), v.clone(), &group, &options)
                         .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
                 let forward_messages = group.take_traffic().messages;
-                let grads = (out.clone() * tensor::<B>(&dout, sq, &device))
+                let grads = (out.clone() * to_tensor::<B>(&dout, sq, &device))
                     .sum()
                     .backward();
                 let backward_messages = group.take_traffic().messages;

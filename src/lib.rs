@@ -10,8 +10,10 @@
 mod api;
 mod backend;
 pub mod backends;
+pub mod checkpoint;
 pub mod collective;
 pub mod distributed;
+pub mod layers;
 mod options;
 pub mod portable;
 pub mod schedule;
@@ -19,11 +21,16 @@ pub mod state;
 
 pub use api::{flash_attention, flash_attention_with_lse};
 pub use backend::FlashAttentionBackend;
+pub use checkpoint::{CheckpointBackend, CheckpointPlacement};
 pub use collective::{CommError, DeviceGroup};
 pub use distflash_kernels as kernels;
 pub use distributed::{
     sequence_parallel_attention, sequence_parallel_attention_with_lse, DistributedError,
     SequenceParallelBackend, SequenceParallelOptions,
+};
+pub use layers::{
+    AttentionContext, DistFlashAttention, DistFlashAttentionConfig, TransformerBlock,
+    TransformerBlockConfig,
 };
 pub use options::{check_shapes, AttentionError, FlashAttentionOptions, Mask};
 pub use schedule::ScheduleKind;

@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests: deterministic random data, the tolerance rule.
 #![allow(dead_code)]
 
+pub mod block_case;
 pub mod burn_case;
 pub mod distributed_case;
 

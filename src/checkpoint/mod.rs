@@ -1,0 +1,51 @@
+//! Gradient checkpointing of [`TransformerBlock`]s (paper §3.3), built for Burn 0.21, which has
+//! no `checkpoint(closure)` of its own.
+//!
+//! A checkpointed block is one node of the autodiff graph. Its forward runs on the inner backend
+//! (no graph, no stored activations) and keeps only the block input, plus attention's output and
+//! lse when the boundary is at the attention output. Its backward recomputes the block's forward
+//! from those and runs the block's backward, feeding the input and weight gradients back into the
+//! outer graph.
+//!
+//! Why not a nested autodiff graph: burn-autodiff 0.21 holds the graph's lock for the whole
+//! backward pass, and a `backward()` called from inside it deadlocks when it cleans up orphaned
+//! graphs (it locks every graph, the outer one included). The recomputed block therefore runs its
+//! own backward, written with tensor ops (`layers::*::backward`), and the tests check it against
+//! Burn's autodiff of the same block.
+
+mod autodiff;
+mod plain;
+
+use burn::config::Config;
+use burn::tensor::Tensor;
+
+use crate::distributed::SequenceParallelBackend;
+use crate::layers::{AttentionContext, TransformerBlock};
+use crate::DistributedError;
+
+/// Where a model's gradient checkpoints go.
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum CheckpointPlacement {
+    /// No checkpointing: the autodiff graph stores every activation.
+    None,
+    /// At the transformer layer input (the usual placement): the backward recomputes the whole
+    /// layer, attention's forward included.
+    Layer,
+    /// Rematerialization-aware, at the attention output: the layer input, attention's output and
+    /// its lse are kept; the backward recomputes the projections and the feed-forward half and
+    /// runs attention's backward from the kept output, so attention's forward runs once.
+    AttentionOutput,
+}
+
+/// A backend on which [`TransformerBlock`]s can be checkpointed: on `Autodiff<B>` the block is
+/// one node recomputed in the backward; on backends without autodiff there is nothing to store
+/// and the block simply runs.
+pub trait CheckpointBackend: SequenceParallelBackend {
+    /// `block` applied to `x` with its activations checkpointed at `placement`.
+    fn checkpoint_block(
+        block: &TransformerBlock<Self>,
+        x: Tensor<Self, 3>,
+        context: &AttentionContext<Self::Inner>,
+        placement: CheckpointPlacement,
+    ) -> Result<Tensor<Self, 3>, DistributedError>;
+}

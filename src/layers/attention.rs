@@ -1,0 +1,232 @@
+//! [`DistFlashAttention`]: multi-head self-attention with query/key/value/output projections,
+//! grouped key/value heads (GQA/MQA), rotary embeddings at absolute positions, on one device or on
+//! a rank of a sequence-parallel group.
+
+use burn::config::Config;
+use burn::module::Module;
+use burn::nn::{Initializer, Linear, LinearConfig};
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
+
+use super::config_error::ConfigError;
+use super::context::AttentionContext;
+use super::counter::ForwardCounter;
+use super::rope::{RopeConfig, RotaryTables};
+use crate::distributed::{sequence_parallel_attention_with_lse, SequenceParallelBackend};
+use crate::kernels::SUPPORTED_HEAD_DIMS;
+use crate::options::FlashAttentionOptions;
+use crate::{flash_attention_with_lse, DistributedError};
+
+/// Configuration of [`DistFlashAttention`].
+#[derive(Config, Debug)]
+pub struct DistFlashAttentionConfig {
+    /// Width of the residual stream.
+    pub d_model: usize,
+    /// Number of query heads (any count: 33 and 2 are fine).
+    pub n_heads: usize,
+    /// Number of key/value heads, dividing `n_heads` (GQA; 1 is MQA). Default: `n_heads`.
+    #[config(default = "None")]
+    pub n_kv_heads: Option<usize>,
+    /// Per-head width. Default: `d_model / n_heads`, which must then divide evenly.
+    #[config(default = "None")]
+    pub head_dim: Option<usize>,
+    /// Causal masking over the whole sequence.
+    #[config(default = true)]
+    pub causal: bool,
+    /// Rotary embedding.
+    #[config(default = "RopeConfig::new()")]
+    pub rope: RopeConfig,
+    /// Initialiser of the projection weights (Llama: normal, std 0.02).
+    #[config(default = "Initializer::Normal { mean: 0.0, std: 0.02 }")]
+    pub initializer: Initializer,
+}
+
+impl DistFlashAttentionConfig {
+    /// `(n_kv_heads, head_dim)` after defaults, or what is wrong with the configuration.
+    pub fn resolved(&self) -> Result<(usize, usize), ConfigError> {
+        let n_kv = self.n_kv_heads.unwrap_or(self.n_heads);
+        if self.d_model == 0 || self.n_heads == 0 || n_kv == 0 {
+            return Err(ConfigError(format!(
+                "d_model ({}), n_heads ({}) and n_kv_heads ({n_kv}) must be positive",
+                self.d_model, self.n_heads
+            )));
+        }
+        if self.n_heads % n_kv != 0 {
+            return Err(ConfigError(format!(
+                "n_kv_heads ({n_kv}) must divide n_heads ({}): each key/value head serves a group \
+                 of query heads",
+                self.n_heads
+            )));
+        }
+        let head_dim = match self.head_dim {
+            Some(d) => d,
+            None if self.d_model % self.n_heads == 0 => self.d_model / self.n_heads,
+            None => {
+                return Err(ConfigError(format!(
+                    "n_heads ({}) does not divide d_model ({}); set head_dim explicitly or choose \
+                     a head count that divides the hidden size",
+                    self.n_heads, self.d_model
+                )))
+            }
+        };
+        if !SUPPORTED_HEAD_DIMS.contains(&head_dim) {
+            return Err(ConfigError(format!(
+                "head_dim {head_dim} is not supported by the attention kernels; supported: \
+                 {SUPPORTED_HEAD_DIMS:?}"
+            )));
+        }
+        Ok((n_kv, head_dim))
+    }
+
+    /// The module, or what is wrong with the configuration.
+    pub fn try_init<B: SequenceParallelBackend>(
+        &self,
+        device: &B::Device,
+    ) -> Result<DistFlashAttention<B>, ConfigError> {
+        let (n_kv_heads, head_dim) = self.resolved()?;
+        let linear = |d_in: usize, d_out: usize| {
+            LinearConfig::new(d_in, d_out)
+                .with_bias(false)
+                .with_initializer(self.initializer.clone())
+                .init(device)
+        };
+        Ok(DistFlashAttention {
+            query: linear(self.d_model, self.n_heads * head_dim),
+            key: linear(self.d_model, n_kv_heads * head_dim),
+            value: linear(self.d_model, n_kv_heads * head_dim),
+            output: linear(self.n_heads * head_dim, self.d_model),
+            n_heads: self.n_heads,
+            n_kv_heads,
+            head_dim,
+            causal: self.causal,
+            rope: self.rope.clone(),
+            counter: ForwardCounter::default(),
+        })
+    }
+
+    /// The module; panics with the configuration error (see [`try_init`](Self::try_init)).
+    pub fn init<B: SequenceParallelBackend>(&self, device: &B::Device) -> DistFlashAttention<B> {
+        self.try_init(device).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+/// Multi-head self-attention over `[batch, seq, d_model]` computed by this project's
+/// memory-efficient kernels, locally or sequence-parallel (see [`AttentionContext`]).
+#[derive(Module, Debug)]
+pub struct DistFlashAttention<B: Backend> {
+    /// Query projection `[d_model, n_heads * head_dim]`.
+    pub query: Linear<B>,
+    /// Key projection `[d_model, n_kv_heads * head_dim]`.
+    pub key: Linear<B>,
+    /// Value projection `[d_model, n_kv_heads * head_dim]`.
+    pub value: Linear<B>,
+    /// Output projection `[n_heads * head_dim, d_model]`.
+    pub output: Linear<B>,
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads.
+    pub n_kv_heads: usize,
+    /// Per-head width.
+    pub head_dim: usize,
+    /// Causal masking.
+    pub causal: bool,
+    /// Rotary embedding.
+    #[module(skip)]
+    pub rope: RopeConfig,
+    /// How many times this module (and its clones) computed attention's forward.
+    #[module(skip)]
+    pub counter: ForwardCounter,
+}
+
+/// Queries, keys and values `[batch, heads, seq, head_dim]` after the rotary embedding.
+#[derive(Debug, Clone)]
+pub(crate) struct Projected<B: SequenceParallelBackend> {
+    pub q: Tensor<B, 4>,
+    pub k: Tensor<B, 4>,
+    pub v: Tensor<B, 4>,
+    pub rope: RotaryTables<B>,
+}
+
+impl<B: SequenceParallelBackend> DistFlashAttention<B> {
+    /// Attention of `x` `[batch, seq, d_model]` (the whole sequence, or this rank's shard);
+    /// panics with a clear message where [`try_forward`](Self::try_forward) returns an error.
+    pub fn forward(&self, x: Tensor<B, 3>, context: &AttentionContext<B::Inner>) -> Tensor<B, 3> {
+        self.try_forward(x, context)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Attention of `x` `[batch, seq, d_model]`, or why it cannot run (bad shapes, shards that
+    /// disagree across ranks, a failed peer).
+    pub fn try_forward(
+        &self,
+        x: Tensor<B, 3>,
+        context: &AttentionContext<B::Inner>,
+    ) -> Result<Tensor<B, 3>, DistributedError> {
+        let projected = self.project(x, context);
+        let (out, _) = self.attend(&projected, context)?;
+        Ok(self.output.forward(merge_heads(out)))
+    }
+
+    /// The options of this module's attention.
+    pub fn options(&self) -> FlashAttentionOptions {
+        FlashAttentionOptions {
+            causal: self.causal,
+            scale: None,
+        }
+    }
+
+    /// Projects `x` to rotated queries and keys and to values.
+    pub(crate) fn project(
+        &self,
+        x: Tensor<B, 3>,
+        context: &AttentionContext<B::Inner>,
+    ) -> Projected<B> {
+        let [_, seq, _] = x.dims();
+        let rope = RotaryTables::new(
+            &self.rope,
+            self.head_dim,
+            context.position_offset(seq),
+            seq,
+            x.dtype(),
+            &x.device(),
+        );
+        let q = split_heads(self.query.forward(x.clone()), self.n_heads);
+        let k = split_heads(self.key.forward(x.clone()), self.n_kv_heads);
+        let v = split_heads(self.value.forward(x), self.n_kv_heads);
+        Projected {
+            q: rope.apply(q),
+            k: rope.apply(k),
+            v,
+            rope,
+        }
+    }
+
+    /// `(O, lse)` of the projected heads; counts one forward computation.
+    pub(crate) fn attend(
+        &self,
+        p: &Projected<B>,
+        context: &AttentionContext<B::Inner>,
+    ) -> Result<(Tensor<B, 4>, Tensor<B, 3>), DistributedError> {
+        self.counter.record();
+        let (q, k, v) = (p.q.clone(), p.k.clone(), p.v.clone());
+        match context.sequence_parallel_options(self.options()) {
+            None => Ok(flash_attention_with_lse(q, k, v, self.options())?),
+            Some((group, options)) => {
+                sequence_parallel_attention_with_lse(q, k, v, group, &options)
+            }
+        }
+    }
+}
+
+/// `[batch, seq, heads * head_dim]` -> `[batch, heads, seq, head_dim]`.
+pub(crate) fn split_heads<B: Backend>(x: Tensor<B, 3>, heads: usize) -> Tensor<B, 4> {
+    let [batch, seq, width] = x.dims();
+    x.reshape([batch, seq, heads, width / heads])
+        .swap_dims(1, 2)
+}
+
+/// `[batch, heads, seq, head_dim]` -> `[batch, seq, heads * head_dim]`.
+pub(crate) fn merge_heads<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 3> {
+    let [batch, heads, seq, head_dim] = x.dims();
+    x.swap_dims(1, 2).reshape([batch, seq, heads * head_dim])
+}

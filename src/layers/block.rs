@@ -1,0 +1,178 @@
+//! [`TransformerBlock`]: a Llama decoder layer (pre-norm attention and SwiGLU feed-forward, both
+//! residual), with a per-model choice of where gradient checkpointing puts its boundary.
+
+use burn::config::Config;
+use burn::module::Module;
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
+
+use super::attention::{merge_heads, DistFlashAttention, DistFlashAttentionConfig};
+use super::attention_backward::{AttentionActivations, AttentionGrads};
+use super::config_error::ConfigError;
+use super::context::AttentionContext;
+use super::feed_forward::{FeedForward, FeedForwardConfig, FeedForwardGrads};
+use super::rms_norm::{RmsNorm, RmsNormConfig};
+use crate::checkpoint::{CheckpointBackend, CheckpointPlacement};
+use crate::distributed::SequenceParallelBackend;
+use crate::DistributedError;
+
+/// Configuration of [`TransformerBlock`].
+#[derive(Config, Debug)]
+pub struct TransformerBlockConfig {
+    /// The attention (width, heads, rotary embedding).
+    pub attention: DistFlashAttentionConfig,
+    /// Hidden width of the feed-forward block (11008 for Llama-7B).
+    pub d_ff: usize,
+    /// Epsilon of both RMS norms.
+    #[config(default = 1e-5)]
+    pub norm_eps: f64,
+    /// Where gradient checkpointing cuts the graph.
+    #[config(default = "CheckpointPlacement::None")]
+    pub checkpoint: CheckpointPlacement,
+}
+
+impl TransformerBlockConfig {
+    /// The block, or what is wrong with the configuration.
+    pub fn try_init<B: SequenceParallelBackend>(
+        &self,
+        device: &B::Device,
+    ) -> Result<TransformerBlock<B>, ConfigError> {
+        let d_model = self.attention.d_model;
+        if self.d_ff == 0 {
+            return Err(ConfigError("d_ff must be positive".into()));
+        }
+        let norm = RmsNormConfig::new(d_model).with_eps(self.norm_eps);
+        Ok(TransformerBlock {
+            attention_norm: norm.init(device),
+            attention: self.attention.try_init(device)?,
+            ffn_norm: norm.init(device),
+            ffn: FeedForwardConfig::new(d_model, self.d_ff)
+                .with_initializer(self.attention.initializer.clone())
+                .init(device),
+            checkpoint: self.checkpoint,
+        })
+    }
+
+    /// The block; panics with the configuration error (see [`try_init`](Self::try_init)).
+    pub fn init<B: SequenceParallelBackend>(&self, device: &B::Device) -> TransformerBlock<B> {
+        self.try_init(device).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+/// `h = x + attention(norm(x))`, `y = h + ffn(norm(h))`.
+#[derive(Module, Debug)]
+pub struct TransformerBlock<B: Backend> {
+    /// Norm before attention.
+    pub attention_norm: RmsNorm<B>,
+    /// Self-attention.
+    pub attention: DistFlashAttention<B>,
+    /// Norm before the feed-forward block.
+    pub ffn_norm: RmsNorm<B>,
+    /// SwiGLU feed-forward block.
+    pub ffn: FeedForward<B>,
+    /// Where gradient checkpointing cuts the graph.
+    #[module(skip)]
+    pub checkpoint: CheckpointPlacement,
+}
+
+/// The attention half of a block's forward: what its backward starts from.
+pub(crate) struct AttentionHalf<B: SequenceParallelBackend> {
+    /// Input and projections of attention, its output and lse.
+    pub attention: AttentionActivations<B>,
+    /// The block input.
+    pub x: Tensor<B, 3>,
+    /// The residual stream after attention.
+    pub h: Tensor<B, 3>,
+}
+
+/// Gradients of a block's input and of its nine weights.
+pub(crate) struct BlockGrads<B: SequenceParallelBackend> {
+    pub input: Tensor<B, 3>,
+    pub attention_norm: Tensor<B, 1>,
+    pub attention: AttentionGrads<B>,
+    pub ffn_norm: Tensor<B, 1>,
+    pub ffn: FeedForwardGrads<B>,
+}
+
+impl<B: CheckpointBackend> TransformerBlock<B> {
+    /// The block applied to `x` `[batch, seq, d_model]` (the whole sequence or this rank's
+    /// shard); panics with a clear message where [`try_forward`](Self::try_forward) errs.
+    pub fn forward(&self, x: Tensor<B, 3>, context: &AttentionContext<B::Inner>) -> Tensor<B, 3> {
+        self.try_forward(x, context)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// The block applied to `x`, checkpointed as [`checkpoint`](Self::checkpoint) says.
+    pub fn try_forward(
+        &self,
+        x: Tensor<B, 3>,
+        context: &AttentionContext<B::Inner>,
+    ) -> Result<Tensor<B, 3>, DistributedError> {
+        match self.checkpoint {
+            CheckpointPlacement::None => self.forward_stored(x, context),
+            placement => B::checkpoint_block(self, x, context, placement),
+        }
+    }
+}
+
+impl<B: SequenceParallelBackend> TransformerBlock<B> {
+    /// The forward through ordinary tensor ops: under autodiff, the graph keeps every activation.
+    pub fn forward_stored(
+        &self,
+        x: Tensor<B, 3>,
+        context: &AttentionContext<B::Inner>,
+    ) -> Result<Tensor<B, 3>, DistributedError> {
+        let half = self.attention_half(x, context, None)?;
+        Ok(half.h.clone() + self.ffn.forward(self.ffn_norm.forward(half.h)))
+    }
+
+    /// Runs the attention half; with `saved` `(O, lse)` attention itself is not recomputed.
+    pub(crate) fn attention_half(
+        &self,
+        x: Tensor<B, 3>,
+        context: &AttentionContext<B::Inner>,
+        saved: Option<(Tensor<B, 4>, Tensor<B, 3>)>,
+    ) -> Result<AttentionHalf<B>, DistributedError> {
+        let input = self.attention_norm.forward(x.clone());
+        let projected = self.attention.project(input.clone(), context);
+        let (out, lse) = match saved {
+            Some(saved) => saved,
+            None => self.attention.attend(&projected, context)?,
+        };
+        let h = x.clone() + self.attention.output.forward(merge_heads(out.clone()));
+        Ok(AttentionHalf {
+            attention: AttentionActivations {
+                input,
+                projected,
+                out,
+                lse,
+            },
+            x,
+            h,
+        })
+    }
+
+    /// Gradients of the input and weights for the output gradient `grad`, from the attention
+    /// half of the forward (the feed-forward half is recomputed from `h`).
+    pub(crate) fn backward(
+        &self,
+        half: AttentionHalf<B>,
+        grad: Tensor<B, 3>,
+        context: &AttentionContext<B::Inner>,
+    ) -> BlockGrads<B> {
+        let ffn_input = self.ffn_norm.forward(half.h.clone());
+        let (dffn_input, ffn) = self.ffn.backward(ffn_input, grad.clone());
+        let (dh_norm, ffn_norm) = self.ffn_norm.backward(half.h, dffn_input);
+        let dh = grad + dh_norm;
+        let (dattention_input, attention) =
+            self.attention.backward(half.attention, dh.clone(), context);
+        let (dx_norm, attention_norm) = self.attention_norm.backward(half.x, dattention_input);
+        BlockGrads {
+            input: dh + dx_norm,
+            attention_norm,
+            attention,
+            ffn_norm,
+            ffn,
+        }
+    }
+}

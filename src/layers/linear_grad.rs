@@ -1,0 +1,33 @@
+//! The backward of a bias-free [`Linear`] layer `y = x W` over `[batch, seq, d_in]` inputs.
+
+use burn::nn::Linear;
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
+
+/// Gradients of a linear layer's input and weight.
+pub(crate) struct LinearGrads<B: Backend> {
+    /// `dx = dy W^T` `[batch, seq, d_in]`.
+    pub input: Tensor<B, 3>,
+    /// `dW = x^T dy` summed over batch and sequence `[d_in, d_out]`.
+    pub weight: Tensor<B, 2>,
+}
+
+/// `(dx, dW)` of `y = x W` at input `x` for the output gradient `grad`.
+pub(crate) fn linear_backward<B: Backend>(
+    linear: &Linear<B>,
+    x: Tensor<B, 3>,
+    grad: Tensor<B, 3>,
+) -> LinearGrads<B> {
+    let weight = linear.weight.val();
+    let [batch, seq, d_in] = x.dims();
+    let d_out = grad.dims()[2];
+    let rows = batch * seq;
+    let dweight = x
+        .reshape([rows, d_in])
+        .transpose()
+        .matmul(grad.clone().reshape([rows, d_out]));
+    LinearGrads {
+        input: grad.matmul(weight.transpose().unsqueeze::<3>()),
+        weight: dweight,
+    }
+}

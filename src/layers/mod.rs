@@ -1,0 +1,24 @@
+//! Burn modules built on this project's attention: [`DistFlashAttention`] (drop-in multi-head
+//! attention, local or sequence-parallel) and [`TransformerBlock`] (a Llama decoder layer with a
+//! choice of gradient-checkpoint placement), and the pieces they are made of.
+
+mod attention;
+mod attention_backward;
+mod block;
+mod config_error;
+mod context;
+mod counter;
+mod feed_forward;
+mod linear_grad;
+mod rms_norm;
+mod rope;
+
+pub use attention::{DistFlashAttention, DistFlashAttentionConfig};
+pub(crate) use block::BlockGrads;
+pub use block::{TransformerBlock, TransformerBlockConfig};
+pub use config_error::ConfigError;
+pub use context::AttentionContext;
+pub use counter::ForwardCounter;
+pub use feed_forward::{FeedForward, FeedForwardConfig};
+pub use rms_norm::{RmsNorm, RmsNormConfig};
+pub use rope::{Llama3RopeScaling, RopeConfig, RotaryTables};

@@ -1,0 +1,178 @@
+//! Gradient checkpointing of transformer blocks on the CPU: every gradient equal across the
+//! three placements, on one device and on each rank of an in-process group (whose weight
+//! gradients also sum to the single-device ones); attention's forward counted per step.
+
+mod common;
+
+use std::thread;
+use std::time::Duration;
+
+use burn::backend::ndarray::NdArrayDevice;
+use burn::backend::{Autodiff, NdArray};
+use burn::tensor::{Tensor, TensorData};
+use burn_distflash::layers::AttentionContext;
+use burn_distflash::schedule::ScheduleKind;
+use burn_distflash::{CheckpointPlacement, DeviceGroup};
+use common::block_case::{
+    assert_same_step, lift, random_blocks, relative_error, small_config, step, StepResult,
+};
+use common::distributed_case::within;
+use common::Rng;
+
+type Inner = NdArray<f32>;
+type Cpu = Autodiff<Inner>;
+const LIMIT: Duration = Duration::from_secs(300);
+const PLACEMENTS: [CheckpointPlacement; 3] = [
+    CheckpointPlacement::None,
+    CheckpointPlacement::Layer,
+    CheckpointPlacement::AttentionOutput,
+];
+/// f32 through two blocks; the placements differ only in the order of float operations.
+const TOLERANCE: f64 = 2e-5;
+
+fn random(rng: &mut Rng, dims: [usize; 3]) -> Tensor<Inner, 3> {
+    let n = dims.iter().product();
+    let values: Vec<f32> = (0..n).map(|_| rng.uniform() as f32).collect();
+    Tensor::from_data(TensorData::new(values, dims), &NdArrayDevice::Cpu)
+}
+
+fn single_device(
+    placement: CheckpointPlacement,
+    x: &Tensor<Inner, 3>,
+    r: &Tensor<Inner, 3>,
+) -> StepResult {
+    let blocks = random_blocks::<Cpu>(&small_config(), 7, &NdArrayDevice::Cpu);
+    step(
+        &lift::<Cpu>(&blocks, placement),
+        x.clone(),
+        r.clone(),
+        &AttentionContext::Local,
+    )
+}
+
+#[test]
+fn placements_give_the_same_gradients_on_one_device() {
+    let mut rng = Rng::new(1);
+    let (x, r) = (random(&mut rng, [2, 24, 64]), random(&mut rng, [2, 24, 64]));
+    let none = single_device(CheckpointPlacement::None, &x, &r);
+    for placement in [
+        CheckpointPlacement::Layer,
+        CheckpointPlacement::AttentionOutput,
+    ] {
+        let got = single_device(placement, &x, &r);
+        assert_same_step(&format!("{placement:?}"), &got, &none, TOLERANCE);
+    }
+}
+
+#[test]
+fn attention_forward_runs_once_with_the_attention_output_placement_and_twice_per_layer() {
+    let mut rng = Rng::new(2);
+    let (x, r) = (random(&mut rng, [1, 16, 64]), random(&mut rng, [1, 16, 64]));
+    let counts = |p| single_device(p, &x, &r).attention_forwards;
+    assert_eq!(counts(CheckpointPlacement::None), vec![1, 1]);
+    assert_eq!(counts(CheckpointPlacement::Layer), vec![2, 2]);
+    assert_eq!(counts(CheckpointPlacement::AttentionOutput), vec![1, 1]);
+}
+
+/// Each rank's step on its shard of `x` and `r`.
+fn sharded(
+    world: usize,
+    placement: CheckpointPlacement,
+    schedule: ScheduleKind,
+    x: &Tensor<Inner, 3>,
+    r: &Tensor<Inner, 3>,
+) -> Vec<StepResult> {
+    let blocks = random_blocks::<Cpu>(&small_config(), 7, &NdArrayDevice::Cpu);
+    let shard = x.dims()[1] / world;
+    let groups = DeviceGroup::<Inner>::in_process(vec![NdArrayDevice::Cpu; world]);
+    let handles: Vec<_> = groups
+        .into_iter()
+        .enumerate()
+        .map(|(rank, group)| {
+            let rows = rank * shard..(rank + 1) * shard;
+            let x = x.clone().narrow(1, rows.start, shard);
+            let r = r.clone().narrow(1, rows.start, shard);
+            let blocks = blocks.clone();
+            thread::spawn(move || {
+                let context = AttentionContext::sharded(group).with_schedule(schedule);
+                step(&lift::<Cpu>(&blocks, placement), x, r, &context)
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// The ranks' outputs and input gradients concatenated, their weight gradients summed.
+fn combine(ranks: &[StepResult]) -> StepResult {
+    let cat = |f: fn(&StepResult) -> &Vec<f32>, batch: usize| {
+        let per_row: Vec<usize> = ranks.iter().map(|r| f(r).len() / batch).collect();
+        let mut out = Vec::new();
+        for b in 0..batch {
+            for (rank, n) in ranks.iter().zip(&per_row) {
+                out.extend_from_slice(&f(rank)[b * n..(b + 1) * n]);
+            }
+        }
+        out
+    };
+    let weight_grads = (0..ranks[0].weight_grads.len())
+        .map(|i| {
+            let mut sum = ranks[0].weight_grads[i].clone();
+            for rank in &ranks[1..] {
+                for (s, g) in sum.iter_mut().zip(&rank.weight_grads[i]) {
+                    *s += g;
+                }
+            }
+            sum
+        })
+        .collect();
+    StepResult {
+        output: cat(|r| &r.output, 2),
+        input_grad: cat(|r| &r.input_grad, 2),
+        weight_grads,
+        attention_forwards: ranks[0].attention_forwards.clone(),
+    }
+}
+
+#[test]
+fn placements_agree_on_every_rank_and_the_ranks_together_equal_one_device() {
+    within(LIMIT, || {
+        let mut rng = Rng::new(3);
+        let (x, r) = (random(&mut rng, [2, 24, 64]), random(&mut rng, [2, 24, 64]));
+        let single = single_device(CheckpointPlacement::None, &x, &r);
+        for (world, schedule) in [
+            (2, ScheduleKind::Auto),
+            (3, ScheduleKind::Balanced),
+            (4, ScheduleKind::Ring),
+        ] {
+            let reference = sharded(world, CheckpointPlacement::None, schedule, &x, &r);
+            for placement in PLACEMENTS {
+                let ranks = sharded(world, placement, schedule, &x, &r);
+                for (rank, (got, expected)) in ranks.iter().zip(&reference).enumerate() {
+                    let what = format!("{world} ranks, {placement:?}, rank {rank}");
+                    assert_same_step(&what, got, expected, TOLERANCE);
+                    let expected_forwards = if placement == CheckpointPlacement::Layer {
+                        2
+                    } else {
+                        1
+                    };
+                    assert_eq!(got.attention_forwards, vec![expected_forwards; 2], "{what}");
+                }
+                let what = format!("{world} ranks, {placement:?}, against one device");
+                assert_same_step(&what, &combine(&ranks), &single, 1e-4);
+            }
+        }
+    });
+}
+
+#[test]
+fn the_rotary_positions_of_a_shard_are_absolute() {
+    // Same blocks, same data: a shard's rows must not match the first rows of the sequence.
+    within(LIMIT, || {
+        let mut rng = Rng::new(4);
+        let (x, r) = (random(&mut rng, [2, 24, 64]), random(&mut rng, [2, 24, 64]));
+        let ranks = sharded(2, CheckpointPlacement::None, ScheduleKind::Auto, &x, &r);
+        let single = single_device(CheckpointPlacement::None, &x, &r);
+        let combined = combine(&ranks);
+        assert!(relative_error(&combined.output, &single.output) < 1e-5);
+    });
+}

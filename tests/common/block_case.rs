@@ -1,0 +1,206 @@
+//! Two stacked transformer blocks trained one step on random data: every gradient collected, on
+//! one device or on each rank of a group, for any checkpoint placement.
+
+use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Tensor, TensorData};
+use burn_distflash::layers::{AttentionContext, ForwardCounter};
+use burn_distflash::{
+    CheckpointBackend, CheckpointPlacement, DistFlashAttentionConfig, TransformerBlock,
+    TransformerBlockConfig,
+};
+
+use super::Rng;
+
+/// A block shape small enough for the CPU: GQA 4 query over 2 key/value heads of width 16.
+pub fn small_config() -> TransformerBlockConfig {
+    TransformerBlockConfig::new(
+        DistFlashAttentionConfig::new(64, 4)
+            .with_n_kv_heads(Some(2))
+            .with_causal(true),
+        96,
+    )
+}
+
+/// Replaces every weight with uniform noise of amplitude `amp` (norm scales around 1), so no
+/// weight is a constant that could hide a wrong gradient.
+struct Randomize<'a>(&'a mut Rng);
+
+impl<B: burn::tensor::backend::Backend> ModuleMapper<B> for Randomize<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let dims = tensor.dims();
+        let n: usize = dims.iter().product();
+        let values: Vec<f32> = if D == 1 {
+            (0..n)
+                .map(|_| 1.0 + 0.3 * self.0.uniform() as f32)
+                .collect()
+        } else {
+            (0..n).map(|_| 0.15 * self.0.uniform() as f32).collect()
+        };
+        let fresh = Tensor::from_data(TensorData::new(values, dims), &tensor.device());
+        Param::from_mapped_value(id, fresh.require_grad(), mapper)
+    }
+}
+
+/// Marks every weight as needing a gradient.
+struct RequireGrad;
+
+impl<B: burn::tensor::backend::Backend> ModuleMapper<B> for RequireGrad {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        param.set_require_grad(true)
+    }
+}
+
+/// Two blocks with random weights, as modules of the inner backend of `B` that remember their
+/// weights need gradients (clone them per rank, then [`lift`] them so each rank has its own
+/// autodiff leaves).
+pub fn random_blocks<B: AutodiffBackend>(
+    config: &TransformerBlockConfig,
+    seed: u64,
+    device: &B::Device,
+) -> Vec<TransformerBlock<B::InnerBackend>>
+where
+    B: CheckpointBackend,
+    TransformerBlock<B>: AutodiffModule<B, InnerModule = TransformerBlock<B::InnerBackend>>,
+{
+    let mut rng = Rng::new(seed);
+    (0..2)
+        .map(|_| {
+            config
+                .init::<B>(device)
+                .map(&mut Randomize(&mut rng))
+                .valid()
+        })
+        .collect()
+}
+
+/// The blocks as autodiff modules with fresh leaves, checkpointed at `placement`.
+pub fn lift<B: AutodiffBackend>(
+    blocks: &[TransformerBlock<B::InnerBackend>],
+    placement: CheckpointPlacement,
+) -> Vec<TransformerBlock<B>>
+where
+    TransformerBlock<B>: AutodiffModule<B, InnerModule = TransformerBlock<B::InnerBackend>>,
+{
+    blocks
+        .iter()
+        .map(|b| {
+            // Cloning a module of the inner backend forgets which weights need gradients.
+            let mut block = TransformerBlock::<B>::from_inner(b.clone()).map(&mut RequireGrad);
+            block.checkpoint = placement;
+            // Each copy counts its own attention forwards (clones share a count).
+            block.attention.counter = ForwardCounter::default();
+            block
+        })
+        .collect()
+}
+
+/// Collects every float parameter's gradient, in module order.
+struct Collect<'a, B: AutodiffBackend> {
+    grads: &'a B::Gradients,
+    out: Vec<Vec<f32>>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Collect<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let val = param.val();
+        let grad = val.grad(self.grads).unwrap_or_else(|| {
+            panic!(
+                "weight {} ({:?}, requires grad: {}) got no gradient",
+                self.out.len(),
+                val.dims(),
+                val.is_require_grad()
+            )
+        });
+        self.out
+            .push(grad.into_data().convert::<f32>().to_vec().unwrap());
+    }
+}
+
+/// One training step's results: the output, the input gradient, every weight gradient, and how
+/// many times each block's attention forward ran.
+pub struct StepResult {
+    pub output: Vec<f32>,
+    pub input_grad: Vec<f32>,
+    pub weight_grads: Vec<Vec<f32>>,
+    pub attention_forwards: Vec<usize>,
+}
+
+/// Runs `x -> blocks -> y`, `loss = sum(y * r)`, backward.
+pub fn step<B: AutodiffBackend + CheckpointBackend>(
+    blocks: &[TransformerBlock<B>],
+    x: Tensor<B::InnerBackend, 3>,
+    r: Tensor<B::InnerBackend, 3>,
+    context: &AttentionContext<<B as burn_distflash::SequenceParallelBackend>::Inner>,
+) -> StepResult {
+    for block in blocks {
+        block.attention.counter.reset();
+    }
+    let x = Tensor::<B, 3>::from_inner(x).require_grad();
+    let mut y = x.clone();
+    for block in blocks {
+        y = block.forward(y, context);
+    }
+    let output = y
+        .clone()
+        .inner()
+        .into_data()
+        .convert::<f32>()
+        .to_vec()
+        .unwrap();
+    let grads = (y * Tensor::from_inner(r)).sum().backward();
+    let mut collect = Collect::<B> {
+        grads: &grads,
+        out: Vec::new(),
+    };
+    for block in blocks {
+        block.visit(&mut collect);
+    }
+    StepResult {
+        output,
+        input_grad: x
+            .grad(&grads)
+            .unwrap()
+            .into_data()
+            .convert::<f32>()
+            .to_vec()
+            .unwrap(),
+        weight_grads: collect.out,
+        attention_forwards: blocks.iter().map(|b| b.attention.counter.get()).collect(),
+    }
+}
+
+/// Largest absolute difference relative to the largest magnitude of `expected`.
+pub fn relative_error(got: &[f32], expected: &[f32]) -> f64 {
+    assert_eq!(got.len(), expected.len(), "lengths differ");
+    let scale = expected
+        .iter()
+        .fold(1e-6f64, |m, v| m.max((*v as f64).abs()));
+    got.iter()
+        .zip(expected)
+        .map(|(a, b)| ((*a as f64) - (*b as f64)).abs())
+        .fold(0.0, f64::max)
+        / scale
+}
+
+/// Asserts two steps' outputs and gradients agree to `tol` (relative).
+pub fn assert_same_step(what: &str, got: &StepResult, expected: &StepResult, tol: f64) {
+    let err = relative_error(&got.output, &expected.output);
+    assert!(err <= tol, "{what}: output differs by {err:e}");
+    let err = relative_error(&got.input_grad, &expected.input_grad);
+    assert!(err <= tol, "{what}: input gradient differs by {err:e}");
+    assert_eq!(got.weight_grads.len(), expected.weight_grads.len());
+    for (i, (g, e)) in got
+        .weight_grads
+        .iter()
+        .zip(&expected.weight_grads)
+        .enumerate()
+    {
+        let err = relative_error(g, e);
+        assert!(
+            err <= tol,
+            "{what}: gradient of weight {i} differs by {err:e}"
+        );
+    }
+}

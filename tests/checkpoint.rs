@@ -14,7 +14,7 @@ use burn_distflash::layers::AttentionContext;
 use burn_distflash::schedule::ScheduleKind;
 use burn_distflash::{CheckpointPlacement, DeviceGroup};
 use common::block_case::{
-    assert_same_step, lift, random_blocks, relative_error, small_config, step, StepResult,
+    assert_same_step, combine, lift, random_blocks, relative_error, small_config, step, StepResult,
 };
 use common::distributed_case::within;
 use common::Rng;
@@ -102,37 +102,6 @@ fn sharded(
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
-/// The ranks' outputs and input gradients concatenated, their weight gradients summed.
-fn combine(ranks: &[StepResult]) -> StepResult {
-    let cat = |f: fn(&StepResult) -> &Vec<f32>, batch: usize| {
-        let per_row: Vec<usize> = ranks.iter().map(|r| f(r).len() / batch).collect();
-        let mut out = Vec::new();
-        for b in 0..batch {
-            for (rank, n) in ranks.iter().zip(&per_row) {
-                out.extend_from_slice(&f(rank)[b * n..(b + 1) * n]);
-            }
-        }
-        out
-    };
-    let weight_grads = (0..ranks[0].weight_grads.len())
-        .map(|i| {
-            let mut sum = ranks[0].weight_grads[i].clone();
-            for rank in &ranks[1..] {
-                for (s, g) in sum.iter_mut().zip(&rank.weight_grads[i]) {
-                    *s += g;
-                }
-            }
-            sum
-        })
-        .collect();
-    StepResult {
-        output: cat(|r| &r.output, 2),
-        input_grad: cat(|r| &r.input_grad, 2),
-        weight_grads,
-        attention_forwards: ranks[0].attention_forwards.clone(),
-    }
-}
-
 #[test]
 fn placements_agree_on_every_rank_and_the_ranks_together_equal_one_device() {
     within(LIMIT, || {
@@ -158,7 +127,7 @@ fn placements_agree_on_every_rank_and_the_ranks_together_equal_one_device() {
                     assert_eq!(got.attention_forwards, vec![expected_forwards; 2], "{what}");
                 }
                 let what = format!("{world} ranks, {placement:?}, against one device");
-                assert_same_step(&what, &combine(&ranks), &single, 1e-4);
+                assert_same_step(&what, &combine(&ranks, 2), &single, 1e-4);
             }
         }
     });
@@ -172,7 +141,7 @@ fn the_rotary_positions_of_a_shard_are_absolute() {
         let (x, r) = (random(&mut rng, [2, 24, 64]), random(&mut rng, [2, 24, 64]));
         let ranks = sharded(2, CheckpointPlacement::None, ScheduleKind::Auto, &x, &r);
         let single = single_device(CheckpointPlacement::None, &x, &r);
-        let combined = combine(&ranks);
+        let combined = combine(&ranks, 2);
         assert!(relative_error(&combined.output, &single.output) < 1e-5);
     });
 }

@@ -75,13 +75,17 @@ pub enum DistributedError {
     Shards(String),
     /// Moving tensors between ranks failed.
     Comm(CommError),
+    /// A module's input does not have the shape the module was built for.
+    Input(String),
 }
 
 impl fmt::Display for DistributedError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             DistributedError::Attention(e) => write!(f, "sequence-parallel attention: {e}"),
-            DistributedError::Device(what) | DistributedError::Shards(what) => {
+            DistributedError::Device(what)
+            | DistributedError::Shards(what)
+            | DistributedError::Input(what) => {
                 write!(f, "sequence-parallel attention: {what}")
             }
             DistributedError::Comm(e) => write!(f, "sequence-parallel attention: {e}"),

@@ -162,9 +162,22 @@ impl<B: SequenceParallelBackend> DistFlashAttention<B> {
         x: Tensor<B, 3>,
         context: &AttentionContext<B::Inner>,
     ) -> Result<Tensor<B, 3>, DistributedError> {
+        self.check_input(&x)?;
         let projected = self.project(x, context);
         let (out, _) = self.attend(&projected, context)?;
         Ok(self.output.forward(merge_heads(out)))
+    }
+
+    /// Refuses an input whose last dimension is not the module's `d_model`.
+    pub(crate) fn check_input(&self, x: &Tensor<B, 3>) -> Result<(), DistributedError> {
+        let d_model = self.query.weight.dims()[0];
+        let dims = x.dims();
+        if dims[2] != d_model {
+            return Err(DistributedError::Input(format!(
+                "attention input is {dims:?} but the module expects [batch, seq, {d_model}]"
+            )));
+        }
+        Ok(())
     }
 
     /// The options of this module's attention.

@@ -204,3 +204,35 @@ pub fn assert_same_step(what: &str, got: &StepResult, expected: &StepResult, tol
         );
     }
 }
+
+/// The ranks' outputs and input gradients concatenated along the sequence (`batch` rows each),
+/// their weight gradients summed: what one device computes for the whole sequence.
+pub fn combine(ranks: &[StepResult], batch: usize) -> StepResult {
+    let cat = |f: fn(&StepResult) -> &Vec<f32>| {
+        let per_row: Vec<usize> = ranks.iter().map(|r| f(r).len() / batch).collect();
+        let mut out = Vec::new();
+        for b in 0..batch {
+            for (rank, n) in ranks.iter().zip(&per_row) {
+                out.extend_from_slice(&f(rank)[b * n..(b + 1) * n]);
+            }
+        }
+        out
+    };
+    let weight_grads = (0..ranks[0].weight_grads.len())
+        .map(|i| {
+            let mut sum = ranks[0].weight_grads[i].clone();
+            for rank in &ranks[1..] {
+                for (s, g) in sum.iter_mut().zip(&rank.weight_grads[i]) {
+                    *s += g;
+                }
+            }
+            sum
+        })
+        .collect();
+    StepResult {
+        output: cat(|r| &r.output),
+        input_grad: cat(|r| &r.input_grad),
+        weight_grads,
+        attention_forwards: ranks[0].attention_forwards.clone(),
+    }
+}

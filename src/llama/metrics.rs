@@ -1,0 +1,639 @@
+//! Training metrics: a JSON-lines log (one object per step) and an SVG plot of the loss curve.
+//!
+//! Non-finite numbers are written as `null` (JSON has no NaN or infinity) and read back as NaN.
+
+use std::fmt::{self, Write as _};
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Deserializer, Serialize};
+
+/// The metrics of one training step, one JSON object per log line.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepMetrics {
+    /// Training step (1-based or 0-based, as the caller counts).
+    pub step: u64,
+    /// Training loss of the step.
+    #[serde(deserialize_with = "nan_if_null")]
+    pub loss: f64,
+    /// Learning rate used for the step.
+    #[serde(deserialize_with = "nan_if_null")]
+    pub lr: f64,
+    /// Throughput in tokens per second.
+    #[serde(deserialize_with = "nan_if_null")]
+    pub tokens_per_s: f64,
+    /// Global gradient norm (before clipping, as the caller defines it).
+    #[serde(deserialize_with = "nan_if_null")]
+    pub grad_norm: f64,
+    /// Seconds since training started.
+    #[serde(deserialize_with = "nan_if_null")]
+    pub elapsed_s: f64,
+}
+
+fn nan_if_null<'de, D: Deserializer<'de>>(deserializer: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(deserializer)?.unwrap_or(f64::NAN))
+}
+
+/// Everything that can go wrong with a metrics log.
+#[derive(Debug)]
+pub enum MetricsError {
+    /// Opening, reading or writing the log failed.
+    Io {
+        /// The log file.
+        path: PathBuf,
+        /// The underlying error.
+        source: io::Error,
+    },
+    /// A line is not a metrics object.
+    Parse {
+        /// The log file.
+        path: PathBuf,
+        /// 1-based line number.
+        line: usize,
+        /// serde's message.
+        message: String,
+    },
+}
+
+impl fmt::Display for MetricsError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Io { path, source } => {
+                write!(f, "I/O error on metrics log {}: {source}", path.display())
+            }
+            Self::Parse {
+                path,
+                line,
+                message,
+            } => write!(
+                f,
+                "line {line} of metrics log {} is not a metrics object ({{\"step\", \"loss\", \
+                 \"lr\", \"tokens_per_s\", \"grad_norm\", \"elapsed_s\"}}): {message}",
+                path.display()
+            ),
+        }
+    }
+}
+
+impl std::error::Error for MetricsError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Io { source, .. } => Some(source),
+            Self::Parse { .. } => None,
+        }
+    }
+}
+
+/// Parses log text. A last line without a newline that does not parse is an interrupted write
+/// and is skipped; any other bad line is an error. Blank lines are ignored.
+fn parse_log(path: &Path, text: &str) -> Result<Vec<StepMetrics>, MetricsError> {
+    let unterminated_tail = !text.is_empty() && !text.ends_with('\n');
+    let lines: Vec<&str> = text.lines().collect();
+    let mut records = Vec::with_capacity(lines.len());
+    for (k, line) in lines.iter().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        match serde_json::from_str(line) {
+            Ok(record) => records.push(record),
+            Err(_) if unterminated_tail && k + 1 == lines.len() => {}
+            Err(e) => {
+                return Err(MetricsError::Parse {
+                    path: path.to_path_buf(),
+                    line: k + 1,
+                    message: e.to_string(),
+                })
+            }
+        }
+    }
+    Ok(records)
+}
+
+/// Reads every record of a metrics log.
+pub fn read_metrics(path: &Path) -> Result<Vec<StepMetrics>, MetricsError> {
+    let text = fs::read_to_string(path).map_err(|source| MetricsError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    parse_log(path, &text)
+}
+
+/// An open metrics log that appends one JSON line per [`MetricsLog::log`] call.
+#[derive(Debug)]
+pub struct MetricsLog {
+    path: PathBuf,
+    file: File,
+}
+
+impl MetricsLog {
+    /// Creates the log, emptying any existing file.
+    pub fn create(path: &Path) -> Result<Self, MetricsError> {
+        let file = File::create(path).map_err(|source| MetricsError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            file,
+        })
+    }
+
+    /// Opens the log for appending, creating it if missing. An unterminated last line (an
+    /// interrupted write) is removed first so new records start on a line of their own.
+    pub fn append(path: &Path) -> Result<Self, MetricsError> {
+        let io_err = |source| MetricsError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        match fs::read(path) {
+            Ok(bytes) if !bytes.is_empty() && bytes.last() != Some(&b'\n') => {
+                let keep = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |k| k + 1);
+                fs::write(path, &bytes[..keep]).map_err(io_err)?;
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io_err(e)),
+        }
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(io_err)?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            file,
+        })
+    }
+
+    /// Opens the log to continue a run resumed from a checkpoint taken after `last_step`:
+    /// records with a larger step (written after that checkpoint) are dropped, then new records
+    /// are appended. A missing file starts an empty log.
+    pub fn resume(path: &Path, last_step: u64) -> Result<Self, MetricsError> {
+        let kept: Vec<StepMetrics> = match fs::read_to_string(path) {
+            Ok(text) => parse_log(path, &text)?
+                .into_iter()
+                .filter(|r| r.step <= last_step)
+                .collect(),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Vec::new(),
+            Err(source) => {
+                return Err(MetricsError::Io {
+                    path: path.to_path_buf(),
+                    source,
+                })
+            }
+        };
+        let mut log = Self::create(path)?;
+        for record in &kept {
+            log.log(record)?;
+        }
+        Ok(log)
+    }
+
+    /// Appends one record as a single JSON line.
+    pub fn log(&mut self, metrics: &StepMetrics) -> Result<(), MetricsError> {
+        let io_err = |source| MetricsError::Io {
+            path: self.path.clone(),
+            source,
+        };
+        let mut line = serde_json::to_string(metrics)
+            .map_err(|e| io_err(io::Error::new(io::ErrorKind::InvalidData, e)))?;
+        line.push('\n');
+        self.file.write_all(line.as_bytes()).map_err(io_err)
+    }
+
+    /// The log's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// SVG loss plot.
+
+const WIDTH: f64 = 800.0;
+const HEIGHT: f64 = 500.0;
+const LEFT: f64 = 80.0;
+const RIGHT: f64 = 30.0;
+const TOP: f64 = 50.0;
+const BOTTOM: f64 = 60.0;
+const MAX_TICKS: usize = 50;
+
+/// A "nice" tick spacing (1, 2 or 5 times a power of ten) giving about `target` ticks.
+fn nice_step(range: f64, target: f64) -> f64 {
+    let raw = range / target;
+    if !(raw.is_finite() && raw > 0.0) {
+        return 1.0;
+    }
+    let magnitude = 10f64.powf(raw.log10().floor());
+    let nice = match raw / magnitude {
+        r if r <= 1.0 => 1.0,
+        r if r <= 2.0 => 2.0,
+        r if r <= 5.0 => 5.0,
+        _ => 10.0,
+    };
+    nice * magnitude
+}
+
+/// Decimals needed to print multiples of `step` exactly enough.
+fn decimals_for(step: f64) -> usize {
+    if step >= 1.0 {
+        0
+    } else {
+        ((-step.log10()).ceil() as usize).min(12)
+    }
+}
+
+/// Tick values: the multiples of `step` in `[lo, hi]` (at most `MAX_TICKS`).
+fn ticks(lo: f64, hi: f64, step: f64) -> Vec<f64> {
+    let first = (lo / step).ceil();
+    (0..MAX_TICKS)
+        .map(|k| (first + k as f64) * step)
+        .take_while(|&t| t <= hi + step * 1e-9)
+        .collect()
+}
+
+fn format_tick(value: f64, decimals: usize) -> String {
+    let text = format!("{value:.decimals$}");
+    // Avoid "-0" / "-0.00" for values that round to zero.
+    if text
+        .trim_start_matches('-')
+        .chars()
+        .all(|c| c == '0' || c == '.')
+    {
+        text.trim_start_matches('-').to_string()
+    } else {
+        text
+    }
+}
+
+fn escape_xml(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&apos;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// Renders a self-contained SVG line chart of loss against step.
+///
+/// Non-finite losses are skipped and points are drawn in step order. Axes get "nice" ticks
+/// (integer steps on x); a single point or a constant loss gets a padded range, and a lone
+/// point is also drawn as a dot. With no finite point the chart says so.
+pub fn loss_plot_svg(points: &[(u64, f64)], title: &str) -> String {
+    let mut pts: Vec<(f64, f64)> = points
+        .iter()
+        .filter(|(_, loss)| loss.is_finite())
+        .map(|&(step, loss)| (step as f64, loss))
+        .collect();
+    pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+
+    let (mut x_lo, mut x_hi, mut y_lo, mut y_hi) = (0.0, 1.0, 0.0, 1.0);
+    if let (Some(first), Some(last)) = (pts.first(), pts.last()) {
+        (x_lo, x_hi) = (first.0, last.0);
+        if x_hi - x_lo < 1.0 {
+            x_lo = (x_lo - 1.0).max(0.0);
+            x_hi = x_lo + 2.0;
+        }
+        y_lo = pts.iter().map(|p| p.1).fold(f64::INFINITY, f64::min);
+        y_hi = pts.iter().map(|p| p.1).fold(f64::NEG_INFINITY, f64::max);
+        if y_hi - y_lo <= f64::EPSILON * y_hi.abs().max(1.0) {
+            let pad = if y_lo == 0.0 { 1.0 } else { y_lo.abs() * 0.1 };
+            (y_lo, y_hi) = (y_lo - pad, y_hi + pad);
+        }
+    }
+    let x_step = nice_step(x_hi - x_lo, 8.0).max(1.0);
+    let y_step = nice_step(y_hi - y_lo, 6.0);
+    // Extend the y range to whole ticks, so the curve sits between labelled lines.
+    let (y_lo, y_hi) = {
+        let (lo, hi) = (
+            (y_lo / y_step).floor() * y_step,
+            (y_hi / y_step).ceil() * y_step,
+        );
+        if lo.is_finite() && hi.is_finite() && hi > lo {
+            (lo, hi)
+        } else {
+            (y_lo, y_hi)
+        }
+    };
+    let plot_w = WIDTH - LEFT - RIGHT;
+    let plot_h = HEIGHT - TOP - BOTTOM;
+    let px = |x: f64| LEFT + (x - x_lo) / (x_hi - x_lo) * plot_w;
+    let py = |y: f64| TOP + plot_h - (y - y_lo) / (y_hi - y_lo) * plot_h;
+
+    let mut svg = String::new();
+    // Writing to a String cannot fail.
+    let _ = write!(
+        svg,
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{WIDTH}\" height=\"{HEIGHT}\" \
+         viewBox=\"0 0 {WIDTH} {HEIGHT}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+         <text x=\"{}\" y=\"28\" text-anchor=\"middle\" font-size=\"16\">{}</text>\n",
+        WIDTH / 2.0,
+        escape_xml(title)
+    );
+    let (bottom, right) = (TOP + plot_h, LEFT + plot_w);
+    let x_decimals = decimals_for(x_step);
+    for t in ticks(x_lo, x_hi, x_step) {
+        let x = px(t);
+        let _ = writeln!(
+            svg,
+            "<line x1=\"{x:.2}\" y1=\"{TOP}\" x2=\"{x:.2}\" y2=\"{bottom}\" stroke=\"#e0e0e0\"/>\
+             <text x=\"{x:.2}\" y=\"{:.2}\" text-anchor=\"middle\">{}</text>",
+            bottom + 18.0,
+            format_tick(t, x_decimals)
+        );
+    }
+    let y_decimals = decimals_for(y_step);
+    for t in ticks(y_lo, y_hi, y_step) {
+        let y = py(t);
+        let _ = writeln!(
+            svg,
+            "<line x1=\"{LEFT}\" y1=\"{y:.2}\" x2=\"{right}\" y2=\"{y:.2}\" stroke=\"#e0e0e0\"/>\
+             <text x=\"{:.2}\" y=\"{:.2}\" text-anchor=\"end\">{}</text>",
+            LEFT - 8.0,
+            y + 4.0,
+            format_tick(t, y_decimals)
+        );
+    }
+    let _ = write!(
+        svg,
+        "<rect x=\"{LEFT}\" y=\"{TOP}\" width=\"{plot_w}\" height=\"{plot_h}\" fill=\"none\" \
+         stroke=\"black\"/>\n\
+         <text x=\"{}\" y=\"{}\" text-anchor=\"middle\">step</text>\n\
+         <text x=\"20\" y=\"{}\" text-anchor=\"middle\" \
+         transform=\"rotate(-90 20 {})\">loss</text>\n",
+        LEFT + plot_w / 2.0,
+        HEIGHT - 15.0,
+        TOP + plot_h / 2.0,
+        TOP + plot_h / 2.0
+    );
+    if pts.is_empty() {
+        let _ = writeln!(
+            svg,
+            "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">no finite loss values</text>",
+            LEFT + plot_w / 2.0,
+            TOP + plot_h / 2.0
+        );
+    } else {
+        let coords: Vec<String> = pts
+            .iter()
+            .map(|&(x, y)| format!("{:.2},{:.2}", px(x), py(y)))
+            .collect();
+        let _ = writeln!(
+            svg,
+            "<polyline fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"1.5\" points=\"{}\"/>",
+            coords.join(" ")
+        );
+        if let [(x, y)] = pts[..] {
+            let _ = writeln!(
+                svg,
+                "<circle cx=\"{:.2}\" cy=\"{:.2}\" r=\"3\" fill=\"#1f77b4\"/>",
+                px(x),
+                py(y)
+            );
+        }
+    }
+    svg.push_str("</svg>\n");
+    svg
+}
+
+/// Writes [`loss_plot_svg`] of `points` to `path`.
+pub fn write_loss_plot_svg(points: &[(u64, f64)], path: &Path, title: &str) -> io::Result<()> {
+    fs::write(path, loss_plot_svg(points, title))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn new(tag: &str) -> Self {
+            let dir = std::env::temp_dir()
+                .join(format!("llama-metrics-test-{}-{tag}", std::process::id()));
+            let _ = fs::remove_dir_all(&dir);
+            fs::create_dir_all(&dir).expect("create temp dir");
+            Self(dir)
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn record(step: u64, loss: f64) -> StepMetrics {
+        StepMetrics {
+            step,
+            loss,
+            lr: 3e-4,
+            tokens_per_s: 1234.5,
+            grad_norm: 0.75,
+            elapsed_s: step as f64 * 0.5,
+        }
+    }
+
+    /// The coordinates of the polyline, or `None` without one.
+    fn polyline_points(svg: &str) -> Option<Vec<(f64, f64)>> {
+        let start = svg.find("<polyline")?;
+        let rest = &svg[start..];
+        let attr = rest.find("points=\"")? + "points=\"".len();
+        let end = rest[attr..].find('"')?;
+        Some(
+            rest[attr..attr + end]
+                .split_whitespace()
+                .map(|p| {
+                    let (x, y) = p.split_once(',').expect("x,y");
+                    (x.parse().expect("x"), y.parse().expect("y"))
+                })
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn write_read_round_trip_and_line_format() {
+        let tmp = TempDir::new("round-trip");
+        let path = tmp.0.join("metrics.jsonl");
+        let records: Vec<StepMetrics> = (1..=3).map(|s| record(s, 4.0 / s as f64)).collect();
+        let mut log = MetricsLog::create(&path).unwrap();
+        for r in &records {
+            log.log(r).unwrap();
+        }
+        assert_eq!(read_metrics(&path).unwrap(), records);
+        let text = fs::read_to_string(&path).unwrap();
+        assert_eq!(text.lines().count(), 3);
+        let first: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+        for key in [
+            "step",
+            "loss",
+            "lr",
+            "tokens_per_s",
+            "grad_norm",
+            "elapsed_s",
+        ] {
+            assert!(first.get(key).is_some(), "missing {key}");
+        }
+        // `create` truncates.
+        MetricsLog::create(&path).unwrap();
+        assert!(read_metrics(&path).unwrap().is_empty());
+    }
+
+    #[test]
+    fn nan_is_written_as_null_and_read_as_nan() {
+        let tmp = TempDir::new("nan");
+        let path = tmp.0.join("m.jsonl");
+        let mut log = MetricsLog::create(&path).unwrap();
+        log.log(&record(1, f64::NAN)).unwrap();
+        assert!(fs::read_to_string(&path).unwrap().contains("\"loss\":null"));
+        assert!(read_metrics(&path).unwrap()[0].loss.is_nan());
+    }
+
+    #[test]
+    fn append_and_resume() {
+        let tmp = TempDir::new("append");
+        let path = tmp.0.join("m.jsonl");
+        let mut log = MetricsLog::append(&path).unwrap();
+        log.log(&record(1, 3.0)).unwrap();
+        drop(log);
+        let mut log = MetricsLog::append(&path).unwrap();
+        log.log(&record(2, 2.0)).unwrap();
+        drop(log);
+        let steps = |p: &Path| {
+            read_metrics(p)
+                .unwrap()
+                .iter()
+                .map(|r| r.step)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(steps(&path), [1, 2]);
+
+        // An interrupted write leaves a partial line: reading skips it, appending removes it.
+        let mut file = OpenOptions::new().append(true).open(&path).unwrap();
+        file.write_all(b"{\"step\":3,\"lo").unwrap();
+        drop(file);
+        assert_eq!(steps(&path), [1, 2]);
+        let mut log = MetricsLog::append(&path).unwrap();
+        log.log(&record(3, 1.5)).unwrap();
+        drop(log);
+        assert_eq!(steps(&path), [1, 2, 3]);
+
+        // Resuming from a checkpoint after step 2 drops step 3.
+        let mut log = MetricsLog::resume(&path, 2).unwrap();
+        log.log(&record(3, 1.4)).unwrap();
+        drop(log);
+        let records = read_metrics(&path).unwrap();
+        assert_eq!(
+            records.iter().map(|r| r.step).collect::<Vec<_>>(),
+            [1, 2, 3]
+        );
+        assert_eq!(records[2].loss, 1.4);
+    }
+
+    #[test]
+    fn bad_lines_are_reported_with_line_numbers() {
+        let tmp = TempDir::new("bad");
+        let path = tmp.0.join("m.jsonl");
+        let good = serde_json::to_string(&record(1, 1.0)).unwrap();
+        fs::write(&path, format!("{good}\n\n{{\"step\": 2}}\n{good}\n")).unwrap();
+        let err = read_metrics(&path).unwrap_err();
+        assert!(matches!(err, MetricsError::Parse { line: 3, .. }), "{err}");
+        assert!(
+            err.to_string().contains("line 3") && err.to_string().contains("loss"),
+            "{err}"
+        );
+        let err = read_metrics(&tmp.0.join("absent.jsonl")).unwrap_err();
+        assert!(matches!(err, MetricsError::Io { .. }));
+    }
+
+    #[test]
+    fn svg_has_one_point_per_finite_loss() {
+        let points: Vec<(u64, f64)> = (0..50).map(|s| (s * 10, 5.0 / (1.0 + s as f64))).collect();
+        let svg = loss_plot_svg(&points, "loss <tiny> & \"llama\"");
+        assert!(svg.starts_with("<svg") && svg.ends_with("</svg>\n"));
+        assert!(svg.contains("loss &lt;tiny&gt; &amp; &quot;llama&quot;"));
+        let coords = polyline_points(&svg).unwrap();
+        assert_eq!(coords.len(), 50);
+        // x increases with step; y (downwards) increases as loss falls.
+        assert!(coords
+            .windows(2)
+            .all(|w| w[0].0 < w[1].0 && w[0].1 < w[1].1));
+        // All points lie inside the plot area.
+        let inside = |&(x, y): &(f64, f64)| {
+            (LEFT..=WIDTH - RIGHT).contains(&x) && (TOP..=HEIGHT - BOTTOM).contains(&y)
+        };
+        assert!(coords.iter().all(inside), "{coords:?}");
+        // The step axis runs 0..490 with ticks every 100; the loss axis ticks are 0..=5.
+        assert!(
+            svg.contains(">400</text>") && !svg.contains(">450</text>"),
+            "{svg}"
+        );
+        assert!(svg.contains(">5</text>"));
+
+        let with_bad = [(1, 2.0), (2, f64::NAN), (3, f64::INFINITY), (4, 1.0)];
+        assert_eq!(
+            polyline_points(&loss_plot_svg(&with_bad, "t"))
+                .unwrap()
+                .len(),
+            2
+        );
+    }
+
+    #[test]
+    fn svg_edge_cases() {
+        // One point: drawn as a dot, inside the plot, with finite coordinates.
+        let svg = loss_plot_svg(&[(0, 2.5)], "one");
+        let coords = polyline_points(&svg).unwrap();
+        assert_eq!(coords.len(), 1);
+        assert!(coords[0].0.is_finite() && coords[0].1.is_finite());
+        assert!(svg.contains("<circle"));
+        // Constant loss: a flat line in the middle band, no NaN anywhere.
+        let svg = loss_plot_svg(&[(1, 3.0), (2, 3.0), (3, 3.0)], "flat");
+        let coords = polyline_points(&svg).unwrap();
+        assert!(coords
+            .iter()
+            .all(|c| c.1 == coords[0].1 && c.1 > TOP && c.1 < HEIGHT - BOTTOM));
+        assert!(!svg.contains("NaN") && !svg.contains("inf"));
+        // Constant zero loss.
+        assert!(!loss_plot_svg(&[(1, 0.0), (2, 0.0)], "zero").contains("NaN"));
+        // No finite points: no polyline, a message instead.
+        let svg = loss_plot_svg(&[(1, f64::NAN)], "none");
+        assert!(polyline_points(&svg).is_none());
+        assert!(svg.contains("no finite loss values"));
+        assert!(polyline_points(&loss_plot_svg(&[], "empty")).is_none());
+    }
+
+    #[test]
+    fn tick_helpers() {
+        assert_eq!(nice_step(10.0, 5.0), 2.0);
+        assert!((nice_step(0.3, 6.0) - 0.05).abs() < 1e-12);
+        assert_eq!(nice_step(700.0, 8.0), 100.0);
+        assert_eq!(decimals_for(0.05), 2);
+        assert_eq!(decimals_for(0.2), 1);
+        assert_eq!(decimals_for(5.0), 0);
+        assert_eq!(ticks(0.1, 0.5, 0.2), vec![0.2, 0.4]);
+        assert_eq!(format_tick(-0.0001, 2), "0.00");
+        assert_eq!(format_tick(2.26, 1), "2.3");
+        assert_eq!(format_tick(1500.0, 0), "1500");
+    }
+
+    #[test]
+    fn svg_file_is_written() {
+        let tmp = TempDir::new("svg");
+        let path = tmp.0.join("loss.svg");
+        write_loss_plot_svg(&[(1, 2.0), (2, 1.0)], &path, "t").unwrap();
+        assert_eq!(
+            fs::read_to_string(&path).unwrap(),
+            loss_plot_svg(&[(1, 2.0), (2, 1.0)], "t")
+        );
+    }
+}

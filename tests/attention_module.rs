@@ -1,0 +1,228 @@
+//! `DistFlashAttention` against a plain multi-head attention written with Burn tensor ops (the
+//! rotary embedding from its textbook formula in f64), for irregular and few heads, GQA and MQA,
+//! on one device and sharded over a group; configuration errors; the rotary embedding itself.
+
+mod common;
+
+use std::f64::consts::PI;
+use std::thread;
+use std::time::Duration;
+
+use burn::backend::ndarray::NdArrayDevice;
+use burn::backend::NdArray;
+use burn::tensor::activation::softmax;
+use burn::tensor::{Tensor, TensorData};
+use burn_distflash::layers::{AttentionContext, Llama3RopeScaling, RopeConfig, RotaryTables};
+use burn_distflash::{DeviceGroup, DistFlashAttention, DistFlashAttentionConfig};
+use common::block_case::relative_error;
+use common::distributed_case::within;
+use common::Rng;
+
+type Cpu = NdArray<f32>;
+const DEVICE: NdArrayDevice = NdArrayDevice::Cpu;
+
+fn random(rng: &mut Rng, dims: [usize; 3]) -> Tensor<Cpu, 3> {
+    let n = dims.iter().product();
+    let values: Vec<f32> = (0..n).map(|_| rng.uniform() as f32).collect();
+    Tensor::from_data(TensorData::new(values, dims), &DEVICE)
+}
+
+/// Rotates `x` `[batch, heads, seq, d]` at positions `0..seq` with angles computed in f64 from
+/// `p * theta^(-2i/d)` (pairs `(i, i + d/2)`), independently of the module's tables.
+fn textbook_rope(x: Tensor<Cpu, 4>, theta: f64) -> Tensor<Cpu, 4> {
+    let [b, h, s, d] = x.dims();
+    let v: Vec<f32> = x.into_data().to_vec().unwrap();
+    let mut out = v.clone();
+    for row in 0..b * h * s {
+        let p = (row % s) as f64;
+        for i in 0..d / 2 {
+            let angle = p * theta.powf(-2.0 * i as f64 / d as f64);
+            let (a, c) = (v[row * d + i] as f64, v[row * d + i + d / 2] as f64);
+            out[row * d + i] = (a * angle.cos() - c * angle.sin()) as f32;
+            out[row * d + i + d / 2] = (c * angle.cos() + a * angle.sin()) as f32;
+        }
+    }
+    Tensor::from_data(TensorData::new(out, [b, h, s, d]), &DEVICE)
+}
+
+/// Plain causal multi-head attention with the module's weights: project, rotate, repeat the
+/// key/value heads, softmax of masked scores, output projection.
+fn reference(m: &DistFlashAttention<Cpu>, x: Tensor<Cpu, 3>) -> Tensor<Cpu, 3> {
+    let [b, s, _] = x.dims();
+    let (h, kvh, d) = (m.n_heads, m.n_kv_heads, m.head_dim);
+    let heads = |w: Tensor<Cpu, 2>, n: usize| {
+        x.clone()
+            .matmul(w.unsqueeze())
+            .reshape([b, s, n, d])
+            .swap_dims(1, 2)
+    };
+    let q = textbook_rope(heads(m.query.weight.val(), h), 10000.0);
+    let k = textbook_rope(heads(m.key.weight.val(), kvh), 10000.0);
+    let v = heads(m.value.weight.val(), kvh);
+    let repeat = |t: Tensor<Cpu, 4>| {
+        t.reshape([b, kvh, 1, s, d])
+            .repeat_dim(2, h / kvh)
+            .reshape([b, h, s, d])
+    };
+    let (k, v) = (repeat(k), repeat(v));
+    let scores = q.matmul(k.swap_dims(2, 3)).div_scalar((d as f64).sqrt());
+    let mask = Tensor::<Cpu, 2, burn::tensor::Bool>::tril_mask([s, s], 0, &DEVICE);
+    let scores = scores.mask_fill(mask.unsqueeze::<4>(), f32::NEG_INFINITY);
+    let out = softmax(scores, 3).matmul(v);
+    m.output.forward(out.swap_dims(1, 2).reshape([b, s, h * d]))
+}
+
+fn check_heads(d_model: usize, heads: usize, kv_heads: usize, seed: u64) {
+    let config = DistFlashAttentionConfig::new(d_model, heads).with_n_kv_heads(Some(kv_heads));
+    let module = config.init::<Cpu>(&DEVICE);
+    let x = random(&mut Rng::new(seed), [2, 20, d_model]);
+    let got = module.forward(x.clone(), &AttentionContext::Local);
+    let expected = reference(&module, x);
+    let err = relative_error(
+        &got.into_data().to_vec::<f32>().unwrap(),
+        &expected.into_data().to_vec::<f32>().unwrap(),
+    );
+    assert!(
+        err < 1e-5,
+        "{heads} heads over {kv_heads}: differs from the reference by {err:e}"
+    );
+}
+
+#[test]
+fn matches_plain_attention_with_33_heads_and_gqa() {
+    check_heads(33 * 16, 33, 3, 1);
+}
+
+#[test]
+fn matches_plain_attention_with_two_heads() {
+    check_heads(2 * 32, 2, 2, 2);
+}
+
+#[test]
+fn matches_plain_attention_with_one_key_value_head() {
+    check_heads(4 * 16, 4, 1, 3);
+}
+
+#[test]
+fn a_sharded_sequence_matches_plain_attention_over_the_whole_sequence() {
+    within(Duration::from_secs(120), || {
+        let config = DistFlashAttentionConfig::new(5 * 16, 5);
+        let module = config.init::<Cpu>(&DEVICE);
+        let x = random(&mut Rng::new(4), [1, 21, 80]);
+        let expected: Vec<f32> = reference(&module, x.clone()).into_data().to_vec().unwrap();
+        let groups = DeviceGroup::<Cpu>::in_process(vec![DEVICE; 3]);
+        let shards: Vec<Vec<f32>> = groups
+            .into_iter()
+            .enumerate()
+            .map(|(rank, group)| {
+                let (module, x) = (module.clone(), x.clone().narrow(1, rank * 7, 7));
+                thread::spawn(move || {
+                    let out = module.forward(x, &AttentionContext::sharded(group));
+                    out.into_data().to_vec::<f32>().unwrap()
+                })
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect();
+        let err = relative_error(&shards.concat(), &expected);
+        assert!(err < 1e-5, "sharded output differs by {err:e}");
+    });
+}
+
+#[test]
+fn bad_configurations_say_what_is_wrong() {
+    let err = |c: DistFlashAttentionConfig| c.try_init::<Cpu>(&DEVICE).unwrap_err().to_string();
+    assert!(err(DistFlashAttentionConfig::new(100, 3)).contains("does not divide d_model"));
+    let e = err(DistFlashAttentionConfig::new(64, 4).with_n_kv_heads(Some(3)));
+    assert!(e.contains("must divide n_heads"), "{e}");
+    let e = err(DistFlashAttentionConfig::new(40, 4));
+    assert!(e.contains("head_dim 10 is not supported"), "{e}");
+    assert!(err(DistFlashAttentionConfig::new(64, 0)).contains("must be positive"));
+    // An explicit head width need not divide the hidden size.
+    let odd = DistFlashAttentionConfig::new(100, 3).with_head_dim(Some(32));
+    assert_eq!(
+        odd.try_init::<Cpu>(&DEVICE).unwrap().query.weight.dims(),
+        [100, 96]
+    );
+}
+
+#[test]
+fn an_input_of_the_wrong_width_is_refused() {
+    let module = DistFlashAttentionConfig::new(64, 4).init::<Cpu>(&DEVICE);
+    let x = random(&mut Rng::new(6), [1, 8, 48]);
+    let e = module
+        .try_forward(x, &AttentionContext::Local)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("expects [batch, seq, 64]"), "{e}");
+}
+
+#[test]
+fn llama3_scaling_keeps_short_wavelengths_divides_long_ones_and_blends_between() {
+    let scaling = Llama3RopeScaling::new(8.0, 1.0, 4.0, 8192);
+    // Thresholds: wavelengths below 8192 / 4 = 2048 kept, above 8192 / 1 divided by 8.
+    let short = 2.0 * PI / 1000.0;
+    assert_eq!(scaling.scale(short), short);
+    let long = 2.0 * PI / 10000.0;
+    assert!((scaling.scale(long) - long / 8.0).abs() < 1e-15);
+    // Wavelength 4096: smooth = (8192/4096 - 1) / (4 - 1) = 1/3.
+    let mid = 2.0 * PI / 4096.0;
+    let expected = (2.0 / 3.0) * mid / 8.0 + (1.0 / 3.0) * mid;
+    assert!((scaling.scale(mid) - expected).abs() < 1e-15);
+    let config = RopeConfig::new()
+        .with_theta(500000.0)
+        .with_scaling(Some(scaling));
+    let freqs = config.inverse_frequencies(128);
+    assert_eq!(freqs.len(), 64);
+    assert_eq!(freqs[0], 1.0, "the highest frequency is unscaled");
+    let unscaled = RopeConfig::new()
+        .with_theta(500000.0)
+        .inverse_frequencies(128);
+    assert!((freqs[63] - unscaled[63] / 8.0).abs() < 1e-18);
+}
+
+#[test]
+fn rotary_tables_of_a_shard_are_rows_of_the_whole_sequence_and_the_transpose_is_the_adjoint() {
+    let config = RopeConfig::new();
+    let mut rng = Rng::new(5);
+    let values: Vec<f32> = (0..2 * 12 * 32).map(|_| rng.uniform() as f32).collect();
+    let x = Tensor::<Cpu, 4>::from_data(TensorData::new(values, [1, 2, 12, 32]), &DEVICE);
+    let dtype = x.dtype();
+    let whole = RotaryTables::<Cpu>::new(&config, 32, 0, 12, dtype, &DEVICE).apply(x.clone());
+    let tail = RotaryTables::<Cpu>::new(&config, 32, 5, 7, dtype, &DEVICE);
+    let got: Vec<f32> = tail
+        .apply(x.clone().narrow(2, 5, 7))
+        .into_data()
+        .to_vec()
+        .unwrap();
+    let expected: Vec<f32> = whole.narrow(2, 5, 7).into_data().to_vec().unwrap();
+    assert!(relative_error(&got, &expected) < 1e-6);
+    let textbook: Vec<f32> = textbook_rope(x.clone(), 10000.0)
+        .into_data()
+        .to_vec()
+        .unwrap();
+    let module: Vec<f32> = RotaryTables::<Cpu>::new(&config, 32, 0, 12, dtype, &DEVICE)
+        .apply(x.clone())
+        .into_data()
+        .to_vec()
+        .unwrap();
+    assert!(relative_error(&module, &textbook) < 1e-5);
+    // <g, R x> == <R^T g, x> for a random g.
+    let g = Tensor::<Cpu, 4>::from_data(
+        TensorData::new(
+            (0..2 * 7 * 32)
+                .map(|_| rng.uniform() as f32)
+                .collect::<Vec<_>>(),
+            [1, 2, 7, 32],
+        ),
+        &DEVICE,
+    );
+    let shard = x.narrow(2, 5, 7);
+    let lhs: f32 = (g.clone() * tail.apply(shard.clone())).sum().into_scalar();
+    let rhs: f32 = (tail.apply_transpose(g) * shard).sum().into_scalar();
+    assert!(
+        (lhs - rhs).abs() < 1e-4 * lhs.abs().max(1.0),
+        "{lhs} vs {rhs}"
+    );
+}

@@ -1,0 +1,90 @@
+//! Gradient checkpointing on CUDA (run with `--ignored` on a GPU machine): the three placements
+//! give the same gradients on one GPU, and on two GPUs over NCCL the ranks together equal one GPU.
+
+mod common;
+
+use std::thread;
+
+use burn::tensor::{Tensor, TensorData};
+use burn_autodiff::Autodiff;
+use burn_distflash::layers::AttentionContext;
+use burn_distflash::{CheckpointPlacement, DeviceGroup};
+use common::block_case::{assert_same_step, lift, random_blocks, small_config, step, StepResult};
+use common::Rng;
+use cubecl::cuda::{CudaDevice, CudaRuntime};
+
+type Inner = burn_cubecl::CubeBackend<CudaRuntime, f32, i32, u8>;
+type Gpu = Autodiff<Inner>;
+
+fn random(seed: u64, dims: [usize; 3], device: &CudaDevice) -> Tensor<Inner, 3> {
+    let mut rng = Rng::new(seed);
+    let n = dims.iter().product();
+    let values: Vec<f32> = (0..n).map(|_| rng.uniform() as f32).collect();
+    Tensor::from_data(TensorData::new(values, dims), device)
+}
+
+fn one_gpu(placement: CheckpointPlacement) -> StepResult {
+    let device = CudaDevice::new(0);
+    let blocks = random_blocks::<Gpu>(&small_config(), 7, &device);
+    let (x, r) = (
+        random(1, [2, 64, 64], &device),
+        random(2, [2, 64, 64], &device),
+    );
+    step(
+        &lift::<Gpu>(&blocks, placement),
+        x,
+        r,
+        &AttentionContext::Local,
+    )
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn placements_give_the_same_gradients_on_one_gpu() {
+    let none = one_gpu(CheckpointPlacement::None);
+    assert_eq!(none.attention_forwards, vec![1, 1]);
+    for placement in [
+        CheckpointPlacement::Layer,
+        CheckpointPlacement::AttentionOutput,
+    ] {
+        let got = one_gpu(placement);
+        assert_same_step(&format!("{placement:?}"), &got, &none, 1e-4);
+    }
+}
+
+#[test]
+#[ignore = "needs two CUDA GPUs"]
+fn two_gpus_over_nccl_agree_with_one_gpu_at_every_placement() {
+    let single = one_gpu(CheckpointPlacement::None);
+    for placement in [
+        CheckpointPlacement::None,
+        CheckpointPlacement::Layer,
+        CheckpointPlacement::AttentionOutput,
+    ] {
+        let devices = [CudaDevice::new(0), CudaDevice::new(1)];
+        let groups = DeviceGroup::<Inner>::nccl(&devices).expect("NCCL on two GPUs");
+        let ranks: Vec<StepResult> = groups
+            .into_iter()
+            .zip(devices)
+            .enumerate()
+            .map(|(rank, (group, device))| {
+                thread::spawn(move || {
+                    let blocks = random_blocks::<Gpu>(&small_config(), 7, &device);
+                    let x = random(1, [2, 64, 64], &device).narrow(1, rank * 32, 32);
+                    let r = random(2, [2, 64, 64], &device).narrow(1, rank * 32, 32);
+                    step(
+                        &lift::<Gpu>(&blocks, placement),
+                        x,
+                        r,
+                        &AttentionContext::sharded(group),
+                    )
+                })
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect();
+        let combined = common::block_case::combine(&ranks, 2);
+        assert_same_step(&format!("2 GPUs, {placement:?}"), &combined, &single, 1e-4);
+    }
+}

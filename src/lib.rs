@@ -14,6 +14,7 @@ pub mod checkpoint;
 pub mod collective;
 pub mod distributed;
 pub mod layers;
+pub mod llama;
 mod options;
 pub mod portable;
 pub mod schedule;

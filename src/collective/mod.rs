@@ -8,6 +8,7 @@
 
 mod error;
 mod group;
+mod reduce;
 pub mod local;
 #[cfg(feature = "nccl")]
 pub mod nccl;
@@ -36,6 +37,8 @@ pub enum MessageKind {
     KeyValueGrad,
     /// Small host values of [`Transport::all_gather_values`].
     Values,
+    /// Tensors summed over the group ([`DeviceGroup::all_reduce_sum`]).
+    Reduction,
 }
 
 /// Shape and float type of one tensor of a message (what a receiver allocates).

@@ -1,0 +1,18 @@
+//! Llama models trained with this project's attention: the model and its configuration, loading
+//! Hugging Face weights, tokenizers, data, training (AdamW, schedule, clipping, gradient
+//! all-reduce, checkpoints) and its logs. `examples/llama_train.rs` drives it.
+
+pub mod config;
+pub mod data;
+pub mod hf_config;
+pub mod metrics;
+pub mod model;
+pub mod progress;
+pub mod safetensors;
+pub mod schedule;
+pub mod tokenizer;
+pub mod train;
+pub mod weights;
+
+pub use config::{LlamaConfig, PRESETS};
+pub use model::Llama;

@@ -1,0 +1,356 @@
+//! [`Trainer`]: one rank's training loop state (model, AdamW, step) and one training step:
+//! forward and loss on this rank's shard of every sequence, backward, gradients summed over the
+//! group (every rank holds the whole model), clipped by their global norm, AdamW with the
+//! learning-rate schedule. Checkpoints save and restore everything a step depends on.
+
+use core::fmt;
+use std::fs;
+use std::path::Path;
+
+use burn::config::Config;
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::{AdamW, AdamWConfig, GradientsParams, Optimizer};
+use burn::record::{BinFileRecorder, FullPrecisionSettings, Recorder};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{DType, ElementConversion, Int, Tensor, TensorData};
+
+use super::model::Llama;
+use super::schedule::learning_rate;
+use crate::layers::AttentionContext;
+use crate::{CheckpointBackend, CommError, DistributedError};
+
+/// Optimisation settings (saved with every checkpoint).
+#[derive(Config, Debug)]
+pub struct TrainOptions {
+    /// Number of optimizer steps.
+    pub steps: u64,
+    /// Sequences per step.
+    pub batch: usize,
+    /// Tokens per sequence (the whole sequence; each rank of a group holds `seq_len / P`).
+    pub seq_len: usize,
+    /// Peak learning rate.
+    #[config(default = 3e-4)]
+    pub lr: f64,
+    /// Final learning rate as a fraction of the peak.
+    #[config(default = 0.1)]
+    pub min_lr_ratio: f64,
+    /// Linear warm-up steps.
+    #[config(default = 10)]
+    pub warmup: u64,
+    /// AdamW decoupled weight decay.
+    #[config(default = 0.1)]
+    pub weight_decay: f64,
+    /// AdamW beta 1.
+    #[config(default = 0.9)]
+    pub beta_1: f64,
+    /// AdamW beta 2.
+    #[config(default = 0.95)]
+    pub beta_2: f64,
+    /// Gradients are scaled down when their global L2 norm exceeds this (0 disables).
+    #[config(default = 1.0)]
+    pub grad_clip: f64,
+    /// Seed of the data order.
+    #[config(default = 0)]
+    pub seed: u64,
+}
+
+/// Why a training step or a checkpoint failed.
+#[derive(Debug)]
+pub enum TrainError {
+    /// The batch does not fit the options or the group.
+    Input(String),
+    /// The forward pass refused its input or a peer failed.
+    Distributed(DistributedError),
+    /// Summing gradients over the group failed.
+    Comm(CommError),
+    /// Reading or writing a checkpoint failed.
+    Checkpoint(String),
+}
+
+impl fmt::Display for TrainError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TrainError::Input(what) => write!(f, "training input: {what}"),
+            TrainError::Distributed(e) => write!(f, "training step: {e}"),
+            TrainError::Comm(e) => write!(f, "gradient all-reduce: {e}"),
+            TrainError::Checkpoint(what) => write!(f, "checkpoint: {what}"),
+        }
+    }
+}
+
+impl std::error::Error for TrainError {}
+
+impl From<DistributedError> for TrainError {
+    fn from(e: DistributedError) -> Self {
+        TrainError::Distributed(e)
+    }
+}
+
+impl From<CommError> for TrainError {
+    fn from(e: CommError) -> Self {
+        TrainError::Comm(e)
+    }
+}
+
+/// What one step measured.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepStats {
+    /// Mean next-token loss over the whole batch (all ranks).
+    pub loss: f64,
+    /// Global L2 norm of the summed gradients, before clipping.
+    pub grad_norm: f64,
+    /// Learning rate used.
+    pub lr: f64,
+}
+
+/// The backends a [`Trainer`] runs on: autodiff over a backend that computes and communicates
+/// itself (CUDA and wgpu `CubeBackend`, ndarray).
+pub trait TrainBackend:
+    AutodiffBackend + CheckpointBackend<Inner = <Self as AutodiffBackend>::InnerBackend>
+{
+}
+
+impl<B> TrainBackend for B where
+    B: AutodiffBackend + CheckpointBackend<Inner = <B as AutodiffBackend>::InnerBackend>
+{
+}
+
+/// One rank's training state.
+pub struct Trainer<B: TrainBackend> {
+    /// The model (identical on every rank after every step).
+    pub model: Llama<B>,
+    optim: OptimizerAdaptor<AdamW, Llama<B>, B>,
+    /// Steps done.
+    pub step: u64,
+    /// Where attention runs (a sharded context for a group).
+    pub context: AttentionContext<B::InnerBackend>,
+    /// Optimisation settings.
+    pub options: TrainOptions,
+}
+
+impl<B: TrainBackend> Trainer<B> {
+    /// A trainer at step 0.
+    pub fn new(
+        model: Llama<B>,
+        context: AttentionContext<B::InnerBackend>,
+        options: TrainOptions,
+    ) -> Self {
+        let optim = AdamWConfig::new()
+            .with_beta_1(options.beta_1 as f32)
+            .with_beta_2(options.beta_2 as f32)
+            .with_epsilon(1e-8)
+            .with_weight_decay(options.weight_decay as f32)
+            .init::<B, Llama<B>>();
+        Self {
+            model,
+            optim,
+            step: 0,
+            context,
+            options,
+        }
+    }
+
+    /// `(rank, world size)` of this trainer's group.
+    pub fn rank(&self) -> (usize, usize) {
+        match &self.context {
+            AttentionContext::Local => (0, 1),
+            AttentionContext::Sharded { group, .. } => (group.rank(), group.world_size()),
+        }
+    }
+
+    /// This rank's columns of a row-major `[batch, seq_len]` token batch, as a tensor.
+    fn shard(&self, tokens: &[u32]) -> Result<Tensor<B, 2, Int>, TrainError> {
+        let (batch, seq) = (self.options.batch, self.options.seq_len);
+        let (rank, world) = self.rank();
+        if tokens.len() != batch * seq {
+            return Err(TrainError::Input(format!(
+                "a batch has {} tokens but batch x seq_len is {batch} x {seq}",
+                tokens.len()
+            )));
+        }
+        if seq % world != 0 {
+            return Err(TrainError::Input(format!(
+                "seq_len {seq} is not divisible by the group size {world}; each rank holds an \
+                 equal shard"
+            )));
+        }
+        let shard = seq / world;
+        let values: Vec<i64> = tokens
+            .chunks(seq)
+            .flat_map(|row| row[rank * shard..(rank + 1) * shard].iter().map(|&t| t as i64))
+            .collect();
+        let device = self.device();
+        Ok(Tensor::from_data(TensorData::new(values, [batch, shard]), &device))
+    }
+
+    fn device(&self) -> B::Device {
+        self.model.embedding.weight.val().device()
+    }
+
+    /// One optimizer step on `inputs` and next-token `targets` (row-major `[batch, seq_len]`,
+    /// the same whole batch on every rank).
+    pub fn train_step(&mut self, inputs: &[u32], targets: &[u32]) -> Result<StepStats, TrainError> {
+        let (tokens, targets) = (self.shard(inputs)?, self.shard(targets)?);
+        let normalizer = self.options.batch * self.options.seq_len;
+        let loss = self.model.loss(tokens, targets, &self.context, normalizer)?;
+        let grads = GradientsParams::from_grads(loss.backward(), &self.model);
+        let loss = self.sum_over_group(loss.inner().into_primitive().tensor())?;
+        let loss: f64 = Tensor::<B::InnerBackend, 1>::from_primitive(
+            burn::tensor::TensorPrimitive::Float(loss),
+        )
+        .into_scalar()
+        .elem::<f64>();
+        let mut reduce = ReduceGrads::<B> {
+            grads,
+            context: &self.context,
+            squared_norm: Vec::new(),
+            error: None,
+        };
+        self.model.visit(&mut reduce);
+        if let Some(e) = reduce.error {
+            return Err(e.into());
+        }
+        let squared: f64 = reduce
+            .squared_norm
+            .into_iter()
+            .reduce(|a, b| a + b)
+            .map_or(0.0, |t| t.into_scalar().elem::<f64>());
+        let grad_norm = squared.sqrt();
+        let mut grads = reduce.grads;
+        if self.options.grad_clip > 0.0 && grad_norm > self.options.grad_clip {
+            let mut scale = ScaleGrads {
+                grads,
+                factor: self.options.grad_clip / grad_norm,
+            };
+            self.model.visit(&mut scale);
+            grads = scale.grads;
+        }
+        let o = &self.options;
+        let lr = learning_rate(self.step, o.steps, o.warmup, o.lr, o.min_lr_ratio);
+        self.model = self.optim.step(lr, self.model.clone(), grads);
+        self.step += 1;
+        Ok(StepStats {
+            loss,
+            grad_norm,
+            lr,
+        })
+    }
+
+    fn sum_over_group(
+        &self,
+        t: burn::tensor::ops::FloatTensor<B::InnerBackend>,
+    ) -> Result<burn::tensor::ops::FloatTensor<B::InnerBackend>, CommError> {
+        match &self.context {
+            AttentionContext::Local => Ok(t),
+            AttentionContext::Sharded { group, .. } => {
+                Ok(group.all_reduce_sum(vec![t])?.remove(0))
+            }
+        }
+    }
+
+    /// Writes the model, the optimizer state and the step to `dir` (rank 0 of a group is
+    /// enough: every rank holds the same state).
+    pub fn save(&self, dir: &Path) -> Result<(), TrainError> {
+        let fail = |what: &str, e: &dyn fmt::Display| {
+            TrainError::Checkpoint(format!("{what} in {}: {e}", dir.display()))
+        };
+        fs::create_dir_all(dir).map_err(|e| fail("creating the directory", &e))?;
+        let recorder = BinFileRecorder::<FullPrecisionSettings>::new();
+        self.model
+            .clone()
+            .save_file(dir.join("model"), &recorder)
+            .map_err(|e| fail("writing the model", &e))?;
+        recorder
+            .record(self.optim.to_record(), dir.join("optimizer"))
+            .map_err(|e| fail("writing the optimizer state", &e))?;
+        let state = TrainerState {
+            step: self.step,
+            options: self.options.clone(),
+        };
+        state
+            .save(dir.join("trainer.json"))
+            .map_err(|e| fail("writing trainer.json", &e))
+    }
+
+    /// Restores a checkpoint written by [`save`](Self::save) into this trainer (built with the
+    /// same model configuration); training then continues exactly where it stopped.
+    pub fn resume(mut self, dir: &Path) -> Result<Self, TrainError> {
+        let fail = |what: &str, e: &dyn fmt::Display| {
+            TrainError::Checkpoint(format!("{what} from {}: {e}", dir.display()))
+        };
+        let state = TrainerState::load(dir.join("trainer.json"))
+            .map_err(|e| fail("reading trainer.json", &e))?;
+        let recorder = BinFileRecorder::<FullPrecisionSettings>::new();
+        let device = self.device();
+        self.model = self
+            .model
+            .load_file(dir.join("model"), &recorder, &device)
+            .map_err(|e| fail("reading the model", &e))?;
+        let record = recorder
+            .load(dir.join("optimizer"), &device)
+            .map_err(|e| fail("reading the optimizer state", &e))?;
+        self.optim = self.optim.load_record(record);
+        self.step = state.step;
+        self.options = state.options;
+        Ok(self)
+    }
+}
+
+/// What a checkpoint records besides the weights and the optimizer.
+#[derive(Config, Debug)]
+pub struct TrainerState {
+    /// Steps done.
+    pub step: u64,
+    /// The options the run used.
+    pub options: TrainOptions,
+}
+
+/// Sums each gradient over the group and accumulates its squared norm.
+struct ReduceGrads<'a, B: TrainBackend> {
+    grads: GradientsParams,
+    context: &'a AttentionContext<B::InnerBackend>,
+    squared_norm: Vec<Tensor<B::InnerBackend, 1>>,
+    error: Option<CommError>,
+}
+
+impl<B: TrainBackend> ModuleVisitor<B> for ReduceGrads<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let Some(grad) = self.grads.remove::<B::InnerBackend, D>(param.id) else {
+            return;
+        };
+        let grad = match (self.context, &self.error) {
+            (AttentionContext::Sharded { group, .. }, None) => {
+                match group.all_reduce_sum(vec![grad.into_primitive().tensor()]) {
+                    Ok(mut sum) => Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(
+                        sum.remove(0),
+                    )),
+                    Err(e) => {
+                        self.error = Some(e);
+                        return;
+                    }
+                }
+            }
+            (_, Some(_)) => return,
+            (AttentionContext::Local, None) => grad,
+        };
+        self.squared_norm
+            .push(grad.clone().cast(DType::F32).square().sum().cast(DType::F32));
+        self.grads.register(param.id, grad);
+    }
+}
+
+/// Multiplies every gradient by `factor`.
+struct ScaleGrads {
+    grads: GradientsParams,
+    factor: f64,
+}
+
+impl<B: TrainBackend> ModuleVisitor<B> for ScaleGrads {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(grad) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+            self.grads.register(param.id, grad.mul_scalar(self.factor));
+        }
+    }
+}
+

@@ -1,0 +1,746 @@
+//! Loading and saving [`Llama`] models in the Hugging Face layout: a directory with
+//! `config.json` and `model.safetensors` (or sharded safetensors with an index), tensors named as
+//! `transformers`' `LlamaForCausalLM` names them.
+//!
+//! Hugging Face stores a linear layer's weight as `[out, in]`; Burn's [`Linear`] stores
+//! `[in, out]`, so every projection is transposed on the way in and on the way out. The embedding
+//! and the norm scales keep their layout.
+//!
+//! Loading checks the whole checkpoint against the configuration (every tensor present, every
+//! shape as the config implies, nothing unexpected) before any tensor is built.
+//!
+//! [`Linear`]: burn::nn::Linear
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use burn::module::Param;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+
+use super::config::LlamaConfig;
+use super::hf_config::{
+    read_hf_config, write_hf_config, HfConfigError, HfLlamaConfig, HfRopeScaling,
+};
+use super::model::Llama;
+use super::safetensors::{
+    read_safetensors_dir, write_safetensors, SafeDType, SafeTensor, SafeTensorsError,
+    SINGLE_FILE_NAME,
+};
+use crate::layers::ConfigError;
+use crate::CheckpointBackend;
+
+/// File name of the model configuration inside a model directory.
+const CONFIG_FILE_NAME: &str = "config.json";
+
+/// `max_position_embeddings` written by [`save_hf_llama`]: [`LlamaConfig`] has no context length
+/// (RoPE is computed for any position), so the Llama 3.1 value is written.
+const SAVED_MAX_POSITION_EMBEDDINGS: usize = 131072;
+
+/// Name of the output projection; absent (or a copy of the embedding) in tied checkpoints.
+const LM_HEAD: &str = "lm_head.weight";
+
+/// Name of the token embedding.
+const EMBED_TOKENS: &str = "model.embed_tokens.weight";
+
+/// How many names an error lists before it only counts the rest.
+const LISTED_NAMES: usize = 5;
+
+/// Everything that can go wrong loading or saving a Hugging Face Llama directory.
+#[derive(Debug)]
+pub enum WeightsError {
+    /// The model directory does not exist or is not a directory.
+    MissingDirectory {
+        /// The path given.
+        dir: PathBuf,
+    },
+    /// The model directory has no `config.json`.
+    MissingConfig {
+        /// The path where `config.json` was expected.
+        path: PathBuf,
+    },
+    /// `config.json` could not be read, parsed or written.
+    Config(HfConfigError),
+    /// The configuration describes a model this crate cannot build (for instance a head width
+    /// the attention kernels do not support).
+    InvalidConfig {
+        /// The `config.json` read or to be written.
+        path: PathBuf,
+        /// What is wrong.
+        source: ConfigError,
+    },
+    /// The safetensors files could not be read or written.
+    SafeTensors(SafeTensorsError),
+    /// Tensors the configuration requires are absent from the checkpoint.
+    MissingTensors {
+        /// The model directory.
+        dir: PathBuf,
+        /// The first missing names (at most five).
+        names: Vec<String>,
+        /// How many are missing in all.
+        total: usize,
+    },
+    /// A tensor's shape differs from the one the configuration implies.
+    ShapeMismatch {
+        /// The model directory.
+        dir: PathBuf,
+        /// The tensor's name.
+        name: String,
+        /// The shape in the checkpoint.
+        got: Vec<usize>,
+        /// The shape the configuration implies (Hugging Face layout).
+        expected: Vec<usize>,
+    },
+    /// The checkpoint holds tensors that no part of the model takes.
+    UnexpectedTensors {
+        /// The model directory.
+        dir: PathBuf,
+        /// The first unexpected names (at most five).
+        names: Vec<String>,
+        /// How many are unexpected in all.
+        total: usize,
+    },
+    /// The config ties the output projection to the embedding, but `lm_head.weight` is present
+    /// and differs from `model.embed_tokens.weight`.
+    TiedHeadDiffers {
+        /// The model directory.
+        dir: PathBuf,
+    },
+    /// A model given to [`save_hf_llama`] has a weight whose shape disagrees with its config.
+    ModelShapeMismatch {
+        /// The Hugging Face name of the weight.
+        name: String,
+        /// The weight's shape, in Hugging Face layout.
+        got: Vec<usize>,
+        /// The shape the configuration implies.
+        expected: Vec<usize>,
+    },
+    /// A model given to [`save_hf_llama`] has a different number of blocks than its config.
+    LayerCountMismatch {
+        /// The model's number of blocks.
+        got: usize,
+        /// The config's `n_layers`.
+        expected: usize,
+    },
+    /// A model given to [`save_hf_llama`] has an output projection although its config ties it
+    /// to the embedding, or lacks one although the config does not.
+    HeadMismatch {
+        /// The config's `tie_embeddings`.
+        tied: bool,
+    },
+    /// A weight's values could not be read back from the device as `f32`.
+    TensorData {
+        /// The Hugging Face name of the weight.
+        name: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// Creating the output directory failed.
+    Io {
+        /// The directory involved.
+        path: PathBuf,
+        /// The underlying error.
+        source: io::Error,
+    },
+}
+
+/// `` `a`, `b`, `c` `` followed by "and N more" when only some of `total` names are listed.
+fn name_list(names: &[String], total: usize) -> String {
+    let mut out = names
+        .iter()
+        .map(|n| format!("`{n}`"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    if total > names.len() {
+        out.push_str(&format!(" and {} more", total - names.len()));
+    }
+    out
+}
+
+impl fmt::Display for WeightsError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::MissingDirectory { dir } => write!(
+                f,
+                "model directory {} does not exist or is not a directory; expected a directory \
+                 holding {CONFIG_FILE_NAME} and {SINGLE_FILE_NAME} (or sharded safetensors)",
+                dir.display()
+            ),
+            Self::MissingConfig { path } => write!(
+                f,
+                "{} does not exist; a Hugging Face model directory needs its {CONFIG_FILE_NAME} \
+                 next to the safetensors weights",
+                path.display()
+            ),
+            Self::Config(e) => write!(f, "{e}"),
+            Self::InvalidConfig { path, source } => write!(f, "{}: {source}", path.display()),
+            Self::SafeTensors(e) => write!(f, "{e}"),
+            Self::MissingTensors { dir, names, total } => write!(
+                f,
+                "the safetensors weights in {} lack {total} tensor(s) the config requires: {}",
+                dir.display(),
+                name_list(names, *total)
+            ),
+            Self::ShapeMismatch {
+                dir,
+                name,
+                got,
+                expected,
+            } => write!(
+                f,
+                "tensor `{name}` in {} has shape {got:?}, but {CONFIG_FILE_NAME} implies \
+                 {expected:?}",
+                dir.display()
+            ),
+            Self::UnexpectedTensors { dir, names, total } => write!(
+                f,
+                "the safetensors weights in {} hold {total} tensor(s) a Llama model with this \
+                 config does not have: {}; expected only Hugging Face Llama names \
+                 (model.embed_tokens, model.layers.<i>.*, model.norm, lm_head) for the configured \
+                 number of layers",
+                dir.display(),
+                name_list(names, *total)
+            ),
+            Self::TiedHeadDiffers { dir } => write!(
+                f,
+                "{} sets tie_word_embeddings, but `{LM_HEAD}` in {} differs from \
+                 `{EMBED_TOKENS}`; expected no `{LM_HEAD}` or an exact copy of the embedding \
+                 (set tie_word_embeddings to false to load a separate output projection)",
+                CONFIG_FILE_NAME,
+                dir.display()
+            ),
+            Self::ModelShapeMismatch {
+                name,
+                got,
+                expected,
+            } => write!(
+                f,
+                "the model's `{name}` has shape {got:?} (Hugging Face layout), but its config \
+                 implies {expected:?}"
+            ),
+            Self::LayerCountMismatch { got, expected } => write!(
+                f,
+                "the model has {got} blocks, but its config has n_layers = {expected}; they must \
+                 agree"
+            ),
+            Self::HeadMismatch { tied } => {
+                if *tied {
+                    write!(
+                        f,
+                        "the config ties the output projection to the embedding, but the model \
+                         has a separate lm_head; expected lm_head to be None"
+                    )
+                } else {
+                    write!(
+                        f,
+                        "the config has a separate output projection, but the model's lm_head \
+                         is None; expected a lm_head of shape [d_model, vocab_size]"
+                    )
+                }
+            }
+            Self::TensorData { name, reason } => {
+                write!(f, "could not read the values of `{name}` as f32: {reason}")
+            }
+            Self::Io { path, source } => write!(f, "I/O error on {}: {source}", path.display()),
+        }
+    }
+}
+
+impl std::error::Error for WeightsError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Config(e) => Some(e),
+            Self::InvalidConfig { source, .. } => Some(source),
+            Self::SafeTensors(e) => Some(e),
+            Self::Io { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+}
+
+impl From<HfConfigError> for WeightsError {
+    fn from(e: HfConfigError) -> Self {
+        Self::Config(e)
+    }
+}
+
+impl From<SafeTensorsError> for WeightsError {
+    fn from(e: SafeTensorsError) -> Self {
+        Self::SafeTensors(e)
+    }
+}
+
+/// The model weight a checkpoint tensor belongs to.
+#[derive(Debug, Clone, Copy)]
+enum Slot {
+    Embedding,
+    AttentionNorm(usize),
+    Query(usize),
+    Key(usize),
+    Value(usize),
+    Output(usize),
+    FfnNorm(usize),
+    Gate(usize),
+    Up(usize),
+    Down(usize),
+    Norm,
+    LmHead,
+}
+
+impl Slot {
+    /// Whether the Hugging Face layout is the transpose of the Burn one (the linear layers).
+    fn transposed(self) -> bool {
+        !matches!(
+            self,
+            Slot::Embedding | Slot::AttentionNorm(_) | Slot::FfnNorm(_) | Slot::Norm
+        )
+    }
+}
+
+/// One tensor of a checkpoint: its name, its shape in Hugging Face layout, and where it goes.
+struct Spec {
+    name: String,
+    shape: Vec<usize>,
+    slot: Slot,
+}
+
+/// Every tensor a model of this shape has, in Hugging Face names and layout (`[out, in]` for
+/// linear layers); `lm_head.weight` only when the output projection is not tied.
+fn tensor_specs(config: &LlamaConfig) -> Result<Vec<Spec>, ConfigError> {
+    let (n_kv_heads, head_dim) = config.attention().resolved()?;
+    let d = config.d_model;
+    let q_out = config.n_heads * head_dim;
+    let kv_out = n_kv_heads * head_dim;
+    let ff = config.d_ff;
+    let spec = |name: String, shape: Vec<usize>, slot: Slot| Spec { name, shape, slot };
+    let mut specs = vec![spec(
+        EMBED_TOKENS.to_string(),
+        vec![config.vocab_size, d],
+        Slot::Embedding,
+    )];
+    for i in 0..config.n_layers {
+        let p = format!("model.layers.{i}");
+        specs.extend([
+            spec(
+                format!("{p}.input_layernorm.weight"),
+                vec![d],
+                Slot::AttentionNorm(i),
+            ),
+            spec(
+                format!("{p}.self_attn.q_proj.weight"),
+                vec![q_out, d],
+                Slot::Query(i),
+            ),
+            spec(
+                format!("{p}.self_attn.k_proj.weight"),
+                vec![kv_out, d],
+                Slot::Key(i),
+            ),
+            spec(
+                format!("{p}.self_attn.v_proj.weight"),
+                vec![kv_out, d],
+                Slot::Value(i),
+            ),
+            spec(
+                format!("{p}.self_attn.o_proj.weight"),
+                vec![d, q_out],
+                Slot::Output(i),
+            ),
+            spec(
+                format!("{p}.post_attention_layernorm.weight"),
+                vec![d],
+                Slot::FfnNorm(i),
+            ),
+            spec(
+                format!("{p}.mlp.gate_proj.weight"),
+                vec![ff, d],
+                Slot::Gate(i),
+            ),
+            spec(format!("{p}.mlp.up_proj.weight"), vec![ff, d], Slot::Up(i)),
+            spec(
+                format!("{p}.mlp.down_proj.weight"),
+                vec![d, ff],
+                Slot::Down(i),
+            ),
+        ]);
+    }
+    specs.push(spec("model.norm.weight".to_string(), vec![d], Slot::Norm));
+    if !config.tie_embeddings {
+        specs.push(spec(
+            LM_HEAD.to_string(),
+            vec![config.vocab_size, d],
+            Slot::LmHead,
+        ));
+    }
+    Ok(specs)
+}
+
+/// Tensors some checkpoints carry that are derived from the config, not learned: the rotary
+/// inverse frequencies older `transformers` versions saved as buffers.
+fn is_ignorable(name: &str) -> bool {
+    name.starts_with("model.") && name.ends_with(".rotary_emb.inv_freq")
+}
+
+/// Checks the whole checkpoint against the specs: missing tensors first, then shapes, then
+/// unexpected extras and a tied `lm_head.weight` that is not a copy of the embedding.
+fn check_checkpoint(
+    dir: &Path,
+    config: &LlamaConfig,
+    specs: &[Spec],
+    tensors: &BTreeMap<String, SafeTensor>,
+) -> Result<(), WeightsError> {
+    let missing: Vec<&Spec> = specs
+        .iter()
+        .filter(|s| !tensors.contains_key(&s.name))
+        .collect();
+    if !missing.is_empty() {
+        return Err(WeightsError::MissingTensors {
+            dir: dir.to_path_buf(),
+            names: missing
+                .iter()
+                .take(LISTED_NAMES)
+                .map(|s| s.name.clone())
+                .collect(),
+            total: missing.len(),
+        });
+    }
+    let shape_error = |name: &str, got: &[usize], expected: &[usize]| WeightsError::ShapeMismatch {
+        dir: dir.to_path_buf(),
+        name: name.to_string(),
+        got: got.to_vec(),
+        expected: expected.to_vec(),
+    };
+    for spec in specs {
+        let got = &tensors[&spec.name].shape;
+        if *got != spec.shape {
+            return Err(shape_error(&spec.name, got, &spec.shape));
+        }
+    }
+    let tied_head = config.tie_embeddings && tensors.contains_key(LM_HEAD);
+    let expected: std::collections::BTreeSet<&str> =
+        specs.iter().map(|s| s.name.as_str()).collect();
+    let unexpected: Vec<&String> = tensors
+        .keys()
+        .filter(|name| {
+            !expected.contains(name.as_str())
+                && !is_ignorable(name)
+                && !(tied_head && name.as_str() == LM_HEAD)
+        })
+        .collect();
+    if !unexpected.is_empty() {
+        return Err(WeightsError::UnexpectedTensors {
+            dir: dir.to_path_buf(),
+            names: unexpected
+                .iter()
+                .take(LISTED_NAMES)
+                .map(|n| n.to_string())
+                .collect(),
+            total: unexpected.len(),
+        });
+    }
+    if tied_head {
+        let head = &tensors[LM_HEAD];
+        let embedding = &tensors[EMBED_TOKENS];
+        if head.shape != embedding.shape {
+            return Err(shape_error(LM_HEAD, &head.shape, &embedding.shape));
+        }
+        if head.data != embedding.data {
+            return Err(WeightsError::TiedHeadDiffers {
+                dir: dir.to_path_buf(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// `values` `[rows, cols]` row-major, transposed to `[cols, rows]` row-major (in tiles, so large
+/// matrices stay cache-friendly).
+fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    const TILE: usize = 32;
+    let mut out = vec![0.0f32; values.len()];
+    for r0 in (0..rows).step_by(TILE) {
+        for c0 in (0..cols).step_by(TILE) {
+            for r in r0..(r0 + TILE).min(rows) {
+                for c in c0..(c0 + TILE).min(cols) {
+                    out[c * rows + r] = values[r * cols + c];
+                }
+            }
+        }
+    }
+    out
+}
+
+/// `param` with its value replaced by `values` (converted to the device's float type), keeping
+/// its id, device and parameter mapper, and requiring gradients so the loaded model can be
+/// fine-tuned (meaningful on autodiff backends; a no-op elsewhere).
+fn load_param<B: Backend, const D: usize>(
+    param: Param<Tensor<B, D>>,
+    values: Vec<f32>,
+    shape: [usize; D],
+    device: &B::Device,
+) -> Param<Tensor<B, D>> {
+    let data = TensorData::new(values, shape);
+    let tensor = B::memory_persistent_allocations(device, data, |data| {
+        Tensor::<B, D>::from_data(data, device)
+    });
+    let id = param.id;
+    param.transform_for_load(tensor, id).set_require_grad(true)
+}
+
+/// Puts one checked checkpoint tensor into its place in `model`.
+fn assign<B: Backend>(model: &mut Llama<B>, slot: Slot, tensor: SafeTensor, device: &B::Device) {
+    let SafeTensor { shape, data, .. } = tensor;
+    if let [d] = shape[..] {
+        let norm = match slot {
+            Slot::AttentionNorm(i) => &mut model.blocks[i].attention_norm,
+            Slot::FfnNorm(i) => &mut model.blocks[i].ffn_norm,
+            Slot::Norm => &mut model.norm,
+            _ => return,
+        };
+        let weight = norm.weight.clone();
+        norm.weight = load_param(weight, data, [d], device);
+        return;
+    }
+    let (rows, cols) = (shape[0], shape[1]);
+    // HF `[out, in]` to Burn `[in, out]` for the linear layers; the embedding keeps its layout.
+    // Hugging Face Llama's q_proj and k_proj rows are already in the "rotate half" order our
+    // RoPE uses (src/layers/rope.rs; `convert_llama_weights_to_hf.py` permuted Meta's
+    // interleaved layout into it), so no further permutation of the heads is needed.
+    let (data, shape) = if slot.transposed() {
+        (transpose(&data, rows, cols), [cols, rows])
+    } else {
+        (data, [rows, cols])
+    };
+    let param = match slot {
+        Slot::Embedding => &mut model.embedding.weight,
+        Slot::Query(i) => &mut model.blocks[i].attention.query.weight,
+        Slot::Key(i) => &mut model.blocks[i].attention.key.weight,
+        Slot::Value(i) => &mut model.blocks[i].attention.value.weight,
+        Slot::Output(i) => &mut model.blocks[i].attention.output.weight,
+        Slot::Gate(i) => &mut model.blocks[i].ffn.gate.weight,
+        Slot::Up(i) => &mut model.blocks[i].ffn.up.weight,
+        Slot::Down(i) => &mut model.blocks[i].ffn.down.weight,
+        Slot::LmHead => match &mut model.lm_head {
+            Some(head) => &mut head.weight,
+            None => return,
+        },
+        Slot::AttentionNorm(_) | Slot::FfnNorm(_) | Slot::Norm => return,
+    };
+    let old = param.clone();
+    *param = load_param(old, data, shape, device);
+}
+
+/// Loads a Hugging Face Llama model directory: `config.json` and the safetensors weights
+/// (`model.safetensors`, or the shards `model.safetensors.index.json` lists; F32, F16 or BF16).
+///
+/// Returns the configuration [`LlamaConfig::from_hf`] derives from `config.json` and a model of
+/// that shape holding the checkpoint's weights, converted to the device's float type and
+/// requiring gradients (on autodiff backends) so it can be fine-tuned. Projections are
+/// transposed from Hugging Face's `[out, in]` to Burn's `[in, out]`; with
+/// `tie_word_embeddings` the output projection is the embedding, and `lm_head.weight`, if
+/// present, must equal it.
+///
+/// Everything is checked before any tensor is built: the directory and `config.json` exist, the
+/// config describes a model this crate can build, every tensor the config implies is present
+/// with the implied shape, and no other tensors are present (except rotary `inv_freq` buffers,
+/// which are ignored).
+pub fn load_hf_llama<B: CheckpointBackend>(
+    dir: &Path,
+    device: &B::Device,
+) -> Result<(LlamaConfig, Llama<B>), WeightsError> {
+    if !dir.is_dir() {
+        return Err(WeightsError::MissingDirectory {
+            dir: dir.to_path_buf(),
+        });
+    }
+    let config_path = dir.join(CONFIG_FILE_NAME);
+    if !config_path.is_file() {
+        return Err(WeightsError::MissingConfig { path: config_path });
+    }
+    let hf = read_hf_config(&config_path)?;
+    let config = LlamaConfig::from_hf(&hf);
+    let invalid = |source| WeightsError::InvalidConfig {
+        path: config_path.clone(),
+        source,
+    };
+    config.validate().map_err(invalid)?;
+    let specs = tensor_specs(&config).map_err(invalid)?;
+    let mut tensors = read_safetensors_dir(dir)?;
+    check_checkpoint(dir, &config, &specs, &tensors)?;
+
+    let mut model = config.try_init::<B>(device).map_err(invalid)?;
+    for spec in &specs {
+        // Present: `check_checkpoint` found every spec's tensor.
+        let Some(tensor) = tensors.remove(&spec.name) else {
+            return Err(WeightsError::MissingTensors {
+                dir: dir.to_path_buf(),
+                names: vec![spec.name.clone()],
+                total: 1,
+            });
+        };
+        assign(&mut model, spec.slot, tensor, device);
+    }
+    Ok((config, model))
+}
+
+/// The Hugging Face `config.json` describing `config`.
+fn hf_config(config: &LlamaConfig) -> HfLlamaConfig {
+    HfLlamaConfig {
+        hidden_size: config.d_model,
+        intermediate_size: config.d_ff,
+        num_attention_heads: config.n_heads,
+        num_key_value_heads: config.n_kv_heads,
+        num_hidden_layers: config.n_layers,
+        vocab_size: config.vocab_size,
+        rms_norm_eps: config.norm_eps,
+        rope_theta: config.rope.theta,
+        rope_scaling: config.rope.scaling.as_ref().map(|s| HfRopeScaling {
+            rope_type: "llama3".to_string(),
+            factor: s.factor,
+            low_freq_factor: s.low_freq_factor,
+            high_freq_factor: s.high_freq_factor,
+            original_max_position_embeddings: s.original_max_position,
+        }),
+        tie_word_embeddings: config.tie_embeddings,
+        max_position_embeddings: SAVED_MAX_POSITION_EMBEDDINGS,
+        head_dim: config.head_dim,
+    }
+}
+
+/// The parameter of `model` a spec names, with its Burn shape; `None` for a missing `lm_head`.
+fn model_param<B: Backend>(model: &Llama<B>, slot: Slot) -> Option<ModelParam<'_, B>> {
+    let block = |i: usize| model.blocks.get(i);
+    Some(match slot {
+        Slot::Embedding => ModelParam::Matrix(&model.embedding.weight),
+        Slot::AttentionNorm(i) => ModelParam::Vector(&block(i)?.attention_norm.weight),
+        Slot::Query(i) => ModelParam::Matrix(&block(i)?.attention.query.weight),
+        Slot::Key(i) => ModelParam::Matrix(&block(i)?.attention.key.weight),
+        Slot::Value(i) => ModelParam::Matrix(&block(i)?.attention.value.weight),
+        Slot::Output(i) => ModelParam::Matrix(&block(i)?.attention.output.weight),
+        Slot::FfnNorm(i) => ModelParam::Vector(&block(i)?.ffn_norm.weight),
+        Slot::Gate(i) => ModelParam::Matrix(&block(i)?.ffn.gate.weight),
+        Slot::Up(i) => ModelParam::Matrix(&block(i)?.ffn.up.weight),
+        Slot::Down(i) => ModelParam::Matrix(&block(i)?.ffn.down.weight),
+        Slot::Norm => ModelParam::Vector(&model.norm.weight),
+        Slot::LmHead => ModelParam::Matrix(&model.lm_head.as_ref()?.weight),
+    })
+}
+
+/// A float parameter of rank 1 or 2.
+enum ModelParam<'a, B: Backend> {
+    Vector(&'a Param<Tensor<B, 1>>),
+    Matrix(&'a Param<Tensor<B, 2>>),
+}
+
+impl<B: Backend> ModelParam<'_, B> {
+    /// The shape in Hugging Face layout, without reading the values.
+    fn hf_shape(&self, transposed: bool) -> Vec<usize> {
+        match self {
+            ModelParam::Vector(p) => p.lazy_shape().to_vec(),
+            ModelParam::Matrix(p) => {
+                let dims = p.lazy_shape().to_vec();
+                if transposed && dims.len() == 2 {
+                    vec![dims[1], dims[0]]
+                } else {
+                    dims
+                }
+            }
+        }
+    }
+
+    /// The values in Hugging Face layout, as `f32`.
+    fn hf_values(&self, name: &str, transposed: bool) -> Result<Vec<f32>, WeightsError> {
+        let (data, dims) = match self {
+            ModelParam::Vector(p) => (p.val().into_data(), p.lazy_shape().to_vec()),
+            ModelParam::Matrix(p) => (p.val().into_data(), p.lazy_shape().to_vec()),
+        };
+        let values =
+            data.convert::<f32>()
+                .into_vec::<f32>()
+                .map_err(|e| WeightsError::TensorData {
+                    name: name.to_string(),
+                    reason: format!("{e:?}"),
+                })?;
+        Ok(match dims[..] {
+            [rows, cols] if transposed => transpose(&values, rows, cols),
+            _ => values,
+        })
+    }
+}
+
+/// Saves `model` as a Hugging Face Llama directory that [`load_hf_llama`] and `transformers`
+/// both load: `dir/config.json` (the fields of `config`; `max_position_embeddings` 131072, since
+/// [`LlamaConfig`] has no context length) and `dir/model.safetensors` with every tensor in
+/// `dtype`, under Hugging Face names and in Hugging Face layout (projections transposed back to
+/// `[out, in]`; no `lm_head.weight` when the embeddings are tied).
+///
+/// `dir` is created if needed; existing files of the same names are replaced. The model is
+/// checked against `config` (every shape, and `lm_head` present exactly when untied) before
+/// anything is written.
+pub fn save_hf_llama<B: CheckpointBackend>(
+    model: &Llama<B>,
+    config: &LlamaConfig,
+    dir: &Path,
+    dtype: SafeDType,
+) -> Result<(), WeightsError> {
+    let config_path = dir.join(CONFIG_FILE_NAME);
+    let invalid = |source| WeightsError::InvalidConfig {
+        path: config_path.clone(),
+        source,
+    };
+    config.validate().map_err(invalid)?;
+    let specs = tensor_specs(config).map_err(invalid)?;
+    if model.blocks.len() != config.n_layers {
+        return Err(WeightsError::LayerCountMismatch {
+            got: model.blocks.len(),
+            expected: config.n_layers,
+        });
+    }
+    if model.lm_head.is_some() == config.tie_embeddings {
+        return Err(WeightsError::HeadMismatch {
+            tied: config.tie_embeddings,
+        });
+    }
+    let mut params = Vec::with_capacity(specs.len());
+    for spec in &specs {
+        let transposed = spec.slot.transposed();
+        // Present: the block count and lm_head were checked above.
+        let Some(param) = model_param(model, spec.slot) else {
+            return Err(WeightsError::HeadMismatch {
+                tied: config.tie_embeddings,
+            });
+        };
+        let got = param.hf_shape(transposed);
+        if got != spec.shape {
+            return Err(WeightsError::ModelShapeMismatch {
+                name: spec.name.clone(),
+                got,
+                expected: spec.shape.clone(),
+            });
+        }
+        params.push((spec, param));
+    }
+
+    let mut tensors = BTreeMap::new();
+    for (spec, param) in params {
+        let data = param.hf_values(&spec.name, spec.slot.transposed())?;
+        tensors.insert(
+            spec.name.clone(),
+            SafeTensor {
+                shape: spec.shape.clone(),
+                dtype,
+                data,
+            },
+        );
+    }
+    fs::create_dir_all(dir).map_err(|source| WeightsError::Io {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    write_hf_config(&config_path, &hf_config(config))?;
+    write_safetensors(&dir.join(SINGLE_FILE_NAME), &tensors)?;
+    Ok(())
+}

@@ -1,0 +1,224 @@
+//! Training a small Llama on the CPU: the loss falls; one step on an in-process group of 4
+//! equals one step on one device; a run saved and resumed continues identically; bad shapes
+//! are refused before any work.
+
+mod common;
+
+use std::path::PathBuf;
+use std::thread;
+use std::time::Duration;
+
+use burn::backend::ndarray::NdArrayDevice;
+use burn::backend::{Autodiff, NdArray};
+use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param};
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
+use burn_distflash::layers::AttentionContext;
+use burn_distflash::llama::data::TokenDataset;
+use burn_distflash::llama::tokenizer::Tokenizer;
+use burn_distflash::llama::train::{StepStats, TrainError, TrainOptions, Trainer};
+use burn_distflash::llama::{Llama, LlamaConfig};
+use burn_distflash::{CheckpointPlacement, DeviceGroup};
+use common::block_case::relative_error;
+use common::distributed_case::within;
+
+type Inner = NdArray<f32>;
+type Cpu = Autodiff<Inner>;
+const DEVICE: NdArrayDevice = NdArrayDevice::Cpu;
+const CORPUS: &str = include_str!("../examples/data/tiny_shakespeare.txt");
+
+fn small() -> LlamaConfig {
+    LlamaConfig::new(256, 64, 2, 4, 2, 128).with_tie_embeddings(true)
+}
+
+fn dataset() -> TokenDataset {
+    TokenDataset::from_text(&CORPUS[..20_000], &Tokenizer::bytes()).unwrap()
+}
+
+fn options(steps: u64) -> TrainOptions {
+    TrainOptions::new(steps, 4, 32).with_lr(3e-3).with_warmup(3)
+}
+
+/// Marks every weight as needing a gradient (clones of inner modules forget it).
+struct RequireGrad;
+
+impl<B: Backend> ModuleMapper<B> for RequireGrad {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        param.set_require_grad(true)
+    }
+}
+
+/// Every float weight's values, in module order.
+struct Weights(Vec<Vec<f32>>);
+
+impl<B: Backend> ModuleVisitor<B> for Weights {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        self.0.push(param.val().into_data().convert::<f32>().to_vec().unwrap());
+    }
+}
+
+fn weights<B: Backend>(model: &Llama<B>) -> Vec<Vec<f32>> {
+    let mut w = Weights(Vec::new());
+    model.visit(&mut w);
+    w.0
+}
+
+/// The same initial weights as a fresh autodiff model (its own graph leaves).
+fn lift(inner: &Llama<Inner>, placement: CheckpointPlacement) -> Llama<Cpu> {
+    let mut model = Llama::<Cpu>::from_inner(inner.clone()).map(&mut RequireGrad);
+    for block in &mut model.blocks {
+        block.checkpoint = placement;
+    }
+    model
+}
+
+fn run(trainer: &mut Trainer<Cpu>, data: &TokenDataset, steps: u64) -> Vec<StepStats> {
+    (0..steps)
+        .map(|_| {
+            let o = &trainer.options;
+            let (x, y) = data.batch(trainer.step, o.seed, o.batch, o.seq_len).unwrap();
+            trainer.train_step(&x, &y).unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn the_loss_falls_on_shakespeare() {
+    let model = small().try_init::<Cpu>(&DEVICE).unwrap();
+    let mut trainer = Trainer::new(model, AttentionContext::Local, options(40));
+    let stats = run(&mut trainer, &dataset(), 40);
+    let first = stats[0].loss;
+    let last: f64 = stats[35..].iter().map(|s| s.loss).sum::<f64>() / 5.0;
+    assert!((first - 256f64.ln()).abs() < 0.3, "initial loss {first} should be near ln 256");
+    assert!(last < first - 1.0, "loss went from {first} to {last}");
+    assert!(stats.iter().all(|s| s.grad_norm.is_finite() && s.lr > 0.0));
+}
+
+#[test]
+fn one_step_on_a_group_of_four_equals_one_step_on_one_device() {
+    within(Duration::from_secs(300), || {
+        let init = small().try_init::<Cpu>(&DEVICE).unwrap().valid();
+        let data = dataset();
+        let (x, y) = data.batch(0, 0, 4, 32).unwrap();
+        let mut single = Trainer::new(
+            lift(&init, CheckpointPlacement::AttentionOutput),
+            AttentionContext::Local,
+            options(10),
+        );
+        let expected = single.train_step(&x, &y).unwrap();
+        let expected_weights = weights(&single.model);
+        let groups = DeviceGroup::<Inner>::in_process(vec![DEVICE; 4]);
+        let ranks: Vec<(StepStats, Vec<Vec<f32>>)> = groups
+            .into_iter()
+            .map(|group| {
+                let (init, x, y) = (init.clone(), x.clone(), y.clone());
+                thread::spawn(move || {
+                    let mut trainer = Trainer::new(
+                        lift(&init, CheckpointPlacement::AttentionOutput),
+                        AttentionContext::sharded(group),
+                        options(10),
+                    );
+                    let stats = trainer.train_step(&x, &y).unwrap();
+                    (stats, weights(&trainer.model))
+                })
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect();
+        for (rank, (stats, w)) in ranks.iter().enumerate() {
+            assert!((stats.loss - expected.loss).abs() < 1e-5, "rank {rank} loss");
+            assert!((stats.grad_norm - expected.grad_norm).abs() < 1e-4 * expected.grad_norm);
+            for (i, (got, want)) in w.iter().zip(&expected_weights).enumerate() {
+                let err = relative_error(got, want);
+                assert!(err < 1e-4, "rank {rank}, weight {i}: differs by {err:e}");
+                assert_eq!(got, &ranks[0].1[i], "rank {rank} differs from rank 0 (weight {i})");
+            }
+        }
+    });
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    std::env::temp_dir().join(format!("distflash-{name}-{}-{nanos}", std::process::id()))
+}
+
+#[test]
+fn a_resumed_run_continues_exactly() {
+    let data = dataset();
+    let init = small().try_init::<Cpu>(&DEVICE).unwrap().valid();
+    let mut straight = Trainer::new(
+        lift(&init, CheckpointPlacement::Layer),
+        AttentionContext::Local,
+        options(6),
+    );
+    let all = run(&mut straight, &data, 6);
+
+    let mut first = Trainer::new(
+        lift(&init, CheckpointPlacement::Layer),
+        AttentionContext::Local,
+        options(6),
+    );
+    run(&mut first, &data, 3);
+    let dir = temp_dir("resume");
+    first.save(&dir).unwrap();
+    drop(first);
+    // Different initial weights: everything must come from the checkpoint.
+    let other = small().try_init::<Cpu>(&DEVICE).unwrap();
+    let mut resumed = Trainer::new(other, AttentionContext::Local, options(99))
+        .resume(&dir)
+        .unwrap();
+    assert_eq!(resumed.step, 3);
+    assert_eq!(resumed.options.steps, 6);
+    let rest = run(&mut resumed, &data, 3);
+    assert_eq!(&all[3..], &rest[..], "losses, norms and rates after resuming");
+    assert_eq!(weights(&straight.model), weights(&resumed.model));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn bad_shapes_are_refused_before_any_work() {
+    let bad_heads = LlamaConfig::new(256, 100, 2, 3, 3, 128);
+    let e = bad_heads.try_init::<Cpu>(&DEVICE).unwrap_err().to_string();
+    assert!(e.contains("does not divide d_model"), "{e}");
+    let bad_kv = LlamaConfig::new(256, 64, 2, 4, 3, 128);
+    assert!(bad_kv.try_init::<Cpu>(&DEVICE).unwrap_err().to_string().contains("must divide"));
+    let unknown = LlamaConfig::preset("llama-70b").unwrap_err().to_string();
+    assert!(unknown.contains("presets: tiny"), "{unknown}");
+    within(Duration::from_secs(60), || {
+        let groups = DeviceGroup::<Inner>::in_process(vec![DEVICE; 3]);
+        let handles: Vec<_> = groups
+            .into_iter()
+            .map(|group| {
+                thread::spawn(move || {
+                    let model = small().try_init::<Cpu>(&DEVICE).unwrap();
+                    let mut t = Trainer::new(model, AttentionContext::sharded(group), options(1));
+                    let tokens = vec![1u32; 4 * 32];
+                    match t.train_step(&tokens, &tokens) {
+                        Err(TrainError::Input(what)) => what,
+                        other => panic!("expected an input error, got {other:?}"),
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            let what = h.join().unwrap();
+            assert!(what.contains("not divisible by the group size 3"), "{what}");
+        }
+    });
+}
+
+#[test]
+fn every_preset_is_a_valid_shape() {
+    for name in burn_distflash::llama::PRESETS {
+        let config = LlamaConfig::preset(name).unwrap();
+        config.validate().unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
+    let seven = LlamaConfig::llama_7b().num_params() as f64 / 1e9;
+    assert!((seven - 6.74).abs() < 0.01, "LLaMA-7B has {seven:.3}B parameters");
+    let eight = LlamaConfig::llama3_8b().num_params() as f64 / 1e9;
+    assert!((eight - 8.03).abs() < 0.01, "Llama-3-8B has {eight:.3}B parameters");
+}

@@ -15,6 +15,10 @@ use cubecl::cuda::{CudaDevice, CudaRuntime};
 
 type Inner = burn_cubecl::CubeBackend<CudaRuntime, f32, i32, u8>;
 type Gpu = Autodiff<Inner>;
+/// CubeCL's f32 matmuls on the GPU differ from the CPU's by up to ~2.4e-4 relative here even
+/// without checkpointing (one GPU against two, placement `None`, measured on H200), so the GPU
+/// comparison allows 1e-3; the CPU suite (`tests/checkpoint.rs`) holds 2e-5.
+const GPU_TOLERANCE: f64 = 1e-3;
 
 fn random(seed: u64, dims: [usize; 3], device: &CudaDevice) -> Tensor<Inner, 3> {
     let mut rng = Rng::new(seed);
@@ -48,7 +52,7 @@ fn placements_give_the_same_gradients_on_one_gpu() {
         CheckpointPlacement::AttentionOutput,
     ] {
         let got = one_gpu(placement);
-        assert_same_step(&format!("{placement:?}"), &got, &none, 1e-4);
+        assert_same_step(&format!("{placement:?}"), &got, &none, GPU_TOLERANCE);
     }
 }
 
@@ -85,6 +89,11 @@ fn two_gpus_over_nccl_agree_with_one_gpu_at_every_placement() {
             .map(|h| h.join().unwrap())
             .collect();
         let combined = common::block_case::combine(&ranks, 2);
-        assert_same_step(&format!("2 GPUs, {placement:?}"), &combined, &single, 1e-4);
+        assert_same_step(
+            &format!("2 GPUs, {placement:?}"),
+            &combined,
+            &single,
+            GPU_TOLERANCE,
+        );
     }
 }

@@ -53,7 +53,8 @@ struct Weights(Vec<Vec<f32>>);
 
 impl<B: Backend> ModuleVisitor<B> for Weights {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        self.0.push(param.val().into_data().convert::<f32>().to_vec().unwrap());
+        self.0
+            .push(param.val().into_data().convert::<f32>().to_vec().unwrap());
     }
 }
 
@@ -76,7 +77,9 @@ fn run(trainer: &mut Trainer<Cpu>, data: &TokenDataset, steps: u64) -> Vec<StepS
     (0..steps)
         .map(|_| {
             let o = &trainer.options;
-            let (x, y) = data.batch(trainer.step, o.seed, o.batch, o.seq_len).unwrap();
+            let (x, y) = data
+                .batch(trainer.step, o.seed, o.batch, o.seq_len)
+                .unwrap();
             trainer.train_step(&x, &y).unwrap()
         })
         .collect()
@@ -89,7 +92,10 @@ fn the_loss_falls_on_shakespeare() {
     let stats = run(&mut trainer, &dataset(), 40);
     let first = stats[0].loss;
     let last: f64 = stats[35..].iter().map(|s| s.loss).sum::<f64>() / 5.0;
-    assert!((first - 256f64.ln()).abs() < 0.3, "initial loss {first} should be near ln 256");
+    assert!(
+        (first - 256f64.ln()).abs() < 0.3,
+        "initial loss {first} should be near ln 256"
+    );
     assert!(last < first - 1.0, "loss went from {first} to {last}");
     assert!(stats.iter().all(|s| s.grad_norm.is_finite() && s.lr > 0.0));
 }
@@ -127,12 +133,18 @@ fn one_step_on_a_group_of_four_equals_one_step_on_one_device() {
             .map(|h| h.join().unwrap())
             .collect();
         for (rank, (stats, w)) in ranks.iter().enumerate() {
-            assert!((stats.loss - expected.loss).abs() < 1e-5, "rank {rank} loss");
+            assert!(
+                (stats.loss - expected.loss).abs() < 1e-5,
+                "rank {rank} loss"
+            );
             assert!((stats.grad_norm - expected.grad_norm).abs() < 1e-4 * expected.grad_norm);
             for (i, (got, want)) in w.iter().zip(&expected_weights).enumerate() {
                 let err = relative_error(got, want);
                 assert!(err < 1e-4, "rank {rank}, weight {i}: differs by {err:e}");
-                assert_eq!(got, &ranks[0].1[i], "rank {rank} differs from rank 0 (weight {i})");
+                assert_eq!(
+                    got, &ranks[0].1[i],
+                    "rank {rank} differs from rank 0 (weight {i})"
+                );
             }
         }
     });
@@ -174,7 +186,11 @@ fn a_resumed_run_continues_exactly() {
     assert_eq!(resumed.step, 3);
     assert_eq!(resumed.options.steps, 6);
     let rest = run(&mut resumed, &data, 3);
-    assert_eq!(&all[3..], &rest[..], "losses, norms and rates after resuming");
+    assert_eq!(
+        &all[3..],
+        &rest[..],
+        "losses, norms and rates after resuming"
+    );
     assert_eq!(weights(&straight.model), weights(&resumed.model));
     std::fs::remove_dir_all(&dir).ok();
 }
@@ -185,7 +201,11 @@ fn bad_shapes_are_refused_before_any_work() {
     let e = bad_heads.try_init::<Cpu>(&DEVICE).unwrap_err().to_string();
     assert!(e.contains("does not divide d_model"), "{e}");
     let bad_kv = LlamaConfig::new(256, 64, 2, 4, 3, 128);
-    assert!(bad_kv.try_init::<Cpu>(&DEVICE).unwrap_err().to_string().contains("must divide"));
+    assert!(bad_kv
+        .try_init::<Cpu>(&DEVICE)
+        .unwrap_err()
+        .to_string()
+        .contains("must divide"));
     let unknown = LlamaConfig::preset("llama-70b").unwrap_err().to_string();
     assert!(unknown.contains("presets: tiny"), "{unknown}");
     within(Duration::from_secs(60), || {
@@ -218,7 +238,13 @@ fn every_preset_is_a_valid_shape() {
         config.validate().unwrap_or_else(|e| panic!("{name}: {e}"));
     }
     let seven = LlamaConfig::llama_7b().num_params() as f64 / 1e9;
-    assert!((seven - 6.74).abs() < 0.01, "LLaMA-7B has {seven:.3}B parameters");
+    assert!(
+        (seven - 6.74).abs() < 0.01,
+        "LLaMA-7B has {seven:.3}B parameters"
+    );
     let eight = LlamaConfig::llama3_8b().num_params() as f64 / 1e9;
-    assert!((eight - 8.03).abs() < 0.01, "Llama-3-8B has {eight:.3}B parameters");
+    assert!(
+        (eight - 8.03).abs() < 0.01,
+        "Llama-3-8B has {eight:.3}B parameters"
+    );
 }

@@ -84,7 +84,11 @@ impl<B: Backend> ModuleVisitor<B> for AllRequireGrad {
 }
 
 fn random_1d(d: usize) -> Param<Tensor<Cpu, 1>> {
-    Param::from_tensor(Tensor::random([d], Distribution::Uniform(0.5, 1.5), &DEVICE))
+    Param::from_tensor(Tensor::random(
+        [d],
+        Distribution::Uniform(0.5, 1.5),
+        &DEVICE,
+    ))
 }
 
 /// A freshly initialised model whose norm scales are random too (they start at one).
@@ -101,7 +105,8 @@ fn random_model(config: &LlamaConfig) -> Llama<Cpu> {
 fn logits<B: burn_distflash::CheckpointBackend>(model: &Llama<B>) -> Vec<f32> {
     let tokens: Vec<i64> = vec![3, 17, 0, 63, 42, 42, 8, 25, 1, 60];
     let n = tokens.len();
-    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(tokens, [1, n]), &B::Device::default());
+    let tokens =
+        Tensor::<B, 2, Int>::from_data(TensorData::new(tokens, [1, n]), &B::Device::default());
     let out = model.forward(tokens, &AttentionContext::Local).unwrap();
     assert_eq!(out.dims(), [1, n, 64]);
     out.into_data().convert::<f32>().to_vec::<f32>().unwrap()
@@ -140,8 +145,14 @@ fn untied_round_trip_keeps_every_weight_and_the_config() {
 
     let written = read_safetensors(&dir.join("model.safetensors")).unwrap();
     assert_eq!(written.len(), 1 + 2 * 9 + 1 + 1);
-    assert_eq!(written["model.layers.0.self_attn.k_proj.weight"].shape, [32, 64]);
-    assert_eq!(written["model.layers.1.mlp.down_proj.weight"].shape, [64, 96]);
+    assert_eq!(
+        written["model.layers.0.self_attn.k_proj.weight"].shape,
+        [32, 64]
+    );
+    assert_eq!(
+        written["model.layers.1.mlp.down_proj.weight"].shape,
+        [64, 96]
+    );
     assert_eq!(written["lm_head.weight"].shape, [64, 64]);
 
     let (loaded_config, loaded) = load_hf_llama::<Cpu>(&dir, &DEVICE).unwrap();
@@ -295,14 +306,21 @@ fn hand_written_checkpoint_maps_to_burn_layout() {
     write_checkpoint(tmp.path(), &hf_config(false), &tensors);
     let (config, model) = load_hf_llama::<Cpu>(tmp.path(), &DEVICE).unwrap();
     assert_eq!((config.d_model, config.d_ff, config.n_layers), (64, 96, 2));
-    assert_eq!((config.n_heads, config.n_kv_heads, config.norm_eps), (4, 2, 1e-5));
+    assert_eq!(
+        (config.n_heads, config.n_kv_heads, config.norm_eps),
+        (4, 2, 1e-5)
+    );
 
     // q_proj of block 0 spelled out: Burn's [in, out] element (i, o) is HF's (o, i).
     let q_hf = &tensors["model.layers.0.self_attn.q_proj.weight"];
     let (q_dims, q_burn) = values(&model.blocks[0].attention.query.weight);
     assert_eq!(q_dims, [64, 64]);
     assert_eq!(q_burn[64 + 2], q_hf.data[2 * 64 + 1]);
-    assert_ne!(q_burn[64 + 2], q_hf.data[64 + 2], "query weight was not transposed");
+    assert_ne!(
+        q_burn[64 + 2],
+        q_hf.data[64 + 2],
+        "query weight was not transposed"
+    );
 
     tensors.remove("model.layers.0.self_attn.rotary_emb.inv_freq");
     for (name, hf) in &tensors {
@@ -312,7 +330,11 @@ fn hand_written_checkpoint_maps_to_burn_layout() {
             assert_eq!(dims, [inp, out], "{name}");
             for i in 0..inp {
                 for o in 0..out {
-                    assert_eq!(burn[i * out + o], hf.data[o * inp + i], "{name} at [{i}, {o}]");
+                    assert_eq!(
+                        burn[i * out + o],
+                        hf.data[o * inp + i],
+                        "{name} at [{i}, {o}]"
+                    );
                 }
             }
         } else {
@@ -362,7 +384,13 @@ fn loaded_model_requires_gradients_and_trains() {
     let grad = model.blocks[0].attention.query.weight.grad(&grads);
     let grad = grad.expect("the loaded query weight gets a gradient");
     assert_eq!(grad.dims(), [64, 64]);
-    assert!(model.lm_head.as_ref().unwrap().weight.grad(&grads).is_some());
+    assert!(model
+        .lm_head
+        .as_ref()
+        .unwrap()
+        .weight
+        .grad(&grads)
+        .is_some());
 }
 
 fn load_err(dir: &Path) -> WeightsError {
@@ -376,7 +404,10 @@ fn load_err(dir: &Path) -> WeightsError {
 fn missing_directory_and_config() {
     let tmp = TempDir::new("missing");
     let err = load_err(&tmp.path().join("nowhere"));
-    assert!(matches!(err, WeightsError::MissingDirectory { .. }), "{err}");
+    assert!(
+        matches!(err, WeightsError::MissingDirectory { .. }),
+        "{err}"
+    );
     assert!(err.to_string().contains("nowhere"), "{err}");
 
     write_safetensors(&tmp.path().join("model.safetensors"), &hf_tensors(false)).unwrap();
@@ -426,12 +457,21 @@ fn wrong_shape_is_named_with_got_and_expected() {
             ..
         } => {
             assert_eq!(name, "model.layers.0.self_attn.k_proj.weight");
-            assert_eq!((got.as_slice(), expected.as_slice()), (&[16, 64][..], &[32, 64][..]));
+            assert_eq!(
+                (got.as_slice(), expected.as_slice()),
+                (&[16, 64][..], &[32, 64][..])
+            );
         }
         other => panic!("expected a shape mismatch, got {other}"),
     }
-    assert!(msg.contains("`model.layers.0.self_attn.k_proj.weight`"), "{msg}");
-    assert!(msg.contains("[16, 64]") && msg.contains("[32, 64]"), "{msg}");
+    assert!(
+        msg.contains("`model.layers.0.self_attn.k_proj.weight`"),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("[16, 64]") && msg.contains("[32, 64]"),
+        "{msg}"
+    );
 
     // A 1-D tensor in place of a matrix is a shape error too, not a panic.
     tensors = hf_tensors(false);
@@ -440,7 +480,10 @@ fn wrong_shape_is_named_with_got_and_expected() {
         SafeTensor::new(vec![64], SafeDType::F32, vec![0.0; 64]).unwrap(),
     );
     write_checkpoint(tmp.path(), &hf_config(false), &tensors);
-    assert!(matches!(load_err(tmp.path()), WeightsError::ShapeMismatch { .. }));
+    assert!(matches!(
+        load_err(tmp.path()),
+        WeightsError::ShapeMismatch { .. }
+    ));
 }
 
 #[test]
@@ -459,7 +502,10 @@ fn unexpected_tensors_are_listed() {
         "{msg}"
     );
     assert!(msg.contains("`model.layers.2.mlp.up_proj.weight`"), "{msg}");
-    assert!(msg.contains("`model.layers.0.self_attn.q_proj.bias`"), "{msg}");
+    assert!(
+        msg.contains("`model.layers.0.self_attn.q_proj.bias`"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -478,9 +524,15 @@ fn unbuildable_config_and_inconsistent_model_are_refused() {
     // Saving an untied model under a tied config.
     let model = small_config(false).try_init::<Cpu>(&DEVICE).unwrap();
     let err = save_hf_llama(&model, &small_config(true), tmp.path(), SafeDType::F32).unwrap_err();
-    assert!(matches!(err, WeightsError::HeadMismatch { tied: true }), "{err}");
+    assert!(
+        matches!(err, WeightsError::HeadMismatch { tied: true }),
+        "{err}"
+    );
     // A model wider than its config.
     let wide = LlamaConfig::new(64, 128, 2, 4, 2, 96);
     let err = save_hf_llama(&model, &wide, tmp.path(), SafeDType::F32).unwrap_err();
-    assert!(matches!(err, WeightsError::ModelShapeMismatch { .. }), "{err}");
+    assert!(
+        matches!(err, WeightsError::ModelShapeMismatch { .. }),
+        "{err}"
+    );
 }

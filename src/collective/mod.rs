@@ -8,10 +8,10 @@
 
 mod error;
 mod group;
-mod reduce;
 pub mod local;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+mod reduce;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;

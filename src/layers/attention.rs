@@ -51,7 +51,7 @@ impl DistFlashAttentionConfig {
                 self.d_model, self.n_heads
             )));
         }
-        if self.n_heads % n_kv != 0 {
+        if !self.n_heads.is_multiple_of(n_kv) {
             return Err(ConfigError(format!(
                 "n_kv_heads ({n_kv}) must divide n_heads ({}): each key/value head serves a group \
                  of query heads",
@@ -60,7 +60,7 @@ impl DistFlashAttentionConfig {
         }
         let head_dim = match self.head_dim {
             Some(d) => d,
-            None if self.d_model % self.n_heads == 0 => self.d_model / self.n_heads,
+            None if self.d_model.is_multiple_of(self.n_heads) => self.d_model / self.n_heads,
             None => {
                 return Err(ConfigError(format!(
                     "n_heads ({}) does not divide d_model ({}); set head_dim explicitly or choose \

@@ -145,16 +145,17 @@ impl LlamaConfig {
 
     /// The shape described by a Hugging Face `config.json`.
     pub fn from_hf(hf: &HfLlamaConfig) -> Self {
-        let rope = RopeConfig::new().with_theta(hf.rope_theta).with_scaling(
-            hf.rope_scaling.as_ref().map(|s| {
-                Llama3RopeScaling::new(
-                    s.factor,
-                    s.low_freq_factor,
-                    s.high_freq_factor,
-                    s.original_max_position_embeddings,
-                )
-            }),
-        );
+        let rope =
+            RopeConfig::new()
+                .with_theta(hf.rope_theta)
+                .with_scaling(hf.rope_scaling.as_ref().map(|s| {
+                    Llama3RopeScaling::new(
+                        s.factor,
+                        s.low_freq_factor,
+                        s.high_freq_factor,
+                        s.original_max_position_embeddings,
+                    )
+                }));
         Self::new(
             hf.vocab_size,
             hf.hidden_size,

@@ -38,12 +38,10 @@ impl LlamaConfig {
             mean: 0.0,
             std: 0.02,
         };
-        let block = TransformerBlockConfig::new(
-            self.attention().with_initializer(init.clone()),
-            self.d_ff,
-        )
-        .with_norm_eps(self.norm_eps)
-        .with_checkpoint(self.checkpoint);
+        let block =
+            TransformerBlockConfig::new(self.attention().with_initializer(init.clone()), self.d_ff)
+                .with_norm_eps(self.norm_eps)
+                .with_checkpoint(self.checkpoint);
         let blocks = (0..self.n_layers)
             .map(|_| block.try_init(device))
             .collect::<Result<_, _>>()?;

@@ -178,10 +178,17 @@ impl<B: TrainBackend> Trainer<B> {
         let shard = seq / world;
         let values: Vec<i64> = tokens
             .chunks(seq)
-            .flat_map(|row| row[rank * shard..(rank + 1) * shard].iter().map(|&t| t as i64))
+            .flat_map(|row| {
+                row[rank * shard..(rank + 1) * shard]
+                    .iter()
+                    .map(|&t| t as i64)
+            })
             .collect();
         let device = self.device();
-        Ok(Tensor::from_data(TensorData::new(values, [batch, shard]), &device))
+        Ok(Tensor::from_data(
+            TensorData::new(values, [batch, shard]),
+            &device,
+        ))
     }
 
     fn device(&self) -> B::Device {
@@ -193,7 +200,9 @@ impl<B: TrainBackend> Trainer<B> {
     pub fn train_step(&mut self, inputs: &[u32], targets: &[u32]) -> Result<StepStats, TrainError> {
         let (tokens, targets) = (self.shard(inputs)?, self.shard(targets)?);
         let normalizer = self.options.batch * self.options.seq_len;
-        let loss = self.model.loss(tokens, targets, &self.context, normalizer)?;
+        let loss = self
+            .model
+            .loss(tokens, targets, &self.context, normalizer)?;
         let grads = GradientsParams::from_grads(loss.backward(), &self.model);
         let loss = self.sum_over_group(loss.inner().into_primitive().tensor())?;
         let loss: f64 = Tensor::<B::InnerBackend, 1>::from_primitive(
@@ -243,9 +252,7 @@ impl<B: TrainBackend> Trainer<B> {
     ) -> Result<burn::tensor::ops::FloatTensor<B::InnerBackend>, CommError> {
         match &self.context {
             AttentionContext::Local => Ok(t),
-            AttentionContext::Sharded { group, .. } => {
-                Ok(group.all_reduce_sum(vec![t])?.remove(0))
-            }
+            AttentionContext::Sharded { group, .. } => Ok(group.all_reduce_sum(vec![t])?.remove(0)),
         }
     }
 
@@ -322,9 +329,9 @@ impl<B: TrainBackend> ModuleVisitor<B> for ReduceGrads<'_, B> {
         let grad = match (self.context, &self.error) {
             (AttentionContext::Sharded { group, .. }, None) => {
                 match group.all_reduce_sum(vec![grad.into_primitive().tensor()]) {
-                    Ok(mut sum) => Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(
-                        sum.remove(0),
-                    )),
+                    Ok(mut sum) => {
+                        Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(sum.remove(0)))
+                    }
                     Err(e) => {
                         self.error = Some(e);
                         return;
@@ -334,8 +341,13 @@ impl<B: TrainBackend> ModuleVisitor<B> for ReduceGrads<'_, B> {
             (_, Some(_)) => return,
             (AttentionContext::Local, None) => grad,
         };
-        self.squared_norm
-            .push(grad.clone().cast(DType::F32).square().sum().cast(DType::F32));
+        self.squared_norm.push(
+            grad.clone()
+                .cast(DType::F32)
+                .square()
+                .sum()
+                .cast(DType::F32),
+        );
         self.grads.register(param.id, grad);
     }
 }
@@ -353,4 +365,3 @@ impl<B: TrainBackend> ModuleVisitor<B> for ScaleGrads {
         }
     }
 }
-

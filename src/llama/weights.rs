@@ -11,7 +11,7 @@
 //!
 //! [`Linear`]: burn::nn::Linear
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::fs;
 use std::io;
@@ -420,15 +420,13 @@ fn check_checkpoint(
         }
     }
     let tied_head = config.tie_embeddings && tensors.contains_key(LM_HEAD);
-    let expected: std::collections::BTreeSet<&str> =
-        specs.iter().map(|s| s.name.as_str()).collect();
+    let mut known: BTreeSet<&str> = specs.iter().map(|s| s.name.as_str()).collect();
+    if tied_head {
+        known.insert(LM_HEAD);
+    }
     let unexpected: Vec<&String> = tensors
         .keys()
-        .filter(|name| {
-            !expected.contains(name.as_str())
-                && !is_ignorable(name)
-                && !(tied_head && name.as_str() == LM_HEAD)
-        })
+        .filter(|name| !known.contains(name.as_str()) && !is_ignorable(name))
         .collect();
     if !unexpected.is_empty() {
         return Err(WeightsError::UnexpectedTensors {

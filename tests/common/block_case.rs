@@ -55,13 +55,13 @@ impl<B: burn::tensor::backend::Backend> ModuleMapper<B> for RequireGrad {
 /// Two blocks with random weights, as modules of the inner backend of `B` that remember their
 /// weights need gradients (clone them per rank, then [`lift`] them so each rank has its own
 /// autodiff leaves).
-pub fn random_blocks<B: AutodiffBackend>(
+pub fn random_blocks<B>(
     config: &TransformerBlockConfig,
     seed: u64,
     device: &B::Device,
 ) -> Vec<TransformerBlock<B::InnerBackend>>
 where
-    B: CheckpointBackend,
+    B: AutodiffBackend + CheckpointBackend,
     TransformerBlock<B>: AutodiffModule<B, InnerModule = TransformerBlock<B::InnerBackend>>,
 {
     let mut rng = Rng::new(seed);

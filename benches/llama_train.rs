@@ -1,0 +1,123 @@
+//! Training throughput of a Llama-shaped model with sequence parallelism over P GPUs (one
+//! process, one thread per GPU, NCCL), bf16, AdamW, gradient all-reduce, on random tokens.
+//!
+//! `cargo bench --bench llama_train -- --config llama-7b [--layers 4] --gpus 4 --seq 32768
+//!  [--iters 2] [--checkpoint attention-output|layer|none] [--batch 1]`
+//!
+//! One configuration per process (an out-of-memory error ends the process, so the longest
+//! trainable sequence is found by a shell loop). Prints one table row: tokens/s over the whole
+//! group, model TFLOP/s per GPU and MFU against the H200's dense bf16 peak (989 TFLOP/s), rank 0's
+//! peak reserved memory. Model FLOPs per token: 6 x (non-embedding params + output projection)
+//! + 6 x layers x d_model x S (causal attention, forward + backward), recomputation not counted.
+
+use std::sync::{Arc, Barrier};
+use std::thread;
+use std::time::Instant;
+
+use burn::tensor::backend::Backend;
+use burn_distflash::layers::AttentionContext;
+use burn_distflash::llama::train::{TrainOptions, Trainer};
+use burn_distflash::llama::LlamaConfig;
+use burn_distflash::{CheckpointPlacement, DeviceGroup};
+use cubecl::cuda::{CudaDevice, CudaRuntime};
+use cubecl::Runtime;
+
+type Inner = burn_cubecl::CubeBackend<CudaRuntime, half::bf16, i32, u8>;
+type Train = burn_autodiff::Autodiff<Inner>;
+
+const H200_BF16_PEAK: f64 = 989e12;
+
+fn arg(args: &[String], name: &str) -> Option<String> {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+}
+
+fn main() {
+    std::env::set_var("NCCL_NVLS_ENABLE", "0");
+    let args: Vec<String> = std::env::args().collect();
+    let num =
+        |name: &str, default: usize| arg(&args, name).map_or(default, |v| v.parse().expect(name));
+    let name = arg(&args, "--config").unwrap_or_else(|| "llama-7b".into());
+    let mut config = LlamaConfig::preset(&name).expect("preset");
+    if let Some(layers) = arg(&args, "--layers") {
+        config.n_layers = layers.parse().expect("--layers");
+    }
+    config.checkpoint = match arg(&args, "--checkpoint").as_deref() {
+        None | Some("attention-output") => CheckpointPlacement::AttentionOutput,
+        Some("layer") => CheckpointPlacement::Layer,
+        Some("none") => CheckpointPlacement::None,
+        Some(other) => panic!("--checkpoint: {other}"),
+    };
+    let (gpus, seq, iters, batch) = (
+        num("--gpus", 4),
+        num("--seq", 32768),
+        num("--iters", 2),
+        num("--batch", 1),
+    );
+    let devices: Vec<CudaDevice> = (0..gpus).map(CudaDevice::new).collect();
+    let contexts: Vec<AttentionContext<Inner>> = if gpus == 1 {
+        vec![AttentionContext::Local]
+    } else {
+        DeviceGroup::<Inner>::nccl(&devices)
+            .expect("NCCL")
+            .into_iter()
+            .map(AttentionContext::sharded)
+            .collect()
+    };
+    let options = TrainOptions::new(iters as u64 + 1, batch, seq).with_warmup(1);
+    let barrier = Arc::new(Barrier::new(gpus));
+    let handles: Vec<_> = devices
+        .into_iter()
+        .zip(contexts)
+        .map(|(device, context)| {
+            let (config, options, barrier) = (config.clone(), options.clone(), barrier.clone());
+            thread::spawn(move || {
+                let model = config.try_init::<Train>(&device).expect("model");
+                let mut trainer = Trainer::new(model, context, options.clone());
+                let tokens: Vec<u32> = (0..batch * seq)
+                    .map(|i| ((i * 7919 + 13) % config.vocab_size) as u32)
+                    .collect();
+                let mut times = Vec::new();
+                let mut loss = 0.0;
+                for _ in 0..=iters {
+                    barrier.wait();
+                    let start = Instant::now();
+                    loss = trainer.train_step(&tokens, &tokens).expect("step").loss;
+                    Train::sync(&device).expect("sync");
+                    times.push(start.elapsed().as_secs_f64());
+                }
+                let reserved = CudaRuntime::client(&device)
+                    .memory_usage()
+                    .expect("memory")
+                    .bytes_reserved;
+                (times, reserved, loss)
+            })
+        })
+        .collect();
+    let ranks: Vec<(Vec<f64>, u64, f64)> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    // With --iters 0 the only step (which includes the first-use autotuning) is reported.
+    let timed = if iters == 0 { 0..=0 } else { 1..=iters };
+    let mut steps: Vec<f64> = timed
+        .map(|i| ranks.iter().map(|r| r.0[i]).fold(0.0, f64::max))
+        .collect();
+    steps.sort_by(f64::total_cmp);
+    let secs = steps[steps.len() / 2];
+    let tokens = (batch * seq) as f64;
+    let embedding = (config.vocab_size * config.d_model) as f64;
+    let dense = config.num_params() as f64 - embedding;
+    let attention = 6.0 * (config.n_layers * config.n_heads * 128 * seq) as f64 / 2.0 * 2.0;
+    let flops_per_token = 6.0 * dense + attention;
+    let per_gpu = flops_per_token * tokens / secs / gpus as f64;
+    println!(
+        "| {name} ({} layers) | {gpus} | {seq} | {:?} | {:.0} | {:.1} | {:.1}% | {:.1} | {:.3} |",
+        config.n_layers,
+        config.checkpoint,
+        tokens / secs,
+        per_gpu / 1e12,
+        100.0 * per_gpu / H200_BF16_PEAK,
+        ranks[0].1 as f64 / (1u64 << 30) as f64,
+        ranks[0].2,
+    );
+}

@@ -1,0 +1,396 @@
+//! Trains a Llama-shaped model with this project's attention and checkpointing.
+//!
+//! `cargo run --release --example llama_train` trains the tiny config on the CPU on Tiny
+//! Shakespeare (byte-level tokens) for a few minutes, with a progress bar, and writes
+//! `runs/llama-tiny/{metrics.jsonl,loss.svg,checkpoint/}`.
+//!
+//! Options (all optional):
+//! - model: `--config tiny|llama-7b|llama-gqa|llama-33h|llama-16h|llama-8h|llama-4h|llama-2h|
+//!   llama3-8b|FILE.json`, `--layers N` (override the layer count), `--weights HF_DIR` (load a
+//!   Hugging Face Llama: config.json + safetensors; overrides --config),
+//!   `--checkpoint none|layer|attention-output`, `--save-config FILE.json`;
+//! - data: `--data FILE.txt`, `--tokenizer tokenizer.json` (byte-level otherwise);
+//! - devices: `--backend ndarray|wgpu|cuda`, `--gpus N` (CUDA, one process driving N GPUs, the
+//!   sequence split across them), `--env` (one process per GPU from RANK/WORLD_SIZE/LOCAL_RANK/
+//!   MASTER_ADDR/MASTER_PORT, e.g. under torchrun), `--dtype bf16|f32` (GPU), `--schedule
+//!   auto|ring|balanced`;
+//! - optimisation: `--steps`, `--batch`, `--seq-len` (whole sequence), `--lr`, `--warmup`,
+//!   `--grad-clip`, `--seed`;
+//! - output: `--out DIR`, `--save-every N`, `--resume` (continue from DIR/checkpoint),
+//!   `--log-every N`.
+
+use std::path::{Path, PathBuf};
+use std::thread;
+use std::time::Instant;
+
+use burn::config::Config;
+use burn::module::Module;
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+use burn::tensor::backend::Backend;
+use burn_distflash::layers::AttentionContext;
+use burn_distflash::llama::data::TokenDataset;
+use burn_distflash::llama::metrics::{read_metrics, write_loss_plot_svg, MetricsLog, StepMetrics};
+use burn_distflash::llama::progress::ProgressBar;
+use burn_distflash::llama::tokenizer::Tokenizer;
+use burn_distflash::llama::train::{TrainBackend, TrainOptions, Trainer};
+use burn_distflash::llama::weights::load_hf_llama;
+use burn_distflash::llama::{Llama, LlamaConfig};
+use burn_distflash::schedule::ScheduleKind;
+use burn_distflash::{CheckpointPlacement, DeviceGroup};
+
+/// Everything the command line chose.
+#[derive(Clone)]
+struct Args {
+    config: String,
+    layers: Option<usize>,
+    weights: Option<PathBuf>,
+    checkpoint: Option<CheckpointPlacement>,
+    save_config: Option<PathBuf>,
+    data: PathBuf,
+    tokenizer: Option<PathBuf>,
+    backend: String,
+    gpus: usize,
+    env: bool,
+    dtype: String,
+    schedule: ScheduleKind,
+    options: TrainOptions,
+    out: PathBuf,
+    save_every: u64,
+    resume: bool,
+    log_every: u64,
+}
+
+fn fail(message: impl std::fmt::Display) -> ! {
+    eprintln!("llama_train: {message}");
+    std::process::exit(2)
+}
+
+fn parse() -> Args {
+    let raw: Vec<String> = std::env::args().skip(1).collect();
+    let value = |name: &str| -> Option<String> {
+        raw.iter().position(|a| a == name).map(|i| {
+            raw.get(i + 1)
+                .cloned()
+                .unwrap_or_else(|| fail(format!("{name} needs a value")))
+        })
+    };
+    let number = |name: &str, default: f64| -> f64 {
+        value(name).map_or(default, |v| {
+            v.parse()
+                .unwrap_or_else(|_| fail(format!("{name} takes a number, got {v:?}")))
+        })
+    };
+    let known = [
+        "--config",
+        "--layers",
+        "--weights",
+        "--checkpoint",
+        "--save-config",
+        "--data",
+        "--tokenizer",
+        "--backend",
+        "--gpus",
+        "--env",
+        "--dtype",
+        "--schedule",
+        "--steps",
+        "--batch",
+        "--seq-len",
+        "--lr",
+        "--warmup",
+        "--grad-clip",
+        "--seed",
+        "--out",
+        "--save-every",
+        "--resume",
+        "--log-every",
+    ];
+    if let Some(bad) = raw
+        .iter()
+        .find(|a| a.starts_with("--") && !known.contains(&a.as_str()))
+    {
+        fail(format!(
+            "unknown option {bad}; options: {}",
+            known.join(" ")
+        ));
+    }
+    let config = value("--config").unwrap_or_else(|| "tiny".into());
+    let checkpoint = value("--checkpoint").map(|c| match c.as_str() {
+        "none" => CheckpointPlacement::None,
+        "layer" => CheckpointPlacement::Layer,
+        "attention-output" => CheckpointPlacement::AttentionOutput,
+        other => fail(format!(
+            "--checkpoint takes none, layer or attention-output, got {other}"
+        )),
+    });
+    let schedule = match value("--schedule").as_deref().unwrap_or("auto") {
+        "auto" => ScheduleKind::Auto,
+        "ring" => ScheduleKind::Ring,
+        "balanced" => ScheduleKind::Balanced,
+        other => fail(format!(
+            "--schedule takes auto, ring or balanced, got {other}"
+        )),
+    };
+    let options = TrainOptions::new(
+        number("--steps", 600.0) as u64,
+        number("--batch", 8.0) as usize,
+        number("--seq-len", 128.0) as usize,
+    )
+    .with_lr(number("--lr", 2e-3))
+    .with_warmup(number("--warmup", 20.0) as u64)
+    .with_grad_clip(number("--grad-clip", 1.0))
+    .with_seed(number("--seed", 0.0) as u64);
+    Args {
+        out: value("--out").map_or_else(
+            || PathBuf::from(format!("runs/llama-{config}")),
+            PathBuf::from,
+        ),
+        config,
+        layers: value("--layers").map(|_| number("--layers", 0.0) as usize),
+        weights: value("--weights").map(PathBuf::from),
+        checkpoint,
+        save_config: value("--save-config").map(PathBuf::from),
+        data: value("--data").map_or_else(
+            || Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/data/tiny_shakespeare.txt"),
+            PathBuf::from,
+        ),
+        tokenizer: value("--tokenizer").map(PathBuf::from),
+        backend: value("--backend").unwrap_or_else(|| "ndarray".into()),
+        gpus: number("--gpus", 1.0) as usize,
+        env: raw.iter().any(|a| a == "--env"),
+        dtype: value("--dtype").unwrap_or_else(|| "bf16".into()),
+        schedule,
+        options,
+        save_every: number("--save-every", 100.0) as u64,
+        resume: raw.iter().any(|a| a == "--resume"),
+        log_every: number("--log-every", 10.0) as u64,
+    }
+}
+
+/// The model configuration (before any tensor exists), checked against the tokenizer.
+fn model_config(args: &Args, tokenizer: &Tokenizer) -> LlamaConfig {
+    let mut config = match &args.weights {
+        Some(dir) => {
+            let hf = burn_distflash::llama::hf_config::read_hf_config(&dir.join("config.json"))
+                .unwrap_or_else(|e| fail(e));
+            LlamaConfig::from_hf(&hf)
+        }
+        None => LlamaConfig::from_name_or_file(&args.config).unwrap_or_else(|e| fail(e)),
+    };
+    if let Some(layers) = args.layers {
+        config.n_layers = layers;
+    }
+    if let Some(placement) = args.checkpoint {
+        config.checkpoint = placement;
+    }
+    config.validate().unwrap_or_else(|e| fail(e));
+    if tokenizer.vocab_size() > config.vocab_size {
+        fail(format!(
+            "the tokenizer has {} tokens but the model's vocabulary is {}; use a config whose \
+             vocab_size covers the tokenizer",
+            tokenizer.vocab_size(),
+            config.vocab_size
+        ));
+    }
+    if let Some(path) = &args.save_config {
+        config
+            .save(path)
+            .unwrap_or_else(|e| fail(format!("writing {}: {e}", path.display())));
+    }
+    config
+}
+
+/// Initial weights as bytes, from a seeded CPU initialisation or a Hugging Face directory, so
+/// every rank (thread or process) starts from the same model.
+fn initial_weights(args: &Args, config: &LlamaConfig) -> Vec<u8> {
+    type Cpu = burn::backend::NdArray<f32>;
+    let device = Default::default();
+    Cpu::seed(&device, args.options.seed);
+    let model: Llama<Cpu> = match &args.weights {
+        Some(dir) => {
+            load_hf_llama::<Cpu>(dir, &device)
+                .unwrap_or_else(|e| fail(e))
+                .1
+        }
+        None => config.try_init::<Cpu>(&device).unwrap_or_else(|e| fail(e)),
+    };
+    BinBytesRecorder::<FullPrecisionSettings>::new()
+        .record(model.into_record(), ())
+        .unwrap_or_else(|e| fail(format!("serialising the initial weights: {e}")))
+}
+
+/// Trains on one rank (the only one, or rank `context`'s of a group).
+fn train_rank<B: TrainBackend>(
+    args: &Args,
+    config: &LlamaConfig,
+    weights: &[u8],
+    device: B::Device,
+    context: AttentionContext<B::InnerBackend>,
+) {
+    let record = BinBytesRecorder::<FullPrecisionSettings>::new()
+        .load(weights.to_vec(), &device)
+        .unwrap_or_else(|e| fail(format!("loading the initial weights: {e}")));
+    let model = config
+        .try_init::<B>(&device)
+        .unwrap_or_else(|e| fail(e))
+        .load_record(record);
+    let mut trainer = Trainer::new(model, context, args.options.clone());
+    let (rank, world) = trainer.rank();
+    let leader = rank == 0;
+    let checkpoint_dir = args.out.join("checkpoint");
+    if args.resume {
+        trainer = trainer.resume(&checkpoint_dir).unwrap_or_else(|e| fail(e));
+    }
+    let tokenizer = tokenizer(args);
+    let o = trainer.options.clone();
+    let data =
+        TokenDataset::from_file(&args.data, &tokenizer, o.seq_len).unwrap_or_else(|e| fail(e));
+    let metrics_path = args.out.join("metrics.jsonl");
+    let mut log = leader.then(|| {
+        std::fs::create_dir_all(&args.out).unwrap_or_else(|e| fail(e));
+        match args.resume {
+            true => MetricsLog::resume(&metrics_path, trainer.step),
+            false => MetricsLog::create(&metrics_path),
+        }
+        .unwrap_or_else(|e| fail(e))
+    });
+    if leader {
+        eprintln!(
+            "training {} params ({} layers, d_model {}, {} heads / {} kv) on {world} {} rank(s), \
+             {} x {} tokens per step, checkpoint {:?}",
+            config.num_params(),
+            config.n_layers,
+            config.d_model,
+            config.n_heads,
+            config.n_kv_heads,
+            args.backend,
+            o.batch,
+            o.seq_len,
+            config.checkpoint
+        );
+    }
+    let mut bar =
+        leader.then(|| ProgressBar::new(o.steps, args.log_every).resumed_from(trainer.step));
+    let start = Instant::now();
+    while trainer.step < o.steps {
+        let step_start = Instant::now();
+        let (x, y) = data
+            .batch(trainer.step, o.seed, o.batch, o.seq_len)
+            .unwrap_or_else(|e| fail(e));
+        let stats = trainer.train_step(&x, &y).unwrap_or_else(|e| fail(e));
+        let tokens_per_s = (o.batch * o.seq_len) as f64 / step_start.elapsed().as_secs_f64();
+        if let (Some(bar), Some(log)) = (bar.as_mut(), log.as_mut()) {
+            bar.update(trainer.step, stats.loss, tokens_per_s);
+            log.log(&StepMetrics {
+                step: trainer.step,
+                loss: stats.loss,
+                lr: stats.lr,
+                tokens_per_s,
+                grad_norm: stats.grad_norm,
+                elapsed_s: start.elapsed().as_secs_f64(),
+            })
+            .unwrap_or_else(|e| fail(e));
+        }
+        let last = trainer.step == o.steps;
+        if leader && (last || (args.save_every > 0 && trainer.step % args.save_every == 0)) {
+            trainer.save(&checkpoint_dir).unwrap_or_else(|e| fail(e));
+        }
+    }
+    if let Some(mut bar) = bar {
+        bar.finish();
+        let points: Vec<(u64, f64)> = read_metrics(&metrics_path)
+            .unwrap_or_else(|e| fail(e))
+            .iter()
+            .map(|m| (m.step, m.loss))
+            .collect();
+        let plot = args.out.join("loss.svg");
+        write_loss_plot_svg(&points, &plot, "training loss").unwrap_or_else(|e| fail(e));
+        eprintln!(
+            "done: {} steps, final loss {:.3}; {}, {}, {}",
+            trainer.step,
+            points.last().map_or(f64::NAN, |p| p.1),
+            metrics_path.display(),
+            plot.display(),
+            checkpoint_dir.display()
+        );
+    }
+}
+
+fn tokenizer(args: &Args) -> Tokenizer {
+    match &args.tokenizer {
+        Some(path) => Tokenizer::from_file(path).unwrap_or_else(|e| fail(e)),
+        None => Tokenizer::bytes(),
+    }
+}
+
+type CudaInner<F> = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, F, i32, u8>;
+type Cuda<F> = burn_autodiff::Autodiff<CudaInner<F>>;
+
+/// Runs one rank per GPU of `devices` in this process (threads), or this process's rank.
+fn train_cuda<F: burn_cubecl::FloatElement>(args: &Args, config: &LlamaConfig, weights: &[u8])
+where
+    Cuda<F>: TrainBackend<Device = cubecl::cuda::CudaDevice>
+        + burn::tensor::backend::AutodiffBackend<InnerBackend = CudaInner<F>>,
+{
+    let context = |group: DeviceGroup<CudaInner<F>>| {
+        AttentionContext::sharded(group).with_schedule(args.schedule)
+    };
+    if args.env {
+        let group = DeviceGroup::<CudaInner<F>>::nccl_from_env().unwrap_or_else(|e| fail(e));
+        let device = group.device().clone();
+        return train_rank::<Cuda<F>>(args, config, weights, device, context(group));
+    }
+    let devices: Vec<_> = (0..args.gpus).map(cubecl::cuda::CudaDevice::new).collect();
+    if devices.len() == 1 {
+        return train_rank::<Cuda<F>>(
+            args,
+            config,
+            weights,
+            devices[0].clone(),
+            AttentionContext::Local,
+        );
+    }
+    let groups = DeviceGroup::<CudaInner<F>>::nccl(&devices).unwrap_or_else(|e| fail(e));
+    thread::scope(|s| {
+        for (group, device) in groups.into_iter().zip(devices) {
+            let ctx = context(group);
+            s.spawn(move || train_rank::<Cuda<F>>(args, config, weights, device, ctx));
+        }
+    });
+}
+
+fn main() {
+    let args = parse();
+    let tokenizer = tokenizer(&args);
+    let config = model_config(&args, &tokenizer);
+    if args.resume && !args.out.join("checkpoint").join("trainer.json").exists() {
+        fail(format!(
+            "--resume: no checkpoint in {}",
+            args.out.join("checkpoint").display()
+        ));
+    }
+    if !args.data.exists() {
+        fail(format!(
+            "the training text {} does not exist (--data)",
+            args.data.display()
+        ));
+    }
+    let weights = initial_weights(&args, &config);
+    match (args.backend.as_str(), args.dtype.as_str()) {
+        ("ndarray", _) => {
+            type Cpu = burn_autodiff::Autodiff<burn::backend::NdArray<f32>>;
+            train_rank::<Cpu>(&args, &config, &weights, Default::default(), AttentionContext::Local)
+        }
+        ("wgpu", _) => {
+            type Wgpu = burn_autodiff::Autodiff<
+                burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>,
+            >;
+            train_rank::<Wgpu>(&args, &config, &weights, Default::default(), AttentionContext::Local)
+        }
+        ("cuda", "bf16") => train_cuda::<half::bf16>(&args, &config, &weights),
+        ("cuda", "f32") => train_cuda::<f32>(&args, &config, &weights),
+        (backend, dtype) => fail(format!(
+            "--backend takes ndarray, wgpu or cuda and --dtype bf16 or f32 (GPU); got {backend} / {dtype}"
+        )),
+    }
+}

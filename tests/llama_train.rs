@@ -19,7 +19,6 @@ use burn_distflash::llama::tokenizer::Tokenizer;
 use burn_distflash::llama::train::{StepStats, TrainError, TrainOptions, Trainer};
 use burn_distflash::llama::{Llama, LlamaConfig};
 use burn_distflash::{CheckpointPlacement, DeviceGroup};
-use common::block_case::relative_error;
 use common::distributed_case::within;
 
 type Inner = NdArray<f32>;
@@ -138,9 +137,18 @@ fn one_step_on_a_group_of_four_equals_one_step_on_one_device() {
                 "rank {rank} loss"
             );
             assert!((stats.grad_norm - expected.grad_norm).abs() < 1e-4 * expected.grad_norm);
+            // AdamW's first step divides each gradient element by its own magnitude, so an
+            // element whose gradient is near zero turns f32 rounding differences between the
+            // sharded and the single-device sums into update differences: compare the weights
+            // against the step size (lr 3e-3), not relatively. Without the all-reduce the updates
+            // differ by up to 2 lr.
             for (i, (got, want)) in w.iter().zip(&expected_weights).enumerate() {
-                let err = relative_error(got, want);
-                assert!(err < 1e-4, "rank {rank}, weight {i}: differs by {err:e}");
+                let err = got
+                    .iter()
+                    .zip(want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0f32, f32::max);
+                assert!(err < 3e-5, "rank {rank}, weight {i}: differs by {err:e}");
                 assert_eq!(
                     got, &ranks[0].1[i],
                     "rank {rank} differs from rank 0 (weight {i})"

@@ -4,15 +4,12 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::thread;
 use std::time::Duration;
 
 use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::{Autodiff, NdArray};
-use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param};
-use burn::tensor::backend::Backend;
-use burn::tensor::Tensor;
+use burn::module::{AutodiffModule, Module};
 use burn_distflash::layers::AttentionContext;
 use burn_distflash::llama::data::TokenDataset;
 use burn_distflash::llama::tokenizer::Tokenizer;
@@ -20,6 +17,8 @@ use burn_distflash::llama::train::{StepStats, TrainError, TrainOptions, Trainer}
 use burn_distflash::llama::{Llama, LlamaConfig};
 use burn_distflash::{CheckpointPlacement, DeviceGroup};
 use common::distributed_case::within;
+use common::modules::{float_params, ParamValues, RequireGrad};
+use common::temp_dir::TempDir;
 
 type Inner = NdArray<f32>;
 type Cpu = Autodiff<Inner>;
@@ -36,31 +35,6 @@ fn dataset() -> TokenDataset {
 
 fn options(steps: u64) -> TrainOptions {
     TrainOptions::new(steps, 4, 32).with_lr(3e-3).with_warmup(3)
-}
-
-/// Marks every weight as needing a gradient (clones of inner modules forget it).
-struct RequireGrad;
-
-impl<B: Backend> ModuleMapper<B> for RequireGrad {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        param.set_require_grad(true)
-    }
-}
-
-/// Every float weight's values, in module order.
-struct Weights(Vec<Vec<f32>>);
-
-impl<B: Backend> ModuleVisitor<B> for Weights {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        self.0
-            .push(param.val().into_data().convert::<f32>().to_vec().unwrap());
-    }
-}
-
-fn weights<B: Backend>(model: &Llama<B>) -> Vec<Vec<f32>> {
-    let mut w = Weights(Vec::new());
-    model.visit(&mut w);
-    w.0
 }
 
 /// The same initial weights as a fresh autodiff model (its own graph leaves).
@@ -111,9 +85,9 @@ fn one_step_on_a_group_of_four_equals_one_step_on_one_device() {
             options(10),
         );
         let expected = single.train_step(&x, &y).unwrap();
-        let expected_weights = weights(&single.model);
+        let expected_weights = float_params(&single.model);
         let groups = DeviceGroup::<Inner>::in_process(vec![DEVICE; 4]);
-        let ranks: Vec<(StepStats, Vec<Vec<f32>>)> = groups
+        let ranks: Vec<(StepStats, Vec<ParamValues>)> = groups
             .into_iter()
             .map(|group| {
                 let (init, x, y) = (init.clone(), x.clone(), y.clone());
@@ -124,7 +98,7 @@ fn one_step_on_a_group_of_four_equals_one_step_on_one_device() {
                         options(10),
                     );
                     let stats = trainer.train_step(&x, &y).unwrap();
-                    (stats, weights(&trainer.model))
+                    (stats, float_params(&trainer.model))
                 })
             })
             .collect::<Vec<_>>()
@@ -142,7 +116,7 @@ fn one_step_on_a_group_of_four_equals_one_step_on_one_device() {
             // sharded and the single-device sums into update differences: compare the weights
             // against the step size (lr 3e-3), not relatively. Without the all-reduce the updates
             // differ by up to 2 lr.
-            for (i, (got, want)) in w.iter().zip(&expected_weights).enumerate() {
+            for (i, ((_, got), (_, want))) in w.iter().zip(&expected_weights).enumerate() {
                 let err = got
                     .iter()
                     .zip(want)
@@ -150,20 +124,12 @@ fn one_step_on_a_group_of_four_equals_one_step_on_one_device() {
                     .fold(0.0f32, f32::max);
                 assert!(err < 3e-5, "rank {rank}, weight {i}: differs by {err:e}");
                 assert_eq!(
-                    got, &ranks[0].1[i],
+                    got, &ranks[0].1[i].1,
                     "rank {rank} differs from rank 0 (weight {i})"
                 );
             }
         }
     });
-}
-
-fn temp_dir(name: &str) -> PathBuf {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    std::env::temp_dir().join(format!("distflash-{name}-{}-{nanos}", std::process::id()))
 }
 
 #[test]
@@ -183,13 +149,14 @@ fn a_resumed_run_continues_exactly() {
         options(6),
     );
     run(&mut first, &data, 3);
-    let dir = temp_dir("resume");
-    first.save(&dir).unwrap();
+    let tmp = TempDir::new("resume");
+    let dir = tmp.path();
+    first.save(dir).unwrap();
     drop(first);
     // Different initial weights: everything must come from the checkpoint.
     let other = small().try_init::<Cpu>(&DEVICE).unwrap();
     let mut resumed = Trainer::new(other, AttentionContext::Local, options(99))
-        .resume(&dir)
+        .resume(dir)
         .unwrap();
     assert_eq!(resumed.step, 3);
     assert_eq!(resumed.options.steps, 6);
@@ -199,8 +166,7 @@ fn a_resumed_run_continues_exactly() {
         &rest[..],
         "losses, norms and rates after resuming"
     );
-    assert_eq!(weights(&straight.model), weights(&resumed.model));
-    std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(float_params(&straight.model), float_params(&resumed.model));
 }
 
 #[test]

@@ -2,10 +2,10 @@
 //! mapping checked against a checkpoint written by hand in Hugging Face's `[out, in]` layout,
 //! gradients of a loaded model, and the errors for broken directories and checkpoints.
 
+mod common;
+
 use std::collections::BTreeMap;
-use std::fs;
-use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::path::Path;
 
 use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::{Autodiff, NdArray};
@@ -19,59 +19,19 @@ use burn_distflash::llama::safetensors::{
 };
 use burn_distflash::llama::weights::{load_hf_llama, save_hf_llama, WeightsError};
 use burn_distflash::llama::{Llama, LlamaConfig};
+use common::modules::{float_params, ParamValues};
+use common::temp_dir::TempDir;
 
 type Cpu = NdArray<f32>;
 const DEVICE: NdArrayDevice = NdArrayDevice::Cpu;
-
-/// A fresh, empty directory under the system temp dir, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Self {
-        let nanos = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        let dir = std::env::temp_dir().join(format!(
-            "burn-distflash-weights-{tag}-{}-{nanos}",
-            std::process::id()
-        ));
-        fs::create_dir_all(&dir).expect("create temp dir");
-        Self(dir)
-    }
-
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.0);
-    }
-}
 
 /// vocab 64, d_model 64, 2 layers, 4 heads over 2 key/value heads (head_dim 16), d_ff 96.
 fn small_config(tied: bool) -> LlamaConfig {
     LlamaConfig::new(64, 64, 2, 4, 2, 96).with_tie_embeddings(tied)
 }
 
-/// Shape and values of every float parameter, in visiting order.
-struct Collect(Vec<(Vec<usize>, Vec<f32>)>);
-
-impl<B: Backend> ModuleVisitor<B> for Collect {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let value = param.val();
-        let dims = value.dims().to_vec();
-        let values = value.into_data().convert::<f32>().to_vec::<f32>().unwrap();
-        self.0.push((dims, values));
-    }
-}
-
-fn params<B: Backend>(model: &Llama<B>) -> Vec<(Vec<usize>, Vec<f32>)> {
-    let mut collect = Collect(Vec::new());
-    model.visit(&mut collect);
-    collect.0
+fn params<B: Backend>(model: &Llama<B>) -> Vec<ParamValues> {
+    float_params(model)
 }
 
 /// Whether every float parameter requires gradients.

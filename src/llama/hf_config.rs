@@ -498,23 +498,7 @@ pub fn write_hf_config(path: &Path, config: &HfLlamaConfig) -> Result<(), HfConf
 mod tests {
     use super::*;
 
-    struct TempDir(PathBuf);
-
-    impl TempDir {
-        fn new(tag: &str) -> Self {
-            let dir = std::env::temp_dir()
-                .join(format!("llama-hf-config-test-{}-{tag}", std::process::id()));
-            let _ = fs::remove_dir_all(&dir);
-            fs::create_dir_all(&dir).expect("create temp dir");
-            Self(dir)
-        }
-    }
-
-    impl Drop for TempDir {
-        fn drop(&mut self) {
-            let _ = fs::remove_dir_all(&self.0);
-        }
-    }
+    use crate::llama::temp_dir::TempDir;
 
     const LLAMA_32_1B: &str = r#"{
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",

@@ -414,23 +414,7 @@ pub fn write_loss_plot_svg(points: &[(u64, f64)], path: &Path, title: &str) -> i
 mod tests {
     use super::*;
 
-    struct TempDir(PathBuf);
-
-    impl TempDir {
-        fn new(tag: &str) -> Self {
-            let dir = std::env::temp_dir()
-                .join(format!("llama-metrics-test-{}-{tag}", std::process::id()));
-            let _ = fs::remove_dir_all(&dir);
-            fs::create_dir_all(&dir).expect("create temp dir");
-            Self(dir)
-        }
-    }
-
-    impl Drop for TempDir {
-        fn drop(&mut self) {
-            let _ = fs::remove_dir_all(&self.0);
-        }
-    }
+    use crate::llama::temp_dir::TempDir;
 
     fn record(step: u64, loss: f64) -> StepMetrics {
         StepMetrics {

@@ -10,6 +10,8 @@ pub mod model;
 pub mod progress;
 pub mod safetensors;
 pub mod schedule;
+#[cfg(test)]
+mod temp_dir;
 pub mod tokenizer;
 pub mod train;
 pub mod weights;

@@ -626,26 +626,7 @@ pub fn write_safetensors(
 mod tests {
     use super::*;
 
-    /// A fresh, empty directory under the system temp dir, removed on drop.
-    struct TempDir(PathBuf);
-
-    impl TempDir {
-        fn new(tag: &str) -> Self {
-            let dir = std::env::temp_dir().join(format!(
-                "llama-safetensors-test-{}-{tag}",
-                std::process::id()
-            ));
-            let _ = fs::remove_dir_all(&dir);
-            fs::create_dir_all(&dir).expect("create temp dir");
-            Self(dir)
-        }
-    }
-
-    impl Drop for TempDir {
-        fn drop(&mut self) {
-            let _ = fs::remove_dir_all(&self.0);
-        }
-    }
+    use crate::llama::temp_dir::TempDir;
 
     /// Builds a safetensors file by hand, independently of `write_safetensors`.
     fn raw_file(header: &str, data: &[u8]) -> Vec<u8> {

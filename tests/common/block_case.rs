@@ -10,6 +10,7 @@ use burn_distflash::{
     TransformerBlockConfig,
 };
 
+use super::modules::RequireGrad;
 use super::Rng;
 
 /// A block shape small enough for the CPU: GQA 4 query over 2 key/value heads of width 16.
@@ -40,15 +41,6 @@ impl<B: burn::tensor::backend::Backend> ModuleMapper<B> for Randomize<'_> {
         };
         let fresh = Tensor::from_data(TensorData::new(values, dims), &tensor.device());
         Param::from_mapped_value(id, fresh.require_grad(), mapper)
-    }
-}
-
-/// Marks every weight as needing a gradient.
-struct RequireGrad;
-
-impl<B: burn::tensor::backend::Backend> ModuleMapper<B> for RequireGrad {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        param.set_require_grad(true)
     }
 }
 

@@ -4,6 +4,8 @@
 pub mod block_case;
 pub mod burn_case;
 pub mod distributed_case;
+pub mod modules;
+pub mod temp_dir;
 
 use distflash_kernels::reference::{self, Rounding};
 use distflash_kernels::ElemType;

@@ -1,9 +1,13 @@
 //! Single-GPU attention throughput on CUDA: this project's kernels beside Burn 0.21's own
-//! `attention`, in one run. Causal, batch 1, 32 heads, head dim 128; TFLOP/s with
-//! FlashAttention's convention (forward `4 S^2 H D / 2` for causal, forward+backward 3.5x that).
+//! `attention`, in one run. Causal, batch 1, 32 query heads, head dim 128 by default; TFLOP/s
+//! with FlashAttention's convention (forward `4 S^2 H D / 2` for causal, H query heads,
+//! forward+backward 3.5x that).
 //!
 //! `cargo bench --bench kernel_attention -- [--seqs 8192,16384,32768] [--bwd-seqs 8192]
-//! [--burn-seqs 8192,16384] [--iters 5]`. Prints a markdown table.
+//! [--burn-seqs 8192,16384] [--iters 5] [--head-dim 128] [--kv-heads 32] [--chunks 4]`.
+//! `--chunks C` adds rows where the sequence is cut into C chunks and run pair by pair through
+//! `forward_step` / `backward_step` with causal offsets, as the distributed pass does.
+//! Prints a markdown table.
 
 use std::time::Instant;
 
@@ -12,10 +16,11 @@ use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Distribution, Tensor};
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::prelude::*;
-use distflash_kernels::{DeviceTensor, ElemType, Mask, StepOptions, Variant};
+use distflash_kernels::{
+    DeviceTensor, ElemType, GradAccumulators, Mask, SoftmaxState, StepOptions, Variant,
+};
 
 const HEADS: usize = 32;
-const HEAD_DIM: usize = 128;
 
 fn arg_list(args: &[String], name: &str, default: &[usize]) -> Vec<usize> {
     args.iter()
@@ -25,8 +30,15 @@ fn arg_list(args: &[String], name: &str, default: &[usize]) -> Vec<usize> {
         .unwrap_or_else(|| default.to_vec())
 }
 
-fn causal_forward_flops(seq: usize) -> f64 {
-    4.0 * (seq as f64).powi(2) * HEADS as f64 * HEAD_DIM as f64 / 2.0
+/// Heads and head dimension of one benchmark run.
+#[derive(Clone, Copy)]
+struct Shape {
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+fn causal_forward_flops(seq: usize, shape: Shape) -> f64 {
+    4.0 * (seq as f64).powi(2) * HEADS as f64 * shape.head_dim as f64 / 2.0
 }
 
 /// Median seconds of `iters` timed runs after two warm-ups; `run` must block until done.
@@ -46,12 +58,12 @@ fn median_seconds(iters: usize, mut run: impl FnMut()) -> f64 {
 
 fn random_tensor(
     client: &ComputeClient<CudaRuntime>,
-    seq: usize,
+    (heads, seq, head_dim): (usize, usize, usize),
     seed: u64,
     elem: ElemType,
 ) -> DeviceTensor {
     let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let data: Vec<f32> = (0..HEADS * seq * HEAD_DIM)
+    let data: Vec<f32> = (0..heads * seq * head_dim)
         .map(|_| {
             state ^= state << 13;
             state ^= state >> 7;
@@ -59,7 +71,7 @@ fn random_tensor(
             ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         })
         .collect();
-    DeviceTensor::from_f32(client, &data, vec![1, HEADS, seq, HEAD_DIM], elem)
+    DeviceTensor::from_f32(client, &data, vec![1, heads, seq, head_dim], elem)
 }
 
 fn sync(client: &ComputeClient<CudaRuntime>) {
@@ -78,7 +90,7 @@ fn burn_options() -> AttentionModuleOptions {
 
 fn burn_forward(seq: usize, iters: usize) -> f64 {
     let device = burn_cuda::CudaDevice::new(0);
-    let shape = [1, HEADS, seq, HEAD_DIM];
+    let shape = [1, HEADS, seq, 128];
     let q = Tensor::<BurnCuda, 4>::random(shape, Distribution::Default, &device);
     let k = Tensor::<BurnCuda, 4>::random(shape, Distribution::Default, &device);
     let v = Tensor::<BurnCuda, 4>::random(shape, Distribution::Default, &device);
@@ -90,7 +102,7 @@ fn burn_forward(seq: usize, iters: usize) -> f64 {
 
 fn burn_forward_backward(seq: usize, iters: usize) -> f64 {
     let device = burn_cuda::CudaDevice::new(0);
-    let shape = [1, HEADS, seq, HEAD_DIM];
+    let shape = [1, HEADS, seq, 128];
     let make =
         || Tensor::<BurnAutodiff, 4>::random(shape, Distribution::Default, &device).require_grad();
     let (q, k, v) = (make(), make(), make());
@@ -101,12 +113,135 @@ fn burn_forward_backward(seq: usize, iters: usize) -> f64 {
     })
 }
 
+/// Query, key and value chunks of a sequence cut into `chunks` pieces.
+struct Chunks {
+    q: Vec<DeviceTensor>,
+    k: Vec<DeviceTensor>,
+    v: Vec<DeviceTensor>,
+    grad_out: Vec<DeviceTensor>,
+    len: usize,
+}
+
+impl Chunks {
+    fn new(
+        client: &ComputeClient<CudaRuntime>,
+        seq: usize,
+        chunks: usize,
+        shape: Shape,
+        elem: ElemType,
+    ) -> Self {
+        let len = seq / chunks;
+        let make = |heads: usize, seed: u64| -> Vec<DeviceTensor> {
+            (0..chunks)
+                .map(|c| {
+                    random_tensor(
+                        client,
+                        (heads, len, shape.head_dim),
+                        seed * 100 + c as u64,
+                        elem,
+                    )
+                })
+                .collect()
+        };
+        Chunks {
+            q: make(HEADS, 1),
+            k: make(shape.kv_heads, 2),
+            v: make(shape.kv_heads, 3),
+            grad_out: make(HEADS, 4),
+            len,
+        }
+    }
+
+    fn options(&self, i: usize, j: usize) -> StepOptions {
+        StepOptions {
+            mask: Mask::Causal {
+                q_offset: (i * self.len) as i64,
+                kv_offset: (j * self.len) as i64,
+            },
+            scale: None,
+            variant: Variant::Auto,
+        }
+    }
+
+    /// Causal forward over every (query chunk, earlier-or-same key chunk) pair: `(O, lse)` per
+    /// query chunk.
+    fn forward(
+        &self,
+        client: &ComputeClient<CudaRuntime>,
+        shape: Shape,
+    ) -> Vec<(DeviceTensor, DeviceTensor)> {
+        (0..self.q.len())
+            .map(|i| {
+                let state = SoftmaxState::empty(client, 1, HEADS, self.len, shape.head_dim);
+                for j in 0..=i {
+                    distflash_kernels::forward_step(
+                        client,
+                        &self.q[i],
+                        &self.k[j],
+                        &self.v[j],
+                        &state,
+                        &self.options(i, j),
+                    )
+                    .unwrap();
+                }
+                distflash_kernels::finalize(client, &state, self.q[i].elem).unwrap()
+            })
+            .collect()
+    }
+
+    /// Causal backward over the same pairs, from the forward's results.
+    fn backward(
+        &self,
+        client: &ComputeClient<CudaRuntime>,
+        outputs: &[(DeviceTensor, DeviceTensor)],
+        shape: Shape,
+    ) {
+        let n = self.q.len();
+        let q_shape = vec![1, HEADS, self.len, shape.head_dim];
+        let kv_shape = vec![1, shape.kv_heads, self.len, shape.head_dim];
+        let dk: Vec<_> = (0..n)
+            .map(|_| distflash_kernels::zeros_f32(client, kv_shape.clone()))
+            .collect();
+        let dv: Vec<_> = (0..n)
+            .map(|_| distflash_kernels::zeros_f32(client, kv_shape.clone()))
+            .collect();
+        for (i, (out, lse)) in outputs.iter().enumerate() {
+            let delta = distflash_kernels::backward_delta(client, out, &self.grad_out[i]).unwrap();
+            let dq = distflash_kernels::zeros_f32(client, q_shape.clone());
+            for j in 0..=i {
+                let grads = GradAccumulators {
+                    dq: dq.clone(),
+                    dk: dk[j].clone(),
+                    dv: dv[j].clone(),
+                };
+                distflash_kernels::backward_step(
+                    client,
+                    &self.q[i],
+                    &self.k[j],
+                    &self.v[j],
+                    &self.grad_out[i],
+                    lse,
+                    &delta,
+                    &grads,
+                    &self.options(i, j),
+                )
+                .unwrap();
+            }
+        }
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let seqs = arg_list(&args, "--seqs", &[8192, 16384, 32768]);
     let bwd_seqs = arg_list(&args, "--bwd-seqs", &[8192]);
     let burn_seqs = arg_list(&args, "--burn-seqs", &[8192, 16384]);
     let iters = arg_list(&args, "--iters", &[5])[0];
+    let chunks = arg_list(&args, "--chunks", &[1])[0].max(1);
+    let shape = Shape {
+        kv_heads: arg_list(&args, "--kv-heads", &[HEADS])[0],
+        head_dim: arg_list(&args, "--head-dim", &[128])[0],
+    };
     let client = CudaRuntime::client(&CudaDevice::new(0));
     let elem = ElemType::BF16;
     let options = StepOptions {
@@ -115,8 +250,10 @@ fn main() {
         variant: Variant::Auto,
     };
     println!(
-        "tensor cores used for the forward: {}",
-        distflash_kernels::tensor_core_available(&client, elem, HEAD_DIM)
+        "# {HEADS} query heads, {} kv heads, head dim {}; tensor cores used: {}",
+        shape.kv_heads,
+        shape.head_dim,
+        distflash_kernels::tensor_core_available(&client, elem, shape.head_dim)
     );
     println!("| implementation | pass | S | ms | TFLOP/s |");
     println!("| --- | --- | --- | --- | --- |");
@@ -128,24 +265,21 @@ fn main() {
         );
     };
     for &seq in &seqs {
+        let q_dims = (HEADS, seq, shape.head_dim);
+        let kv_dims = (shape.kv_heads, seq, shape.head_dim);
         let (q, k, v) = (
-            random_tensor(&client, seq, 1, elem),
-            random_tensor(&client, seq, 2, elem),
-            random_tensor(&client, seq, 3, elem),
+            random_tensor(&client, q_dims, 1, elem),
+            random_tensor(&client, kv_dims, 2, elem),
+            random_tensor(&client, kv_dims, 3, elem),
         );
+        let flops = causal_forward_flops(seq, shape);
         let secs = median_seconds(iters, || {
             let _ = distflash_kernels::attention(&client, &q, &k, &v, &options).unwrap();
             sync(&client);
         });
-        row(
-            "distflash (bf16)",
-            "fwd",
-            seq,
-            secs,
-            causal_forward_flops(seq),
-        );
+        row("distflash (bf16)", "fwd", seq, secs, flops);
         if bwd_seqs.contains(&seq) {
-            let grad_out = random_tensor(&client, seq, 4, elem);
+            let grad_out = random_tensor(&client, q_dims, 4, elem);
             let secs = median_seconds(iters.min(3), || {
                 let (out, lse) =
                     distflash_kernels::attention(&client, &q, &k, &v, &options).unwrap();
@@ -155,22 +289,35 @@ fn main() {
                 .unwrap();
                 sync(&client);
             });
-            row(
-                "distflash (bf16)",
-                "fwd+bwd",
-                seq,
-                secs,
-                3.5 * causal_forward_flops(seq),
-            );
+            row("distflash (bf16)", "fwd+bwd", seq, secs, 3.5 * flops);
+        }
+        drop((q, k, v));
+        if chunks > 1 {
+            let parts = Chunks::new(&client, seq, chunks, shape, elem);
+            let name = format!("distflash steps, {chunks} chunks (bf16)");
+            let secs = median_seconds(iters, || {
+                let _ = parts.forward(&client, shape);
+                sync(&client);
+            });
+            row(&name, "fwd", seq, secs, flops);
+            if bwd_seqs.contains(&seq) {
+                let secs = median_seconds(iters.min(3), || {
+                    let outputs = parts.forward(&client, shape);
+                    parts.backward(&client, &outputs, shape);
+                    sync(&client);
+                });
+                row(&name, "fwd+bwd", seq, secs, 3.5 * flops);
+            }
         }
     }
     for &seq in &burn_seqs {
+        let flops = causal_forward_flops(seq, shape);
         row(
             "burn attention (f16)",
             "fwd",
             seq,
             burn_forward(seq, iters),
-            causal_forward_flops(seq),
+            flops,
         );
         if bwd_seqs.contains(&seq) {
             row(
@@ -178,7 +325,7 @@ fn main() {
                 "fwd+bwd",
                 seq,
                 burn_forward_backward(seq, iters.min(3)),
-                3.5 * causal_forward_flops(seq),
+                3.5 * flops,
             );
         }
     }

@@ -54,8 +54,12 @@ BACKENDS = [
 PASSES = ["fwd", "fwd+bwd"]
 
 
+KV_HEADS = HEADS
+
+
 def causal_forward_flops(seq: int) -> float:
-    """FlashAttention's count: 4 * S^2 * H * D, halved for the causal mask, times the batch."""
+    """FlashAttention's count: 4 * S^2 * H * D (H query heads), halved for the causal mask,
+    times the batch."""
     return BATCH * 4.0 * seq * seq * HEADS * HEAD_DIM / 2.0
 
 
@@ -66,15 +70,19 @@ def pass_flops(pass_name: str, seq: int) -> float:
 
 def make_inputs(seq: int):
     shape = (BATCH, HEADS, seq, HEAD_DIM)
-    q, k, v = (
-        torch.randn(shape, dtype=DTYPE, device="cuda", requires_grad=True) for _ in range(3)
+    kv_shape = (BATCH, KV_HEADS, seq, HEAD_DIM)
+    q = torch.randn(shape, dtype=DTYPE, device="cuda", requires_grad=True)
+    k, v = (
+        torch.randn(kv_shape, dtype=DTYPE, device="cuda", requires_grad=True) for _ in range(2)
     )
     grad_out = torch.randn(shape, dtype=DTYPE, device="cuda")
     return q, k, v, grad_out
 
 
 def run_once(pass_name: str, q, k, v, grad_out) -> None:
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out = F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=KV_HEADS != HEADS
+    )
     if pass_name == "fwd+bwd":
         out.backward(grad_out)
 
@@ -103,6 +111,7 @@ def first_line(err: BaseException) -> str:
 
 
 def main() -> int:
+    global HEAD_DIM, KV_HEADS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--seqs",
@@ -110,7 +119,12 @@ def main() -> int:
         help="comma-separated sequence lengths (default: 8192,16384,32768)",
     )
     parser.add_argument("--json", metavar="PATH", help="also write JSON lines to PATH")
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM, help="head dimension (128)")
+    parser.add_argument(
+        "--kv-heads", type=int, default=HEADS, help="key/value heads (32; fewer is GQA)"
+    )
     args = parser.parse_args()
+    HEAD_DIM, KV_HEADS = args.head_dim, args.kv_heads
     seqs = [int(s) for s in args.seqs.split(",") if s.strip()]
 
     if not torch.cuda.is_available():
@@ -123,7 +137,8 @@ def main() -> int:
         f"CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}"
     )
     print(
-        f"# causal, {str(DTYPE).replace('torch.', '')}, batch {BATCH}, {HEADS} heads, "
+        f"# causal, {str(DTYPE).replace('torch.', '')}, batch {BATCH}, {HEADS} heads "
+        f"({KV_HEADS} kv heads), "
         f"head dim {HEAD_DIM}; median of {ITERS} after {WARMUP} warm-up iterations"
     )
 

@@ -1,0 +1,230 @@
+//! Writes the CUDA C++ that cubecl-cuda generates for each tensor-core kernel, with no GPU: the
+//! kernels are expanded into a `KernelBuilder` configured like an H200 (sm_90) and compiled by
+//! CubeCL's CUDA compiler, exactly what cubecl-cuda hands to NVRTC at first launch.
+//!
+//! `cargo run --release -p distflash-kernels --example dump_cuda -- OUT_DIR [bf16|f16]`
+//! writes `OUT_DIR/{forward,dq,dkdv}_{causal,full}_d{64,128}.cu`. Read them with a CUDA
+//! compiler's resource report (registers, spills) and the SASS of their loops.
+
+use std::path::PathBuf;
+
+use cubecl::ir::features::{Plane, Tma, TypeUsage};
+use cubecl::ir::{
+    BarrierLevel, DeviceProperties, ElemType as IrElem, FloatKind, HardwareProperties,
+    MemoryDeviceProperties, OpaqueType, SemanticType, VectorSize,
+};
+use cubecl::prelude::*;
+use cubecl_common::profile::TimingMethod;
+use cubecl_cpp::cuda::arch::CudaArchitecture;
+use cubecl_cpp::cuda::mma::CudaWmmaCompiler;
+use cubecl_cpp::shared::{register_mma_features, CompilationOptions, CppSupportedFeatures};
+use cubecl_cpp::DialectWmmaCompiler;
+use cubecl_cuda::CudaCompiler;
+use cubecl_runtime::compiler::Compiler;
+use distflash_kernels::tensor_core::{backward, forward};
+use half::{bf16, f16};
+
+/// What an H200 reports to cubecl-cuda 0.10, as far as code generation depends on it.
+fn h200_properties() -> DeviceProperties {
+    let arch = CudaArchitecture { version: 90 };
+    let hardware = HardwareProperties {
+        load_width: 128,
+        plane_size_min: 32,
+        plane_size_max: 32,
+        max_bindings: 1024,
+        max_shared_memory_size: 232_448,
+        max_cube_count: (i32::MAX as u32, 65_535, 65_535),
+        max_units_per_cube: 1024,
+        max_cube_dim: (1024, 1024, 64),
+        num_streaming_multiprocessors: Some(132),
+        num_cpu_cores: None,
+        num_tensor_cores: Some(4),
+        min_tensor_cores_dim: Some(8),
+        max_vector_size: VectorSize::MAX,
+    };
+    let memory = MemoryDeviceProperties {
+        max_page_size: 1 << 36,
+        alignment: 512,
+    };
+    let mut p = DeviceProperties::new(Default::default(), memory, hardware, TimingMethod::System);
+    cubecl_cpp::register_supported_types(&mut p);
+    p.register_semantic_type(SemanticType::Pipeline);
+    p.register_semantic_type(SemanticType::TensorMap);
+    p.register_type_usage(OpaqueType::Barrier(BarrierLevel::Unit), TypeUsage::Buffer);
+    p.register_type_usage(OpaqueType::Barrier(BarrierLevel::Cube), TypeUsage::Buffer);
+    p.features.plane.insert(Plane::Sync);
+    p.features.plane.insert(Plane::Ops);
+    p.features.plane.insert(Plane::NonUniformControlFlow);
+    for kind in [FloatKind::F16, FloatKind::BF16] {
+        p.features
+            .matmul
+            .ldmatrix
+            .insert(IrElem::Float(kind).into());
+        p.features
+            .matmul
+            .stmatrix
+            .insert(IrElem::Float(kind).into());
+    }
+    p.features.copy_async = true;
+    p.features.tma.insert(Tma::Base);
+    p.features.cube_cluster = true;
+    p.features.memory_reinterpret = true;
+    p.features.alignment = true;
+    register_mma_features(CudaWmmaCompiler::supported_mma_combinations(&arch), &mut p);
+    p
+}
+
+fn compile(name: &str, units: u32, expand: impl FnOnce(&mut KernelBuilder)) -> String {
+    let properties = h200_properties();
+    let mut builder = KernelBuilder::default();
+    builder.runtime_properties(<cubecl_cuda::CudaRuntime as Runtime>::target_properties());
+    builder.device_properties(&properties);
+    builder
+        .scope
+        .register_type::<bf16>(bf16::as_type_native_unchecked().storage_type());
+    builder
+        .scope
+        .register_type::<f16>(f16::as_type_native_unchecked().storage_type());
+    AddressType::U32.register(&mut builder.scope);
+    expand(&mut builder);
+    let settings = KernelSettings::default()
+        .cube_dim(CubeDim::new_1d(units))
+        .kernel_name(name);
+    let definition = builder.build(settings);
+    let options = CompilationOptions {
+        warp_size: 32,
+        supports_features: CppSupportedFeatures {
+            grid_constants: true,
+            clusters: true,
+            fast_math: true,
+            fast_tanh: true,
+            elect_sync: true,
+        },
+    };
+    CudaCompiler::default()
+        .compile(
+            definition,
+            &options,
+            ExecutionMode::Unchecked,
+            u32::as_type_native_unchecked().storage_type(),
+        )
+        .expect("the kernel compiles")
+        .to_string()
+}
+
+fn input<E: CubePrimitive>(b: &mut KernelBuilder) -> <Array<E> as CubeType>::ExpandType {
+    <Array<E> as LaunchArg>::expand(&ArrayCompilationArg { inplace: None }, b)
+}
+
+fn output<E: CubePrimitive>(b: &mut KernelBuilder) -> <Array<E> as CubeType>::ExpandType {
+    <Array<E> as LaunchArg>::expand_output(&ArrayCompilationArg { inplace: None }, b)
+}
+
+fn scalar<E: LaunchArg<CompilationArg = ()>>(b: &mut KernelBuilder) -> <E as CubeType>::ExpandType {
+    <E as LaunchArg>::expand(&(), b)
+}
+
+/// CUDA sources of the three kernels for element type `E`.
+fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, String); 3] {
+    let units = forward::UNITS as u32;
+    let forward = compile("forward_step_mma", units, |b| {
+        let (q, k, v) = (input::<E>(b), input::<E>(b), input::<E>(b));
+        let (o, m, l) = (output::<f32>(b), output::<f32>(b), output::<f32>(b));
+        let (scale, shift) = (scalar::<f32>(b), scalar::<i32>(b));
+        let (q_len, kv_len) = (scalar::<u32>(b), scalar::<u32>(b));
+        let (heads, group) = (scalar::<u32>(b), scalar::<u32>(b));
+        forward::forward_step_mma::expand::<E>(
+            &mut b.scope,
+            q,
+            k,
+            v,
+            o,
+            m,
+            l,
+            scale,
+            shift,
+            q_len,
+            kv_len,
+            heads,
+            group,
+            head_dim,
+            causal,
+        );
+    });
+    let dq = compile("backward_dq_mma", units, |b| {
+        let (q, k, v, grad_out) = (input::<E>(b), input::<E>(b), input::<E>(b), input::<E>(b));
+        let (lse, delta) = (input::<f32>(b), input::<f32>(b));
+        let dq = output::<f32>(b);
+        let (scale, shift) = (scalar::<f32>(b), scalar::<i32>(b));
+        let (q_len, kv_len) = (scalar::<u32>(b), scalar::<u32>(b));
+        let (heads, group) = (scalar::<u32>(b), scalar::<u32>(b));
+        backward::backward_dq_mma::expand::<E>(
+            &mut b.scope,
+            q,
+            k,
+            v,
+            grad_out,
+            lse,
+            delta,
+            dq,
+            scale,
+            shift,
+            q_len,
+            kv_len,
+            heads,
+            group,
+            head_dim,
+            causal,
+        );
+    });
+    let dkdv = compile("backward_dkdv_mma", units, |b| {
+        let (q, k, v, grad_out) = (input::<E>(b), input::<E>(b), input::<E>(b), input::<E>(b));
+        let (lse, delta) = (input::<f32>(b), input::<f32>(b));
+        let (dk, dv) = (output::<f32>(b), output::<f32>(b));
+        let (scale, shift) = (scalar::<f32>(b), scalar::<i32>(b));
+        let (q_len, kv_len) = (scalar::<u32>(b), scalar::<u32>(b));
+        let (heads, group) = (scalar::<u32>(b), scalar::<u32>(b));
+        backward::backward_dkdv_mma::expand::<E>(
+            &mut b.scope,
+            q,
+            k,
+            v,
+            grad_out,
+            lse,
+            delta,
+            dk,
+            dv,
+            scale,
+            shift,
+            q_len,
+            kv_len,
+            heads,
+            group,
+            head_dim,
+            causal,
+        );
+    });
+    [("forward", forward), ("dq", dq), ("dkdv", dkdv)]
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let out = PathBuf::from(args.next().unwrap_or_else(|| "kernels-cuda".into()));
+    let elem = args.next().unwrap_or_else(|| "bf16".into());
+    std::fs::create_dir_all(&out).expect("the output folder can be created");
+    for head_dim in distflash_kernels::tensor_core::HEAD_DIMS {
+        for causal in [true, false] {
+            let sources = match elem.as_str() {
+                "bf16" => kernels::<bf16>(head_dim, causal),
+                "f16" => kernels::<f16>(head_dim, causal),
+                other => panic!("element type must be bf16 or f16, not {other}"),
+            };
+            for (name, source) in sources {
+                let mask = if causal { "causal" } else { "full" };
+                let path = out.join(format!("{name}_{mask}_d{head_dim}.cu"));
+                std::fs::write(&path, source).expect("the source can be written");
+                println!("{}", path.display());
+            }
+        }
+    }
+}

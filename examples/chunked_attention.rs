@@ -107,7 +107,7 @@ fn main() {
     // Forward: query shard p meets key shards p, p-1, ..., 0 (ring order).
     let mut outputs = Vec::new();
     for (p, q_shard) in q_shards.iter().enumerate() {
-        let stepped = SoftmaxState::empty(&client, 1, heads, shard, d);
+        let stepped = SoftmaxState::empty(&client, 1, heads, shard, d).unwrap();
         for kp in (0..=p).rev() {
             distflash_kernels::forward_step(
                 &client,
@@ -124,8 +124,8 @@ fn main() {
     // The last shard again, as two independent partials merged (a helper's contribution).
     let last = chunks - 1;
     let (own, helped) = (
-        SoftmaxState::empty(&client, 1, heads, shard, d),
-        SoftmaxState::empty(&client, 1, heads, shard, d),
+        SoftmaxState::empty(&client, 1, heads, shard, d).unwrap(),
+        SoftmaxState::empty(&client, 1, heads, shard, d).unwrap(),
     );
     for kp in 0..=last {
         let target = if kp >= last / 2 { &own } else { &helped };
@@ -152,15 +152,15 @@ fn main() {
         head_dim: d,
     };
     let dk_acc: Vec<_> = (0..chunks)
-        .map(|_| distflash_kernels::zeros_f32(&client, vec![1, kv_heads, shard, d]))
+        .map(|_| distflash_kernels::zeros_f32(&client, vec![1, kv_heads, shard, d]).unwrap())
         .collect();
     let dv_acc: Vec<_> = (0..chunks)
-        .map(|_| distflash_kernels::zeros_f32(&client, vec![1, kv_heads, shard, d]))
+        .map(|_| distflash_kernels::zeros_f32(&client, vec![1, kv_heads, shard, d]).unwrap())
         .collect();
     let mut dq_acc = Vec::new();
     for (p, (out, lse)) in outputs.iter().enumerate() {
         let delta = distflash_kernels::backward_delta(&client, out, &do_shards[p]).unwrap();
-        let dq = distflash_kernels::zeros_f32(&client, dims(shard).q_shape());
+        let dq = distflash_kernels::zeros_f32(&client, dims(shard).q_shape()).unwrap();
         for kp in 0..=p {
             let grads = GradAccumulators {
                 dq: dq.clone(),

@@ -5,18 +5,35 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::DType;
 
-use crate::options::FlashAttentionOptions;
+use distflash_kernels::AttentionDims;
+
+use crate::options::{AttentionError, FlashAttentionOptions};
 use crate::state::{self, AttentionState, StepMask};
 
 /// A Burn backend that can run exact, memory-efficient attention and its fused backward.
 ///
 /// Shapes: q `[B, Hq, Sq, D]`, k and v `[B, Hkv, Skv, D]` (`Hq` a multiple of `Hkv`), O like q,
-/// lse `[B, Hq, Sq]` (f32 where the backend allows it). Callers validate shapes first
-/// (the public functions do); implementations may panic on invalid input.
+/// lse `[B, Hq, Sq]` (f32 where the backend allows it). Callers validate the inputs first,
+/// [`FlashAttentionBackend::check_attention_limits`] included (the public functions do);
+/// implementations may panic on invalid input, and panic (never return silent zeros) when a
+/// kernel launch fails anyway.
 pub trait FlashAttentionBackend: Backend {
     /// Float type of the lse returned for inputs of type `input` (f32 on the kernel backends).
     fn lse_dtype(input: DType) -> DType {
         input
+    }
+
+    /// Checks, before any work, that attention of these (valid) dimensions in float type
+    /// `dtype` can run on `device`, forward and backward, one-shot or in steps: the kernel
+    /// backends check the device's limits (grid, cubes, shared memory, element types). The
+    /// default (tensor-op backends) accepts everything.
+    fn check_attention_limits(
+        dims: &AttentionDims,
+        dtype: DType,
+        device: &Self::Device,
+    ) -> Result<(), AttentionError> {
+        let _ = (dims, dtype, device);
+        Ok(())
     }
 
     /// `(O, lse)` of softmax attention of q against k, v.

@@ -37,22 +37,40 @@ impl FlashAttentionOptions {
     pub fn resolved_scale(&self, head_dim: usize) -> f64 {
         self.scale.unwrap_or(1.0 / (head_dim as f64).sqrt())
     }
+
+    /// Errors unless the options can be used: a given scale must be finite (also in f32, the
+    /// kernels' precision).
+    pub fn check(&self) -> Result<(), AttentionError> {
+        match self.scale {
+            Some(scale) if !(scale as f32).is_finite() => {
+                Err(AttentionError::Invalid(KernelError::BadOption {
+                    what: format!("the score scale must be finite, got {scale}"),
+                }))
+            }
+            _ => Ok(()),
+        }
+    }
 }
 
 /// Why the attention op refused its input.
 #[derive(Debug, Clone, PartialEq)]
 pub enum AttentionError {
-    /// Shapes, head grouping or head dimension are not acceptable (see the message).
+    /// Shapes, head grouping, head dimension or options are not acceptable, or the call exceeds
+    /// a limit of the device (see the message).
     Invalid(KernelError),
-    /// The tensors' float type is not one the op supports.
+    /// The tensors' float type is not one the op (or the device) supports.
     DType(String),
+    /// The tensors are not all on one device.
+    Device(String),
 }
 
 impl fmt::Display for AttentionError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             AttentionError::Invalid(e) => write!(f, "flash attention: {e}"),
-            AttentionError::DType(what) => write!(f, "flash attention: {what}"),
+            AttentionError::DType(what) | AttentionError::Device(what) => {
+                write!(f, "flash attention: {what}")
+            }
         }
     }
 }

@@ -1,5 +1,6 @@
 //! The CubeCL kernels against the f64 reference: forward, backward, masks and offsets, GQA, odd
-//! lengths, fully-masked rows, chunk-by-chunk stepping and merging, and bad input.
+//! lengths, every head dim, grids folded past a grid axis, fully-masked rows, chunk-by-chunk
+//! stepping and merging, and bad input.
 //!
 //! The suite is generic over the CubeCL runtime. It runs on wgpu (Mesa's software Vulkan in CI)
 //! and, with `--ignored`, on CUDA (the GPU machine), for both kernel variants there.
@@ -139,7 +140,8 @@ fn options(case: &Case, variant: Variant) -> StepOptions {
 fn check_forward<R: Runtime>(client: &ComputeClient<R>, case: &Case, variant: Variant) {
     let (q, k, v) = case.qkv(client);
     let dims = &case.dims;
-    let state = SoftmaxState::empty(client, dims.batch, dims.q_heads, dims.q_len, dims.head_dim);
+    let state =
+        SoftmaxState::empty(client, dims.batch, dims.q_heads, dims.q_len, dims.head_dim).unwrap();
     distflash_kernels::forward_step(client, &q, &k, &v, &state, &options(case, variant)).unwrap();
     let out = nan_tensor(client, dims.q_shape(), case.elem);
     let lse = nan_tensor(client, dims.row_shape(), ElemType::F32);
@@ -347,10 +349,11 @@ pub fn chunks_step_and_merge_exactly<R: Runtime>(client: &ComputeClient<R>) {
                 distflash_kernels::attention(client, &q, &k, &v, &opts).unwrap();
             let bounds = [0, 50, 113, 227];
 
-            let stepped =
-                SoftmaxState::empty(client, dims.batch, dims.q_heads, dims.q_len, dims.head_dim);
-            let merged =
-                SoftmaxState::empty(client, dims.batch, dims.q_heads, dims.q_len, dims.head_dim);
+            let empty = || {
+                SoftmaxState::empty(client, dims.batch, dims.q_heads, dims.q_len, dims.head_dim)
+                    .unwrap()
+            };
+            let (stepped, merged) = (empty(), empty());
             for w in bounds.windows(2) {
                 let (kc, vc) = (
                     key_chunk(client, &case, &case.k, w[0], w[1]),
@@ -362,13 +365,7 @@ pub fn chunks_step_and_merge_exactly<R: Runtime>(client: &ComputeClient<R>) {
                 };
                 distflash_kernels::forward_step(client, &q, &kc, &vc, &stepped, &step_opts)
                     .unwrap();
-                let partial = SoftmaxState::empty(
-                    client,
-                    dims.batch,
-                    dims.q_heads,
-                    dims.q_len,
-                    dims.head_dim,
-                );
+                let partial = empty();
                 distflash_kernels::forward_step(client, &q, &kc, &vc, &partial, &step_opts)
                     .unwrap();
                 distflash_kernels::merge(client, &merged, &partial).unwrap();
@@ -410,12 +407,12 @@ pub fn chunks_step_and_merge_exactly<R: Runtime>(client: &ComputeClient<R>) {
             // Backward: the sum over key chunks of the per-pair gradients equals the whole.
             let grad_out = case.upload(client, &case.grad_out, dims.q_shape());
             let delta = distflash_kernels::backward_delta(client, &whole_out, &grad_out).unwrap();
-            let whole_g = GradAccumulators::zeros(client, &dims);
+            let whole_g = GradAccumulators::zeros(client, &dims).unwrap();
             distflash_kernels::backward_step(
                 client, &q, &k, &v, &grad_out, &whole_lse, &delta, &whole_g, &opts,
             )
             .unwrap();
-            let dq = distflash_kernels::zeros_f32(client, dims.q_shape());
+            let dq = distflash_kernels::zeros_f32(client, dims.q_shape()).unwrap();
             let (mut dk, mut dv) = (Vec::new(), Vec::new());
             for w in bounds.windows(2) {
                 let (kc, vc) = (
@@ -428,7 +425,7 @@ pub fn chunks_step_and_merge_exactly<R: Runtime>(client: &ComputeClient<R>) {
                 };
                 let g = GradAccumulators {
                     dq: dq.clone(),
-                    ..GradAccumulators::zeros(client, &chunk_dims)
+                    ..GradAccumulators::zeros(client, &chunk_dims).unwrap()
                 };
                 let step_opts = StepOptions {
                     mask: chunk_mask(&case, w[0]),
@@ -567,11 +564,90 @@ pub fn bad_input_is_refused<R: Runtime>(client: &ComputeClient<R>) {
     ));
     assert!(msg.contains("dtype"), "{msg}");
 
-    let wrong_state = SoftmaxState::empty(client, 1, 4, 7, 64);
+    let wrong_state = SoftmaxState::empty(client, 1, 4, 7, 64).unwrap();
     let msg = distflash_kernels::forward_step(client, &q, &k, &k, &wrong_state, &opts)
         .unwrap_err()
         .to_string();
     assert!(msg.contains("state.o"), "{msg}");
+
+    let nan_scale = StepOptions {
+        scale: Some(f32::NAN),
+        ..opts
+    };
+    let msg = err(distflash_kernels::attention(client, &q, &k, &k, &nan_scale));
+    assert!(msg.contains("scale must be finite"), "{msg}");
+    if !supports(client, ElemType::BF16) {
+        let bf16 = |shape: Vec<usize>| {
+            DeviceTensor::from_f32(
+                client,
+                &vec![0.0; shape.iter().product()],
+                shape,
+                ElemType::BF16,
+            )
+        };
+        let (q, k) = (bf16(vec![1, 4, 8, 64]), bf16(vec![1, 2, 8, 64]));
+        let msg = err(distflash_kernels::attention(client, &q, &k, &k, &opts));
+        assert!(msg.contains("does not run kernels on BF16"), "{msg}");
+    }
+}
+
+/// Every supported head dim, MHA, GQA and MQA, causal (aligned at the end) and full, forward
+/// and backward against the reference, on tiny odd shapes: the portable backward kernels pick
+/// their shared-memory tiles per head dim to fit the device (at 256 the dK/dV kernel's 16-row
+/// tile needs 32,896 bytes, over lavapipe's 32 KiB, and used to give zero gradients). The
+/// portable kernels run in f32 here (each head dim and element type is a shader to compile,
+/// and llvmpipe compiles slowly); their f16/bf16 runs at every head dim are in the op matrix
+/// (`tests/burn_op.rs`), their f16/bf16 runs at 64 and 128 in the tests above.
+pub fn head_dims_match_reference<R: Runtime>(client: &ComputeClient<R>) {
+    for (elem, variant) in configurations(client) {
+        if variant == Variant::Portable && elem != ElemType::F32 {
+            continue;
+        }
+        for head_dim in distflash_kernels::SUPPORTED_HEAD_DIMS {
+            if variant == Variant::TensorCore
+                && !distflash_kernels::tensor_core_available(client, elem, head_dim)
+            {
+                continue;
+            }
+            for heads in [(2, 2, 2), (1, 4, 2), (1, 3, 1)] {
+                for mask in [Mask::None, masks(9, 19)[1]] {
+                    let case = Case::new(head_dim as u64, heads, (9, 19, head_dim), mask, elem);
+                    check_forward(client, &case, variant);
+                    check_backward(client, &case, variant);
+                }
+            }
+        }
+    }
+}
+
+/// batch x query heads = 65,536 (one more than a grid axis allows): the (batch, head) slices
+/// fold over grid y and z, forward and backward still match the reference.
+pub fn folded_grid_matches_reference<R: Runtime>(client: &ComputeClient<R>) {
+    for (elem, variant) in configurations(client) {
+        if elem != ElemType::F32 && variant != Variant::TensorCore {
+            continue;
+        }
+        let head_dim = if variant == Variant::TensorCore {
+            64
+        } else {
+            16
+        };
+        let case = Case::new(3, (2, 32768, 32768), (2, 3, head_dim), Mask::causal(), elem);
+        check_forward(client, &case, variant);
+        check_backward(client, &case, variant);
+    }
+}
+
+/// A fill of more elements than one grid axis of cubes covers (where the device's x axis is
+/// small enough to make that affordable): the element-wise kernels' grid folds over y and z.
+pub fn linear_grid_folds<R: Runtime>(client: &ComputeClient<R>) {
+    let max_x = distflash_kernels::DeviceLimits::of(client).max_cube_count.0 as usize;
+    let len = max_x.min(1 << 16) * 256 + 100;
+    let tensor = nan_tensor(client, vec![len], ElemType::F32);
+    distflash_kernels::fill(client, &tensor, 3.0).unwrap();
+    let host = read(client, &tensor);
+    let wrong = host.iter().position(|&x| x != 3.0);
+    assert_eq!(wrong, None, "first unfilled element of {len}");
 }
 
 /// Instantiates the suite for one runtime.
@@ -584,6 +660,9 @@ macro_rules! suite {
             #[test] $(#[$attr])? fn chunks() { chunks_step_and_merge_exactly(&$client) }
             #[test] $(#[$attr])? fn fully_masked() { fully_masked_rows_are_zero(&$client) }
             #[test] $(#[$attr])? fn bad_input() { bad_input_is_refused(&$client) }
+            #[test] $(#[$attr])? fn head_dims() { head_dims_match_reference(&$client) }
+            #[test] $(#[$attr])? fn folded_grid() { folded_grid_matches_reference(&$client) }
+            #[test] $(#[$attr])? fn linear_grid() { linear_grid_folds(&$client) }
         }
     };
 }

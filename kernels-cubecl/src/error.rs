@@ -1,8 +1,11 @@
-//! Errors returned by the host-side launch functions instead of launching a bad kernel.
+//! Errors returned by the host-side launch functions: input refused before anything is
+//! launched, or a launch the runtime reported as failed.
 
 use core::fmt;
 
-/// Why a kernel call was refused before anything was launched.
+use cubecl::prelude::*;
+
+/// Why a kernel call was refused, or failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KernelError {
     /// A tensor does not have the rank the operation expects.
@@ -45,6 +48,22 @@ pub enum KernelError {
         /// What was wrong, in words.
         what: String,
     },
+    /// An option (the score scale) has a value the kernels cannot use.
+    BadOption {
+        /// What was wrong, in words.
+        what: String,
+    },
+    /// The call needs more than the device allows one launch (grid size, shared memory, units
+    /// per cube); refused before anything was launched.
+    DeviceLimit {
+        /// What was needed and what the device allows, in words.
+        what: String,
+    },
+    /// The runtime reported that a launch failed: the outputs of the call are not valid.
+    Launch {
+        /// What the runtime reported.
+        what: String,
+    },
 }
 
 /// Head dimensions the kernels accept.
@@ -76,8 +95,75 @@ impl fmt::Display for KernelError {
             ),
             KernelError::DType { what } => write!(f, "dtype error: {what}"),
             KernelError::BadLength { what } => write!(f, "bad length: {what}"),
+            KernelError::BadOption { what } => write!(f, "bad option: {what}"),
+            KernelError::DeviceLimit { what } => write!(f, "device limit: {what}"),
+            KernelError::Launch { what } => write!(f, "kernel launch failed: {what}"),
         }
     }
 }
 
 impl std::error::Error for KernelError {}
+
+/// Flushes the calling thread's stream of `client` and turns a launch failure the runtime
+/// recorded there (compilation, resources, driver) into [`KernelError::Launch`]. CubeCL does not
+/// return errors from `launch`; it records them on the stream, where they stay silent until a
+/// flush or sync asks. Every public function calls this once after its launches (a flush on CUDA
+/// waits for the previous flush's fence, so calling it per launch would serialise the host).
+pub(crate) fn launch_result<R: Runtime>(
+    client: &ComputeClient<R>,
+    call: &str,
+) -> Result<(), KernelError> {
+    client.flush().map_err(|e| KernelError::Launch {
+        what: format!("{call}: {e}"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::{DeviceTensor, ElemType};
+
+    /// Asks for 4 MiB of shared memory per cube, more than any device allows.
+    #[cube(launch)]
+    fn too_much_shared(out: &mut Array<f32>) {
+        let mut tile = SharedMemory::<f32>::new(1usize << 20);
+        tile[UNIT_POS as usize] = 1.0;
+        sync_cube();
+        out[UNIT_POS as usize] = tile[UNIT_POS as usize];
+    }
+
+    /// A launch the runtime refuses is reported once, as a `Launch` error; the stream is usable
+    /// afterwards.
+    fn failed_launch_is_an_error<R: Runtime>(client: &ComputeClient<R>) {
+        let out = DeviceTensor::from_f32(client, &[0.0; 32], vec![32], ElemType::F32);
+        too_much_shared::launch::<R>(
+            client,
+            CubeCount::Static(1, 1, 1),
+            CubeDim::new_1d(32),
+            out.array_arg(),
+        );
+        let err = launch_result(client, "too_much_shared").unwrap_err();
+        let message = err.to_string();
+        assert!(matches!(err, KernelError::Launch { .. }), "{message}");
+        assert!(
+            message.contains("too_much_shared") && message.contains("shared memory"),
+            "{message}"
+        );
+        launch_result(client, "nothing").unwrap();
+    }
+
+    #[test]
+    fn wgpu_failed_launch_is_an_error() {
+        failed_launch_is_an_error(&cubecl::wgpu::WgpuRuntime::client(
+            &cubecl::wgpu::WgpuDevice::Cpu,
+        ));
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
+    fn cuda_failed_launch_is_an_error() {
+        failed_launch_is_an_error(&cubecl::cuda::CudaRuntime::client(
+            &cubecl::cuda::CudaDevice::new(0),
+        ));
+    }
+}

@@ -2,7 +2,10 @@
 
 use cubecl::prelude::*;
 
-/// The query block a cube handles: grid x = blocks of `rows` query rows, grid y = batch * q_heads.
+use crate::grid::cube_slice;
+
+/// The query block a cube handles: grid x = blocks of `rows` query rows, slices = batch *
+/// q_heads spread over grid y and z (see [`crate::grid`]).
 #[derive(CubeType)]
 pub struct QueryBlock {
     /// Element offset of this (batch, kv head)'s key/value rows.
@@ -28,7 +31,7 @@ pub fn query_block(
     #[comptime] head_dim: usize,
     #[comptime] causal: bool,
 ) -> QueryBlock {
-    let bh = CUBE_POS_Y;
+    let bh = cube_slice();
     let batch = bh / q_heads;
     let kv_head = (bh % q_heads) / group_size;
     let kv_heads = q_heads / group_size;

@@ -1,9 +1,13 @@
-//! Host-side entry points: validate shapes and types, pick a kernel variant, launch.
+//! Host-side entry points: validate inputs, plan the launches within the device's limits (see
+//! [`crate::plan`]), queue them, and report a launch the runtime refused as an error.
 
 use cubecl::prelude::*;
 
 use crate::dims::{AttentionDims, Mask};
-use crate::error::KernelError;
+use crate::error::{launch_result, KernelError};
+use crate::grid;
+use crate::limits::DeviceLimits;
+use crate::plan::{LaunchPlan, ELEMENT_UNITS, ROW_UNITS};
 use crate::portable::{self, ROWS_PER_CUBE};
 use crate::state_kernels;
 use crate::tensor::{DeviceTensor, ElemType};
@@ -57,6 +61,16 @@ impl StepOptions {
     pub fn resolved_scale(&self, head_dim: usize) -> f32 {
         self.scale.unwrap_or(1.0 / (head_dim as f32).sqrt())
     }
+
+    /// Errors unless the options can be used: a given scale must be finite.
+    pub fn check(&self) -> Result<(), KernelError> {
+        match self.scale {
+            Some(scale) if !scale.is_finite() => Err(KernelError::BadOption {
+                what: format!("the score scale must be finite, got {scale}"),
+            }),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// The running state `(o, m, l)` of a block of query rows, all f32: `o` is `[B, H, S, D]`,
@@ -82,21 +96,28 @@ pub struct GradAccumulators {
     pub dv: DeviceTensor,
 }
 
-fn linear_count(len: usize, per_cube: usize) -> (CubeCount, CubeDim) {
-    (
-        CubeCount::Static(len.div_ceil(per_cube) as u32, 1, 1),
+/// Grid and cube of a linear kernel over `len` items, `per_cube` per cube.
+fn linear_launch(
+    kernel: &str,
+    len: usize,
+    per_cube: usize,
+    limits: &DeviceLimits,
+) -> Result<(CubeCount, CubeDim), KernelError> {
+    limits.expect_units(kernel, per_cube)?;
+    Ok((
+        grid::linear(kernel, len.div_ceil(per_cube), limits)?,
         CubeDim::new_1d(per_cube as u32),
-    )
+    ))
 }
 
-/// Fills an f32 tensor with `value`.
-pub fn fill<R: Runtime>(
+/// Queues [`state_kernels::fill_f32`] on `tensor` (f32, checked by the caller).
+fn enqueue_fill<R: Runtime>(
     client: &ComputeClient<R>,
+    limits: &DeviceLimits,
     tensor: &DeviceTensor,
     value: f32,
 ) -> Result<(), KernelError> {
-    tensor.expect_elem("tensor", ElemType::F32)?;
-    let (count, dim) = linear_count(tensor.len(), 256);
+    let (count, dim) = linear_launch("fill", tensor.len(), ELEMENT_UNITS, limits)?;
     state_kernels::fill_f32::launch::<R>(
         client,
         count,
@@ -108,14 +129,54 @@ pub fn fill<R: Runtime>(
     Ok(())
 }
 
-/// A f32 tensor of zeros.
-pub fn zeros_f32<R: Runtime>(client: &ComputeClient<R>, shape: Vec<usize>) -> DeviceTensor {
+/// Fills an f32 tensor with `value`.
+pub fn fill<R: Runtime>(
+    client: &ComputeClient<R>,
+    tensor: &DeviceTensor,
+    value: f32,
+) -> Result<(), KernelError> {
+    tensor.expect_elem("tensor", ElemType::F32)?;
+    enqueue_fill(client, &DeviceLimits::of(client), tensor, value)?;
+    launch_result(client, "fill")
+}
+
+/// A new f32 tensor filled with `value`, queued (not flushed).
+fn enqueue_filled<R: Runtime>(
+    client: &ComputeClient<R>,
+    limits: &DeviceLimits,
+    shape: Vec<usize>,
+    value: f32,
+) -> Result<DeviceTensor, KernelError> {
     let tensor = DeviceTensor::empty(client, shape, ElemType::F32);
-    fill(client, &tensor, 0.0).expect("an f32 tensor");
-    tensor
+    enqueue_fill(client, limits, &tensor, value)?;
+    Ok(tensor)
+}
+
+/// A f32 tensor of zeros.
+pub fn zeros_f32<R: Runtime>(
+    client: &ComputeClient<R>,
+    shape: Vec<usize>,
+) -> Result<DeviceTensor, KernelError> {
+    let tensor = enqueue_filled(client, &DeviceLimits::of(client), shape, 0.0)?;
+    launch_result(client, "zeros_f32")?;
+    Ok(tensor)
 }
 
 impl SoftmaxState {
+    /// A state in which no row has seen any key yet (`o = 0, m = -inf, l = 0`), queued.
+    fn enqueue_empty<R: Runtime>(
+        client: &ComputeClient<R>,
+        limits: &DeviceLimits,
+        [batch, heads, len, head_dim]: [usize; 4],
+    ) -> Result<Self, KernelError> {
+        let rows = vec![batch, heads, len];
+        Ok(Self {
+            o: enqueue_filled(client, limits, vec![batch, heads, len, head_dim], 0.0)?,
+            m: enqueue_filled(client, limits, rows.clone(), f32::NEG_INFINITY)?,
+            l: enqueue_filled(client, limits, rows, 0.0)?,
+        })
+    }
+
     /// A state in which no row has seen any key yet (`o = 0, m = -inf, l = 0`).
     pub fn empty<R: Runtime>(
         client: &ComputeClient<R>,
@@ -123,12 +184,14 @@ impl SoftmaxState {
         heads: usize,
         len: usize,
         head_dim: usize,
-    ) -> Self {
-        let o = zeros_f32(client, vec![batch, heads, len, head_dim]);
-        let m = DeviceTensor::empty(client, vec![batch, heads, len], ElemType::F32);
-        fill(client, &m, f32::NEG_INFINITY).expect("an f32 tensor");
-        let l = zeros_f32(client, vec![batch, heads, len]);
-        Self { o, m, l }
+    ) -> Result<Self, KernelError> {
+        let state = Self::enqueue_empty(
+            client,
+            &DeviceLimits::of(client),
+            [batch, heads, len, head_dim],
+        )?;
+        launch_result(client, "SoftmaxState::empty")?;
+        Ok(state)
     }
 
     /// The state's `[batch, heads, len, head_dim]`.
@@ -155,13 +218,27 @@ impl SoftmaxState {
 }
 
 impl GradAccumulators {
+    /// Zeroed accumulators, queued.
+    fn enqueue_zeros<R: Runtime>(
+        client: &ComputeClient<R>,
+        limits: &DeviceLimits,
+        dims: &AttentionDims,
+    ) -> Result<Self, KernelError> {
+        Ok(Self {
+            dq: enqueue_filled(client, limits, dims.q_shape(), 0.0)?,
+            dk: enqueue_filled(client, limits, dims.kv_shape(), 0.0)?,
+            dv: enqueue_filled(client, limits, dims.kv_shape(), 0.0)?,
+        })
+    }
+
     /// Zeroed accumulators for the given dimensions.
-    pub fn zeros<R: Runtime>(client: &ComputeClient<R>, dims: &AttentionDims) -> Self {
-        Self {
-            dq: zeros_f32(client, dims.q_shape()),
-            dk: zeros_f32(client, dims.kv_shape()),
-            dv: zeros_f32(client, dims.kv_shape()),
-        }
+    pub fn zeros<R: Runtime>(
+        client: &ComputeClient<R>,
+        dims: &AttentionDims,
+    ) -> Result<Self, KernelError> {
+        let grads = Self::enqueue_zeros(client, &DeviceLimits::of(client), dims)?;
+        launch_result(client, "GradAccumulators::zeros")?;
+        Ok(grads)
     }
 }
 
@@ -173,14 +250,6 @@ fn check_qkv(
     let dims = AttentionDims::from_qkv(&q.shape, &k.shape, &v.shape)?;
     k.expect_elem("k", q.elem)?;
     v.expect_elem("v", q.elem)?;
-    if dims.batch * dims.q_heads > u16::MAX as usize {
-        return Err(KernelError::BadLength {
-            what: format!(
-                "batch * q_heads = {} exceeds the grid limit 65535",
-                dims.batch * dims.q_heads
-            ),
-        });
-    }
     Ok(dims)
 }
 
@@ -201,29 +270,12 @@ fn portable_ranges(len: usize, head_dim: usize) -> impl Iterator<Item = (u32, u3
         .map(move |begin| (begin as u32, (begin + span).min(len) as u32))
 }
 
-fn query_grid(dims: &AttentionDims) -> (CubeCount, CubeDim) {
-    (
-        CubeCount::Static(
-            dims.q_len.div_ceil(ROWS_PER_CUBE) as u32,
-            (dims.batch * dims.q_heads) as u32,
-            1,
-        ),
-        CubeDim::new_1d(ROWS_PER_CUBE as u32),
-    )
+fn portable_cube() -> CubeDim {
+    CubeDim::new_1d(ROWS_PER_CUBE as u32)
 }
 
-fn key_grid(dims: &AttentionDims) -> (CubeCount, CubeDim) {
-    (
-        CubeCount::Static(
-            dims.kv_len.div_ceil(ROWS_PER_CUBE) as u32,
-            (dims.batch * dims.kv_heads) as u32,
-            1,
-        ),
-        CubeDim::new_1d(ROWS_PER_CUBE as u32),
-    )
-}
-
-/// Whether the tensor-core variant can run these inputs on this client.
+/// Whether the tensor-core variant can run these inputs on this client (runtime features,
+/// element type and head dim; [`check_launch`] also checks the device's limits).
 pub fn tensor_core_available<R: Runtime>(
     client: &ComputeClient<R>,
     elem: ElemType,
@@ -232,50 +284,30 @@ pub fn tensor_core_available<R: Runtime>(
     crate::tensor_core::supports(client, elem, head_dim)
 }
 
-fn use_tensor_cores<R: Runtime>(
+/// The forward step's launches, queued.
+fn enqueue_forward<R: Runtime>(
     client: &ComputeClient<R>,
-    variant: Variant,
-    dims: &AttentionDims,
-    elem: ElemType,
-) -> Result<bool, KernelError> {
-    let available = tensor_core_available(client, elem, dims.head_dim);
-    match variant {
-        Variant::Portable => Ok(false),
-        Variant::Auto => Ok(available),
-        Variant::TensorCore if available => Ok(true),
-        Variant::TensorCore => Err(KernelError::DType {
-            what: format!(
-                "the tensor-core variant needs a runtime with f16/bf16 mma.sync and head_dim in {:?}; got {elem:?}, head_dim {}",
-                crate::tensor_core::HEAD_DIMS,
-                dims.head_dim
-            ),
-        }),
-    }
-}
-
-/// Folds one key/value chunk into the running state of the query rows `q`.
-pub fn forward_step<R: Runtime>(
-    client: &ComputeClient<R>,
-    q: &DeviceTensor,
-    k: &DeviceTensor,
-    v: &DeviceTensor,
+    plan: &LaunchPlan,
+    (q, k, v): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
     state: &SoftmaxState,
+    dims: &AttentionDims,
     options: &StepOptions,
-) -> Result<(), KernelError> {
-    let dims = check_qkv(q, k, v)?;
-    state.check("state")?;
-    AttentionDims::expect_shape("state.o", &dims.q_shape(), &state.o.shape)?;
+) {
     let scale = options.resolved_scale(dims.head_dim);
-    let shift = options.mask.diagonal_shift(&dims);
-    if use_tensor_cores(client, options.variant, &dims, q.elem)? {
-        return crate::tensor_core::forward_step(client, q, k, v, state, &dims, scale, shift);
-    }
+    let shift = options.mask.diagonal_shift(dims);
+    let portable = match plan {
+        LaunchPlan::TensorCore(grids) => {
+            return crate::tensor_core::forward_step(
+                client, q, k, v, state, dims, grids, scale, shift,
+            )
+        }
+        LaunchPlan::Portable(portable) => portable,
+    };
     for (key_begin, key_end) in portable_ranges(dims.kv_len, dims.head_dim) {
-        let (count, dim) = query_grid(&dims);
         with_elem_type!(q.elem, E => portable::forward::forward_step_portable::launch::<E, R>(
             client,
-            count,
-            dim,
+            portable.query_grid.clone(),
+            portable_cube(),
             q.array_arg(),
             k.array_arg(),
             v.array_arg(),
@@ -294,7 +326,23 @@ pub fn forward_step<R: Runtime>(
             shift.is_some(),
         ));
     }
-    Ok(())
+}
+
+/// Folds one key/value chunk into the running state of the query rows `q`.
+pub fn forward_step<R: Runtime>(
+    client: &ComputeClient<R>,
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+    state: &SoftmaxState,
+    options: &StepOptions,
+) -> Result<(), KernelError> {
+    let dims = check_qkv(q, k, v)?;
+    state.check("state")?;
+    AttentionDims::expect_shape("state.o", &dims.q_shape(), &state.o.shape)?;
+    let (_, plan) = LaunchPlan::for_call(client, &dims, q.elem, options)?;
+    enqueue_forward(client, &plan, (q, k, v), state, &dims, options);
+    launch_result(client, "forward_step")
 }
 
 /// Merges the partial state `other` into `into` (same shapes), in place.
@@ -308,7 +356,7 @@ pub fn merge<R: Runtime>(
     AttentionDims::expect_shape("other.o", &into.o.shape, &other.o.shape)?;
     let rows = into.m.len();
     let head_dim = into.o.shape[3];
-    let (count, dim) = linear_count(rows, 64);
+    let (count, dim) = linear_launch("merge", rows, ROW_UNITS, &DeviceLimits::of(client))?;
     state_kernels::merge_states::launch::<R>(
         client,
         count,
@@ -322,7 +370,7 @@ pub fn merge<R: Runtime>(
         rows as u32,
         head_dim,
     );
-    Ok(())
+    launch_result(client, "merge")
 }
 
 /// Turns a finished state into the output (in `elem`) and the f32 log-sum-exp `[B, H, S]`.
@@ -337,21 +385,17 @@ pub fn finalize<R: Runtime>(
     Ok((out, lse))
 }
 
-/// [`finalize`] into caller-provided `out` (`[B, H, S, D]`, any element type) and `lse`
-/// (`[B, H, S]`, f32); every element of both is written.
-pub fn finalize_into<R: Runtime>(
+/// [`finalize_into`]'s launch, queued (arguments checked by the caller).
+fn enqueue_finalize<R: Runtime>(
     client: &ComputeClient<R>,
+    limits: &DeviceLimits,
     state: &SoftmaxState,
     out: &DeviceTensor,
     lse: &DeviceTensor,
 ) -> Result<(), KernelError> {
-    state.check("state")?;
-    AttentionDims::expect_shape("out", &state.o.shape, &out.shape)?;
-    AttentionDims::expect_shape("lse", &state.m.shape, &lse.shape)?;
-    lse.expect_elem("lse", ElemType::F32)?;
     let rows = state.m.len();
     let head_dim = state.o.shape[3];
-    let (count, dim) = linear_count(rows, 64);
+    let (count, dim) = linear_launch("finalize", rows, ROW_UNITS, limits)?;
     with_elem_type!(out.elem, E => state_kernels::finalize_state::launch::<E, R>(
         client,
         count,
@@ -367,9 +411,28 @@ pub fn finalize_into<R: Runtime>(
     Ok(())
 }
 
-/// `delta = rowsum(dO * O)` in f32, `[B, H, S]`: the backward's preprocessing.
-pub fn backward_delta<R: Runtime>(
+/// [`finalize`] into caller-provided `out` (`[B, H, S, D]`, any element type) and `lse`
+/// (`[B, H, S]`, f32); every element of both is written.
+pub fn finalize_into<R: Runtime>(
     client: &ComputeClient<R>,
+    state: &SoftmaxState,
+    out: &DeviceTensor,
+    lse: &DeviceTensor,
+) -> Result<(), KernelError> {
+    state.check("state")?;
+    AttentionDims::expect_shape("out", &state.o.shape, &out.shape)?;
+    AttentionDims::expect_shape("lse", &state.m.shape, &lse.shape)?;
+    lse.expect_elem("lse", ElemType::F32)?;
+    let limits = DeviceLimits::of(client);
+    limits.expect_elem(out.elem)?;
+    enqueue_finalize(client, &limits, state, out, lse)?;
+    launch_result(client, "finalize")
+}
+
+/// [`backward_delta`]'s launch, queued.
+fn enqueue_delta<R: Runtime>(
+    client: &ComputeClient<R>,
+    limits: &DeviceLimits,
     out: &DeviceTensor,
     grad_out: &DeviceTensor,
 ) -> Result<DeviceTensor, KernelError> {
@@ -382,9 +445,10 @@ pub fn backward_delta<R: Runtime>(
             got: out.shape.clone(),
         });
     }
+    limits.expect_elem(out.elem)?;
     let rows = out.len() / out.shape[3];
+    let (count, dim) = linear_launch("backward_delta", rows, ROW_UNITS, limits)?;
     let delta = DeviceTensor::empty(client, out.shape[..3].to_vec(), ElemType::F32);
-    let (count, dim) = linear_count(rows, 64);
     with_elem_type!(out.elem, E => portable::backward::backward_delta::launch::<E, R>(
         client,
         count,
@@ -396,6 +460,102 @@ pub fn backward_delta<R: Runtime>(
         out.shape[3],
     ));
     Ok(delta)
+}
+
+/// `delta = rowsum(dO * O)` in f32, `[B, H, S]`: the backward's preprocessing.
+pub fn backward_delta<R: Runtime>(
+    client: &ComputeClient<R>,
+    out: &DeviceTensor,
+    grad_out: &DeviceTensor,
+) -> Result<DeviceTensor, KernelError> {
+    let delta = enqueue_delta(client, &DeviceLimits::of(client), out, grad_out)?;
+    launch_result(client, "backward_delta")?;
+    Ok(delta)
+}
+
+/// The backward step's launches, queued (arguments checked by the caller).
+#[allow(clippy::too_many_arguments)]
+fn enqueue_backward<R: Runtime>(
+    client: &ComputeClient<R>,
+    plan: &LaunchPlan,
+    (q, k, v): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
+    grad_out: &DeviceTensor,
+    lse: &DeviceTensor,
+    delta: &DeviceTensor,
+    grads: &GradAccumulators,
+    dims: &AttentionDims,
+    options: &StepOptions,
+) {
+    let scale = options.resolved_scale(dims.head_dim);
+    let shift = options.mask.diagonal_shift(dims);
+    let portable = match plan {
+        LaunchPlan::TensorCore(grids) => {
+            return crate::tensor_core::backward_step(
+                client,
+                (q, k, v),
+                grad_out,
+                lse,
+                delta,
+                grads,
+                dims,
+                grids,
+                scale,
+                shift,
+            )
+        }
+        LaunchPlan::Portable(portable) => portable,
+    };
+    for (key_begin, key_end) in portable_ranges(dims.kv_len, dims.head_dim) {
+        with_elem_type!(q.elem, E => portable::backward::backward_dq_portable::launch::<E, R>(
+            client,
+            portable.query_grid.clone(),
+            portable_cube(),
+            q.array_arg(),
+            k.array_arg(),
+            v.array_arg(),
+            grad_out.array_arg(),
+            lse.array_arg(),
+            delta.array_arg(),
+            grads.dq.array_arg(),
+            scale,
+            shift.unwrap_or(0),
+            dims.q_len as u32,
+            dims.kv_len as u32,
+            dims.q_heads as u32,
+            dims.group_size() as u32,
+            key_begin,
+            key_end,
+            dims.head_dim,
+            portable.dq_tile_rows,
+            shift.is_some(),
+        ));
+    }
+    for (query_begin, query_end) in portable_ranges(dims.q_len, dims.head_dim * dims.group_size()) {
+        with_elem_type!(q.elem, E => portable::backward::backward_dkdv_portable::launch::<E, R>(
+            client,
+            portable.key_grid.clone(),
+            portable_cube(),
+            q.array_arg(),
+            k.array_arg(),
+            v.array_arg(),
+            grad_out.array_arg(),
+            lse.array_arg(),
+            delta.array_arg(),
+            grads.dk.array_arg(),
+            grads.dv.array_arg(),
+            scale,
+            shift.unwrap_or(0),
+            dims.q_len as u32,
+            dims.kv_len as u32,
+            dims.kv_heads as u32,
+            dims.group_size() as u32,
+            query_begin,
+            query_end,
+            dims.head_dim,
+            portable.dkdv_tile_rows,
+            shift.is_some(),
+        ));
+    }
 }
 
 /// Adds this (query chunk, key chunk) pair's contribution to `grads.dq`, `grads.dk`, `grads.dv`,
@@ -429,73 +589,43 @@ pub fn backward_step<R: Runtime>(
     ] {
         t.expect_elem(name, ElemType::F32)?;
     }
-    let scale = options.resolved_scale(dims.head_dim);
-    let shift = options.mask.diagonal_shift(&dims);
-    if use_tensor_cores(client, options.variant, &dims, q.elem)? {
-        return crate::tensor_core::backward_step(
-            client,
-            (q, k, v),
-            grad_out,
-            lse,
-            delta,
-            grads,
-            &dims,
-            scale,
-            shift,
-        );
+    let (_, plan) = LaunchPlan::for_call(client, &dims, q.elem, options)?;
+    enqueue_backward(
+        client,
+        &plan,
+        (q, k, v),
+        grad_out,
+        lse,
+        delta,
+        grads,
+        &dims,
+        options,
+    );
+    launch_result(client, "backward_step")
+}
+
+/// [`cast_f32`]'s launch, queued (`input` is f32, checked by the caller).
+fn enqueue_cast<R: Runtime>(
+    client: &ComputeClient<R>,
+    limits: &DeviceLimits,
+    input: &DeviceTensor,
+    elem: ElemType,
+) -> Result<DeviceTensor, KernelError> {
+    if elem == ElemType::F32 {
+        return Ok(input.clone());
     }
-    for (key_begin, key_end) in portable_ranges(dims.kv_len, dims.head_dim) {
-        let (count, dim) = query_grid(&dims);
-        with_elem_type!(q.elem, E => portable::backward::backward_dq_portable::launch::<E, R>(
-            client,
-            count,
-            dim,
-            q.array_arg(),
-            k.array_arg(),
-            v.array_arg(),
-            grad_out.array_arg(),
-            lse.array_arg(),
-            delta.array_arg(),
-            grads.dq.array_arg(),
-            scale,
-            shift.unwrap_or(0),
-            dims.q_len as u32,
-            dims.kv_len as u32,
-            dims.q_heads as u32,
-            dims.group_size() as u32,
-            key_begin,
-            key_end,
-            dims.head_dim,
-            shift.is_some(),
-        ));
-    }
-    for (query_begin, query_end) in portable_ranges(dims.q_len, dims.head_dim * dims.group_size()) {
-        let (count, dim) = key_grid(&dims);
-        with_elem_type!(q.elem, E => portable::backward::backward_dkdv_portable::launch::<E, R>(
-            client,
-            count,
-            dim,
-            q.array_arg(),
-            k.array_arg(),
-            v.array_arg(),
-            grad_out.array_arg(),
-            lse.array_arg(),
-            delta.array_arg(),
-            grads.dk.array_arg(),
-            grads.dv.array_arg(),
-            scale,
-            shift.unwrap_or(0),
-            dims.q_len as u32,
-            dims.kv_len as u32,
-            dims.kv_heads as u32,
-            dims.group_size() as u32,
-            query_begin,
-            query_end,
-            dims.head_dim,
-            shift.is_some(),
-        ));
-    }
-    Ok(())
+    limits.expect_elem(elem)?;
+    let (count, dim) = linear_launch("cast_f32", input.len(), ELEMENT_UNITS, limits)?;
+    let out = DeviceTensor::empty(client, input.shape.clone(), elem);
+    with_elem_type!(elem, E => state_kernels::cast_from_f32::launch::<E, R>(
+        client,
+        count,
+        dim,
+        input.array_arg(),
+        out.array_arg(),
+        input.len() as u32,
+    ));
+    Ok(out)
 }
 
 /// Casts an f32 tensor (an accumulator) to `elem`.
@@ -505,19 +635,8 @@ pub fn cast_f32<R: Runtime>(
     elem: ElemType,
 ) -> Result<DeviceTensor, KernelError> {
     input.expect_elem("input", ElemType::F32)?;
-    if elem == ElemType::F32 {
-        return Ok(input.clone());
-    }
-    let out = DeviceTensor::empty(client, input.shape.clone(), elem);
-    let (count, dim) = linear_count(input.len(), 256);
-    with_elem_type!(elem, E => state_kernels::cast_from_f32::launch::<E, R>(
-        client,
-        count,
-        dim,
-        input.array_arg(),
-        out.array_arg(),
-        input.len() as u32,
-    ));
+    let out = enqueue_cast(client, &DeviceLimits::of(client), input, elem)?;
+    launch_result(client, "cast_f32")?;
     Ok(out)
 }
 
@@ -530,9 +649,18 @@ pub fn attention<R: Runtime>(
     options: &StepOptions,
 ) -> Result<(DeviceTensor, DeviceTensor), KernelError> {
     let dims = check_qkv(q, k, v)?;
-    let state = SoftmaxState::empty(client, dims.batch, dims.q_heads, dims.q_len, dims.head_dim);
-    forward_step(client, q, k, v, &state, options)?;
-    finalize(client, &state, q.elem)
+    let (limits, plan) = LaunchPlan::for_call(client, &dims, q.elem, options)?;
+    let state = SoftmaxState::enqueue_empty(
+        client,
+        &limits,
+        [dims.batch, dims.q_heads, dims.q_len, dims.head_dim],
+    )?;
+    enqueue_forward(client, &plan, (q, k, v), &state, &dims, options);
+    let out = DeviceTensor::empty(client, dims.q_shape(), q.elem);
+    let lse = DeviceTensor::empty(client, dims.row_shape(), ElemType::F32);
+    enqueue_finalize(client, &limits, &state, &out, &lse)?;
+    launch_result(client, "attention")?;
+    Ok((out, lse))
 }
 
 /// Whole attention backward in one call: `(dq, dk, dv)` in the input element type.
@@ -549,12 +677,26 @@ pub fn attention_backward<R: Runtime>(
 ) -> Result<(DeviceTensor, DeviceTensor, DeviceTensor), KernelError> {
     let dims = check_qkv(q, k, v)?;
     AttentionDims::expect_shape("out", &dims.q_shape(), &out.shape)?;
-    let delta = backward_delta(client, out, grad_out)?;
-    let grads = GradAccumulators::zeros(client, &dims);
-    backward_step(client, q, k, v, grad_out, lse, &delta, &grads, options)?;
-    Ok((
-        cast_f32(client, &grads.dq, q.elem)?,
-        cast_f32(client, &grads.dk, q.elem)?,
-        cast_f32(client, &grads.dv, q.elem)?,
-    ))
+    AttentionDims::expect_shape("grad_out", &dims.q_shape(), &grad_out.shape)?;
+    AttentionDims::expect_shape("lse", &dims.row_shape(), &lse.shape)?;
+    out.expect_elem("out", q.elem)?;
+    lse.expect_elem("lse", ElemType::F32)?;
+    let (limits, plan) = LaunchPlan::for_call(client, &dims, q.elem, options)?;
+    let delta = enqueue_delta(client, &limits, out, grad_out)?;
+    let grads = GradAccumulators::enqueue_zeros(client, &limits, &dims)?;
+    enqueue_backward(
+        client,
+        &plan,
+        (q, k, v),
+        grad_out,
+        lse,
+        &delta,
+        &grads,
+        &dims,
+        options,
+    );
+    let cast = |t: &DeviceTensor| enqueue_cast(client, &limits, t, q.elem);
+    let (dq, dk, dv) = (cast(&grads.dq)?, cast(&grads.dk)?, cast(&grads.dv)?);
+    launch_result(client, "attention_backward")?;
+    Ok((dq, dk, dv))
 }

@@ -7,12 +7,16 @@
 //!
 //! Two variants share the statistics logic of [`stats`]: [`portable`] scalar kernels that run on
 //! every CubeCL runtime (wgpu on a CPU included), and [`tensor_core`] kernels using `mma.sync`
-//! on CUDA. [`launch`] validates inputs and picks one.
+//! on CUDA. [`launch`] validates inputs, and [`plan`] picks a variant and its launch shapes
+//! within the device's [`limits`]; a launch the runtime reports as failed is an error too.
 
 pub mod dims;
 pub mod error;
 pub mod geometry;
+pub mod grid;
 pub mod launch;
+pub mod limits;
+pub mod plan;
 pub mod portable;
 pub mod reference;
 pub mod state_kernels;
@@ -27,4 +31,6 @@ pub use launch::{
     finalize_into, forward_step, merge, tensor_core_available, zeros_f32, GradAccumulators,
     SoftmaxState, StepOptions, Variant,
 };
+pub use limits::DeviceLimits;
+pub use plan::check_launch;
 pub use tensor::{DeviceTensor, ElemType};

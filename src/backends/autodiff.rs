@@ -9,7 +9,10 @@ use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
 use burn_autodiff::Autodiff;
 
+use distflash_kernels::AttentionDims;
+
 use crate::backend::FlashAttentionBackend;
+use crate::options::AttentionError;
 
 /// The float tensor of `Autodiff<B, C>` (burn-autodiff's `AutodiffTensor`, whose module is private).
 type AutodiffTensor<B, C> = FloatTensor<Autodiff<B, C>>;
@@ -51,6 +54,14 @@ impl<B: FlashAttentionBackend> Backward<B, 3> for FlashAttentionNode {
 impl<B: FlashAttentionBackend, C: CheckpointStrategy> FlashAttentionBackend for Autodiff<B, C> {
     fn lse_dtype(input: DType) -> DType {
         B::lse_dtype(input)
+    }
+
+    fn check_attention_limits(
+        dims: &AttentionDims,
+        dtype: DType,
+        device: &B::Device,
+    ) -> Result<(), AttentionError> {
+        B::check_attention_limits(dims, dtype, device)
     }
 
     fn flash_attention(

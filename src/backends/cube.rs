@@ -5,11 +5,11 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use distflash_kernels::{
-    DeviceTensor, ElemType, GradAccumulators, SoftmaxState, StepOptions, Variant,
+    AttentionDims, DeviceTensor, ElemType, GradAccumulators, SoftmaxState, StepOptions, Variant,
 };
 
 use crate::backend::FlashAttentionBackend;
-use crate::options::FlashAttentionOptions;
+use crate::options::{AttentionError, FlashAttentionOptions};
 use crate::state::{AttentionState, StepMask};
 
 /// The kernel element type of a Burn float dtype.
@@ -107,6 +107,22 @@ where
         DType::F32
     }
 
+    fn check_attention_limits(
+        dims: &AttentionDims,
+        dtype: DType,
+        device: &R::Device,
+    ) -> Result<(), AttentionError> {
+        let elem = elem_type(dtype).ok_or_else(|| {
+            AttentionError::DType(format!("{dtype:?} is not a float type the kernels run"))
+        })?;
+        let options = StepOptions {
+            variant: Variant::Auto,
+            ..StepOptions::default()
+        };
+        distflash_kernels::check_launch(&R::client(device), dims, elem, &options)?;
+        Ok(())
+    }
+
     fn flash_attention(
         q: CubeTensor<R>,
         k: CubeTensor<R>,
@@ -157,7 +173,8 @@ where
     ) -> AttentionState<Self> {
         let client = R::client(device);
         let [b, h, s, d] = shape;
-        let st = SoftmaxState::empty(&client, b, h, s, d);
+        let st =
+            SoftmaxState::empty(&client, b, h, s, d).unwrap_or_else(|e| fail("empty state", e));
         let wrap = |t: DeviceTensor| {
             CubeTensor::new_contiguous(
                 client.clone(),
@@ -247,9 +264,10 @@ where
         let like = q.clone();
         let client = like.client.clone();
         let (q, k, v) = (device_tensor(q), device_tensor(k), device_tensor(v));
-        let dims = distflash_kernels::AttentionDims::from_qkv(&q.shape, &k.shape, &v.shape)
+        let dims = AttentionDims::from_qkv(&q.shape, &k.shape, &v.shape)
             .unwrap_or_else(|e| fail("backward step", e));
-        let grads = GradAccumulators::zeros(&client, &dims);
+        let grads =
+            GradAccumulators::zeros(&client, &dims).unwrap_or_else(|e| fail("backward step", e));
         distflash_kernels::backward_step(
             &client,
             &q,

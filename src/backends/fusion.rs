@@ -10,8 +10,10 @@ use burn_fusion::stream::{Operation, OperationStreams};
 use burn_fusion::{Fusion, FusionBackend, FusionTensor};
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 
+use distflash_kernels::AttentionDims;
+
 use crate::backend::FlashAttentionBackend;
-use crate::options::FlashAttentionOptions;
+use crate::options::{AttentionError, FlashAttentionOptions};
 
 /// Forward: inputs q, k, v; outputs O, lse.
 #[derive(Debug)]
@@ -74,6 +76,14 @@ fn output_like<B: FusionBackend>(
 impl<B: FusionBackend + FlashAttentionBackend> FlashAttentionBackend for Fusion<B> {
     fn lse_dtype(input: DType) -> DType {
         B::lse_dtype(input)
+    }
+
+    fn check_attention_limits(
+        dims: &AttentionDims,
+        dtype: DType,
+        device: &B::Device,
+    ) -> Result<(), AttentionError> {
+        B::check_attention_limits(dims, dtype, device)
     }
 
     fn flash_attention(

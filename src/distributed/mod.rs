@@ -20,9 +20,9 @@ use serde::{Deserialize, Serialize};
 
 pub use backend::SequenceParallelBackend;
 
-use crate::api::check_dtypes;
+use crate::api::check_inputs;
 use crate::collective::{CommError, DeviceGroup};
-use crate::options::{check_shapes, AttentionError, FlashAttentionOptions, Mask};
+use crate::options::{AttentionError, FlashAttentionOptions, Mask};
 use crate::schedule::{Pair, Schedule, ScheduleKind};
 use crate::state::StepMask;
 
@@ -137,8 +137,7 @@ fn validate<B: SequenceParallelBackend>(
     group: &DeviceGroup<B::Inner>,
     options: &SequenceParallelOptions,
 ) -> Result<(), DistributedError> {
-    check_shapes(&q.dims(), &k.dims(), &v.dims())?;
-    check_dtypes(q, k, v)?;
+    check_inputs(q, k, v, &options.attention)?;
     if B::inner_device(&q.device()) != *group.device() {
         return Err(DistributedError::Device(format!(
             "rank {} computes on {:?} but q is on {:?}",

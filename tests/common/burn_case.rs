@@ -1,8 +1,9 @@
-//! The Burn-op check shared by the per-precision test binaries: forward output and the gradients
-//! of `sum(O * dO)` through `Autodiff`, against the f64 reference.
+//! The Burn-op checks shared by the test binaries, against the f64 reference: one-shot (forward
+//! output and the gradients of `sum(O * dO)` through `Autodiff`) and stepped (the step
+//! operations chunk by chunk).
 #![allow(dead_code)]
 
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Tensor, TensorData};
 use burn_distflash::{flash_attention, FlashAttentionBackend, FlashAttentionOptions};
 use distflash_kernels::reference::{self, exact};
@@ -10,6 +11,7 @@ use distflash_kernels::{AttentionDims, ElemType, Mask};
 
 use super::{assert_close, naive_rounding, Rng};
 
+/// Host data as a tensor of the device's default float type.
 pub fn to_tensor<B: AutodiffBackend>(
     data: &[f64],
     shape: [usize; 4],
@@ -17,6 +19,26 @@ pub fn to_tensor<B: AutodiffBackend>(
 ) -> Tensor<B, 4> {
     let values: Vec<f32> = data.iter().map(|&x| x as f32).collect();
     Tensor::from_data(TensorData::new(values, shape), device)
+}
+
+/// Host data as a tensor of float type `dtype`, whatever the device's default.
+pub fn typed_tensor<B: Backend>(
+    data: &[f64],
+    shape: [usize; 4],
+    device: &B::Device,
+    dtype: DType,
+) -> Tensor<B, 4> {
+    let values: Vec<f32> = data.iter().map(|&x| x as f32).collect();
+    Tensor::from_data(TensorData::new(values, shape), (device, dtype))
+}
+
+/// The Burn float type of a kernel element type.
+pub fn dtype_of(elem: ElemType) -> DType {
+    match elem {
+        ElemType::F16 => DType::F16,
+        ElemType::BF16 => DType::BF16,
+        ElemType::F32 => DType::F32,
+    }
 }
 
 pub fn to_host<B: burn::tensor::backend::Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f64> {
@@ -27,6 +49,48 @@ pub fn to_host<B: burn::tensor::backend::Backend, const D: usize>(t: Tensor<B, D
         .iter()
         .map(|&x| x as f64)
         .collect()
+}
+
+/// One problem's dimensions and host data (q, k, v, dO), already rounded to its element type.
+pub struct HostCase {
+    pub dims: AttentionDims,
+    pub q_shape: [usize; 4],
+    pub kv_shape: [usize; 4],
+    pub q: Vec<f64>,
+    pub k: Vec<f64>,
+    pub v: Vec<f64>,
+    pub dout: Vec<f64>,
+}
+
+impl HostCase {
+    pub fn new(
+        seed: u64,
+        elem: ElemType,
+        (batch, q_heads, kv_heads): (usize, usize, usize),
+        (q_len, kv_len, head_dim): (usize, usize, usize),
+    ) -> Self {
+        let q_shape = [batch, q_heads, q_len, head_dim];
+        let kv_shape = [batch, kv_heads, kv_len, head_dim];
+        let dims = AttentionDims::from_qkv(&q_shape, &kv_shape, &kv_shape).expect("a valid case");
+        let (nq, nkv) = (q_shape.iter().product(), kv_shape.iter().product());
+        let mut rng = Rng::new(seed);
+        Self {
+            dims,
+            q_shape,
+            kv_shape,
+            q: rng.tensor(nq, 2.0, elem),
+            k: rng.tensor(nkv, 2.0, elem),
+            v: rng.tensor(nkv, 1.0, elem),
+            dout: rng.tensor(nq, 1.0, elem),
+        }
+    }
+
+    /// [`expected`] for this case.
+    pub fn expected(&self, mask: &Mask, elem: ElemType) -> Expected {
+        let scale = 1.0 / (self.dims.head_dim as f64).sqrt();
+        let data = (&self.q[..], &self.k[..], &self.v[..], &self.dout[..]);
+        expected(&self.dims, data, mask, scale, elem)
+    }
 }
 
 /// The exact reference and the naive low-precision computation, forward and backward.
@@ -62,56 +126,33 @@ pub fn check_case<B: AutodiffBackend + FlashAttentionBackend>(
     (q_len, kv_len, head_dim): (usize, usize, usize),
     causal: bool,
 ) {
-    let dims = AttentionDims {
-        batch,
-        q_heads,
-        kv_heads,
-        q_len,
-        kv_len,
-        head_dim,
-    };
-    let mut rng = Rng::new(q_len as u64 * 31 + kv_len as u64);
-    let q_shape = [batch, q_heads, q_len, head_dim];
-    let kv_shape = [batch, kv_heads, kv_len, head_dim];
-    let n = |s: [usize; 4]| s.iter().product::<usize>();
-    let (hq, hk, hv, hdo) = (
-        rng.tensor(n(q_shape), 2.0, elem),
-        rng.tensor(n(kv_shape), 2.0, elem),
-        rng.tensor(n(kv_shape), 1.0, elem),
-        rng.tensor(n(q_shape), 1.0, elem),
+    let case = HostCase::new(
+        q_len as u64 * 31 + kv_len as u64,
+        elem,
+        (batch, q_heads, kv_heads),
+        (q_len, kv_len, head_dim),
     );
-    let q = to_tensor::<B>(&hq, q_shape, device).require_grad();
-    // Burn 0.21 keeps a default float type per device: the first backend type that touches a
-    // device fixes it for the whole process. Make sure this test runs the precision it claims.
-    let expected_dtype = match elem {
-        ElemType::F16 => DType::F16,
-        ElemType::BF16 => DType::BF16,
-        ElemType::F32 => DType::F32,
-    };
-    assert_eq!(
-        q.dtype(),
-        expected_dtype,
-        "tensors were created as {:?}",
-        q.dtype()
-    );
-    let k = to_tensor::<B>(&hk, kv_shape, device).require_grad();
-    let v = to_tensor::<B>(&hv, kv_shape, device).require_grad();
+    let (dims, q_shape, kv_shape) = (case.dims, case.q_shape, case.kv_shape);
+    let dtype = dtype_of(elem);
+    let q = typed_tensor::<B>(&case.q, q_shape, device, dtype).require_grad();
+    let k = typed_tensor::<B>(&case.k, kv_shape, device, dtype).require_grad();
+    let v = typed_tensor::<B>(&case.v, kv_shape, device, dtype).require_grad();
     let options = FlashAttentionOptions {
         causal,
         scale: None,
     };
     let out = flash_attention(q.clone(), k.clone(), v.clone(), options).unwrap();
-    let loss = (out.clone() * to_tensor::<B>(&hdo, q_shape, device)).sum();
+    assert_eq!(out.dtype(), dtype, "output type");
+    let loss = (out.clone() * typed_tensor::<B>(&case.dout, q_shape, device, dtype)).sum();
     let grads = loss.backward();
 
     let mask = if causal { Mask::causal() } else { Mask::None };
-    let scale = 1.0 / (head_dim as f64).sqrt();
     let Expected {
         fwd,
         naive_fwd,
         grads: g,
         naive_grads: naive_g,
-    } = expected(&dims, (&hq, &hk, &hv, &hdo), &mask, scale, elem);
+    } = case.expected(&mask, elem);
     let what = format!("{} {dims:?} causal={causal}", std::any::type_name::<B>());
     assert_close(
         &format!("{what}: O"),
@@ -152,53 +193,58 @@ pub fn check_backend<B: AutodiffBackend + FlashAttentionBackend>(
 /// the f64 reference, with keys split into chunks at absolute offsets and a causal mask whose
 /// queries start at position 100.
 pub fn check_steps<B: FlashAttentionBackend>(device: &B::Device, elem: ElemType) {
-    use burn::tensor::TensorPrimitive;
-    use burn_distflash::StepMask;
-    let dims = AttentionDims {
-        batch: 1,
-        q_heads: 4,
-        kv_heads: 2,
-        q_len: 77,
-        kv_len: 150,
-        head_dim: 64,
-    };
     let mask = Mask::Causal {
         q_offset: 100,
         kv_offset: 0,
     };
-    let mut rng = Rng::new(99);
-    let (q_shape, kv_shape) = ([1, 4, 77, 64], [1, 2, 150, 64]);
-    let (hq, hk, hv, hdo) = (
-        rng.tensor(4 * 77 * 64, 2.0, elem),
-        rng.tensor(2 * 150 * 64, 2.0, elem),
-        rng.tensor(2 * 150 * 64, 1.0, elem),
-        rng.tensor(4 * 77 * 64, 1.0, elem),
+    check_steps_case::<B>(device, elem, (1, 4, 2), (77, 150, 64), mask);
+}
+
+/// The step operations on one shape: keys split into three chunks at absolute offsets (`mask`
+/// gives the queries' offset), stepped into one state and merged from independent partials,
+/// then the backward step per chunk, all against the f64 reference.
+pub fn check_steps_case<B: FlashAttentionBackend>(
+    device: &B::Device,
+    elem: ElemType,
+    (batch, q_heads, kv_heads): (usize, usize, usize),
+    (q_len, kv_len, head_dim): (usize, usize, usize),
+    mask: Mask,
+) {
+    use burn::tensor::TensorPrimitive;
+    use burn_distflash::StepMask;
+    let case = HostCase::new(
+        99 + q_len as u64 * 7 + head_dim as u64,
+        elem,
+        (batch, q_heads, kv_heads),
+        (q_len, kv_len, head_dim),
     );
-    let make = |d: &[f64], s: [usize; 4]| -> Tensor<B, 4> {
-        Tensor::from_data(
-            TensorData::new(d.iter().map(|&x| x as f32).collect::<Vec<_>>(), s),
-            device,
-        )
-    };
+    let (dims, q_shape, kv_shape) = (case.dims, case.q_shape, case.kv_shape);
+    let dtype = dtype_of(elem);
+    let make = |d: &[f64], s: [usize; 4]| typed_tensor::<B>(d, s, device, dtype);
     let (q, k, v, dout) = (
-        make(&hq, q_shape),
-        make(&hk, kv_shape),
-        make(&hv, kv_shape),
-        make(&hdo, q_shape),
+        make(&case.q, q_shape),
+        make(&case.k, kv_shape),
+        make(&case.v, kv_shape),
+        make(&case.dout, q_shape),
     );
     let prim = |t: Tensor<B, 4>| t.into_primitive().tensor();
-    let bounds = [0usize, 50, 150];
-    let chunk = |t: &Tensor<B, 4>, a: usize, b: usize| t.clone().slice([0..1, 0..2, a..b, 0..64]);
+    let bounds = [0, kv_len / 3, kv_len];
+    let chunk = |t: &Tensor<B, 4>, a: usize, b: usize| {
+        t.clone().slice([0..batch, 0..kv_heads, a..b, 0..head_dim])
+    };
     let step = |a: usize| StepMask {
-        mask: Mask::Causal {
-            q_offset: 100,
-            kv_offset: a as i64,
+        mask: match mask {
+            Mask::None => Mask::None,
+            Mask::Causal { q_offset, .. } => Mask::Causal {
+                q_offset,
+                kv_offset: a as i64,
+            },
         },
         scale: None,
     };
 
-    let mut stepped = B::attention_state_empty(q_shape, q.dtype(), device);
-    let mut merged = B::attention_state_empty(q_shape, q.dtype(), device);
+    let mut stepped = B::attention_state_empty(q_shape, dtype, device);
+    let mut merged = B::attention_state_empty(q_shape, dtype, device);
     for w in bounds.windows(2) {
         let (kc, vc) = (prim(chunk(&k, w[0], w[1])), prim(chunk(&v, w[0], w[1])));
         stepped =
@@ -207,27 +253,26 @@ pub fn check_steps<B: FlashAttentionBackend>(device: &B::Device, elem: ElemType)
             prim(q.clone()),
             kc,
             vc,
-            B::attention_state_empty(q_shape, q.dtype(), device),
+            B::attention_state_empty(q_shape, dtype, device),
             step(w[0]),
         );
         merged = B::attention_merge(merged, partial);
     }
-    let scale = 0.125;
     let Expected {
         fwd,
         naive_fwd: naive,
         grads: g,
         naive_grads: ng,
-    } = expected(&dims, (&hq, &hk, &hv, &hdo), &mask, scale, elem);
+    } = case.expected(&mask, elem);
     let host = |p: burn::tensor::ops::FloatTensor<B>| -> Vec<f64> {
         to_host(Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(p)))
     };
     let host3 = |p: burn::tensor::ops::FloatTensor<B>| -> Vec<f64> {
         to_host(Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(p)))
     };
-    let (out, lse) = B::attention_finalize(stepped, q.dtype());
-    let (merged_out, _) = B::attention_finalize(merged, q.dtype());
-    let what = std::any::type_name::<B>();
+    let (out, lse) = B::attention_finalize(stepped, dtype);
+    let (merged_out, _) = B::attention_finalize(merged, dtype);
+    let what = format!("{} {dims:?} {mask:?}", std::any::type_name::<B>());
     assert_close(
         &format!("{what} steps: O"),
         &host(out.clone()),
@@ -251,8 +296,8 @@ pub fn check_steps<B: FlashAttentionBackend>(device: &B::Device, elem: ElemType)
     );
 
     let delta = B::attention_delta(out, prim(dout.clone()));
-    let mut dq = vec![0.0; hq.len()];
-    let (mut dk, mut dv) = (vec![0.0; hk.len()], vec![0.0; hv.len()]);
+    let mut dq = vec![0.0; case.q.len()];
+    let (mut dk, mut dv) = (vec![0.0; case.k.len()], vec![0.0; case.v.len()]);
     for w in bounds.windows(2) {
         let (gq, gk, gv) = B::attention_backward_step(
             prim(q.clone()),
@@ -264,11 +309,11 @@ pub fn check_steps<B: FlashAttentionBackend>(device: &B::Device, elem: ElemType)
             step(w[0]),
         );
         dq.iter_mut().zip(host(gq)).for_each(|(a, b)| *a += b);
-        let len = w[1] - w[0];
+        let rows = (w[1] - w[0]) * head_dim;
         for (full, part) in [(&mut dk, host(gk)), (&mut dv, host(gv))] {
-            for h in 0..2 {
-                let dst = (h * 150 + w[0]) * 64;
-                full[dst..dst + len * 64].copy_from_slice(&part[h * len * 64..(h + 1) * len * 64]);
+            for bh in 0..batch * kv_heads {
+                let dst = (bh * kv_len + w[0]) * head_dim;
+                full[dst..dst + rows].copy_from_slice(&part[bh * rows..(bh + 1) * rows]);
             }
         }
     }

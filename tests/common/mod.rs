@@ -4,6 +4,7 @@
 pub mod block_case;
 pub mod burn_case;
 pub mod distributed_case;
+pub mod matrix;
 pub mod modules;
 pub mod temp_dir;
 

@@ -4,9 +4,21 @@
 
 use cubecl::prelude::*;
 
-use super::{ROWS_PER_CUBE, TILE_ROWS};
+use super::ROWS_PER_CUBE;
 use crate::geometry::{key_visible, query_block};
+use crate::grid::cube_slice;
 use crate::stats::probability_from_lse;
+
+/// Shared memory of [`backward_dq_portable`] with tiles of `tile_rows` keys: the K and V tiles.
+pub fn dq_shared_bytes(tile_rows: usize, head_dim: usize) -> usize {
+    2 * tile_rows * head_dim * size_of::<f32>()
+}
+
+/// Shared memory of [`backward_dkdv_portable`] with tiles of `tile_rows` queries: the Q and dO
+/// tiles and the tile's lse and delta.
+pub fn dkdv_shared_bytes(tile_rows: usize, head_dim: usize) -> usize {
+    (2 * tile_rows * head_dim + 2 * tile_rows) * size_of::<f32>()
+}
 
 /// `delta[row] = sum_d dO[row, d] * O[row, d]`, one unit per row, in f32.
 #[cube(launch)]
@@ -28,7 +40,8 @@ pub fn backward_delta<E: Float>(
     }
 }
 
-/// dQ step: one unit per query row, key/value tiles in shared memory.
+/// dQ step: one unit per query row, key/value tiles of `tile_rows` keys in shared memory (the
+/// host picks the tile to fit the device, see [`dq_shared_bytes`]). Grid: see [`crate::grid`].
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn backward_dq_portable<E: Float>(
@@ -48,6 +61,7 @@ pub fn backward_dq_portable<E: Float>(
     key_begin: u32,
     key_end: u32,
     #[comptime] head_dim: usize,
+    #[comptime] tile_rows: usize,
     #[comptime] causal: bool,
 ) {
     let block = query_block(
@@ -82,18 +96,18 @@ pub fn backward_dq_portable<E: Float>(
         delta_i = delta[row_index];
     }
 
-    let mut k_tile = SharedMemory::<f32>::new(TILE_ROWS * head_dim);
-    let mut v_tile = SharedMemory::<f32>::new(TILE_ROWS * head_dim);
+    let mut k_tile = SharedMemory::<f32>::new(tile_rows * head_dim);
+    let mut v_tile = SharedMemory::<f32>::new(tile_rows * head_dim);
     // The host bounds `[key_begin, key_end)` per launch (see `launch::portable_span`).
     let key_stop = min(kv_end, key_end);
     let mut num_tiles = 0u32;
     if key_begin < key_stop {
-        num_tiles = (key_stop - key_begin).div_ceil(TILE_ROWS as u32);
+        num_tiles = (key_stop - key_begin).div_ceil(tile_rows as u32);
     }
-    let loads_per_unit = comptime!(TILE_ROWS * head_dim / ROWS_PER_CUBE);
+    let loads_per_unit = comptime!(tile_rows * head_dim / ROWS_PER_CUBE);
 
     for tile in 0..num_tiles {
-        let tile_start = key_begin + tile * TILE_ROWS as u32;
+        let tile_start = key_begin + tile * tile_rows as u32;
         sync_cube();
         for r in 0..loads_per_unit {
             let idx = r * ROWS_PER_CUBE + UNIT_POS as usize;
@@ -111,7 +125,7 @@ pub fn backward_dq_portable<E: Float>(
         sync_cube();
 
         if active {
-            for j in 0..TILE_ROWS {
+            for j in 0..tile_rows {
                 let key = tile_start + j as u32;
                 if key < key_stop && key_visible(row, key, shift, causal) {
                     let mut score = 0.0f32;
@@ -138,7 +152,8 @@ pub fn backward_dq_portable<E: Float>(
 }
 
 /// dK/dV step: one unit per key row, looping over the query heads of its group and over query
-/// tiles (q, dO, lse, delta) staged in shared memory. Grid y = batch * kv_heads.
+/// tiles of `tile_rows` rows (q, dO, lse, delta) staged in shared memory (see
+/// [`dkdv_shared_bytes`]). Grid: x = key blocks, slices = batch * kv_heads (see [`crate::grid`]).
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn backward_dkdv_portable<E: Float>(
@@ -159,9 +174,10 @@ pub fn backward_dkdv_portable<E: Float>(
     query_begin: u32,
     query_end: u32,
     #[comptime] head_dim: usize,
+    #[comptime] tile_rows: usize,
     #[comptime] causal: bool,
 ) {
-    let bkv = CUBE_POS_Y;
+    let bkv = cube_slice();
     let batch = bkv / kv_heads;
     let kv_head = bkv % kv_heads;
     let q_heads = kv_heads * group_size;
@@ -192,24 +208,24 @@ pub fn backward_dkdv_portable<E: Float>(
         }
     }
 
-    let mut q_tile = SharedMemory::<f32>::new(TILE_ROWS * head_dim);
-    let mut do_tile = SharedMemory::<f32>::new(TILE_ROWS * head_dim);
-    let mut lse_tile = SharedMemory::<f32>::new(TILE_ROWS);
-    let mut delta_tile = SharedMemory::<f32>::new(TILE_ROWS);
-    let loads_per_unit = comptime!(TILE_ROWS * head_dim / ROWS_PER_CUBE);
+    let mut q_tile = SharedMemory::<f32>::new(tile_rows * head_dim);
+    let mut do_tile = SharedMemory::<f32>::new(tile_rows * head_dim);
+    let mut lse_tile = SharedMemory::<f32>::new(tile_rows);
+    let mut delta_tile = SharedMemory::<f32>::new(tile_rows);
+    let loads_per_unit = comptime!(tile_rows * head_dim / ROWS_PER_CUBE);
     // The host bounds `[query_begin, query_end)` per launch (see `launch::portable_span`).
     let q_first = max(q_begin, query_begin);
     let q_stop = min(q_len, query_end);
     let mut num_tiles = 0u32;
     if q_first < q_stop {
-        num_tiles = (q_stop - q_first).div_ceil(TILE_ROWS as u32);
+        num_tiles = (q_stop - q_first).div_ceil(tile_rows as u32);
     }
 
     for g in 0..group_size {
         let q_bh = batch * q_heads + kv_head * group_size + g;
         let q_base = (q_bh * q_len) as usize;
         for tile in 0..num_tiles {
-            let tile_start = q_first + tile * TILE_ROWS as u32;
+            let tile_start = q_first + tile * tile_rows as u32;
             sync_cube();
             for r in 0..loads_per_unit {
                 let idx = r * ROWS_PER_CUBE + UNIT_POS as usize;
@@ -224,7 +240,7 @@ pub fn backward_dkdv_portable<E: Float>(
                 q_tile[idx] = qval;
                 do_tile[idx] = doval;
             }
-            if UNIT_POS < TILE_ROWS as u32 {
+            if UNIT_POS < tile_rows as u32 {
                 let qrow = tile_start + UNIT_POS;
                 let mut lse_val = 0.0f32;
                 let mut delta_val = 0.0f32;
@@ -238,7 +254,7 @@ pub fn backward_dkdv_portable<E: Float>(
             sync_cube();
 
             if active {
-                for i in 0..TILE_ROWS {
+                for i in 0..tile_rows {
                     let qrow = tile_start + i as u32;
                     if qrow < q_stop && key_visible(qrow, key, shift, causal) {
                         let mut score = 0.0f32;

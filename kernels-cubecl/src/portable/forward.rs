@@ -6,7 +6,8 @@ use super::{ROWS_PER_CUBE, TILE_ROWS};
 use crate::geometry::{key_visible, query_block};
 use crate::stats::{rescale_factor, unnormalised_weight};
 
-/// One cube = `ROWS_PER_CUBE` query rows of one (batch, query head); grid y = batch * q_heads.
+/// One cube = `ROWS_PER_CUBE` query rows of one (batch, query head); slices = batch * q_heads
+/// (see [`crate::grid`]).
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn forward_step_portable<E: Float>(
@@ -64,30 +65,31 @@ pub fn forward_step_portable<E: Float>(
         let num_tiles = (key_stop - key_begin).div_ceil(TILE_ROWS as u32);
         for tile in 0..num_tiles {
             let tile_start = key_begin + tile * TILE_ROWS as u32;
+            // Runtime-bounded key loops: with a compile-time bound of 16, llvmpipe unrolls them
+            // around the head_dim loops and compiles for half a minute at head dim 32.
+            let tile_len = min(key_stop - tile_start, TILE_ROWS as u32);
             let mut tile_max = m_i;
-            for j in 0..TILE_ROWS {
-                let key = tile_start + j as u32;
+            for j in 0..tile_len {
+                let key = tile_start + j;
+                let at = kv_base + key as usize * head_dim;
                 let mut dot = 0.0f32;
-                if key < key_stop {
-                    let at = kv_base + key as usize * head_dim;
-                    for d in 0..head_dim {
-                        dot += q_row[d] * f32::cast_from(k[at + d]);
-                    }
-                    if key_visible(row, key, shift, causal) {
-                        tile_max = max(tile_max, dot);
-                    }
+                for d in 0..head_dim {
+                    dot += q_row[d] * f32::cast_from(k[at + d]);
                 }
-                scores[j] = dot;
+                if key_visible(row, key, shift, causal) {
+                    tile_max = max(tile_max, dot);
+                }
+                scores[j as usize] = dot;
             }
             let alpha = rescale_factor(m_i, tile_max);
             l_i *= alpha;
             for d in 0..head_dim {
                 acc[d] *= alpha;
             }
-            for j in 0..TILE_ROWS {
-                let key = tile_start + j as u32;
-                if key < key_stop && key_visible(row, key, shift, causal) {
-                    let p = unnormalised_weight(scores[j], tile_max);
+            for j in 0..tile_len {
+                let key = tile_start + j;
+                if key_visible(row, key, shift, causal) {
+                    let p = unnormalised_weight(scores[j as usize], tile_max);
                     l_i += p;
                     let at = kv_base + key as usize * head_dim;
                     for d in 0..head_dim {

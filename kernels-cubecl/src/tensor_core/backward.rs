@@ -15,10 +15,12 @@ use super::warp_tile::{
     store_accumulator, zero_accumulator,
 };
 use crate::geometry::{query_block, row_key_limit};
+use crate::grid::cube_slice;
 use crate::stats::probability_from_lse;
 
-/// dQ step. Grid: x = query blocks of [`BLOCK_ROWS`], y = batch * q_heads. Launched unchecked:
-/// global accesses are guarded against `q_len`/`kv_len` by the kernel.
+/// dQ step. Grid: x = query blocks of [`BLOCK_ROWS`], slices = batch * q_heads over y and z
+/// ([`crate::grid`]). Launched unchecked: global accesses are guarded against `q_len`/`kv_len`
+/// by the kernel.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn backward_dq_mma<E: Float>(
@@ -190,8 +192,8 @@ pub fn backward_dq_mma<E: Float>(
     );
 }
 
-/// dK/dV step. Grid: x = key blocks of [`BLOCK_KEYS`], y = batch * kv_heads. Each plane owns 16
-/// keys and walks the query tiles (of every query head of its group) that can see them. Launched
+/// dK/dV step. Grid: x = key blocks of [`BLOCK_KEYS`], slices = batch * kv_heads over y and z
+/// ([`crate::grid`]). Each plane owns 16 keys and walks the query tiles (of every query head of its group) that can see them. Launched
 /// unchecked: global accesses are guarded against `q_len`/`kv_len` by the kernel.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
@@ -225,7 +227,7 @@ pub fn backward_dkdv_mma<E: Float>(
 
     let lane = UNIT_POS_PLANE;
     let warp = UNIT_POS / 32;
-    let bkv = CUBE_POS_Y;
+    let bkv = cube_slice();
     let batch = bkv / kv_heads;
     let kv_head = bkv % kv_heads;
     let q_heads = kv_heads * group_size;

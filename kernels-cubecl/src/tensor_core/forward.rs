@@ -31,7 +31,8 @@ pub fn slot_row(lane: u32, #[comptime] slot: usize) -> u32 {
     lane / 4 + (slot * 8) as u32
 }
 
-/// Grid: x = query blocks of [`BLOCK_ROWS`], y = batch * q_heads; cube = [`UNITS`] units.
+/// Grid: x = query blocks of [`BLOCK_ROWS`], slices = batch * q_heads over y and z
+/// ([`crate::grid`]); cube = [`UNITS`] units.
 /// Launched unchecked: every global access is guarded by the kernel itself (rows past `q_len`
 /// or `kv_len` are skipped or zero-filled) and shared-memory indices are in range by construction.
 #[cube(launch_unchecked)]

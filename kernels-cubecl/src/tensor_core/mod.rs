@@ -12,9 +12,12 @@ use cubecl::prelude::*;
 
 use crate::dims::AttentionDims;
 use crate::error::KernelError;
+use crate::grid::{self, Rows};
 use crate::launch::{GradAccumulators, SoftmaxState};
+use crate::limits::DeviceLimits;
 use crate::tensor::{DeviceTensor, ElemType};
 use forward::{BLOCK_KEYS, BLOCK_ROWS, UNITS};
+use tiles::padded_stride;
 
 /// Head dimensions the tensor-core kernels are compiled for.
 pub const HEAD_DIMS: [usize; 2] = [64, 128];
@@ -44,6 +47,48 @@ pub fn supports<R: Runtime>(client: &ComputeClient<R>, elem: ElemType, head_dim:
         && properties.features.matmul.mma.contains(&config)
 }
 
+/// Shared memory of the hungriest of the three kernels at `head_dim`, in bytes: the dK/dV
+/// kernel's K, V, Q and dO tiles (f16/bf16, rows padded to [`padded_stride`], each 16-byte
+/// aligned), its f32 lse and delta tiles and a barrier, rounded up generously. Must cover
+/// every kernel's `SharedMemory` declarations: the host checks it against the device before
+/// choosing this variant.
+pub(crate) fn shared_memory_bytes(head_dim: usize) -> usize {
+    let tile = |rows: usize| (rows * padded_stride(head_dim) * 2).next_multiple_of(16) + 16;
+    let barrier = 16;
+    let forward = 2 * tile(BLOCK_KEYS) + 2 * barrier;
+    let dq = 2 * tile(BLOCK_KEYS) + barrier;
+    let dkdv = 2 * tile(BLOCK_KEYS) + 2 * tile(BLOCK_ROWS) + 2 * (BLOCK_ROWS * 4 + 16) + barrier;
+    forward.max(dq).max(dkdv)
+}
+
+/// The grids of the three kernels for one call (see [`crate::grid`]: x = block of rows,
+/// y and z = the (batch, head) slice).
+#[derive(Debug, Clone)]
+pub(crate) struct Grids {
+    /// Forward: blocks of [`BLOCK_ROWS`] query rows, slices = batch * q_heads.
+    pub forward: CubeCount,
+    /// dQ: blocks of [`BLOCK_ROWS`] query rows, slices = batch * q_heads.
+    pub dq: CubeCount,
+    /// dK/dV: blocks of [`BLOCK_KEYS`] keys, slices = batch * kv_heads.
+    pub dkdv: CubeCount,
+}
+
+/// The kernels' grids for `dims`, once their cubes, shared memory and grids are known to fit
+/// `limits`.
+pub(crate) fn grids(dims: &AttentionDims, limits: &DeviceLimits) -> Result<Grids, KernelError> {
+    limits.expect_units("the tensor-core kernels", UNITS)?;
+    limits.expect_shared(
+        "the tensor-core kernels",
+        shared_memory_bytes(dims.head_dim),
+    )?;
+    let blocks = |kernel, rows, per_block| grid::blocks(kernel, dims, rows, per_block, limits);
+    Ok(Grids {
+        forward: blocks("the tensor-core forward", Rows::Query, BLOCK_ROWS)?,
+        dq: blocks("the tensor-core dQ kernel", Rows::Query, BLOCK_ROWS)?,
+        dkdv: blocks("the tensor-core dK/dV kernel", Rows::Key, BLOCK_KEYS)?,
+    })
+}
+
 /// Tensor-core forward step (see [`crate::forward_step`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward_step<R: Runtime>(
@@ -53,20 +98,16 @@ pub(crate) fn forward_step<R: Runtime>(
     v: &DeviceTensor,
     state: &SoftmaxState,
     dims: &AttentionDims,
+    grids: &Grids,
     scale: f32,
     shift: Option<i32>,
-) -> Result<(), KernelError> {
-    let count = CubeCount::Static(
-        dims.q_len.div_ceil(BLOCK_ROWS) as u32,
-        (dims.batch * dims.q_heads) as u32,
-        1,
-    );
+) {
     let dim = CubeDim::new_1d(UNITS as u32);
     // SAFETY: shapes were validated by `launch::forward_step`; the kernel guards every global
     // access against `q_len`/`kv_len` (see `forward_step_mma`).
     crate::launch::with_elem_type!(q.elem, E => unsafe { forward::forward_step_mma::launch_unchecked::<E, R>(
         client,
-        count,
+        grids.forward.clone(),
         dim,
         q.array_arg(),
         k.array_arg(),
@@ -83,7 +124,6 @@ pub(crate) fn forward_step<R: Runtime>(
         dims.head_dim,
         shift.is_some(),
     ) });
-    Ok(())
 }
 
 /// Tensor-core backward step (see [`crate::backward_step`]).
@@ -96,20 +136,16 @@ pub(crate) fn backward_step<R: Runtime>(
     delta: &DeviceTensor,
     grads: &GradAccumulators,
     dims: &AttentionDims,
+    grids: &Grids,
     scale: f32,
     shift: Option<i32>,
-) -> Result<(), KernelError> {
+) {
     let dim = CubeDim::new_1d(UNITS as u32);
-    let query_blocks = CubeCount::Static(
-        dims.q_len.div_ceil(BLOCK_ROWS) as u32,
-        (dims.batch * dims.q_heads) as u32,
-        1,
-    );
     // SAFETY: shapes were validated by `launch::backward_step`; the kernels guard every global
     // access against `q_len`/`kv_len`.
     crate::launch::with_elem_type!(q.elem, E => unsafe { backward::backward_dq_mma::launch_unchecked::<E, R>(
         client,
-        query_blocks,
+        grids.dq.clone(),
         dim,
         q.array_arg(),
         k.array_arg(),
@@ -127,15 +163,10 @@ pub(crate) fn backward_step<R: Runtime>(
         dims.head_dim,
         shift.is_some(),
     ) });
-    let key_blocks = CubeCount::Static(
-        dims.kv_len.div_ceil(BLOCK_KEYS) as u32,
-        (dims.batch * dims.kv_heads) as u32,
-        1,
-    );
     // SAFETY: as above.
     crate::launch::with_elem_type!(q.elem, E => unsafe { backward::backward_dkdv_mma::launch_unchecked::<E, R>(
         client,
-        key_blocks,
+        grids.dkdv.clone(),
         dim,
         q.array_arg(),
         k.array_arg(),
@@ -154,5 +185,4 @@ pub(crate) fn backward_step<R: Runtime>(
         dims.head_dim,
         shift.is_some(),
     ) });
-    Ok(())
 }

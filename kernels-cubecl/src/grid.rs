@@ -1,0 +1,188 @@
+//! How a launch's cubes are laid out on the device grid, within the device's per-axis limits
+//! (65535 along y and z on CUDA, along every axis on Vulkan): the host-side folds and the
+//! kernel-side decode, one contract for every kernel.
+//!
+//! **Sliced kernels** (attention kernels: a cube is one block of rows of one (batch, head)
+//! slice): x = the block, and the slice is spread over y and z with `y * z == slices`
+//! exactly, so no cube falls outside a slice and kernels need no guard for it. The kernel reads
+//! its slice with [`cube_slice`] (`CUBE_POS_Z * CUBE_COUNT_Y + CUBE_POS_Y`), its block with
+//! `CUBE_POS_X`. Unfolded grids (z = 1) decode the same way.
+//!
+//! **Linear kernels** (one unit per element or row, indexed by `ABSOLUTE_POS`, which CubeCL
+//! linearises over x, y and z): the cube count is folded over x, y and z, possibly with a few
+//! extra cubes, which the kernels' `ABSOLUTE_POS < len` check already skips.
+
+use cubecl::prelude::*;
+
+use crate::dims::AttentionDims;
+use crate::error::KernelError;
+use crate::limits::DeviceLimits;
+
+/// The (batch, head) slice of the calling cube in a sliced grid (see the module docs).
+#[cube]
+pub fn cube_slice() -> u32 {
+    CUBE_POS_Z * CUBE_COUNT_Y + CUBE_POS_Y
+}
+
+/// `(y, z)` with `y * z == slices`, `y <= max_y`, `z <= max_z`, the largest such `y`.
+fn split_exactly(slices: usize, max_y: usize, max_z: usize) -> Option<(usize, usize)> {
+    if slices <= max_y {
+        return Some((slices, 1));
+    }
+    let mut best = None;
+    let mut i = 1;
+    while i * i <= slices {
+        if slices.is_multiple_of(i) {
+            for (y, z) in [(i, slices / i), (slices / i, i)] {
+                if y <= max_y && z <= max_z && best.is_none_or(|(by, _)| y > by) {
+                    best = Some((y, z));
+                }
+            }
+        }
+        i += 1;
+    }
+    best
+}
+
+/// Grid of a sliced kernel: `blocks` cubes along x for each of `slices` slices.
+pub(crate) fn sliced(
+    kernel: &str,
+    blocks: usize,
+    slices: usize,
+    limits: &DeviceLimits,
+) -> Result<CubeCount, KernelError> {
+    let (max_x, max_y, max_z) = limits.max_cube_count;
+    if blocks > max_x as usize {
+        return Err(KernelError::DeviceLimit {
+            what: format!(
+                "{kernel} needs {blocks} blocks of rows per (batch, head); the device's grid \
+                 allows {max_x} along x"
+            ),
+        });
+    }
+    let (y, z) = split_exactly(slices, max_y as usize, max_z as usize).ok_or_else(|| {
+        KernelError::DeviceLimit {
+            what: format!(
+                "{kernel}: batch x heads = {slices} is not a product y x z with y <= {max_y} \
+                 and z <= {max_z} (the device's grid)"
+            ),
+        }
+    })?;
+    Ok(CubeCount::Static(blocks as u32, y as u32, z as u32))
+}
+
+/// The rows whose blocks a sliced attention kernel's cubes take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Rows {
+    /// Query rows: slices = batch * q_heads.
+    Query,
+    /// Key rows: slices = batch * kv_heads.
+    Key,
+}
+
+/// Grid of a sliced attention kernel whose cubes take blocks of `per_block` rows of `rows`.
+pub(crate) fn blocks(
+    kernel: &str,
+    dims: &AttentionDims,
+    rows: Rows,
+    per_block: usize,
+    limits: &DeviceLimits,
+) -> Result<CubeCount, KernelError> {
+    let (len, heads) = match rows {
+        Rows::Query => (dims.q_len, dims.q_heads),
+        Rows::Key => (dims.kv_len, dims.kv_heads),
+    };
+    sliced(kernel, len.div_ceil(per_block), dims.batch * heads, limits)
+}
+
+/// Grid of a linear kernel: at least `cubes` cubes, folded over x, y and z.
+pub(crate) fn linear(
+    kernel: &str,
+    cubes: usize,
+    limits: &DeviceLimits,
+) -> Result<CubeCount, KernelError> {
+    let (max_x, max_y, max_z) = limits.max_cube_count;
+    let x = cubes.clamp(1, max_x as usize);
+    let rest = cubes.div_ceil(x);
+    let y = rest.clamp(1, max_y as usize);
+    let z = rest.div_ceil(y);
+    if z > max_z as usize {
+        return Err(KernelError::DeviceLimit {
+            what: format!(
+                "{kernel} needs {cubes} cubes; the device's grid allows {max_x} x {max_y} x {max_z}"
+            ),
+        });
+    }
+    Ok(CubeCount::Static(x as u32, y as u32, z as u32))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(max: u32) -> DeviceLimits {
+        DeviceLimits {
+            max_shared_memory: 32768,
+            max_cube_count: (max, max, max),
+            max_units_per_cube: 256,
+            max_cube_dim_x: 256,
+            f16: true,
+            bf16: false,
+        }
+    }
+
+    fn dims(count: CubeCount) -> (usize, usize, usize) {
+        match count {
+            CubeCount::Static(x, y, z) => (x as usize, y as usize, z as usize),
+            CubeCount::Dynamic(_) => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn sliced_grids_cover_every_slice_exactly() {
+        let l = limits(65535);
+        assert_eq!(dims(sliced("k", 3, 65535, &l).unwrap()), (3, 65535, 1));
+        for slices in [
+            65536,
+            2 * 65535,
+            65535 * 65535,
+            3 * 5 * 7 * 11 * 13 * 17 * 19,
+        ] {
+            let (x, y, z) = dims(sliced("k", 7, slices, &l).unwrap());
+            assert_eq!((x, y * z), (7, slices), "{slices}");
+            assert!(y <= 65535 && z <= 65535, "{slices}: {y} x {z}");
+        }
+        // 65537 is prime: no exact split under 65535.
+        let err = sliced("k", 1, 65537, &l).unwrap_err().to_string();
+        assert!(
+            err.contains("65537") && err.contains("device limit"),
+            "{err}"
+        );
+        let err = sliced("k", 65536, 1, &l).unwrap_err().to_string();
+        assert!(err.contains("65536 blocks"), "{err}");
+    }
+
+    #[test]
+    fn linear_grids_cover_every_cube() {
+        let l = limits(100);
+        for cubes in [
+            1,
+            99,
+            100,
+            101,
+            100 * 100,
+            100 * 100 + 1,
+            999_999,
+            1_000_000,
+        ] {
+            let (x, y, z) = dims(linear("k", cubes, &l).unwrap());
+            assert!(
+                x * y * z >= cubes && x <= 100 && y <= 100 && z <= 100,
+                "{cubes}"
+            );
+            // Little waste: less than one x-y plane plus one x row.
+            assert!(x * y * z < cubes + x * y + x, "{cubes}: {x} x {y} x {z}");
+        }
+        assert!(linear("k", 1_000_001, &l).is_err());
+    }
+}

@@ -10,7 +10,8 @@ use distflash_kernels::{AttentionDims, ElemType, Mask};
 
 use super::{assert_close, naive_rounding, Rng};
 
-pub fn to_tensor<B: AutodiffBackend>(
+/// Host values as a tensor of `B` on `device`.
+pub fn to_tensor<B: burn::tensor::backend::Backend>(
     data: &[f64],
     shape: [usize; 4],
     device: &B::Device,
@@ -19,6 +20,7 @@ pub fn to_tensor<B: AutodiffBackend>(
     Tensor::from_data(TensorData::new(values, shape), device)
 }
 
+/// A tensor's values on the host, as f64.
 pub fn to_host<B: burn::tensor::backend::Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f64> {
     t.into_data()
         .convert::<f32>()

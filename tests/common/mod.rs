@@ -5,6 +5,7 @@ pub mod block_case;
 pub mod burn_case;
 pub mod distributed_case;
 pub mod modules;
+pub mod repeated_case;
 pub mod temp_dir;
 
 use distflash_kernels::reference::{self, Rounding};

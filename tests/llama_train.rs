@@ -1,7 +1,7 @@
 //! Training a small Llama on the CPU: the loss falls; one step on an in-process group of 4
 //! equals one step on one device, and the ranks' copies of a freshly initialised model hold the
 //! same weights before and after it; a run saved and resumed continues identically; bad shapes
-//! are refused before any work.
+//! and tokens are refused before any work.
 
 mod common;
 
@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::{Autodiff, NdArray};
+use burn::tensor::{Int, Tensor};
 use burn_distflash::layers::AttentionContext;
 use burn_distflash::llama::data::TokenDataset;
 use burn_distflash::llama::tokenizer::Tokenizer;
@@ -199,6 +200,31 @@ fn bad_shapes_are_refused_before_any_work() {
             assert!(what.contains("not divisible by the group size 3"), "{what}");
         }
     });
+}
+
+#[test]
+fn tokens_the_model_cannot_take_are_refused_before_any_work() {
+    let model = small().try_init::<Cpu>(&DEVICE).unwrap();
+    let mut trainer = Trainer::new(model, AttentionContext::Local, options(1));
+    let mut tokens = vec![1u32; 4 * 32];
+    tokens[5] = 256;
+    match trainer.train_step(&tokens, &tokens) {
+        Err(TrainError::Input(what)) => {
+            assert!(
+                what.contains("token id 256") && what.contains("256 tokens"),
+                "{what}"
+            )
+        }
+        other => panic!("expected an input error, got {other:?}"),
+    }
+    assert_eq!(trainer.step, 0);
+    let empty = Tensor::<Cpu, 2, Int>::zeros([2, 0], &DEVICE);
+    let e = trainer
+        .model
+        .forward(empty, &AttentionContext::Local)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("[2, 0]") && e.contains("at least 1"), "{e}");
 }
 
 #[test]

@@ -85,6 +85,9 @@ pub struct LocalTransport<B: Backend> {
     /// this rank's queued copies read them, so their memory must not return to the senders'
     /// pools before that synchronisation.
     held: Mutex<Vec<FloatTensor<B>>>,
+    /// The first failure while messages were moving; from then on every call fails with
+    /// [`CommError::Broken`] rather than pair messages of different steps.
+    failure: Mutex<Option<String>>,
 }
 
 impl<B: Backend> LocalTransport<B> {
@@ -118,8 +121,31 @@ impl<B: Backend> LocalTransport<B> {
                 exchanges: AtomicU64::new(0),
                 gathers: AtomicU64::new(0),
                 held: Mutex::new(Vec::new()),
+                failure: Mutex::new(None),
             })
             .collect()
+    }
+
+    /// Fails with [`CommError::Broken`] once a call has failed while messages were moving.
+    fn check_usable(&self) -> Result<(), CommError> {
+        match &*self.failure.lock().expect("failure poisoned") {
+            Some(cause) => Err(CommError::Broken {
+                rank: self.rank,
+                cause: cause.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Records `error` as the failure that broke the group (the first one is kept).
+    fn broken(&self, error: CommError) -> CommError {
+        (self.failure.lock().expect("failure poisoned")).get_or_insert_with(|| error.to_string());
+        error
+    }
+
+    /// Refuses a peer outside the group or this rank itself.
+    fn check_peer(&self, peer: usize) -> Result<(), CommError> {
+        self.peer_slot(&self.outboxes, peer).map(|_| ())
     }
 
     /// Host-synchronises this rank's stream (every kernel queued so far has run), then lets go
@@ -127,10 +153,10 @@ impl<B: Backend> LocalTransport<B> {
     fn settle(&self) -> Result<(), CommError> {
         let mut held = self.held.lock().expect("held tensors poisoned");
         B::sync(&self.device).map_err(|e| {
-            CommError::Setup(format!(
+            self.broken(CommError::Setup(format!(
                 "rank {}: the device failed during an exchange: {e:?}",
                 self.rank
-            ))
+            )))
         })?;
         held.clear();
         Ok(())
@@ -158,10 +184,10 @@ impl<B: Backend> LocalTransport<B> {
             // runs on this thread's stream of the source device, which is synchronised here.
             let moved = B::float_to_device(sent, &self.device);
             B::sync(&source).map_err(|e| {
-                CommError::Setup(format!(
+                self.broken(CommError::Setup(format!(
                     "rank {}: the sender's device failed during a transfer: {e:?}",
                     self.rank
-                ))
+                )))
             })?;
             return Ok(moved);
         }
@@ -176,9 +202,11 @@ impl<B: Backend> LocalTransport<B> {
             .lock()
             .expect("outbox poisoned")
             .send(packet)
-            .map_err(|_| CommError::Disconnected {
-                rank: self.rank,
-                peer,
+            .map_err(|_| {
+                self.broken(CommError::Disconnected {
+                    rank: self.rank,
+                    peer,
+                })
             })
     }
 
@@ -292,6 +320,11 @@ impl<B: Backend> Transport<B> for LocalTransport<B> {
         sends: Vec<Outgoing<B>>,
         receives: Vec<Incoming>,
     ) -> Result<Box<dyn Exchange<B> + '_>, CommError> {
+        self.check_usable()?;
+        // Bad peers are refused before anything moves (the group stays usable).
+        for peer in (sends.iter().map(|m| m.peer)).chain(receives.iter().map(|m| m.peer)) {
+            self.check_peer(peer)?;
+        }
         let sequence = self.exchanges.fetch_add(1, Ordering::SeqCst);
         if !sends.is_empty() {
             // Every kernel that wrote a sent tensor has run before another thread reads it.
@@ -306,9 +339,6 @@ impl<B: Backend> Transport<B> for LocalTransport<B> {
             };
             self.send(message.peer, packet)?;
         }
-        for incoming in &receives {
-            self.peer_slot(&self.inboxes, incoming.peer)?;
-        }
         Ok(Box::new(LocalExchange {
             transport: self,
             sequence,
@@ -318,6 +348,7 @@ impl<B: Backend> Transport<B> for LocalTransport<B> {
     }
 
     fn all_gather_values(&self, values: &[u64]) -> Result<Vec<Vec<u64>>, CommError> {
+        self.check_usable()?;
         let sequence = self.gathers.fetch_add(1, Ordering::SeqCst);
         let world = self.world_size();
         for peer in (0..world).filter(|&p| p != self.rank) {
@@ -328,29 +359,56 @@ impl<B: Backend> Transport<B> for LocalTransport<B> {
             self.send(peer, packet)?;
         }
         let deadline = Instant::now() + self.timeout;
-        (0..world)
+        let gathered = (0..world)
             .map(|peer| {
                 if peer == self.rank {
                     return Ok(values.to_vec());
                 }
-                let packet = self.take(
-                    peer,
-                    sequence,
-                    MessageKind::Values,
-                    |p| matches!(p, Payload::Values(_)),
-                    deadline,
-                )?;
+                let packet = self
+                    .take(
+                        peer,
+                        sequence,
+                        MessageKind::Values,
+                        |p| matches!(p, Payload::Values(_)),
+                        deadline,
+                    )
+                    .map_err(|e| self.broken(e))?;
                 match packet.payload {
                     Payload::Values(v) => Ok(v),
                     Payload::Tensors(..) => unreachable!("matched on values"),
                 }
             })
-            .collect()
+            .collect::<Result<Vec<_>, CommError>>()?;
+        // Checked once every peer's values are in, so the ranks stay in step.
+        if let Some((peer, theirs)) = gathered
+            .iter()
+            .enumerate()
+            .find(|(_, v)| v.len() != values.len())
+        {
+            return Err(CommError::Mismatch {
+                rank: self.rank,
+                peer,
+                detail: format!(
+                    "all_gather_values: rank {peer} gave {} values, this rank {}",
+                    theirs.len(),
+                    values.len()
+                ),
+            });
+        }
+        Ok(gathered)
     }
 }
 
 impl<B: Backend> Exchange<B> for LocalExchange<'_, B> {
+    /// A failure (silent peer, out-of-step or mismatched message) breaks the group.
     fn wait(self: Box<Self>) -> Result<Vec<Received<B>>, CommError> {
+        let transport = self.transport;
+        self.receive().map_err(|e| transport.broken(e))
+    }
+}
+
+impl<B: Backend> LocalExchange<'_, B> {
+    fn receive(&self) -> Result<Vec<Received<B>>, CommError> {
         let transport = self.transport;
         self.receives
             .iter()

@@ -75,8 +75,10 @@ pub enum DistributedError {
     Shards(String),
     /// Moving tensors between ranks failed.
     Comm(CommError),
-    /// A module's input does not have the shape the module was built for.
+    /// A module's input does not have the shape or float type the module was built for.
     Input(String),
+    /// The options are not valid (a score scale that is not a finite number).
+    Options(String),
 }
 
 impl fmt::Display for DistributedError {
@@ -85,7 +87,8 @@ impl fmt::Display for DistributedError {
             DistributedError::Attention(e) => write!(f, "sequence-parallel attention: {e}"),
             DistributedError::Device(what)
             | DistributedError::Shards(what)
-            | DistributedError::Input(what) => {
+            | DistributedError::Input(what)
+            | DistributedError::Options(what) => {
                 write!(f, "sequence-parallel attention: {what}")
             }
             DistributedError::Comm(e) => write!(f, "sequence-parallel attention: {e}"),
@@ -129,7 +132,18 @@ fn dtype_code(dtype: DType) -> u64 {
     }
 }
 
-/// Checks this rank's shards, then that every rank has the same shapes, float type and options.
+/// Refuses a score scale that is not a finite number.
+fn check_options(options: &SequenceParallelOptions) -> Result<(), DistributedError> {
+    match options.attention.scale {
+        Some(scale) if !scale.is_finite() => Err(DistributedError::Options(format!(
+            "the score scale is {scale}; it must be a finite number (or None for 1 / sqrt(head_dim))"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Checks this rank's shards and options, then that every rank has the same shapes, float type
+/// and options.
 fn validate<B: SequenceParallelBackend>(
     q: &Tensor<B, 4>,
     k: &Tensor<B, 4>,
@@ -139,6 +153,16 @@ fn validate<B: SequenceParallelBackend>(
 ) -> Result<(), DistributedError> {
     check_shapes(&q.dims(), &k.dims(), &v.dims())?;
     check_dtypes(q, k, v)?;
+    check_options(options)?;
+    for (name, t) in [("k", k), ("v", v)] {
+        if t.device() != q.device() {
+            return Err(DistributedError::Device(format!(
+                "{name} is on {:?} but q is on {:?}; a rank's q, k and v must be on its device",
+                t.device(),
+                q.device()
+            )));
+        }
+    }
     if B::inner_device(&q.device()) != *group.device() {
         return Err(DistributedError::Device(format!(
             "rank {} computes on {:?} but q is on {:?}",

@@ -359,22 +359,40 @@ pub fn check_groups<B>(
 {
     let data = CaseData::new(case, elem);
     let options = case.options();
+    let results = on_rank_threads(&data, groups, devices, move |inputs, group, device| {
+        train_on_rank::<B>(inputs, group, device, &options)
+    });
+    assert_messages(&case, &results);
+    let what = format!("{} {case:?}", std::any::type_name::<B>());
+    data.assert_training(&what, &data.expected(), &results);
+}
+
+/// Runs `body(inputs, group, device)` for every rank on a thread of its own (rank `r` with its
+/// shards of `data`, `groups[r]` and `devices[r]`) and returns the results in rank order.
+pub fn on_rank_threads<G, D, T, F>(
+    data: &CaseData,
+    groups: Vec<G>,
+    devices: Vec<D>,
+    body: F,
+) -> Vec<T>
+where
+    G: Send + 'static,
+    D: Send + 'static,
+    T: Send + 'static,
+    F: Fn(&RankInputs, &G, &D) -> T + Send + Clone + 'static,
+{
     let handles: Vec<_> = groups
         .into_iter()
         .zip(devices)
         .enumerate()
         .map(|(rank, (group, device))| {
-            let inputs = data.rank_inputs(rank);
-            thread::spawn(move || train_on_rank::<B>(&inputs, &group, &device, &options))
+            let (inputs, body) = (data.rank_inputs(rank), body.clone());
+            thread::spawn(move || body(&inputs, &group, &device))
         })
         .collect();
-    let results: Vec<RankResult> = handles
-        .into_iter()
+    (handles.into_iter())
         .map(|h| h.join().expect("a rank panicked"))
-        .collect();
-    assert_messages(&case, &results);
-    let what = format!("{} {case:?}", std::any::type_name::<B>());
-    data.assert_training(&what, &data.expected(), &results);
+        .collect()
 }
 
 /// Asserts that every rank sent, per exchange, the messages its schedule predicts.

@@ -3,14 +3,13 @@
 //! where tensors handed between ranks outlive (or not) the kernels that read them.
 #![allow(dead_code)]
 
-use std::thread;
-
 use burn::tensor::backend::AutodiffBackend;
 use burn_distflash::{DeviceGroup, SequenceParallelBackend};
 use distflash_kernels::ElemType;
 
 use super::distributed_case::{
-    assert_messages, expected_messages, forward_on_rank, train_on_rank, Case, CaseData, RankResult,
+    assert_messages, expected_messages, forward_on_rank, on_rank_threads, train_on_rank, Case,
+    CaseData, RankResult,
 };
 
 /// One call every rank makes.
@@ -53,35 +52,20 @@ pub fn check_repeated<B>(
 {
     let data = CaseData::new(case, elem);
     let options = case.options();
-    let handles: Vec<_> = groups
-        .into_iter()
-        .zip(devices)
-        .enumerate()
-        .map(|(rank, (group, device))| {
-            let inputs = data.rank_inputs(rank);
-            let calls = calls.to_vec();
-            thread::spawn(move || {
-                calls
-                    .iter()
-                    .map(|call| match call {
-                        Call::Forward => {
-                            let (out, messages) = forward_on_rank::<B::InnerBackend>(
-                                &inputs, &group, &device, &options,
-                            );
-                            Outcome::Forward { out, messages }
-                        }
-                        Call::Train => {
-                            Outcome::Train(train_on_rank::<B>(&inputs, &group, &device, &options))
-                        }
-                    })
-                    .collect::<Vec<_>>()
+    let calls_per_rank = calls.to_vec();
+    let per_rank = on_rank_threads(&data, groups, devices, move |inputs, group, device| {
+        (calls_per_rank.iter())
+            .map(|call| match call {
+                Call::Forward => {
+                    let (out, messages) =
+                        forward_on_rank::<B::InnerBackend>(inputs, group, device, &options);
+                    Outcome::Forward { out, messages }
+                }
+                Call::Train => Outcome::Train(train_on_rank::<B>(inputs, group, device, &options)),
             })
-        })
-        .collect();
-    let mut per_rank: Vec<_> = handles
-        .into_iter()
-        .map(|h| h.join().expect("a rank panicked").into_iter())
-        .collect();
+            .collect::<Vec<_>>()
+    });
+    let mut per_rank: Vec<_> = per_rank.into_iter().map(Vec::into_iter).collect();
 
     let expected = data.expected();
     let schedule = options.schedule_for(case.world);

@@ -359,39 +359,39 @@ pub fn check_groups<B>(
 {
     let data = CaseData::new(case, elem);
     let options = case.options();
-    let results = on_rank_threads(&data, groups, devices, move |inputs, group, device| {
-        train_on_rank::<B>(inputs, group, device, &options)
+    let inputs = with_devices(&data, devices);
+    let results = on_rank_threads(inputs, groups, move |(inputs, device), group| {
+        train_on_rank::<B>(&inputs, &group, &device, &options)
     });
     assert_messages(&case, &results);
     let what = format!("{} {case:?}", std::any::type_name::<B>());
     data.assert_training(&what, &data.expected(), &results);
 }
 
-/// Runs `body(inputs, group, device)` for every rank on a thread of its own (rank `r` with its
-/// shards of `data`, `groups[r]` and `devices[r]`) and returns the results in rank order.
-pub fn on_rank_threads<G, D, T, F>(
-    data: &CaseData,
-    groups: Vec<G>,
-    devices: Vec<D>,
-    body: F,
-) -> Vec<T>
+/// Runs `body(inputs[r], groups[r])` for every rank `r` on a thread of its own and returns the
+/// results in rank order.
+pub fn on_rank_threads<I, G, T, F>(inputs: Vec<I>, groups: Vec<G>, body: F) -> Vec<T>
 where
+    I: Send + 'static,
     G: Send + 'static,
-    D: Send + 'static,
     T: Send + 'static,
-    F: Fn(&RankInputs, &G, &D) -> T + Send + Clone + 'static,
+    F: Fn(I, G) -> T + Send + Clone + 'static,
 {
-    let handles: Vec<_> = groups
-        .into_iter()
-        .zip(devices)
-        .enumerate()
-        .map(|(rank, (group, device))| {
-            let (inputs, body) = (data.rank_inputs(rank), body.clone());
-            thread::spawn(move || body(&inputs, &group, &device))
+    let handles: Vec<_> = (inputs.into_iter().zip(groups))
+        .map(|(input, group)| {
+            let body = body.clone();
+            thread::spawn(move || body(input, group))
         })
         .collect();
     (handles.into_iter())
         .map(|h| h.join().expect("a rank panicked"))
+        .collect()
+}
+
+/// Each rank's shards of `data` with its device.
+pub fn with_devices<D>(data: &CaseData, devices: Vec<D>) -> Vec<(RankInputs, D)> {
+    (devices.into_iter().enumerate())
+        .map(|(rank, device)| (data.rank_inputs(rank), device))
         .collect()
 }
 

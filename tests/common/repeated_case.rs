@@ -8,8 +8,8 @@ use burn_distflash::{DeviceGroup, SequenceParallelBackend};
 use distflash_kernels::ElemType;
 
 use super::distributed_case::{
-    assert_messages, expected_messages, forward_on_rank, on_rank_threads, train_on_rank, Case,
-    CaseData, RankResult,
+    assert_messages, expected_messages, forward_on_rank, on_rank_threads, train_on_rank,
+    with_devices, Case, CaseData, RankResult,
 };
 
 /// One call every rank makes.
@@ -53,15 +53,18 @@ pub fn check_repeated<B>(
     let data = CaseData::new(case, elem);
     let options = case.options();
     let calls_per_rank = calls.to_vec();
-    let per_rank = on_rank_threads(&data, groups, devices, move |inputs, group, device| {
+    let inputs = with_devices(&data, devices);
+    let per_rank = on_rank_threads(inputs, groups, move |(inputs, device), group| {
         (calls_per_rank.iter())
             .map(|call| match call {
                 Call::Forward => {
                     let (out, messages) =
-                        forward_on_rank::<B::InnerBackend>(inputs, group, device, &options);
+                        forward_on_rank::<B::InnerBackend>(&inputs, &group, &device, &options);
                     Outcome::Forward { out, messages }
                 }
-                Call::Train => Outcome::Train(train_on_rank::<B>(inputs, group, device, &options)),
+                Call::Train => {
+                    Outcome::Train(train_on_rank::<B>(&inputs, &group, &device, &options))
+                }
             })
             .collect::<Vec<_>>()
     });

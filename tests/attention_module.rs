@@ -167,6 +167,48 @@ fn inputs_the_module_cannot_take_are_refused_before_any_work() {
 }
 
 #[test]
+fn a_rank_whose_input_is_refused_makes_the_other_ranks_fail_at_once() {
+    let errors = within(Duration::from_secs(120), || {
+        let module = DistFlashAttentionConfig::new(64, 4).init::<Cpu>(&DEVICE);
+        let groups =
+            DeviceGroup::<Cpu>::in_process_with_timeout(vec![DEVICE; 2], Duration::from_secs(60));
+        let start = std::time::Instant::now();
+        let errors: Vec<String> = groups
+            .into_iter()
+            .enumerate()
+            .map(|(rank, group)| {
+                let module = module.clone();
+                let width = if rank == 0 { 48 } else { 64 };
+                thread::spawn(move || {
+                    let x = random(&mut Rng::new(8), [1, 8, width]);
+                    (module.try_forward(x, &AttentionContext::sharded(group)))
+                        .unwrap_err()
+                        .to_string()
+                })
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect();
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "a rank waited for the timeout"
+        );
+        errors
+    });
+    assert!(
+        errors[0].contains("expects [batch, seq, 64]"),
+        "{}",
+        errors[0]
+    );
+    assert!(
+        errors[1].contains("rank 0 refused its own input"),
+        "{}",
+        errors[1]
+    );
+}
+
+#[test]
 fn llama3_scaling_keeps_short_wavelengths_divides_long_ones_and_blends_between() {
     let scaling = Llama3RopeScaling::new(8.0, 1.0, 4.0, 8192);
     // Thresholds: wavelengths below 8192 / 4 = 2048 kept, above 8192 / 1 divided by 8.

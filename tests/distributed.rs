@@ -130,6 +130,40 @@ fn options_that_differ_across_ranks_are_refused_on_every_rank() {
 }
 
 #[test]
+fn a_rank_that_refuses_its_shards_makes_every_rank_fail_at_once() {
+    let start = std::time::Instant::now();
+    let results = within(LIMIT, || {
+        let groups = DeviceGroup::<NdArray<f32>>::in_process_with_timeout(cpu(2), LIMIT);
+        on_ranks(groups, |rank, group| {
+            let k = match rank {
+                0 => shard(8).cast(DType::F64),
+                _ => shard(8),
+            };
+            sequence_parallel_attention(
+                shard(8),
+                k,
+                shard(8),
+                &group,
+                &SequenceParallelOptions::causal(),
+            )
+            .map(|_| ())
+        })
+    });
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "a rank waited for the timeout"
+    );
+    match &results[0] {
+        Err(DistributedError::Attention(AttentionError::DType(m))) => assert!(m.contains("k is")),
+        other => panic!("rank 0: expected its own float-type error, got {other:?}"),
+    }
+    match &results[1] {
+        Err(DistributedError::Shards(m)) => assert!(m.contains("rank 0 refused"), "{m}"),
+        other => panic!("rank 1: expected to hear of rank 0's refusal, got {other:?}"),
+    }
+}
+
+#[test]
 fn a_silent_peer_gives_a_timeout_not_a_hang() {
     let result = within(LIMIT, || {
         let mut groups = DeviceGroup::<NdArray<f32>>::in_process_with_timeout(

@@ -12,7 +12,9 @@ use super::config_error::ConfigError;
 use super::context::AttentionContext;
 use super::counter::ForwardCounter;
 use super::rope::{RopeConfig, RotaryTables};
-use crate::distributed::{sequence_parallel_attention_with_lse, SequenceParallelBackend};
+use crate::distributed::{
+    announce_refusal, sequence_parallel_attention_with_lse, SequenceParallelBackend,
+};
 use crate::kernels::SUPPORTED_HEAD_DIMS;
 use crate::options::FlashAttentionOptions;
 use crate::{flash_attention_with_lse, DistributedError};
@@ -170,7 +172,20 @@ impl<B: SequenceParallelBackend> DistFlashAttention<B> {
 
     /// Refuses, before any work, an input that is not `[batch > 0, seq > 0, d_model]` of the
     /// weights' float type on the weights' device, or not on the device of `context`'s group.
+    /// Sharded, the other ranks are told, so that their attention fails at once too.
     pub(crate) fn check_input(
+        &self,
+        x: &Tensor<B, 3>,
+        context: &AttentionContext<B::Inner>,
+    ) -> Result<(), DistributedError> {
+        let refused = self.input_problem(x, context);
+        if let (Err(_), AttentionContext::Sharded { group, .. }) = (&refused, context) {
+            announce_refusal(group);
+        }
+        refused
+    }
+
+    fn input_problem(
         &self,
         x: &Tensor<B, 3>,
         context: &AttentionContext<B::Inner>,

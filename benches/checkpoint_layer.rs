@@ -77,6 +77,8 @@ fn run_rank<B: AutodiffBackend<Device = CudaDevice> + CheckpointBackend<Inner = 
 ) -> Measured {
     let config = TransformerBlockConfig::new(DistFlashAttentionConfig::new(HIDDEN, HEADS), FFN)
         .with_checkpoint(placement);
+    // Timing one block does not need the ranks to agree on its weights (training does: see
+    // `replicate`); initialised here, the weights count in this thread's memory pool.
     let block = config.init::<B>(&device);
     let x =
         Tensor::<B, 3>::random([1, tokens, HIDDEN], Distribution::Default, &device).require_grad();

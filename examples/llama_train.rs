@@ -36,7 +36,7 @@ use burn_distflash::llama::train::{TrainBackend, TrainOptions, Trainer};
 use burn_distflash::llama::weights::load_hf_llama;
 use burn_distflash::llama::{Llama, LlamaConfig};
 use burn_distflash::schedule::ScheduleKind;
-use burn_distflash::{CheckpointPlacement, DeviceGroup};
+use burn_distflash::{replicate, CheckpointPlacement, DeviceGroup};
 
 /// Everything the command line chose.
 #[derive(Clone)]
@@ -219,21 +219,28 @@ fn initial_weights(args: &Args, config: &LlamaConfig) -> Vec<u8> {
         .unwrap_or_else(|e| fail(format!("serialising the initial weights: {e}")))
 }
 
-/// Trains on one rank (the only one, or rank `context`'s of a group).
+/// The model with the initial weights, on `device`.
+fn load_model<B: TrainBackend>(
+    config: &LlamaConfig,
+    weights: &[u8],
+    device: &B::Device,
+) -> Llama<B> {
+    let record = BinBytesRecorder::<FullPrecisionSettings>::new()
+        .load(weights.to_vec(), device)
+        .unwrap_or_else(|e| fail(format!("loading the initial weights: {e}")));
+    config
+        .try_init::<B>(device)
+        .unwrap_or_else(|e| fail(e))
+        .load_record(record)
+}
+
+/// Trains `model` on one rank (the only one, or rank `context`'s of a group).
 fn train_rank<B: TrainBackend>(
     args: &Args,
     config: &LlamaConfig,
-    weights: &[u8],
-    device: B::Device,
+    model: Llama<B>,
     context: AttentionContext<B::InnerBackend>,
 ) {
-    let record = BinBytesRecorder::<FullPrecisionSettings>::new()
-        .load(weights.to_vec(), &device)
-        .unwrap_or_else(|e| fail(format!("loading the initial weights: {e}")));
-    let model = config
-        .try_init::<B>(&device)
-        .unwrap_or_else(|e| fail(e))
-        .load_record(record);
     let mut trainer = Trainer::new(model, context, args.options.clone());
     let (rank, world) = trainer.rank();
     let leader = rank == 0;
@@ -336,25 +343,24 @@ where
         AttentionContext::sharded(group).with_schedule(args.schedule)
     };
     if args.env {
+        // One process per GPU: every process loads the same initial weights.
         let group = DeviceGroup::<CudaInner<F>>::nccl_from_env().unwrap_or_else(|e| fail(e));
-        let device = group.device().clone();
-        return train_rank::<Cuda<F>>(args, config, weights, device, context(group));
+        let model = load_model::<Cuda<F>>(config, weights, group.device());
+        return train_rank(args, config, model, context(group));
     }
     let devices: Vec<_> = (0..args.gpus).map(cubecl::cuda::CudaDevice::new).collect();
+    let model = load_model::<Cuda<F>>(config, weights, &devices[0]);
     if devices.len() == 1 {
-        return train_rank::<Cuda<F>>(
-            args,
-            config,
-            weights,
-            devices[0].clone(),
-            AttentionContext::Local,
-        );
+        return train_rank(args, config, model, AttentionContext::Local);
     }
     let groups = DeviceGroup::<CudaInner<F>>::nccl(&devices).unwrap_or_else(|e| fail(e));
+    // One trainable copy of the model per GPU, all with the same weights.
+    let models = replicate(&model, &devices);
+    drop(model);
     thread::scope(|s| {
-        for (group, device) in groups.into_iter().zip(devices) {
+        for (group, model) in groups.into_iter().zip(models) {
             let ctx = context(group);
-            s.spawn(move || train_rank::<Cuda<F>>(args, config, weights, device, ctx));
+            s.spawn(move || train_rank(args, config, model, ctx));
         }
     });
 }
@@ -379,13 +385,15 @@ fn main() {
     match (args.backend.as_str(), args.dtype.as_str()) {
         ("ndarray", _) => {
             type Cpu = burn_autodiff::Autodiff<burn::backend::NdArray<f32>>;
-            train_rank::<Cpu>(&args, &config, &weights, Default::default(), AttentionContext::Local)
+            let model = load_model::<Cpu>(&config, &weights, &Default::default());
+            train_rank(&args, &config, model, AttentionContext::Local)
         }
         ("wgpu", _) => {
             type Wgpu = burn_autodiff::Autodiff<
                 burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>,
             >;
-            train_rank::<Wgpu>(&args, &config, &weights, Default::default(), AttentionContext::Local)
+            let model = load_model::<Wgpu>(&config, &weights, &Default::default());
+            train_rank(&args, &config, model, AttentionContext::Local)
         }
         ("cuda", "bf16") => train_cuda::<half::bf16>(&args, &config, &weights),
         ("cuda", "f32") => train_cuda::<f32>(&args, &config, &weights),

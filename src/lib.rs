@@ -30,7 +30,7 @@ pub use distributed::{
     SequenceParallelBackend, SequenceParallelOptions,
 };
 pub use layers::{
-    AttentionContext, DistFlashAttention, DistFlashAttentionConfig, TransformerBlock,
+    replicate, AttentionContext, DistFlashAttention, DistFlashAttentionConfig, TransformerBlock,
     TransformerBlockConfig,
 };
 pub use options::{check_shapes, AttentionError, FlashAttentionOptions, Mask};

@@ -1,6 +1,7 @@
 //! `DistFlashAttention` against a plain multi-head attention written with Burn tensor ops (the
 //! rotary embedding from its textbook formula in f64), for irregular and few heads, GQA and MQA,
-//! on one device and sharded over a group; configuration errors; the rotary embedding itself.
+//! on one device and sharded over a group; configuration and input errors; the rotary embedding
+//! itself.
 
 mod common;
 
@@ -11,7 +12,7 @@ use std::time::Duration;
 use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::NdArray;
 use burn::tensor::activation::softmax;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData};
 use burn_distflash::layers::{AttentionContext, Llama3RopeScaling, RopeConfig, RotaryTables};
 use burn_distflash::{DeviceGroup, DistFlashAttention, DistFlashAttentionConfig};
 use common::block_case::relative_error;
@@ -148,14 +149,63 @@ fn bad_configurations_say_what_is_wrong() {
 }
 
 #[test]
-fn an_input_of_the_wrong_width_is_refused() {
+fn inputs_the_module_cannot_take_are_refused_before_any_work() {
     let module = DistFlashAttentionConfig::new(64, 4).init::<Cpu>(&DEVICE);
-    let x = random(&mut Rng::new(6), [1, 8, 48]);
-    let e = module
-        .try_forward(x, &AttentionContext::Local)
-        .unwrap_err()
-        .to_string();
+    let refuse = |x: Tensor<Cpu, 3>| {
+        module
+            .try_forward(x, &AttentionContext::Local)
+            .unwrap_err()
+            .to_string()
+    };
+    let e = refuse(random(&mut Rng::new(6), [1, 8, 48]));
     assert!(e.contains("expects [batch, seq, 64]"), "{e}");
+    let e = refuse(Tensor::zeros([1, 0, 64], &DEVICE));
+    assert!(e.contains("[1, 0, 64]") && e.contains("at least 1"), "{e}");
+    let e = refuse(random(&mut Rng::new(7), [1, 8, 64]).cast(DType::F64));
+    assert!(e.contains("F64 but the module's weights are F32"), "{e}");
+    assert_eq!(module.counter.get(), 0, "attention ran");
+}
+
+#[test]
+fn a_rank_whose_input_is_refused_makes_the_other_ranks_fail_at_once() {
+    let errors = within(Duration::from_secs(120), || {
+        let module = DistFlashAttentionConfig::new(64, 4).init::<Cpu>(&DEVICE);
+        let groups =
+            DeviceGroup::<Cpu>::in_process_with_timeout(vec![DEVICE; 2], Duration::from_secs(60));
+        let start = std::time::Instant::now();
+        let errors: Vec<String> = groups
+            .into_iter()
+            .enumerate()
+            .map(|(rank, group)| {
+                let module = module.clone();
+                let width = if rank == 0 { 48 } else { 64 };
+                thread::spawn(move || {
+                    let x = random(&mut Rng::new(8), [1, 8, width]);
+                    (module.try_forward(x, &AttentionContext::sharded(group)))
+                        .unwrap_err()
+                        .to_string()
+                })
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect();
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "a rank waited for the timeout"
+        );
+        errors
+    });
+    assert!(
+        errors[0].contains("expects [batch, seq, 64]"),
+        "{}",
+        errors[0]
+    );
+    assert!(
+        errors[1].contains("rank 0 refused its own input"),
+        "{}",
+        errors[1]
+    );
 }
 
 #[test]

@@ -43,7 +43,7 @@ fn single_device(
 ) -> StepResult {
     let blocks = random_blocks::<Cpu>(&small_config(), 7, &NdArrayDevice::Cpu);
     step(
-        &lift::<Cpu>(&blocks, placement),
+        &lift(&blocks, placement, &[NdArrayDevice::Cpu])[0],
         x.clone(),
         r.clone(),
         &AttentionContext::Local,
@@ -82,20 +82,21 @@ fn sharded(
     x: &Tensor<Inner, 3>,
     r: &Tensor<Inner, 3>,
 ) -> Vec<StepResult> {
-    let blocks = random_blocks::<Cpu>(&small_config(), 7, &NdArrayDevice::Cpu);
+    let devices = vec![NdArrayDevice::Cpu; world];
+    let blocks = random_blocks::<Cpu>(&small_config(), 7, &devices[0]);
     let shard = x.dims()[1] / world;
-    let groups = DeviceGroup::<Inner>::in_process(vec![NdArrayDevice::Cpu; world]);
+    let groups = DeviceGroup::<Inner>::in_process(devices.clone());
     let handles: Vec<_> = groups
         .into_iter()
+        .zip(lift(&blocks, placement, &devices))
         .enumerate()
-        .map(|(rank, group)| {
+        .map(|(rank, (group, blocks))| {
             let rows = rank * shard..(rank + 1) * shard;
             let x = x.clone().narrow(1, rows.start, shard);
             let r = r.clone().narrow(1, rows.start, shard);
-            let blocks = blocks.clone();
             thread::spawn(move || {
                 let context = AttentionContext::sharded(group).with_schedule(schedule);
-                step(&lift::<Cpu>(&blocks, placement), x, r, &context)
+                step(&blocks, x, r, &context)
             })
         })
         .collect();

@@ -34,12 +34,8 @@ fn one_gpu(placement: CheckpointPlacement) -> StepResult {
         random(1, [2, 64, 64], &device),
         random(2, [2, 64, 64], &device),
     );
-    step(
-        &lift::<Gpu>(&blocks, placement),
-        x,
-        r,
-        &AttentionContext::Local,
-    )
+    let copy = &lift(&blocks, placement, &[device])[0];
+    step(copy, x, r, &AttentionContext::Local)
 }
 
 #[test]
@@ -67,21 +63,18 @@ fn two_gpus_over_nccl_agree_with_one_gpu_at_every_placement() {
     ] {
         let devices = [CudaDevice::new(0), CudaDevice::new(1)];
         let groups = DeviceGroup::<Inner>::nccl(&devices).expect("NCCL on two GPUs");
+        let blocks = random_blocks::<Gpu>(&small_config(), 7, &devices[0]);
+        let copies = lift(&blocks, placement, &devices);
         let ranks: Vec<StepResult> = groups
             .into_iter()
             .zip(devices)
+            .zip(copies)
             .enumerate()
-            .map(|(rank, (group, device))| {
+            .map(|(rank, ((group, device), blocks))| {
                 thread::spawn(move || {
-                    let blocks = random_blocks::<Gpu>(&small_config(), 7, &device);
                     let x = random(1, [2, 64, 64], &device).narrow(1, rank * 32, 32);
                     let r = random(2, [2, 64, 64], &device).narrow(1, rank * 32, 32);
-                    step(
-                        &lift::<Gpu>(&blocks, placement),
-                        x,
-                        r,
-                        &AttentionContext::sharded(group),
-                    )
+                    step(&blocks, x, r, &AttentionContext::sharded(group))
                 })
             })
             .collect::<Vec<_>>()

@@ -1,6 +1,7 @@
 //! Sequence-parallel attention on the in-process transport: world sizes 1-8, both schedules,
 //! forward and every gradient against f64 attention over the whole sequence; messages per step
-//! counted; bad input and silent peers give errors, not hangs.
+//! counted; bad input (shapes, float types, options, disagreeing ranks) and silent peers give
+//! errors, not hangs, and a group that failed refuses further calls at once.
 
 mod common;
 
@@ -9,10 +10,11 @@ use std::time::Duration;
 
 use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::{Autodiff, NdArray};
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor};
 use burn_distflash::schedule::ScheduleKind;
 use burn_distflash::{
-    sequence_parallel_attention, CommError, DeviceGroup, DistributedError, SequenceParallelOptions,
+    sequence_parallel_attention, AttentionError, CommError, DeviceGroup, DistributedError,
+    SequenceParallelOptions,
 };
 use common::distributed_case::{check, within, Case};
 use distflash_kernels::ElemType;
@@ -84,32 +86,80 @@ fn shard(len: usize) -> Tensor<NdArray<f32>, 4> {
     Tensor::ones([1, 2, len, 16], &NdArrayDevice::Cpu)
 }
 
+/// The `Shards` error each of two ranks gets when rank `r` passes shards of `len(r)` rows with
+/// `options(r)`.
+fn shard_errors(
+    len: fn(usize) -> usize,
+    options: fn(usize) -> SequenceParallelOptions,
+) -> Vec<String> {
+    let results = within(LIMIT, move || {
+        let groups = DeviceGroup::<NdArray<f32>>::in_process(cpu(2));
+        on_ranks(groups, move |rank, group| {
+            let n = len(rank);
+            sequence_parallel_attention(shard(n), shard(n), shard(n), &group, &options(rank))
+                .map(|_| ())
+        })
+    });
+    (results.into_iter())
+        .map(|result| match result {
+            Err(DistributedError::Shards(msg)) => msg,
+            other => panic!("expected the ranks to disagree, got {other:?}"),
+        })
+        .collect()
+}
+
 #[test]
 fn shards_of_unequal_length_are_refused_on_every_rank() {
+    for msg in shard_errors(|rank| 8 + rank, |_| SequenceParallelOptions::causal()) {
+        assert!(
+            msg.contains("q [1, 2, 8, 16]") && msg.contains("q [1, 2, 9, 16]"),
+            "{msg}"
+        );
+    }
+}
+
+#[test]
+fn options_that_differ_across_ranks_are_refused_on_every_rank() {
+    let options = |rank| SequenceParallelOptions::causal().with_overlap(rank == 0);
+    for msg in shard_errors(|_| 8, options) {
+        assert!(
+            msg.contains("overlap 1") && msg.contains("overlap 0"),
+            "{msg}"
+        );
+    }
+}
+
+#[test]
+fn a_rank_that_refuses_its_shards_makes_every_rank_fail_at_once() {
+    let start = std::time::Instant::now();
     let results = within(LIMIT, || {
-        let groups = DeviceGroup::<NdArray<f32>>::in_process(cpu(2));
+        let groups = DeviceGroup::<NdArray<f32>>::in_process_with_timeout(cpu(2), LIMIT);
         on_ranks(groups, |rank, group| {
-            let len = 8 + rank;
+            let k = match rank {
+                0 => shard(8).cast(DType::F64),
+                _ => shard(8),
+            };
             sequence_parallel_attention(
-                shard(len),
-                shard(len),
-                shard(len),
+                shard(8),
+                k,
+                shard(8),
                 &group,
                 &SequenceParallelOptions::causal(),
             )
             .map(|_| ())
         })
     });
-    for result in results {
-        match result {
-            Err(DistributedError::Shards(msg)) => {
-                assert!(
-                    msg.contains("q [1, 2, 8, 16]") && msg.contains("q [1, 2, 9, 16]"),
-                    "{msg}"
-                )
-            }
-            other => panic!("expected a shard mismatch, got {other:?}"),
-        }
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "a rank waited for the timeout"
+    );
+    match &results[0] {
+        Err(DistributedError::Attention(AttentionError::DType(m))) => assert!(m.contains("k is")),
+        other => panic!("rank 0: expected its own float-type error, got {other:?}"),
+    }
+    match &results[1] {
+        Err(DistributedError::Shards(m)) => assert!(m.contains("rank 0 refused"), "{m}"),
+        other => panic!("rank 1: expected to hear of rank 0's refusal, got {other:?}"),
     }
 }
 
@@ -122,21 +172,75 @@ fn a_silent_peer_gives_a_timeout_not_a_hang() {
         );
         let silent = groups.pop().unwrap();
         let group = groups.pop().unwrap();
-        let result = sequence_parallel_attention(
-            shard(8),
-            shard(8),
-            shard(8),
-            &group,
-            &SequenceParallelOptions::causal(),
+        let call = || {
+            sequence_parallel_attention(
+                shard(8),
+                shard(8),
+                shard(8),
+                &group,
+                &SequenceParallelOptions::causal(),
+            )
+            .map(|_| ())
+        };
+        let first = call();
+        // The group is out of step now: the next call refuses at once.
+        let start = std::time::Instant::now();
+        let second = call();
+        assert!(
+            start.elapsed() < Duration::from_millis(500),
+            "the second call waited"
         );
         drop(silent);
-        result.map(|_| ())
+        (first, second)
     });
-    match result {
+    match result.0 {
         Err(DistributedError::Comm(CommError::Timeout {
             rank: 0, peer: 1, ..
         })) => {}
         other => panic!("expected a timeout waiting for rank 1, got {other:?}"),
+    }
+    match result.1 {
+        Err(DistributedError::Comm(CommError::Broken { rank: 0, .. })) => {}
+        other => panic!("expected the broken group to refuse, got {other:?}"),
+    }
+}
+
+/// The error of a one-rank call with these shards and options, checking that nothing moved.
+fn refused(
+    q: Tensor<NdArray<f32>, 4>,
+    k: Tensor<NdArray<f32>, 4>,
+    options: SequenceParallelOptions,
+) -> DistributedError {
+    let group = DeviceGroup::<NdArray<f32>>::in_process(cpu(1)).remove(0);
+    let err = sequence_parallel_attention(q, k.clone(), k, &group, &options).unwrap_err();
+    assert!(group.take_traffic().messages.is_empty(), "{err}");
+    err
+}
+
+#[test]
+fn mixed_float_types_are_refused_before_any_exchange() {
+    let err = refused(
+        shard(8),
+        shard(8).cast(DType::F64),
+        SequenceParallelOptions::causal(),
+    );
+    assert!(
+        matches!(&err, DistributedError::Attention(AttentionError::DType(m))
+            if m.contains("k is F64 but q is F32")),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_score_scale_that_is_not_a_finite_number_is_refused_before_any_exchange() {
+    for scale in [f64::NAN, f64::INFINITY] {
+        let mut options = SequenceParallelOptions::causal();
+        options.attention.scale = Some(scale);
+        let err = refused(shard(8), shard(8), options);
+        assert!(
+            matches!(&err, DistributedError::Options(m) if m.contains("finite number")),
+            "{err}"
+        );
     }
 }
 

@@ -1,5 +1,6 @@
 //! Sequence-parallel attention on the CubeCL backends (this project's kernels for every step),
-//! in-process transport: wgpu on the CPU in CI; CUDA on the GPU machine (`--ignored`).
+//! in-process transport: wgpu on the CPU in CI; CUDA on the GPU machine (`--ignored`). Tensors
+//! on a device other than their rank's (or their module's) are refused before any work.
 
 mod common;
 
@@ -57,4 +58,62 @@ fn cuda_kernels_across_ranks() {
             check::<Autodiff<CudaF32>>(devices, case, ElemType::F32);
         }
     });
+}
+
+/// A second wgpu device (Mesa's software Vulkan again in CI, but another device to Burn).
+fn other_device() -> cubecl::wgpu::WgpuDevice {
+    cubecl::wgpu::WgpuDevice::DefaultDevice
+}
+
+#[test]
+fn tensors_on_another_device_are_refused_before_any_work() {
+    use burn::tensor::Tensor;
+    use burn_distflash::layers::AttentionContext;
+    use burn_distflash::{
+        sequence_parallel_attention, DeviceGroup, DistFlashAttentionConfig, DistributedError,
+        SequenceParallelOptions,
+    };
+    let here = cubecl::wgpu::WgpuDevice::Cpu;
+    let group = DeviceGroup::<WgpuF32>::in_process(vec![here.clone()]).remove(0);
+    let shard = |device| Tensor::<WgpuF32, 4>::ones([1, 2, 8, 16], device);
+    let options = SequenceParallelOptions::causal();
+    fn device_error<T>(result: Result<T, DistributedError>, what: &str) {
+        match result {
+            Err(DistributedError::Device(m)) => assert!(m.contains(what), "{m}"),
+            Err(other) => panic!("expected a device error, got {other}"),
+            Ok(_) => panic!("expected a device error"),
+        }
+    }
+    let elsewhere = other_device();
+    let mixed = sequence_parallel_attention(
+        shard(&here),
+        shard(&elsewhere),
+        shard(&here),
+        &group,
+        &options,
+    );
+    device_error(mixed, "k is on");
+    let away = sequence_parallel_attention(
+        shard(&elsewhere),
+        shard(&elsewhere),
+        shard(&elsewhere),
+        &group,
+        &options,
+    );
+    device_error(away, "computes on");
+    assert!(group.take_traffic().messages.is_empty());
+
+    let module = DistFlashAttentionConfig::new(32, 2).init::<WgpuF32>(&here);
+    let x = |device| Tensor::<WgpuF32, 3>::ones([1, 8, 32], device);
+    device_error(
+        module.try_forward(x(&elsewhere), &AttentionContext::Local),
+        "the module's weights are on",
+    );
+    let remote = DistFlashAttentionConfig::new(32, 2).init::<WgpuF32>(&elsewhere);
+    let sharded = AttentionContext::sharded(group.clone());
+    device_error(
+        remote.try_forward(x(&elsewhere), &sharded),
+        "of its group computes on",
+    );
+    assert_eq!(module.counter.get() + remote.counter.get(), 0);
 }

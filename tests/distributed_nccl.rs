@@ -1,5 +1,7 @@
-//! Sequence-parallel attention over NCCL on 2 and 4 GPUs (run with `--ignored` on a machine
-//! with several CUDA GPUs; each world size is skipped, with a message, where GPUs are missing).
+//! Sequence-parallel attention over NCCL on 2 and 4 GPUs, and many calls (forward-only and
+//! training mixed) on every world size from 2 to the number of GPUs, at most 8 (run with
+//! `--ignored` on a machine with several CUDA GPUs; each world size is skipped, with a message,
+//! where GPUs are missing).
 
 mod common;
 
@@ -10,6 +12,7 @@ use burn_distflash::collective::nccl;
 use burn_distflash::schedule::ScheduleKind;
 use burn_distflash::DeviceGroup;
 use common::distributed_case::{check_groups, within, Case};
+use common::repeated_case::{check_repeated, MIXED};
 use cubecl::cuda::CudaDevice;
 use distflash_kernels::ElemType;
 
@@ -39,6 +42,30 @@ fn nccl_groups_match_single_device_attention() {
                 let devices: Vec<CudaDevice> = (0..world).map(CudaDevice::new).collect();
                 let groups = DeviceGroup::<CudaF32>::nccl(&devices).expect("NCCL group");
                 check_groups::<Autodiff<CudaF32>>(devices, groups, case, ElemType::F32);
+                eprintln!("ok: {case:?}");
+            }
+        }
+    });
+}
+
+#[test]
+#[ignore = "needs 2 or more CUDA GPUs and NCCL"]
+fn nccl_groups_stay_exact_over_repeated_forward_and_training_calls() {
+    let available = nccl::device_count().expect("CUDA driver");
+    assert!(available >= 2, "needs 2 or more GPUs, found {available}");
+    within(Duration::from_secs(900), move || {
+        for world in 2..=available.min(8) {
+            for case in [
+                Case::new(world, 64, ScheduleKind::Ring),
+                Case::new(world, 64, ScheduleKind::Balanced),
+                Case {
+                    overlap: false,
+                    ..Case::new(world, 64, ScheduleKind::Auto)
+                },
+            ] {
+                let devices: Vec<CudaDevice> = (0..world).map(CudaDevice::new).collect();
+                let groups = DeviceGroup::<CudaF32>::nccl(&devices).expect("NCCL group");
+                check_repeated::<Autodiff<CudaF32>>(devices, groups, case, ElemType::F32, &MIXED);
                 eprintln!("ok: {case:?}");
             }
         }

@@ -1,6 +1,7 @@
 //! Training a small Llama on the CPU: the loss falls; one step on an in-process group of 4
-//! equals one step on one device; a run saved and resumed continues identically; bad shapes
-//! are refused before any work.
+//! equals one step on one device, and the ranks' copies of a freshly initialised model hold the
+//! same weights before and after it; a run saved and resumed continues identically; bad shapes
+//! and tokens are refused before any work.
 
 mod common;
 
@@ -9,15 +10,15 @@ use std::time::Duration;
 
 use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::{Autodiff, NdArray};
-use burn::module::{AutodiffModule, Module};
+use burn::tensor::{Int, Tensor};
 use burn_distflash::layers::AttentionContext;
 use burn_distflash::llama::data::TokenDataset;
 use burn_distflash::llama::tokenizer::Tokenizer;
 use burn_distflash::llama::train::{StepStats, TrainError, TrainOptions, Trainer};
 use burn_distflash::llama::{Llama, LlamaConfig};
-use burn_distflash::{CheckpointPlacement, DeviceGroup};
+use burn_distflash::{replicate, CheckpointPlacement, DeviceGroup};
 use common::distributed_case::within;
-use common::modules::{float_params, ParamValues, RequireGrad};
+use common::modules::{float_params, require_grad_flags, ParamValues};
 use common::temp_dir::TempDir;
 
 type Inner = NdArray<f32>;
@@ -37,13 +38,14 @@ fn options(steps: u64) -> TrainOptions {
     TrainOptions::new(steps, 4, 32).with_lr(3e-3).with_warmup(3)
 }
 
-/// The same initial weights as a fresh autodiff model (its own graph leaves).
-fn lift(inner: &Llama<Inner>, placement: CheckpointPlacement) -> Llama<Cpu> {
-    let mut model = Llama::<Cpu>::from_inner(inner.clone()).map(&mut RequireGrad);
-    for block in &mut model.blocks {
-        block.checkpoint = placement;
-    }
-    model
+/// `count` trainable copies of one freshly initialised model (its weights not yet read, so
+/// still lazy), checkpointed at `placement`.
+fn copies(count: usize, placement: CheckpointPlacement) -> Vec<Llama<Cpu>> {
+    let model = small()
+        .with_checkpoint(placement)
+        .try_init::<Cpu>(&DEVICE)
+        .unwrap();
+    replicate(&model, &vec![DEVICE; count])
 }
 
 fn run(trainer: &mut Trainer<Cpu>, data: &TokenDataset, steps: u64) -> Vec<StepStats> {
@@ -76,27 +78,29 @@ fn the_loss_falls_on_shakespeare() {
 #[test]
 fn one_step_on_a_group_of_four_equals_one_step_on_one_device() {
     within(Duration::from_secs(300), || {
-        let init = small().try_init::<Cpu>(&DEVICE).unwrap().valid();
+        let mut models = copies(5, CheckpointPlacement::AttentionOutput);
+        let initial = float_params(&models[0]);
+        for (i, model) in models.iter().enumerate() {
+            assert!(
+                float_params(model) == initial,
+                "copy {i} starts from other weights"
+            );
+            assert!(require_grad_flags(model).iter().all(|&f| f), "copy {i}");
+        }
         let data = dataset();
         let (x, y) = data.batch(0, 0, 4, 32).unwrap();
-        let mut single = Trainer::new(
-            lift(&init, CheckpointPlacement::AttentionOutput),
-            AttentionContext::Local,
-            options(10),
-        );
+        let mut single = Trainer::new(models.remove(0), AttentionContext::Local, options(10));
         let expected = single.train_step(&x, &y).unwrap();
         let expected_weights = float_params(&single.model);
         let groups = DeviceGroup::<Inner>::in_process(vec![DEVICE; 4]);
         let ranks: Vec<(StepStats, Vec<ParamValues>)> = groups
             .into_iter()
-            .map(|group| {
-                let (init, x, y) = (init.clone(), x.clone(), y.clone());
+            .zip(models)
+            .map(|(group, model)| {
+                let (x, y) = (x.clone(), y.clone());
                 thread::spawn(move || {
-                    let mut trainer = Trainer::new(
-                        lift(&init, CheckpointPlacement::AttentionOutput),
-                        AttentionContext::sharded(group),
-                        options(10),
-                    );
+                    let mut trainer =
+                        Trainer::new(model, AttentionContext::sharded(group), options(10));
                     let stats = trainer.train_step(&x, &y).unwrap();
                     (stats, float_params(&trainer.model))
                 })
@@ -116,6 +120,7 @@ fn one_step_on_a_group_of_four_equals_one_step_on_one_device() {
             // sharded and the single-device sums into update differences: compare the weights
             // against the step size (lr 3e-3), not relatively. Without the all-reduce the updates
             // differ by up to 2 lr.
+            assert!(w != &initial, "rank {rank}: the step changed no weight");
             for (i, ((_, got), (_, want))) in w.iter().zip(&expected_weights).enumerate() {
                 let err = got
                     .iter()
@@ -135,19 +140,11 @@ fn one_step_on_a_group_of_four_equals_one_step_on_one_device() {
 #[test]
 fn a_resumed_run_continues_exactly() {
     let data = dataset();
-    let init = small().try_init::<Cpu>(&DEVICE).unwrap().valid();
-    let mut straight = Trainer::new(
-        lift(&init, CheckpointPlacement::Layer),
-        AttentionContext::Local,
-        options(6),
-    );
+    let [a, b]: [Llama<Cpu>; 2] = copies(2, CheckpointPlacement::Layer).try_into().unwrap();
+    let mut straight = Trainer::new(a, AttentionContext::Local, options(6));
     let all = run(&mut straight, &data, 6);
 
-    let mut first = Trainer::new(
-        lift(&init, CheckpointPlacement::Layer),
-        AttentionContext::Local,
-        options(6),
-    );
+    let mut first = Trainer::new(b, AttentionContext::Local, options(6));
     run(&mut first, &data, 3);
     let tmp = TempDir::new("resume");
     let dir = tmp.path();
@@ -203,6 +200,31 @@ fn bad_shapes_are_refused_before_any_work() {
             assert!(what.contains("not divisible by the group size 3"), "{what}");
         }
     });
+}
+
+#[test]
+fn tokens_the_model_cannot_take_are_refused_before_any_work() {
+    let model = small().try_init::<Cpu>(&DEVICE).unwrap();
+    let mut trainer = Trainer::new(model, AttentionContext::Local, options(1));
+    let mut tokens = vec![1u32; 4 * 32];
+    tokens[5] = 256;
+    match trainer.train_step(&tokens, &tokens) {
+        Err(TrainError::Input(what)) => {
+            assert!(
+                what.contains("token id 256") && what.contains("256 tokens"),
+                "{what}"
+            )
+        }
+        other => panic!("expected an input error, got {other:?}"),
+    }
+    assert_eq!(trainer.step, 0);
+    let empty = Tensor::<Cpu, 2, Int>::zeros([2, 0], &DEVICE);
+    let e = trainer
+        .model
+        .forward(empty, &AttentionContext::Local)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("[2, 0]") && e.contains("at least 1"), "{e}");
 }
 
 #[test]

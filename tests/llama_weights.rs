@@ -9,7 +9,7 @@ use std::path::Path;
 
 use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::{Autodiff, NdArray};
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::Param;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
 use burn_distflash::layers::{AttentionContext, Llama3RopeScaling, RopeConfig};
@@ -19,7 +19,7 @@ use burn_distflash::llama::safetensors::{
 };
 use burn_distflash::llama::weights::{load_hf_llama, save_hf_llama, WeightsError};
 use burn_distflash::llama::{Llama, LlamaConfig};
-use common::modules::{float_params, ParamValues};
+use common::modules::{float_params, require_grad_flags, ParamValues};
 use common::temp_dir::TempDir;
 
 type Cpu = NdArray<f32>;
@@ -32,15 +32,6 @@ fn small_config(tied: bool) -> LlamaConfig {
 
 fn params<B: Backend>(model: &Llama<B>) -> Vec<ParamValues> {
     float_params(model)
-}
-
-/// Whether every float parameter requires gradients.
-struct AllRequireGrad(Vec<bool>);
-
-impl<B: Backend> ModuleVisitor<B> for AllRequireGrad {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        self.0.push(param.val().is_require_grad());
-    }
 }
 
 fn random_1d(d: usize) -> Param<Tensor<Cpu, 1>> {
@@ -328,10 +319,9 @@ fn loaded_model_requires_gradients_and_trains() {
     let tmp = TempDir::new("grad");
     write_checkpoint(tmp.path(), &hf_config(false), &hf_tensors(false));
     let (_, model) = load_hf_llama::<Ad>(tmp.path(), &DEVICE).unwrap();
-    let mut flags = AllRequireGrad(Vec::new());
-    model.visit(&mut flags);
-    assert_eq!(flags.0.len(), 1 + 2 * 9 + 1 + 1);
-    assert!(flags.0.iter().all(|f| *f), "{:?}", flags.0);
+    let flags = require_grad_flags(&model);
+    assert_eq!(flags.len(), 1 + 2 * 9 + 1 + 1);
+    assert!(flags.iter().all(|f| *f), "{flags:?}");
 
     let tokens: Vec<i64> = vec![1, 2, 3, 4, 5, 6];
     let targets: Vec<i64> = vec![2, 3, 4, 5, 6, 7];

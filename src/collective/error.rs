@@ -39,6 +39,15 @@ pub enum CommError {
     },
     /// The group cannot be built as asked (bad rank, world size, devices, environment).
     Setup(String),
+    /// An earlier call of this rank failed while messages were moving (a silent or departed
+    /// peer, ranks out of step, a failed device): the ranks can no longer pair their messages,
+    /// so the group refuses further work. Build a new group.
+    Broken {
+        /// This rank.
+        rank: usize,
+        /// The earlier failure.
+        cause: String,
+    },
     /// The NCCL library could not be loaded or an NCCL/CUDA call failed.
     Nccl(String),
 }
@@ -65,6 +74,11 @@ impl fmt::Display for CommError {
                 write!(f, "rank {rank}: rank {peer} left the group")
             }
             CommError::Setup(what) => write!(f, "device group setup: {what}"),
+            CommError::Broken { rank, cause } => write!(
+                f,
+                "rank {rank}: the group failed earlier and cannot be used any more (build a new \
+                 one); the failure: {cause}"
+            ),
             CommError::Nccl(what) => write!(f, "NCCL: {what}"),
         }
     }

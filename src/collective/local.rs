@@ -1,6 +1,25 @@
 //! An in-process transport: the ranks are threads of one process and messages are tensors
-//! handed over channels, then moved to the receiver's device. Works on every Burn backend; used
-//! by the CPU tests and by users without NCCL.
+//! handed over channels, then copied into the receiver's own memory. Works on every Burn backend;
+//! used by the CPU tests and by users without NCCL.
+//!
+//! # Ordering across threads
+//!
+//! Backends that queue work per host thread (CubeCL: one stream per thread, each with its own
+//! memory pool) order a kernel after other streams' *earlier writes* to its inputs, but not a
+//! stream's *reuse of freed memory* after other streams' pending reads: a buffer returns to its
+//! owner's pool as soon as its last handle drops, on whichever thread, and the owner's next
+//! allocation may overwrite it before another stream's queued kernels have read it (on wgpu the
+//! owner's stream can reach the device queue first). So the transport never lets a receiver
+//! compute on the sender's memory:
+//!
+//! 1. The sender host-synchronises its stream before handing tensors over (their writes are
+//!    done).
+//! 2. On [`Exchange::wait`] the receiver copies each received tensor into memory of its own
+//!    stream; kernels launched later read only the copy, which its own stream orders.
+//! 3. The receiver keeps the sender's tensors alive until its next host synchronisation (at its
+//!    next exchange, or when the transport is dropped), when the copies have certainly run.
+//!
+//! The caller may therefore drop sent and received tensors whenever it likes, as with NCCL.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -62,9 +81,13 @@ pub struct LocalTransport<B: Backend> {
     inboxes: PeerSlots<Inbox<B>>,
     exchanges: AtomicU64,
     gathers: AtomicU64,
-    /// Received tensors kept alive until this rank's queued work is known to be finished: their
-    /// memory belongs to the sender, which must not reuse it while this rank still reads it.
+    /// The senders' tensors of messages received since this rank's last host synchronisation:
+    /// this rank's queued copies read them, so their memory must not return to the senders'
+    /// pools before that synchronisation.
     held: Mutex<Vec<FloatTensor<B>>>,
+    /// The first failure while messages were moving; from then on every call fails with
+    /// [`CommError::Broken`] rather than pair messages of different steps.
+    failure: Mutex<Option<String>>,
 }
 
 impl<B: Backend> LocalTransport<B> {
@@ -98,8 +121,79 @@ impl<B: Backend> LocalTransport<B> {
                 exchanges: AtomicU64::new(0),
                 gathers: AtomicU64::new(0),
                 held: Mutex::new(Vec::new()),
+                failure: Mutex::new(None),
             })
             .collect()
+    }
+
+    /// Fails with [`CommError::Broken`] once a call has failed while messages were moving.
+    fn check_usable(&self) -> Result<(), CommError> {
+        match &*self.failure.lock().expect("failure poisoned") {
+            Some(cause) => Err(CommError::Broken {
+                rank: self.rank,
+                cause: cause.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Records `error` as the failure that broke the group (the first one is kept).
+    fn broken(&self, error: CommError) -> CommError {
+        (self.failure.lock().expect("failure poisoned")).get_or_insert_with(|| error.to_string());
+        error
+    }
+
+    /// Refuses a peer outside the group or this rank itself.
+    fn check_peer(&self, peer: usize) -> Result<(), CommError> {
+        self.peer_slot(&self.outboxes, peer).map(|_| ())
+    }
+
+    /// Host-synchronises this rank's stream (every kernel queued so far has run), then lets go
+    /// of the senders' tensors that the queued copies were reading.
+    fn settle(&self) -> Result<(), CommError> {
+        let mut held = self.held.lock().expect("held tensors poisoned");
+        B::sync(&self.device).map_err(|e| {
+            self.broken(CommError::Setup(format!(
+                "rank {}: the device failed during an exchange: {e:?}",
+                self.rank
+            )))
+        })?;
+        held.clear();
+        Ok(())
+    }
+
+    /// [`settle`](Self::settle), only when senders' tensors are held.
+    fn release_held(&self) -> Result<(), CommError> {
+        let pending = !self.held.lock().expect("held tensors poisoned").is_empty();
+        if pending {
+            self.settle()?;
+        }
+        Ok(())
+    }
+
+    /// A received tensor as this rank's own: a copy in memory of this rank's stream on its
+    /// device. The sender's tensor is held until this rank's next synchronisation, since the
+    /// copy is only queued.
+    fn adopt(&self, sent: FloatTensor<B>) -> Result<FloatTensor<B>, CommError> {
+        let source = B::float_device(&sent);
+        // Held before copying: a tensor held twice is never updated in place, so the copy below
+        // gets a buffer of its own.
+        (self.held.lock().expect("held tensors poisoned")).push(sent.clone());
+        if source != self.device {
+            // A transfer between devices allocates on the destination; its read of the source
+            // runs on this thread's stream of the source device, which is synchronised here.
+            let moved = B::float_to_device(sent, &self.device);
+            B::sync(&source).map_err(|e| {
+                self.broken(CommError::Setup(format!(
+                    "rank {}: the sender's device failed during a transfer: {e:?}",
+                    self.rank
+                )))
+            })?;
+            return Ok(moved);
+        }
+        // Multiplying by one is an exact copy for every float (signed zeros, infinities and NaN
+        // included) and the one that every backend implements.
+        Ok(B::float_mul_scalar(sent, 1.0f32.into()))
     }
 
     fn send(&self, peer: usize, packet: Packet<B>) -> Result<(), CommError> {
@@ -108,9 +202,11 @@ impl<B: Backend> LocalTransport<B> {
             .lock()
             .expect("outbox poisoned")
             .send(packet)
-            .map_err(|_| CommError::Disconnected {
-                rank: self.rank,
-                peer,
+            .map_err(|_| {
+                self.broken(CommError::Disconnected {
+                    rank: self.rank,
+                    peer,
+                })
             })
     }
 
@@ -224,30 +320,24 @@ impl<B: Backend> Transport<B> for LocalTransport<B> {
         sends: Vec<Outgoing<B>>,
         receives: Vec<Incoming>,
     ) -> Result<Box<dyn Exchange<B> + '_>, CommError> {
-        let sequence = self.exchanges.fetch_add(1, Ordering::SeqCst);
-        let mut held = self.held.lock().expect("held tensors poisoned");
-        if !sends.is_empty() || !held.is_empty() {
-            // Backends that queue work per host thread (CubeCL's streams) do not order other
-            // threads' work after this thread's: finish this thread's queued work before handing
-            // tensors over and before releasing the ones received earlier.
-            B::sync(&self.device).map_err(|e| {
-                CommError::Setup(format!(
-                    "rank {}: the device failed during an exchange: {e:?}",
-                    self.rank
-                ))
-            })?;
-            held.clear();
+        self.check_usable()?;
+        // Bad peers are refused before anything moves (the group stays usable).
+        for peer in (sends.iter().map(|m| m.peer)).chain(receives.iter().map(|m| m.peer)) {
+            self.check_peer(peer)?;
         }
-        drop(held);
+        let sequence = self.exchanges.fetch_add(1, Ordering::SeqCst);
+        if !sends.is_empty() {
+            // Every kernel that wrote a sent tensor has run before another thread reads it.
+            self.settle()?;
+        } else {
+            self.release_held()?;
+        }
         for message in sends {
             let packet = Packet {
                 sequence,
                 payload: Payload::Tensors(message.kind, message.tensors),
             };
             self.send(message.peer, packet)?;
-        }
-        for incoming in &receives {
-            self.peer_slot(&self.inboxes, incoming.peer)?;
         }
         Ok(Box::new(LocalExchange {
             transport: self,
@@ -258,6 +348,7 @@ impl<B: Backend> Transport<B> for LocalTransport<B> {
     }
 
     fn all_gather_values(&self, values: &[u64]) -> Result<Vec<Vec<u64>>, CommError> {
+        self.check_usable()?;
         let sequence = self.gathers.fetch_add(1, Ordering::SeqCst);
         let world = self.world_size();
         for peer in (0..world).filter(|&p| p != self.rank) {
@@ -268,29 +359,56 @@ impl<B: Backend> Transport<B> for LocalTransport<B> {
             self.send(peer, packet)?;
         }
         let deadline = Instant::now() + self.timeout;
-        (0..world)
+        let gathered = (0..world)
             .map(|peer| {
                 if peer == self.rank {
                     return Ok(values.to_vec());
                 }
-                let packet = self.take(
-                    peer,
-                    sequence,
-                    MessageKind::Values,
-                    |p| matches!(p, Payload::Values(_)),
-                    deadline,
-                )?;
+                let packet = self
+                    .take(
+                        peer,
+                        sequence,
+                        MessageKind::Values,
+                        |p| matches!(p, Payload::Values(_)),
+                        deadline,
+                    )
+                    .map_err(|e| self.broken(e))?;
                 match packet.payload {
                     Payload::Values(v) => Ok(v),
                     Payload::Tensors(..) => unreachable!("matched on values"),
                 }
             })
-            .collect()
+            .collect::<Result<Vec<_>, CommError>>()?;
+        // Checked once every peer's values are in, so the ranks stay in step.
+        if let Some((peer, theirs)) = gathered
+            .iter()
+            .enumerate()
+            .find(|(_, v)| v.len() != values.len())
+        {
+            return Err(CommError::Mismatch {
+                rank: self.rank,
+                peer,
+                detail: format!(
+                    "all_gather_values: rank {peer} gave {} values, this rank {}",
+                    theirs.len(),
+                    values.len()
+                ),
+            });
+        }
+        Ok(gathered)
     }
 }
 
 impl<B: Backend> Exchange<B> for LocalExchange<'_, B> {
+    /// A failure (silent peer, out-of-step or mismatched message) breaks the group.
     fn wait(self: Box<Self>) -> Result<Vec<Received<B>>, CommError> {
+        let transport = self.transport;
+        self.receive().map_err(|e| transport.broken(e))
+    }
+}
+
+impl<B: Backend> LocalExchange<'_, B> {
+    fn receive(&self) -> Result<Vec<Received<B>>, CommError> {
         let transport = self.transport;
         self.receives
             .iter()
@@ -318,12 +436,10 @@ impl<B: Backend> Exchange<B> for LocalExchange<'_, B> {
                         ),
                     });
                 }
-                let tensors: Vec<FloatTensor<B>> = tensors
+                let tensors = tensors
                     .into_iter()
-                    .map(|t| B::float_to_device(t, &transport.device))
-                    .collect();
-                (transport.held.lock().expect("held tensors poisoned"))
-                    .extend(tensors.iter().cloned());
+                    .map(|t| transport.adopt(t))
+                    .collect::<Result<Vec<_>, _>>()?;
                 Ok(Received {
                     peer: incoming.peer,
                     kind,
@@ -331,5 +447,17 @@ impl<B: Backend> Exchange<B> for LocalExchange<'_, B> {
                 })
             })
             .collect()
+    }
+}
+
+impl<B: Backend> Drop for LocalTransport<B> {
+    /// Lets the copies of the last messages run before the senders' memory is released (ranks
+    /// drop their group on their own thread, whose stream queued the copies).
+    fn drop(&mut self) {
+        let held = self.held.get_mut().unwrap_or_else(|p| p.into_inner());
+        if !held.is_empty() {
+            let _ = B::sync(&self.device);
+            held.clear();
+        }
     }
 }

@@ -106,7 +106,14 @@ pub trait Exchange<B: Backend>: Send {
 
 /// Moves tensors between the ranks of a group. Every rank of the group must post the same
 /// sequence of exchanges (matching sends with receives) or the exchanges fail with
-/// [`CommError::Mismatch`] or [`CommError::Timeout`], never hang.
+/// [`CommError::Mismatch`] or [`CommError::Timeout`], never hang; after such a failure the
+/// rank refuses further work ([`CommError::Broken`] in-process, [`CommError::Nccl`] over NCCL).
+///
+/// Ownership, whatever the backend's streams: the sender may drop a sent tensor as soon as
+/// [`exchange`](Transport::exchange) returns, and a received tensor is the receiver's own
+/// memory, ready for kernels launched after [`Exchange::wait`] and droppable at any time. The
+/// transport orders the sender's writes before the transfer and keeps the sender's memory until
+/// the transfer has read it.
 pub trait Transport<B: Backend>: Send + Sync {
     /// This rank, in `0..world_size`.
     fn rank(&self) -> usize;
@@ -115,7 +122,8 @@ pub trait Transport<B: Backend>: Send + Sync {
     /// The device this rank computes on.
     fn device(&self) -> &B::Device;
     /// Posts one step's sends and receives together. Sent tensors must not be modified until
-    /// the exchange is waited on (callers hand ownership over, so they cannot).
+    /// the exchange is waited on (callers hand ownership over, so they cannot). A peer outside
+    /// the group, or this rank itself, is refused before anything moves.
     fn exchange(
         &self,
         sends: Vec<Outgoing<B>>,

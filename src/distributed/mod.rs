@@ -75,8 +75,10 @@ pub enum DistributedError {
     Shards(String),
     /// Moving tensors between ranks failed.
     Comm(CommError),
-    /// A module's input does not have the shape the module was built for.
+    /// A module's input does not have the shape or float type the module was built for.
     Input(String),
+    /// The options are not valid (a score scale that is not a finite number).
+    Options(String),
 }
 
 impl fmt::Display for DistributedError {
@@ -85,7 +87,8 @@ impl fmt::Display for DistributedError {
             DistributedError::Attention(e) => write!(f, "sequence-parallel attention: {e}"),
             DistributedError::Device(what)
             | DistributedError::Shards(what)
-            | DistributedError::Input(what) => {
+            | DistributedError::Input(what)
+            | DistributedError::Options(what) => {
                 write!(f, "sequence-parallel attention: {what}")
             }
             DistributedError::Comm(e) => write!(f, "sequence-parallel attention: {e}"),
@@ -129,14 +132,42 @@ fn dtype_code(dtype: DType) -> u64 {
     }
 }
 
-/// Checks this rank's shards, then that every rank has the same shapes, float type and options.
-fn validate<B: SequenceParallelBackend>(
+/// Refuses a score scale that is not a finite number.
+fn check_options(options: &SequenceParallelOptions) -> Result<(), DistributedError> {
+    match options.attention.scale {
+        Some(scale) if !scale.is_finite() => Err(DistributedError::Options(format!(
+            "the score scale is {scale}; it must be a finite number (or None for 1 / sqrt(head_dim))"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// How many values each rank contributes to the agreement check of [`validate`].
+const AGREED_VALUES: usize = 11;
+
+/// What a rank that refused its own input contributes instead (no real first value, a batch
+/// size, comes near it).
+const REFUSED: u64 = u64::MAX;
+
+/// This rank's shapes, float type and options as the values every rank must agree on, or why
+/// this rank's own shards or options are not valid.
+fn local_values<B: SequenceParallelBackend>(
     q: &Tensor<B, 4>,
     k: &Tensor<B, 4>,
     v: &Tensor<B, 4>,
     group: &DeviceGroup<B::Inner>,
     options: &SequenceParallelOptions,
-) -> Result<(), DistributedError> {
+) -> Result<[u64; AGREED_VALUES], DistributedError> {
+    check_options(options)?;
+    for (name, t) in [("k", k), ("v", v)] {
+        if t.device() != q.device() {
+            return Err(DistributedError::Device(format!(
+                "{name} is on {:?} but q is on {:?}; a rank's q, k and v must be on its device",
+                t.device(),
+                q.device()
+            )));
+        }
+    }
     check_inputs(q, k, v, &options.attention)?;
     if B::inner_device(&q.device()) != *group.device() {
         return Err(DistributedError::Device(format!(
@@ -147,9 +178,16 @@ fn validate<B: SequenceParallelBackend>(
         )));
     }
     let (qd, kd) = (q.dims(), k.dims());
+    if qd[2] != kd[2] {
+        return Err(DistributedError::Shards(format!(
+            "query and key/value shards must have the same length (each rank owns the same \
+             positions of q, k and v); got {} query and {} key rows",
+            qd[2], kd[2]
+        )));
+    }
     let schedule = options.schedule.resolve(options.attention.causal) as u64;
     let scale = options.attention.scale.map_or(u64::MAX, f64::to_bits);
-    let mine = [
+    Ok([
         qd[0] as u64,
         qd[1] as u64,
         kd[1] as u64,
@@ -161,8 +199,36 @@ fn validate<B: SequenceParallelBackend>(
         scale,
         schedule,
         options.overlap as u64,
-    ];
-    let all = group.all_gather_values(&mine)?;
+    ])
+}
+
+/// Tells the other ranks of `group` that this rank refused its input before attention, so that
+/// their [`validate`] fails at once instead of waiting for this rank until the group's timeout.
+pub(crate) fn announce_refusal<I: burn::tensor::backend::Backend>(group: &DeviceGroup<I>) {
+    // Every rank is in the same all-gather; its outcome adds nothing to this rank's own error.
+    let _ = group.all_gather_values(&[REFUSED; AGREED_VALUES]);
+}
+
+/// Checks this rank's shards and options, then that every rank has the same shapes, float type
+/// and options. A rank that refuses its own input still takes part in the agreement check, so
+/// every other rank fails at once too (naming it) rather than waiting for it.
+fn validate<B: SequenceParallelBackend>(
+    q: &Tensor<B, 4>,
+    k: &Tensor<B, 4>,
+    v: &Tensor<B, 4>,
+    group: &DeviceGroup<B::Inner>,
+    options: &SequenceParallelOptions,
+) -> Result<(), DistributedError> {
+    let local = local_values(q, k, v, group, options);
+    let gathered = group.all_gather_values(local.as_ref().unwrap_or(&[REFUSED; AGREED_VALUES]));
+    let mine = local?;
+    let all = gathered?;
+    if let Some(other) = all.iter().position(|m| m[0] == REFUSED) {
+        return Err(DistributedError::Shards(format!(
+            "rank {other} refused its own input (its error says why), so rank {} cannot go on",
+            group.rank()
+        )));
+    }
     let describe = |m: &[u64]| {
         format!(
             "q [{}, {}, {}, {}], k/v [{}, {}, {}, {}], dtype code {}, causal {}, scale bits {:#x}, \
@@ -177,13 +243,6 @@ fn validate<B: SequenceParallelBackend>(
             group.rank(),
             describe(&mine),
             describe(theirs)
-        )));
-    }
-    if qd[2] != kd[2] {
-        return Err(DistributedError::Shards(format!(
-            "query and key/value shards must have the same length (each rank owns the same \
-             positions of q, k and v); got {} query and {} key rows",
-            qd[2], kd[2]
         )));
     }
     Ok(())

@@ -12,7 +12,9 @@ use super::config_error::ConfigError;
 use super::context::AttentionContext;
 use super::counter::ForwardCounter;
 use super::rope::{RopeConfig, RotaryTables};
-use crate::distributed::{sequence_parallel_attention_with_lse, SequenceParallelBackend};
+use crate::distributed::{
+    announce_refusal, sequence_parallel_attention_with_lse, SequenceParallelBackend,
+};
 use crate::kernels::SUPPORTED_HEAD_DIMS;
 use crate::options::FlashAttentionOptions;
 use crate::{flash_attention_with_lse, DistributedError};
@@ -162,20 +164,64 @@ impl<B: SequenceParallelBackend> DistFlashAttention<B> {
         x: Tensor<B, 3>,
         context: &AttentionContext<B::Inner>,
     ) -> Result<Tensor<B, 3>, DistributedError> {
-        self.check_input(&x)?;
+        self.check_input(&x, context)?;
         let projected = self.project(x, context);
         let (out, _) = self.attend(&projected, context)?;
         Ok(self.output.forward(merge_heads(out)))
     }
 
-    /// Refuses an input whose last dimension is not the module's `d_model`.
-    pub(crate) fn check_input(&self, x: &Tensor<B, 3>) -> Result<(), DistributedError> {
-        let d_model = self.query.weight.dims()[0];
+    /// Refuses, before any work, an input that is not `[batch > 0, seq > 0, d_model]` of the
+    /// weights' float type on the weights' device, or not on the device of `context`'s group.
+    /// Sharded, the other ranks are told, so that their attention fails at once too.
+    pub(crate) fn check_input(
+        &self,
+        x: &Tensor<B, 3>,
+        context: &AttentionContext<B::Inner>,
+    ) -> Result<(), DistributedError> {
+        let refused = self.input_problem(x, context);
+        if let (Err(_), AttentionContext::Sharded { group, .. }) = (&refused, context) {
+            announce_refusal(group);
+        }
+        refused
+    }
+
+    fn input_problem(
+        &self,
+        x: &Tensor<B, 3>,
+        context: &AttentionContext<B::Inner>,
+    ) -> Result<(), DistributedError> {
+        let weight = self.query.weight.val();
+        let d_model = weight.dims()[0];
         let dims = x.dims();
-        if dims[2] != d_model {
+        if dims[2] != d_model || dims[0] == 0 || dims[1] == 0 {
             return Err(DistributedError::Input(format!(
-                "attention input is {dims:?} but the module expects [batch, seq, {d_model}]"
+                "attention input is {dims:?} but the module expects [batch, seq, {d_model}] with \
+                 batch and seq at least 1"
             )));
+        }
+        if x.dtype() != weight.dtype() {
+            return Err(DistributedError::Input(format!(
+                "attention input is {:?} but the module's weights are {:?}; cast one to the other",
+                x.dtype(),
+                weight.dtype()
+            )));
+        }
+        if x.device() != weight.device() {
+            return Err(DistributedError::Device(format!(
+                "attention input is on {:?} but the module's weights are on {:?}",
+                x.device(),
+                weight.device()
+            )));
+        }
+        if let AttentionContext::Sharded { group, .. } = context {
+            if B::inner_device(&x.device()) != *group.device() {
+                return Err(DistributedError::Device(format!(
+                    "attention input is on {:?} but rank {} of its group computes on {:?}",
+                    x.device(),
+                    group.rank(),
+                    group.device()
+                )));
+            }
         }
         Ok(())
     }

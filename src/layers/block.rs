@@ -108,7 +108,7 @@ impl<B: CheckpointBackend> TransformerBlock<B> {
         x: Tensor<B, 3>,
         context: &AttentionContext<B::Inner>,
     ) -> Result<Tensor<B, 3>, DistributedError> {
-        self.attention.check_input(&x)?;
+        self.attention.check_input(&x, context)?;
         match self.checkpoint {
             CheckpointPlacement::None => self.forward_stored(x, context),
             placement => B::checkpoint_block(self, x, context, placement),

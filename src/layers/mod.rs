@@ -1,6 +1,7 @@
 //! Burn modules built on this project's attention: [`DistFlashAttention`] (drop-in multi-head
 //! attention, local or sequence-parallel) and [`TransformerBlock`] (a Llama decoder layer with a
-//! choice of gradient-checkpoint placement), and the pieces they are made of.
+//! choice of gradient-checkpoint placement), the pieces they are made of, and [`replicate`] for
+//! giving every rank its own trainable copy of a model.
 
 mod attention;
 mod attention_backward;
@@ -10,6 +11,7 @@ mod context;
 mod counter;
 mod feed_forward;
 mod linear_grad;
+mod replicate;
 mod rms_norm;
 mod rope;
 
@@ -20,5 +22,6 @@ pub use config_error::ConfigError;
 pub use context::AttentionContext;
 pub use counter::ForwardCounter;
 pub use feed_forward::{FeedForward, FeedForwardConfig};
+pub use replicate::replicate;
 pub use rms_norm::{RmsNorm, RmsNormConfig};
 pub use rope::{Llama3RopeScaling, RopeConfig, RotaryTables};

@@ -71,6 +71,7 @@ impl<B: CheckpointBackend> Llama<B> {
         tokens: Tensor<B, 2, Int>,
         context: &AttentionContext<B::Inner>,
     ) -> Result<Tensor<B, 3>, DistributedError> {
+        self.check_tokens(&tokens)?;
         let mut x = self.embedding.forward(tokens);
         for block in &self.blocks {
             x = block.try_forward(x, context)?;
@@ -80,6 +81,25 @@ impl<B: CheckpointBackend> Llama<B> {
             Some(head) => head.forward(x),
             None => x.matmul(self.embedding.weight.val().transpose().unsqueeze()),
         })
+    }
+
+    /// Refuses, before any work, tokens that are not `[batch > 0, seq > 0]` on the model's
+    /// device.
+    fn check_tokens(&self, tokens: &Tensor<B, 2, Int>) -> Result<(), DistributedError> {
+        let dims = tokens.dims();
+        if dims[0] == 0 || dims[1] == 0 {
+            return Err(DistributedError::Input(format!(
+                "tokens are {dims:?}; batch and seq must be at least 1"
+            )));
+        }
+        let device = self.embedding.weight.val().device();
+        if tokens.device() != device {
+            return Err(DistributedError::Device(format!(
+                "tokens are on {:?} but the model is on {device:?}",
+                tokens.device()
+            )));
+        }
+        Ok(())
     }
 
     /// Cross-entropy of `targets` `[batch, seq]` summed over these tokens and divided by

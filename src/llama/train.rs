@@ -169,6 +169,13 @@ impl<B: TrainBackend> Trainer<B> {
                 tokens.len()
             )));
         }
+        let vocab = self.model.embedding.weight.dims()[0];
+        if let Some(&token) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(TrainError::Input(format!(
+                "token id {token} is out of range: the model's vocabulary has {vocab} tokens \
+                 (ids 0..{vocab})"
+            )));
+        }
         if seq % world != 0 {
             return Err(TrainError::Input(format!(
                 "seq_len {seq} is not divisible by the group size {world}; each rank holds an \

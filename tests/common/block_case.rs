@@ -1,16 +1,15 @@
 //! Two stacked transformer blocks trained one step on random data: every gradient collected, on
 //! one device or on each rank of a group, for any checkpoint placement.
 
-use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
 use burn_distflash::layers::{AttentionContext, ForwardCounter};
 use burn_distflash::{
-    CheckpointBackend, CheckpointPlacement, DistFlashAttentionConfig, TransformerBlock,
+    replicate, CheckpointBackend, CheckpointPlacement, DistFlashAttentionConfig, TransformerBlock,
     TransformerBlockConfig,
 };
 
-use super::modules::RequireGrad;
 use super::Rng;
 
 /// A block shape small enough for the CPU: GQA 4 query over 2 key/value heads of width 16.
@@ -44,46 +43,40 @@ impl<B: burn::tensor::backend::Backend> ModuleMapper<B> for Randomize<'_> {
     }
 }
 
-/// Two blocks with random weights, as modules of the inner backend of `B` that remember their
-/// weights need gradients (clone them per rank, then [`lift`] them so each rank has its own
-/// autodiff leaves).
+/// Two blocks with random weights (every weight requires gradients).
 pub fn random_blocks<B>(
     config: &TransformerBlockConfig,
     seed: u64,
     device: &B::Device,
-) -> Vec<TransformerBlock<B::InnerBackend>>
+) -> Vec<TransformerBlock<B>>
 where
     B: AutodiffBackend + CheckpointBackend,
-    TransformerBlock<B>: AutodiffModule<B, InnerModule = TransformerBlock<B::InnerBackend>>,
 {
     let mut rng = Rng::new(seed);
     (0..2)
-        .map(|_| {
-            config
-                .init::<B>(device)
-                .map(&mut Randomize(&mut rng))
-                .valid()
-        })
+        .map(|_| config.init::<B>(device).map(&mut Randomize(&mut rng)))
         .collect()
 }
 
-/// The blocks as autodiff modules with fresh leaves, checkpointed at `placement`.
-pub fn lift<B: AutodiffBackend>(
-    blocks: &[TransformerBlock<B::InnerBackend>],
+/// One copy of `blocks` per device (see [`replicate`]), checkpointed at `placement`, each copy
+/// counting its own attention forwards.
+pub fn lift<B>(
+    blocks: &[TransformerBlock<B>],
     placement: CheckpointPlacement,
-) -> Vec<TransformerBlock<B>>
+    devices: &[B::Device],
+) -> Vec<Vec<TransformerBlock<B>>>
 where
-    TransformerBlock<B>: AutodiffModule<B, InnerModule = TransformerBlock<B::InnerBackend>>,
+    B: AutodiffBackend + CheckpointBackend,
 {
-    blocks
-        .iter()
-        .map(|b| {
-            // Cloning a module of the inner backend forgets which weights need gradients.
-            let mut block = TransformerBlock::<B>::from_inner(b.clone()).map(&mut RequireGrad);
-            block.checkpoint = placement;
-            // Each copy counts its own attention forwards (clones share a count).
-            block.attention.counter = ForwardCounter::default();
-            block
+    replicate(&blocks.to_vec(), devices)
+        .into_iter()
+        .map(|mut copy| {
+            for block in &mut copy {
+                block.checkpoint = placement;
+                // Clones share a count.
+                block.attention.counter = ForwardCounter::default();
+            }
+            copy
         })
         .collect()
 }

@@ -11,12 +11,8 @@ use distflash_kernels::{AttentionDims, ElemType, Mask};
 
 use super::{assert_close, naive_rounding, Rng};
 
-/// Host data as a tensor of the device's default float type.
-pub fn to_tensor<B: AutodiffBackend>(
-    data: &[f64],
-    shape: [usize; 4],
-    device: &B::Device,
-) -> Tensor<B, 4> {
+/// Host values as a tensor of `B`'s default float type on `device`.
+pub fn to_tensor<B: Backend>(data: &[f64], shape: [usize; 4], device: &B::Device) -> Tensor<B, 4> {
     let values: Vec<f32> = data.iter().map(|&x| x as f32).collect();
     Tensor::from_data(TensorData::new(values, shape), device)
 }
@@ -41,6 +37,7 @@ pub fn dtype_of(elem: ElemType) -> DType {
     }
 }
 
+/// A tensor's values on the host, as f64.
 pub fn to_host<B: burn::tensor::backend::Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f64> {
     t.into_data()
         .convert::<f32>()

@@ -6,7 +6,7 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::Duration;
 
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::Tensor;
 use burn_distflash::schedule::{Schedule, ScheduleKind};
 use burn_distflash::{
@@ -61,7 +61,8 @@ impl Case {
         }
     }
 
-    fn options(&self) -> SequenceParallelOptions {
+    /// The options every rank passes.
+    pub fn options(&self) -> SequenceParallelOptions {
         SequenceParallelOptions {
             attention: FlashAttentionOptions {
                 causal: self.causal,
@@ -96,8 +97,8 @@ pub fn unshard(shards: &[Vec<f64>], [b, h, s, d]: [usize; 4], shard: usize) -> V
     full
 }
 
-/// What one rank returns: its output rows, its shards' gradients, and the messages it sent
-/// per exchange.
+/// What one rank returns from a training call: its output rows, its shards' gradients, and the
+/// messages it sent per exchange.
 pub struct RankResult {
     pub out: Vec<f64>,
     pub dq: Vec<f64>,
@@ -139,20 +140,215 @@ pub fn expected_messages(
     log
 }
 
+/// One rank's shards of a case's host data.
+#[derive(Debug, Clone)]
+pub struct RankInputs {
+    pub q: Vec<f64>,
+    pub k: Vec<f64>,
+    pub v: Vec<f64>,
+    pub dout: Vec<f64>,
+    /// Shape of the q and dO shards.
+    pub q_shape: [usize; 4],
+    /// Shape of the k and v shards.
+    pub kv_shape: [usize; 4],
+}
+
+impl RankInputs {
+    /// q, k, v as fresh tensors of `B` on `device`.
+    pub fn tensors<B: Backend>(&self, device: &B::Device) -> [Tensor<B, 4>; 3] {
+        [
+            to_tensor::<B>(&self.q, self.q_shape, device),
+            to_tensor::<B>(&self.k, self.kv_shape, device),
+            to_tensor::<B>(&self.v, self.kv_shape, device),
+        ]
+    }
+}
+
+/// A case's deterministic host data over the whole sequence, and its f64 reference.
+pub struct CaseData {
+    pub case: Case,
+    pub elem: ElemType,
+    q: Vec<f64>,
+    k: Vec<f64>,
+    v: Vec<f64>,
+    dout: Vec<f64>,
+}
+
+impl CaseData {
+    /// Random q, k, v and dO for `case` (seeded by its world size and shard length), rounded to
+    /// `elem`.
+    pub fn new(case: Case, elem: ElemType) -> Self {
+        let (q_shape, kv_shape) = case.full_shapes();
+        let n = |s: [usize; 4]| s.iter().product::<usize>();
+        let mut rng = Rng::new((case.world * 1000 + case.shard) as u64);
+        Self {
+            case,
+            elem,
+            q: rng.tensor(n(q_shape), 2.0, elem),
+            k: rng.tensor(n(kv_shape), 2.0, elem),
+            v: rng.tensor(n(kv_shape), 1.0, elem),
+            dout: rng.tensor(n(q_shape), 1.0, elem),
+        }
+    }
+
+    /// What rank `rank` holds.
+    pub fn rank_inputs(&self, rank: usize) -> RankInputs {
+        let Case {
+            batch,
+            q_heads,
+            kv_heads,
+            head_dim,
+            shard,
+            ..
+        } = self.case;
+        let (q_shape, kv_shape) = self.case.full_shapes();
+        let part = |full: &[f64], shape: [usize; 4]| shard_of(full, shape, rank, shard);
+        RankInputs {
+            q: part(&self.q, q_shape),
+            k: part(&self.k, kv_shape),
+            v: part(&self.v, kv_shape),
+            dout: part(&self.dout, q_shape),
+            q_shape: [batch, q_heads, shard, head_dim],
+            kv_shape: [batch, kv_heads, shard, head_dim],
+        }
+    }
+
+    /// The f64 reference over the whole sequence and the naive low-precision computation.
+    pub fn expected(&self) -> Expected {
+        let c = self.case;
+        let seq = c.world * c.shard;
+        let dims = AttentionDims {
+            batch: c.batch,
+            q_heads: c.q_heads,
+            kv_heads: c.kv_heads,
+            q_len: seq,
+            kv_len: seq,
+            head_dim: c.head_dim,
+        };
+        let mask = if c.causal { Mask::causal() } else { Mask::None };
+        let scale = 1.0 / (c.head_dim as f64).sqrt();
+        let data = (&self.q[..], &self.k[..], &self.v[..], &self.dout[..]);
+        expected(&dims, data, &mask, scale, self.elem)
+    }
+
+    /// Asserts that every rank's output rows, put together, are attention over the whole
+    /// sequence.
+    pub fn assert_output(&self, what: &str, expected: &Expected, outs: &[Vec<f64>]) {
+        let (q_shape, _) = self.case.full_shapes();
+        assert_close(
+            &format!("{what}: O"),
+            &unshard(outs, q_shape, self.case.shard),
+            &expected.fwd.out,
+            &expected.naive_fwd.out,
+            self.elem,
+        );
+    }
+
+    /// Asserts the output and every gradient of the ranks' training calls.
+    pub fn assert_training(&self, what: &str, expected: &Expected, results: &[RankResult]) {
+        let (q_shape, kv_shape) = self.case.full_shapes();
+        let gather = |pick: fn(&RankResult) -> &Vec<f64>, shape| {
+            let parts: Vec<Vec<f64>> = results.iter().map(|r| pick(r).clone()).collect();
+            unshard(&parts, shape, self.case.shard)
+        };
+        let outs: Vec<Vec<f64>> = results.iter().map(|r| r.out.clone()).collect();
+        self.assert_output(what, expected, &outs);
+        let (grads, naive) = (&expected.grads, &expected.naive_grads);
+        for (name, got, exact, naive) in [
+            ("dq", gather(|r| &r.dq, q_shape), &grads.dq, &naive.dq),
+            ("dk", gather(|r| &r.dk, kv_shape), &grads.dk, &naive.dk),
+            ("dv", gather(|r| &r.dv, kv_shape), &grads.dv, &naive.dv),
+        ] {
+            assert_close(&format!("{what}: {name}"), &got, exact, naive, self.elem);
+        }
+    }
+}
+
+impl Case {
+    /// Shapes of the whole-sequence q (and dO) and k (and v).
+    pub fn full_shapes(&self) -> ([usize; 4], [usize; 4]) {
+        let seq = self.world * self.shard;
+        (
+            [self.batch, self.q_heads, seq, self.head_dim],
+            [self.batch, self.kv_heads, seq, self.head_dim],
+        )
+    }
+}
+
+/// One training call on one rank: forward through `Autodiff`, backward of `sum(O * dO)`, the
+/// output, the gradients and the messages sent.
+pub fn train_on_rank<B>(
+    inputs: &RankInputs,
+    group: &DeviceGroup<<B as SequenceParallelBackend>::Inner>,
+    device: &B::Device,
+    options: &SequenceParallelOptions,
+) -> RankResult
+where
+    B: AutodiffBackend + SequenceParallelBackend,
+{
+    let rank = group.rank();
+    let [q, k, v] = inputs.tensors::<B>(device).map(Tensor::require_grad);
+    group.take_traffic();
+    let out = sequence_parallel_attention(q.clone(), k.clone(), v.clone(), group, options)
+        .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+    let forward_messages = group.take_traffic().messages;
+    let grads = (out.clone() * to_tensor::<B>(&inputs.dout, inputs.q_shape, device))
+        .sum()
+        .backward();
+    let backward_messages = group.take_traffic().messages;
+    let grad = |t: &Tensor<B, 4>| to_host(t.grad(&grads).expect("gradient"));
+    RankResult {
+        out: to_host(out),
+        dq: grad(&q),
+        dk: grad(&k),
+        dv: grad(&v),
+        forward_messages,
+        backward_messages,
+    }
+}
+
+/// One forward-only call on one rank (no autodiff): the output rows and the messages sent.
+pub fn forward_on_rank<B: SequenceParallelBackend>(
+    inputs: &RankInputs,
+    group: &DeviceGroup<B::Inner>,
+    device: &B::Device,
+    options: &SequenceParallelOptions,
+) -> (Vec<f64>, Vec<usize>) {
+    let rank = group.rank();
+    let [q, k, v] = inputs.tensors::<B>(device);
+    group.take_traffic();
+    let out = sequence_parallel_attention(q, k, v, group, options)
+        .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+    let messages = group.take_traffic().messages;
+    (to_host(out), messages)
+}
+
 /// Runs one case on an in-process group over `devices` (rank `r` on `devices[r]`).
 pub fn check<B>(devices: Vec<B::Device>, case: Case, elem: ElemType)
 where
     B: AutodiffBackend + SequenceParallelBackend,
 {
-    let groups = DeviceGroup::<<B as SequenceParallelBackend>::Inner>::in_process_with_timeout(
-        devices.iter().map(|d| B::inner_device(d)).collect(),
-        Duration::from_secs(120),
-    );
-    check_groups::<B>(devices, groups, case, elem)
+    check_groups::<B>(
+        devices.clone(),
+        in_process_groups::<B>(&devices),
+        case,
+        elem,
+    )
 }
 
-/// Runs one case with rank `r` on `devices[r]` in `groups[r]` (one thread per rank) and
-/// checks it.
+/// An in-process group over `devices` (rank `r` on `devices[r]`) that gives up on a silent peer
+/// after two minutes.
+pub fn in_process_groups<B: SequenceParallelBackend>(
+    devices: &[B::Device],
+) -> Vec<DeviceGroup<B::Inner>> {
+    DeviceGroup::<B::Inner>::in_process_with_timeout(
+        devices.iter().map(|d| B::inner_device(d)).collect(),
+        Duration::from_secs(120),
+    )
+}
+
+/// Runs one training call with rank `r` on `devices[r]` in `groups[r]` (one thread per rank)
+/// and checks it: output, gradients, messages per exchange.
 pub fn check_groups<B>(
     devices: Vec<B::Device>,
     groups: Vec<DeviceGroup<<B as SequenceParallelBackend>::Inner>>,
@@ -161,82 +357,47 @@ pub fn check_groups<B>(
 ) where
     B: AutodiffBackend + SequenceParallelBackend,
 {
-    let Case {
-        world,
-        shard,
-        batch,
-        q_heads,
-        kv_heads,
-        head_dim,
-        causal,
-        ..
-    } = case;
-    let seq = world * shard;
-    let dims = AttentionDims {
-        batch,
-        q_heads,
-        kv_heads,
-        q_len: seq,
-        kv_len: seq,
-        head_dim,
-    };
-    let (q_shape, kv_shape) = (
-        [batch, q_heads, seq, head_dim],
-        [batch, kv_heads, seq, head_dim],
-    );
-    let n = |s: [usize; 4]| s.iter().product::<usize>();
-    let mut rng = Rng::new((world * 1000 + shard) as u64);
-    let (hq, hk, hv, hdo) = (
-        rng.tensor(n(q_shape), 2.0, elem),
-        rng.tensor(n(kv_shape), 2.0, elem),
-        rng.tensor(n(kv_shape), 1.0, elem),
-        rng.tensor(n(q_shape), 1.0, elem),
-    );
-    let handles: Vec<_> = groups
-        .into_iter()
-        .zip(devices)
-        .enumerate()
-        .map(|(rank, (group, device))| {
-            let part = |full: &[f64], shape: [usize; 4]| shard_of(full, shape, rank, shard);
-            let (q, k, v, dout) = (
-                part(&hq, q_shape),
-                part(&hk, kv_shape),
-                part(&hv, kv_shape),
-                part(&hdo, q_shape),
-            );
-            let options = case.options();
-            thread::spawn(move || {
-                let sq = [batch, q_heads, shard, head_dim];
-                let skv = [batch, kv_heads, shard, head_dim];
-                let q = to_tensor::<B>(&q, sq, &device).require_grad();
-                let k = to_tensor::<B>(&k, skv, &device).require_grad();
-                let v = to_tensor::<B>(&v, skv, &device).require_grad();
-                let out =
-                    sequence_parallel_attention(q.clone(), k.clone(), v.clone(), &group, &options)
-                        .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-                let forward_messages = group.take_traffic().messages;
-                let grads = (out.clone() * to_tensor::<B>(&dout, sq, &device))
-                    .sum()
-                    .backward();
-                let backward_messages = group.take_traffic().messages;
-                let grad = |t: &Tensor<B, 4>| to_host(t.grad(&grads).expect("gradient"));
-                RankResult {
-                    out: to_host(out),
-                    dq: grad(&q),
-                    dk: grad(&k),
-                    dv: grad(&v),
-                    forward_messages,
-                    backward_messages,
-                }
-            })
+    let data = CaseData::new(case, elem);
+    let options = case.options();
+    let inputs = with_devices(&data, devices);
+    let results = on_rank_threads(inputs, groups, move |(inputs, device), group| {
+        train_on_rank::<B>(&inputs, &group, &device, &options)
+    });
+    assert_messages(&case, &results);
+    let what = format!("{} {case:?}", std::any::type_name::<B>());
+    data.assert_training(&what, &data.expected(), &results);
+}
+
+/// Runs `body(inputs[r], groups[r])` for every rank `r` on a thread of its own and returns the
+/// results in rank order.
+pub fn on_rank_threads<I, G, T, F>(inputs: Vec<I>, groups: Vec<G>, body: F) -> Vec<T>
+where
+    I: Send + 'static,
+    G: Send + 'static,
+    T: Send + 'static,
+    F: Fn(I, G) -> T + Send + Clone + 'static,
+{
+    let handles: Vec<_> = (inputs.into_iter().zip(groups))
+        .map(|(input, group)| {
+            let body = body.clone();
+            thread::spawn(move || body(input, group))
         })
         .collect();
-    let results: Vec<RankResult> = handles
-        .into_iter()
+    (handles.into_iter())
         .map(|h| h.join().expect("a rank panicked"))
-        .collect();
+        .collect()
+}
 
-    let schedule = case.options().schedule_for(world);
+/// Each rank's shards of `data` with its device.
+pub fn with_devices<D>(data: &CaseData, devices: Vec<D>) -> Vec<(RankInputs, D)> {
+    (devices.into_iter().enumerate())
+        .map(|(rank, device)| (data.rank_inputs(rank), device))
+        .collect()
+}
+
+/// Asserts that every rank sent, per exchange, the messages its schedule predicts.
+pub fn assert_messages(case: &Case, results: &[RankResult]) {
+    let schedule = case.options().schedule_for(case.world);
     for (rank, r) in results.iter().enumerate() {
         assert_eq!(
             r.forward_messages,
@@ -249,45 +410,4 @@ pub fn check_groups<B>(
             "{case:?}: rank {rank} backward messages per exchange"
         );
     }
-    let mask = if causal { Mask::causal() } else { Mask::None };
-    let scale = 1.0 / (head_dim as f64).sqrt();
-    let Expected {
-        fwd,
-        naive_fwd,
-        grads,
-        naive_grads,
-    } = expected(&dims, (&hq, &hk, &hv, &hdo), &mask, scale, elem);
-    let gather = |pick: fn(&RankResult) -> &Vec<f64>, shape| {
-        let parts: Vec<Vec<f64>> = results.iter().map(|r| pick(r).clone()).collect();
-        unshard(&parts, shape, shard)
-    };
-    let what = format!("{} {case:?}", std::any::type_name::<B>());
-    assert_close(
-        &format!("{what}: O"),
-        &gather(|r| &r.out, q_shape),
-        &fwd.out,
-        &naive_fwd.out,
-        elem,
-    );
-    assert_close(
-        &format!("{what}: dq"),
-        &gather(|r| &r.dq, q_shape),
-        &grads.dq,
-        &naive_grads.dq,
-        elem,
-    );
-    assert_close(
-        &format!("{what}: dk"),
-        &gather(|r| &r.dk, kv_shape),
-        &grads.dk,
-        &naive_grads.dk,
-        elem,
-    );
-    assert_close(
-        &format!("{what}: dv"),
-        &gather(|r| &r.dv, kv_shape),
-        &grads.dv,
-        &naive_grads.dv,
-        elem,
-    );
 }

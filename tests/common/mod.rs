@@ -6,6 +6,7 @@ pub mod burn_case;
 pub mod distributed_case;
 pub mod matrix;
 pub mod modules;
+pub mod repeated_case;
 pub mod temp_dir;
 
 use distflash_kernels::reference::{self, Rounding};

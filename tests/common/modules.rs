@@ -1,17 +1,9 @@
-//! Module helpers shared by the model tests: marking weights trainable, reading every weight.
+//! Module helpers shared by the model tests: reading every weight and whether it requires
+//! gradients.
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
-
-/// Marks every weight as needing a gradient (cloning a module of an inner backend forgets it).
-pub struct RequireGrad;
-
-impl<B: Backend> ModuleMapper<B> for RequireGrad {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        param.set_require_grad(true)
-    }
-}
 
 /// Shape and values of one float parameter.
 pub type ParamValues = (Vec<usize>, Vec<f32>);
@@ -33,4 +25,20 @@ pub fn float_params<B: Backend, M: Module<B>>(module: &M) -> Vec<ParamValues> {
     let mut collect = Collect(Vec::new());
     module.visit(&mut collect);
     collect.0
+}
+
+/// Whether each float parameter requires gradients, in visiting order.
+struct RequireGradFlags(Vec<bool>);
+
+impl<B: Backend> ModuleVisitor<B> for RequireGradFlags {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        self.0.push(param.val().is_require_grad());
+    }
+}
+
+/// Whether each float parameter of `module` requires gradients, in visiting order.
+pub fn require_grad_flags<B: Backend, M: Module<B>>(module: &M) -> Vec<bool> {
+    let mut flags = RequireGradFlags(Vec::new());
+    module.visit(&mut flags);
+    flags.0
 }

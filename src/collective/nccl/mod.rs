@@ -8,7 +8,8 @@
 //!    rank's device); their device addresses come from CubeCL's `get_resource`, which also keeps
 //!    the memory alive until the exchange is done with it.
 //! 2. The rank's CubeCL compute stream is host-synchronized (CubeCL's streams are internal, one
-//!    per host thread, so the calling thread's stream is the one that wrote the sent tensors).
+//!    per host thread, so the calling thread's stream is the one that wrote the sent tensors),
+//!    unless the exchange moves no bytes (idle steps of a schedule).
 //! 3. One `ncclSend`/`ncclRecv` per tensor (as bytes) is posted inside one NCCL group on a
 //!    dedicated per-rank communication stream, and an event is recorded behind them.
 //! 4. [`Exchange::wait`] polls that event. Kernels that read received tensors are launched after
@@ -326,10 +327,10 @@ where
                 .extend(tensors.iter().map(|t| Box::new(t.clone()) as Box<dyn Send>));
         }
 
-        // Every kernel that wrote a sent tensor, or last used a receive buffer's memory, is done.
-        self.sync_compute(&client)?;
-
         if !ops.is_empty() {
+            // Every kernel that wrote a sent tensor, or last used a receive buffer's memory, is
+            // done (an exchange that moves no bytes needs no ordering, and skips the host wait).
+            self.sync_compute(&client)?;
             work.pending = true;
             match self.post(&ops, blame, posted_at) {
                 Ok(event) => work.event = Some(event),

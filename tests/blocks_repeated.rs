@@ -21,8 +21,12 @@ use common::Rng;
 type WgpuF32 = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>;
 type CudaF32 = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
 
-/// Sharded f32 against one device: the ranks only reorder the additions.
+/// Sharded f32 against one device on wgpu: the ranks only reorder the additions.
 const TOLERANCE: f64 = 1e-4;
+/// On CUDA, CubeCL runs f32 matmuls (the blocks' projections) on TF32 tensor cores, whose input
+/// rounding (2^-11 relative) turns the ranks' reordered additions into differences up to that
+/// size (1.1e-4 measured on an H200 at 2 ranks); the attention kernels themselves stay f32.
+const CUDA_TOLERANCE: f64 = 1e-3;
 /// Inference, then training at each placement, inference again in between.
 const CALLS: [Option<CheckpointPlacement>; 6] = [
     None,
@@ -56,7 +60,7 @@ fn infer<B: CheckpointBackend>(
 }
 
 /// Runs [`CALLS`] on `world` ranks of one group, every rank on `device`.
-fn check<B>(world: usize, device: B::Device)
+fn check<B>(world: usize, device: B::Device, tolerance: f64)
 where
     B: AutodiffBackend + CheckpointBackend,
     B::InnerBackend:
@@ -124,9 +128,9 @@ where
         match call {
             None => {
                 let err = relative_error(&got.output, &single.output);
-                assert!(err <= TOLERANCE, "{what}: output differs by {err:e}");
+                assert!(err <= tolerance, "{what}: output differs by {err:e}");
             }
-            Some(_) => assert_same_step(&what, &got, &single, TOLERANCE),
+            Some(_) => assert_same_step(&what, &got, &single, tolerance),
         }
     }
 }
@@ -135,7 +139,11 @@ where
 fn wgpu_blocks_over_a_group_stay_exact_across_inference_and_training_calls() {
     within(Duration::from_secs(900), || {
         for world in [2, 3, 4] {
-            check::<burn::backend::Autodiff<WgpuF32>>(world, cubecl::wgpu::WgpuDevice::Cpu);
+            check::<burn::backend::Autodiff<WgpuF32>>(
+                world,
+                cubecl::wgpu::WgpuDevice::Cpu,
+                TOLERANCE,
+            );
         }
     });
 }
@@ -145,7 +153,11 @@ fn wgpu_blocks_over_a_group_stay_exact_across_inference_and_training_calls() {
 fn cuda_blocks_over_a_group_stay_exact_across_inference_and_training_calls() {
     within(Duration::from_secs(900), || {
         for world in [2, 3, 4, 8] {
-            check::<burn::backend::Autodiff<CudaF32>>(world, cubecl::cuda::CudaDevice::new(0));
+            check::<burn::backend::Autodiff<CudaF32>>(
+                world,
+                cubecl::cuda::CudaDevice::new(0),
+                CUDA_TOLERANCE,
+            );
         }
     });
 }

@@ -172,7 +172,8 @@ impl Chunks {
     ) -> Vec<(DeviceTensor, DeviceTensor)> {
         (0..self.q.len())
             .map(|i| {
-                let state = SoftmaxState::empty(client, 1, HEADS, self.len, shape.head_dim);
+                let state =
+                    SoftmaxState::empty(client, 1, HEADS, self.len, shape.head_dim).unwrap();
                 for j in 0..=i {
                     distflash_kernels::forward_step(
                         client,
@@ -200,14 +201,14 @@ impl Chunks {
         let q_shape = vec![1, HEADS, self.len, shape.head_dim];
         let kv_shape = vec![1, shape.kv_heads, self.len, shape.head_dim];
         let dk: Vec<_> = (0..n)
-            .map(|_| distflash_kernels::zeros_f32(client, kv_shape.clone()))
+            .map(|_| distflash_kernels::zeros_f32(client, kv_shape.clone()).unwrap())
             .collect();
         let dv: Vec<_> = (0..n)
-            .map(|_| distflash_kernels::zeros_f32(client, kv_shape.clone()))
+            .map(|_| distflash_kernels::zeros_f32(client, kv_shape.clone()).unwrap())
             .collect();
         for (i, (out, lse)) in outputs.iter().enumerate() {
             let delta = distflash_kernels::backward_delta(client, out, &self.grad_out[i]).unwrap();
-            let dq = distflash_kernels::zeros_f32(client, q_shape.clone());
+            let dq = distflash_kernels::zeros_f32(client, q_shape.clone()).unwrap();
             for j in 0..=i {
                 let grads = GradAccumulators {
                     dq: dq.clone(),

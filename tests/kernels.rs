@@ -678,11 +678,22 @@ suite!(
 );
 
 /// Larger and odd shapes, checked on the GPU only (the f64 host reference takes seconds here):
-/// 5 heads at 1023 tokens with head dim 128, and GQA with 32 query heads over 8 key/value heads.
+/// 5 heads at 1023 tokens with head dim 128, GQA with 32 query heads over 8 key/value heads, and
+/// a later query chunk against a longer key chunk (`q_offset` 300, not a multiple of any tile), so
+/// the kernels' unmasked interior tiles, diagonal tiles and partial last tiles all run.
 pub fn larger_shapes_match_reference<R: Runtime>(client: &ComputeClient<R>) {
+    let later_chunk = Mask::Causal {
+        q_offset: 300,
+        kv_offset: 0,
+    };
     for (elem, variant) in configurations(client) {
-        for (heads, lens) in [((1, 5, 5), (1023, 1023, 128)), ((1, 32, 8), (257, 257, 64))] {
-            let case = Case::new(41, heads, lens, Mask::causal(), elem);
+        for (heads, lens, mask) in [
+            ((1, 5, 5), (1023, 1023, 128), Mask::causal()),
+            ((1, 32, 8), (257, 257, 64), Mask::causal()),
+            ((1, 4, 2), (700, 1100, 128), later_chunk),
+            ((2, 2, 1), (515, 1100, 64), later_chunk),
+        ] {
+            let case = Case::new(41, heads, lens, mask, elem);
             check_forward(client, &case, variant);
             check_backward(client, &case, variant);
         }

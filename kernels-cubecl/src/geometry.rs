@@ -18,7 +18,8 @@ pub struct QueryBlock {
     pub kv_end: u32,
 }
 
-/// The [`QueryBlock`] of the calling cube.
+/// The [`QueryBlock`] of the calling cube in a sliced grid: x counts query blocks, y and z the
+/// `batch * q_heads` slices (see [`crate::grid`]).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn query_block(
@@ -31,11 +32,39 @@ pub fn query_block(
     #[comptime] head_dim: usize,
     #[comptime] causal: bool,
 ) -> QueryBlock {
-    let bh = cube_slice();
+    query_block_at(
+        cube_slice(),
+        CUBE_POS_X,
+        q_len,
+        kv_len,
+        q_heads,
+        group_size,
+        shift,
+        rows,
+        head_dim,
+        causal,
+    )
+}
+
+/// The [`QueryBlock`] number `index` (of `rows` query rows) of (batch, query head) `bh`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn query_block_at(
+    bh: u32,
+    index: u32,
+    q_len: u32,
+    kv_len: u32,
+    q_heads: u32,
+    group_size: u32,
+    shift: i32,
+    #[comptime] rows: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] causal: bool,
+) -> QueryBlock {
     let batch = bh / q_heads;
     let kv_head = (bh % q_heads) / group_size;
     let kv_heads = q_heads / group_size;
-    let start = CUBE_POS_X * rows as u32;
+    let start = index * rows as u32;
     let block_last = min(start + rows as u32, q_len) - 1;
     QueryBlock {
         kv_base: ((batch * kv_heads + kv_head) * kv_len) as usize * head_dim,
@@ -45,7 +74,8 @@ pub fn query_block(
     }
 }
 
-/// Exclusive end of the keys that any row up to `block_last_row` may see.
+/// Exclusive end of the keys that any row up to `block_last_row` may see (with the block's first
+/// row instead: the keys every row of the block sees).
 #[cube]
 pub fn visible_key_end(
     block_last_row: u32,

@@ -8,6 +8,11 @@
 //! its slice with [`cube_slice`] (`CUBE_POS_Z * CUBE_COUNT_Y + CUBE_POS_Y`), its block with
 //! `CUBE_POS_X`. Unfolded grids (z = 1) decode the same way.
 //!
+//! **Slice-major kernels** (the tensor-core kernels, [`slice_major`]): x = the slice, y = the
+//! block, no fold. The device starts cubes in x-fastest order, so every slice's block `y` is
+//! under way before any slice's block `y + 1`: the kernels take their heaviest causal blocks at
+//! `y = 0`, and the light ones fill the last wave. CUDA's x axis holds 2^31 - 1 slices.
+//!
 //! **Linear kernels** (one unit per element or row, indexed by `ABSOLUTE_POS`, which CubeCL
 //! linearises over x, y and z): the cube count is folded over x, y and z, possibly with a few
 //! extra cubes, which the kernels' `ABSOLUTE_POS < len` check already skips.
@@ -95,6 +100,33 @@ pub(crate) fn blocks(
     sliced(kernel, len.div_ceil(per_block), dims.batch * heads, limits)
 }
 
+/// Grid of a slice-major attention kernel (see the module docs): x = the (batch, head) slice,
+/// y = the block of `per_block` rows of `rows`.
+pub(crate) fn slice_major(
+    kernel: &str,
+    dims: &AttentionDims,
+    rows: Rows,
+    per_block: usize,
+    limits: &DeviceLimits,
+) -> Result<CubeCount, KernelError> {
+    let (len, heads) = match rows {
+        Rows::Query => (dims.q_len, dims.q_heads),
+        Rows::Key => (dims.kv_len, dims.kv_heads),
+    };
+    let (slices, blocks) = (dims.batch * heads, len.div_ceil(per_block));
+    let (max_x, max_y, _) = limits.max_cube_count;
+    if slices > max_x as usize || blocks > max_y as usize {
+        return Err(KernelError::DeviceLimit {
+            what: format!(
+                "{kernel} needs batch x heads = {slices} slices (grid x, at most {max_x}) of \
+                 {blocks} blocks of {per_block} rows (grid y, at most {max_y}); split the \
+                 sequence into chunks (forward_step/backward_step)"
+            ),
+        });
+    }
+    Ok(CubeCount::Static(slices as u32, blocks as u32, 1))
+}
+
 /// Grid of a linear kernel: at least `cubes` cubes, folded over x, y and z.
 pub(crate) fn linear(
     kernel: &str,
@@ -160,6 +192,36 @@ mod tests {
         );
         let err = sliced("k", 65536, 1, &l).unwrap_err().to_string();
         assert!(err.contains("65536 blocks"), "{err}");
+    }
+
+    #[test]
+    fn slice_major_grids_put_slices_on_x_and_blocks_on_y() {
+        let l = DeviceLimits {
+            max_cube_count: (u32::MAX >> 1, 65535, 65535),
+            ..limits(0)
+        };
+        let d = |batch, q_heads, kv_heads, q_len, kv_len| AttentionDims {
+            batch,
+            q_heads,
+            kv_heads,
+            q_len,
+            kv_len,
+            head_dim: 64,
+        };
+        let count = slice_major("k", &d(2, 8, 2, 300, 129), Rows::Query, 128, &l).unwrap();
+        assert_eq!(dims(count), (16, 3, 1));
+        let count = slice_major("k", &d(2, 8, 2, 300, 129), Rows::Key, 64, &l).unwrap();
+        assert_eq!(dims(count), (4, 3, 1));
+        // 65,537 slices (prime) fit on x; 65,536 blocks do not fit on y.
+        let count = slice_major("k", &d(65537, 1, 1, 10, 10), Rows::Query, 64, &l).unwrap();
+        assert_eq!(dims(count), (65537, 1, 1));
+        let err = slice_major("k", &d(1, 1, 1, 65536 * 64, 10), Rows::Query, 64, &l)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("65536 blocks") && err.contains("chunks"),
+            "{err}"
+        );
     }
 
     #[test]

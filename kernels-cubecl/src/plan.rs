@@ -120,7 +120,19 @@ impl LaunchPlan {
     ) -> Result<(DeviceLimits, Self), KernelError> {
         options.check()?;
         let limits = DeviceLimits::of(client);
-        let tensor_cores = tensor_core::supports(client, elem, dims.head_dim);
+        // The tensor-core kernels take the row max of raw scores and scale it once, which needs
+        // a positive scale; other scales run on the portable kernels.
+        let scale = options.resolved_scale(dims.head_dim);
+        let positive_scale = scale > 0.0 && scale.is_finite();
+        if options.variant == Variant::TensorCore && !positive_scale {
+            return Err(KernelError::BadOption {
+                what: format!(
+                    "the tensor-core variant needs a positive, finite score scale; got {scale} \
+                     (Variant::Auto runs other scales on the portable kernels)"
+                ),
+            });
+        }
+        let tensor_cores = positive_scale && tensor_core::supports(client, elem, dims.head_dim);
         let plan = Self::new(&limits, tensor_cores, dims, elem, options.variant)?;
         Ok((limits, plan))
     }

@@ -52,3 +52,39 @@ pub fn log_sum_exp(m: f32, l: f32) -> f32 {
     }
     lse
 }
+
+/// `log2(e)`: the tensor-core kernels keep row maxima and log-sum-exps in base-2 units
+/// (`m * log2(e)`), so a probability is one fused multiply-add and one `exp2`.
+pub const LOG2_E: f32 = core::f32::consts::LOG2_E;
+
+/// `ln(2)`: converts a base-2 row max back to the natural units of the state contract.
+pub const LN_2: f32 = core::f32::consts::LN_2;
+
+/// `2^x`: one `MUFU.EX2` (plus its denormal guard) in a kernel compiled with fast math, where
+/// `f32::exp` costs one multiply more.
+#[cube]
+pub fn exp2(x: f32) -> f32 {
+    f32::powf(2.0f32, x)
+}
+
+/// [`rescale_factor`] for maxima in base-2 units: equal maxima (two empty rows included) give
+/// exactly 1.
+#[cube]
+pub fn rescale_factor_log2(m_old: f32, m_new: f32) -> f32 {
+    select(m_new != m_old, exp2(m_old - m_new), 1.0f32)
+}
+
+/// Probability weight `2^(raw * scale_log2 - m)` of a raw score `q . k` against a base-2 row max
+/// or log-sum-exp `m`, with `scale_log2 = scale * log2(e)`: one fused multiply-add and one `exp2`.
+#[cube]
+pub fn weight_log2(raw: f32, scale_log2: f32, m: f32) -> f32 {
+    exp2(raw * scale_log2 - m)
+}
+
+/// A row's log-sum-exp prepared for [`weight_log2`]: `lse * log2(e)`, or the largest finite
+/// float for a row that saw no key (`lse = -inf`), whose weights then underflow to exactly 0 with
+/// no per-score test (the backward's [`probability_from_lse`] without its select).
+#[cube]
+pub fn lse_log2(lse: f32) -> f32 {
+    select(lse >= FINITE_FLOOR, lse * LOG2_E, f32::MAX)
+}

@@ -1,27 +1,35 @@
 //! Tensor-core backward step for one (query chunk, key chunk) pair, FlashAttention-2 style and
-//! without atomics: one kernel accumulates dQ per query block (walking key tiles), another dK and
-//! dV per key block (walking the query tiles of every query head of its group). Both use the
-//! stored log-sum-exp and `delta = rowsum(dO * O)`; the forward is never recomputed.
+//! without atomics (deterministic): one kernel accumulates dQ per query block (walking key
+//! tiles), another dK and dV per key block (walking the query tiles of every query head of its
+//! group). Both use the stored log-sum-exp and `delta = rowsum(dO * O)`; the forward is never
+//! recomputed.
+//!
+//! As in the forward, tiles that every row of the block sees whole run with no mask and
+//! unchecked staging, and probabilities are one FMA and one `exp2` from a base-2 log-sum-exp.
 
-use cubecl::cmma::MatrixIdent;
+use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
-use super::forward::{slot_row, BLOCK_KEYS, BLOCK_ROWS, UNITS};
+use super::forward::{slot_row, PLANES, UNITS};
 use super::fragments::{accumulator_col, mma_definition, FRAG_COLS, WARP_ROWS};
-use super::tiles::{padded_stride, stage_rows_async, ROW_SLOTS};
+use super::tiles::{padded_stride, stage_rows_async, stage_tile_async, ROW_SLOTS};
 use super::warp_tile::{
-    accumulator_to_fragments, load_row_fragments, multiply_by_rows, multiply_by_rows_transposed,
-    store_accumulator, zero_accumulator,
+    accumulator_to_fragments, multiply_by_rows, multiply_by_rows_transposed, store_accumulator,
+    zero_accumulator,
 };
-use crate::geometry::{query_block, row_key_limit};
-use crate::grid::cube_slice;
-use crate::stats::probability_from_lse;
+use crate::geometry::{query_block_at, row_key_limit, visible_key_end};
+use crate::stats::{lse_log2, weight_log2, LOG2_E};
 
-/// dQ step. Grid: x = query blocks of [`BLOCK_ROWS`], slices = batch * q_heads over y and z
-/// ([`crate::grid`]). Launched unchecked: global accesses are guarded against `q_len`/`kv_len`
-/// by the kernel.
-#[cube(launch_unchecked)]
+/// Query rows per dQ cube, and per query tile of the dK/dV kernel (16 per plane).
+pub const QUERY_ROWS: usize = PLANES * WARP_ROWS;
+/// Key rows per dK/dV cube, and per key tile of the dQ kernel (16 per plane).
+pub const KEY_ROWS: usize = PLANES * WARP_ROWS;
+
+/// dQ step. Grid: slice-major ([`crate::grid::slice_major`]), x = batch * q_heads, y = query
+/// blocks of [`QUERY_ROWS`], taken last block first.
+/// Launched unchecked: global accesses are guarded against `q_len`/`kv_len` by the kernel.
+#[cube(launch_unchecked, fast_math = FastMath::all())]
 #[allow(clippy::too_many_arguments)]
 pub fn backward_dq_mma<E: Float>(
     q: &Array<E>,
@@ -44,58 +52,64 @@ pub fn backward_dq_mma<E: Float>(
     let size!(NA) = def.vector_size(MatrixIdent::A);
     let size!(NB) = def.vector_size(MatrixIdent::B);
     let size!(NC) = def.vector_size(MatrixIdent::Accumulator);
-    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
-    let sc = def.vector_size(MatrixIdent::Accumulator);
-    let key_frags = comptime!(BLOCK_KEYS / FRAG_COLS);
     let out_frags = comptime!(head_dim / FRAG_COLS);
     let stride = comptime!(padded_stride(head_dim));
 
     let lane = UNIT_POS_PLANE;
     let warp = UNIT_POS / 32;
-    let block = query_block(
-        q_len, kv_len, q_heads, group_size, shift, BLOCK_ROWS, head_dim, causal,
+    let blocks = q_len.div_ceil(QUERY_ROWS as u32);
+    let block = query_block_at(
+        CUBE_POS_X,
+        blocks - 1 - CUBE_POS_Y,
+        q_len,
+        kv_len,
+        q_heads,
+        group_size,
+        shift,
+        QUERY_ROWS,
+        head_dim,
+        causal,
     );
     let (kv_base, row_base, block_start, kv_end) =
         (block.kv_base, block.row_base, block.start, block.kv_end);
-    let warp_start = block_start + warp * WARP_ROWS as u32;
+    let plane_row0 = (warp as usize) * WARP_ROWS;
+    let plane_start = block_start + plane_row0 as u32;
 
-    let mut k_tile = SharedMemory::<E>::new_aligned(comptime!(BLOCK_KEYS * stride), 16usize);
-    let mut v_tile = SharedMemory::<E>::new_aligned(comptime!(BLOCK_KEYS * stride), 16usize);
+    let mut q_tile = SharedMemory::<E>::new_aligned(comptime!(QUERY_ROWS * stride), 16usize);
+    let mut do_tile = SharedMemory::<E>::new_aligned(comptime!(QUERY_ROWS * stride), 16usize);
+    let mut k_tile = SharedMemory::<E>::new_aligned(comptime!(KEY_ROWS * stride), 16usize);
+    let mut v_tile = SharedMemory::<E>::new_aligned(comptime!(KEY_ROWS * stride), 16usize);
     let ready = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     sync_cube();
-
-    // Query and output-gradient fragments, staged through the key and value tiles.
     stage_rows_async::<E>(
         q,
         row_base * head_dim,
         block_start,
         q_len,
-        &mut k_tile,
-        BLOCK_ROWS,
+        &mut q_tile,
+        QUERY_ROWS,
         head_dim,
         UNITS,
+        true,
     );
     stage_rows_async::<E>(
         grad_out,
         row_base * head_dim,
         block_start,
         q_len,
-        &mut v_tile,
-        BLOCK_ROWS,
+        &mut do_tile,
+        QUERY_ROWS,
         head_dim,
         UNITS,
+        true,
     );
-    ready.commit_copy_async();
-    ready.arrive_and_wait();
-    let q_frag = load_row_fragments::<E, NA>(&def, &k_tile, (warp as usize) * WARP_ROWS, head_dim);
-    let do_frag = load_row_fragments::<E, NA>(&def, &v_tile, (warp as usize) * WARP_ROWS, head_dim);
 
     let mut lse_row = Array::<f32>::new(ROW_SLOTS);
     let mut delta_row = Array::<f32>::new(ROW_SLOTS);
     let mut key_limit = Array::<u32>::new(ROW_SLOTS);
     #[unroll]
     for slot in 0..ROW_SLOTS {
-        let row = warp_start + slot_row(lane, slot);
+        let row = plane_start + slot_row(lane, slot);
         let mut lv = 0.0f32;
         let mut dv = 0.0f32;
         let mut limit = 0u32;
@@ -107,95 +121,170 @@ pub fn backward_dq_mma<E: Float>(
                 limit = row_key_limit(row, kv_end, shift);
             }
         }
-        lse_row[slot] = lv;
+        lse_row[slot] = lse_log2(lv);
         delta_row[slot] = dv;
         key_limit[slot] = limit;
     }
 
+    let scale_log2 = scale * LOG2_E;
     let mut dq_acc = zero_accumulator::<E, NC>(&def, out_frags);
-    let num_tiles = kv_end.div_ceil(BLOCK_KEYS as u32);
-    for tile in 0..num_tiles {
-        let key_start = tile * BLOCK_KEYS as u32;
-        sync_cube();
-        stage_rows_async::<E>(
+    let num_tiles = kv_end.div_ceil(KEY_ROWS as u32);
+    let whole_tiles = visible_key_end(block_start, kv_len, shift, causal) / KEY_ROWS as u32;
+    for tile in 0..whole_tiles {
+        dq_tile::<E, NA, NB, NC>(
+            &def,
             k,
-            kv_base,
-            key_start,
-            kv_len,
-            &mut k_tile,
-            BLOCK_KEYS,
-            head_dim,
-            UNITS,
-        );
-        stage_rows_async::<E>(
             v,
             kv_base,
-            key_start,
             kv_len,
+            &q_tile,
+            &do_tile,
+            &mut k_tile,
             &mut v_tile,
-            BLOCK_KEYS,
+            &ready,
+            tile,
+            plane_row0,
+            &mut dq_acc,
+            &lse_row,
+            &delta_row,
+            &key_limit,
+            scale_log2,
             head_dim,
-            UNITS,
+            false,
         );
+    }
+    for tile in whole_tiles..num_tiles {
+        dq_tile::<E, NA, NB, NC>(
+            &def,
+            k,
+            v,
+            kv_base,
+            kv_len,
+            &q_tile,
+            &do_tile,
+            &mut k_tile,
+            &mut v_tile,
+            &ready,
+            tile,
+            plane_row0,
+            &mut dq_acc,
+            &lse_row,
+            &delta_row,
+            &key_limit,
+            scale_log2,
+            head_dim,
+            true,
+        );
+    }
+    // A block that sees no key never committed its Q and dO copies: no cube exits with copies
+    // in flight.
+    if num_tiles == 0 {
         ready.commit_copy_async();
         ready.arrive_and_wait();
-
-        let mut s_acc = zero_accumulator::<E, NC>(&def, key_frags);
-        multiply_by_rows_transposed::<E, NA, NB, NC>(
-            &def, &q_frag, &k_tile, &mut s_acc, BLOCK_KEYS, head_dim,
-        );
-        let mut dp_acc = zero_accumulator::<E, NC>(&def, key_frags);
-        multiply_by_rows_transposed::<E, NA, NB, NC>(
-            &def,
-            &do_frag,
-            &v_tile,
-            &mut dp_acc,
-            BLOCK_KEYS,
-            head_dim,
-        );
-
-        // dS = P * (dP - delta), in place of dP.
-        #[unroll]
-        for nt in 0..key_frags {
-            #[unroll]
-            for i in 0..vc {
-                let s_reg = s_acc[nt * vc + i];
-                let mut dp_reg = dp_acc[nt * vc + i];
-                #[unroll]
-                for e in 0..sc {
-                    let n = i * sc + e;
-                    let slot = n / 2;
-                    let key = key_start + (nt * FRAG_COLS) as u32 + accumulator_col(lane, n);
-                    let p = select(
-                        key < key_limit[slot],
-                        probability_from_lse(s_reg[e] * scale, lse_row[slot]),
-                        0.0f32,
-                    );
-                    dp_reg[e] = p * (dp_reg[e] - delta_row[slot]);
-                }
-                dp_acc[nt * vc + i] = dp_reg;
-            }
-        }
-        let ds_frag = accumulator_to_fragments::<E, NA, NC>(&def, &dp_acc, BLOCK_KEYS);
-        multiply_by_rows::<E, NA, NB, NC>(
-            &def,
-            &ds_frag,
-            &k_tile,
-            &mut dq_acc,
-            BLOCK_KEYS,
-            head_dim,
-        );
     }
 
     store_accumulator::<E, NC>(
-        &def, &dq_acc, dq, row_base, warp_start, q_len, scale, head_dim, true,
+        &def,
+        &dq_acc,
+        dq,
+        row_base,
+        plane_start,
+        q_len,
+        scale,
+        1usize,
+        head_dim,
+        true,
     );
 }
 
-/// dK/dV step. Grid: x = key blocks of [`BLOCK_KEYS`], slices = batch * kv_heads over y and z
-/// ([`crate::grid`]). Each plane owns 16 keys and walks the query tiles (of every query head of its group) that can see them. Launched
-/// unchecked: global accesses are guarded against `q_len`/`kv_len` by the kernel.
-#[cube(launch_unchecked)]
+/// One key tile of the dQ kernel: stage K and V (the block's Q and dO arrive on the first
+/// tile's barrier), S = Q K^T, dP = dO V^T, dS = P (dP - delta), dQ += dS K. With `masked`,
+/// keys a row may not see get P = 0.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn dq_tile<E: Float, NA: Size, NB: Size, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    k: &Array<E>,
+    v: &Array<E>,
+    kv_base: usize,
+    kv_len: u32,
+    q_tile: &SharedMemory<E>,
+    do_tile: &SharedMemory<E>,
+    k_tile: &mut SharedMemory<E>,
+    v_tile: &mut SharedMemory<E>,
+    ready: &Barrier,
+    tile: u32,
+    plane_row0: usize,
+    dq_acc: &mut Array<Vector<f32, NC>>,
+    lse_row: &Array<f32>,
+    delta_row: &Array<f32>,
+    key_limit: &Array<u32>,
+    scale_log2: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] masked: bool,
+) {
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let key_frags = comptime!(KEY_ROWS / FRAG_COLS);
+    let lane = UNIT_POS_PLANE;
+    let key_start = tile * KEY_ROWS as u32;
+
+    sync_cube();
+    stage_tile_async::<E>(
+        k, kv_base, key_start, kv_len, k_tile, KEY_ROWS, head_dim, UNITS,
+    );
+    stage_tile_async::<E>(
+        v, kv_base, key_start, kv_len, v_tile, KEY_ROWS, head_dim, UNITS,
+    );
+    ready.commit_copy_async();
+    ready.arrive_and_wait();
+
+    let mut s_acc = zero_accumulator::<E, NC>(def, key_frags);
+    multiply_by_rows_transposed::<E, NA, NB, NC>(
+        def, q_tile, plane_row0, k_tile, &mut s_acc, 1usize, KEY_ROWS, head_dim,
+    );
+    let mut dp_acc = zero_accumulator::<E, NC>(def, key_frags);
+    multiply_by_rows_transposed::<E, NA, NB, NC>(
+        def,
+        do_tile,
+        plane_row0,
+        v_tile,
+        &mut dp_acc,
+        1usize,
+        KEY_ROWS,
+        head_dim,
+    );
+
+    // dS = P * (dP - delta), in place of dP.
+    #[unroll]
+    for nt in 0..key_frags {
+        #[unroll]
+        for i in 0..vc {
+            let s_reg = s_acc[nt * vc + i];
+            let mut dp_reg = dp_acc[nt * vc + i];
+            #[unroll]
+            for e in 0..sc {
+                let n = i * sc + e;
+                let slot = n / 2;
+                let mut p = weight_log2(s_reg[e], scale_log2, lse_row[slot]);
+                if masked {
+                    let key = key_start + (nt * FRAG_COLS) as u32 + accumulator_col(lane, n);
+                    p = select(key < key_limit[slot], p, 0.0f32);
+                }
+                dp_reg[e] = p * (dp_reg[e] - delta_row[slot]);
+            }
+            dp_acc[nt * vc + i] = dp_reg;
+        }
+    }
+    let ds_frag = accumulator_to_fragments::<E, NA, NC>(def, &dp_acc, 1usize, KEY_ROWS);
+    multiply_by_rows::<E, NA, NB, NC>(def, &ds_frag, k_tile, dq_acc, 1usize, KEY_ROWS, head_dim);
+}
+
+/// dK/dV step. Grid: slice-major, x = batch * kv_heads, y = key blocks of [`KEY_ROWS`] (under a causal mask
+/// the first blocks see the most queries and run first). Each plane owns 16 keys and walks the
+/// query tiles (of every query head of its group) that can see them. Launched unchecked: global
+/// accesses are guarded against `q_len`/`kv_len` by the kernel.
+#[cube(launch_unchecked, fast_math = FastMath::all())]
 #[allow(clippy::too_many_arguments)]
 pub fn backward_dkdv_mma<E: Float>(
     q: &Array<E>,
@@ -219,28 +308,26 @@ pub fn backward_dkdv_mma<E: Float>(
     let size!(NA) = def.vector_size(MatrixIdent::A);
     let size!(NB) = def.vector_size(MatrixIdent::B);
     let size!(NC) = def.vector_size(MatrixIdent::Accumulator);
-    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
-    let sc = def.vector_size(MatrixIdent::Accumulator);
-    let query_frags = comptime!(BLOCK_ROWS / FRAG_COLS);
     let out_frags = comptime!(head_dim / FRAG_COLS);
     let stride = comptime!(padded_stride(head_dim));
 
     let lane = UNIT_POS_PLANE;
     let warp = UNIT_POS / 32;
-    let bkv = cube_slice();
+    let bkv = CUBE_POS_X;
     let batch = bkv / kv_heads;
     let kv_head = bkv % kv_heads;
     let q_heads = kv_heads * group_size;
     let key_base = (bkv * kv_len) as usize;
-    let block_start = CUBE_POS_X * BLOCK_KEYS as u32;
-    let warp_start = block_start + warp * WARP_ROWS as u32;
+    let block_start = CUBE_POS_Y * KEY_ROWS as u32;
+    let plane_row0 = (warp as usize) * WARP_ROWS;
+    let plane_start = block_start + plane_row0 as u32;
 
-    let mut k_block = SharedMemory::<E>::new_aligned(comptime!(BLOCK_KEYS * stride), 16usize);
-    let mut v_block = SharedMemory::<E>::new_aligned(comptime!(BLOCK_KEYS * stride), 16usize);
-    let mut q_tile = SharedMemory::<E>::new_aligned(comptime!(BLOCK_ROWS * stride), 16usize);
-    let mut do_tile = SharedMemory::<E>::new_aligned(comptime!(BLOCK_ROWS * stride), 16usize);
-    let mut lse_tile = SharedMemory::<f32>::new(BLOCK_ROWS);
-    let mut delta_tile = SharedMemory::<f32>::new(BLOCK_ROWS);
+    let mut k_block = SharedMemory::<E>::new_aligned(comptime!(KEY_ROWS * stride), 16usize);
+    let mut v_block = SharedMemory::<E>::new_aligned(comptime!(KEY_ROWS * stride), 16usize);
+    let mut q_tile = SharedMemory::<E>::new_aligned(comptime!(QUERY_ROWS * stride), 16usize);
+    let mut do_tile = SharedMemory::<E>::new_aligned(comptime!(QUERY_ROWS * stride), 16usize);
+    let mut lse_tile = SharedMemory::<f32>::new(QUERY_ROWS);
+    let mut delta_tile = SharedMemory::<f32>::new(QUERY_ROWS);
     let ready = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     sync_cube();
     stage_rows_async::<E>(
@@ -249,9 +336,10 @@ pub fn backward_dkdv_mma<E: Float>(
         block_start,
         kv_len,
         &mut k_block,
-        BLOCK_KEYS,
+        KEY_ROWS,
         head_dim,
         UNITS,
+        true,
     );
     stage_rows_async::<E>(
         v,
@@ -259,143 +347,271 @@ pub fn backward_dkdv_mma<E: Float>(
         block_start,
         kv_len,
         &mut v_block,
-        BLOCK_KEYS,
+        KEY_ROWS,
         head_dim,
         UNITS,
+        true,
     );
 
     // First query each of the lane's two key rows is seen by (query i sees key j iff
-    // j <= i + shift), and the first query tile any key of the block is seen by.
+    // j <= i + shift); keys past the chunk see nothing.
     let mut query_floor = Array::<u32>::new(ROW_SLOTS);
     #[unroll]
     for slot in 0..ROW_SLOTS {
-        let key = warp_start + slot_row(lane, slot);
+        let key = plane_start + slot_row(lane, slot);
         let mut floor = 0u32;
         if causal {
             floor = max(key as i32 - shift, 0i32) as u32;
         }
-        // Keys past the chunk see nothing.
         query_floor[slot] = select(key < kv_len, floor, q_len);
     }
-    let mut first_tile = 0u32;
+    // Query tiles: [first, whole_from) on the causal diagonal (masked), [whole_from, whole_end)
+    // seen whole by every key of the block, [whole_end, num_tiles) the chunk's partial last tile.
+    let num_tiles = q_len.div_ceil(QUERY_ROWS as u32);
+    let whole_end = q_len / QUERY_ROWS as u32;
+    let mut first = 0u32;
+    let mut whole_from = 0u32;
     if causal {
-        first_tile = min(max(block_start as i32 - shift, 0i32) as u32, q_len) / BLOCK_ROWS as u32;
+        let block_last = block_start + KEY_ROWS as u32 - 1;
+        first = min(max(block_start as i32 - shift, 0i32) as u32, q_len) / QUERY_ROWS as u32;
+        whole_from =
+            min(max(block_last as i32 - shift, 0i32) as u32, q_len).div_ceil(QUERY_ROWS as u32);
     }
-    let num_tiles = q_len.div_ceil(BLOCK_ROWS as u32);
+    whole_from = min(whole_from, whole_end);
 
+    let scale_log2 = scale * LOG2_E;
     let mut dk_acc = zero_accumulator::<E, NC>(&def, out_frags);
     let mut dv_acc = zero_accumulator::<E, NC>(&def, out_frags);
     for g in 0..group_size {
         let q_bh = batch * q_heads + kv_head * group_size + g;
         let row_base = (q_bh * q_len) as usize;
-        for tile in first_tile..num_tiles {
-            let q_start = tile * BLOCK_ROWS as u32;
-            sync_cube();
-            stage_rows_async::<E>(
+        for tile in first..whole_from {
+            dkdv_tile::<E, NA, NB, NC>(
+                &def,
                 q,
-                row_base * head_dim,
-                q_start,
-                q_len,
-                &mut q_tile,
-                BLOCK_ROWS,
-                head_dim,
-                UNITS,
-            );
-            stage_rows_async::<E>(
                 grad_out,
-                row_base * head_dim,
-                q_start,
+                lse,
+                delta,
+                row_base,
                 q_len,
+                &k_block,
+                &v_block,
+                &mut q_tile,
                 &mut do_tile,
-                BLOCK_ROWS,
-                head_dim,
-                UNITS,
-            );
-            if UNIT_POS < BLOCK_ROWS as u32 {
-                let row = q_start + UNIT_POS;
-                let mut lv = 0.0f32;
-                let mut dl = 0.0f32;
-                if row < q_len {
-                    lv = lse[row_base + row as usize];
-                    dl = delta[row_base + row as usize];
-                }
-                lse_tile[UNIT_POS as usize] = lv;
-                delta_tile[UNIT_POS as usize] = dl;
-            }
-            ready.commit_copy_async();
-            ready.arrive_and_wait();
-            sync_cube();
-
-            // S^T = K Q^T and dP^T = V dO^T for the plane's 16 keys against the tile's queries.
-            let k_frag =
-                load_row_fragments::<E, NA>(&def, &k_block, (warp as usize) * WARP_ROWS, head_dim);
-            let mut s_acc = zero_accumulator::<E, NC>(&def, query_frags);
-            multiply_by_rows_transposed::<E, NA, NB, NC>(
-                &def, &k_frag, &q_tile, &mut s_acc, BLOCK_ROWS, head_dim,
-            );
-            let v_frag =
-                load_row_fragments::<E, NA>(&def, &v_block, (warp as usize) * WARP_ROWS, head_dim);
-            let mut dp_acc = zero_accumulator::<E, NC>(&def, query_frags);
-            multiply_by_rows_transposed::<E, NA, NB, NC>(
-                &def,
-                &v_frag,
-                &do_tile,
-                &mut dp_acc,
-                BLOCK_ROWS,
-                head_dim,
-            );
-
-            // P^T in place of S^T, dS^T = P^T * (dP^T - delta) in place of dP^T.
-            #[unroll]
-            for nt in 0..query_frags {
-                #[unroll]
-                for i in 0..vc {
-                    let mut s_reg = s_acc[nt * vc + i];
-                    let mut dp_reg = dp_acc[nt * vc + i];
-                    #[unroll]
-                    for e in 0..sc {
-                        let n = i * sc + e;
-                        let slot = n / 2;
-                        let col = nt * FRAG_COLS + accumulator_col(lane, n) as usize;
-                        let query = q_start + col as u32;
-                        let visible = query >= query_floor[slot] && query < q_len;
-                        let p = select(
-                            visible,
-                            probability_from_lse(s_reg[e] * scale, lse_tile[col]),
-                            0.0f32,
-                        );
-                        s_reg[e] = p;
-                        dp_reg[e] = p * (dp_reg[e] - delta_tile[col]);
-                    }
-                    s_acc[nt * vc + i] = s_reg;
-                    dp_acc[nt * vc + i] = dp_reg;
-                }
-            }
-            let p_frag = accumulator_to_fragments::<E, NA, NC>(&def, &s_acc, BLOCK_ROWS);
-            multiply_by_rows::<E, NA, NB, NC>(
-                &def,
-                &p_frag,
-                &do_tile,
-                &mut dv_acc,
-                BLOCK_ROWS,
-                head_dim,
-            );
-            let ds_frag = accumulator_to_fragments::<E, NA, NC>(&def, &dp_acc, BLOCK_ROWS);
-            multiply_by_rows::<E, NA, NB, NC>(
-                &def,
-                &ds_frag,
-                &q_tile,
+                &mut lse_tile,
+                &mut delta_tile,
+                &ready,
+                tile,
+                plane_row0,
                 &mut dk_acc,
-                BLOCK_ROWS,
+                &mut dv_acc,
+                &query_floor,
+                scale_log2,
                 head_dim,
+                true,
+            );
+        }
+        for tile in max(first, whole_from)..whole_end {
+            dkdv_tile::<E, NA, NB, NC>(
+                &def,
+                q,
+                grad_out,
+                lse,
+                delta,
+                row_base,
+                q_len,
+                &k_block,
+                &v_block,
+                &mut q_tile,
+                &mut do_tile,
+                &mut lse_tile,
+                &mut delta_tile,
+                &ready,
+                tile,
+                plane_row0,
+                &mut dk_acc,
+                &mut dv_acc,
+                &query_floor,
+                scale_log2,
+                head_dim,
+                false,
+            );
+        }
+        for tile in max(first, whole_end)..num_tiles {
+            dkdv_tile::<E, NA, NB, NC>(
+                &def,
+                q,
+                grad_out,
+                lse,
+                delta,
+                row_base,
+                q_len,
+                &k_block,
+                &v_block,
+                &mut q_tile,
+                &mut do_tile,
+                &mut lse_tile,
+                &mut delta_tile,
+                &ready,
+                tile,
+                plane_row0,
+                &mut dk_acc,
+                &mut dv_acc,
+                &query_floor,
+                scale_log2,
+                head_dim,
+                true,
             );
         }
     }
+    // Keys no query sees never committed their K and V copies: no cube exits with copies in
+    // flight.
+    if first >= num_tiles {
+        ready.commit_copy_async();
+        ready.arrive_and_wait();
+    }
 
     store_accumulator::<E, NC>(
-        &def, &dk_acc, dk, key_base, warp_start, kv_len, scale, head_dim, true,
+        &def,
+        &dk_acc,
+        dk,
+        key_base,
+        plane_start,
+        kv_len,
+        scale,
+        1usize,
+        head_dim,
+        true,
     );
     store_accumulator::<E, NC>(
-        &def, &dv_acc, dv, key_base, warp_start, kv_len, 1.0f32, head_dim, true,
+        &def,
+        &dv_acc,
+        dv,
+        key_base,
+        plane_start,
+        kv_len,
+        1.0f32,
+        1usize,
+        head_dim,
+        true,
     );
+}
+
+/// One query tile of the dK/dV kernel: stage Q, dO and their rows' statistics (the block's K
+/// and V arrive on the first tile's barrier), S^T = K Q^T, dP^T = V dO^T, dV += P^T dO,
+/// dK += dS^T Q. With `masked`, queries that may not see a key (causal diagonal, rows past the
+/// chunk) get P = 0.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn dkdv_tile<E: Float, NA: Size, NB: Size, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    q: &Array<E>,
+    grad_out: &Array<E>,
+    lse: &Array<f32>,
+    delta: &Array<f32>,
+    row_base: usize,
+    q_len: u32,
+    k_block: &SharedMemory<E>,
+    v_block: &SharedMemory<E>,
+    q_tile: &mut SharedMemory<E>,
+    do_tile: &mut SharedMemory<E>,
+    lse_tile: &mut SharedMemory<f32>,
+    delta_tile: &mut SharedMemory<f32>,
+    ready: &Barrier,
+    tile: u32,
+    plane_row0: usize,
+    dk_acc: &mut Array<Vector<f32, NC>>,
+    dv_acc: &mut Array<Vector<f32, NC>>,
+    query_floor: &Array<u32>,
+    scale_log2: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] masked: bool,
+) {
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let query_frags = comptime!(QUERY_ROWS / FRAG_COLS);
+    let lane = UNIT_POS_PLANE;
+    let q_start = tile * QUERY_ROWS as u32;
+
+    sync_cube();
+    stage_tile_async::<E>(
+        q,
+        row_base * head_dim,
+        q_start,
+        q_len,
+        q_tile,
+        QUERY_ROWS,
+        head_dim,
+        UNITS,
+    );
+    stage_tile_async::<E>(
+        grad_out,
+        row_base * head_dim,
+        q_start,
+        q_len,
+        do_tile,
+        QUERY_ROWS,
+        head_dim,
+        UNITS,
+    );
+    if UNIT_POS < QUERY_ROWS as u32 {
+        let row = q_start + UNIT_POS;
+        let mut lv = 0.0f32;
+        let mut dl = 0.0f32;
+        if row < q_len {
+            lv = lse[row_base + row as usize];
+            dl = delta[row_base + row as usize];
+        }
+        lse_tile[UNIT_POS as usize] = lse_log2(lv);
+        delta_tile[UNIT_POS as usize] = dl;
+    }
+    ready.commit_copy_async();
+    ready.arrive_and_wait();
+    sync_cube();
+
+    // S^T = K Q^T and dP^T = V dO^T for the plane's 16 keys against the tile's queries.
+    let mut s_acc = zero_accumulator::<E, NC>(def, query_frags);
+    multiply_by_rows_transposed::<E, NA, NB, NC>(
+        def, k_block, plane_row0, q_tile, &mut s_acc, 1usize, QUERY_ROWS, head_dim,
+    );
+    let mut dp_acc = zero_accumulator::<E, NC>(def, query_frags);
+    multiply_by_rows_transposed::<E, NA, NB, NC>(
+        def,
+        v_block,
+        plane_row0,
+        do_tile,
+        &mut dp_acc,
+        1usize,
+        QUERY_ROWS,
+        head_dim,
+    );
+
+    // P^T in place of S^T, dS^T = P^T * (dP^T - delta) in place of dP^T.
+    #[unroll]
+    for nt in 0..query_frags {
+        #[unroll]
+        for i in 0..vc {
+            let mut s_reg = s_acc[nt * vc + i];
+            let mut dp_reg = dp_acc[nt * vc + i];
+            #[unroll]
+            for e in 0..sc {
+                let n = i * sc + e;
+                let col = nt * FRAG_COLS + accumulator_col(lane, n) as usize;
+                let mut p = weight_log2(s_reg[e], scale_log2, lse_tile[col]);
+                if masked {
+                    let query = q_start + col as u32;
+                    let visible = query >= query_floor[n / 2] && query < q_len;
+                    p = select(visible, p, 0.0f32);
+                }
+                s_reg[e] = p;
+                dp_reg[e] = p * (dp_reg[e] - delta_tile[col]);
+            }
+            s_acc[nt * vc + i] = s_reg;
+            dp_acc[nt * vc + i] = dp_reg;
+        }
+    }
+    let p_frag = accumulator_to_fragments::<E, NA, NC>(def, &s_acc, 1usize, QUERY_ROWS);
+    multiply_by_rows::<E, NA, NB, NC>(def, &p_frag, do_tile, dv_acc, 1usize, QUERY_ROWS, head_dim);
+    let ds_frag = accumulator_to_fragments::<E, NA, NC>(def, &dp_acc, 1usize, QUERY_ROWS);
+    multiply_by_rows::<E, NA, NB, NC>(def, &ds_frag, q_tile, dk_acc, 1usize, QUERY_ROWS, head_dim);
 }

@@ -1,41 +1,65 @@
-//! Tensor-core forward step: FlashAttention-2 style, one cube of four planes takes 64 query rows
-//! (16 per plane), walks the visible key/value tiles of 64 rows staged in shared memory, keeps
-//! scores, probabilities and the output accumulator in `mma` registers, and reads/writes the
-//! running state `(o, m, l)` like the portable kernel.
+//! Tensor-core forward step, FlashAttention-2's shape: one cube of four planes takes 128 query
+//! rows (32 per plane, two 16-row `mma` tiles, so every `ldmatrix` of K or V feeds four `mma`s),
+//! walks the visible key/value tiles of 64 rows staged in shared memory, keeps scores,
+//! probabilities and the output accumulator in registers, and reads/writes the running state
+//! `(o, m, l)` like the portable kernel.
+//!
+//! Cost structure, as in FlashAttention-2:
+//! - key tiles every row of the block sees whole run a loop with no mask and unchecked staging;
+//!   only the tiles on the causal diagonal (or past the chunk's end) compare keys;
+//! - the row max is taken over raw scores `q . k` and scaled once (the host sends only positive
+//!   scales here), and kept in base-2 units, so a probability is one FMA and one `exp2`;
+//! - under a causal mask the grid runs the heaviest query blocks (most keys) first.
 
-use cubecl::cmma::MatrixIdent;
+use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use super::fragments::{accumulator_col, mma_definition, FRAG_COLS, WARP_ROWS};
-use super::tiles::{padded_stride, quad_max, quad_sum, stage_rows_async, ROW_SLOTS};
-use super::warp_tile::{
-    accumulator_to_fragments, load_accumulator, load_row_fragments, multiply_by_rows,
-    multiply_by_rows_transposed, store_accumulator, zero_accumulator,
+use super::tiles::{
+    padded_stride, quad_max, quad_sum, stage_rows_async, stage_tile_async, ROW_SLOTS,
 };
-use crate::geometry::{query_block, row_key_limit};
-use crate::stats::{rescale_factor, unnormalised_weight};
+use super::warp_tile::{
+    accumulator_to_fragments, load_accumulator, multiply_by_rows, multiply_by_rows_transposed,
+    store_accumulator, zero_accumulator,
+};
+use crate::geometry::{query_block_at, row_key_limit, visible_key_end};
+use crate::stats::{rescale_factor_log2, weight_log2, LN_2, LOG2_E};
 
 /// Planes per cube.
 pub const PLANES: usize = 4;
+/// 16-row `mma` tiles per plane.
+pub const PLANE_TILES: usize = 2;
 /// Query rows per cube.
-pub const BLOCK_ROWS: usize = PLANES * WARP_ROWS;
+pub const BLOCK_ROWS: usize = PLANES * PLANE_TILES * WARP_ROWS;
 /// Key rows per shared-memory tile.
 pub const BLOCK_KEYS: usize = 64;
 /// Units per cube.
 pub const UNITS: usize = PLANES * 32;
+/// Query rows whose statistics one lane holds.
+const LANE_ROWS: usize = PLANE_TILES * ROW_SLOTS;
+/// Below every finite score: the running max of a row that has seen no key yet in a tile.
+const NO_SCORE: f32 = -f32::MAX;
 
-/// Row `slot` (0 or 1) of the accumulator rows a lane holds, relative to the plane's first row.
+/// Row `slot` (0 or 1) of the accumulator rows a lane holds, relative to its 16-row tile.
 #[cube]
 pub fn slot_row(lane: u32, #[comptime] slot: usize) -> u32 {
     lane / 4 + (slot * 8) as u32
 }
 
-/// Grid: x = query blocks of [`BLOCK_ROWS`], slices = batch * q_heads over y and z
-/// ([`crate::grid`]); cube = [`UNITS`] units.
-/// Launched unchecked: every global access is guarded by the kernel itself (rows past `q_len`
-/// or `kv_len` are skipped or zero-filled) and shared-memory indices are in range by construction.
-#[cube(launch_unchecked)]
+/// Row (relative to the plane's first row) of the lane's statistics row `r`
+/// (`r = tile * 2 + slot`).
+#[cube]
+fn lane_row(lane: u32, #[comptime] r: usize) -> u32 {
+    (comptime!(r / ROW_SLOTS) * WARP_ROWS) as u32 + slot_row(lane, comptime!(r % ROW_SLOTS))
+}
+
+/// Grid: slice-major ([`crate::grid::slice_major`]), x = batch * q_heads, y = query blocks of
+/// [`BLOCK_ROWS`], taken last block first (the heaviest under a causal mask); cube = [`UNITS`]
+/// units. Launched unchecked: every global access is guarded by the kernel itself
+/// (rows past `q_len` or `kv_len` are skipped or zero-filled) and shared-memory indices are in
+/// range by construction.
+#[cube(launch_unchecked, fast_math = FastMath::all())]
 #[allow(clippy::too_many_arguments)]
 pub fn forward_step_mma<E: Float>(
     q: &Array<E>,
@@ -57,78 +81,50 @@ pub fn forward_step_mma<E: Float>(
     let size!(NA) = def.vector_size(MatrixIdent::A);
     let size!(NB) = def.vector_size(MatrixIdent::B);
     let size!(NC) = def.vector_size(MatrixIdent::Accumulator);
-    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
-    let sc = def.vector_size(MatrixIdent::Accumulator);
-    let key_frags = comptime!(BLOCK_KEYS / FRAG_COLS);
-    let out_frags = comptime!(head_dim / FRAG_COLS);
     let stride = comptime!(padded_stride(head_dim));
 
     let lane = UNIT_POS_PLANE;
     let warp = UNIT_POS / 32;
-    let block = query_block(
-        q_len, kv_len, q_heads, group_size, shift, BLOCK_ROWS, head_dim, causal,
+    let blocks = q_len.div_ceil(BLOCK_ROWS as u32);
+    let block = query_block_at(
+        CUBE_POS_X,
+        blocks - 1 - CUBE_POS_Y,
+        q_len,
+        kv_len,
+        q_heads,
+        group_size,
+        shift,
+        BLOCK_ROWS,
+        head_dim,
+        causal,
     );
     let (kv_base, row_base, block_start, kv_end) =
         (block.kv_base, block.row_base, block.start, block.kv_end);
-    let warp_start = block_start + warp * WARP_ROWS as u32;
+    let plane_row0 = (warp as usize) * PLANE_TILES * WARP_ROWS;
+    let plane_start = block_start + plane_row0 as u32;
 
+    let mut q_tile = SharedMemory::<E>::new_aligned(comptime!(BLOCK_ROWS * stride), 16usize);
     let mut k_tile = SharedMemory::<E>::new_aligned(comptime!(BLOCK_KEYS * stride), 16usize);
     let mut v_tile = SharedMemory::<E>::new_aligned(comptime!(BLOCK_KEYS * stride), 16usize);
     let k_ready = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let v_ready = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     sync_cube();
 
-    // Query fragments: stage the block's rows through the key tile, then `ldmatrix`.
+    // The block's queries and the first key tile arrive on one barrier.
+    let num_tiles = kv_end.div_ceil(BLOCK_KEYS as u32);
     stage_rows_async::<E>(
         q,
         row_base * head_dim,
         block_start,
         q_len,
-        &mut k_tile,
+        &mut q_tile,
         BLOCK_ROWS,
         head_dim,
         UNITS,
+        true,
     );
-    k_ready.commit_copy_async();
-    k_ready.arrive_and_wait();
-    let q_frag = load_row_fragments::<E, NA>(&def, &k_tile, (warp as usize) * WARP_ROWS, head_dim);
-
-    // Running state: the output accumulator in registers, and for each of the lane's two rows
-    // the running max and a lane-partial running sum (reduced over the quad at the end).
-    #[allow(clippy::manual_is_multiple_of)]
-    let first_in_quad = lane % 4 == 0;
-    let mut o_acc = load_accumulator::<E, NC>(&def, o, row_base, warp_start, q_len, head_dim);
-    let mut m_row = Array::<f32>::new(ROW_SLOTS);
-    let mut l_row = Array::<f32>::new(ROW_SLOTS);
-    // Exclusive bound on the keys each of the lane's two rows sees: one compare per score.
-    let mut key_limit = Array::<u32>::new(ROW_SLOTS);
-    #[unroll]
-    for slot in 0..ROW_SLOTS {
-        let row = warp_start + slot_row(lane, slot);
-        let mut mv = 0.0f32;
-        let mut lv = 0.0f32;
-        if row < q_len {
-            mv = m[row_base + row as usize];
-            if first_in_quad {
-                lv = l[row_base + row as usize];
-            }
-        }
-        m_row[slot] = mv;
-        l_row[slot] = lv;
-        let mut limit = kv_end;
-        if causal {
-            limit = row_key_limit(row, kv_end, shift);
-        }
-        key_limit[slot] = limit;
-    }
-
-    // Software pipeline over key tiles (two mbarriers, one per operand):
-    //   wait K(t) | issue V(t) | S = Q K(t)^T | sync | issue K(t+1) | softmax | wait V(t) | O += P V
-    // so the copy of V overlaps the score matmul and the copy of the next K the softmax and P V.
-    let num_tiles = kv_end.div_ceil(BLOCK_KEYS as u32);
-    sync_cube();
     if num_tiles > 0 {
-        stage_rows_async::<E>(
+        stage_tile_async::<E>(
             k,
             kv_base,
             0,
@@ -138,133 +134,280 @@ pub fn forward_step_mma<E: Float>(
             head_dim,
             UNITS,
         );
-        k_ready.commit_copy_async();
     }
-    for tile in 0..num_tiles {
-        let key_start = tile * BLOCK_KEYS as u32;
-        // Every unit arrives here after its P V of the previous tile: V's buffer is free.
-        k_ready.arrive_and_wait();
-        stage_rows_async::<E>(
+    k_ready.commit_copy_async();
+
+    // Running state: the output accumulator in registers, and for each of the lane's rows the
+    // running max and a lane-partial running sum (reduced over the quad at the end).
+    #[allow(clippy::manual_is_multiple_of)]
+    let first_in_quad = lane % 4 == 0;
+    let mut o_acc =
+        load_accumulator::<E, NC>(&def, o, row_base, plane_start, q_len, PLANE_TILES, head_dim);
+    let mut m_row = Array::<f32>::new(LANE_ROWS);
+    let mut l_row = Array::<f32>::new(LANE_ROWS);
+    // Exclusive bound on the keys each row sees (used on diagonal tiles only).
+    let mut key_limit = Array::<u32>::new(LANE_ROWS);
+    #[unroll]
+    for r in 0..LANE_ROWS {
+        let row = plane_start + lane_row(lane, r);
+        let mut mv = 0.0f32;
+        let mut lv = 0.0f32;
+        if row < q_len {
+            mv = m[row_base + row as usize] * LOG2_E;
+            if first_in_quad {
+                lv = l[row_base + row as usize];
+            }
+        }
+        m_row[r] = mv;
+        l_row[r] = lv;
+        let mut limit = kv_end;
+        if causal {
+            limit = row_key_limit(row, kv_end, shift);
+        }
+        key_limit[r] = limit;
+    }
+
+    let scale_log2 = scale * LOG2_E;
+    let whole_tiles = visible_key_end(block_start, kv_len, shift, causal) / BLOCK_KEYS as u32;
+    for tile in 0..whole_tiles {
+        attend_tile::<E, NA, NB, NC>(
+            &def,
+            k,
             v,
             kv_base,
-            key_start,
             kv_len,
+            &q_tile,
+            &mut k_tile,
             &mut v_tile,
-            BLOCK_KEYS,
+            &k_ready,
+            &v_ready,
+            tile,
+            num_tiles,
+            plane_row0,
+            &mut o_acc,
+            &mut m_row,
+            &mut l_row,
+            &key_limit,
+            scale_log2,
             head_dim,
-            UNITS,
+            false,
         );
-        v_ready.commit_copy_async();
-
-        let mut s_acc = zero_accumulator::<E, NC>(&def, key_frags);
-        multiply_by_rows_transposed::<E, NA, NB, NC>(
-            &def, &q_frag, &k_tile, &mut s_acc, BLOCK_KEYS, head_dim,
+    }
+    for tile in whole_tiles..num_tiles {
+        attend_tile::<E, NA, NB, NC>(
+            &def,
+            k,
+            v,
+            kv_base,
+            kv_len,
+            &q_tile,
+            &mut k_tile,
+            &mut v_tile,
+            &k_ready,
+            &v_ready,
+            tile,
+            num_tiles,
+            plane_row0,
+            &mut o_acc,
+            &mut m_row,
+            &mut l_row,
+            &key_limit,
+            scale_log2,
+            head_dim,
+            true,
         );
+    }
 
-        // Every plane is done reading K(t): prefetch K(t + 1) while the softmax and P V run.
-        sync_cube();
-        if tile + 1 < num_tiles {
-            stage_rows_async::<E>(
-                k,
-                kv_base,
-                key_start + BLOCK_KEYS as u32,
-                kv_len,
-                &mut k_tile,
-                BLOCK_KEYS,
-                head_dim,
-                UNITS,
-            );
-            k_ready.commit_copy_async();
-        }
-
-        // Scale, and the new running max of each row over its visible keys (branch-free: a
-        // divergent `if` per score costs more than the compare).
-        let mut new_max = Array::<f32>::new(ROW_SLOTS);
-        #[unroll]
-        for slot in 0..ROW_SLOTS {
-            new_max[slot] = m_row[slot];
-        }
-        #[unroll]
-        for nt in 0..key_frags {
-            #[unroll]
-            for i in 0..vc {
-                let mut reg = s_acc[nt * vc + i];
-                #[unroll]
-                for e in 0..sc {
-                    let n = i * sc + e;
-                    let slot = n / 2;
-                    let key = key_start + (nt * FRAG_COLS) as u32 + accumulator_col(lane, n);
-                    let val = reg[e] * scale;
-                    reg[e] = val;
-                    new_max[slot] = select(
-                        key < key_limit[slot],
-                        max(new_max[slot], val),
-                        new_max[slot],
-                    );
-                }
-                s_acc[nt * vc + i] = reg;
-            }
-        }
-        let mut alpha = Array::<f32>::new(ROW_SLOTS);
-        #[unroll]
-        for slot in 0..ROW_SLOTS {
-            let reduced = quad_max(new_max[slot]);
-            alpha[slot] = rescale_factor(m_row[slot], reduced);
-            l_row[slot] *= alpha[slot];
-            m_row[slot] = reduced;
-        }
-        #[unroll]
-        for t in 0..out_frags {
-            #[unroll]
-            for i in 0..vc {
-                let mut reg = o_acc[t * vc + i];
-                #[unroll]
-                for e in 0..sc {
-                    reg[e] *= alpha[(i * sc + e) / 2];
-                }
-                o_acc[t * vc + i] = reg;
-            }
-        }
-
-        // Probabilities in place of the scores, then into A fragments.
-        #[unroll]
-        for nt in 0..key_frags {
-            #[unroll]
-            for i in 0..vc {
-                let mut reg = s_acc[nt * vc + i];
-                #[unroll]
-                for e in 0..sc {
-                    let n = i * sc + e;
-                    let slot = n / 2;
-                    let key = key_start + (nt * FRAG_COLS) as u32 + accumulator_col(lane, n);
-                    let p = select(
-                        key < key_limit[slot],
-                        unnormalised_weight(reg[e], m_row[slot]),
-                        0.0f32,
-                    );
-                    l_row[slot] += p;
-                    reg[e] = p;
-                }
-                s_acc[nt * vc + i] = reg;
-            }
-        }
-        let p_frag = accumulator_to_fragments::<E, NA, NC>(&def, &s_acc, BLOCK_KEYS);
-
-        v_ready.arrive_and_wait();
-        multiply_by_rows::<E, NA, NB, NC>(&def, &p_frag, &v_tile, &mut o_acc, BLOCK_KEYS, head_dim);
+    // A block that sees no key never waited for its queries: no cube exits with copies in
+    // flight.
+    if num_tiles == 0 {
+        k_ready.arrive_and_wait();
     }
 
     // Write the state back.
     store_accumulator::<E, NC>(
-        &def, &o_acc, o, row_base, warp_start, q_len, 1.0f32, head_dim, false,
+        &def,
+        &o_acc,
+        o,
+        row_base,
+        plane_start,
+        q_len,
+        1.0f32,
+        PLANE_TILES,
+        head_dim,
+        false,
     );
     #[unroll]
-    for slot in 0..ROW_SLOTS {
-        let total = quad_sum(l_row[slot]);
-        let row = warp_start + slot_row(lane, slot);
+    for r in 0..LANE_ROWS {
+        let total = quad_sum(l_row[r]);
+        let row = plane_start + lane_row(lane, r);
         if row < q_len && first_in_quad {
-            m[row_base + row as usize] = m_row[slot];
+            m[row_base + row as usize] = m_row[r] * LN_2;
             l[row_base + row as usize] = total;
         }
     }
+}
+
+/// One key tile of the software pipeline (two mbarriers, one per operand):
+///   wait K(t) | issue V(t) | S = Q K(t)^T | sync | issue K(t+1) | softmax | wait V(t) | O += P V
+/// so the copy of V overlaps the score matmul and the copy of the next K the softmax and P V.
+/// With `masked`, scores of keys a row may not see are dropped (diagonal and last tiles only).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn attend_tile<E: Float, NA: Size, NB: Size, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    k: &Array<E>,
+    v: &Array<E>,
+    kv_base: usize,
+    kv_len: u32,
+    q_tile: &SharedMemory<E>,
+    k_tile: &mut SharedMemory<E>,
+    v_tile: &mut SharedMemory<E>,
+    k_ready: &Barrier,
+    v_ready: &Barrier,
+    tile: u32,
+    num_tiles: u32,
+    plane_row0: usize,
+    o_acc: &mut Array<Vector<f32, NC>>,
+    m_row: &mut Array<f32>,
+    l_row: &mut Array<f32>,
+    key_limit: &Array<u32>,
+    scale_log2: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] masked: bool,
+) {
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let key_frags = comptime!(BLOCK_KEYS / FRAG_COLS);
+    let out_frags = comptime!(head_dim / FRAG_COLS);
+    let lane = UNIT_POS_PLANE;
+    let key_start = tile * BLOCK_KEYS as u32;
+
+    // Every unit arrives here after its P V of the previous tile: V's buffer is free.
+    k_ready.arrive_and_wait();
+    stage_tile_async::<E>(
+        v, kv_base, key_start, kv_len, v_tile, BLOCK_KEYS, head_dim, UNITS,
+    );
+    v_ready.commit_copy_async();
+
+    let mut s_acc = zero_accumulator::<E, NC>(def, comptime!(PLANE_TILES * key_frags));
+    multiply_by_rows_transposed::<E, NA, NB, NC>(
+        def,
+        q_tile,
+        plane_row0,
+        k_tile,
+        &mut s_acc,
+        PLANE_TILES,
+        BLOCK_KEYS,
+        head_dim,
+    );
+
+    // Every plane is done reading K(t): prefetch K(t + 1) while the softmax and P V run.
+    sync_cube();
+    if tile + 1 < num_tiles {
+        stage_tile_async::<E>(
+            k,
+            kv_base,
+            key_start + BLOCK_KEYS as u32,
+            kv_len,
+            k_tile,
+            BLOCK_KEYS,
+            head_dim,
+            UNITS,
+        );
+        k_ready.commit_copy_async();
+    }
+
+    // The tile's max of each row over its visible raw scores (`q . k`).
+    let mut tile_max = Array::<f32>::new(LANE_ROWS);
+    #[unroll]
+    for r in 0..LANE_ROWS {
+        tile_max[r] = NO_SCORE;
+    }
+    #[unroll]
+    for mt in 0..PLANE_TILES {
+        #[unroll]
+        for nt in 0..key_frags {
+            #[unroll]
+            for i in 0..vc {
+                let reg = s_acc[(mt * key_frags + nt) * vc + i];
+                #[unroll]
+                for e in 0..sc {
+                    let n = i * sc + e;
+                    let r = mt * ROW_SLOTS + n / 2;
+                    let mut candidate = reg[e];
+                    if masked {
+                        let key = key_start + (nt * FRAG_COLS) as u32 + accumulator_col(lane, n);
+                        candidate = select(key < key_limit[r], candidate, NO_SCORE);
+                    }
+                    tile_max[r] = max(tile_max[r], candidate);
+                }
+            }
+        }
+    }
+    let mut alpha = Array::<f32>::new(LANE_ROWS);
+    #[unroll]
+    for r in 0..LANE_ROWS {
+        let reduced = quad_max(tile_max[r]);
+        let mut m_new = max(m_row[r], reduced * scale_log2);
+        if masked {
+            // A row that sees no key of this tile keeps its max (-inf if it has seen none).
+            m_new = select(reduced > NO_SCORE, m_new, m_row[r]);
+        }
+        alpha[r] = rescale_factor_log2(m_row[r], m_new);
+        l_row[r] *= alpha[r];
+        m_row[r] = m_new;
+    }
+    #[unroll]
+    for mt in 0..PLANE_TILES {
+        #[unroll]
+        for t in 0..out_frags {
+            #[unroll]
+            for i in 0..vc {
+                let mut reg = o_acc[(mt * out_frags + t) * vc + i];
+                #[unroll]
+                for e in 0..sc {
+                    reg[e] *= alpha[mt * ROW_SLOTS + (i * sc + e) / 2];
+                }
+                o_acc[(mt * out_frags + t) * vc + i] = reg;
+            }
+        }
+    }
+
+    // Probabilities in place of the scores, then into A fragments.
+    #[unroll]
+    for mt in 0..PLANE_TILES {
+        #[unroll]
+        for nt in 0..key_frags {
+            #[unroll]
+            for i in 0..vc {
+                let mut reg = s_acc[(mt * key_frags + nt) * vc + i];
+                #[unroll]
+                for e in 0..sc {
+                    let n = i * sc + e;
+                    let r = mt * ROW_SLOTS + n / 2;
+                    let mut p = weight_log2(reg[e], scale_log2, m_row[r]);
+                    if masked {
+                        let key = key_start + (nt * FRAG_COLS) as u32 + accumulator_col(lane, n);
+                        p = select(key < key_limit[r], p, 0.0f32);
+                    }
+                    l_row[r] += p;
+                    reg[e] = p;
+                }
+                s_acc[(mt * key_frags + nt) * vc + i] = reg;
+            }
+        }
+    }
+    let p_frag = accumulator_to_fragments::<E, NA, NC>(def, &s_acc, PLANE_TILES, BLOCK_KEYS);
+
+    v_ready.arrive_and_wait();
+    multiply_by_rows::<E, NA, NB, NC>(
+        def,
+        &p_frag,
+        v_tile,
+        o_acc,
+        PLANE_TILES,
+        BLOCK_KEYS,
+        head_dim,
+    );
 }

@@ -16,6 +16,7 @@ use crate::grid::{self, Rows};
 use crate::launch::{GradAccumulators, SoftmaxState};
 use crate::limits::DeviceLimits;
 use crate::tensor::{DeviceTensor, ElemType};
+use backward::{KEY_ROWS, QUERY_ROWS};
 use forward::{BLOCK_KEYS, BLOCK_ROWS, UNITS};
 use tiles::padded_stride;
 
@@ -24,7 +25,7 @@ pub const HEAD_DIMS: [usize; 2] = [64, 128];
 
 /// Whether this client can run the tensor-core kernels for `elem` and `head_dim`: f16 or bf16
 /// inputs, a supported head dimension, planes of 32, asynchronous copies and `m16n8k16` manual
-/// MMA with f32 accumulation.
+/// MMA with f32 accumulation (shared memory is checked with the launch plan, [`grids`]).
 pub fn supports<R: Runtime>(client: &ComputeClient<R>, elem: ElemType, head_dim: usize) -> bool {
     let storage = match elem {
         ElemType::F16 => half::f16::as_type_native_unchecked().storage_type(),
@@ -47,29 +48,31 @@ pub fn supports<R: Runtime>(client: &ComputeClient<R>, elem: ElemType, head_dim:
         && properties.features.matmul.mma.contains(&config)
 }
 
-/// Shared memory of the hungriest of the three kernels at `head_dim`, in bytes: the dK/dV
-/// kernel's K, V, Q and dO tiles (f16/bf16, rows padded to [`padded_stride`], each 16-byte
-/// aligned), its f32 lse and delta tiles and a barrier, rounded up generously. Must cover
-/// every kernel's `SharedMemory` declarations: the host checks it against the device before
-/// choosing this variant.
+/// Shared memory of the hungriest of the three kernels at `head_dim`, in bytes (f16/bf16 tiles,
+/// rows padded to [`padded_stride`], each 16-byte aligned, plus barriers): the forward's
+/// [`BLOCK_ROWS`] query rows and two [`BLOCK_KEYS`]-row key/value tiles, the dQ kernel's Q, dO,
+/// K and V tiles, the dK/dV kernel's K, V, Q and dO tiles and its f32 lse and delta rows. Must
+/// cover every kernel's `SharedMemory` declarations: the host checks it against the device
+/// before choosing this variant.
 pub(crate) fn shared_memory_bytes(head_dim: usize) -> usize {
     let tile = |rows: usize| (rows * padded_stride(head_dim) * 2).next_multiple_of(16) + 16;
     let barrier = 16;
-    let forward = 2 * tile(BLOCK_KEYS) + 2 * barrier;
-    let dq = 2 * tile(BLOCK_KEYS) + barrier;
-    let dkdv = 2 * tile(BLOCK_KEYS) + 2 * tile(BLOCK_ROWS) + 2 * (BLOCK_ROWS * 4 + 16) + barrier;
+    let forward = tile(BLOCK_ROWS) + 2 * tile(BLOCK_KEYS) + 2 * barrier;
+    let dq = 2 * tile(QUERY_ROWS) + 2 * tile(KEY_ROWS) + barrier;
+    let dkdv = 2 * tile(KEY_ROWS) + 2 * tile(QUERY_ROWS) + 2 * (QUERY_ROWS * 4 + 16) + barrier;
     forward.max(dq).max(dkdv)
 }
 
-/// The grids of the three kernels for one call (see [`crate::grid`]: x = block of rows,
-/// y and z = the (batch, head) slice).
+/// The grids of the three kernels for one call, slice-major (see [`crate::grid::slice_major`]:
+/// x = the (batch, head) slice, y = block of rows), so that every slice's first blocks (the
+/// heaviest under a causal mask, where the kernels take blocks in that order) start first.
 #[derive(Debug, Clone)]
 pub(crate) struct Grids {
     /// Forward: blocks of [`BLOCK_ROWS`] query rows, slices = batch * q_heads.
     pub forward: CubeCount,
-    /// dQ: blocks of [`BLOCK_ROWS`] query rows, slices = batch * q_heads.
+    /// dQ: blocks of [`QUERY_ROWS`] query rows, slices = batch * q_heads.
     pub dq: CubeCount,
-    /// dK/dV: blocks of [`BLOCK_KEYS`] keys, slices = batch * kv_heads.
+    /// dK/dV: blocks of [`KEY_ROWS`] keys, slices = batch * kv_heads.
     pub dkdv: CubeCount,
 }
 
@@ -81,11 +84,11 @@ pub(crate) fn grids(dims: &AttentionDims, limits: &DeviceLimits) -> Result<Grids
         "the tensor-core kernels",
         shared_memory_bytes(dims.head_dim),
     )?;
-    let blocks = |kernel, rows, per_block| grid::blocks(kernel, dims, rows, per_block, limits);
+    let blocks = |kernel, rows, per_block| grid::slice_major(kernel, dims, rows, per_block, limits);
     Ok(Grids {
         forward: blocks("the tensor-core forward", Rows::Query, BLOCK_ROWS)?,
-        dq: blocks("the tensor-core dQ kernel", Rows::Query, BLOCK_ROWS)?,
-        dkdv: blocks("the tensor-core dK/dV kernel", Rows::Key, BLOCK_KEYS)?,
+        dq: blocks("the tensor-core dQ kernel", Rows::Query, QUERY_ROWS)?,
+        dkdv: blocks("the tensor-core dK/dV kernel", Rows::Key, KEY_ROWS)?,
     })
 }
 

@@ -2,7 +2,7 @@
 //! reductions used by the tensor-core kernels.
 
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
-use cubecl::prelude::barrier::copy_async_checked;
+use cubecl::prelude::barrier::{copy_async, copy_async_checked};
 use cubecl::prelude::*;
 
 /// Rows of the accumulator layout a lane holds values of (`lane / 4` and `lane / 4 + 8`).
@@ -18,8 +18,10 @@ pub fn padded_stride(head_dim: usize) -> usize {
 pub const COPY_ELEMS: usize = 8;
 
 /// Issues asynchronous 16-byte copies of rows `[first, first + rows)` of a `[len, head_dim]`
-/// matrix starting at element `base` into a padded shared tile; rows at or past `len` are
-/// zero-filled. All `units` units take part; the caller commits and waits on a barrier.
+/// matrix starting at element `base` into a padded shared tile. With `checked`, rows at or past
+/// `len` copy nothing and are zero-filled; without, every row must be below `len` (interior
+/// tiles: no bounds arithmetic at all). All `units` units take part; the caller commits and
+/// waits on a barrier.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn stage_rows_async<E: Float>(
@@ -31,30 +33,58 @@ pub fn stage_rows_async<E: Float>(
     #[comptime] rows: usize,
     #[comptime] head_dim: usize,
     #[comptime] units: usize,
+    #[comptime] checked: bool,
 ) {
     let stride = comptime!(padded_stride(head_dim));
     let chunks_per_row = comptime!(head_dim / COPY_ELEMS);
     let per_unit = comptime!(rows * chunks_per_row / units);
+    let block_base = base + first as usize * head_dim;
     #[unroll]
     for it in 0..per_unit {
         let chunk = it * units + UNIT_POS as usize;
         let row = chunk / chunks_per_row;
         let col = (chunk % chunks_per_row) * COPY_ELEMS;
-        // Branch-free: rows past `len` copy nothing and are zero-filled.
-        let valid = first + (row as u32) < len;
-        let start = select(
-            valid,
-            base + (first as usize + row) * head_dim + col,
-            0usize,
-        );
-        let count = select(valid, COPY_ELEMS, 0usize);
         let at = row * stride + col;
         let mut destination = tile.slice_mut(at, at + COPY_ELEMS);
-        copy_async_checked(
-            &src.slice(start, start + count),
-            &mut destination,
-            COPY_ELEMS as u32,
-        );
+        if checked {
+            // Branch-free: rows past `len` copy nothing and are zero-filled.
+            let valid = first + (row as u32) < len;
+            let start = select(valid, block_base + row * head_dim + col, 0usize);
+            let count = select(valid, COPY_ELEMS, 0usize);
+            copy_async_checked(
+                &src.slice(start, start + count),
+                &mut destination,
+                COPY_ELEMS as u32,
+            );
+        } else {
+            let start = block_base + row * head_dim + col;
+            copy_async(
+                &src.slice(start, start + COPY_ELEMS),
+                &mut destination,
+                COPY_ELEMS as u32,
+            );
+        }
+    }
+}
+
+/// [`stage_rows_async`] of a tile that checks bounds only when it reaches past `len`: interior
+/// tiles take the unchecked path (one uniform branch per tile).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn stage_tile_async<E: Float>(
+    src: &Array<E>,
+    base: usize,
+    first: u32,
+    len: u32,
+    tile: &mut SharedMemory<E>,
+    #[comptime] rows: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] units: usize,
+) {
+    if first + rows as u32 <= len {
+        stage_rows_async::<E>(src, base, first, len, tile, rows, head_dim, units, false);
+    } else {
+        stage_rows_async::<E>(src, base, first, len, tile, rows, head_dim, units, true);
     }
 }
 

@@ -4,7 +4,9 @@
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 
-use super::fragments::{accumulator_col, accumulator_row, mma_accumulate, FRAG_COLS, FRAG_K};
+use super::fragments::{
+    accumulator_col, accumulator_row, mma_accumulate, FRAG_COLS, FRAG_K, WARP_ROWS,
+};
 use super::tiles::load_matrix_x4;
 
 /// `acc` tiles `acc_at` and the next one `+= a[a_at..] x` the two B fragments held back to back
@@ -31,62 +33,56 @@ pub fn accumulate_pair<E: Float, NA: Size, NB: Size, NC: Size>(
     mma_accumulate::<E, NA, NB, NC>(def, a, a_at, &b1, 0, acc, acc_at + vc);
 }
 
-/// A fragments of the 16 rows starting at `row0` of a staged tile, over the full head dimension
-/// (`head_dim / 16` fragments back to back). Lanes 0-15 address rows at column 0 of each 16-column
-/// step, lanes 16-31 the same rows at column 8.
+/// `acc += A . T^T` for `m_tiles` 16-row tiles of `A` (rows `a_row0 + 16 * mt` of the staged
+/// tile `a`) against `cols` staged rows `T` of length `head_dim` (scores against keys, or against
+/// queries in the dK/dV kernel). `acc` holds `m_tiles x cols / 8` accumulator tiles (tile
+/// `(mt, c)` at `(mt * cols / 8 + c) * vc`) and must be zeroed by the caller for a fresh product.
+///
+/// Each k-step loads the A fragments of every row tile once and each `ldmatrix.x4` of `T` feeds
+/// `2 * m_tiles` `mma`s.
 #[cube]
-pub fn load_row_fragments<E: Float, NA: Size>(
-    def: &MmaDefinition<E, E, f32>,
-    tile: &SharedMemory<E>,
-    row0: usize,
-    #[comptime] head_dim: usize,
-) -> Array<Vector<E, NA>> {
-    let va = def.vectors_per_lane(MatrixIdent::A);
-    let k_steps = comptime!(head_dim / FRAG_K);
-    let lane = UNIT_POS_PLANE as usize;
-    let mut frags = Array::<Vector<E, NA>>::new(comptime!(k_steps * va));
-    #[unroll]
-    for ks in 0..k_steps {
-        let regs = load_matrix_x4::<E, NA>(
-            def,
-            tile,
-            row0 + lane % 16,
-            ks * FRAG_K + (lane / 16) * 8,
-            head_dim,
-            MatrixIdent::A,
-            false,
-        );
-        #[unroll]
-        for i in 0..va {
-            frags[ks * va + i] = regs[i];
-        }
-    }
-    frags
-}
-
-/// `acc (16 x cols) += A (16 x head_dim) . T^T` where `T` is `cols` staged rows of length
-/// `head_dim` (scores against keys, or against queries in the dK/dV kernel). `acc` must be zeroed
-/// by the caller for a fresh product.
-#[cube]
+#[allow(clippy::too_many_arguments)]
 pub fn multiply_by_rows_transposed<E: Float, NA: Size, NB: Size, NC: Size>(
     def: &MmaDefinition<E, E, f32>,
-    a: &Array<Vector<E, NA>>,
+    a: &SharedMemory<E>,
+    a_row0: usize,
     tile: &SharedMemory<E>,
     acc: &mut Array<Vector<f32, NC>>,
+    #[comptime] m_tiles: usize,
     #[comptime] cols: usize,
     #[comptime] head_dim: usize,
 ) {
     let va = def.vectors_per_lane(MatrixIdent::A);
     let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
     let k_steps = comptime!(head_dim / FRAG_K);
+    let frags = comptime!(cols / FRAG_COLS);
     let lane = UNIT_POS_PLANE as usize;
-    // Lane l addresses row (2 * pair + (l / 8) / 2) * 8 + l % 8 at half (l / 8) % 2 of step ks:
-    // registers 0-1 are the B fragment of column tile 2 * pair, 2-3 that of 2 * pair + 1.
+    // A: lanes 0-15 address rows at column 0 of the 16-column step, lanes 16-31 the same rows at
+    // column 8. B: lane l addresses row (2 * pair + (l / 8) / 2) * 8 + l % 8 at half (l / 8) % 2
+    // of the step: registers 0-1 are the B fragment of column tile 2 * pair, 2-3 that of
+    // 2 * pair + 1.
     let quarter = lane / 8;
     #[unroll]
-    for pair in 0..comptime!(cols / FRAG_COLS / 2) {
+    for ks in 0..k_steps {
+        let mut a_frags = Array::<Vector<E, NA>>::new(comptime!(m_tiles * va));
         #[unroll]
-        for ks in 0..k_steps {
+        for mt in 0..m_tiles {
+            let regs = load_matrix_x4::<E, NA>(
+                def,
+                a,
+                a_row0 + mt * WARP_ROWS + lane % 16,
+                ks * FRAG_K + (lane / 16) * 8,
+                head_dim,
+                MatrixIdent::A,
+                false,
+            );
+            #[unroll]
+            for i in 0..va {
+                a_frags[mt * va + i] = regs[i];
+            }
+        }
+        #[unroll]
+        for pair in 0..comptime!(cols / FRAG_COLS / 2) {
             let regs = load_matrix_x4::<E, NB>(
                 def,
                 tile,
@@ -96,25 +92,39 @@ pub fn multiply_by_rows_transposed<E: Float, NA: Size, NB: Size, NC: Size>(
                 MatrixIdent::B,
                 false,
             );
-            accumulate_pair::<E, NA, NB, NC>(def, a, ks * va, &regs, acc, 2 * pair * vc);
+            #[unroll]
+            for mt in 0..m_tiles {
+                accumulate_pair::<E, NA, NB, NC>(
+                    def,
+                    &a_frags,
+                    mt * va,
+                    &regs,
+                    acc,
+                    (mt * frags + 2 * pair) * vc,
+                );
+            }
         }
     }
 }
 
-/// `acc (16 x head_dim) += P (16 x rows) . T` where `P` is given as A fragments (see
-/// [`accumulator_to_fragments`]) and `T` is `rows` staged rows of length `head_dim`
-/// (P V in the forward, dS K for dQ, P^T dO for dV, dS^T Q for dK).
+/// `acc (m_tiles x 16 x head_dim) += P . T` where `P` (`m_tiles x 16 x rows`) is given as A
+/// fragments (see [`accumulator_to_fragments`]) and `T` is `rows` staged rows of length
+/// `head_dim` (P V in the forward, dS K for dQ, P^T dO for dV, dS^T Q for dK). Each transposed
+/// `ldmatrix.x4` of `T` feeds `2 * m_tiles` `mma`s.
 #[cube]
 pub fn multiply_by_rows<E: Float, NA: Size, NB: Size, NC: Size>(
     def: &MmaDefinition<E, E, f32>,
     p: &Array<Vector<E, NA>>,
     tile: &SharedMemory<E>,
     acc: &mut Array<Vector<f32, NC>>,
+    #[comptime] m_tiles: usize,
     #[comptime] rows: usize,
     #[comptime] head_dim: usize,
 ) {
     let va = def.vectors_per_lane(MatrixIdent::A);
     let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let k_steps = comptime!(rows / FRAG_K);
+    let out_frags = comptime!(head_dim / FRAG_COLS);
     let lane = UNIT_POS_PLANE as usize;
     // Transposed `ldmatrix`: lane l addresses row kk * 16 + ((l / 8) % 2) * 8 + l % 8 at column
     // tile 2 * pair + (l / 8) / 2: registers 0-1 are the B fragment of output tile 2 * pair,
@@ -123,7 +133,7 @@ pub fn multiply_by_rows<E: Float, NA: Size, NB: Size, NC: Size>(
     #[unroll]
     for pair in 0..comptime!(head_dim / FRAG_COLS / 2) {
         #[unroll]
-        for kk in 0..comptime!(rows / FRAG_K) {
+        for kk in 0..k_steps {
             let regs = load_matrix_x4::<E, NB>(
                 def,
                 tile,
@@ -133,18 +143,29 @@ pub fn multiply_by_rows<E: Float, NA: Size, NB: Size, NC: Size>(
                 MatrixIdent::B,
                 true,
             );
-            accumulate_pair::<E, NA, NB, NC>(def, p, kk * va, &regs, acc, 2 * pair * vc);
+            #[unroll]
+            for mt in 0..m_tiles {
+                accumulate_pair::<E, NA, NB, NC>(
+                    def,
+                    p,
+                    (mt * k_steps + kk) * va,
+                    &regs,
+                    acc,
+                    (mt * out_frags + 2 * pair) * vc,
+                );
+            }
         }
     }
 }
 
-/// Converts a 16 x `cols` f32 accumulator into A fragments of element type `E` covering the same
-/// 16 x `cols` matrix: two adjacent 8-column accumulator tiles make one 16-column A fragment
-/// (see the layout facts in [`super::fragments`]).
+/// Converts `m_tiles` 16 x `cols` f32 accumulators into A fragments of element type `E` covering
+/// the same matrices (fragment `(mt, kk)` at `(mt * cols / 16 + kk) * va`): two adjacent 8-column
+/// accumulator tiles make one 16-column A fragment (see the layout facts in [`super::fragments`]).
 #[cube]
 pub fn accumulator_to_fragments<E: Float, NA: Size, NC: Size>(
     def: &MmaDefinition<E, E, f32>,
     acc: &Array<Vector<f32, NC>>,
+    #[comptime] m_tiles: usize,
     #[comptime] cols: usize,
 ) -> Array<Vector<E, NA>> {
     let va = def.vectors_per_lane(MatrixIdent::A);
@@ -152,23 +173,27 @@ pub fn accumulator_to_fragments<E: Float, NA: Size, NC: Size>(
     let sa = def.vector_size(MatrixIdent::A);
     let sc = def.vector_size(MatrixIdent::Accumulator);
     let steps = comptime!(cols / FRAG_K);
-    let mut frags = Array::<Vector<E, NA>>::new(comptime!(steps * va));
+    let frags = comptime!(cols / FRAG_COLS);
+    let mut out = Array::<Vector<E, NA>>::new(comptime!(m_tiles * steps * va));
     #[unroll]
-    for kk in 0..steps {
+    for mt in 0..m_tiles {
         #[unroll]
-        for i in 0..va {
-            let mut reg = Vector::<E, NA>::empty();
+        for kk in 0..steps {
             #[unroll]
-            for e in 0..sa {
-                let n = i * sa + e;
-                let src_tile = 2 * kk + n / 4;
-                let src_n = n % 4;
-                reg[e] = E::cast_from(acc[src_tile * vc + src_n / sc][src_n % sc]);
+            for i in 0..va {
+                let mut reg = Vector::<E, NA>::empty();
+                #[unroll]
+                for e in 0..sa {
+                    let n = i * sa + e;
+                    let src_tile = mt * frags + 2 * kk + n / 4;
+                    let src_n = n % 4;
+                    reg[e] = E::cast_from(acc[src_tile * vc + src_n / sc][src_n % sc]);
+                }
+                out[(mt * steps + kk) * va + i] = reg;
             }
-            frags[kk * va + i] = reg;
         }
     }
-    frags
+    out
 }
 
 /// A zeroed accumulator of `frags` 8-column tiles.
@@ -186,8 +211,9 @@ pub fn zero_accumulator<E: Float, NC: Size>(
     acc
 }
 
-/// Reads the plane's 16 rows (from `row0`, of `len` valid rows) of a row-major f32 matrix with
-/// `cols` columns starting at row `base` into an accumulator; invalid rows read as 0.
+/// Reads the plane's `m_tiles x 16` rows (from `row0`, of `len` valid rows) of a row-major f32
+/// matrix with `cols` columns starting at row `base` into an accumulator laid out as in
+/// [`multiply_by_rows`]; invalid rows read as 0.
 #[cube]
 pub fn load_accumulator<E: Float, NC: Size>(
     def: &MmaDefinition<E, E, f32>,
@@ -195,28 +221,33 @@ pub fn load_accumulator<E: Float, NC: Size>(
     base: usize,
     row0: u32,
     len: u32,
+    #[comptime] m_tiles: usize,
     #[comptime] cols: usize,
 ) -> Array<Vector<f32, NC>> {
     let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
     let sc = def.vector_size(MatrixIdent::Accumulator);
+    let frags = comptime!(cols / FRAG_COLS);
     let lane = UNIT_POS_PLANE;
-    let mut acc = Array::<Vector<f32, NC>>::new(comptime!(cols / FRAG_COLS * vc));
+    let mut acc = Array::<Vector<f32, NC>>::new(comptime!(m_tiles * frags * vc));
     #[unroll]
-    for t in 0..comptime!(cols / FRAG_COLS) {
+    for mt in 0..m_tiles {
         #[unroll]
-        for i in 0..vc {
-            let mut reg = Vector::<f32, NC>::empty();
+        for t in 0..frags {
             #[unroll]
-            for e in 0..sc {
-                let row = row0 + accumulator_row(lane, i * sc + e);
-                let col = t * FRAG_COLS + accumulator_col(lane, i * sc + e) as usize;
-                let mut val = 0.0f32;
-                if row < len {
-                    val = src[(base + row as usize) * cols + col];
+            for i in 0..vc {
+                let mut reg = Vector::<f32, NC>::empty();
+                #[unroll]
+                for e in 0..sc {
+                    let row = row0 + (mt * WARP_ROWS) as u32 + accumulator_row(lane, i * sc + e);
+                    let col = t * FRAG_COLS + accumulator_col(lane, i * sc + e) as usize;
+                    let mut val = 0.0f32;
+                    if row < len {
+                        val = src[(base + row as usize) * cols + col];
+                    }
+                    reg[e] = val;
                 }
-                reg[e] = val;
+                acc[(mt * frags + t) * vc + i] = reg;
             }
-            acc[t * vc + i] = reg;
         }
     }
     acc
@@ -234,27 +265,32 @@ pub fn store_accumulator<E: Float, NC: Size>(
     row0: u32,
     len: u32,
     scale: f32,
+    #[comptime] m_tiles: usize,
     #[comptime] cols: usize,
     #[comptime] accumulate: bool,
 ) {
     let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
     let sc = def.vector_size(MatrixIdent::Accumulator);
+    let frags = comptime!(cols / FRAG_COLS);
     let lane = UNIT_POS_PLANE;
     #[unroll]
-    for t in 0..comptime!(cols / FRAG_COLS) {
+    for mt in 0..m_tiles {
         #[unroll]
-        for i in 0..vc {
-            let reg = acc[t * vc + i];
+        for t in 0..frags {
             #[unroll]
-            for e in 0..sc {
-                let row = row0 + accumulator_row(lane, i * sc + e);
-                let col = t * FRAG_COLS + accumulator_col(lane, i * sc + e) as usize;
-                if row < len {
-                    let at = (base + row as usize) * cols + col;
-                    if accumulate {
-                        dst[at] += reg[e] * scale;
-                    } else {
-                        dst[at] = reg[e] * scale;
+            for i in 0..vc {
+                let reg = acc[(mt * frags + t) * vc + i];
+                #[unroll]
+                for e in 0..sc {
+                    let row = row0 + (mt * WARP_ROWS) as u32 + accumulator_row(lane, i * sc + e);
+                    let col = t * FRAG_COLS + accumulator_col(lane, i * sc + e) as usize;
+                    if row < len {
+                        let at = (base + row as usize) * cols + col;
+                        if accumulate {
+                            dst[at] += reg[e] * scale;
+                        } else {
+                            dst[at] = reg[e] * scale;
+                        }
                     }
                 }
             }

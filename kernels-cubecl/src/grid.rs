@@ -85,6 +85,17 @@ pub(crate) enum Rows {
     Key,
 }
 
+impl Rows {
+    /// Blocks of `per_block` rows per slice, and the number of (batch, head) slices.
+    fn blocks_and_slices(self, dims: &AttentionDims, per_block: usize) -> (usize, usize) {
+        let (len, heads) = match self {
+            Rows::Query => (dims.q_len, dims.q_heads),
+            Rows::Key => (dims.kv_len, dims.kv_heads),
+        };
+        (len.div_ceil(per_block), dims.batch * heads)
+    }
+}
+
 /// Grid of a sliced attention kernel whose cubes take blocks of `per_block` rows of `rows`.
 pub(crate) fn blocks(
     kernel: &str,
@@ -93,11 +104,8 @@ pub(crate) fn blocks(
     per_block: usize,
     limits: &DeviceLimits,
 ) -> Result<CubeCount, KernelError> {
-    let (len, heads) = match rows {
-        Rows::Query => (dims.q_len, dims.q_heads),
-        Rows::Key => (dims.kv_len, dims.kv_heads),
-    };
-    sliced(kernel, len.div_ceil(per_block), dims.batch * heads, limits)
+    let (blocks, slices) = rows.blocks_and_slices(dims, per_block);
+    sliced(kernel, blocks, slices, limits)
 }
 
 /// Grid of a slice-major attention kernel (see the module docs): x = the (batch, head) slice,
@@ -109,11 +117,7 @@ pub(crate) fn slice_major(
     per_block: usize,
     limits: &DeviceLimits,
 ) -> Result<CubeCount, KernelError> {
-    let (len, heads) = match rows {
-        Rows::Query => (dims.q_len, dims.q_heads),
-        Rows::Key => (dims.kv_len, dims.kv_heads),
-    };
-    let (slices, blocks) = (dims.batch * heads, len.div_ceil(per_block));
+    let (blocks, slices) = rows.blocks_and_slices(dims, per_block);
     let (max_x, max_y, _) = limits.max_cube_count;
     if slices > max_x as usize || blocks > max_y as usize {
         return Err(KernelError::DeviceLimit {

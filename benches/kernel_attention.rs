@@ -41,6 +41,9 @@ fn causal_forward_flops(seq: usize, shape: Shape) -> f64 {
     4.0 * (seq as f64).powi(2) * HEADS as f64 * shape.head_dim as f64 / 2.0
 }
 
+/// Calls per timed run in the queued rows.
+const QUEUED: usize = 8;
+
 /// Median seconds of `iters` timed runs after two warm-ups; `run` must block until done.
 fn median_seconds(iters: usize, mut run: impl FnMut()) -> f64 {
     run();
@@ -279,6 +282,15 @@ fn main() {
             sync(&client);
         });
         row("distflash (bf16)", "fwd", seq, secs, flops);
+        // The same calls queued back to back, one wait for all of them: what a training loop
+        // sees, without the host's launch-and-wait latency of a single call.
+        let secs = median_seconds(iters, || {
+            for _ in 0..QUEUED {
+                let _ = distflash_kernels::attention(&client, &q, &k, &v, &options).unwrap();
+            }
+            sync(&client);
+        }) / QUEUED as f64;
+        row("distflash (bf16), queued", "fwd", seq, secs, flops);
         if bwd_seqs.contains(&seq) {
             let grad_out = random_tensor(&client, q_dims, 4, elem);
             let secs = median_seconds(iters.min(3), || {
@@ -291,6 +303,24 @@ fn main() {
                 sync(&client);
             });
             row("distflash (bf16)", "fwd+bwd", seq, secs, 3.5 * flops);
+            let secs = median_seconds(iters.min(3), || {
+                for _ in 0..QUEUED {
+                    let (out, lse) =
+                        distflash_kernels::attention(&client, &q, &k, &v, &options).unwrap();
+                    let _ = distflash_kernels::attention_backward(
+                        &client, &q, &k, &v, &out, &lse, &grad_out, &options,
+                    )
+                    .unwrap();
+                }
+                sync(&client);
+            }) / QUEUED as f64;
+            row(
+                "distflash (bf16), queued",
+                "fwd+bwd",
+                seq,
+                secs,
+                3.5 * flops,
+            );
         }
         drop((q, k, v));
         if chunks > 1 {

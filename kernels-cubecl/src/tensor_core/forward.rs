@@ -318,6 +318,36 @@ fn attend_tile<E: Float, NA: Size, NB: Size, NC: Size>(
         k_ready.commit_copy_async();
     }
 
+    // On a diagonal or last tile, scores of keys a row may not see become `NO_SCORE` once: one
+    // compare against a compile-time column per score. `visible[r]` is how many of the tile's
+    // columns, counted from this lane's first one, row `r` sees (negative when none).
+    if masked {
+        let mut visible = Array::<i32>::new(LANE_ROWS);
+        #[unroll]
+        for r in 0..LANE_ROWS {
+            visible[r] =
+                key_limit[r] as i32 - key_start as i32 - accumulator_col(lane, 0usize) as i32;
+        }
+        #[unroll]
+        for mt in 0..PLANE_TILES {
+            #[unroll]
+            for nt in 0..key_frags {
+                #[unroll]
+                for i in 0..vc {
+                    let mut reg = s_acc[(mt * key_frags + nt) * vc + i];
+                    #[unroll]
+                    for e in 0..sc {
+                        let n = i * sc + e;
+                        let r = mt * ROW_SLOTS + n / 2;
+                        let col = (nt * FRAG_COLS + n % 2) as i32;
+                        reg[e] = select(col < visible[r], reg[e], NO_SCORE);
+                    }
+                    s_acc[(mt * key_frags + nt) * vc + i] = reg;
+                }
+            }
+        }
+    }
+
     // The tile's max of each row over its visible raw scores (`q . k`).
     let mut tile_max = Array::<f32>::new(LANE_ROWS);
     #[unroll]
@@ -333,19 +363,14 @@ fn attend_tile<E: Float, NA: Size, NB: Size, NC: Size>(
                 let reg = s_acc[(mt * key_frags + nt) * vc + i];
                 #[unroll]
                 for e in 0..sc {
-                    let n = i * sc + e;
-                    let r = mt * ROW_SLOTS + n / 2;
-                    let mut candidate = reg[e];
-                    if masked {
-                        let key = key_start + (nt * FRAG_COLS) as u32 + accumulator_col(lane, n);
-                        candidate = select(key < key_limit[r], candidate, NO_SCORE);
-                    }
-                    tile_max[r] = max(tile_max[r], candidate);
+                    let r = mt * ROW_SLOTS + (i * sc + e) / 2;
+                    tile_max[r] = max(tile_max[r], reg[e]);
                 }
             }
         }
     }
     let mut alpha = Array::<f32>::new(LANE_ROWS);
+    let mut max_moved = false;
     #[unroll]
     for r in 0..LANE_ROWS {
         let reduced = quad_max(tile_max[r]);
@@ -354,27 +379,42 @@ fn attend_tile<E: Float, NA: Size, NB: Size, NC: Size>(
             // A row that sees no key of this tile keeps its max (-inf if it has seen none).
             m_new = select(reduced > NO_SCORE, m_new, m_row[r]);
         }
+        max_moved = max_moved || m_new != m_row[r];
         alpha[r] = rescale_factor_log2(m_row[r], m_new);
         l_row[r] *= alpha[r];
         m_row[r] = m_new;
     }
-    #[unroll]
-    for mt in 0..PLANE_TILES {
+    // Past the first tiles a row's max rarely moves: when no row of the plane moved, every
+    // factor is exactly 1 and the plane skips the accumulator's rescale (a uniform branch).
+    if plane_any(max_moved) {
         #[unroll]
-        for t in 0..out_frags {
+        for mt in 0..PLANE_TILES {
             #[unroll]
-            for i in 0..vc {
-                let mut reg = o_acc[(mt * out_frags + t) * vc + i];
+            for t in 0..out_frags {
                 #[unroll]
-                for e in 0..sc {
-                    reg[e] *= alpha[mt * ROW_SLOTS + (i * sc + e) / 2];
+                for i in 0..vc {
+                    let mut reg = o_acc[(mt * out_frags + t) * vc + i];
+                    #[unroll]
+                    for e in 0..sc {
+                        reg[e] *= alpha[mt * ROW_SLOTS + (i * sc + e) / 2];
+                    }
+                    o_acc[(mt * out_frags + t) * vc + i] = reg;
                 }
-                o_acc[(mt * out_frags + t) * vc + i] = reg;
             }
         }
     }
 
-    // Probabilities in place of the scores, then into A fragments.
+    // Probabilities in place of the scores, then into A fragments. A masked score is `NO_SCORE`
+    // and weighs exactly 0 against any finite max; a row that has seen no key at all (max
+    // `-inf`) is weighed against `f32::MAX` instead, so every one of its weights is 0 too.
+    let mut m_weigh = Array::<f32>::new(LANE_ROWS);
+    #[unroll]
+    for r in 0..LANE_ROWS {
+        m_weigh[r] = m_row[r];
+        if masked {
+            m_weigh[r] = select(m_row[r] > NO_SCORE, m_row[r], f32::MAX);
+        }
+    }
     #[unroll]
     for mt in 0..PLANE_TILES {
         #[unroll]
@@ -384,13 +424,8 @@ fn attend_tile<E: Float, NA: Size, NB: Size, NC: Size>(
                 let mut reg = s_acc[(mt * key_frags + nt) * vc + i];
                 #[unroll]
                 for e in 0..sc {
-                    let n = i * sc + e;
-                    let r = mt * ROW_SLOTS + n / 2;
-                    let mut p = weight_log2(reg[e], scale_log2, m_row[r]);
-                    if masked {
-                        let key = key_start + (nt * FRAG_COLS) as u32 + accumulator_col(lane, n);
-                        p = select(key < key_limit[r], p, 0.0f32);
-                    }
+                    let r = mt * ROW_SLOTS + (i * sc + e) / 2;
+                    let p = weight_log2(reg[e], scale_log2, m_weigh[r]);
                     l_row[r] += p;
                     reg[e] = p;
                 }

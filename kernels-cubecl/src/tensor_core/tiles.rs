@@ -88,21 +88,49 @@ pub fn stage_tile_async<E: Float>(
     }
 }
 
-/// `ldmatrix.x4` from a padded shared tile: lane `l` gives the address of row `row_of(l)` at
-/// column `col_of(l)` (8 contiguous elements), and gets back 4 registers, one per 8x8 matrix.
+/// `ldmatrix.x4` from a padded shared tile at element `at`: each lane gives the address of its
+/// own row (8 contiguous elements) and gets back 4 registers, one per 8x8 matrix. Callers pass
+/// `at` as a per-lane base (computed once) plus a compile-time offset, so the address of every
+/// load in an unrolled loop is that base plus an immediate.
 #[cube]
 pub fn load_matrix_x4<E: Float, N: Size>(
     def: &MmaDefinition<E, E, f32>,
     tile: &SharedMemory<E>,
-    row: usize,
-    col: usize,
-    #[comptime] head_dim: usize,
+    at: usize,
     #[comptime] ident: MatrixIdent,
     #[comptime] transpose: bool,
 ) -> Array<Vector<E, N>> {
-    let stride = comptime!(padded_stride(head_dim));
-    let at = row * stride + col;
     def.load_matrix::<E, N>(&tile.slice(at, at + COPY_ELEMS), ident, 4usize, transpose)
+}
+
+/// Element offset, within a padded tile, of the row a lane addresses in an `ldmatrix.x4` of one
+/// 16 x 16 `A` fragment at the tile's origin: lanes 0-15 rows 0-15 at column 0, lanes 16-31 the
+/// same rows at column 8.
+#[cube]
+pub fn a_lane_offset(lane: u32, #[comptime] head_dim: usize) -> usize {
+    let lane = lane as usize;
+    (lane % 16) * comptime!(padded_stride(head_dim)) + (lane / 16) * 8
+}
+
+/// Element offset of the row a lane addresses in an `ldmatrix.x4` of two `B` fragments of
+/// 16 x 8 side by side at the tile's origin. Untransposed (`T^T`: rows of the tile are the
+/// fragments' columns): lane `l` row `((l / 8) / 2) * 8 + l % 8` at column `((l / 8) % 2) * 8`,
+/// registers 0-1 the first fragment, 2-3 the second. With `transpose` (`T` itself, `.trans`
+/// load): lane `l` row `((l / 8) % 2) * 8 + l % 8` at column `((l / 8) / 2) * 8`.
+#[cube]
+pub fn pair_lane_offset(
+    lane: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] transpose: bool,
+) -> usize {
+    let lane = lane as usize;
+    let quarter = lane / 8;
+    let stride = comptime!(padded_stride(head_dim));
+    if transpose {
+        ((quarter % 2) * 8 + lane % 8) * stride + (quarter / 2) * 8
+    } else {
+        ((quarter / 2) * 8 + lane % 8) * stride + (quarter % 2) * 8
+    }
 }
 
 /// Max over the four lanes of a quad (the lanes sharing a row in the accumulator layout).

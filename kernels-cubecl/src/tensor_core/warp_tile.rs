@@ -7,7 +7,7 @@ use cubecl::prelude::*;
 use super::fragments::{
     accumulator_col, accumulator_row, mma_accumulate, FRAG_COLS, FRAG_K, WARP_ROWS,
 };
-use super::tiles::load_matrix_x4;
+use super::tiles::{a_lane_offset, load_matrix_x4, padded_stride, pair_lane_offset};
 
 /// `acc` tiles `acc_at` and the next one `+= a[a_at..] x` the two B fragments held back to back
 /// in `pair` (one `ldmatrix.x4`).
@@ -56,12 +56,11 @@ pub fn multiply_by_rows_transposed<E: Float, NA: Size, NB: Size, NC: Size>(
     let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
     let k_steps = comptime!(head_dim / FRAG_K);
     let frags = comptime!(cols / FRAG_COLS);
-    let lane = UNIT_POS_PLANE as usize;
-    // A: lanes 0-15 address rows at column 0 of the 16-column step, lanes 16-31 the same rows at
-    // column 8. B: lane l addresses row (2 * pair + (l / 8) / 2) * 8 + l % 8 at half (l / 8) % 2
-    // of the step: registers 0-1 are the B fragment of column tile 2 * pair, 2-3 that of
-    // 2 * pair + 1.
-    let quarter = lane / 8;
+    let stride = comptime!(padded_stride(head_dim));
+    // Per-lane bases (see `a_lane_offset`, `pair_lane_offset`); every load below adds only a
+    // compile-time offset to one of them.
+    let a_base = a_row0 * stride + a_lane_offset(UNIT_POS_PLANE, head_dim);
+    let t_base = pair_lane_offset(UNIT_POS_PLANE, head_dim, false);
     #[unroll]
     for ks in 0..k_steps {
         let mut a_frags = Array::<Vector<E, NA>>::new(comptime!(m_tiles * va));
@@ -70,9 +69,7 @@ pub fn multiply_by_rows_transposed<E: Float, NA: Size, NB: Size, NC: Size>(
             let regs = load_matrix_x4::<E, NA>(
                 def,
                 a,
-                a_row0 + mt * WARP_ROWS + lane % 16,
-                ks * FRAG_K + (lane / 16) * 8,
-                head_dim,
+                a_base + comptime!(mt * WARP_ROWS * stride + ks * FRAG_K),
                 MatrixIdent::A,
                 false,
             );
@@ -83,12 +80,11 @@ pub fn multiply_by_rows_transposed<E: Float, NA: Size, NB: Size, NC: Size>(
         }
         #[unroll]
         for pair in 0..comptime!(cols / FRAG_COLS / 2) {
+            // Registers 0-1: the B fragment of column tile 2 * pair, 2-3: of 2 * pair + 1.
             let regs = load_matrix_x4::<E, NB>(
                 def,
                 tile,
-                (2 * pair + quarter / 2) * FRAG_COLS + lane % 8,
-                ks * FRAG_K + (quarter % 2) * 8,
-                head_dim,
+                t_base + comptime!(2 * pair * FRAG_COLS * stride + ks * FRAG_K),
                 MatrixIdent::B,
                 false,
             );
@@ -125,21 +121,17 @@ pub fn multiply_by_rows<E: Float, NA: Size, NB: Size, NC: Size>(
     let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
     let k_steps = comptime!(rows / FRAG_K);
     let out_frags = comptime!(head_dim / FRAG_COLS);
-    let lane = UNIT_POS_PLANE as usize;
-    // Transposed `ldmatrix`: lane l addresses row kk * 16 + ((l / 8) % 2) * 8 + l % 8 at column
-    // tile 2 * pair + (l / 8) / 2: registers 0-1 are the B fragment of output tile 2 * pair,
-    // 2-3 that of 2 * pair + 1.
-    let quarter = lane / 8;
+    let stride = comptime!(padded_stride(head_dim));
+    let t_base = pair_lane_offset(UNIT_POS_PLANE, head_dim, true);
     #[unroll]
     for pair in 0..comptime!(head_dim / FRAG_COLS / 2) {
         #[unroll]
         for kk in 0..k_steps {
+            // Registers 0-1: the B fragment of output tile 2 * pair, 2-3: of 2 * pair + 1.
             let regs = load_matrix_x4::<E, NB>(
                 def,
                 tile,
-                kk * FRAG_K + (quarter % 2) * 8 + lane % 8,
-                (2 * pair + quarter / 2) * FRAG_COLS,
-                head_dim,
+                t_base + comptime!(kk * FRAG_K * stride + 2 * pair * FRAG_COLS),
                 MatrixIdent::B,
                 true,
             );

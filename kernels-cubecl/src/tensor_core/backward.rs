@@ -6,6 +6,8 @@
 //!
 //! As in the forward, tiles that every row of the block sees whole run with no mask and
 //! unchecked staging, and probabilities are one FMA and one `exp2` from a base-2 log-sum-exp.
+//! The walked tiles are double-buffered: the copies of tile `t + 1` are issued before tile `t` is
+//! waited on, so they land while tile `t` computes.
 
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::barrier::Barrier;
@@ -77,16 +79,20 @@ pub fn backward_dq_mma<E: Float>(
 
     let mut q_tile = SharedMemory::<E>::new_aligned(comptime!(QUERY_ROWS * stride), 16usize);
     let mut do_tile = SharedMemory::<E>::new_aligned(comptime!(QUERY_ROWS * stride), 16usize);
-    let mut k_tile = SharedMemory::<E>::new_aligned(comptime!(KEY_ROWS * stride), 16usize);
-    let mut v_tile = SharedMemory::<E>::new_aligned(comptime!(KEY_ROWS * stride), 16usize);
-    let ready = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    // Two buffers of K and V tiles: key tile `t` in rows `(t % 2) * KEY_ROWS..`.
+    let mut k_tiles = SharedMemory::<E>::new_aligned(comptime!(2 * KEY_ROWS * stride), 16usize);
+    let mut v_tiles = SharedMemory::<E>::new_aligned(comptime!(2 * KEY_ROWS * stride), 16usize);
+    let ready_even = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let ready_odd = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     sync_cube();
+    // The block's Q and dO and the first key tile arrive on the even barrier.
     stage_rows_async::<E>(
         q,
         row_base * head_dim,
         block_start,
         q_len,
         &mut q_tile,
+        0usize,
         QUERY_ROWS,
         head_dim,
         UNITS,
@@ -98,11 +104,27 @@ pub fn backward_dq_mma<E: Float>(
         block_start,
         q_len,
         &mut do_tile,
+        0usize,
         QUERY_ROWS,
         head_dim,
         UNITS,
         true,
     );
+    let num_tiles = kv_end.div_ceil(KEY_ROWS as u32);
+    if num_tiles > 0 {
+        stage_key_tile::<E>(
+            k,
+            v,
+            kv_base,
+            0u32,
+            kv_len,
+            &mut k_tiles,
+            &mut v_tiles,
+            0u32,
+            head_dim,
+        );
+    }
+    ready_even.commit_copy_async();
 
     let mut lse_row = Array::<f32>::new(ROW_SLOTS);
     let mut delta_row = Array::<f32>::new(ROW_SLOTS);
@@ -128,7 +150,6 @@ pub fn backward_dq_mma<E: Float>(
 
     let scale_log2 = scale * LOG2_E;
     let mut dq_acc = zero_accumulator::<E, NC>(&def, out_frags);
-    let num_tiles = kv_end.div_ceil(KEY_ROWS as u32);
     let whole_tiles = visible_key_end(block_start, kv_len, shift, causal) / KEY_ROWS as u32;
     for tile in 0..whole_tiles {
         dq_tile::<E, NA, NB, NC>(
@@ -139,10 +160,12 @@ pub fn backward_dq_mma<E: Float>(
             kv_len,
             &q_tile,
             &do_tile,
-            &mut k_tile,
-            &mut v_tile,
-            &ready,
+            &mut k_tiles,
+            &mut v_tiles,
+            &ready_even,
+            &ready_odd,
             tile,
+            num_tiles,
             plane_row0,
             &mut dq_acc,
             &lse_row,
@@ -162,10 +185,12 @@ pub fn backward_dq_mma<E: Float>(
             kv_len,
             &q_tile,
             &do_tile,
-            &mut k_tile,
-            &mut v_tile,
-            &ready,
+            &mut k_tiles,
+            &mut v_tiles,
+            &ready_even,
+            &ready_odd,
             tile,
+            num_tiles,
             plane_row0,
             &mut dq_acc,
             &lse_row,
@@ -176,11 +201,10 @@ pub fn backward_dq_mma<E: Float>(
             true,
         );
     }
-    // A block that sees no key never committed its Q and dO copies: no cube exits with copies
+    // A block that sees no key never waited for its Q and dO copies: no cube exits with copies
     // in flight.
     if num_tiles == 0 {
-        ready.commit_copy_async();
-        ready.arrive_and_wait();
+        ready_even.arrive_and_wait();
     }
 
     store_accumulator::<E, NC>(
@@ -197,9 +221,53 @@ pub fn backward_dq_mma<E: Float>(
     );
 }
 
-/// One key tile of the dQ kernel: stage K and V (the block's Q and dO arrive on the first
-/// tile's barrier), S = Q K^T, dP = dO V^T, dS = P (dP - delta), dQ += dS K. With `masked`,
-/// keys a row may not see get P = 0.
+/// Issues the copies of key tile `key_start` of K and V into buffer `buffer` (0 or 1) of the
+/// double-buffered tiles; the caller commits them on that buffer's barrier.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_key_tile<E: Float>(
+    k: &Array<E>,
+    v: &Array<E>,
+    kv_base: usize,
+    key_start: u32,
+    kv_len: u32,
+    k_tiles: &mut SharedMemory<E>,
+    v_tiles: &mut SharedMemory<E>,
+    buffer: u32,
+    #[comptime] head_dim: usize,
+) {
+    let row0 = buffer as usize * KEY_ROWS;
+    stage_tile_async::<E>(
+        k, kv_base, key_start, kv_len, k_tiles, row0, KEY_ROWS, head_dim, UNITS,
+    );
+    stage_tile_async::<E>(
+        v, kv_base, key_start, kv_len, v_tiles, row0, KEY_ROWS, head_dim, UNITS,
+    );
+}
+
+/// Commits the calling unit's pending copies on the barrier of buffer `buffer` (0 or 1).
+#[cube]
+fn commit_to_buffer(ready_even: &Barrier, ready_odd: &Barrier, buffer: u32) {
+    if buffer == 0 {
+        ready_even.commit_copy_async();
+    } else {
+        ready_odd.commit_copy_async();
+    }
+}
+
+/// Waits until the copies committed on the barrier of buffer `buffer` (0 or 1) have landed.
+#[cube]
+fn wait_for_buffer(ready_even: &Barrier, ready_odd: &Barrier, buffer: u32) {
+    if buffer == 0 {
+        ready_even.arrive_and_wait();
+    } else {
+        ready_odd.arrive_and_wait();
+    }
+}
+
+/// One key tile of the dQ kernel: issue the next tile's K and V into the other buffer, wait for
+/// this tile's (the block's Q and dO arrive with the first), then S = Q K^T, dP = dO V^T,
+/// dS = P (dP - delta), dQ += dS K. With `masked`, keys a row may not see get P = 0.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn dq_tile<E: Float, NA: Size, NB: Size, NC: Size>(
@@ -210,10 +278,12 @@ fn dq_tile<E: Float, NA: Size, NB: Size, NC: Size>(
     kv_len: u32,
     q_tile: &SharedMemory<E>,
     do_tile: &SharedMemory<E>,
-    k_tile: &mut SharedMemory<E>,
-    v_tile: &mut SharedMemory<E>,
-    ready: &Barrier,
+    k_tiles: &mut SharedMemory<E>,
+    v_tiles: &mut SharedMemory<E>,
+    ready_even: &Barrier,
+    ready_odd: &Barrier,
     tile: u32,
+    num_tiles: u32,
     plane_row0: usize,
     dq_acc: &mut Array<Vector<f32, NC>>,
     lse_row: &Array<f32>,
@@ -228,27 +298,38 @@ fn dq_tile<E: Float, NA: Size, NB: Size, NC: Size>(
     let key_frags = comptime!(KEY_ROWS / FRAG_COLS);
     let lane = UNIT_POS_PLANE;
     let key_start = tile * KEY_ROWS as u32;
+    let buffer = tile % 2;
+    let row0 = buffer as usize * KEY_ROWS;
 
+    // Every plane is done with tile - 1: its buffer takes tile + 1.
     sync_cube();
-    stage_tile_async::<E>(
-        k, kv_base, key_start, kv_len, k_tile, KEY_ROWS, head_dim, UNITS,
-    );
-    stage_tile_async::<E>(
-        v, kv_base, key_start, kv_len, v_tile, KEY_ROWS, head_dim, UNITS,
-    );
-    ready.commit_copy_async();
-    ready.arrive_and_wait();
+    if tile + 1 < num_tiles {
+        stage_key_tile::<E>(
+            k,
+            v,
+            kv_base,
+            key_start + KEY_ROWS as u32,
+            kv_len,
+            k_tiles,
+            v_tiles,
+            1 - buffer,
+            head_dim,
+        );
+        commit_to_buffer(ready_even, ready_odd, 1 - buffer);
+    }
+    wait_for_buffer(ready_even, ready_odd, buffer);
 
     let mut s_acc = zero_accumulator::<E, NC>(def, key_frags);
     multiply_by_rows_transposed::<E, NA, NB, NC>(
-        def, q_tile, plane_row0, k_tile, &mut s_acc, 1usize, KEY_ROWS, head_dim,
+        def, q_tile, plane_row0, k_tiles, row0, &mut s_acc, 1usize, KEY_ROWS, head_dim,
     );
     let mut dp_acc = zero_accumulator::<E, NC>(def, key_frags);
     multiply_by_rows_transposed::<E, NA, NB, NC>(
         def,
         do_tile,
         plane_row0,
-        v_tile,
+        v_tiles,
+        row0,
         &mut dp_acc,
         1usize,
         KEY_ROWS,
@@ -277,7 +358,9 @@ fn dq_tile<E: Float, NA: Size, NB: Size, NC: Size>(
         }
     }
     let ds_frag = accumulator_to_fragments::<E, NA, NC>(def, &dp_acc, 1usize, KEY_ROWS);
-    multiply_by_rows::<E, NA, NB, NC>(def, &ds_frag, k_tile, dq_acc, 1usize, KEY_ROWS, head_dim);
+    multiply_by_rows::<E, NA, NB, NC>(
+        def, &ds_frag, k_tiles, row0, dq_acc, 1usize, KEY_ROWS, head_dim,
+    );
 }
 
 /// dK/dV step. Grid: slice-major, x = batch * kv_heads, y = key blocks of [`KEY_ROWS`] (under a causal mask
@@ -324,11 +407,13 @@ pub fn backward_dkdv_mma<E: Float>(
 
     let mut k_block = SharedMemory::<E>::new_aligned(comptime!(KEY_ROWS * stride), 16usize);
     let mut v_block = SharedMemory::<E>::new_aligned(comptime!(KEY_ROWS * stride), 16usize);
-    let mut q_tile = SharedMemory::<E>::new_aligned(comptime!(QUERY_ROWS * stride), 16usize);
-    let mut do_tile = SharedMemory::<E>::new_aligned(comptime!(QUERY_ROWS * stride), 16usize);
-    let mut lse_tile = SharedMemory::<f32>::new(QUERY_ROWS);
-    let mut delta_tile = SharedMemory::<f32>::new(QUERY_ROWS);
-    let ready = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    // Two buffers of query tiles and their rows' statistics: walk step `s` in buffer `s % 2`.
+    let mut q_tiles = SharedMemory::<E>::new_aligned(comptime!(2 * QUERY_ROWS * stride), 16usize);
+    let mut do_tiles = SharedMemory::<E>::new_aligned(comptime!(2 * QUERY_ROWS * stride), 16usize);
+    let mut lse_tiles = SharedMemory::<f32>::new(comptime!(2 * QUERY_ROWS));
+    let mut delta_tiles = SharedMemory::<f32>::new(comptime!(2 * QUERY_ROWS));
+    let ready_even = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let ready_odd = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     sync_cube();
     stage_rows_async::<E>(
         k,
@@ -336,6 +421,7 @@ pub fn backward_dkdv_mma<E: Float>(
         block_start,
         kv_len,
         &mut k_block,
+        0usize,
         KEY_ROWS,
         head_dim,
         UNITS,
@@ -347,6 +433,7 @@ pub fn backward_dkdv_mma<E: Float>(
         block_start,
         kv_len,
         &mut v_block,
+        0usize,
         KEY_ROWS,
         head_dim,
         UNITS,
@@ -365,8 +452,10 @@ pub fn backward_dkdv_mma<E: Float>(
         }
         query_floor[slot] = select(key < kv_len, floor, q_len);
     }
-    // Query tiles: [first, whole_from) on the causal diagonal (masked), [whole_from, whole_end)
-    // seen whole by every key of the block, [whole_end, num_tiles) the chunk's partial last tile.
+    // Query tiles of each query head of the group: [first, whole_from) on the causal diagonal
+    // (masked), [whole_from, whole_end) seen whole by every key of the block, [whole_end,
+    // num_tiles) the chunk's partial last tile. The walk visits `tiles` of them per head,
+    // head after head.
     let num_tiles = q_len.div_ceil(QUERY_ROWS as u32);
     let whole_end = q_len / QUERY_ROWS as u32;
     let mut first = 0u32;
@@ -378,30 +467,58 @@ pub fn backward_dkdv_mma<E: Float>(
             min(max(block_last as i32 - shift, 0i32) as u32, q_len).div_ceil(QUERY_ROWS as u32);
     }
     whole_from = min(whole_from, whole_end);
+    first = min(first, num_tiles);
+    let walk = QueryWalk {
+        head0: batch * q_heads + kv_head * group_size,
+        q_len,
+        first,
+        tiles: num_tiles - first,
+    };
+    let steps = group_size * walk.tiles;
+
+    // The block's K and V and the first query tile arrive on the even barrier.
+    if steps > 0 {
+        stage_query_tile::<E>(
+            q,
+            grad_out,
+            lse,
+            delta,
+            walk.row_base(0u32),
+            walk.tile(0u32) * QUERY_ROWS as u32,
+            q_len,
+            &mut q_tiles,
+            &mut do_tiles,
+            &mut lse_tiles,
+            &mut delta_tiles,
+            0u32,
+            head_dim,
+        );
+    }
+    ready_even.commit_copy_async();
 
     let scale_log2 = scale * LOG2_E;
     let mut dk_acc = zero_accumulator::<E, NC>(&def, out_frags);
     let mut dv_acc = zero_accumulator::<E, NC>(&def, out_frags);
-    for g in 0..group_size {
-        let q_bh = batch * q_heads + kv_head * group_size + g;
-        let row_base = (q_bh * q_len) as usize;
-        for tile in first..whole_from {
+    for step in 0..steps {
+        let tile = walk.tile(step);
+        if tile < whole_from || tile >= whole_end {
             dkdv_tile::<E, NA, NB, NC>(
                 &def,
                 q,
                 grad_out,
                 lse,
                 delta,
-                row_base,
-                q_len,
+                &walk,
                 &k_block,
                 &v_block,
-                &mut q_tile,
-                &mut do_tile,
-                &mut lse_tile,
-                &mut delta_tile,
-                &ready,
-                tile,
+                &mut q_tiles,
+                &mut do_tiles,
+                &mut lse_tiles,
+                &mut delta_tiles,
+                &ready_even,
+                &ready_odd,
+                step,
+                steps,
                 plane_row0,
                 &mut dk_acc,
                 &mut dv_acc,
@@ -410,24 +527,24 @@ pub fn backward_dkdv_mma<E: Float>(
                 head_dim,
                 true,
             );
-        }
-        for tile in max(first, whole_from)..whole_end {
+        } else {
             dkdv_tile::<E, NA, NB, NC>(
                 &def,
                 q,
                 grad_out,
                 lse,
                 delta,
-                row_base,
-                q_len,
+                &walk,
                 &k_block,
                 &v_block,
-                &mut q_tile,
-                &mut do_tile,
-                &mut lse_tile,
-                &mut delta_tile,
-                &ready,
-                tile,
+                &mut q_tiles,
+                &mut do_tiles,
+                &mut lse_tiles,
+                &mut delta_tiles,
+                &ready_even,
+                &ready_odd,
+                step,
+                steps,
                 plane_row0,
                 &mut dk_acc,
                 &mut dv_acc,
@@ -437,38 +554,11 @@ pub fn backward_dkdv_mma<E: Float>(
                 false,
             );
         }
-        for tile in max(first, whole_end)..num_tiles {
-            dkdv_tile::<E, NA, NB, NC>(
-                &def,
-                q,
-                grad_out,
-                lse,
-                delta,
-                row_base,
-                q_len,
-                &k_block,
-                &v_block,
-                &mut q_tile,
-                &mut do_tile,
-                &mut lse_tile,
-                &mut delta_tile,
-                &ready,
-                tile,
-                plane_row0,
-                &mut dk_acc,
-                &mut dv_acc,
-                &query_floor,
-                scale_log2,
-                head_dim,
-                true,
-            );
-        }
     }
-    // Keys no query sees never committed their K and V copies: no cube exits with copies in
+    // Keys no query sees never waited for their K and V copies: no cube exits with copies in
     // flight.
-    if first >= num_tiles {
-        ready.commit_copy_async();
-        ready.arrive_and_wait();
+    if steps == 0 {
+        ready_even.arrive_and_wait();
     }
 
     store_accumulator::<E, NC>(
@@ -497,49 +587,57 @@ pub fn backward_dkdv_mma<E: Float>(
     );
 }
 
-/// One query tile of the dK/dV kernel: stage Q, dO and their rows' statistics (the block's K
-/// and V arrive on the first tile's barrier), S^T = K Q^T, dP^T = V dO^T, dV += P^T dO,
-/// dK += dS^T Q. With `masked`, queries that may not see a key (causal diagonal, rows past the
-/// chunk) get P = 0.
+/// The query tiles one dK/dV cube walks: for each query head of its group (from `head0`), tiles
+/// `first..first + tiles` of `QUERY_ROWS` rows, head after head.
+#[derive(CubeType)]
+struct QueryWalk {
+    head0: u32,
+    q_len: u32,
+    first: u32,
+    tiles: u32,
+}
+
+#[cube]
+impl QueryWalk {
+    /// Query tile (within its head) of walk step `step`.
+    fn tile(&self, step: u32) -> u32 {
+        self.first + step % self.tiles
+    }
+
+    /// First element row of walk step `step`'s query head.
+    fn row_base(&self, step: u32) -> usize {
+        ((self.head0 + step / self.tiles) * self.q_len) as usize
+    }
+}
+
+/// Issues the copies of the query tile starting at row `q_start` of Q and dO (of the query head
+/// whose rows start at `row_base`) into buffer `buffer` (0 or 1), and stores its rows' base-2
+/// log-sum-exp and delta there (plain stores: visible after the caller's next `sync_cube`).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn dkdv_tile<E: Float, NA: Size, NB: Size, NC: Size>(
-    def: &MmaDefinition<E, E, f32>,
+fn stage_query_tile<E: Float>(
     q: &Array<E>,
     grad_out: &Array<E>,
     lse: &Array<f32>,
     delta: &Array<f32>,
     row_base: usize,
+    q_start: u32,
     q_len: u32,
-    k_block: &SharedMemory<E>,
-    v_block: &SharedMemory<E>,
-    q_tile: &mut SharedMemory<E>,
-    do_tile: &mut SharedMemory<E>,
-    lse_tile: &mut SharedMemory<f32>,
-    delta_tile: &mut SharedMemory<f32>,
-    ready: &Barrier,
-    tile: u32,
-    plane_row0: usize,
-    dk_acc: &mut Array<Vector<f32, NC>>,
-    dv_acc: &mut Array<Vector<f32, NC>>,
-    query_floor: &Array<u32>,
-    scale_log2: f32,
+    q_tiles: &mut SharedMemory<E>,
+    do_tiles: &mut SharedMemory<E>,
+    lse_tiles: &mut SharedMemory<f32>,
+    delta_tiles: &mut SharedMemory<f32>,
+    buffer: u32,
     #[comptime] head_dim: usize,
-    #[comptime] masked: bool,
 ) {
-    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
-    let sc = def.vector_size(MatrixIdent::Accumulator);
-    let query_frags = comptime!(QUERY_ROWS / FRAG_COLS);
-    let lane = UNIT_POS_PLANE;
-    let q_start = tile * QUERY_ROWS as u32;
-
-    sync_cube();
+    let row0 = buffer as usize * QUERY_ROWS;
     stage_tile_async::<E>(
         q,
         row_base * head_dim,
         q_start,
         q_len,
-        q_tile,
+        q_tiles,
+        row0,
         QUERY_ROWS,
         head_dim,
         UNITS,
@@ -549,7 +647,8 @@ fn dkdv_tile<E: Float, NA: Size, NB: Size, NC: Size>(
         row_base * head_dim,
         q_start,
         q_len,
-        do_tile,
+        do_tiles,
+        row0,
         QUERY_ROWS,
         head_dim,
         UNITS,
@@ -562,24 +661,86 @@ fn dkdv_tile<E: Float, NA: Size, NB: Size, NC: Size>(
             lv = lse[row_base + row as usize];
             dl = delta[row_base + row as usize];
         }
-        lse_tile[UNIT_POS as usize] = lse_log2(lv);
-        delta_tile[UNIT_POS as usize] = dl;
+        lse_tiles[row0 + UNIT_POS as usize] = lse_log2(lv);
+        delta_tiles[row0 + UNIT_POS as usize] = dl;
     }
-    ready.commit_copy_async();
-    ready.arrive_and_wait();
+}
+
+/// One step of the dK/dV kernel's walk: issue the next step's query tile into the other buffer,
+/// wait for this one's (the block's K and V arrive with the first), then S^T = K Q^T,
+/// dP^T = V dO^T, dV += P^T dO, dK += dS^T Q. With `masked`, queries that may not see a key
+/// (causal diagonal, rows past the chunk) get P = 0.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn dkdv_tile<E: Float, NA: Size, NB: Size, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    q: &Array<E>,
+    grad_out: &Array<E>,
+    lse: &Array<f32>,
+    delta: &Array<f32>,
+    walk: &QueryWalk,
+    k_block: &SharedMemory<E>,
+    v_block: &SharedMemory<E>,
+    q_tiles: &mut SharedMemory<E>,
+    do_tiles: &mut SharedMemory<E>,
+    lse_tiles: &mut SharedMemory<f32>,
+    delta_tiles: &mut SharedMemory<f32>,
+    ready_even: &Barrier,
+    ready_odd: &Barrier,
+    step: u32,
+    steps: u32,
+    plane_row0: usize,
+    dk_acc: &mut Array<Vector<f32, NC>>,
+    dv_acc: &mut Array<Vector<f32, NC>>,
+    query_floor: &Array<u32>,
+    scale_log2: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] masked: bool,
+) {
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let query_frags = comptime!(QUERY_ROWS / FRAG_COLS);
+    let lane = UNIT_POS_PLANE;
+    let q_len = walk.q_len;
+    let q_start = walk.tile(step) * QUERY_ROWS as u32;
+    let buffer = step % 2;
+    let row0 = buffer as usize * QUERY_ROWS;
+
+    // Every plane is done with step - 1: its buffer takes step + 1. The sync also publishes
+    // this step's statistics, stored during step - 1.
     sync_cube();
+    if step + 1 < steps {
+        stage_query_tile::<E>(
+            q,
+            grad_out,
+            lse,
+            delta,
+            walk.row_base(step + 1),
+            walk.tile(step + 1) * QUERY_ROWS as u32,
+            q_len,
+            q_tiles,
+            do_tiles,
+            lse_tiles,
+            delta_tiles,
+            1 - buffer,
+            head_dim,
+        );
+        commit_to_buffer(ready_even, ready_odd, 1 - buffer);
+    }
+    wait_for_buffer(ready_even, ready_odd, buffer);
 
     // S^T = K Q^T and dP^T = V dO^T for the plane's 16 keys against the tile's queries.
     let mut s_acc = zero_accumulator::<E, NC>(def, query_frags);
     multiply_by_rows_transposed::<E, NA, NB, NC>(
-        def, k_block, plane_row0, q_tile, &mut s_acc, 1usize, QUERY_ROWS, head_dim,
+        def, k_block, plane_row0, q_tiles, row0, &mut s_acc, 1usize, QUERY_ROWS, head_dim,
     );
     let mut dp_acc = zero_accumulator::<E, NC>(def, query_frags);
     multiply_by_rows_transposed::<E, NA, NB, NC>(
         def,
         v_block,
         plane_row0,
-        do_tile,
+        do_tiles,
+        row0,
         &mut dp_acc,
         1usize,
         QUERY_ROWS,
@@ -597,21 +758,25 @@ fn dkdv_tile<E: Float, NA: Size, NB: Size, NC: Size>(
             for e in 0..sc {
                 let n = i * sc + e;
                 let col = nt * FRAG_COLS + accumulator_col(lane, n) as usize;
-                let mut p = weight_log2(s_reg[e], scale_log2, lse_tile[col]);
+                let mut p = weight_log2(s_reg[e], scale_log2, lse_tiles[row0 + col]);
                 if masked {
                     let query = q_start + col as u32;
                     let visible = query >= query_floor[n / 2] && query < q_len;
                     p = select(visible, p, 0.0f32);
                 }
                 s_reg[e] = p;
-                dp_reg[e] = p * (dp_reg[e] - delta_tile[col]);
+                dp_reg[e] = p * (dp_reg[e] - delta_tiles[row0 + col]);
             }
             s_acc[nt * vc + i] = s_reg;
             dp_acc[nt * vc + i] = dp_reg;
         }
     }
     let p_frag = accumulator_to_fragments::<E, NA, NC>(def, &s_acc, 1usize, QUERY_ROWS);
-    multiply_by_rows::<E, NA, NB, NC>(def, &p_frag, do_tile, dv_acc, 1usize, QUERY_ROWS, head_dim);
+    multiply_by_rows::<E, NA, NB, NC>(
+        def, &p_frag, do_tiles, row0, dv_acc, 1usize, QUERY_ROWS, head_dim,
+    );
     let ds_frag = accumulator_to_fragments::<E, NA, NC>(def, &dp_acc, 1usize, QUERY_ROWS);
-    multiply_by_rows::<E, NA, NB, NC>(def, &ds_frag, q_tile, dk_acc, 1usize, QUERY_ROWS, head_dim);
+    multiply_by_rows::<E, NA, NB, NC>(
+        def, &ds_frag, q_tiles, row0, dk_acc, 1usize, QUERY_ROWS, head_dim,
+    );
 }

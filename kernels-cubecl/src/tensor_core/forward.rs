@@ -118,6 +118,7 @@ pub fn forward_step_mma<E: Float>(
         block_start,
         q_len,
         &mut q_tile,
+        0usize,
         BLOCK_ROWS,
         head_dim,
         UNITS,
@@ -130,6 +131,7 @@ pub fn forward_step_mma<E: Float>(
             0,
             kv_len,
             &mut k_tile,
+            0usize,
             BLOCK_KEYS,
             head_dim,
             UNITS,
@@ -286,7 +288,7 @@ fn attend_tile<E: Float, NA: Size, NB: Size, NC: Size>(
     // Every unit arrives here after its P V of the previous tile: V's buffer is free.
     k_ready.arrive_and_wait();
     stage_tile_async::<E>(
-        v, kv_base, key_start, kv_len, v_tile, BLOCK_KEYS, head_dim, UNITS,
+        v, kv_base, key_start, kv_len, v_tile, 0usize, BLOCK_KEYS, head_dim, UNITS,
     );
     v_ready.commit_copy_async();
 
@@ -296,6 +298,7 @@ fn attend_tile<E: Float, NA: Size, NB: Size, NC: Size>(
         q_tile,
         plane_row0,
         k_tile,
+        0usize,
         &mut s_acc,
         PLANE_TILES,
         BLOCK_KEYS,
@@ -311,6 +314,7 @@ fn attend_tile<E: Float, NA: Size, NB: Size, NC: Size>(
             key_start + BLOCK_KEYS as u32,
             kv_len,
             k_tile,
+            0usize,
             BLOCK_KEYS,
             head_dim,
             UNITS,
@@ -440,6 +444,7 @@ fn attend_tile<E: Float, NA: Size, NB: Size, NC: Size>(
         def,
         &p_frag,
         v_tile,
+        0usize,
         o_acc,
         PLANE_TILES,
         BLOCK_KEYS,

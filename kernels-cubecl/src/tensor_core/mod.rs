@@ -50,16 +50,18 @@ pub fn supports<R: Runtime>(client: &ComputeClient<R>, elem: ElemType, head_dim:
 
 /// Shared memory of the hungriest of the three kernels at `head_dim`, in bytes (f16/bf16 tiles,
 /// rows padded to [`padded_stride`], each 16-byte aligned, plus barriers): the forward's
-/// [`BLOCK_ROWS`] query rows and two [`BLOCK_KEYS`]-row key/value tiles, the dQ kernel's Q, dO,
-/// K and V tiles, the dK/dV kernel's K, V, Q and dO tiles and its f32 lse and delta rows. Must
+/// [`BLOCK_ROWS`] query rows and two [`BLOCK_KEYS`]-row key/value tiles, the dQ kernel's Q and
+/// dO tiles and double-buffered K and V tiles, the dK/dV kernel's K and V tiles and
+/// double-buffered Q and dO tiles and f32 lse and delta rows. Must
 /// cover every kernel's `SharedMemory` declarations: the host checks it against the device
 /// before choosing this variant.
 pub(crate) fn shared_memory_bytes(head_dim: usize) -> usize {
     let tile = |rows: usize| (rows * padded_stride(head_dim) * 2).next_multiple_of(16) + 16;
     let barrier = 16;
     let forward = tile(BLOCK_ROWS) + 2 * tile(BLOCK_KEYS) + 2 * barrier;
-    let dq = 2 * tile(QUERY_ROWS) + 2 * tile(KEY_ROWS) + barrier;
-    let dkdv = 2 * tile(KEY_ROWS) + 2 * tile(QUERY_ROWS) + 2 * (QUERY_ROWS * 4 + 16) + barrier;
+    let dq = 2 * tile(QUERY_ROWS) + 2 * tile(2 * KEY_ROWS) + 2 * barrier;
+    let dkdv =
+        2 * tile(KEY_ROWS) + 2 * tile(2 * QUERY_ROWS) + 2 * (2 * QUERY_ROWS * 4 + 16) + 2 * barrier;
     forward.max(dq).max(dkdv)
 }
 

@@ -18,9 +18,9 @@ pub fn padded_stride(head_dim: usize) -> usize {
 pub const COPY_ELEMS: usize = 8;
 
 /// Issues asynchronous 16-byte copies of rows `[first, first + rows)` of a `[len, head_dim]`
-/// matrix starting at element `base` into a padded shared tile. With `checked`, rows at or past
-/// `len` copy nothing and are zero-filled; without, every row must be below `len` (interior
-/// tiles: no bounds arithmetic at all). All `units` units take part; the caller commits and
+/// matrix starting at element `base` into a padded shared tile, from its row `dest_row0` on.
+/// With `checked`, rows at or past `len` copy nothing and are zero-filled; without, every row
+/// must be below `len` (interior tiles: no bounds arithmetic at all). All `units` units take part; the caller commits and
 /// waits on a barrier.
 #[cube]
 #[allow(clippy::too_many_arguments)]
@@ -30,6 +30,7 @@ pub fn stage_rows_async<E: Float>(
     first: u32,
     len: u32,
     tile: &mut SharedMemory<E>,
+    dest_row0: usize,
     #[comptime] rows: usize,
     #[comptime] head_dim: usize,
     #[comptime] units: usize,
@@ -39,12 +40,13 @@ pub fn stage_rows_async<E: Float>(
     let chunks_per_row = comptime!(head_dim / COPY_ELEMS);
     let per_unit = comptime!(rows * chunks_per_row / units);
     let block_base = base + first as usize * head_dim;
+    let dest_base = dest_row0 * stride;
     #[unroll]
     for it in 0..per_unit {
         let chunk = it * units + UNIT_POS as usize;
         let row = chunk / chunks_per_row;
         let col = (chunk % chunks_per_row) * COPY_ELEMS;
-        let at = row * stride + col;
+        let at = dest_base + row * stride + col;
         let mut destination = tile.slice_mut(at, at + COPY_ELEMS);
         if checked {
             // Branch-free: rows past `len` copy nothing and are zero-filled.
@@ -77,14 +79,19 @@ pub fn stage_tile_async<E: Float>(
     first: u32,
     len: u32,
     tile: &mut SharedMemory<E>,
+    dest_row0: usize,
     #[comptime] rows: usize,
     #[comptime] head_dim: usize,
     #[comptime] units: usize,
 ) {
     if first + rows as u32 <= len {
-        stage_rows_async::<E>(src, base, first, len, tile, rows, head_dim, units, false);
+        stage_rows_async::<E>(
+            src, base, first, len, tile, dest_row0, rows, head_dim, units, false,
+        );
     } else {
-        stage_rows_async::<E>(src, base, first, len, tile, rows, head_dim, units, true);
+        stage_rows_async::<E>(
+            src, base, first, len, tile, dest_row0, rows, head_dim, units, true,
+        );
     }
 }
 

@@ -34,9 +34,10 @@ pub fn accumulate_pair<E: Float, NA: Size, NB: Size, NC: Size>(
 }
 
 /// `acc += A . T^T` for `m_tiles` 16-row tiles of `A` (rows `a_row0 + 16 * mt` of the staged
-/// tile `a`) against `cols` staged rows `T` of length `head_dim` (scores against keys, or against
-/// queries in the dK/dV kernel). `acc` holds `m_tiles x cols / 8` accumulator tiles (tile
-/// `(mt, c)` at `(mt * cols / 8 + c) * vc`) and must be zeroed by the caller for a fresh product.
+/// tile `a`) against `cols` staged rows `T` of length `head_dim` from row `t_row0` of `tile`
+/// (scores against keys, or against queries in the dK/dV kernel). `acc` holds
+/// `m_tiles x cols / 8` accumulator tiles (tile `(mt, c)` at `(mt * cols / 8 + c) * vc`) and must
+/// be zeroed by the caller for a fresh product.
 ///
 /// Each k-step loads the A fragments of every row tile once and each `ldmatrix.x4` of `T` feeds
 /// `2 * m_tiles` `mma`s.
@@ -47,6 +48,7 @@ pub fn multiply_by_rows_transposed<E: Float, NA: Size, NB: Size, NC: Size>(
     a: &SharedMemory<E>,
     a_row0: usize,
     tile: &SharedMemory<E>,
+    t_row0: usize,
     acc: &mut Array<Vector<f32, NC>>,
     #[comptime] m_tiles: usize,
     #[comptime] cols: usize,
@@ -60,7 +62,7 @@ pub fn multiply_by_rows_transposed<E: Float, NA: Size, NB: Size, NC: Size>(
     // Per-lane bases (see `a_lane_offset`, `pair_lane_offset`); every load below adds only a
     // compile-time offset to one of them.
     let a_base = a_row0 * stride + a_lane_offset(UNIT_POS_PLANE, head_dim);
-    let t_base = pair_lane_offset(UNIT_POS_PLANE, head_dim, false);
+    let t_base = t_row0 * stride + pair_lane_offset(UNIT_POS_PLANE, head_dim, false);
     #[unroll]
     for ks in 0..k_steps {
         let mut a_frags = Array::<Vector<E, NA>>::new(comptime!(m_tiles * va));
@@ -105,13 +107,14 @@ pub fn multiply_by_rows_transposed<E: Float, NA: Size, NB: Size, NC: Size>(
 
 /// `acc (m_tiles x 16 x head_dim) += P . T` where `P` (`m_tiles x 16 x rows`) is given as A
 /// fragments (see [`accumulator_to_fragments`]) and `T` is `rows` staged rows of length
-/// `head_dim` (P V in the forward, dS K for dQ, P^T dO for dV, dS^T Q for dK). Each transposed
-/// `ldmatrix.x4` of `T` feeds `2 * m_tiles` `mma`s.
+/// `head_dim` from row `t_row0` of `tile` (P V in the forward, dS K for dQ, P^T dO for dV,
+/// dS^T Q for dK). Each transposed `ldmatrix.x4` of `T` feeds `2 * m_tiles` `mma`s.
 #[cube]
 pub fn multiply_by_rows<E: Float, NA: Size, NB: Size, NC: Size>(
     def: &MmaDefinition<E, E, f32>,
     p: &Array<Vector<E, NA>>,
     tile: &SharedMemory<E>,
+    t_row0: usize,
     acc: &mut Array<Vector<f32, NC>>,
     #[comptime] m_tiles: usize,
     #[comptime] rows: usize,
@@ -122,7 +125,7 @@ pub fn multiply_by_rows<E: Float, NA: Size, NB: Size, NC: Size>(
     let k_steps = comptime!(rows / FRAG_K);
     let out_frags = comptime!(head_dim / FRAG_COLS);
     let stride = comptime!(padded_stride(head_dim));
-    let t_base = pair_lane_offset(UNIT_POS_PLANE, head_dim, true);
+    let t_base = t_row0 * stride + pair_lane_offset(UNIT_POS_PLANE, head_dim, true);
     #[unroll]
     for pair in 0..comptime!(head_dim / FRAG_COLS / 2) {
         #[unroll]

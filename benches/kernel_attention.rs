@@ -6,8 +6,9 @@
 //! `cargo bench --bench kernel_attention -- [--seqs 8192,16384,32768] [--bwd-seqs 8192]
 //! [--burn-seqs 8192,16384] [--iters 5] [--head-dim 128] [--kv-heads 32] [--chunks 4]`.
 //! `--chunks C` adds rows where the sequence is cut into C chunks and run pair by pair through
-//! `forward_step` / `backward_step` with causal offsets, as the distributed pass does.
-//! Prints a markdown table.
+//! `forward_step` / `backward_step` with causal offsets, as the distributed pass does. The
+//! forward+backward rows run the default backward (dQ added with atomics) and the deterministic
+//! one. Prints a markdown table.
 
 use std::time::Instant;
 
@@ -163,6 +164,7 @@ impl Chunks {
             },
             scale: None,
             variant: Variant::Auto,
+            deterministic: false,
         }
     }
 
@@ -252,6 +254,7 @@ fn main() {
         mask: Mask::causal(),
         scale: None,
         variant: Variant::Auto,
+        deterministic: false,
     };
     println!(
         "# {HEADS} query heads, {} kv heads, head dim {}; tensor cores used: {}",
@@ -303,19 +306,21 @@ fn main() {
                 sync(&client);
             });
             row("distflash (bf16)", "fwd+bwd", seq, secs, 3.5 * flops);
+            // The deterministic backward (dQ in its own kernel, no atomics).
+            let exact = StepOptions {
+                deterministic: true,
+                ..options
+            };
             let secs = median_seconds(iters.min(3), || {
-                for _ in 0..QUEUED {
-                    let (out, lse) =
-                        distflash_kernels::attention(&client, &q, &k, &v, &options).unwrap();
-                    let _ = distflash_kernels::attention_backward(
-                        &client, &q, &k, &v, &out, &lse, &grad_out, &options,
-                    )
-                    .unwrap();
-                }
+                let (out, lse) = distflash_kernels::attention(&client, &q, &k, &v, &exact).unwrap();
+                let _ = distflash_kernels::attention_backward(
+                    &client, &q, &k, &v, &out, &lse, &grad_out, &exact,
+                )
+                .unwrap();
                 sync(&client);
-            }) / QUEUED as f64;
+            });
             row(
-                "distflash (bf16), queued",
+                "distflash (bf16), deterministic",
                 "fwd+bwd",
                 seq,
                 secs,

@@ -13,6 +13,12 @@ pub struct FlashAttentionOptions {
     pub causal: bool,
     /// Score scale; `None` means `1 / sqrt(head_dim)`.
     pub scale: Option<f64>,
+    /// Bitwise reproducible gradients. Off by default: on CUDA the backward then adds dQ with
+    /// f32 atomics from one fused kernel (as FlashAttention-2 does; sums in no fixed order, so
+    /// runs differ in the last bits). On, dQ gets its own kernel, which recomputes the scores
+    /// (slower). The portable kernels are deterministic either way.
+    #[serde(default)]
+    pub deterministic: bool,
 }
 
 impl FlashAttentionOptions {
@@ -20,7 +26,7 @@ impl FlashAttentionOptions {
     pub fn causal() -> Self {
         Self {
             causal: true,
-            scale: None,
+            ..Self::default()
         }
     }
 

@@ -28,6 +28,8 @@ pub struct StepMask {
     pub mask: Mask,
     /// Score scale; `None` means `1 / sqrt(head_dim)`.
     pub scale: Option<f64>,
+    /// Bitwise reproducible backward (see [`FlashAttentionOptions::deterministic`]).
+    pub deterministic: bool,
 }
 
 fn t4<B: Backend>(p: FloatTensor<B>) -> Tensor<B, 4> {
@@ -112,6 +114,7 @@ impl StepMask {
         Self {
             mask: options.mask(),
             scale: options.scale,
+            deterministic: options.deterministic,
         }
     }
 }

@@ -133,6 +133,16 @@ fn options(case: &Case, variant: Variant) -> StepOptions {
         mask: case.mask,
         scale: None,
         variant,
+        deterministic: false,
+    }
+}
+
+/// The backward modes worth checking for a variant: the tensor-core backward has a fused one
+/// (dQ by atomics, the default) and a deterministic one; the portable kernels have one.
+fn backward_modes(variant: Variant) -> Vec<bool> {
+    match variant {
+        Variant::TensorCore => vec![false, true],
+        _ => vec![false],
     }
 }
 
@@ -183,12 +193,27 @@ fn check_forward<R: Runtime>(client: &ComputeClient<R>, case: &Case, variant: Va
     );
 }
 
-/// Runs the backward from the kernel's own forward, into accumulators that start non-zero (so
-/// accumulation, and every element being written, is checked).
+/// Runs the backward (in every mode of `variant`) from the kernel's own forward, into
+/// accumulators that start non-zero (so accumulation, and every element being written, is
+/// checked); the deterministic mode runs twice and must give bitwise the same gradients.
 fn check_backward<R: Runtime>(client: &ComputeClient<R>, case: &Case, variant: Variant) {
+    for deterministic in backward_modes(variant) {
+        check_backward_mode(client, case, variant, deterministic);
+    }
+}
+
+fn check_backward_mode<R: Runtime>(
+    client: &ComputeClient<R>,
+    case: &Case,
+    variant: Variant,
+    deterministic: bool,
+) {
     let (q, k, v) = case.qkv(client);
     let dims = &case.dims;
-    let opts = options(case, variant);
+    let opts = StepOptions {
+        deterministic,
+        ..options(case, variant)
+    };
     let (out, lse) = distflash_kernels::attention(client, &q, &k, &v, &opts).unwrap();
     let grad_out = case.upload(client, &case.grad_out, dims.q_shape());
     let delta = distflash_kernels::backward_delta(client, &out, &grad_out).unwrap();
@@ -199,13 +224,34 @@ fn check_backward<R: Runtime>(client: &ComputeClient<R>, case: &Case, variant: V
     let start_dv = rng.tensor(v.len(), 1.0, ElemType::F32);
     let up =
         |d: &[f64], s: Vec<usize>| DeviceTensor::from_f32(client, &to_f32(d), s, ElemType::F32);
-    let grads = GradAccumulators {
-        dq: up(&start_dq, dims.q_shape()),
-        dk: up(&start_dk, dims.kv_shape()),
-        dv: up(&start_dv, dims.kv_shape()),
-    };
-    distflash_kernels::backward_step(client, &q, &k, &v, &grad_out, &lse, &delta, &grads, &opts)
+    let run = || {
+        let grads = GradAccumulators {
+            dq: up(&start_dq, dims.q_shape()),
+            dk: up(&start_dk, dims.kv_shape()),
+            dv: up(&start_dv, dims.kv_shape()),
+        };
+        distflash_kernels::backward_step(
+            client, &q, &k, &v, &grad_out, &lse, &delta, &grads, &opts,
+        )
         .unwrap();
+        grads
+    };
+    let grads = run();
+    if deterministic {
+        let again = run();
+        for (name, a, b) in [
+            ("dq", &grads.dq, &again.dq),
+            ("dk", &grads.dk, &again.dk),
+            ("dv", &grads.dv, &again.dv),
+        ] {
+            let bits = |t: &DeviceTensor| read(client, t).iter().map(|x| x.to_bits()).collect();
+            let (a, b): (Vec<u64>, Vec<u64>) = (bits(a), bits(b));
+            assert!(
+                a == b,
+                "deterministic backward {variant:?}: {name} differs between runs"
+            );
+        }
+    }
 
     let args = (&case.q, &case.k, &case.v, &case.grad_out);
     let exact_g = reference::backward(
@@ -228,7 +274,10 @@ fn check_backward<R: Runtime>(client: &ComputeClient<R>, case: &Case, variant: V
         case.scale(),
         naive_rounding(case.elem),
     );
-    let what = format!("backward {dims:?} {:?} {variant:?}", case.mask);
+    let what = format!(
+        "backward {dims:?} {:?} {variant:?} deterministic {deterministic}",
+        case.mask
+    );
     let minus = |got: Vec<f64>, start: &[f64]| -> Vec<f64> {
         got.iter().zip(start).map(|(g, s)| g - s).collect()
     };

@@ -3,7 +3,8 @@
 //! CubeCL's CUDA compiler, exactly what cubecl-cuda hands to NVRTC at first launch.
 //!
 //! `cargo run --release -p distflash-kernels --example dump_cuda -- OUT_DIR [bf16|f16]`
-//! writes `OUT_DIR/{forward,dq,dkdv}_{causal,full}_d{64,128}.cu`. Read them with a CUDA
+//! writes `OUT_DIR/{forward,dq,dkdv,fused}_{causal,full}_d{64,128}.cu` (`fused`: the dK/dV
+//! kernel that also adds dQ with atomics). Read them with a CUDA
 //! compiler's resource report (registers, spills) and the SASS of their loops.
 
 use std::path::PathBuf;
@@ -124,8 +125,9 @@ fn scalar<E: LaunchArg<CompilationArg = ()>>(b: &mut KernelBuilder) -> <E as Cub
     <E as LaunchArg>::expand(&(), b)
 }
 
-/// CUDA sources of the three kernels for element type `E`.
-fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, String); 3] {
+/// CUDA sources of the kernels for element type `E`: forward, dQ, dK/dV (deterministic) and
+/// the fused dK/dV kernel that also adds dQ.
+fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, String); 4] {
     let units = forward::UNITS as u32;
     let forward = compile("forward_step_mma", units, |b| {
         let (q, k, v) = (input::<E>(b), input::<E>(b), input::<E>(b));
@@ -177,34 +179,44 @@ fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, String); 
             causal,
         );
     });
-    let dkdv = compile("backward_dkdv_mma", units, |b| {
-        let (q, k, v, grad_out) = (input::<E>(b), input::<E>(b), input::<E>(b), input::<E>(b));
-        let (lse, delta) = (input::<f32>(b), input::<f32>(b));
-        let (dk, dv) = (output::<f32>(b), output::<f32>(b));
-        let (scale, shift) = (scalar::<f32>(b), scalar::<i32>(b));
-        let (q_len, kv_len) = (scalar::<u32>(b), scalar::<u32>(b));
-        let (heads, group) = (scalar::<u32>(b), scalar::<u32>(b));
-        backward::backward_dkdv_mma::expand::<E>(
-            &mut b.scope,
-            q,
-            k,
-            v,
-            grad_out,
-            lse,
-            delta,
-            dk,
-            dv,
-            scale,
-            shift,
-            q_len,
-            kv_len,
-            heads,
-            group,
-            head_dim,
-            causal,
-        );
-    });
-    [("forward", forward), ("dq", dq), ("dkdv", dkdv)]
+    let dkdv = |fuse_dq: bool| {
+        compile("backward_dkdv_mma", units, |b| {
+            let (q, k, v, grad_out) = (input::<E>(b), input::<E>(b), input::<E>(b), input::<E>(b));
+            let (lse, delta) = (input::<f32>(b), input::<f32>(b));
+            let (dk, dv) = (output::<f32>(b), output::<f32>(b));
+            let dq = output::<Atomic<f32>>(b);
+            let (scale, shift) = (scalar::<f32>(b), scalar::<i32>(b));
+            let (q_len, kv_len) = (scalar::<u32>(b), scalar::<u32>(b));
+            let (heads, group) = (scalar::<u32>(b), scalar::<u32>(b));
+            backward::backward_dkdv_mma::expand::<E>(
+                &mut b.scope,
+                q,
+                k,
+                v,
+                grad_out,
+                lse,
+                delta,
+                dk,
+                dv,
+                dq,
+                scale,
+                shift,
+                q_len,
+                kv_len,
+                heads,
+                group,
+                head_dim,
+                causal,
+                fuse_dq,
+            );
+        })
+    };
+    [
+        ("forward", forward),
+        ("dq", dq),
+        ("dkdv", dkdv(false)),
+        ("fused", dkdv(true)),
+    ]
 }
 
 fn main() {

@@ -11,6 +11,7 @@ use crate::plan::{LaunchPlan, ELEMENT_UNITS, ROW_UNITS};
 use crate::portable::{self, ROWS_PER_CUBE};
 use crate::state_kernels;
 use crate::tensor::{DeviceTensor, ElemType};
+use crate::tensor_core::dq_fragments;
 
 /// Runs `$body` with the type alias `$E` bound to the Rust type of an [`ElemType`].
 macro_rules! with_elem_type {
@@ -54,6 +55,11 @@ pub struct StepOptions {
     pub scale: Option<f32>,
     /// Kernel variant.
     pub variant: Variant,
+    /// Backward without atomics: the tensor-core backward then computes dQ in its own kernel
+    /// (recomputing scores, seven GEMMs instead of five) and gives bitwise the same gradients on
+    /// every run. Off by default: one kernel adds dQ with f32 atomics, in no fixed order, as
+    /// FlashAttention-2 does. The portable kernels are always deterministic.
+    pub deterministic: bool,
 }
 
 impl StepOptions {
@@ -473,10 +479,13 @@ pub fn backward_delta<R: Runtime>(
     Ok(delta)
 }
 
-/// The backward step's launches, queued (arguments checked by the caller).
+/// The backward step's launches, queued (arguments checked by the caller). The tensor-core
+/// backward, unless deterministic, adds dQ into a zeroed scratch in fragment order (see
+/// [`crate::tensor_core::dq_fragments`]) and then the scratch into `grads.dq`.
 #[allow(clippy::too_many_arguments)]
 fn enqueue_backward<R: Runtime>(
     client: &ComputeClient<R>,
+    limits: &DeviceLimits,
     plan: &LaunchPlan,
     (q, k, v): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
     grad_out: &DeviceTensor,
@@ -485,12 +494,23 @@ fn enqueue_backward<R: Runtime>(
     grads: &GradAccumulators,
     dims: &AttentionDims,
     options: &StepOptions,
-) {
+) -> Result<(), KernelError> {
     let scale = options.resolved_scale(dims.head_dim);
     let shift = options.mask.diagonal_shift(dims);
     let portable = match plan {
         LaunchPlan::TensorCore(grids) => {
-            return crate::tensor_core::backward_step(
+            let scratch = if options.deterministic {
+                None
+            } else {
+                let rows = dims.batch * dims.q_heads * dq_fragments::scratch_rows(dims.q_len);
+                Some(enqueue_filled(
+                    client,
+                    limits,
+                    vec![rows, dims.head_dim],
+                    0.0,
+                )?)
+            };
+            crate::tensor_core::backward_step(
                 client,
                 (q, k, v),
                 grad_out,
@@ -501,7 +521,23 @@ fn enqueue_backward<R: Runtime>(
                 grids,
                 scale,
                 shift,
-            )
+                scratch.as_ref(),
+            );
+            if let Some(scratch) = scratch {
+                let len = grads.dq.len();
+                let (count, dim) = linear_launch("the dQ scratch add", len, ELEMENT_UNITS, limits)?;
+                dq_fragments::add_fragment_scratch::launch::<R>(
+                    client,
+                    count,
+                    dim,
+                    scratch.array_arg(),
+                    grads.dq.array_arg(),
+                    dims.q_len as u32,
+                    len as u32,
+                    dims.head_dim,
+                );
+            }
+            return Ok(());
         }
         LaunchPlan::Portable(portable) => portable,
     };
@@ -556,6 +592,7 @@ fn enqueue_backward<R: Runtime>(
             shift.is_some(),
         ));
     }
+    Ok(())
 }
 
 /// Adds this (query chunk, key chunk) pair's contribution to `grads.dq`, `grads.dk`, `grads.dv`,
@@ -589,9 +626,10 @@ pub fn backward_step<R: Runtime>(
     ] {
         t.expect_elem(name, ElemType::F32)?;
     }
-    let (_, plan) = LaunchPlan::for_call(client, &dims, q.elem, options)?;
+    let (limits, plan) = LaunchPlan::for_call(client, &dims, q.elem, options)?;
     enqueue_backward(
         client,
+        &limits,
         &plan,
         (q, k, v),
         grad_out,
@@ -600,7 +638,7 @@ pub fn backward_step<R: Runtime>(
         grads,
         &dims,
         options,
-    );
+    )?;
     launch_result(client, "backward_step")
 }
 
@@ -686,6 +724,7 @@ pub fn attention_backward<R: Runtime>(
     let grads = GradAccumulators::enqueue_zeros(client, &limits, &dims)?;
     enqueue_backward(
         client,
+        &limits,
         &plan,
         (q, k, v),
         grad_out,
@@ -694,7 +733,7 @@ pub fn attention_backward<R: Runtime>(
         &grads,
         &dims,
         options,
-    );
+    )?;
     let cast = |t: &DeviceTensor| enqueue_cast(client, &limits, t, q.elem);
     let (dq, dk, dv) = (cast(&grads.dq)?, cast(&grads.dk)?, cast(&grads.dv)?);
     launch_result(client, "attention_backward")?;

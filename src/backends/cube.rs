@@ -66,6 +66,7 @@ fn kernel_step(step: StepMask) -> StepOptions {
         mask: step.mask,
         scale: step.scale.map(|s| s as f32),
         variant: Variant::Auto,
+        deterministic: step.deterministic,
     }
 }
 

@@ -121,6 +121,7 @@ pub(crate) fn pair_step(pair: Pair, options: &SequenceParallelOptions) -> StepMa
     StepMask {
         mask,
         scale: options.attention.scale,
+        deterministic: options.attention.deterministic,
     }
 }
 

@@ -35,6 +35,10 @@ pub struct DistFlashAttentionConfig {
     /// Causal masking over the whole sequence.
     #[config(default = true)]
     pub causal: bool,
+    /// Bitwise reproducible attention gradients (slower backward on CUDA; see
+    /// [`crate::FlashAttentionOptions::deterministic`]). Default: off.
+    #[config(default = false)]
+    pub deterministic: bool,
     /// Rotary embedding.
     #[config(default = "RopeConfig::new()")]
     pub rope: RopeConfig,
@@ -101,6 +105,7 @@ impl DistFlashAttentionConfig {
             n_kv_heads,
             head_dim,
             causal: self.causal,
+            deterministic: self.deterministic,
             rope: self.rope.clone(),
             counter: ForwardCounter::default(),
         })
@@ -132,6 +137,8 @@ pub struct DistFlashAttention<B: Backend> {
     pub head_dim: usize,
     /// Causal masking.
     pub causal: bool,
+    /// Bitwise reproducible gradients (see [`DistFlashAttentionConfig::deterministic`]).
+    pub deterministic: bool,
     /// Rotary embedding.
     #[module(skip)]
     pub rope: RopeConfig,
@@ -231,6 +238,7 @@ impl<B: SequenceParallelBackend> DistFlashAttention<B> {
         FlashAttentionOptions {
             causal: self.causal,
             scale: None,
+            deterministic: self.deterministic,
         }
     }
 

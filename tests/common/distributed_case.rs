@@ -66,7 +66,7 @@ impl Case {
         SequenceParallelOptions {
             attention: FlashAttentionOptions {
                 causal: self.causal,
-                scale: None,
+                ..FlashAttentionOptions::default()
             },
             schedule: self.schedule,
             overlap: self.overlap,

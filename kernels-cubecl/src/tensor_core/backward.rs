@@ -1,8 +1,10 @@
-//! Tensor-core backward step for one (query chunk, key chunk) pair, FlashAttention-2 style and
-//! without atomics (deterministic): one kernel accumulates dQ per query block (walking key
-//! tiles), another dK and dV per key block (walking the query tiles of every query head of its
-//! group). Both use the stored log-sum-exp and `delta = rowsum(dO * O)`; the forward is never
-//! recomputed.
+//! Tensor-core backward step for one (query chunk, key chunk) pair, FlashAttention-2 style. The
+//! dK/dV kernel owns a block of keys and walks the query tiles of every query head of its group.
+//! Fused (the default), it also adds each tile's `dQ = dS K` to dQ with f32 atomics: five GEMMs
+//! per (query tile, key block), sums in no fixed order. Deterministic, a separate dQ kernel owns
+//! a block of queries and walks the key tiles, recomputing S and dP: seven GEMMs, bitwise
+//! reproducible. All use the stored log-sum-exp and `delta = rowsum(dO * O)`; the forward is
+//! never recomputed.
 //!
 //! As in the forward, tiles that every row of the block sees whole run with no mask and
 //! unchecked staging, and probabilities are one FMA and one `exp2` from a base-2 log-sum-exp.
@@ -13,9 +15,14 @@ use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
+use super::dq_fragments::tile_row_base;
 use super::forward::{slot_row, PLANES, UNITS};
-use super::fragments::{accumulator_col, mma_definition, FRAG_COLS, WARP_ROWS};
-use super::tiles::{padded_stride, stage_rows_async, stage_tile_async, ROW_SLOTS};
+use super::fragments::{
+    accumulator_col, accumulator_row, mma_definition, FRAG_COLS, FRAG_K, WARP_ROWS,
+};
+use super::tiles::{
+    load_matrix_x4, padded_stride, pair_lane_offset, stage_rows_async, stage_tile_async, ROW_SLOTS,
+};
 use super::warp_tile::{
     accumulator_to_fragments, multiply_by_rows, multiply_by_rows_transposed, store_accumulator,
     zero_accumulator,
@@ -363,10 +370,25 @@ fn dq_tile<E: Float, NA: Size, NB: Size, NC: Size>(
     );
 }
 
-/// dK/dV step. Grid: slice-major, x = batch * kv_heads, y = key blocks of [`KEY_ROWS`] (under a causal mask
-/// the first blocks see the most queries and run first). Each plane owns 16 keys and walks the
-/// query tiles (of every query head of its group) that can see them. Launched unchecked: global
-/// accesses are guarded against `q_len`/`kv_len` by the kernel.
+// The fused kernel's query tiles must not reach past a slice of the dQ scratch.
+const _: () = assert!(super::dq_fragments::SCRATCH_ROW_ALIGN.is_multiple_of(QUERY_ROWS));
+
+/// Elements of the fused kernel's dS tile: [`KEY_ROWS`] rows of [`QUERY_ROWS`] columns, padded.
+pub const fn ds_tile_elems(fuse_dq: bool) -> usize {
+    if fuse_dq {
+        KEY_ROWS * padded_stride(QUERY_ROWS)
+    } else {
+        // Unused: the smallest aligned allocation.
+        8
+    }
+}
+
+/// dK/dV step, and with `fuse_dq` also dQ (added with f32 atomics to `dq`, a zeroed scratch in
+/// fragment order, see [`super::dq_fragments`]; not touched otherwise). Grid: slice-major, x = batch * kv_heads, y = key blocks of [`KEY_ROWS`] (under a
+/// causal mask the first blocks see the most queries and run first). Each plane owns 16 keys and
+/// walks the query tiles (of every query head of its group) that can see them; fused, each plane
+/// then owns 16 of the tile's queries for `dQ += dS K` over the block's keys. Launched unchecked:
+/// global accesses are guarded against `q_len`/`kv_len` by the kernel.
 #[cube(launch_unchecked, fast_math = FastMath::all())]
 #[allow(clippy::too_many_arguments)]
 pub fn backward_dkdv_mma<E: Float>(
@@ -378,6 +400,7 @@ pub fn backward_dkdv_mma<E: Float>(
     delta: &Array<f32>,
     dk: &mut Array<f32>,
     dv: &mut Array<f32>,
+    dq: &mut Array<Atomic<f32>>,
     scale: f32,
     shift: i32,
     q_len: u32,
@@ -386,6 +409,7 @@ pub fn backward_dkdv_mma<E: Float>(
     group_size: u32,
     #[comptime] head_dim: usize,
     #[comptime] causal: bool,
+    #[comptime] fuse_dq: bool,
 ) {
     let def = mma_definition::<E>();
     let size!(NA) = def.vector_size(MatrixIdent::A);
@@ -412,6 +436,8 @@ pub fn backward_dkdv_mma<E: Float>(
     let mut do_tiles = SharedMemory::<E>::new_aligned(comptime!(2 * QUERY_ROWS * stride), 16usize);
     let mut lse_tiles = SharedMemory::<f32>::new(comptime!(2 * QUERY_ROWS));
     let mut delta_tiles = SharedMemory::<f32>::new(comptime!(2 * QUERY_ROWS));
+    // Fused: this step's dS^T, keys by queries, read back by the planes as dS for dQ.
+    let mut ds_tile = SharedMemory::<E>::new_aligned(comptime!(ds_tile_elems(fuse_dq)), 16usize);
     let ready_even = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let ready_odd = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     sync_cube();
@@ -522,10 +548,14 @@ pub fn backward_dkdv_mma<E: Float>(
                 plane_row0,
                 &mut dk_acc,
                 &mut dv_acc,
+                &mut ds_tile,
+                dq,
                 &query_floor,
+                scale,
                 scale_log2,
                 head_dim,
                 true,
+                fuse_dq,
             );
         } else {
             dkdv_tile::<E, NA, NB, NC>(
@@ -548,10 +578,14 @@ pub fn backward_dkdv_mma<E: Float>(
                 plane_row0,
                 &mut dk_acc,
                 &mut dv_acc,
+                &mut ds_tile,
+                dq,
                 &query_floor,
+                scale,
                 scale_log2,
                 head_dim,
                 false,
+                fuse_dq,
             );
         }
     }
@@ -604,9 +638,14 @@ impl QueryWalk {
         self.first + step % self.tiles
     }
 
+    /// (batch, query head) slice of walk step `step`.
+    fn slice(&self, step: u32) -> u32 {
+        self.head0 + step / self.tiles
+    }
+
     /// First element row of walk step `step`'s query head.
     fn row_base(&self, step: u32) -> usize {
-        ((self.head0 + step / self.tiles) * self.q_len) as usize
+        (self.slice(step) * self.q_len) as usize
     }
 }
 
@@ -668,8 +707,9 @@ fn stage_query_tile<E: Float>(
 
 /// One step of the dK/dV kernel's walk: issue the next step's query tile into the other buffer,
 /// wait for this one's (the block's K and V arrive with the first), then S^T = K Q^T,
-/// dP^T = V dO^T, dV += P^T dO, dK += dS^T Q. With `masked`, queries that may not see a key
-/// (causal diagonal, rows past the chunk) get P = 0.
+/// dP^T = V dO^T, dV += P^T dO, dK += dS^T Q, and with `fuse_dq` dQ += dS K (see
+/// [`add_tile_dq`]). With `masked`, queries that may not see a key (causal diagonal, rows past
+/// the chunk) get P = 0.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn dkdv_tile<E: Float, NA: Size, NB: Size, NC: Size>(
@@ -692,10 +732,14 @@ fn dkdv_tile<E: Float, NA: Size, NB: Size, NC: Size>(
     plane_row0: usize,
     dk_acc: &mut Array<Vector<f32, NC>>,
     dv_acc: &mut Array<Vector<f32, NC>>,
+    ds_tile: &mut SharedMemory<E>,
+    dq: &mut Array<Atomic<f32>>,
     query_floor: &Array<u32>,
+    scale: f32,
     scale_log2: f32,
     #[comptime] head_dim: usize,
     #[comptime] masked: bool,
+    #[comptime] fuse_dq: bool,
 ) {
     let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
     let sc = def.vector_size(MatrixIdent::Accumulator);
@@ -775,8 +819,127 @@ fn dkdv_tile<E: Float, NA: Size, NB: Size, NC: Size>(
     multiply_by_rows::<E, NA, NB, NC>(
         def, &p_frag, do_tiles, row0, dv_acc, 1usize, QUERY_ROWS, head_dim,
     );
+    if fuse_dq {
+        store_ds_transposed::<E, NC>(def, &dp_acc, ds_tile, plane_row0, scale);
+    }
     let ds_frag = accumulator_to_fragments::<E, NA, NC>(def, &dp_acc, 1usize, QUERY_ROWS);
     multiply_by_rows::<E, NA, NB, NC>(
         def, &ds_frag, q_tiles, row0, dk_acc, 1usize, QUERY_ROWS, head_dim,
     );
+    if fuse_dq {
+        add_tile_dq::<E, NA, NB, NC>(
+            def,
+            k_block,
+            ds_tile,
+            dq,
+            walk.slice(step),
+            q_start + plane_row0 as u32,
+            q_len,
+            head_dim,
+        );
+    }
+}
+
+/// Stores `scale` times the plane's dS^T accumulator (its 16 keys from `plane_row0` by the
+/// tile's [`QUERY_ROWS`] queries) into rows `plane_row0..` of the dS tile, converted to `E`.
+#[cube]
+fn store_ds_transposed<E: Float, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    ds_acc: &Array<Vector<f32, NC>>,
+    ds_tile: &mut SharedMemory<E>,
+    plane_row0: usize,
+    scale: f32,
+) {
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let stride = comptime!(padded_stride(QUERY_ROWS));
+    let lane = UNIT_POS_PLANE;
+    let base = plane_row0 * stride;
+    #[unroll]
+    for nt in 0..comptime!(QUERY_ROWS / FRAG_COLS) {
+        #[unroll]
+        for i in 0..vc {
+            let reg = ds_acc[nt * vc + i];
+            #[unroll]
+            for e in 0..sc {
+                let n = i * sc + e;
+                let at = base
+                    + accumulator_row(lane, n) as usize * stride
+                    + nt * FRAG_COLS
+                    + accumulator_col(lane, n) as usize;
+                ds_tile[at] = E::cast_from(reg[e] * scale);
+            }
+        }
+    }
+}
+
+/// The fused kernel's dQ for one query tile: once every plane has stored its (scaled) dS^T rows,
+/// each plane computes `dS K` for its 16 queries (rows from `q_row`, tile columns from `q_row %
+/// QUERY_ROWS`) over the block's [`KEY_ROWS`] keys and adds it to the fragment-order scratch
+/// `dq` of slice `slice` with f32 atomics, one 128-byte line per warp-wide atomic.
+/// The A fragments of dS are transposed `ldmatrix` loads of the keys-by-queries tile.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn add_tile_dq<E: Float, NA: Size, NB: Size, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    k_block: &SharedMemory<E>,
+    ds_tile: &SharedMemory<E>,
+    dq: &mut Array<Atomic<f32>>,
+    slice: u32,
+    q_row: u32,
+    q_len: u32,
+    #[comptime] head_dim: usize,
+) {
+    let va = def.vectors_per_lane(MatrixIdent::A);
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let k_steps = comptime!(KEY_ROWS / FRAG_K);
+    let stride = comptime!(padded_stride(QUERY_ROWS));
+    let lane = UNIT_POS_PLANE;
+    sync_cube();
+    // Queries are the tile's columns: the plane's 16 start at column `q_row % QUERY_ROWS`.
+    let base = pair_lane_offset(lane, QUERY_ROWS, false) + (q_row % QUERY_ROWS as u32) as usize;
+    let mut ds_frags = Array::<Vector<E, NA>>::new(comptime!(k_steps * va));
+    #[unroll]
+    for kk in 0..k_steps {
+        let regs = load_matrix_x4::<E, NA>(
+            def,
+            ds_tile,
+            base + comptime!(kk * FRAG_K * stride),
+            MatrixIdent::A,
+            true,
+        );
+        #[unroll]
+        for i in 0..va {
+            ds_frags[kk * va + i] = regs[i];
+        }
+    }
+    let mut dq_acc = zero_accumulator::<E, NC>(def, comptime!(head_dim / FRAG_COLS));
+    multiply_by_rows::<E, NA, NB, NC>(
+        def,
+        &ds_frags,
+        k_block,
+        0usize,
+        &mut dq_acc,
+        1usize,
+        KEY_ROWS,
+        head_dim,
+    );
+    // Planes wholly past the chunk add nothing; rows past it in a plane that straddles the end
+    // (dS = 0) land in the scratch's padding.
+    if q_row < q_len {
+        let base = tile_row_base(slice, q_row, q_len, lane, head_dim);
+        #[unroll]
+        for t in 0..comptime!(head_dim / FRAG_COLS) {
+            #[unroll]
+            for i in 0..vc {
+                let reg = dq_acc[t * vc + i];
+                #[unroll]
+                for e in 0..sc {
+                    let offset = comptime!((t * 4 + i * sc + e) * 32);
+                    dq[base + offset].fetch_add(reg[e]);
+                }
+            }
+        }
+    }
 }

@@ -1,7 +1,9 @@
 //! Tensor-core kernels (CUDA `mma.sync` m16n8k16 through CubeCL's manual MMA): forward step,
-//! and the backward step as a dQ kernel and a dK/dV kernel.
+//! and the backward step as one dK/dV kernel that also adds dQ with atomics, or (deterministic)
+//! a dQ kernel and a dK/dV kernel.
 
 pub mod backward;
+pub mod dq_fragments;
 pub mod forward;
 pub mod fragments;
 pub mod tiles;
@@ -52,7 +54,7 @@ pub fn supports<R: Runtime>(client: &ComputeClient<R>, elem: ElemType, head_dim:
 /// rows padded to [`padded_stride`], each 16-byte aligned, plus barriers): the forward's
 /// [`BLOCK_ROWS`] query rows and two [`BLOCK_KEYS`]-row key/value tiles, the dQ kernel's Q and
 /// dO tiles and double-buffered K and V tiles, the dK/dV kernel's K and V tiles and
-/// double-buffered Q and dO tiles and f32 lse and delta rows. Must
+/// double-buffered Q and dO tiles, f32 lse and delta rows and (fused) its dS tile. Must
 /// cover every kernel's `SharedMemory` declarations: the host checks it against the device
 /// before choosing this variant.
 pub(crate) fn shared_memory_bytes(head_dim: usize) -> usize {
@@ -60,8 +62,12 @@ pub(crate) fn shared_memory_bytes(head_dim: usize) -> usize {
     let barrier = 16;
     let forward = tile(BLOCK_ROWS) + 2 * tile(BLOCK_KEYS) + 2 * barrier;
     let dq = 2 * tile(QUERY_ROWS) + 2 * tile(2 * KEY_ROWS) + 2 * barrier;
-    let dkdv =
-        2 * tile(KEY_ROWS) + 2 * tile(2 * QUERY_ROWS) + 2 * (2 * QUERY_ROWS * 4 + 16) + 2 * barrier;
+    let ds = (backward::ds_tile_elems(true) * 2).next_multiple_of(16) + 16;
+    let dkdv = 2 * tile(KEY_ROWS)
+        + 2 * tile(2 * QUERY_ROWS)
+        + 2 * (2 * QUERY_ROWS * 4 + 16)
+        + ds
+        + 2 * barrier;
     forward.max(dq).max(dkdv)
 }
 
@@ -131,7 +137,9 @@ pub(crate) fn forward_step<R: Runtime>(
     ) });
 }
 
-/// Tensor-core backward step (see [`crate::backward_step`]).
+/// Tensor-core backward step (see [`crate::backward_step`]): given a zeroed `dq_scratch` (see
+/// [`dq_fragments`]), the dK/dV kernel alone, adding dQ to the scratch with f32 atomics (the
+/// caller then adds the scratch to `grads.dq`); without, the dQ kernel and the dK/dV kernel.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward_step<R: Runtime>(
     client: &ComputeClient<R>,
@@ -144,11 +152,13 @@ pub(crate) fn backward_step<R: Runtime>(
     grids: &Grids,
     scale: f32,
     shift: Option<i32>,
+    dq_scratch: Option<&DeviceTensor>,
 ) {
     let dim = CubeDim::new_1d(UNITS as u32);
     // SAFETY: shapes were validated by `launch::backward_step`; the kernels guard every global
     // access against `q_len`/`kv_len`.
-    crate::launch::with_elem_type!(q.elem, E => unsafe { backward::backward_dq_mma::launch_unchecked::<E, R>(
+    if dq_scratch.is_none() {
+        crate::launch::with_elem_type!(q.elem, E => unsafe { backward::backward_dq_mma::launch_unchecked::<E, R>(
         client,
         grids.dq.clone(),
         dim,
@@ -168,6 +178,7 @@ pub(crate) fn backward_step<R: Runtime>(
         dims.head_dim,
         shift.is_some(),
     ) });
+    }
     // SAFETY: as above.
     crate::launch::with_elem_type!(q.elem, E => unsafe { backward::backward_dkdv_mma::launch_unchecked::<E, R>(
         client,
@@ -181,6 +192,7 @@ pub(crate) fn backward_step<R: Runtime>(
         delta.array_arg(),
         grads.dk.array_arg(),
         grads.dv.array_arg(),
+        dq_scratch.unwrap_or(&grads.dq).array_arg(),
         scale,
         shift.unwrap_or(0),
         dims.q_len as u32,
@@ -189,5 +201,6 @@ pub(crate) fn backward_step<R: Runtime>(
         dims.group_size() as u32,
         dims.head_dim,
         shift.is_some(),
+        dq_scratch.is_some(),
     ) });
 }

@@ -10,7 +10,7 @@ pub const ROW_SLOTS: usize = 2;
 
 /// Row stride of a staged tile: `head_dim` plus 8 elements of padding, so the rows read by the
 /// 8 lane groups of a fragment load fall in different shared-memory banks.
-pub fn padded_stride(head_dim: usize) -> usize {
+pub const fn padded_stride(head_dim: usize) -> usize {
     head_dim + 8
 }
 

@@ -14,7 +14,6 @@ pub mod checkpoint;
 pub mod collective;
 pub mod distributed;
 pub mod layers;
-pub mod llama;
 mod options;
 pub mod portable;
 pub mod schedule;

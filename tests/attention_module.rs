@@ -16,7 +16,7 @@ use burn::tensor::{DType, Tensor, TensorData};
 use burn_distflash::layers::{AttentionContext, Llama3RopeScaling, RopeConfig, RotaryTables};
 use burn_distflash::{DeviceGroup, DistFlashAttention, DistFlashAttentionConfig};
 use common::block_case::relative_error;
-use common::distributed_case::within;
+use common::within::within;
 use common::Rng;
 
 type Cpu = NdArray<f32>;

@@ -15,7 +15,8 @@ use burn_distflash::{CheckpointBackend, CheckpointPlacement, DeviceGroup, Transf
 use common::block_case::{
     assert_same_step, combine, lift, random_blocks, relative_error, small_config, step, StepResult,
 };
-use common::distributed_case::{on_rank_threads, within};
+use common::distributed_case::on_rank_threads;
+use common::within::within;
 use common::Rng;
 
 type WgpuF32 = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>;

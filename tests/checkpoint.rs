@@ -16,7 +16,7 @@ use burn_distflash::{CheckpointPlacement, DeviceGroup};
 use common::block_case::{
     assert_same_step, combine, lift, random_blocks, relative_error, small_config, step, StepResult,
 };
-use common::distributed_case::within;
+use common::within::within;
 use common::Rng;
 
 type Inner = NdArray<f32>;

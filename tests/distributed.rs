@@ -16,7 +16,8 @@ use burn_distflash::{
     sequence_parallel_attention, AttentionError, CommError, DeviceGroup, DistributedError,
     SequenceParallelOptions,
 };
-use common::distributed_case::{check, within, Case};
+use common::distributed_case::{check, Case};
+use common::within::within;
 use distflash_kernels::ElemType;
 
 type Cpu = Autodiff<NdArray<f32>>;

@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use burn::backend::Autodiff;
 use burn_distflash::schedule::ScheduleKind;
-use common::distributed_case::{check, within, Case};
+use common::distributed_case::{check, Case};
+use common::within::within;
 use distflash_kernels::ElemType;
 
 type WgpuF32 = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>;

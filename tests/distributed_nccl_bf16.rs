@@ -9,7 +9,8 @@ use burn::backend::Autodiff;
 use burn_distflash::collective::nccl;
 use burn_distflash::schedule::ScheduleKind;
 use burn_distflash::DeviceGroup;
-use common::distributed_case::{check_groups, within, Case};
+use common::distributed_case::{check_groups, Case};
+use common::within::within;
 use cubecl::cuda::CudaDevice;
 use distflash_kernels::ElemType;
 

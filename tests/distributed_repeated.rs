@@ -14,8 +14,9 @@ use burn::backend::{Autodiff, NdArray};
 use burn::tensor::backend::AutodiffBackend;
 use burn_distflash::schedule::ScheduleKind;
 use burn_distflash::SequenceParallelBackend;
-use common::distributed_case::{in_process_groups, within, Case};
+use common::distributed_case::{in_process_groups, Case};
 use common::repeated_case::{check_repeated, MIXED};
+use common::within::within;
 use distflash_kernels::ElemType;
 
 type WgpuF32 = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>;

@@ -15,7 +15,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 use burn_distflash::collective::{Incoming, MessageKind, Outgoing, TensorLayout};
 use burn_distflash::{CommError, DeviceGroup};
-use common::distributed_case::within;
+use common::within::within;
 
 type Cpu = NdArray<f32>;
 type WgpuF32 = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>;

@@ -1,6 +1,6 @@
 //! `replicate`: per-rank copies of a freshly initialised module (weights still lazy) hold the
 //! same weights as each other and as the source, require gradients, and are leaves of their own.
-//! (That ranks still agree after a training step is checked in `tests/llama_train.rs`.)
+//! (That ranks still agree after a training step is checked in `examples/llama/tests/train.rs`.)
 
 mod common;
 

@@ -2,7 +2,6 @@
 //! the f64 reference on the whole sequence (forward and every gradient).
 #![allow(dead_code)]
 
-use std::sync::mpsc;
 use std::thread;
 use std::time::Duration;
 
@@ -17,19 +16,6 @@ use distflash_kernels::{AttentionDims, ElemType, Mask};
 
 use super::burn_case::{expected, to_host, to_tensor, Expected};
 use super::{assert_close, Rng};
-
-/// Runs `f` on another thread and fails the test if it does not finish within `limit`.
-pub fn within<T: Send + 'static>(limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = mpsc::channel();
-    thread::spawn(move || {
-        let _ = tx.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
-    });
-    match rx.recv_timeout(limit) {
-        Ok(Ok(value)) => value,
-        Ok(Err(panic)) => std::panic::resume_unwind(panic),
-        Err(_) => panic!("the test did not finish within {limit:?} (a hang)"),
-    }
-}
 
 /// One sharded case: `world` ranks of `shard` tokens each.
 #[derive(Debug, Clone, Copy)]

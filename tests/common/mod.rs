@@ -7,7 +7,7 @@ pub mod distributed_case;
 pub mod matrix;
 pub mod modules;
 pub mod repeated_case;
-pub mod temp_dir;
+pub mod within;
 
 use distflash_kernels::reference::{self, Rounding};
 use distflash_kernels::ElemType;

@@ -414,7 +414,7 @@ pub fn write_loss_plot_svg(points: &[(u64, f64)], path: &Path, title: &str) -> i
 mod tests {
     use super::*;
 
-    use crate::llama::temp_dir::TempDir;
+    use crate::temp_dir::TempDir;
 
     fn record(step: u64, loss: f64) -> StepMetrics {
         StepMetrics {
@@ -447,7 +447,7 @@ mod tests {
     #[test]
     fn write_read_round_trip_and_line_format() {
         let tmp = TempDir::new("round-trip");
-        let path = tmp.0.join("metrics.jsonl");
+        let path = tmp.path().join("metrics.jsonl");
         let records: Vec<StepMetrics> = (1..=3).map(|s| record(s, 4.0 / s as f64)).collect();
         let mut log = MetricsLog::create(&path).unwrap();
         for r in &records {
@@ -475,7 +475,7 @@ mod tests {
     #[test]
     fn nan_is_written_as_null_and_read_as_nan() {
         let tmp = TempDir::new("nan");
-        let path = tmp.0.join("m.jsonl");
+        let path = tmp.path().join("m.jsonl");
         let mut log = MetricsLog::create(&path).unwrap();
         log.log(&record(1, f64::NAN)).unwrap();
         assert!(fs::read_to_string(&path).unwrap().contains("\"loss\":null"));
@@ -485,7 +485,7 @@ mod tests {
     #[test]
     fn append_and_resume() {
         let tmp = TempDir::new("append");
-        let path = tmp.0.join("m.jsonl");
+        let path = tmp.path().join("m.jsonl");
         let mut log = MetricsLog::append(&path).unwrap();
         log.log(&record(1, 3.0)).unwrap();
         drop(log);
@@ -526,7 +526,7 @@ mod tests {
     #[test]
     fn bad_lines_are_reported_with_line_numbers() {
         let tmp = TempDir::new("bad");
-        let path = tmp.0.join("m.jsonl");
+        let path = tmp.path().join("m.jsonl");
         let good = serde_json::to_string(&record(1, 1.0)).unwrap();
         fs::write(&path, format!("{good}\n\n{{\"step\": 2}}\n{good}\n")).unwrap();
         let err = read_metrics(&path).unwrap_err();
@@ -535,7 +535,7 @@ mod tests {
             err.to_string().contains("line 3") && err.to_string().contains("loss"),
             "{err}"
         );
-        let err = read_metrics(&tmp.0.join("absent.jsonl")).unwrap_err();
+        let err = read_metrics(&tmp.path().join("absent.jsonl")).unwrap_err();
         assert!(matches!(err, MetricsError::Io { .. }));
     }
 
@@ -613,7 +613,7 @@ mod tests {
     #[test]
     fn svg_file_is_written() {
         let tmp = TempDir::new("svg");
-        let path = tmp.0.join("loss.svg");
+        let path = tmp.path().join("loss.svg");
         write_loss_plot_svg(&[(1, 2.0), (2, 1.0)], &path, "t").unwrap();
         assert_eq!(
             fs::read_to_string(&path).unwrap(),

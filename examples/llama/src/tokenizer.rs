@@ -13,7 +13,7 @@
 //! Added tokens (such as `<|endoftext|>` or `<s>`) are matched in the raw text first, longest
 //! first, as `tokenizers` does by default (their `lstrip`, `rstrip`, `single_word` and
 //! `normalized` flags are ignored). `encode` adds no BOS/EOS: look them up with
-//! [`token_id`](crate::llama::tokenizer::Tokenizer::token_id) and add them yourself. `decode`
+//! [`token_id`](crate::tokenizer::Tokenizer::token_id) and add them yourself. `decode`
 //! keeps special tokens' text.
 //!
 //! The word split is a hand-written matcher for the two regexes, not a regex engine, and it is

@@ -8,10 +8,10 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Int, Tensor};
 
 use super::config::LlamaConfig;
-use crate::layers::{
+use burn_distflash::layers::{
     AttentionContext, ConfigError, RmsNorm, RmsNormConfig, TransformerBlock, TransformerBlockConfig,
 };
-use crate::{CheckpointBackend, DistributedError, SequenceParallelBackend};
+use burn_distflash::{CheckpointBackend, DistributedError, SequenceParallelBackend};
 
 /// A Llama language model.
 #[derive(Module, Debug)]

@@ -1,7 +1,7 @@
 //! Training throughput of a Llama-shaped model with sequence parallelism over P GPUs (one
 //! process, one thread per GPU, NCCL), bf16, AdamW, gradient all-reduce, on random tokens.
 //!
-//! `cargo bench --bench llama_train -- --config llama-7b [--layers 4] --gpus 4 --seq 32768
+//! `cargo bench -p distflash-llama --bench llama_train -- --config llama-7b [--layers 4] --gpus 4 --seq 32768
 //!  [--iters 2] [--checkpoint attention-output|layer|none] [--batch 1]`
 //!
 //! One configuration per process (an out-of-memory error ends the process, so the longest
@@ -17,11 +17,11 @@ use std::time::Instant;
 
 use burn::tensor::backend::Backend;
 use burn_distflash::layers::AttentionContext;
-use burn_distflash::llama::train::{TrainOptions, Trainer};
-use burn_distflash::llama::LlamaConfig;
 use burn_distflash::{replicate, CheckpointPlacement, DeviceGroup};
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::Runtime;
+use distflash_llama::train::{TrainOptions, Trainer};
+use distflash_llama::LlamaConfig;
 
 type Inner = burn_cubecl::CubeBackend<CudaRuntime, half::bf16, i32, u8>;
 type Train = burn_autodiff::Autodiff<Inner>;

@@ -17,8 +17,8 @@ use burn::tensor::{DType, ElementConversion, Int, Tensor, TensorData};
 
 use super::model::Llama;
 use super::schedule::learning_rate;
-use crate::layers::AttentionContext;
-use crate::{CheckpointBackend, CommError, DistributedError};
+use burn_distflash::layers::AttentionContext;
+use burn_distflash::{CheckpointBackend, CommError, DistributedError};
 
 /// Optimisation settings (saved with every checkpoint).
 #[derive(Config, Debug)]

@@ -6,8 +6,10 @@ use std::path::Path;
 use burn::config::Config;
 
 use super::hf_config::HfLlamaConfig;
-use crate::layers::{ConfigError, DistFlashAttentionConfig, Llama3RopeScaling, RopeConfig};
-use crate::CheckpointPlacement;
+use burn_distflash::layers::{
+    ConfigError, DistFlashAttentionConfig, Llama3RopeScaling, RopeConfig,
+};
+use burn_distflash::CheckpointPlacement;
 
 /// The shape of a Llama model (`LlamaConfig::load("config.json")` / `config.save(..)`).
 #[derive(Config, Debug)]

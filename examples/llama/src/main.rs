@@ -1,6 +1,6 @@
 //! Trains a Llama-shaped model with this project's attention and checkpointing.
 //!
-//! `cargo run --release --example llama_train` trains the tiny config on the CPU on Tiny
+//! `cargo run --release -p distflash-llama` trains the tiny config on the CPU on Tiny
 //! Shakespeare (byte-level tokens) for a few minutes, with a progress bar, and writes
 //! `runs/llama-tiny/{metrics.jsonl,loss.svg,checkpoint/}`.
 //!
@@ -28,15 +28,15 @@ use burn::module::Module;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::Backend;
 use burn_distflash::layers::AttentionContext;
-use burn_distflash::llama::data::TokenDataset;
-use burn_distflash::llama::metrics::{read_metrics, write_loss_plot_svg, MetricsLog, StepMetrics};
-use burn_distflash::llama::progress::ProgressBar;
-use burn_distflash::llama::tokenizer::Tokenizer;
-use burn_distflash::llama::train::{TrainBackend, TrainOptions, Trainer};
-use burn_distflash::llama::weights::load_hf_llama;
-use burn_distflash::llama::{Llama, LlamaConfig};
 use burn_distflash::schedule::ScheduleKind;
 use burn_distflash::{replicate, CheckpointPlacement, DeviceGroup};
+use distflash_llama::data::TokenDataset;
+use distflash_llama::metrics::{read_metrics, write_loss_plot_svg, MetricsLog, StepMetrics};
+use distflash_llama::progress::ProgressBar;
+use distflash_llama::tokenizer::Tokenizer;
+use distflash_llama::train::{TrainBackend, TrainOptions, Trainer};
+use distflash_llama::weights::load_hf_llama;
+use distflash_llama::{Llama, LlamaConfig};
 
 /// Everything the command line chose.
 #[derive(Clone)]
@@ -151,7 +151,7 @@ fn parse() -> Args {
         checkpoint,
         save_config: value("--save-config").map(PathBuf::from),
         data: value("--data").map_or_else(
-            || Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/data/tiny_shakespeare.txt"),
+            || Path::new(env!("CARGO_MANIFEST_DIR")).join("data/tiny_shakespeare.txt"),
             PathBuf::from,
         ),
         tokenizer: value("--tokenizer").map(PathBuf::from),
@@ -171,7 +171,7 @@ fn parse() -> Args {
 fn model_config(args: &Args, tokenizer: &Tokenizer) -> LlamaConfig {
     let mut config = match &args.weights {
         Some(dir) => {
-            let hf = burn_distflash::llama::hf_config::read_hf_config(&dir.join("config.json"))
+            let hf = distflash_llama::hf_config::read_hf_config(&dir.join("config.json"))
                 .unwrap_or_else(|e| fail(e));
             LlamaConfig::from_hf(&hf)
         }

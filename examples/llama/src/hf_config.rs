@@ -498,7 +498,7 @@ pub fn write_hf_config(path: &Path, config: &HfLlamaConfig) -> Result<(), HfConf
 mod tests {
     use super::*;
 
-    use crate::llama::temp_dir::TempDir;
+    use crate::temp_dir::TempDir;
 
     const LLAMA_32_1B: &str = r#"{
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
@@ -698,7 +698,7 @@ mod tests {
     #[test]
     fn missing_file_error() {
         let tmp = TempDir::new("missing");
-        let err = read_hf_config(&tmp.0.join("config.json")).unwrap_err();
+        let err = read_hf_config(&tmp.path().join("config.json")).unwrap_err();
         assert!(
             matches!(err, HfConfigError::Io { ref source, .. } if source.kind() == io::ErrorKind::NotFound)
         );
@@ -708,7 +708,7 @@ mod tests {
     #[test]
     fn write_read_round_trip() {
         let tmp = TempDir::new("round-trip");
-        let path = tmp.0.join("config.json");
+        let path = tmp.path().join("config.json");
         let mut config = parse(LLAMA_32_1B).unwrap();
         config.rms_norm_eps = 1.2345678901234e-7;
         write_hf_config(&path, &config).unwrap();

@@ -30,8 +30,8 @@ use super::safetensors::{
     read_safetensors_dir, write_safetensors, SafeDType, SafeTensor, SafeTensorsError,
     SINGLE_FILE_NAME,
 };
-use crate::layers::ConfigError;
-use crate::CheckpointBackend;
+use burn_distflash::layers::ConfigError;
+use burn_distflash::CheckpointBackend;
 
 /// File name of the model configuration inside a model directory.
 const CONFIG_FILE_NAME: &str = "config.json";

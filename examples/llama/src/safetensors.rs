@@ -626,7 +626,7 @@ pub fn write_safetensors(
 mod tests {
     use super::*;
 
-    use crate::llama::temp_dir::TempDir;
+    use crate::temp_dir::TempDir;
 
     /// Builds a safetensors file by hand, independently of `write_safetensors`.
     fn raw_file(header: &str, data: &[u8]) -> Vec<u8> {
@@ -643,7 +643,7 @@ mod tests {
     #[test]
     fn f32_round_trip_is_bit_exact() {
         let tmp = TempDir::new("f32");
-        let path = tmp.0.join("w.safetensors");
+        let path = tmp.path().join("w.safetensors");
         let values = [1.5, -2.25, 3.1e-5, 1e30, f32::MIN_POSITIVE / 4.0, -0.0];
         let mut map = BTreeMap::new();
         map.insert(
@@ -666,7 +666,7 @@ mod tests {
     #[test]
     fn f16_and_bf16_round_trip_rounds_to_nearest() {
         let tmp = TempDir::new("half");
-        let path = tmp.0.join("w.safetensors");
+        let path = tmp.path().join("w.safetensors");
         let mut map = BTreeMap::new();
         map.insert(
             "h".to_string(),
@@ -696,7 +696,7 @@ mod tests {
     #[test]
     fn written_layout_is_aligned_and_complete() {
         let tmp = TempDir::new("layout");
-        let path = tmp.0.join("w.safetensors");
+        let path = tmp.path().join("w.safetensors");
         let mut map = BTreeMap::new();
         map.insert(
             "a".to_string(),
@@ -714,13 +714,13 @@ mod tests {
         assert_eq!(header["z"]["data_offsets"], serde_json::json!([0, 8]));
         assert_eq!(header["a"]["data_offsets"], serde_json::json!([8, 14]));
         assert_eq!(header["a"]["dtype"], "BF16");
-        assert!(!tmp.0.join(".w.safetensors.tmp").exists());
+        assert!(!tmp.path().join(".w.safetensors.tmp").exists());
     }
 
     #[test]
     fn reads_hand_built_half_precision_file() {
         let tmp = TempDir::new("hand");
-        let path = tmp.0.join("h.safetensors");
+        let path = tmp.path().join("h.safetensors");
         let header = r#"{"__metadata__":{"format":"pt"},"x":{"dtype":"F16","shape":[2],"data_offsets":[0,4]},"y":{"dtype":"BF16","shape":[1,1],"data_offsets":[4,6]}}"#;
         // f16 1.0 = 0x3C00, f16 -2.0 = 0xC000, bf16 1.0 = 0x3F80 (little-endian on disk).
         fs::write(
@@ -744,20 +744,24 @@ mod tests {
         );
         let mut second = BTreeMap::new();
         second.insert("head".to_string(), tensor(&[1], SafeDType::BF16, &[4.0]));
-        write_safetensors(&tmp.0.join("model-00001-of-00002.safetensors"), &first).unwrap();
-        write_safetensors(&tmp.0.join("model-00002-of-00002.safetensors"), &second).unwrap();
+        write_safetensors(&tmp.path().join("model-00001-of-00002.safetensors"), &first).unwrap();
+        write_safetensors(
+            &tmp.path().join("model-00002-of-00002.safetensors"),
+            &second,
+        )
+        .unwrap();
         let index = r#"{"metadata":{"total_size":10},"weight_map":{
             "embed":"model-00001-of-00002.safetensors","head":"model-00002-of-00002.safetensors"}}"#;
-        fs::write(tmp.0.join(INDEX_FILE_NAME), index).unwrap();
-        let all = read_safetensors_dir(&tmp.0).unwrap();
+        fs::write(tmp.path().join(INDEX_FILE_NAME), index).unwrap();
+        let all = read_safetensors_dir(tmp.path()).unwrap();
         assert_eq!(all.keys().collect::<Vec<_>>(), ["embed", "head"]);
         assert_eq!(all["embed"].data, vec![1.0, 2.0]);
         assert_eq!(all["head"].data, vec![4.0]);
 
         // An index naming the wrong shard for a tensor is rejected.
         let wrong = r#"{"weight_map":{"embed":"model-00002-of-00002.safetensors"}}"#;
-        fs::write(tmp.0.join(INDEX_FILE_NAME), wrong).unwrap();
-        let err = read_safetensors_dir(&tmp.0).unwrap_err();
+        fs::write(tmp.path().join(INDEX_FILE_NAME), wrong).unwrap();
+        let err = read_safetensors_dir(tmp.path()).unwrap_err();
         assert!(
             matches!(err, SafeTensorsError::InvalidIndex { .. }),
             "{err}"
@@ -766,8 +770,8 @@ mod tests {
 
         // Shard names that leave the directory are rejected.
         let escape = r#"{"weight_map":{"embed":"../model.safetensors"}}"#;
-        fs::write(tmp.0.join(INDEX_FILE_NAME), escape).unwrap();
-        let err = read_safetensors_dir(&tmp.0).unwrap_err();
+        fs::write(tmp.path().join(INDEX_FILE_NAME), escape).unwrap();
+        let err = read_safetensors_dir(tmp.path()).unwrap_err();
         assert!(err.to_string().contains("plain file name"), "{err}");
     }
 
@@ -776,11 +780,11 @@ mod tests {
         let tmp = TempDir::new("dup");
         let mut map = BTreeMap::new();
         map.insert("w".to_string(), tensor(&[1], SafeDType::F32, &[1.0]));
-        write_safetensors(&tmp.0.join("a.safetensors"), &map).unwrap();
-        write_safetensors(&tmp.0.join("b.safetensors"), &map).unwrap();
+        write_safetensors(&tmp.path().join("a.safetensors"), &map).unwrap();
+        write_safetensors(&tmp.path().join("b.safetensors"), &map).unwrap();
         let index = r#"{"weight_map":{"w":"a.safetensors","x":"b.safetensors"}}"#;
-        fs::write(tmp.0.join(INDEX_FILE_NAME), index).unwrap();
-        let err = read_safetensors_dir(&tmp.0).unwrap_err();
+        fs::write(tmp.path().join(INDEX_FILE_NAME), index).unwrap();
+        let err = read_safetensors_dir(tmp.path()).unwrap_err();
         assert!(
             matches!(err, SafeTensorsError::DuplicateTensor { ref tensor, .. } if tensor == "w")
         );
@@ -789,19 +793,19 @@ mod tests {
     #[test]
     fn single_file_dir_and_missing_dir() {
         let tmp = TempDir::new("dir");
-        let err = read_safetensors_dir(&tmp.0).unwrap_err();
+        let err = read_safetensors_dir(tmp.path()).unwrap_err();
         assert!(matches!(err, SafeTensorsError::NoModelFiles { .. }));
         assert!(err.to_string().contains(INDEX_FILE_NAME));
         let mut map = BTreeMap::new();
         map.insert("w".to_string(), tensor(&[1], SafeDType::F16, &[2.0]));
-        write_safetensors(&tmp.0.join(SINGLE_FILE_NAME), &map).unwrap();
-        assert_eq!(read_safetensors_dir(&tmp.0).unwrap(), map);
+        write_safetensors(&tmp.path().join(SINGLE_FILE_NAME), &map).unwrap();
+        assert_eq!(read_safetensors_dir(tmp.path()).unwrap(), map);
     }
 
     #[test]
     fn truncated_files_are_rejected() {
         let tmp = TempDir::new("trunc");
-        let path = tmp.0.join("w.safetensors");
+        let path = tmp.path().join("w.safetensors");
         let mut map = BTreeMap::new();
         map.insert(
             "layer.w".to_string(),
@@ -837,14 +841,14 @@ mod tests {
         assert!(err.to_string().contains("5 bytes"), "{err}");
 
         // Missing file.
-        let err = read_safetensors(&tmp.0.join("absent.safetensors")).unwrap_err();
+        let err = read_safetensors(&tmp.path().join("absent.safetensors")).unwrap_err();
         assert!(matches!(err, SafeTensorsError::Io { .. }));
     }
 
     #[test]
     fn unsupported_dtype_names_tensor_and_dtype() {
         let tmp = TempDir::new("dtype");
-        let path = tmp.0.join("ints.safetensors");
+        let path = tmp.path().join("ints.safetensors");
         let header = r#"{"ids":{"dtype":"I64","shape":[1],"data_offsets":[0,8]}}"#;
         fs::write(&path, raw_file(header, &[0; 8])).unwrap();
         let err = read_safetensors(&path).unwrap_err();
@@ -859,7 +863,7 @@ mod tests {
     #[test]
     fn inconsistent_headers_are_rejected() {
         let tmp = TempDir::new("bad");
-        let path = tmp.0.join("bad.safetensors");
+        let path = tmp.path().join("bad.safetensors");
         let check = |header: &str, data: &[u8], needle: &str| {
             fs::write(&path, raw_file(header, data)).unwrap();
             let msg = read_safetensors(&path).unwrap_err().to_string();
@@ -893,7 +897,7 @@ mod tests {
     #[test]
     fn writer_rejects_bad_tensors() {
         let tmp = TempDir::new("wbad");
-        let path = tmp.0.join("w.safetensors");
+        let path = tmp.path().join("w.safetensors");
         let mut map = BTreeMap::new();
         map.insert(
             "w".to_string(),

@@ -13,14 +13,12 @@ use burn::module::Param;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
 use burn_distflash::layers::{AttentionContext, Llama3RopeScaling, RopeConfig};
-use burn_distflash::llama::hf_config::{write_hf_config, HfLlamaConfig};
-use burn_distflash::llama::safetensors::{
-    read_safetensors, write_safetensors, SafeDType, SafeTensor,
-};
-use burn_distflash::llama::weights::{load_hf_llama, save_hf_llama, WeightsError};
-use burn_distflash::llama::{Llama, LlamaConfig};
 use common::modules::{float_params, require_grad_flags, ParamValues};
 use common::temp_dir::TempDir;
+use distflash_llama::hf_config::{write_hf_config, HfLlamaConfig};
+use distflash_llama::safetensors::{read_safetensors, write_safetensors, SafeDType, SafeTensor};
+use distflash_llama::weights::{load_hf_llama, save_hf_llama, WeightsError};
+use distflash_llama::{Llama, LlamaConfig};
 
 type Cpu = NdArray<f32>;
 const DEVICE: NdArrayDevice = NdArrayDevice::Cpu;

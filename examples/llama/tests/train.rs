@@ -12,19 +12,19 @@ use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::{Int, Tensor};
 use burn_distflash::layers::AttentionContext;
-use burn_distflash::llama::data::TokenDataset;
-use burn_distflash::llama::tokenizer::Tokenizer;
-use burn_distflash::llama::train::{StepStats, TrainError, TrainOptions, Trainer};
-use burn_distflash::llama::{Llama, LlamaConfig};
 use burn_distflash::{replicate, CheckpointPlacement, DeviceGroup};
-use common::distributed_case::within;
 use common::modules::{float_params, require_grad_flags, ParamValues};
 use common::temp_dir::TempDir;
+use common::within::within;
+use distflash_llama::data::TokenDataset;
+use distflash_llama::tokenizer::Tokenizer;
+use distflash_llama::train::{StepStats, TrainError, TrainOptions, Trainer};
+use distflash_llama::{Llama, LlamaConfig};
 
 type Inner = NdArray<f32>;
 type Cpu = Autodiff<Inner>;
 const DEVICE: NdArrayDevice = NdArrayDevice::Cpu;
-const CORPUS: &str = include_str!("../examples/data/tiny_shakespeare.txt");
+const CORPUS: &str = include_str!("../data/tiny_shakespeare.txt");
 
 fn small() -> LlamaConfig {
     LlamaConfig::new(256, 64, 2, 4, 2, 128).with_tie_embeddings(true)
@@ -229,7 +229,7 @@ fn tokens_the_model_cannot_take_are_refused_before_any_work() {
 
 #[test]
 fn every_preset_is_a_valid_shape() {
-    for name in burn_distflash::llama::PRESETS {
+    for name in distflash_llama::PRESETS {
         let config = LlamaConfig::preset(name).unwrap();
         config.validate().unwrap_or_else(|e| panic!("{name}: {e}"));
     }

@@ -1,0 +1,20 @@
+//! Llama models trained with burn-distflash's attention: the model and its configuration,
+//! loading Hugging Face weights, tokenizers, data, training (AdamW, schedule, clipping, gradient
+//! all-reduce, checkpoints) and its logs. The `llama_train` binary (`src/main.rs`) drives it.
+
+pub mod config;
+pub mod data;
+pub mod hf_config;
+pub mod metrics;
+pub mod model;
+pub mod progress;
+pub mod safetensors;
+pub mod schedule;
+#[cfg(test)]
+mod temp_dir;
+pub mod tokenizer;
+pub mod train;
+pub mod weights;
+
+pub use config::{LlamaConfig, PRESETS};
+pub use model::Llama;

@@ -7,7 +7,10 @@
 //! and the norm scales keep their layout.
 //!
 //! Loading checks the whole checkpoint against the configuration (every tensor present, every
-//! shape as the config implies, nothing unexpected) before any tensor is built.
+//! shape as the config implies, nothing unexpected) before any tensor is built. Each tensor then
+//! goes from the memory-mapped file to its device in the dtype it is stored in (a bf16
+//! checkpoint stays bf16 on the host, transposed in place of its bytes where needed); the
+//! conversion to the model's float type happens as each tensor is placed.
 //!
 //! [`Linear`]: burn::nn::Linear
 
@@ -19,7 +22,7 @@ use std::path::{Path, PathBuf};
 
 use burn::module::Param;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData};
 
 use super::config::LlamaConfig;
 use super::hf_config::{
@@ -27,8 +30,7 @@ use super::hf_config::{
 };
 use super::model::Llama;
 use super::safetensors::{
-    read_safetensors_dir, write_safetensors, SafeDType, SafeTensor, SafeTensorsError,
-    SINGLE_FILE_NAME,
+    write_safetensors, Checkpoint, SafeTensorsError, StoredTensor, SINGLE_FILE_NAME,
 };
 use burn_distflash::layers::ConfigError;
 use burn_distflash::CheckpointBackend;
@@ -131,12 +133,10 @@ pub enum WeightsError {
         /// The config's `tie_embeddings`.
         tied: bool,
     },
-    /// A weight's values could not be read back from the device as `f32`.
-    TensorData {
-        /// The Hugging Face name of the weight.
-        name: String,
-        /// What went wrong.
-        reason: String,
+    /// [`save_hf_llama`] was asked for a dtype safetensors checkpoints of Llama do not use.
+    SaveDType {
+        /// The dtype asked for.
+        dtype: DType,
     },
     /// Creating the output directory failed.
     Io {
@@ -241,9 +241,10 @@ impl fmt::Display for WeightsError {
                     )
                 }
             }
-            Self::TensorData { name, reason } => {
-                write!(f, "could not read the values of `{name}` as f32: {reason}")
-            }
+            Self::SaveDType { dtype } => write!(
+                f,
+                "cannot save weights as {dtype:?}; save_hf_llama writes F32, F16 or BF16"
+            ),
             Self::Io { path, source } => write!(f, "I/O error on {}: {source}", path.display()),
         }
     }
@@ -390,11 +391,11 @@ fn check_checkpoint(
     dir: &Path,
     config: &LlamaConfig,
     specs: &[Spec],
-    tensors: &BTreeMap<String, SafeTensor>,
+    checkpoint: &Checkpoint,
 ) -> Result<(), WeightsError> {
     let missing: Vec<&Spec> = specs
         .iter()
-        .filter(|s| !tensors.contains_key(&s.name))
+        .filter(|s| checkpoint.get(&s.name).is_none())
         .collect();
     if !missing.is_empty() {
         return Err(WeightsError::MissingTensors {
@@ -414,19 +415,20 @@ fn check_checkpoint(
         expected: expected.to_vec(),
     };
     for spec in specs {
-        let got = &tensors[&spec.name].shape;
-        if *got != spec.shape {
+        let got = checkpoint.get(&spec.name).map_or(&[][..], |t| t.shape);
+        if got != spec.shape {
             return Err(shape_error(&spec.name, got, &spec.shape));
         }
     }
-    let tied_head = config.tie_embeddings && tensors.contains_key(LM_HEAD);
+    let head = checkpoint.get(LM_HEAD).filter(|_| config.tie_embeddings);
+    let tied_head = head.is_some();
     let mut known: BTreeSet<&str> = specs.iter().map(|s| s.name.as_str()).collect();
     if tied_head {
         known.insert(LM_HEAD);
     }
-    let unexpected: Vec<&String> = tensors
-        .keys()
-        .filter(|name| !known.contains(name.as_str()) && !is_ignorable(name))
+    let unexpected: Vec<&str> = checkpoint
+        .names()
+        .filter(|name| !known.contains(name) && !is_ignorable(name))
         .collect();
     if !unexpected.is_empty() {
         return Err(WeightsError::UnexpectedTensors {
@@ -439,13 +441,11 @@ fn check_checkpoint(
             total: unexpected.len(),
         });
     }
-    if tied_head {
-        let head = &tensors[LM_HEAD];
-        let embedding = &tensors[EMBED_TOKENS];
+    if let (Some(head), Some(embedding)) = (head, checkpoint.get(EMBED_TOKENS)) {
         if head.shape != embedding.shape {
-            return Err(shape_error(LM_HEAD, &head.shape, &embedding.shape));
+            return Err(shape_error(LM_HEAD, head.shape, embedding.shape));
         }
-        if head.data != embedding.data {
+        if head.dtype != embedding.dtype || head.bytes != embedding.bytes {
             return Err(WeightsError::TiedHeadDiffers {
                 dir: dir.to_path_buf(),
             });
@@ -454,16 +454,18 @@ fn check_checkpoint(
     Ok(())
 }
 
-/// `values` `[rows, cols]` row-major, transposed to `[cols, rows]` row-major (in tiles, so large
-/// matrices stay cache-friendly).
-fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+/// A row-major `[rows, cols]` matrix of `elem`-byte elements, transposed to `[cols, rows]`
+/// without looking at the values (so in any dtype; in tiles, so large matrices stay
+/// cache-friendly).
+fn transpose_bytes(bytes: &[u8], rows: usize, cols: usize, elem: usize) -> Vec<u8> {
     const TILE: usize = 32;
-    let mut out = vec![0.0f32; values.len()];
+    let mut out = vec![0u8; bytes.len()];
     for r0 in (0..rows).step_by(TILE) {
         for c0 in (0..cols).step_by(TILE) {
             for r in r0..(r0 + TILE).min(rows) {
                 for c in c0..(c0 + TILE).min(cols) {
-                    out[c * rows + r] = values[r * cols + c];
+                    let (to, from) = ((c * rows + r) * elem, (r * cols + c) * elem);
+                    out[to..to + elem].copy_from_slice(&bytes[from..from + elem]);
                 }
             }
         }
@@ -471,16 +473,36 @@ fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     out
 }
 
-/// `param` with its value replaced by `values` (converted to the device's float type), keeping
-/// its id, device and parameter mapper, and requiring gradients so the loaded model can be
-/// fine-tuned (meaningful on autodiff backends; a no-op elsewhere).
+/// `data`, a row-major `[rows, cols]` matrix, as its `[cols, rows]` transpose in the same dtype.
+fn transposed(data: &TensorData) -> TensorData {
+    let [rows, cols] = data.shape.as_slice()[..] else {
+        return data.clone();
+    };
+    let bytes = transpose_bytes(data.as_bytes(), rows, cols, data.dtype.size());
+    TensorData::from_bytes_vec(bytes, [cols, rows], data.dtype)
+}
+
+/// The data a checkpoint tensor is placed on its device from: Burn's layout (projections
+/// transposed from Hugging Face's `[out, in]` to `[in, out]`), still in the stored dtype.
+fn placement_data(tensor: StoredTensor<'_>, slot: Slot) -> TensorData {
+    let data = tensor.to_data();
+    // Hugging Face Llama's q_proj and k_proj rows are already in the "rotate half" order the
+    // plugin's RoPE uses (`convert_llama_weights_to_hf.py` permuted Meta's interleaved layout
+    // into it), so no further permutation of the heads is needed.
+    match slot.transposed() {
+        true => transposed(&data),
+        false => data,
+    }
+}
+
+/// `param` with its value replaced by `data` (converted to the device's float type as it is
+/// placed), keeping its id, device and parameter mapper, and requiring gradients so the loaded
+/// model can be fine-tuned (meaningful on autodiff backends; a no-op elsewhere).
 fn load_param<B: Backend, const D: usize>(
     param: Param<Tensor<B, D>>,
-    values: Vec<f32>,
-    shape: [usize; D],
+    data: TensorData,
     device: &B::Device,
 ) -> Param<Tensor<B, D>> {
-    let data = TensorData::new(values, shape);
     let tensor = B::memory_persistent_allocations(device, data, |data| {
         Tensor::<B, D>::from_data(data, device)
     });
@@ -489,29 +511,18 @@ fn load_param<B: Backend, const D: usize>(
 }
 
 /// Puts one checked checkpoint tensor into its place in `model`.
-fn assign<B: Backend>(model: &mut Llama<B>, slot: Slot, tensor: SafeTensor, device: &B::Device) {
-    let SafeTensor { shape, data, .. } = tensor;
-    if let [d] = shape[..] {
-        let norm = match slot {
-            Slot::AttentionNorm(i) => &mut model.blocks[i].attention_norm,
-            Slot::FfnNorm(i) => &mut model.blocks[i].ffn_norm,
-            Slot::Norm => &mut model.norm,
-            _ => return,
-        };
+fn assign<B: Backend>(model: &mut Llama<B>, slot: Slot, data: TensorData, device: &B::Device) {
+    let norm = match slot {
+        Slot::AttentionNorm(i) => Some(&mut model.blocks[i].attention_norm),
+        Slot::FfnNorm(i) => Some(&mut model.blocks[i].ffn_norm),
+        Slot::Norm => Some(&mut model.norm),
+        _ => None,
+    };
+    if let Some(norm) = norm {
         let weight = norm.weight.clone();
-        norm.weight = load_param(weight, data, [d], device);
+        norm.weight = load_param(weight, data, device);
         return;
     }
-    let (rows, cols) = (shape[0], shape[1]);
-    // HF `[out, in]` to Burn `[in, out]` for the linear layers; the embedding keeps its layout.
-    // Hugging Face Llama's q_proj and k_proj rows are already in the "rotate half" order our
-    // RoPE uses (src/layers/rope.rs; `convert_llama_weights_to_hf.py` permuted Meta's
-    // interleaved layout into it), so no further permutation of the heads is needed.
-    let (data, shape) = if slot.transposed() {
-        (transpose(&data, rows, cols), [cols, rows])
-    } else {
-        (data, [rows, cols])
-    };
     let param = match slot {
         Slot::Embedding => &mut model.embedding.weight,
         Slot::Query(i) => &mut model.blocks[i].attention.query.weight,
@@ -528,11 +539,12 @@ fn assign<B: Backend>(model: &mut Llama<B>, slot: Slot, tensor: SafeTensor, devi
         Slot::AttentionNorm(_) | Slot::FfnNorm(_) | Slot::Norm => return,
     };
     let old = param.clone();
-    *param = load_param(old, data, shape, device);
+    *param = load_param(old, data, device);
 }
 
 /// Loads a Hugging Face Llama model directory: `config.json` and the safetensors weights
-/// (`model.safetensors`, or the shards `model.safetensors.index.json` lists; F32, F16 or BF16).
+/// (`model.safetensors`, or the shards `model.safetensors.index.json` lists; F32, F16 or BF16,
+/// each tensor kept in its dtype until it is placed on `device`).
 ///
 /// Returns the configuration [`LlamaConfig::from_hf`] derives from `config.json` and a model of
 /// that shape holding the checkpoint's weights, converted to the device's float type and
@@ -566,20 +578,25 @@ pub fn load_hf_llama<B: CheckpointBackend>(
     };
     config.validate().map_err(invalid)?;
     let specs = tensor_specs(&config).map_err(invalid)?;
-    let mut tensors = read_safetensors_dir(dir)?;
-    check_checkpoint(dir, &config, &specs, &tensors)?;
+    let checkpoint = Checkpoint::open_dir(dir)?;
+    check_checkpoint(dir, &config, &specs, &checkpoint)?;
 
     let mut model = config.try_init::<B>(device).map_err(invalid)?;
     for spec in &specs {
         // Present: `check_checkpoint` found every spec's tensor.
-        let Some(tensor) = tensors.remove(&spec.name) else {
+        let Some(tensor) = checkpoint.get(&spec.name) else {
             return Err(WeightsError::MissingTensors {
                 dir: dir.to_path_buf(),
                 names: vec![spec.name.clone()],
                 total: 1,
             });
         };
-        assign(&mut model, spec.slot, tensor, device);
+        assign(
+            &mut model,
+            spec.slot,
+            placement_data(tensor, spec.slot),
+            device,
+        );
     }
     Ok((config, model))
 }
@@ -649,31 +666,26 @@ impl<B: Backend> ModelParam<'_, B> {
         }
     }
 
-    /// The values in Hugging Face layout, as `f32`.
-    fn hf_values(&self, name: &str, transposed: bool) -> Result<Vec<f32>, WeightsError> {
-        let (data, dims) = match self {
-            ModelParam::Vector(p) => (p.val().into_data(), p.lazy_shape().to_vec()),
-            ModelParam::Matrix(p) => (p.val().into_data(), p.lazy_shape().to_vec()),
-        };
-        let values =
-            data.convert::<f32>()
-                .into_vec::<f32>()
-                .map_err(|e| WeightsError::TensorData {
-                    name: name.to_string(),
-                    reason: format!("{e:?}"),
-                })?;
-        Ok(match dims[..] {
-            [rows, cols] if transposed => transpose(&values, rows, cols),
-            _ => values,
-        })
+    /// The values in Hugging Face layout, in `dtype`.
+    fn hf_data(&self, transpose: bool, dtype: DType) -> TensorData {
+        let data = match self {
+            ModelParam::Vector(p) => p.val().into_data(),
+            ModelParam::Matrix(p) => p.val().into_data(),
+        }
+        .convert_dtype(dtype);
+        match transpose {
+            true => transposed(&data),
+            false => data,
+        }
     }
 }
 
 /// Saves `model` as a Hugging Face Llama directory that [`load_hf_llama`] and `transformers`
 /// both load: `dir/config.json` (the fields of `config`; `max_position_embeddings` 131072, since
 /// [`LlamaConfig`] has no context length) and `dir/model.safetensors` with every tensor in
-/// `dtype`, under Hugging Face names and in Hugging Face layout (projections transposed back to
-/// `[out, in]`; no `lm_head.weight` when the embeddings are tied).
+/// `dtype` (F32, F16 or BF16), under Hugging Face names and in Hugging Face layout (projections
+/// transposed back to `[out, in]`; no `lm_head.weight` when the embeddings are tied), with the
+/// `format: "pt"` metadata `transformers` expects.
 ///
 /// `dir` is created if needed; existing files of the same names are replaced. The model is
 /// checked against `config` (every shape, and `lm_head` present exactly when untied) before
@@ -682,8 +694,11 @@ pub fn save_hf_llama<B: CheckpointBackend>(
     model: &Llama<B>,
     config: &LlamaConfig,
     dir: &Path,
-    dtype: SafeDType,
+    dtype: DType,
 ) -> Result<(), WeightsError> {
+    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+        return Err(WeightsError::SaveDType { dtype });
+    }
     let config_path = dir.join(CONFIG_FILE_NAME);
     let invalid = |source| WeightsError::InvalidConfig {
         path: config_path.clone(),
@@ -724,15 +739,8 @@ pub fn save_hf_llama<B: CheckpointBackend>(
 
     let mut tensors = BTreeMap::new();
     for (spec, param) in params {
-        let data = param.hf_values(&spec.name, spec.slot.transposed())?;
-        tensors.insert(
-            spec.name.clone(),
-            SafeTensor {
-                shape: spec.shape.clone(),
-                dtype,
-                data,
-            },
-        );
+        let data = param.hf_data(spec.slot.transposed(), dtype);
+        tensors.insert(spec.name.clone(), data);
     }
     fs::create_dir_all(dir).map_err(|source| WeightsError::Io {
         path: dir.to_path_buf(),
@@ -741,4 +749,61 @@ pub fn save_hf_llama<B: CheckpointBackend>(
     write_hf_config(&config_path, &hf_config(config))?;
     write_safetensors(&dir.join(SINGLE_FILE_NAME), &tensors)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::bf16;
+
+    #[test]
+    fn transposing_bytes_moves_whole_elements() {
+        // [2, 3] of 2-byte elements: element (r, c) is the pair [10 r + c, 100].
+        let bytes: Vec<u8> = (0..2u8)
+            .flat_map(|r| (0..3u8).flat_map(move |c| [10 * r + c, 100]))
+            .collect();
+        let out = transpose_bytes(&bytes, 2, 3, 2);
+        let expected: Vec<u8> = (0..3u8)
+            .flat_map(|c| (0..2u8).flat_map(move |r| [10 * r + c, 100]))
+            .collect();
+        assert_eq!(out, expected);
+        // Larger than one tile in both directions, 4-byte elements.
+        let (rows, cols) = (37, 70);
+        let values: Vec<u32> = (0..(rows * cols) as u32).collect();
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let out = transpose_bytes(&bytes, rows, cols, 4);
+        let at = |i: usize| u32::from_le_bytes(out[4 * i..4 * i + 4].try_into().unwrap());
+        assert_eq!(at(5 * rows + 3), (3 * cols + 5) as u32);
+        assert_eq!(at(cols * rows - 1), (rows * cols - 1) as u32);
+    }
+
+    #[test]
+    fn a_bf16_projection_reaches_placement_as_bf16_in_burn_layout() {
+        // HF q_proj [out 2, in 3] in bf16; Burn wants [in 3, out 2], still bf16.
+        let values = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0].map(bf16::from_f32);
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let stored = StoredTensor {
+            dtype: DType::BF16,
+            shape: &[2, 3],
+            bytes: &bytes,
+        };
+        let data = placement_data(stored, Slot::Query(0));
+        assert_eq!(data.dtype, DType::BF16);
+        assert_eq!(data.shape.as_slice(), [3, 2]);
+        let placed: Vec<f32> = data
+            .as_slice::<bf16>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_f32())
+            .collect();
+        assert_eq!(placed, [1.0, 4.0, 2.0, 5.0, 3.0, 6.0]);
+        // A norm scale keeps its layout and its bytes.
+        let stored = StoredTensor {
+            dtype: DType::BF16,
+            shape: &[6],
+            bytes: &bytes,
+        };
+        let data = placement_data(stored, Slot::Norm);
+        assert_eq!((data.dtype, data.as_bytes()), (DType::BF16, &bytes[..]));
+    }
 }

@@ -11,12 +11,12 @@ use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::{Autodiff, NdArray};
 use burn::module::Param;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Distribution, Int, Tensor, TensorData};
+use burn::tensor::{DType, Distribution, Int, Tensor, TensorData};
 use burn_distflash::layers::{AttentionContext, Llama3RopeScaling, RopeConfig};
 use common::modules::{float_params, require_grad_flags, ParamValues};
 use common::temp_dir::TempDir;
 use distflash_llama::hf_config::{write_hf_config, HfLlamaConfig};
-use distflash_llama::safetensors::{read_safetensors, write_safetensors, SafeDType, SafeTensor};
+use distflash_llama::safetensors::{write_safetensors, Checkpoint};
 use distflash_llama::weights::{load_hf_llama, save_hf_llama, WeightsError};
 use distflash_llama::{Llama, LlamaConfig};
 
@@ -90,19 +90,20 @@ fn untied_round_trip_keeps_every_weight_and_the_config() {
     let model = random_model(&config);
     let tmp = TempDir::new("untied");
     let dir = tmp.path().join("model");
-    save_hf_llama(&model, &config, &dir, SafeDType::F32).unwrap();
+    save_hf_llama(&model, &config, &dir, DType::F32).unwrap();
 
-    let written = read_safetensors(&dir.join("model.safetensors")).unwrap();
+    let written = Checkpoint::open_file(&dir.join("model.safetensors")).unwrap();
     assert_eq!(written.len(), 1 + 2 * 9 + 1 + 1);
+    let shape = |name: &str| written.get(name).unwrap().shape.to_vec();
+    assert_eq!(shape("model.layers.0.self_attn.k_proj.weight"), [32, 64]);
+    assert_eq!(shape("model.layers.1.mlp.down_proj.weight"), [64, 96]);
+    assert_eq!(shape("lm_head.weight"), [64, 64]);
+    let format = written.metadata_of("lm_head.weight").unwrap().get("format");
     assert_eq!(
-        written["model.layers.0.self_attn.k_proj.weight"].shape,
-        [32, 64]
+        format.map(String::as_str),
+        Some("pt"),
+        "transformers needs format: pt"
     );
-    assert_eq!(
-        written["model.layers.1.mlp.down_proj.weight"].shape,
-        [64, 96]
-    );
-    assert_eq!(written["lm_head.weight"].shape, [64, 64]);
 
     let (loaded_config, loaded) = load_hf_llama::<Cpu>(&dir, &DEVICE).unwrap();
     assert_eq!(loaded_config.to_string(), config.to_string());
@@ -117,9 +118,9 @@ fn tied_round_trip_omits_lm_head() {
     let model = random_model(&config);
     assert!(model.lm_head.is_none());
     let tmp = TempDir::new("tied");
-    save_hf_llama(&model, &config, tmp.path(), SafeDType::F32).unwrap();
-    let written = read_safetensors(&tmp.path().join("model.safetensors")).unwrap();
-    assert!(!written.contains_key("lm_head.weight"));
+    save_hf_llama(&model, &config, tmp.path(), DType::F32).unwrap();
+    let written = Checkpoint::open_file(&tmp.path().join("model.safetensors")).unwrap();
+    assert!(written.get("lm_head.weight").is_none());
     assert_eq!(written.len(), 1 + 2 * 9 + 1);
 
     let (loaded_config, loaded) = load_hf_llama::<Cpu>(tmp.path(), &DEVICE).unwrap();
@@ -134,9 +135,11 @@ fn bf16_round_trip_rounds_each_weight() {
     let config = small_config(false);
     let model = random_model(&config);
     let tmp = TempDir::new("bf16");
-    save_hf_llama(&model, &config, tmp.path(), SafeDType::BF16).unwrap();
-    let written = read_safetensors(&tmp.path().join("model.safetensors")).unwrap();
-    assert!(written.values().all(|t| t.dtype == SafeDType::BF16));
+    save_hf_llama(&model, &config, tmp.path(), DType::BF16).unwrap();
+    let written = Checkpoint::open_file(&tmp.path().join("model.safetensors")).unwrap();
+    assert!(written
+        .names()
+        .all(|name| written.get(name).unwrap().dtype == DType::BF16));
     let (_, loaded) = load_hf_llama::<Cpu>(tmp.path(), &DEVICE).unwrap();
     for ((_, original), (_, back)) in params(&model).iter().zip(&params(&loaded)) {
         let rounded: Vec<f32> = original
@@ -144,6 +147,44 @@ fn bf16_round_trip_rounds_each_weight() {
             .map(|v| half::bf16::from_f32(*v).to_f32())
             .collect();
         assert!(rounded == *back);
+    }
+}
+
+#[test]
+fn bf16_checkpoint_loads_without_an_f32_copy_on_the_host() {
+    // A hand-written bf16 checkpoint: every value a bf16 (so the expected f32 values are exact).
+    let tmp = TempDir::new("bf16-load");
+    let tensors: BTreeMap<String, TensorData> = hf_tensors(false)
+        .into_iter()
+        .map(|(name, data)| (name, data.convert_dtype(DType::BF16)))
+        .collect();
+    write_checkpoint(tmp.path(), &hf_config(false), &tensors);
+    // The checkpoint hands out each tensor as it is stored: bf16, the file's own bytes.
+    let checkpoint = Checkpoint::open_dir(tmp.path()).unwrap();
+    for (name, data) in &tensors {
+        let stored = checkpoint.get(name).unwrap();
+        assert_eq!(stored.dtype, DType::BF16, "{name}");
+        assert_eq!(stored.bytes, data.as_bytes(), "{name}");
+        assert_eq!(stored.to_data().dtype, DType::BF16, "{name}");
+    }
+    drop(checkpoint);
+    let (_, model) = load_hf_llama::<Cpu>(tmp.path(), &DEVICE).unwrap();
+    for (name, data) in &tensors {
+        let ((dims, burn), transposed) = burn_weight(&model, name);
+        let hf = f32_values(data);
+        let shape = data.shape.as_slice();
+        let expected: Vec<f32> = match transposed {
+            false => hf,
+            true => (0..shape[1])
+                .flat_map(|i| (0..shape[0]).map(move |o| (o, i)))
+                .map(|(o, i)| hf[o * shape[1] + i])
+                .collect(),
+        };
+        assert_eq!(dims.iter().product::<usize>(), expected.len(), "{name}");
+        assert!(
+            burn == expected,
+            "{name}: values differ from the bf16 checkpoint's"
+        );
     }
 }
 
@@ -167,7 +208,7 @@ fn hf_config(tied: bool) -> HfLlamaConfig {
 
 /// Every tensor of a Hugging Face Llama checkpoint in its own layout (`[out, in]` for
 /// projections), each filled with distinct values `k + j / 65536` (tensor `k`, element `j`).
-fn hf_tensors(tied: bool) -> BTreeMap<String, SafeTensor> {
+fn hf_tensors(tied: bool) -> BTreeMap<String, TensorData> {
     let (d, ff, vocab, q, kv) = (64, 96, 64, 64, 32);
     let mut shapes: Vec<(String, Vec<usize>)> =
         vec![("model.embed_tokens.weight".into(), vec![vocab, d])];
@@ -194,16 +235,21 @@ fn hf_tensors(tied: bool) -> BTreeMap<String, SafeTensor> {
         .enumerate()
         .map(|(k, (name, shape))| {
             let n = shape.iter().product::<usize>();
-            let data = (0..n).map(|j| k as f32 + j as f32 / 65536.0).collect();
-            (name, SafeTensor::new(shape, SafeDType::F32, data).unwrap())
+            let data: Vec<f32> = (0..n).map(|j| k as f32 + j as f32 / 65536.0).collect();
+            (name, TensorData::new(data, shape))
         })
         .collect()
 }
 
 /// Writes `config.json` and `model.safetensors` into `dir`.
-fn write_checkpoint(dir: &Path, config: &HfLlamaConfig, tensors: &BTreeMap<String, SafeTensor>) {
+fn write_checkpoint(dir: &Path, config: &HfLlamaConfig, tensors: &BTreeMap<String, TensorData>) {
     write_hf_config(&dir.join("config.json"), config).unwrap();
     write_safetensors(&dir.join("model.safetensors"), tensors).unwrap();
+}
+
+/// A checkpoint tensor's values as `f32`.
+fn f32_values(data: &TensorData) -> Vec<f32> {
+    data.clone().convert::<f32>().to_vec::<f32>().unwrap()
 }
 
 fn values<const D: usize>(param: &Param<Tensor<Cpu, D>>) -> (Vec<usize>, Vec<f32>) {
@@ -250,7 +296,7 @@ fn hand_written_checkpoint_maps_to_burn_layout() {
     // A buffer older transformers versions saved; ignored.
     tensors.insert(
         "model.layers.0.self_attn.rotary_emb.inv_freq".into(),
-        SafeTensor::new(vec![8], SafeDType::F32, vec![1.0; 8]).unwrap(),
+        TensorData::new(vec![1.0f32; 8], [8]),
     );
     write_checkpoint(tmp.path(), &hf_config(false), &tensors);
     let (config, model) = load_hf_llama::<Cpu>(tmp.path(), &DEVICE).unwrap();
@@ -261,34 +307,35 @@ fn hand_written_checkpoint_maps_to_burn_layout() {
     );
 
     // q_proj of block 0 spelled out: Burn's [in, out] element (i, o) is HF's (o, i).
-    let q_hf = &tensors["model.layers.0.self_attn.q_proj.weight"];
+    let q_hf = f32_values(&tensors["model.layers.0.self_attn.q_proj.weight"]);
     let (q_dims, q_burn) = values(&model.blocks[0].attention.query.weight);
     assert_eq!(q_dims, [64, 64]);
-    assert_eq!(q_burn[64 + 2], q_hf.data[2 * 64 + 1]);
+    assert_eq!(q_burn[64 + 2], q_hf[2 * 64 + 1]);
     assert_ne!(
         q_burn[64 + 2],
-        q_hf.data[64 + 2],
+        q_hf[64 + 2],
         "query weight was not transposed"
     );
 
     tensors.remove("model.layers.0.self_attn.rotary_emb.inv_freq");
     for (name, hf) in &tensors {
         let ((dims, burn), transposed) = burn_weight(&model, name);
+        let (hf_shape, hf_values) = (hf.shape.as_slice(), f32_values(hf));
         if transposed {
-            let (out, inp) = (hf.shape[0], hf.shape[1]);
+            let (out, inp) = (hf_shape[0], hf_shape[1]);
             assert_eq!(dims, [inp, out], "{name}");
             for i in 0..inp {
                 for o in 0..out {
                     assert_eq!(
                         burn[i * out + o],
-                        hf.data[o * inp + i],
+                        hf_values[o * inp + i],
                         "{name} at [{i}, {o}]"
                     );
                 }
             }
         } else {
-            assert_eq!(dims, hf.shape, "{name}");
-            assert!(burn == hf.data, "{name} differs");
+            assert_eq!(dims, hf_shape, "{name}");
+            assert!(burn == hf_values, "{name} differs");
         }
     }
 }
@@ -297,14 +344,18 @@ fn hand_written_checkpoint_maps_to_burn_layout() {
 fn tied_checkpoint_accepts_a_copy_of_the_embedding_only() {
     let tmp = TempDir::new("tied-copy");
     let mut tensors = hf_tensors(true);
-    let mut head = tensors["model.embed_tokens.weight"].clone();
+    let head = tensors["model.embed_tokens.weight"].clone();
     tensors.insert("lm_head.weight".into(), head.clone());
     write_checkpoint(tmp.path(), &hf_config(true), &tensors);
     let (_, model) = load_hf_llama::<Cpu>(tmp.path(), &DEVICE).unwrap();
     assert!(model.lm_head.is_none());
 
-    head.data[5] += 1.0;
-    tensors.insert("lm_head.weight".into(), head);
+    let mut changed = f32_values(&head);
+    changed[5] += 1.0;
+    tensors.insert(
+        "lm_head.weight".into(),
+        TensorData::new(changed, head.shape),
+    );
     write_checkpoint(tmp.path(), &hf_config(true), &tensors);
     let err = load_hf_llama::<Cpu>(tmp.path(), &DEVICE).unwrap_err();
     assert!(matches!(err, WeightsError::TiedHeadDiffers { .. }), "{err}");
@@ -392,7 +443,7 @@ fn wrong_shape_is_named_with_got_and_expected() {
     let mut tensors = hf_tensors(false);
     tensors.insert(
         "model.layers.0.self_attn.k_proj.weight".into(),
-        SafeTensor::new(vec![16, 64], SafeDType::F32, vec![0.5; 16 * 64]).unwrap(),
+        TensorData::new(vec![0.5f32; 16 * 64], [16, 64]),
     );
     write_checkpoint(tmp.path(), &hf_config(false), &tensors);
     let err = load_err(tmp.path());
@@ -425,7 +476,7 @@ fn wrong_shape_is_named_with_got_and_expected() {
     tensors = hf_tensors(false);
     tensors.insert(
         "model.embed_tokens.weight".into(),
-        SafeTensor::new(vec![64], SafeDType::F32, vec![0.0; 64]).unwrap(),
+        TensorData::new(vec![0.0f32; 64], [64]),
     );
     write_checkpoint(tmp.path(), &hf_config(false), &tensors);
     assert!(matches!(
@@ -438,7 +489,7 @@ fn wrong_shape_is_named_with_got_and_expected() {
 fn unexpected_tensors_are_listed() {
     let tmp = TempDir::new("unexpected");
     let mut tensors = hf_tensors(false);
-    let extra = SafeTensor::new(vec![2], SafeDType::F32, vec![0.0, 1.0]).unwrap();
+    let extra = TensorData::new(vec![0.0f32, 1.0], [2]);
     // A third layer the config does not have, and a bias Llama has no place for.
     tensors.insert("model.layers.2.mlp.up_proj.weight".into(), extra.clone());
     tensors.insert("model.layers.0.self_attn.q_proj.bias".into(), extra);
@@ -471,14 +522,14 @@ fn unbuildable_config_and_inconsistent_model_are_refused() {
 
     // Saving an untied model under a tied config.
     let model = small_config(false).try_init::<Cpu>(&DEVICE).unwrap();
-    let err = save_hf_llama(&model, &small_config(true), tmp.path(), SafeDType::F32).unwrap_err();
+    let err = save_hf_llama(&model, &small_config(true), tmp.path(), DType::F32).unwrap_err();
     assert!(
         matches!(err, WeightsError::HeadMismatch { tied: true }),
         "{err}"
     );
     // A model wider than its config.
     let wide = LlamaConfig::new(64, 128, 2, 4, 2, 96);
-    let err = save_hf_llama(&model, &wide, tmp.path(), SafeDType::F32).unwrap_err();
+    let err = save_hf_llama(&model, &wide, tmp.path(), DType::F32).unwrap_err();
     assert!(
         matches!(err, WeightsError::ModelShapeMismatch { .. }),
         "{err}"

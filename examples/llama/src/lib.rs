@@ -4,10 +4,12 @@
 
 pub mod config;
 pub mod data;
+pub mod generate;
 pub mod hf_config;
 pub mod metrics;
 pub mod model;
 pub mod progress;
+mod rng;
 pub mod safetensors;
 pub mod schedule;
 #[cfg(test)]

@@ -2,7 +2,8 @@
 //!
 //! `cargo run --release -p distflash-llama` trains the tiny config on the CPU on Tiny
 //! Shakespeare (byte-level tokens) for a few minutes, with a progress bar, and writes
-//! `runs/llama-tiny/{metrics.jsonl,loss.svg,checkpoint/}`.
+//! `runs/llama-tiny/{metrics.jsonl,loss.svg,checkpoint/}`, then prints a short text sampled
+//! from the trained model.
 //!
 //! Options (all optional):
 //! - model: `--config tiny|llama-7b|llama-gqa|llama-33h|llama-16h|llama-8h|llama-4h|llama-2h|
@@ -16,6 +17,10 @@
 //!   auto|ring|balanced`;
 //! - optimisation: `--steps`, `--batch`, `--seq-len` (whole sequence), `--lr`, `--warmup`,
 //!   `--grad-clip`, `--seed`;
+//! - validation: `--val-fraction F` (the last fraction of the corpus is held out, default 0.05),
+//!   `--val-every N` (validation loss every N steps and at the end, in metrics.jsonl and on the
+//!   plot; 0 turns it off);
+//! - sample: `--prompt TEXT`, `--sample-tokens N` (0 turns the sample off);
 //! - output: `--out DIR`, `--save-every N`, `--resume` (continue from DIR/checkpoint),
 //!   `--log-every N`.
 
@@ -31,10 +36,11 @@ use burn_distflash::layers::AttentionContext;
 use burn_distflash::schedule::ScheduleKind;
 use burn_distflash::{replicate, CheckpointPlacement, DeviceGroup};
 use distflash_llama::data::TokenDataset;
-use distflash_llama::metrics::{read_metrics, write_loss_plot_svg, MetricsLog, StepMetrics};
+use distflash_llama::generate::{generate, Sampling};
+use distflash_llama::metrics::{read_metrics, write_loss_plot_svg, Curve, MetricsLog, StepMetrics};
 use distflash_llama::progress::ProgressBar;
 use distflash_llama::tokenizer::Tokenizer;
-use distflash_llama::train::{TrainBackend, TrainOptions, Trainer};
+use distflash_llama::train::{TrainBackend, TrainError, TrainOptions, Trainer};
 use distflash_llama::weights::load_hf_llama;
 use distflash_llama::{Llama, LlamaConfig};
 
@@ -58,7 +64,21 @@ struct Args {
     save_every: u64,
     resume: bool,
     log_every: u64,
+    val_fraction: f64,
+    val_every: u64,
+    prompt: String,
+    sample_tokens: usize,
 }
+
+/// Batches averaged for one validation loss (the same batches every time).
+const VALIDATION_BATCHES: u64 = 4;
+
+/// Mixed into the seed of the validation batches, so they are not the training batches' draws.
+const VALIDATION_SEED: u64 = 0x5641_4C49_4441_5445;
+
+/// How the sample after training is drawn: top-10 at temperature 0.8.
+const SAMPLE_TOP_K: usize = 10;
+const SAMPLE_TEMPERATURE: f64 = 0.8;
 
 fn fail(message: impl std::fmt::Display) -> ! {
     eprintln!("llama_train: {message}");
@@ -104,6 +124,10 @@ fn parse() -> Args {
         "--save-every",
         "--resume",
         "--log-every",
+        "--val-fraction",
+        "--val-every",
+        "--prompt",
+        "--sample-tokens",
     ];
     if let Some(bad) = raw
         .iter()
@@ -164,6 +188,10 @@ fn parse() -> Args {
         save_every: number("--save-every", 100.0) as u64,
         resume: raw.iter().any(|a| a == "--resume"),
         log_every: number("--log-every", 10.0) as u64,
+        val_fraction: number("--val-fraction", 0.05),
+        val_every: number("--val-every", 50.0) as u64,
+        prompt: value("--prompt").unwrap_or_else(|| "ROMEO:".into()),
+        sample_tokens: number("--sample-tokens", 200.0) as usize,
     }
 }
 
@@ -250,8 +278,20 @@ fn train_rank<B: TrainBackend>(
     }
     let tokenizer = tokenizer(args);
     let o = trainer.options.clone();
-    let data =
+    let corpus =
         TokenDataset::from_file(&args.data, &tokenizer, o.seq_len).unwrap_or_else(|e| fail(e));
+    let (data, validation) = corpus
+        .split(args.val_fraction)
+        .unwrap_or_else(|e| fail(format!("--val-fraction: {e}")));
+    if args.val_every > 0 && validation.num_windows(o.seq_len) == 0 {
+        fail(format!(
+            "the held-out slice (--val-fraction {}) has {} tokens, fewer than one sequence of \
+             {} + 1; raise --val-fraction or turn validation off with --val-every 0",
+            args.val_fraction,
+            validation.len(),
+            o.seq_len
+        ));
+    }
     let metrics_path = args.out.join("metrics.jsonl");
     let mut log = leader.then(|| {
         std::fs::create_dir_all(&args.out).unwrap_or_else(|e| fail(e));
@@ -286,6 +326,10 @@ fn train_rank<B: TrainBackend>(
             .unwrap_or_else(|e| fail(e));
         let stats = trainer.train_step(&x, &y).unwrap_or_else(|e| fail(e));
         let tokens_per_s = (o.batch * o.seq_len) as f64 / step_start.elapsed().as_secs_f64();
+        let last = trainer.step == o.steps;
+        let validate = args.val_every > 0 && (last || trainer.step % args.val_every == 0);
+        let val_loss =
+            validate.then(|| validation_loss(&trainer, &validation).unwrap_or_else(|e| fail(e)));
         if let (Some(bar), Some(log)) = (bar.as_mut(), log.as_mut()) {
             bar.update(trainer.step, stats.loss, tokens_per_s);
             log.log(&StepMetrics {
@@ -295,32 +339,93 @@ fn train_rank<B: TrainBackend>(
                 tokens_per_s,
                 grad_norm: stats.grad_norm,
                 elapsed_s: start.elapsed().as_secs_f64(),
+                val_loss,
             })
             .unwrap_or_else(|e| fail(e));
         }
-        let last = trainer.step == o.steps;
         if leader && (last || (args.save_every > 0 && trainer.step % args.save_every == 0)) {
             trainer.save(&checkpoint_dir).unwrap_or_else(|e| fail(e));
         }
     }
     if let Some(mut bar) = bar {
         bar.finish();
-        let points: Vec<(u64, f64)> = read_metrics(&metrics_path)
-            .unwrap_or_else(|e| fail(e))
+        let records = read_metrics(&metrics_path).unwrap_or_else(|e| fail(e));
+        let points: Vec<(u64, f64)> = records.iter().map(|m| (m.step, m.loss)).collect();
+        let val_points: Vec<(u64, f64)> = records
             .iter()
-            .map(|m| (m.step, m.loss))
+            .filter_map(|m| Some((m.step, m.val_loss?)))
             .collect();
         let plot = args.out.join("loss.svg");
-        write_loss_plot_svg(&points, &plot, "training loss").unwrap_or_else(|e| fail(e));
+        let curves = [
+            Curve {
+                label: "training",
+                points: &points,
+            },
+            Curve {
+                label: "validation (held out)",
+                points: &val_points,
+            },
+        ];
+        write_loss_plot_svg(&curves, &plot, "loss").unwrap_or_else(|e| fail(e));
         eprintln!(
-            "done: {} steps, final loss {:.3}; {}, {}, {}",
+            "done: {} steps, final loss {:.3}, validation loss {:.3}; {}, {}, {}",
             trainer.step,
             points.last().map_or(f64::NAN, |p| p.1),
+            val_points.last().map_or(f64::NAN, |p| p.1),
             metrics_path.display(),
             plot.display(),
             checkpoint_dir.display()
         );
+        print_sample(args, &trainer, &tokenizer);
     }
+}
+
+/// Mean loss over the same [`VALIDATION_BATCHES`] batches of the held-out slice (every rank of a
+/// group takes part).
+fn validation_loss<B: TrainBackend>(
+    trainer: &Trainer<B>,
+    validation: &TokenDataset,
+) -> Result<f64, TrainError> {
+    let o = &trainer.options;
+    let mut total = 0.0;
+    for i in 0..VALIDATION_BATCHES {
+        let (x, y) = validation
+            .batch(i, o.seed ^ VALIDATION_SEED, o.batch, o.seq_len)
+            .map_err(|e| TrainError::Input(format!("validation batch: {e}")))?;
+        total += trainer.evaluate(&x, &y)?;
+    }
+    Ok(total / VALIDATION_BATCHES as f64)
+}
+
+/// Prints a text sampled from the trained model after `args.prompt`.
+fn print_sample<B: TrainBackend>(args: &Args, trainer: &Trainer<B>, tokenizer: &Tokenizer) {
+    if args.sample_tokens == 0 {
+        return;
+    }
+    let prompt = tokenizer
+        .encode(&args.prompt)
+        .unwrap_or_else(|e| fail(format!("--prompt: {e}")));
+    let sampling = Sampling::TopK {
+        k: SAMPLE_TOP_K,
+        temperature: SAMPLE_TEMPERATURE,
+        seed: trainer.options.seed,
+    };
+    let context = trainer.options.seq_len;
+    let tokens = generate(
+        &trainer.model,
+        &prompt,
+        args.sample_tokens,
+        context,
+        sampling,
+    )
+    .unwrap_or_else(|e| fail(e));
+    let text = tokenizer.decode(&tokens).unwrap_or_else(|e| fail(e));
+    eprintln!(
+        "sample ({} tokens after the prompt, top-{SAMPLE_TOP_K} at temperature \
+         {SAMPLE_TEMPERATURE}):",
+        args.sample_tokens
+    );
+    println!("{text}");
 }
 
 fn tokenizer(args: &Args) -> Tokenizer {

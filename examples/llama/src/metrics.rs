@@ -1,4 +1,5 @@
-//! Training metrics: a JSON-lines log (one object per step) and an SVG plot of the loss curve.
+//! Training metrics: a JSON-lines log (one object per step) and an SVG plot of the loss curves
+//! (training loss, and validation loss where it was measured).
 //!
 //! Non-finite numbers are written as `null` (JSON has no NaN or infinity) and read back as NaN.
 
@@ -29,6 +30,10 @@ pub struct StepMetrics {
     /// Seconds since training started.
     #[serde(deserialize_with = "nan_if_null")]
     pub elapsed_s: f64,
+    /// Loss on the held-out validation slice, on the steps where it was measured (absent from
+    /// the line otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f64>,
 }
 
 fn nan_if_null<'de, D: Deserializer<'de>>(deserializer: D) -> Result<f64, D::Error> {
@@ -282,28 +287,62 @@ fn escape_xml(text: &str) -> String {
     out
 }
 
-/// Renders a self-contained SVG line chart of loss against step.
+/// One named curve of a loss plot: `(step, loss)` points.
+#[derive(Debug, Clone, Copy)]
+pub struct Curve<'a> {
+    /// The legend's text for the curve.
+    pub label: &'a str,
+    /// The points, in any order.
+    pub points: &'a [(u64, f64)],
+}
+
+/// Line colours, one per curve in order (repeating after the last).
+const COLORS: [&str; 3] = ["#1f77b4", "#ff7f0e", "#2ca02c"];
+
+/// Renders a self-contained SVG line chart of one loss curve against step (see
+/// [`loss_curves_svg`]).
+pub fn loss_plot_svg(points: &[(u64, f64)], title: &str) -> String {
+    loss_curves_svg(
+        &[Curve {
+            label: "loss",
+            points,
+        }],
+        title,
+    )
+}
+
+/// Renders a self-contained SVG line chart of loss curves against step, with a legend when
+/// there is more than one curve.
 ///
 /// Non-finite losses are skipped and points are drawn in step order. Axes get "nice" ticks
-/// (integer steps on x); a single point or a constant loss gets a padded range, and a lone
-/// point is also drawn as a dot. With no finite point the chart says so.
-pub fn loss_plot_svg(points: &[(u64, f64)], title: &str) -> String {
-    let mut pts: Vec<(f64, f64)> = points
+/// (integer steps on x) covering every curve; a single point or a constant loss gets a padded
+/// range, and a lone point is also drawn as a dot. With no finite point the chart says so.
+pub fn loss_curves_svg(curves: &[Curve<'_>], title: &str) -> String {
+    let series: Vec<Vec<(f64, f64)>> = curves
         .iter()
-        .filter(|(_, loss)| loss.is_finite())
-        .map(|&(step, loss)| (step as f64, loss))
+        .map(|curve| {
+            let mut pts: Vec<(f64, f64)> = curve
+                .points
+                .iter()
+                .filter(|(_, loss)| loss.is_finite())
+                .map(|&(step, loss)| (step as f64, loss))
+                .collect();
+            pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+            pts
+        })
         .collect();
-    pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let all: Vec<(f64, f64)> = series.iter().flatten().copied().collect();
 
     let (mut x_lo, mut x_hi, mut y_lo, mut y_hi) = (0.0, 1.0, 0.0, 1.0);
-    if let (Some(first), Some(last)) = (pts.first(), pts.last()) {
-        (x_lo, x_hi) = (first.0, last.0);
+    if !all.is_empty() {
+        x_lo = all.iter().map(|p| p.0).fold(f64::INFINITY, f64::min);
+        x_hi = all.iter().map(|p| p.0).fold(f64::NEG_INFINITY, f64::max);
         if x_hi - x_lo < 1.0 {
             x_lo = (x_lo - 1.0).max(0.0);
             x_hi = x_lo + 2.0;
         }
-        y_lo = pts.iter().map(|p| p.1).fold(f64::INFINITY, f64::min);
-        y_hi = pts.iter().map(|p| p.1).fold(f64::NEG_INFINITY, f64::max);
+        y_lo = all.iter().map(|p| p.1).fold(f64::INFINITY, f64::min);
+        y_hi = all.iter().map(|p| p.1).fold(f64::NEG_INFINITY, f64::max);
         if y_hi - y_lo <= f64::EPSILON * y_hi.abs().max(1.0) {
             let pad = if y_lo == 0.0 { 1.0 } else { y_lo.abs() * 0.1 };
             (y_lo, y_hi) = (y_lo - pad, y_hi + pad);
@@ -375,27 +414,45 @@ pub fn loss_plot_svg(points: &[(u64, f64)], title: &str) -> String {
         TOP + plot_h / 2.0,
         TOP + plot_h / 2.0
     );
-    if pts.is_empty() {
+    if all.is_empty() {
         let _ = writeln!(
             svg,
             "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">no finite loss values</text>",
             LEFT + plot_w / 2.0,
             TOP + plot_h / 2.0
         );
-    } else {
+    }
+    for (i, (curve, pts)) in curves.iter().zip(&series).enumerate() {
+        let color = COLORS[i % COLORS.len()];
+        if curves.len() > 1 {
+            let y = TOP + 16.0 + 16.0 * i as f64;
+            let _ = writeln!(
+                svg,
+                "<line x1=\"{:.2}\" y1=\"{y:.2}\" x2=\"{:.2}\" y2=\"{y:.2}\" stroke=\"{color}\" \
+                 stroke-width=\"2\"/><text x=\"{:.2}\" y=\"{:.2}\">{}</text>",
+                right - 150.0,
+                right - 130.0,
+                right - 124.0,
+                y + 4.0,
+                escape_xml(curve.label)
+            );
+        }
+        if pts.is_empty() {
+            continue;
+        }
         let coords: Vec<String> = pts
             .iter()
             .map(|&(x, y)| format!("{:.2},{:.2}", px(x), py(y)))
             .collect();
         let _ = writeln!(
             svg,
-            "<polyline fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"1.5\" points=\"{}\"/>",
+            "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"1.5\" points=\"{}\"/>",
             coords.join(" ")
         );
         if let [(x, y)] = pts[..] {
             let _ = writeln!(
                 svg,
-                "<circle cx=\"{:.2}\" cy=\"{:.2}\" r=\"3\" fill=\"#1f77b4\"/>",
+                "<circle cx=\"{:.2}\" cy=\"{:.2}\" r=\"3\" fill=\"{color}\"/>",
                 px(x),
                 py(y)
             );
@@ -405,9 +462,9 @@ pub fn loss_plot_svg(points: &[(u64, f64)], title: &str) -> String {
     svg
 }
 
-/// Writes [`loss_plot_svg`] of `points` to `path`.
-pub fn write_loss_plot_svg(points: &[(u64, f64)], path: &Path, title: &str) -> io::Result<()> {
-    fs::write(path, loss_plot_svg(points, title))
+/// Writes [`loss_curves_svg`] of `curves` to `path`.
+pub fn write_loss_plot_svg(curves: &[Curve<'_>], path: &Path, title: &str) -> io::Result<()> {
+    fs::write(path, loss_curves_svg(curves, title))
 }
 
 #[cfg(test)]
@@ -424,6 +481,7 @@ mod tests {
             tokens_per_s: 1234.5,
             grad_norm: 0.75,
             elapsed_s: step as f64 * 0.5,
+            val_loss: None,
         }
     }
 
@@ -611,10 +669,60 @@ mod tests {
     }
 
     #[test]
+    fn validation_loss_is_written_only_where_measured() {
+        let tmp = TempDir::new("val");
+        let path = tmp.path().join("m.jsonl");
+        let mut log = MetricsLog::create(&path).unwrap();
+        let measured = StepMetrics {
+            val_loss: Some(2.5),
+            ..record(2, 3.0)
+        };
+        log.log(&record(1, 3.5)).unwrap();
+        log.log(&measured).unwrap();
+        let text = fs::read_to_string(&path).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(!lines[0].contains("val_loss"), "{}", lines[0]);
+        assert!(lines[1].contains("\"val_loss\":2.5"), "{}", lines[1]);
+        let read = read_metrics(&path).unwrap();
+        assert_eq!(read[0].val_loss, None);
+        assert_eq!(read[1], measured);
+    }
+
+    #[test]
+    fn two_curves_get_two_lines_and_a_legend() {
+        let train = [(1, 3.0), (2, 2.0), (3, 1.5)];
+        let val = [(2, 2.5), (3, 2.0)];
+        let svg = loss_curves_svg(
+            &[
+                Curve {
+                    label: "training",
+                    points: &train,
+                },
+                Curve {
+                    label: "validation",
+                    points: &val,
+                },
+            ],
+            "t",
+        );
+        assert_eq!(svg.matches("<polyline").count(), 2);
+        assert!(svg.contains(">training</text>") && svg.contains(">validation</text>"));
+        assert!(svg.contains(COLORS[0]) && svg.contains(COLORS[1]));
+        // A legend entry is a short thick line; one curve has none.
+        assert_eq!(svg.matches("stroke-width=\"2\"").count(), 2);
+        assert!(!loss_plot_svg(&train, "t").contains("stroke-width=\"2\""));
+    }
+
+    #[test]
     fn svg_file_is_written() {
         let tmp = TempDir::new("svg");
         let path = tmp.path().join("loss.svg");
-        write_loss_plot_svg(&[(1, 2.0), (2, 1.0)], &path, "t").unwrap();
+        let points = [(1, 2.0), (2, 1.0)];
+        let curve = Curve {
+            label: "loss",
+            points: &points,
+        };
+        write_loss_plot_svg(&[curve], &path, "t").unwrap();
         assert_eq!(
             fs::read_to_string(&path).unwrap(),
             loss_plot_svg(&[(1, 2.0), (2, 1.0)], "t")

@@ -211,12 +211,7 @@ impl<B: TrainBackend> Trainer<B> {
             .model
             .loss(tokens, targets, &self.context, normalizer)?;
         let grads = GradientsParams::from_grads(loss.backward(), &self.model);
-        let loss = self.sum_over_group(loss.inner().into_primitive().tensor())?;
-        let loss: f64 = Tensor::<B::InnerBackend, 1>::from_primitive(
-            burn::tensor::TensorPrimitive::Float(loss),
-        )
-        .into_scalar()
-        .elem::<f64>();
+        let loss = self.group_loss(loss)?;
         let mut reduce = ReduceGrads::<B> {
             grads,
             context: &self.context,
@@ -251,6 +246,30 @@ impl<B: TrainBackend> Trainer<B> {
             grad_norm,
             lr,
         })
+    }
+
+    /// Mean next-token loss of `inputs` and `targets` (row-major `[batch, seq_len]`, the same
+    /// whole batch on every rank) under the current weights, changing nothing: no gradient, no
+    /// step. Every rank of a group must call it, like [`train_step`](Self::train_step).
+    pub fn evaluate(&self, inputs: &[u32], targets: &[u32]) -> Result<f64, TrainError> {
+        let (tokens, targets) = (self.shard(inputs)?, self.shard(targets)?);
+        let normalizer = self.options.batch * self.options.seq_len;
+        let loss = self
+            .model
+            .loss(tokens, targets, &self.context, normalizer)?;
+        self.group_loss(loss)
+    }
+
+    /// This rank's share of a loss, summed over the group, as a number.
+    fn group_loss(&self, loss: Tensor<B, 1>) -> Result<f64, TrainError> {
+        let loss = self.sum_over_group(loss.inner().into_primitive().tensor())?;
+        Ok(
+            Tensor::<B::InnerBackend, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(
+                loss,
+            ))
+            .into_scalar()
+            .elem::<f64>(),
+        )
     }
 
     fn sum_over_group(

@@ -1,7 +1,7 @@
 //! Training a small Llama on the CPU: the loss falls; one step on an in-process group of 4
 //! equals one step on one device, and the ranks' copies of a freshly initialised model hold the
-//! same weights before and after it; a run saved and resumed continues identically; bad shapes
-//! and tokens are refused before any work.
+//! same weights before and after it; evaluation changes nothing; a run saved and resumed
+//! continues identically; bad shapes and tokens are refused before any work.
 
 mod common;
 
@@ -135,6 +135,53 @@ fn one_step_on_a_group_of_four_equals_one_step_on_one_device() {
             }
         }
     });
+}
+
+#[test]
+fn evaluation_changes_nothing_and_equals_the_loss_of_the_next_step() {
+    let data = dataset();
+    let (x, y) = data.batch(0, 0, 4, 32).unwrap();
+    let model = small().try_init::<Cpu>(&DEVICE).unwrap();
+    let mut trainer = Trainer::new(model, AttentionContext::Local, options(4));
+    let before = float_params(&trainer.model);
+    let evaluated = trainer.evaluate(&x, &y).unwrap();
+    assert_eq!(trainer.step, 0);
+    assert!(
+        float_params(&trainer.model) == before,
+        "evaluate changed a weight"
+    );
+    let stats = trainer.train_step(&x, &y).unwrap();
+    assert_eq!(
+        evaluated, stats.loss,
+        "the step's loss is computed before its update"
+    );
+    assert!(
+        trainer.evaluate(&x, &y).unwrap() < evaluated,
+        "the step lowered the loss"
+    );
+    // On a group of 2 every rank gets the whole batch's loss.
+    let expected = trainer.evaluate(&x, &y).unwrap();
+    let copies = replicate(&trainer.model, &[DEVICE; 2]);
+    let losses = within(Duration::from_secs(120), move || {
+        let handles: Vec<_> = DeviceGroup::<Inner>::in_process(vec![DEVICE; 2])
+            .into_iter()
+            .zip(copies)
+            .map(|(group, model)| {
+                let (x, y) = (x.clone(), y.clone());
+                thread::spawn(move || {
+                    let trainer = Trainer::new(model, AttentionContext::sharded(group), options(4));
+                    trainer.evaluate(&x, &y).unwrap()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<f64>>()
+    });
+    for loss in losses {
+        assert!((loss - expected).abs() < 1e-5, "{loss} vs {expected}");
+    }
 }
 
 #[test]

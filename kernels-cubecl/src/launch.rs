@@ -7,9 +7,10 @@ use crate::dims::{AttentionDims, Mask};
 use crate::error::{launch_result, KernelError};
 use crate::grid;
 use crate::limits::DeviceLimits;
-use crate::plan::{LaunchPlan, ELEMENT_UNITS, ROW_UNITS};
+use crate::plan::{LaunchPlan, ELEMENT_UNITS};
 use crate::portable::{self, ROWS_PER_CUBE};
 use crate::state_kernels;
+use crate::state_kernels::{ROW_LANES, ROW_UNITS};
 use crate::tensor::{DeviceTensor, ElemType};
 use crate::tensor_core::dq_fragments;
 
@@ -362,7 +363,12 @@ pub fn merge<R: Runtime>(
     AttentionDims::expect_shape("other.o", &into.o.shape, &other.o.shape)?;
     let rows = into.m.len();
     let head_dim = into.o.shape[3];
-    let (count, dim) = linear_launch("merge", rows, ROW_UNITS, &DeviceLimits::of(client))?;
+    let (count, dim) = linear_launch(
+        "merge",
+        rows * ROW_LANES,
+        ROW_UNITS,
+        &DeviceLimits::of(client),
+    )?;
     state_kernels::merge_states::launch::<R>(
         client,
         count,
@@ -401,7 +407,7 @@ fn enqueue_finalize<R: Runtime>(
 ) -> Result<(), KernelError> {
     let rows = state.m.len();
     let head_dim = state.o.shape[3];
-    let (count, dim) = linear_launch("finalize", rows, ROW_UNITS, limits)?;
+    let (count, dim) = linear_launch("finalize", rows * ROW_LANES, ROW_UNITS, limits)?;
     with_elem_type!(out.elem, E => state_kernels::finalize_state::launch::<E, R>(
         client,
         count,
@@ -453,9 +459,9 @@ fn enqueue_delta<R: Runtime>(
     }
     limits.expect_elem(out.elem)?;
     let rows = out.len() / out.shape[3];
-    let (count, dim) = linear_launch("backward_delta", rows, ROW_UNITS, limits)?;
+    let (count, dim) = linear_launch("backward_delta", rows * ROW_LANES, ROW_UNITS, limits)?;
     let delta = DeviceTensor::empty(client, out.shape[..3].to_vec(), ElemType::F32);
-    with_elem_type!(out.elem, E => portable::backward::backward_delta::launch::<E, R>(
+    with_elem_type!(out.elem, E => state_kernels::backward_delta::launch::<E, R>(
         client,
         count,
         dim,

@@ -11,13 +11,12 @@ use crate::launch::{StepOptions, Variant};
 use crate::limits::DeviceLimits;
 use crate::portable::backward::{dkdv_shared_bytes, dq_shared_bytes};
 use crate::portable::{backward_tile_rows, ROWS_PER_CUBE};
+use crate::state_kernels::{ROW_LANES, ROW_UNITS};
 use crate::tensor::ElemType;
 use crate::tensor_core;
 
 /// Units per cube of the element-wise kernels (fill, cast).
 pub(crate) const ELEMENT_UNITS: usize = 256;
-/// Units per cube of the row-wise kernels (delta, merge, finalize).
-pub(crate) const ROW_UNITS: usize = 64;
 
 /// Launch choices of the portable kernels for one call.
 #[derive(Debug, Clone)]
@@ -147,7 +146,11 @@ fn check_state_kernels(dims: &AttentionDims, limits: &DeviceLimits) -> Result<()
         (rows * dims.head_dim).div_ceil(ELEMENT_UNITS),
         limits,
     )?;
-    grid::linear("the row-wise kernels", rows.div_ceil(ROW_UNITS), limits)?;
+    grid::linear(
+        "the row-wise kernels",
+        (rows * ROW_LANES).div_ceil(ROW_UNITS),
+        limits,
+    )?;
     Ok(())
 }
 

@@ -20,26 +20,6 @@ pub fn dkdv_shared_bytes(tile_rows: usize, head_dim: usize) -> usize {
     (2 * tile_rows * head_dim + 2 * tile_rows) * size_of::<f32>()
 }
 
-/// `delta[row] = sum_d dO[row, d] * O[row, d]`, one unit per row, in f32.
-#[cube(launch)]
-pub fn backward_delta<E: Float>(
-    out: &Array<E>,
-    grad_out: &Array<E>,
-    delta: &mut Array<f32>,
-    rows: u32,
-    #[comptime] head_dim: usize,
-) {
-    let row = ABSOLUTE_POS;
-    if row < rows as usize {
-        let mut sum = 0.0f32;
-        for d in 0..head_dim {
-            let at = row * head_dim + d;
-            sum += f32::cast_from(out[at]) * f32::cast_from(grad_out[at]);
-        }
-        delta[row] = sum;
-    }
-}
-
 /// dQ step: one unit per query row, key/value tiles of `tile_rows` keys in shared memory (the
 /// host picks the tile to fit the device, see [`dq_shared_bytes`]). Grid: see [`crate::grid`].
 #[cube(launch)]

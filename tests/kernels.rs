@@ -175,22 +175,27 @@ fn check_forward<R: Runtime>(client: &ComputeClient<R>, case: &Case, variant: Va
         case.scale(),
         naive_rounding(case.elem),
     );
-    let what = format!("forward {dims:?} {:?} {variant:?}", case.mask);
-    assert_close(
-        &format!("{what}: O"),
-        &read(client, &out),
-        &exact_fwd.out,
-        &naive.out,
-        case.elem,
-    );
-    // lse is f32 in every variant: compare against f32 precision.
-    assert_close(
-        &format!("{what}: lse"),
-        &read(client, &lse),
-        &exact_fwd.lse,
-        &exact_fwd.lse,
-        ElemType::F32,
-    );
+    // The step + finalize path, then the one-call attention (one kernel on the tensor cores).
+    let (whole_out, whole_lse) =
+        distflash_kernels::attention(client, &q, &k, &v, &options(case, variant)).unwrap();
+    for (path, out, lse) in [("step", &out, &lse), ("attention", &whole_out, &whole_lse)] {
+        let what = format!("forward ({path}) {dims:?} {:?} {variant:?}", case.mask);
+        assert_close(
+            &format!("{what}: O"),
+            &read(client, out),
+            &exact_fwd.out,
+            &naive.out,
+            case.elem,
+        );
+        // lse is f32 in every variant: compare against f32 precision.
+        assert_close(
+            &format!("{what}: lse"),
+            &read(client, lse),
+            &exact_fwd.lse,
+            &exact_fwd.lse,
+            ElemType::F32,
+        );
+    }
 }
 
 /// Runs the backward (in every mode of `variant`) from the kernel's own forward, into
@@ -199,6 +204,19 @@ fn check_forward<R: Runtime>(client: &ComputeClient<R>, case: &Case, variant: Va
 fn check_backward<R: Runtime>(client: &ComputeClient<R>, case: &Case, variant: Variant) {
     for deterministic in backward_modes(variant) {
         check_backward_mode(client, case, variant, deterministic);
+    }
+}
+
+/// Asserts that each named pair of tensors holds bitwise the same values.
+fn assert_same_bits<R: Runtime>(
+    client: &ComputeClient<R>,
+    what: &str,
+    pairs: [(&str, &DeviceTensor, &DeviceTensor); 3],
+) {
+    let bits =
+        |t: &DeviceTensor| -> Vec<u64> { read(client, t).iter().map(|x| x.to_bits()).collect() };
+    for (name, a, b) in pairs {
+        assert!(bits(a) == bits(b), "{what}: {name} differs between runs");
     }
 }
 
@@ -239,18 +257,15 @@ fn check_backward_mode<R: Runtime>(
     let grads = run();
     if deterministic {
         let again = run();
-        for (name, a, b) in [
-            ("dq", &grads.dq, &again.dq),
-            ("dk", &grads.dk, &again.dk),
-            ("dv", &grads.dv, &again.dv),
-        ] {
-            let bits = |t: &DeviceTensor| read(client, t).iter().map(|x| x.to_bits()).collect();
-            let (a, b): (Vec<u64>, Vec<u64>) = (bits(a), bits(b));
-            assert!(
-                a == b,
-                "deterministic backward {variant:?}: {name} differs between runs"
-            );
-        }
+        assert_same_bits(
+            client,
+            &format!("deterministic backward {variant:?}"),
+            [
+                ("dq", &grads.dq, &again.dq),
+                ("dk", &grads.dk, &again.dk),
+                ("dv", &grads.dv, &again.dv),
+            ],
+        );
     }
 
     let args = (&case.q, &case.k, &case.v, &case.grad_out);
@@ -302,6 +317,39 @@ fn check_backward_mode<R: Runtime>(
         &naive.dv,
         case.elem,
     );
+
+    // The one-call backward: gradients finished in the element type (on the tensor cores
+    // written by the kernels themselves), bitwise reproducible in the deterministic mode.
+    let whole = || {
+        distflash_kernels::attention_backward(client, &q, &k, &v, &out, &lse, &grad_out, &opts)
+            .unwrap()
+    };
+    let (dq, dk, dv) = whole();
+    if deterministic {
+        let (dq2, dk2, dv2) = whole();
+        assert_same_bits(
+            client,
+            &format!("deterministic attention_backward {variant:?}"),
+            [("dq", &dq, &dq2), ("dk", &dk, &dk2), ("dv", &dv, &dv2)],
+        );
+    }
+    for (name, got, exact_grad, naive_grad) in [
+        ("dq", &dq, &exact_g.dq, &naive.dq),
+        ("dk", &dk, &exact_g.dk, &naive.dk),
+        ("dv", &dv, &exact_g.dv, &naive.dv),
+    ] {
+        assert_eq!(
+            got.elem, case.elem,
+            "{what}: attention_backward {name} type"
+        );
+        assert_close(
+            &format!("{what}: attention_backward {name}"),
+            &read(client, got),
+            exact_grad,
+            naive_grad,
+            case.elem,
+        );
+    }
 }
 
 /// Masks exercised by the shape cases: none, causal aligned at the end (the usual decoder

@@ -125,34 +125,41 @@ fn scalar<E: LaunchArg<CompilationArg = ()>>(b: &mut KernelBuilder) -> <E as Cub
     <E as LaunchArg>::expand(&(), b)
 }
 
-/// CUDA sources of the kernels for element type `E`: forward, dQ, dK/dV (deterministic) and
-/// the fused dK/dV kernel that also adds dQ.
-fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, String); 4] {
+/// CUDA sources of the kernels for element type `E`: the forward step, the whole-attention
+/// forward, dQ, dK/dV (deterministic) and the fused dK/dV kernel that also adds dQ, as a step
+/// and for a whole attention.
+fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, String); 6] {
     let units = forward::UNITS as u32;
-    let forward = compile("forward_step_mma", units, |b| {
-        let (q, k, v) = (input::<E>(b), input::<E>(b), input::<E>(b));
-        let (o, m, l) = (output::<f32>(b), output::<f32>(b), output::<f32>(b));
-        let (scale, shift) = (scalar::<f32>(b), scalar::<i32>(b));
-        let (q_len, kv_len) = (scalar::<u32>(b), scalar::<u32>(b));
-        let (heads, group) = (scalar::<u32>(b), scalar::<u32>(b));
-        forward::forward_step_mma::expand::<E>(
-            &mut b.scope,
-            q,
-            k,
-            v,
-            o,
-            m,
-            l,
-            scale,
-            shift,
-            q_len,
-            kv_len,
-            heads,
-            group,
-            head_dim,
-            causal,
-        );
-    });
+    let forward = |one_shot: bool| {
+        compile("forward_step_mma", units, |b| {
+            let (q, k, v) = (input::<E>(b), input::<E>(b), input::<E>(b));
+            let (o, m, l) = (output::<f32>(b), output::<f32>(b), output::<f32>(b));
+            let (out, lse) = (output::<E>(b), output::<f32>(b));
+            let (scale, shift) = (scalar::<f32>(b), scalar::<i32>(b));
+            let (q_len, kv_len) = (scalar::<u32>(b), scalar::<u32>(b));
+            let (heads, group) = (scalar::<u32>(b), scalar::<u32>(b));
+            forward::forward_step_mma::expand::<E>(
+                &mut b.scope,
+                q,
+                k,
+                v,
+                o,
+                m,
+                l,
+                out,
+                lse,
+                scale,
+                shift,
+                q_len,
+                kv_len,
+                heads,
+                group,
+                head_dim,
+                causal,
+                one_shot,
+            );
+        })
+    };
     let dq = compile("backward_dq_mma", units, |b| {
         let (q, k, v, grad_out) = (input::<E>(b), input::<E>(b), input::<E>(b), input::<E>(b));
         let (lse, delta) = (input::<f32>(b), input::<f32>(b));
@@ -179,12 +186,13 @@ fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, String); 
             causal,
         );
     });
-    let dkdv = |fuse_dq: bool| {
+    let dkdv = |fuse_dq: bool, one_shot: bool| {
         compile("backward_dkdv_mma", units, |b| {
             let (q, k, v, grad_out) = (input::<E>(b), input::<E>(b), input::<E>(b), input::<E>(b));
             let (lse, delta) = (input::<f32>(b), input::<f32>(b));
             let (dk, dv) = (output::<f32>(b), output::<f32>(b));
             let dq = output::<Atomic<f32>>(b);
+            let (dk_out, dv_out) = (output::<E>(b), output::<E>(b));
             let (scale, shift) = (scalar::<f32>(b), scalar::<i32>(b));
             let (q_len, kv_len) = (scalar::<u32>(b), scalar::<u32>(b));
             let (heads, group) = (scalar::<u32>(b), scalar::<u32>(b));
@@ -199,6 +207,8 @@ fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, String); 
                 dk,
                 dv,
                 dq,
+                dk_out,
+                dv_out,
                 scale,
                 shift,
                 q_len,
@@ -208,14 +218,17 @@ fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, String); 
                 head_dim,
                 causal,
                 fuse_dq,
+                one_shot,
             );
         })
     };
     [
-        ("forward", forward),
+        ("forward", forward(false)),
+        ("attention", forward(true)),
         ("dq", dq),
-        ("dkdv", dkdv(false)),
-        ("fused", dkdv(true)),
+        ("dkdv", dkdv(false, false)),
+        ("fused", dkdv(true, false)),
+        ("fused_whole", dkdv(true, true)),
     ]
 }
 

@@ -13,6 +13,7 @@ use crate::state_kernels;
 use crate::state_kernels::{ROW_LANES, ROW_UNITS};
 use crate::tensor::{DeviceTensor, ElemType};
 use crate::tensor_core::dq_fragments;
+use crate::tensor_core::{DqTarget, ForwardTarget, KeyGrads};
 
 /// Runs `$body` with the type alias `$E` bound to the Rust type of an [`ElemType`].
 macro_rules! with_elem_type {
@@ -304,8 +305,16 @@ fn enqueue_forward<R: Runtime>(
     let shift = options.mask.diagonal_shift(dims);
     let portable = match plan {
         LaunchPlan::TensorCore(grids) => {
-            return crate::tensor_core::forward_step(
-                client, q, k, v, state, dims, grids, scale, shift,
+            return crate::tensor_core::forward(
+                client,
+                q,
+                k,
+                v,
+                ForwardTarget::State(state),
+                dims,
+                grids,
+                scale,
+                shift,
             )
         }
         LaunchPlan::Portable(portable) => portable,
@@ -505,43 +514,32 @@ fn enqueue_backward<R: Runtime>(
     let shift = options.mask.diagonal_shift(dims);
     let portable = match plan {
         LaunchPlan::TensorCore(grids) => {
-            let scratch = if options.deterministic {
-                None
-            } else {
-                let rows = dims.batch * dims.q_heads * dq_fragments::scratch_rows(dims.q_len);
-                Some(enqueue_filled(
-                    client,
-                    limits,
-                    vec![rows, dims.head_dim],
-                    0.0,
-                )?)
+            let key_grads = KeyGrads {
+                dk: &grads.dk,
+                dv: &grads.dv,
+                finished: false,
             };
-            crate::tensor_core::backward_step(
-                client,
-                (q, k, v),
-                grad_out,
-                lse,
-                delta,
-                grads,
-                dims,
-                grids,
-                scale,
-                shift,
-                scratch.as_ref(),
-            );
-            if let Some(scratch) = scratch {
-                let len = grads.dq.len();
-                let (count, dim) = linear_launch("the dQ scratch add", len, ELEMENT_UNITS, limits)?;
-                dq_fragments::add_fragment_scratch::launch::<R>(
+            let tensor_core_step = |dq| {
+                crate::tensor_core::backward_step(
                     client,
-                    count,
-                    dim,
-                    scratch.array_arg(),
-                    grads.dq.array_arg(),
-                    dims.q_len as u32,
-                    len as u32,
-                    dims.head_dim,
-                );
+                    (q, k, v),
+                    grad_out,
+                    lse,
+                    delta,
+                    dq,
+                    key_grads,
+                    dims,
+                    grids,
+                    scale,
+                    shift,
+                )
+            };
+            if options.deterministic {
+                tensor_core_step(DqTarget::Rows(&grads.dq));
+            } else {
+                let scratch = enqueue_dq_scratch(client, limits, dims)?;
+                tensor_core_step(DqTarget::Scratch(&scratch));
+                enqueue_unpack_dq_scratch(client, limits, &scratch, &grads.dq, dims, true)?;
             }
             return Ok(());
         }
@@ -599,6 +597,95 @@ fn enqueue_backward<R: Runtime>(
         ));
     }
     Ok(())
+}
+
+/// A zeroed f32 scratch for the fused backward's dQ, in fragment order (see [`dq_fragments`]),
+/// queued.
+fn enqueue_dq_scratch<R: Runtime>(
+    client: &ComputeClient<R>,
+    limits: &DeviceLimits,
+    dims: &AttentionDims,
+) -> Result<DeviceTensor, KernelError> {
+    let rows = dims.batch * dims.q_heads * dq_fragments::scratch_rows(dims.q_len);
+    enqueue_filled(client, limits, vec![rows, dims.head_dim], 0.0)
+}
+
+/// Queues the unpacking of the fused backward's dQ scratch into the row-major `dq`: added to an
+/// f32 accumulator (`accumulate`), or written in `dq`'s element type.
+fn enqueue_unpack_dq_scratch<R: Runtime>(
+    client: &ComputeClient<R>,
+    limits: &DeviceLimits,
+    scratch: &DeviceTensor,
+    dq: &DeviceTensor,
+    dims: &AttentionDims,
+    accumulate: bool,
+) -> Result<(), KernelError> {
+    let len = dq.len();
+    let (count, dim) = linear_launch("the dQ scratch unpacking", len, ELEMENT_UNITS, limits)?;
+    with_elem_type!(dq.elem, T => dq_fragments::unpack_fragment_scratch::launch::<T, R>(
+        client,
+        count,
+        dim,
+        scratch.array_arg(),
+        dq.array_arg(),
+        dims.q_len as u32,
+        len as u32,
+        dims.head_dim,
+        accumulate,
+    ));
+    Ok(())
+}
+
+/// A whole attention's backward on the tensor cores, queued: dK and dV are written in the
+/// inputs' element type by the kernel that computes them; dQ is unpacked from the fused
+/// kernel's scratch in that type too (deterministic: the dQ kernel's f32 sum, cast). No f32
+/// accumulator is filled, read back or cast.
+#[allow(clippy::too_many_arguments)]
+fn enqueue_finished_backward<R: Runtime>(
+    client: &ComputeClient<R>,
+    limits: &DeviceLimits,
+    grids: &crate::tensor_core::Grids,
+    (q, k, v): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
+    grad_out: &DeviceTensor,
+    lse: &DeviceTensor,
+    delta: &DeviceTensor,
+    dims: &AttentionDims,
+    options: &StepOptions,
+) -> Result<(DeviceTensor, DeviceTensor, DeviceTensor), KernelError> {
+    let dk = DeviceTensor::empty(client, dims.kv_shape(), q.elem);
+    let dv = DeviceTensor::empty(client, dims.kv_shape(), q.elem);
+    let key_grads = KeyGrads {
+        dk: &dk,
+        dv: &dv,
+        finished: true,
+    };
+    let tensor_core_step = |dq| {
+        crate::tensor_core::backward_step(
+            client,
+            (q, k, v),
+            grad_out,
+            lse,
+            delta,
+            dq,
+            key_grads,
+            dims,
+            grids,
+            options.resolved_scale(dims.head_dim),
+            options.mask.diagonal_shift(dims),
+        )
+    };
+    let dq = if options.deterministic {
+        let sum = enqueue_filled(client, limits, dims.q_shape(), 0.0)?;
+        tensor_core_step(DqTarget::Rows(&sum));
+        enqueue_cast(client, limits, &sum, q.elem)?
+    } else {
+        let scratch = enqueue_dq_scratch(client, limits, dims)?;
+        tensor_core_step(DqTarget::Scratch(&scratch));
+        let dq = DeviceTensor::empty(client, dims.q_shape(), q.elem);
+        enqueue_unpack_dq_scratch(client, limits, &scratch, &dq, dims, false)?;
+        dq
+    };
+    Ok((dq, dk, dv))
 }
 
 /// Adds this (query chunk, key chunk) pair's contribution to `grads.dq`, `grads.dk`, `grads.dv`,
@@ -694,15 +781,33 @@ pub fn attention<R: Runtime>(
 ) -> Result<(DeviceTensor, DeviceTensor), KernelError> {
     let dims = check_qkv(q, k, v)?;
     let (limits, plan) = LaunchPlan::for_call(client, &dims, q.elem, options)?;
-    let state = SoftmaxState::enqueue_empty(
-        client,
-        &limits,
-        [dims.batch, dims.q_heads, dims.q_len, dims.head_dim],
-    )?;
-    enqueue_forward(client, &plan, (q, k, v), &state, &dims, options);
     let out = DeviceTensor::empty(client, dims.q_shape(), q.elem);
     let lse = DeviceTensor::empty(client, dims.row_shape(), ElemType::F32);
-    enqueue_finalize(client, &limits, &state, &out, &lse)?;
+    if let LaunchPlan::TensorCore(grids) = &plan {
+        // One kernel: no state to fill, read back or finalise.
+        crate::tensor_core::forward(
+            client,
+            q,
+            k,
+            v,
+            ForwardTarget::Finished {
+                out: &out,
+                lse: &lse,
+            },
+            &dims,
+            grids,
+            options.resolved_scale(dims.head_dim),
+            options.mask.diagonal_shift(&dims),
+        );
+    } else {
+        let state = SoftmaxState::enqueue_empty(
+            client,
+            &limits,
+            [dims.batch, dims.q_heads, dims.q_len, dims.head_dim],
+        )?;
+        enqueue_forward(client, &plan, (q, k, v), &state, &dims, options);
+        enqueue_finalize(client, &limits, &state, &out, &lse)?;
+    }
     launch_result(client, "attention")?;
     Ok((out, lse))
 }
@@ -727,6 +832,21 @@ pub fn attention_backward<R: Runtime>(
     lse.expect_elem("lse", ElemType::F32)?;
     let (limits, plan) = LaunchPlan::for_call(client, &dims, q.elem, options)?;
     let delta = enqueue_delta(client, &limits, out, grad_out)?;
+    if let LaunchPlan::TensorCore(grids) = &plan {
+        let grads = enqueue_finished_backward(
+            client,
+            &limits,
+            grids,
+            (q, k, v),
+            grad_out,
+            lse,
+            &delta,
+            &dims,
+            options,
+        )?;
+        launch_result(client, "attention_backward")?;
+        return Ok(grads);
+    }
     let grads = GradAccumulators::enqueue_zeros(client, &limits, &dims)?;
     enqueue_backward(
         client,

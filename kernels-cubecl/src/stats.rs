@@ -67,6 +67,14 @@ pub fn exp2(x: f32) -> f32 {
     f32::powf(2.0f32, x)
 }
 
+/// `-inf`, computed as `ln 0` (`lg2.approx(+0) = -inf` in PTX, exact in IEEE): cubecl 0.10's
+/// CUDA code generator writes an `f32::NEG_INFINITY` constant as the undefined identifier `inf`,
+/// and a constant bit pattern as an invalid `reinterpret_cast`.
+#[cube]
+pub fn negative_infinity() -> f32 {
+    f32::ln(0.0f32)
+}
+
 /// [`rescale_factor`] for maxima in base-2 units: equal maxima (two empty rows included) give
 /// exactly 1.
 #[cube]

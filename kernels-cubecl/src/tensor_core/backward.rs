@@ -214,7 +214,7 @@ pub fn backward_dq_mma<E: Float>(
         ready_even.arrive_and_wait();
     }
 
-    store_accumulator::<E, NC>(
+    store_accumulator::<E, f32, NC>(
         &def,
         &dq_acc,
         dq,
@@ -384,7 +384,9 @@ pub const fn ds_tile_elems(fuse_dq: bool) -> usize {
 }
 
 /// dK/dV step, and with `fuse_dq` also dQ (added with f32 atomics to `dq`, a zeroed scratch in
-/// fragment order, see [`super::dq_fragments`]; not touched otherwise). Grid: slice-major, x = batch * kv_heads, y = key blocks of [`KEY_ROWS`] (under a
+/// fragment order, see [`super::dq_fragments`]; not touched otherwise). A step adds dK and dV
+/// to the f32 `dk`, `dv`; with `one_shot` (a whole attention: the cube has seen every query)
+/// it writes them to `dk_out`, `dv_out` in `E` instead, leaving `dk`, `dv` alone. Grid: slice-major, x = batch * kv_heads, y = key blocks of [`KEY_ROWS`] (under a
 /// causal mask the first blocks see the most queries and run first). Each plane owns 16 keys and
 /// walks the query tiles (of every query head of its group) that can see them; fused, each plane
 /// then owns 16 of the tile's queries for `dQ += dS K` over the block's keys. Launched unchecked:
@@ -401,6 +403,8 @@ pub fn backward_dkdv_mma<E: Float>(
     dk: &mut Array<f32>,
     dv: &mut Array<f32>,
     dq: &mut Array<Atomic<f32>>,
+    dk_out: &mut Array<E>,
+    dv_out: &mut Array<E>,
     scale: f32,
     shift: i32,
     q_len: u32,
@@ -410,6 +414,7 @@ pub fn backward_dkdv_mma<E: Float>(
     #[comptime] head_dim: usize,
     #[comptime] causal: bool,
     #[comptime] fuse_dq: bool,
+    #[comptime] one_shot: bool,
 ) {
     let def = mma_definition::<E>();
     let size!(NA) = def.vector_size(MatrixIdent::A);
@@ -504,21 +509,21 @@ pub fn backward_dkdv_mma<E: Float>(
 
     // The block's K and V and the first query tile arrive on the even barrier.
     if steps > 0 {
+        let q_start = walk.tile(0u32) * QUERY_ROWS as u32;
         stage_query_tile::<E>(
             q,
             grad_out,
-            lse,
-            delta,
             walk.row_base(0u32),
-            walk.tile(0u32) * QUERY_ROWS as u32,
+            q_start,
             q_len,
             &mut q_tiles,
             &mut do_tiles,
-            &mut lse_tiles,
-            &mut delta_tiles,
             0u32,
             head_dim,
         );
+        let mut stats = Array::<f32>::new(2usize);
+        load_row_stats(&mut stats, lse, delta, walk.row_base(0u32), q_start, q_len);
+        store_row_stats(&stats, &mut lse_tiles, &mut delta_tiles, 0u32);
     }
     ready_even.commit_copy_async();
 
@@ -595,30 +600,57 @@ pub fn backward_dkdv_mma<E: Float>(
         ready_even.arrive_and_wait();
     }
 
-    store_accumulator::<E, NC>(
-        &def,
-        &dk_acc,
-        dk,
-        key_base,
-        plane_start,
-        kv_len,
-        scale,
-        1usize,
-        head_dim,
-        true,
-    );
-    store_accumulator::<E, NC>(
-        &def,
-        &dv_acc,
-        dv,
-        key_base,
-        plane_start,
-        kv_len,
-        1.0f32,
-        1usize,
-        head_dim,
-        true,
-    );
+    if one_shot {
+        store_accumulator::<E, E, NC>(
+            &def,
+            &dk_acc,
+            dk_out,
+            key_base,
+            plane_start,
+            kv_len,
+            scale,
+            1usize,
+            head_dim,
+            false,
+        );
+        store_accumulator::<E, E, NC>(
+            &def,
+            &dv_acc,
+            dv_out,
+            key_base,
+            plane_start,
+            kv_len,
+            1.0f32,
+            1usize,
+            head_dim,
+            false,
+        );
+    } else {
+        store_accumulator::<E, f32, NC>(
+            &def,
+            &dk_acc,
+            dk,
+            key_base,
+            plane_start,
+            kv_len,
+            scale,
+            1usize,
+            head_dim,
+            true,
+        );
+        store_accumulator::<E, f32, NC>(
+            &def,
+            &dv_acc,
+            dv,
+            key_base,
+            plane_start,
+            kv_len,
+            1.0f32,
+            1usize,
+            head_dim,
+            true,
+        );
+    }
 }
 
 /// The query tiles one dK/dV cube walks: for each query head of its group (from `head0`), tiles
@@ -650,22 +682,17 @@ impl QueryWalk {
 }
 
 /// Issues the copies of the query tile starting at row `q_start` of Q and dO (of the query head
-/// whose rows start at `row_base`) into buffer `buffer` (0 or 1), and stores its rows' base-2
-/// log-sum-exp and delta there (plain stores: visible after the caller's next `sync_cube`).
+/// whose rows start at `row_base`) into buffer `buffer` (0 or 1); the caller commits them.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn stage_query_tile<E: Float>(
     q: &Array<E>,
     grad_out: &Array<E>,
-    lse: &Array<f32>,
-    delta: &Array<f32>,
     row_base: usize,
     q_start: u32,
     q_len: u32,
     q_tiles: &mut SharedMemory<E>,
     do_tiles: &mut SharedMemory<E>,
-    lse_tiles: &mut SharedMemory<f32>,
-    delta_tiles: &mut SharedMemory<f32>,
     buffer: u32,
     #[comptime] head_dim: usize,
 ) {
@@ -692,16 +719,43 @@ fn stage_query_tile<E: Float>(
         head_dim,
         UNITS,
     );
+}
+
+/// Loads the log-sum-exp and delta of the query tile's row `UNIT_POS` (units below
+/// [`QUERY_ROWS`]) from global memory into `stats` (`[lse, delta]`); zeros for the other units
+/// and for rows past the chunk.
+#[cube]
+fn load_row_stats(
+    stats: &mut Array<f32>,
+    lse: &Array<f32>,
+    delta: &Array<f32>,
+    row_base: usize,
+    q_start: u32,
+    q_len: u32,
+) {
+    let row = q_start + UNIT_POS;
+    stats[0] = 0.0f32;
+    stats[1] = 0.0f32;
+    if UNIT_POS < QUERY_ROWS as u32 && row < q_len {
+        stats[0] = lse[row_base + row as usize];
+        stats[1] = delta[row_base + row as usize];
+    }
+}
+
+/// Stores row `UNIT_POS`'s statistics (from [`load_row_stats`]) into buffer `buffer`, the
+/// log-sum-exp in base 2 as [`weight_log2`] takes it (plain stores: visible after the next
+/// `sync_cube`).
+#[cube]
+fn store_row_stats(
+    stats: &Array<f32>,
+    lse_tiles: &mut SharedMemory<f32>,
+    delta_tiles: &mut SharedMemory<f32>,
+    buffer: u32,
+) {
     if UNIT_POS < QUERY_ROWS as u32 {
-        let row = q_start + UNIT_POS;
-        let mut lv = 0.0f32;
-        let mut dl = 0.0f32;
-        if row < q_len {
-            lv = lse[row_base + row as usize];
-            dl = delta[row_base + row as usize];
-        }
-        lse_tiles[row0 + UNIT_POS as usize] = lse_log2(lv);
-        delta_tiles[row0 + UNIT_POS as usize] = dl;
+        let at = buffer as usize * QUERY_ROWS + UNIT_POS as usize;
+        lse_tiles[at] = lse_log2(stats[0]);
+        delta_tiles[at] = stats[1];
     }
 }
 
@@ -751,25 +805,33 @@ fn dkdv_tile<E: Float, NA: Size, NB: Size, NC: Size>(
     let row0 = buffer as usize * QUERY_ROWS;
 
     // Every plane is done with step - 1: its buffer takes step + 1. The sync also publishes
-    // this step's statistics, stored during step - 1.
+    // this step's statistics, stored at the end of step - 1.
     sync_cube();
-    if step + 1 < steps {
+    let has_next = step + 1 < steps;
+    let mut next_stats = Array::<f32>::new(2usize);
+    if has_next {
+        let next_start = walk.tile(step + 1) * QUERY_ROWS as u32;
         stage_query_tile::<E>(
             q,
             grad_out,
-            lse,
-            delta,
             walk.row_base(step + 1),
-            walk.tile(step + 1) * QUERY_ROWS as u32,
+            next_start,
             q_len,
             q_tiles,
             do_tiles,
-            lse_tiles,
-            delta_tiles,
             1 - buffer,
             head_dim,
         );
         commit_to_buffer(ready_even, ready_odd, 1 - buffer);
+        // Loaded now, stored after this step's products: the loads' latency hides behind them.
+        load_row_stats(
+            &mut next_stats,
+            lse,
+            delta,
+            walk.row_base(step + 1),
+            next_start,
+            q_len,
+        );
     }
     wait_for_buffer(ready_even, ready_odd, buffer);
 
@@ -837,6 +899,9 @@ fn dkdv_tile<E: Float, NA: Size, NB: Size, NC: Size>(
             q_len,
             head_dim,
         );
+    }
+    if has_next {
+        store_row_stats(&next_stats, lse_tiles, delta_tiles, 1 - buffer);
     }
 }
 

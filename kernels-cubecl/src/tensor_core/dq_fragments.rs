@@ -7,7 +7,8 @@
 //! slice the scratch holds the rows rounded up to [`SCRATCH_ROW_ALIGN`]; tile `(row / 16, col / 8)` is 128 floats
 //! at `((row / 16) * head_dim / 8 + col / 8) * 128`, its value `n` of lane `l` at `n * 32 + l`
 //! (lane `l` holds rows `l / 4` and `l / 4 + 8`, columns `2 * (l % 4) + {0, 1}`; see
-//! [`super::fragments`]). A linear kernel then adds the scratch to the row-major dQ.
+//! [`super::fragments`]). A linear kernel then adds the scratch to the row-major f32 dQ of a
+//! step, or writes it as a whole attention's dQ in the inputs' element type.
 
 use cubecl::prelude::*;
 
@@ -37,15 +38,16 @@ pub fn tile_row_base(
     (slice * rows + row) as usize * head_dim + lane as usize
 }
 
-/// `dq += scratch` for a row-major `[slices, q_len, head_dim]` dQ of `len` elements; one unit per
-/// element of dQ.
+/// `dq += scratch` (with `accumulate`) or `dq = scratch` converted to `T`, for a row-major
+/// `[slices, q_len, head_dim]` dQ of `len` elements; one unit per element of dQ.
 #[cube(launch)]
-pub fn add_fragment_scratch(
+pub fn unpack_fragment_scratch<T: Float>(
     scratch: &Array<f32>,
-    dq: &mut Array<f32>,
+    dq: &mut Array<T>,
     q_len: u32,
     len: u32,
     #[comptime] head_dim: usize,
+    #[comptime] accumulate: bool,
 ) {
     let at = ABSOLUTE_POS;
     if at < len as usize {
@@ -58,6 +60,11 @@ pub fn add_fragment_scratch(
         let n = (r / 8) * 2 + col % 2;
         let from = tile_row_base(slice, row - r, q_len, lane, head_dim)
             + (((col / FRAG_COLS as u32) * 4 + n) * 32) as usize;
-        dq[at] += scratch[from];
+        let value = T::cast_from(scratch[from]);
+        if accumulate {
+            dq[at] += value;
+        } else {
+            dq[at] = value;
+        }
     }
 }

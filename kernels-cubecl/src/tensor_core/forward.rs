@@ -2,7 +2,9 @@
 //! rows (32 per plane, two 16-row `mma` tiles, so every `ldmatrix` of K or V feeds four `mma`s),
 //! walks the visible key/value tiles of 64 rows staged in shared memory, keeps scores,
 //! probabilities and the output accumulator in registers, and reads/writes the running state
-//! `(o, m, l)` like the portable kernel.
+//! `(o, m, l)` like the portable kernel. Called for a whole attention (`one_shot`), it starts
+//! from the empty state and writes the finished output and log-sum-exp instead: no state is
+//! filled, read back or finalised by other kernels.
 //!
 //! Cost structure, as in FlashAttention-2:
 //! - key tiles every row of the block sees whole run a loop with no mask and unchecked staging;
@@ -24,7 +26,10 @@ use super::warp_tile::{
     store_accumulator, zero_accumulator,
 };
 use crate::geometry::{query_block_at, row_key_limit, visible_key_end};
-use crate::stats::{rescale_factor_log2, weight_log2, LN_2, LOG2_E};
+use crate::stats::{
+    log_sum_exp, negative_infinity, output_normaliser, rescale_factor_log2, weight_log2, LN_2,
+    LOG2_E,
+};
 
 /// Planes per cube.
 pub const PLANES: usize = 4;
@@ -56,7 +61,10 @@ fn lane_row(lane: u32, #[comptime] r: usize) -> u32 {
 
 /// Grid: slice-major ([`crate::grid::slice_major`]), x = batch * q_heads, y = query blocks of
 /// [`BLOCK_ROWS`], taken last block first (the heaviest under a causal mask); cube = [`UNITS`]
-/// units. Launched unchecked: every global access is guarded by the kernel itself
+/// units. Without `one_shot` it folds the keys into the state `(o, m, l)` and leaves `out` and
+/// `lse` alone; with it, it reads no state, attends to all of the keys and writes
+/// `out = o / l` (element type `E`) and `lse = m + ln l` (rows that see no key: 0 and `-inf`),
+/// leaving `o`, `m` and `l` alone. Launched unchecked: every global access is guarded by the kernel itself
 /// (rows past `q_len` or `kv_len` are skipped or zero-filled) and shared-memory indices are in
 /// range by construction.
 #[cube(launch_unchecked, fast_math = FastMath::all())]
@@ -68,6 +76,8 @@ pub fn forward_step_mma<E: Float>(
     o: &mut Array<f32>,
     m: &mut Array<f32>,
     l: &mut Array<f32>,
+    out: &mut Array<E>,
+    lse: &mut Array<f32>,
     scale: f32,
     shift: i32,
     q_len: u32,
@@ -76,12 +86,14 @@ pub fn forward_step_mma<E: Float>(
     group_size: u32,
     #[comptime] head_dim: usize,
     #[comptime] causal: bool,
+    #[comptime] one_shot: bool,
 ) {
     let def = mma_definition::<E>();
     let size!(NA) = def.vector_size(MatrixIdent::A);
     let size!(NB) = def.vector_size(MatrixIdent::B);
     let size!(NC) = def.vector_size(MatrixIdent::Accumulator);
     let stride = comptime!(padded_stride(head_dim));
+    let out_frags = comptime!(head_dim / FRAG_COLS);
 
     let lane = UNIT_POS_PLANE;
     let warp = UNIT_POS / 32;
@@ -143,8 +155,20 @@ pub fn forward_step_mma<E: Float>(
     // running max and a lane-partial running sum (reduced over the quad at the end).
     #[allow(clippy::manual_is_multiple_of)]
     let first_in_quad = lane % 4 == 0;
-    let mut o_acc =
-        load_accumulator::<E, NC>(&def, o, row_base, plane_start, q_len, PLANE_TILES, head_dim);
+    // A whole attention starts from the empty state: no row of `o` is read.
+    let mut state_rows = q_len;
+    if one_shot {
+        state_rows = 0u32;
+    }
+    let mut o_acc = load_accumulator::<E, NC>(
+        &def,
+        o,
+        row_base,
+        plane_start,
+        state_rows,
+        PLANE_TILES,
+        head_dim,
+    );
     let mut m_row = Array::<f32>::new(LANE_ROWS);
     let mut l_row = Array::<f32>::new(LANE_ROWS);
     // Exclusive bound on the keys each row sees (used on diagonal tiles only).
@@ -154,7 +178,10 @@ pub fn forward_step_mma<E: Float>(
         let row = plane_start + lane_row(lane, r);
         let mut mv = 0.0f32;
         let mut lv = 0.0f32;
-        if row < q_len {
+        if one_shot {
+            // The empty state: max -inf, sum 0 (and o = 0 above).
+            mv = negative_infinity();
+        } else if row < q_len {
             mv = m[row_base + row as usize] * LOG2_E;
             if first_in_quad {
                 lv = l[row_base + row as usize];
@@ -226,26 +253,59 @@ pub fn forward_step_mma<E: Float>(
         k_ready.arrive_and_wait();
     }
 
-    // Write the state back.
-    store_accumulator::<E, NC>(
-        &def,
-        &o_acc,
-        o,
-        row_base,
-        plane_start,
-        q_len,
-        1.0f32,
-        PLANE_TILES,
-        head_dim,
-        false,
-    );
+    let mut totals = Array::<f32>::new(LANE_ROWS);
     #[unroll]
     for r in 0..LANE_ROWS {
-        let total = quad_sum(l_row[r]);
-        let row = plane_start + lane_row(lane, r);
-        if row < q_len && first_in_quad {
-            m[row_base + row as usize] = m_row[r] * LN_2;
-            l[row_base + row as usize] = total;
+        totals[r] = quad_sum(l_row[r]);
+    }
+    if one_shot {
+        // The finished output and log-sum-exp.
+        let mut inverse = Array::<f32>::new(LANE_ROWS);
+        #[unroll]
+        for r in 0..LANE_ROWS {
+            inverse[r] = output_normaliser(totals[r]);
+        }
+        scale_rows::<E, NC>(&def, &mut o_acc, &inverse, out_frags);
+        store_accumulator::<E, E, NC>(
+            &def,
+            &o_acc,
+            out,
+            row_base,
+            plane_start,
+            q_len,
+            1.0f32,
+            PLANE_TILES,
+            head_dim,
+            false,
+        );
+        #[unroll]
+        for r in 0..LANE_ROWS {
+            let row = plane_start + lane_row(lane, r);
+            if row < q_len && first_in_quad {
+                lse[row_base + row as usize] = log_sum_exp(m_row[r] * LN_2, totals[r]);
+            }
+        }
+    } else {
+        // Write the state back.
+        store_accumulator::<E, f32, NC>(
+            &def,
+            &o_acc,
+            o,
+            row_base,
+            plane_start,
+            q_len,
+            1.0f32,
+            PLANE_TILES,
+            head_dim,
+            false,
+        );
+        #[unroll]
+        for r in 0..LANE_ROWS {
+            let row = plane_start + lane_row(lane, r);
+            if row < q_len && first_in_quad {
+                m[row_base + row as usize] = m_row[r] * LN_2;
+                l[row_base + row as usize] = totals[r];
+            }
         }
     }
 }
@@ -391,21 +451,7 @@ fn attend_tile<E: Float, NA: Size, NB: Size, NC: Size>(
     // Past the first tiles a row's max rarely moves: when no row of the plane moved, every
     // factor is exactly 1 and the plane skips the accumulator's rescale (a uniform branch).
     if plane_any(max_moved) {
-        #[unroll]
-        for mt in 0..PLANE_TILES {
-            #[unroll]
-            for t in 0..out_frags {
-                #[unroll]
-                for i in 0..vc {
-                    let mut reg = o_acc[(mt * out_frags + t) * vc + i];
-                    #[unroll]
-                    for e in 0..sc {
-                        reg[e] *= alpha[mt * ROW_SLOTS + (i * sc + e) / 2];
-                    }
-                    o_acc[(mt * out_frags + t) * vc + i] = reg;
-                }
-            }
-        }
+        scale_rows::<E, NC>(def, o_acc, &alpha, out_frags);
     }
 
     // Probabilities in place of the scores, then into A fragments. A masked score is `NO_SCORE`
@@ -450,4 +496,32 @@ fn attend_tile<E: Float, NA: Size, NB: Size, NC: Size>(
         BLOCK_KEYS,
         head_dim,
     );
+}
+
+/// Multiplies each accumulator row the lane holds (of [`PLANE_TILES`] tiles of `frags` 8-column
+/// fragments) by its factor: row `r` of [`lane_row`] by `factors[r]`.
+#[cube]
+fn scale_rows<E: Float, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    acc: &mut Array<Vector<f32, NC>>,
+    factors: &Array<f32>,
+    #[comptime] frags: usize,
+) {
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    #[unroll]
+    for mt in 0..PLANE_TILES {
+        #[unroll]
+        for t in 0..frags {
+            #[unroll]
+            for i in 0..vc {
+                let mut reg = acc[(mt * frags + t) * vc + i];
+                #[unroll]
+                for e in 0..sc {
+                    reg[e] *= factors[mt * ROW_SLOTS + (i * sc + e) / 2];
+                }
+                acc[(mt * frags + t) * vc + i] = reg;
+            }
+        }
+    }
 }

@@ -15,7 +15,7 @@ use cubecl::prelude::*;
 use crate::dims::AttentionDims;
 use crate::error::KernelError;
 use crate::grid::{self, Rows};
-use crate::launch::{GradAccumulators, SoftmaxState};
+use crate::launch::SoftmaxState;
 use crate::limits::DeviceLimits;
 use crate::tensor::{DeviceTensor, ElemType};
 use backward::{KEY_ROWS, QUERY_ROWS};
@@ -100,19 +100,55 @@ pub(crate) fn grids(dims: &AttentionDims, limits: &DeviceLimits) -> Result<Grids
     })
 }
 
-/// Tensor-core forward step (see [`crate::forward_step`]).
+/// What the tensor-core forward writes.
+pub(crate) enum ForwardTarget<'a> {
+    /// Fold the keys into this running state (a step, see [`crate::forward_step`]).
+    State(&'a SoftmaxState),
+    /// A whole attention (see [`crate::attention`]): start from the empty state and write the
+    /// finished output `[B, H, S, D]` (the inputs' element type) and f32 log-sum-exp `[B, H, S]`.
+    Finished {
+        /// The output.
+        out: &'a DeviceTensor,
+        /// The log-sum-exp.
+        lse: &'a DeviceTensor,
+    },
+}
+
+/// Tensor-core forward: a step into a running state, or a whole attention (see
+/// [`ForwardTarget`]). The kernel's arguments of the other kind get one-element placeholders
+/// (it never touches them).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn forward_step<R: Runtime>(
+pub(crate) fn forward<R: Runtime>(
     client: &ComputeClient<R>,
     q: &DeviceTensor,
     k: &DeviceTensor,
     v: &DeviceTensor,
-    state: &SoftmaxState,
+    target: ForwardTarget,
     dims: &AttentionDims,
     grids: &Grids,
     scale: f32,
     shift: Option<i32>,
 ) {
+    let placeholder = |elem| DeviceTensor::empty(client, vec![1], elem);
+    let f32_placeholder = || placeholder(ElemType::F32);
+    let (o, m, l, out, lse, one_shot) = match target {
+        ForwardTarget::State(state) => (
+            state.o.clone(),
+            state.m.clone(),
+            state.l.clone(),
+            placeholder(q.elem),
+            f32_placeholder(),
+            false,
+        ),
+        ForwardTarget::Finished { out, lse } => (
+            f32_placeholder(),
+            f32_placeholder(),
+            f32_placeholder(),
+            out.clone(),
+            lse.clone(),
+            true,
+        ),
+    };
     let dim = CubeDim::new_1d(UNITS as u32);
     // SAFETY: shapes were validated by `launch::forward_step`; the kernel guards every global
     // access against `q_len`/`kv_len` (see `forward_step_mma`).
@@ -123,9 +159,11 @@ pub(crate) fn forward_step<R: Runtime>(
         q.array_arg(),
         k.array_arg(),
         v.array_arg(),
-        state.o.array_arg(),
-        state.m.array_arg(),
-        state.l.array_arg(),
+        o.array_arg(),
+        m.array_arg(),
+        l.array_arg(),
+        out.array_arg(),
+        lse.array_arg(),
         scale,
         shift.unwrap_or(0),
         dims.q_len as u32,
@@ -134,12 +172,35 @@ pub(crate) fn forward_step<R: Runtime>(
         dims.group_size() as u32,
         dims.head_dim,
         shift.is_some(),
+        one_shot,
     ) });
 }
 
-/// Tensor-core backward step (see [`crate::backward_step`]): given a zeroed `dq_scratch` (see
-/// [`dq_fragments`]), the dK/dV kernel alone, adding dQ to the scratch with f32 atomics (the
-/// caller then adds the scratch to `grads.dq`); without, the dQ kernel and the dK/dV kernel.
+/// Where the tensor-core backward adds dQ.
+pub(crate) enum DqTarget<'a> {
+    /// The deterministic dQ kernel adds into this row-major f32 `[B, Hq, Sq, D]` tensor.
+    Rows(&'a DeviceTensor),
+    /// The fused dK/dV kernel adds with atomics into this zeroed scratch in fragment order
+    /// (see [`dq_fragments`]); the caller unpacks it.
+    Scratch(&'a DeviceTensor),
+}
+
+/// Where the tensor-core backward writes dK and dV: `[B, Hkv, Skv, D]` f32 accumulators it adds
+/// to (a step), or, `finished`, tensors of the inputs' element type it writes (a whole
+/// attention).
+pub(crate) struct KeyGrads<'a> {
+    /// dK.
+    pub dk: &'a DeviceTensor,
+    /// dV.
+    pub dv: &'a DeviceTensor,
+    /// Whether `dk`, `dv` are a whole attention's finished gradients.
+    pub finished: bool,
+}
+
+/// Tensor-core backward (see [`crate::backward_step`]): with [`DqTarget::Scratch`] the fused
+/// dK/dV kernel alone, adding dQ to the scratch with f32 atomics; with [`DqTarget::Rows`] the
+/// dQ kernel and the dK/dV kernel. The kernel's dK/dV arguments of the other kind get
+/// one-element placeholders (it never touches them).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward_step<R: Runtime>(
     client: &ComputeClient<R>,
@@ -147,38 +208,58 @@ pub(crate) fn backward_step<R: Runtime>(
     grad_out: &DeviceTensor,
     lse: &DeviceTensor,
     delta: &DeviceTensor,
-    grads: &GradAccumulators,
+    dq: DqTarget,
+    key_grads: KeyGrads,
     dims: &AttentionDims,
     grids: &Grids,
     scale: f32,
     shift: Option<i32>,
-    dq_scratch: Option<&DeviceTensor>,
 ) {
     let dim = CubeDim::new_1d(UNITS as u32);
-    // SAFETY: shapes were validated by `launch::backward_step`; the kernels guard every global
-    // access against `q_len`/`kv_len`.
-    if dq_scratch.is_none() {
-        crate::launch::with_elem_type!(q.elem, E => unsafe { backward::backward_dq_mma::launch_unchecked::<E, R>(
-        client,
-        grids.dq.clone(),
-        dim,
-        q.array_arg(),
-        k.array_arg(),
-        v.array_arg(),
-        grad_out.array_arg(),
-        lse.array_arg(),
-        delta.array_arg(),
-        grads.dq.array_arg(),
-        scale,
-        shift.unwrap_or(0),
-        dims.q_len as u32,
-        dims.kv_len as u32,
-        dims.q_heads as u32,
-        dims.group_size() as u32,
-        dims.head_dim,
-        shift.is_some(),
-    ) });
-    }
+    let (dq, fuse_dq) = match dq {
+        DqTarget::Rows(rows) => {
+            // SAFETY: shapes were validated by the caller; the kernel guards every global
+            // access against `q_len`/`kv_len`.
+            crate::launch::with_elem_type!(q.elem, E => unsafe { backward::backward_dq_mma::launch_unchecked::<E, R>(
+                client,
+                grids.dq.clone(),
+                dim,
+                q.array_arg(),
+                k.array_arg(),
+                v.array_arg(),
+                grad_out.array_arg(),
+                lse.array_arg(),
+                delta.array_arg(),
+                rows.array_arg(),
+                scale,
+                shift.unwrap_or(0),
+                dims.q_len as u32,
+                dims.kv_len as u32,
+                dims.q_heads as u32,
+                dims.group_size() as u32,
+                dims.head_dim,
+                shift.is_some(),
+            ) });
+            (rows, false)
+        }
+        DqTarget::Scratch(scratch) => (scratch, true),
+    };
+    let placeholder = |elem| DeviceTensor::empty(client, vec![1], elem);
+    let (dk, dv, dk_out, dv_out) = if key_grads.finished {
+        (
+            placeholder(ElemType::F32),
+            placeholder(ElemType::F32),
+            key_grads.dk.clone(),
+            key_grads.dv.clone(),
+        )
+    } else {
+        (
+            key_grads.dk.clone(),
+            key_grads.dv.clone(),
+            placeholder(q.elem),
+            placeholder(q.elem),
+        )
+    };
     // SAFETY: as above.
     crate::launch::with_elem_type!(q.elem, E => unsafe { backward::backward_dkdv_mma::launch_unchecked::<E, R>(
         client,
@@ -190,9 +271,11 @@ pub(crate) fn backward_step<R: Runtime>(
         grad_out.array_arg(),
         lse.array_arg(),
         delta.array_arg(),
-        grads.dk.array_arg(),
-        grads.dv.array_arg(),
-        dq_scratch.unwrap_or(&grads.dq).array_arg(),
+        dk.array_arg(),
+        dv.array_arg(),
+        dq.array_arg(),
+        dk_out.array_arg(),
+        dv_out.array_arg(),
         scale,
         shift.unwrap_or(0),
         dims.q_len as u32,
@@ -201,6 +284,7 @@ pub(crate) fn backward_step<R: Runtime>(
         dims.group_size() as u32,
         dims.head_dim,
         shift.is_some(),
-        dq_scratch.is_some(),
+        fuse_dq,
+        key_grads.finished,
     ) });
 }

@@ -248,14 +248,14 @@ pub fn load_accumulator<E: Float, NC: Size>(
     acc
 }
 
-/// Writes `scale * acc` over (or, with `accumulate`, adds it to) the plane's valid rows of a
-/// row-major f32 matrix laid out as in [`load_accumulator`].
+/// Writes `scale * acc`, converted to `T`, over (or, with `accumulate`, adds it to) the plane's
+/// valid rows of a row-major matrix laid out as in [`load_accumulator`].
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub fn store_accumulator<E: Float, NC: Size>(
+pub fn store_accumulator<E: Float, T: Float, NC: Size>(
     def: &MmaDefinition<E, E, f32>,
     acc: &Array<Vector<f32, NC>>,
-    dst: &mut Array<f32>,
+    dst: &mut Array<T>,
     base: usize,
     row0: u32,
     len: u32,
@@ -281,10 +281,11 @@ pub fn store_accumulator<E: Float, NC: Size>(
                     let col = t * FRAG_COLS + accumulator_col(lane, i * sc + e) as usize;
                     if row < len {
                         let at = (base + row as usize) * cols + col;
+                        let value = T::cast_from(reg[e] * scale);
                         if accumulate {
-                            dst[at] += reg[e] * scale;
+                            dst[at] += value;
                         } else {
-                            dst[at] = reg[e] * scale;
+                            dst[at] = value;
                         }
                     }
                 }

@@ -109,21 +109,22 @@ fn supports<R: Runtime>(client: &ComputeClient<R>, elem: ElemType) -> bool {
     client.properties().supports_type(ty)
 }
 
-/// Element types this runtime can run, with the variants to test for each.
-fn configurations<R: Runtime>(client: &ComputeClient<R>) -> Vec<(ElemType, Variant)> {
-    let mut out = Vec::new();
-    for elem in [ElemType::F32, ElemType::F16, ElemType::BF16] {
-        if !supports(client, elem) {
-            eprintln!("skipping {elem:?}: not supported by this runtime");
-            continue;
-        }
-        out.push((elem, Variant::Portable));
-        for head_dim in [64, 128] {
-            if distflash_kernels::tensor_core_available(client, elem, head_dim) {
-                out.push((elem, Variant::TensorCore));
-                break;
-            }
-        }
+/// The variants to test for `elem` on this runtime: none where the runtime cannot run the type
+/// (said on stderr), the portable kernels, and the tensor-core kernels where available.
+fn configurations<R: Runtime>(
+    client: &ComputeClient<R>,
+    elem: ElemType,
+) -> Vec<(ElemType, Variant)> {
+    if !supports(client, elem) {
+        eprintln!("skipping {elem:?}: not supported by this runtime");
+        return Vec::new();
+    }
+    let mut out = vec![(elem, Variant::Portable)];
+    if [64, 128]
+        .into_iter()
+        .any(|head_dim| distflash_kernels::tensor_core_available(client, elem, head_dim))
+    {
+        out.push((elem, Variant::TensorCore));
     }
     out
 }
@@ -369,8 +370,8 @@ fn masks(q_len: usize, kv_len: usize) -> Vec<Mask> {
     ]
 }
 
-pub fn forward_matches_reference<R: Runtime>(client: &ComputeClient<R>) {
-    for (elem, variant) in configurations(client) {
+pub fn forward_matches_reference<R: Runtime>(client: &ComputeClient<R>, elem: ElemType) {
+    for (elem, variant) in configurations(client, elem) {
         for (heads, lens) in [
             ((1, 8, 2), (383, 517, 64)),
             ((2, 3, 3), (96, 96, 128)),
@@ -384,8 +385,8 @@ pub fn forward_matches_reference<R: Runtime>(client: &ComputeClient<R>) {
     }
 }
 
-pub fn backward_matches_reference<R: Runtime>(client: &ComputeClient<R>) {
-    for (elem, variant) in configurations(client) {
+pub fn backward_matches_reference<R: Runtime>(client: &ComputeClient<R>, elem: ElemType) {
+    for (elem, variant) in configurations(client, elem) {
         for (heads, lens) in [((1, 4, 2), (131, 197, 64)), ((1, 2, 1), (64, 48, 128))] {
             for mask in masks(lens.0, lens.1) {
                 let case = Case::new(23, heads, lens, mask, elem);
@@ -431,8 +432,8 @@ fn chunk_mask(case: &Case, start: usize) -> Mask {
 
 /// Attention over the concatenation of key/value chunks equals stepping chunk by chunk, and equals
 /// merging independent partials; the backward summed over chunks equals the whole backward.
-pub fn chunks_step_and_merge_exactly<R: Runtime>(client: &ComputeClient<R>) {
-    for (elem, variant) in configurations(client) {
+pub fn chunks_step_and_merge_exactly<R: Runtime>(client: &ComputeClient<R>, elem: ElemType) {
+    for (elem, variant) in configurations(client, elem) {
         let causal = Mask::Causal {
             q_offset: 150,
             kv_offset: 0,
@@ -575,8 +576,8 @@ pub fn chunks_step_and_merge_exactly<R: Runtime>(client: &ComputeClient<R>) {
 }
 
 /// A row that sees no key gives O = 0 and lse = -inf (never NaN), and zero gradients.
-pub fn fully_masked_rows_are_zero<R: Runtime>(client: &ComputeClient<R>) {
-    for (elem, variant) in configurations(client) {
+pub fn fully_masked_rows_are_zero<R: Runtime>(client: &ComputeClient<R>, elem: ElemType) {
+    for (elem, variant) in configurations(client, elem) {
         // Keys start at position 50: query rows 0..50 see nothing.
         let mask = Mask::Causal {
             q_offset: 0,
@@ -695,15 +696,14 @@ pub fn bad_input_is_refused<R: Runtime>(client: &ComputeClient<R>) {
 /// portable kernels run in f32 here (each head dim and element type is a shader to compile,
 /// and llvmpipe compiles slowly); their f16/bf16 runs at every head dim are in the op matrix
 /// (`tests/burn_op.rs`), their f16/bf16 runs at 64 and 128 in the tests above.
-pub fn head_dims_match_reference<R: Runtime>(client: &ComputeClient<R>) {
-    for (elem, variant) in configurations(client) {
-        if variant == Variant::Portable && elem != ElemType::F32 {
-            continue;
-        }
-        for head_dim in distflash_kernels::SUPPORTED_HEAD_DIMS {
-            if variant == Variant::TensorCore
-                && !distflash_kernels::tensor_core_available(client, elem, head_dim)
-            {
+pub fn head_dim_matches_reference<R: Runtime>(client: &ComputeClient<R>, head_dim: usize) {
+    for elem in [ElemType::F32, ElemType::F16, ElemType::BF16] {
+        for (elem, variant) in configurations(client, elem) {
+            let skip = match variant {
+                Variant::Portable => elem != ElemType::F32,
+                _ => !distflash_kernels::tensor_core_available(client, elem, head_dim),
+            };
+            if skip {
                 continue;
             }
             for heads in [(2, 2, 2), (1, 4, 2), (1, 3, 1)] {
@@ -719,8 +719,8 @@ pub fn head_dims_match_reference<R: Runtime>(client: &ComputeClient<R>) {
 
 /// batch x query heads = 65,536 (one more than a grid axis allows): the (batch, head) slices
 /// fold over grid y and z, forward and backward still match the reference.
-pub fn folded_grid_matches_reference<R: Runtime>(client: &ComputeClient<R>) {
-    for (elem, variant) in configurations(client) {
+pub fn folded_grid_matches_reference<R: Runtime>(client: &ComputeClient<R>, elem: ElemType) {
+    for (elem, variant) in configurations(client, elem) {
         if elem != ElemType::F32 && variant != Variant::TensorCore {
             continue;
         }
@@ -747,19 +747,45 @@ pub fn linear_grid_folds<R: Runtime>(client: &ComputeClient<R>) {
     assert_eq!(wrong, None, "first unfilled element of {len}");
 }
 
-/// Instantiates the suite for one runtime.
+/// The head dims the suite has one test each for (`head_dims::d16` ...): every supported one.
+const TESTED_HEAD_DIMS: [usize; 6] = [16, 32, 64, 96, 128, 256];
+
+#[test]
+fn every_supported_head_dim_has_a_test() {
+    assert_eq!(TESTED_HEAD_DIMS, distflash_kernels::SUPPORTED_HEAD_DIMS);
+}
+
+/// Instantiates the suite for one runtime. Each element type and each head dim is its own test,
+/// so a runner can spread them over processes: CubeCL compiles one kernel at a time per process,
+/// and compilation (NVRTC, then the driver's PTX JIT) dominates a cold CUDA run.
 macro_rules! suite {
     ($name:ident, $client:expr $(, #[$attr:meta])?) => {
         mod $name {
             use super::*;
-            #[test] $(#[$attr])? fn forward() { forward_matches_reference(&$client) }
-            #[test] $(#[$attr])? fn backward() { backward_matches_reference(&$client) }
-            #[test] $(#[$attr])? fn chunks() { chunks_step_and_merge_exactly(&$client) }
-            #[test] $(#[$attr])? fn fully_masked() { fully_masked_rows_are_zero(&$client) }
+            suite!(@per_elem forward, forward_matches_reference, $client $(, #[$attr])?);
+            suite!(@per_elem backward, backward_matches_reference, $client $(, #[$attr])?);
+            suite!(@per_elem chunks, chunks_step_and_merge_exactly, $client $(, #[$attr])?);
+            suite!(@per_elem fully_masked, fully_masked_rows_are_zero, $client $(, #[$attr])?);
+            suite!(@per_elem folded_grid, folded_grid_matches_reference, $client $(, #[$attr])?);
             #[test] $(#[$attr])? fn bad_input() { bad_input_is_refused(&$client) }
-            #[test] $(#[$attr])? fn head_dims() { head_dims_match_reference(&$client) }
-            #[test] $(#[$attr])? fn folded_grid() { folded_grid_matches_reference(&$client) }
             #[test] $(#[$attr])? fn linear_grid() { linear_grid_folds(&$client) }
+            mod head_dims {
+                use super::*;
+                #[test] $(#[$attr])? fn d16() { head_dim_matches_reference(&$client, TESTED_HEAD_DIMS[0]) }
+                #[test] $(#[$attr])? fn d32() { head_dim_matches_reference(&$client, TESTED_HEAD_DIMS[1]) }
+                #[test] $(#[$attr])? fn d64() { head_dim_matches_reference(&$client, TESTED_HEAD_DIMS[2]) }
+                #[test] $(#[$attr])? fn d96() { head_dim_matches_reference(&$client, TESTED_HEAD_DIMS[3]) }
+                #[test] $(#[$attr])? fn d128() { head_dim_matches_reference(&$client, TESTED_HEAD_DIMS[4]) }
+                #[test] $(#[$attr])? fn d256() { head_dim_matches_reference(&$client, TESTED_HEAD_DIMS[5]) }
+            }
+        }
+    };
+    (@per_elem $test:ident, $check:ident, $client:expr $(, #[$attr:meta])?) => {
+        mod $test {
+            use super::*;
+            #[test] $(#[$attr])? fn f32() { $check(&$client, ElemType::F32) }
+            #[test] $(#[$attr])? fn f16() { $check(&$client, ElemType::F16) }
+            #[test] $(#[$attr])? fn bf16() { $check(&$client, ElemType::BF16) }
         }
     };
 }
@@ -778,12 +804,12 @@ suite!(
 /// 5 heads at 1023 tokens with head dim 128, GQA with 32 query heads over 8 key/value heads, and
 /// a later query chunk against a longer key chunk (`q_offset` 300, not a multiple of any tile), so
 /// the kernels' unmasked interior tiles, diagonal tiles and partial last tiles all run.
-pub fn larger_shapes_match_reference<R: Runtime>(client: &ComputeClient<R>) {
+pub fn larger_shapes_match_reference<R: Runtime>(client: &ComputeClient<R>, elem: ElemType) {
     let later_chunk = Mask::Causal {
         q_offset: 300,
         kv_offset: 0,
     };
-    for (elem, variant) in configurations(client) {
+    for (elem, variant) in configurations(client, elem) {
         for (heads, lens, mask) in [
             ((1, 5, 5), (1023, 1023, 128), Mask::causal()),
             ((1, 32, 8), (257, 257, 64), Mask::causal()),
@@ -799,11 +825,10 @@ pub fn larger_shapes_match_reference<R: Runtime>(client: &ComputeClient<R>) {
 
 mod cuda_large {
     use super::*;
-    #[test]
-    #[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
-    fn larger_shapes() {
-        larger_shapes_match_reference(&cubecl::cuda::CudaRuntime::client(
-            &cubecl::cuda::CudaDevice::new(0),
-        ))
-    }
+    suite!(
+        @per_elem larger_shapes,
+        larger_shapes_match_reference,
+        cubecl::cuda::CudaRuntime::client(&cubecl::cuda::CudaDevice::new(0)),
+        #[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
+    );
 }

@@ -601,56 +601,77 @@ pub fn backward_dkdv_mma<E: Float>(
     }
 
     if one_shot {
-        store_accumulator::<E, E, NC>(
+        store_key_grads::<E, E, NC>(
             &def,
             &dk_acc,
-            dk_out,
-            key_base,
-            plane_start,
-            kv_len,
-            scale,
-            1usize,
-            head_dim,
-            false,
-        );
-        store_accumulator::<E, E, NC>(
-            &def,
             &dv_acc,
+            dk_out,
             dv_out,
             key_base,
             plane_start,
             kv_len,
-            1.0f32,
-            1usize,
+            scale,
             head_dim,
             false,
         );
     } else {
-        store_accumulator::<E, f32, NC>(
+        store_key_grads::<E, f32, NC>(
             &def,
             &dk_acc,
-            dk,
-            key_base,
-            plane_start,
-            kv_len,
-            scale,
-            1usize,
-            head_dim,
-            true,
-        );
-        store_accumulator::<E, f32, NC>(
-            &def,
             &dv_acc,
+            dk,
             dv,
             key_base,
             plane_start,
             kv_len,
-            1.0f32,
-            1usize,
+            scale,
             head_dim,
             true,
         );
     }
+}
+
+/// Stores a plane's dK (times `scale`) and dV accumulators to `dk`, `dv` in `T`, adding to what
+/// is there with `accumulate`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn store_key_grads<E: Float, T: Float, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    dk_acc: &Array<Vector<f32, NC>>,
+    dv_acc: &Array<Vector<f32, NC>>,
+    dk: &mut Array<T>,
+    dv: &mut Array<T>,
+    key_base: usize,
+    plane_start: u32,
+    kv_len: u32,
+    scale: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] accumulate: bool,
+) {
+    store_accumulator::<E, T, NC>(
+        def,
+        dk_acc,
+        dk,
+        key_base,
+        plane_start,
+        kv_len,
+        scale,
+        1usize,
+        head_dim,
+        accumulate,
+    );
+    store_accumulator::<E, T, NC>(
+        def,
+        dv_acc,
+        dv,
+        key_base,
+        plane_start,
+        kv_len,
+        1.0f32,
+        1usize,
+        head_dim,
+        accumulate,
+    );
 }
 
 /// The query tiles one dK/dV cube walks: for each query head of its group (from `head0`), tiles

@@ -696,22 +696,24 @@ pub fn bad_input_is_refused<R: Runtime>(client: &ComputeClient<R>) {
 /// portable kernels run in f32 here (each head dim and element type is a shader to compile,
 /// and llvmpipe compiles slowly); their f16/bf16 runs at every head dim are in the op matrix
 /// (`tests/burn_op.rs`), their f16/bf16 runs at 64 and 128 in the tests above.
-pub fn head_dim_matches_reference<R: Runtime>(client: &ComputeClient<R>, head_dim: usize) {
-    for elem in [ElemType::F32, ElemType::F16, ElemType::BF16] {
-        for (elem, variant) in configurations(client, elem) {
-            let skip = match variant {
-                Variant::Portable => elem != ElemType::F32,
-                _ => !distflash_kernels::tensor_core_available(client, elem, head_dim),
-            };
-            if skip {
-                continue;
-            }
-            for heads in [(2, 2, 2), (1, 4, 2), (1, 3, 1)] {
-                for mask in [Mask::None, masks(9, 19)[1]] {
-                    let case = Case::new(head_dim as u64, heads, (9, 19, head_dim), mask, elem);
-                    check_forward(client, &case, variant);
-                    check_backward(client, &case, variant);
-                }
+pub fn head_dim_matches_reference<R: Runtime>(
+    client: &ComputeClient<R>,
+    head_dim: usize,
+    elem: ElemType,
+) {
+    for (elem, variant) in configurations(client, elem) {
+        let skip = match variant {
+            Variant::Portable => elem != ElemType::F32,
+            _ => !distflash_kernels::tensor_core_available(client, elem, head_dim),
+        };
+        if skip {
+            continue;
+        }
+        for heads in [(2, 2, 2), (1, 4, 2), (1, 3, 1)] {
+            for mask in [Mask::None, masks(9, 19)[1]] {
+                let case = Case::new(head_dim as u64, heads, (9, 19, head_dim), mask, elem);
+                check_forward(client, &case, variant);
+                check_backward(client, &case, variant);
             }
         }
     }
@@ -771,13 +773,24 @@ macro_rules! suite {
             #[test] $(#[$attr])? fn linear_grid() { linear_grid_folds(&$client) }
             mod head_dims {
                 use super::*;
-                #[test] $(#[$attr])? fn d16() { head_dim_matches_reference(&$client, TESTED_HEAD_DIMS[0]) }
-                #[test] $(#[$attr])? fn d32() { head_dim_matches_reference(&$client, TESTED_HEAD_DIMS[1]) }
-                #[test] $(#[$attr])? fn d64() { head_dim_matches_reference(&$client, TESTED_HEAD_DIMS[2]) }
-                #[test] $(#[$attr])? fn d96() { head_dim_matches_reference(&$client, TESTED_HEAD_DIMS[3]) }
-                #[test] $(#[$attr])? fn d128() { head_dim_matches_reference(&$client, TESTED_HEAD_DIMS[4]) }
-                #[test] $(#[$attr])? fn d256() { head_dim_matches_reference(&$client, TESTED_HEAD_DIMS[5]) }
+                suite!(@head_dim d16, 0, $client $(, #[$attr])?);
+                suite!(@head_dim d32, 1, $client $(, #[$attr])?);
+                suite!(@head_dim d64, 2, $client $(, #[$attr])?);
+                suite!(@head_dim d96, 3, $client $(, #[$attr])?);
+                suite!(@head_dim d128, 4, $client $(, #[$attr])?);
+                suite!(@head_dim d256, 5, $client $(, #[$attr])?);
             }
+        }
+    };
+    (@head_dim $dim:ident, $index:expr, $client:expr $(, #[$attr:meta])?) => {
+        mod $dim {
+            use super::*;
+            fn check(elem: ElemType) {
+                head_dim_matches_reference(&$client, TESTED_HEAD_DIMS[$index], elem)
+            }
+            #[test] $(#[$attr])? fn f32() { check(ElemType::F32) }
+            #[test] $(#[$attr])? fn f16() { check(ElemType::F16) }
+            #[test] $(#[$attr])? fn bf16() { check(ElemType::BF16) }
         }
     };
     (@per_elem $test:ident, $check:ident, $client:expr $(, #[$attr:meta])?) => {

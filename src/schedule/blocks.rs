@@ -86,23 +86,22 @@ pub fn blocks(layout: Layout, world: usize, causal: bool, pair: Pair) -> Vec<Blo
         }];
     }
     let mut out = Vec::new();
-    let mut covered = vec![vec![false; m]; n];
     // Query chunks that see every key chunk: one block per such row.
-    for (i, row) in covered.iter_mut().enumerate() {
-        if (0..m).all(|j| vis(i, j) == Visibility::Full) {
-            out.push(Block {
-                query: i..i + 1,
-                kv: 0..m,
-                causal: false,
-            });
-            row.fill(true);
-        }
+    let full_rows: Vec<bool> = (0..n)
+        .map(|i| (0..m).all(|j| vis(i, j) == Visibility::Full))
+        .collect();
+    for i in (0..n).filter(|&i| full_rows[i]) {
+        out.push(Block {
+            query: i..i + 1,
+            kv: 0..m,
+            causal: false,
+        });
     }
     // What is left, column by column: one block per column whose remaining visible chunk pairs
     // are all full and adjacent, otherwise one block per chunk pair.
     for j in 0..m {
         let rows: Vec<usize> = (0..n)
-            .filter(|&i| !covered[i][j] && vis(i, j) != Visibility::Skipped)
+            .filter(|&i| !full_rows[i] && vis(i, j) != Visibility::Skipped)
             .collect();
         let adjacent = rows.windows(2).all(|w| w[1] == w[0] + 1);
         if rows.len() > 1 && adjacent && rows.iter().all(|&i| vis(i, j) == Visibility::Full) {

@@ -92,7 +92,7 @@ impl Layout {
             return Err(error("a group has at least one rank".into()));
         }
         let per_rank = self.chunks_per_rank();
-        if shard_len == 0 || shard_len % per_rank != 0 {
+        if shard_len == 0 || !shard_len.is_multiple_of(per_rank) {
             return Err(error(format!(
                 "the sequence is cut into {} chunks ({per_rank} per rank), so each rank's shard \
                  must be a positive multiple of {per_rank} tokens (the sequence length a positive \
@@ -109,7 +109,7 @@ impl Layout {
     /// the shard length.
     pub fn shard_len(self, world: usize, seq_len: usize) -> Result<usize, LayoutError> {
         let chunks = self.num_chunks(world.max(1));
-        if world == 0 || seq_len == 0 || seq_len % chunks != 0 {
+        if world == 0 || seq_len == 0 || !seq_len.is_multiple_of(chunks) {
             return Err(LayoutError {
                 layout: self,
                 world,

@@ -25,13 +25,13 @@ pub use checkpoint::{CheckpointBackend, CheckpointPlacement};
 pub use collective::{CommError, DeviceGroup};
 pub use distflash_kernels as kernels;
 pub use distributed::{
-    sequence_parallel_attention, sequence_parallel_attention_with_lse, DistributedError,
-    SequenceParallelBackend, SequenceParallelOptions,
+    gather_sequence, sequence_parallel_attention, sequence_parallel_attention_with_lse,
+    shard_sequence, DistributedError, SequenceParallelBackend, SequenceParallelOptions,
 };
 pub use layers::{
     replicate, AttentionContext, DistFlashAttention, DistFlashAttentionConfig, TransformerBlock,
     TransformerBlockConfig,
 };
 pub use options::{check_shapes, AttentionError, FlashAttentionOptions, Mask};
-pub use schedule::ScheduleKind;
+pub use schedule::{Layout, LayoutError, ScheduleKind};
 pub use state::{AttentionState, StepMask};

@@ -14,7 +14,10 @@ use burn::backend::NdArray;
 use burn::tensor::activation::softmax;
 use burn::tensor::{DType, Tensor, TensorData};
 use burn_distflash::layers::{AttentionContext, Llama3RopeScaling, RopeConfig, RotaryTables};
-use burn_distflash::{DeviceGroup, DistFlashAttention, DistFlashAttentionConfig};
+use burn_distflash::{
+    gather_sequence, shard_sequence, DeviceGroup, DistFlashAttention, DistFlashAttentionConfig,
+    ScheduleKind,
+};
 use common::block_case::relative_error;
 use common::within::within;
 use common::Rng;
@@ -106,28 +109,71 @@ fn matches_plain_attention_with_one_key_value_head() {
 
 #[test]
 fn a_sharded_sequence_matches_plain_attention_over_the_whole_sequence() {
-    within(Duration::from_secs(120), || {
-        let config = DistFlashAttentionConfig::new(5 * 16, 5);
-        let module = config.init::<Cpu>(&DEVICE);
-        let x = random(&mut Rng::new(4), [1, 21, 80]);
-        let expected: Vec<f32> = reference(&module, x.clone()).into_data().to_vec().unwrap();
-        let groups = DeviceGroup::<Cpu>::in_process(vec![DEVICE; 3]);
-        let shards: Vec<Vec<f32>> = groups
+    // Contiguous (3 ranks, Auto: balanced), zigzag (4 ranks, Auto; 3 ranks, asked for): the
+    // shards are cut and joined by the public helpers for the context's layout.
+    for (world, schedule, seq) in [
+        (3, ScheduleKind::Auto, 21),
+        (4, ScheduleKind::Auto, 24),
+        (3, ScheduleKind::Zigzag, 30),
+    ] {
+        within(Duration::from_secs(120), move || {
+            let config = DistFlashAttentionConfig::new(5 * 16, 5);
+            let module = config.init::<Cpu>(&DEVICE);
+            let x = random(&mut Rng::new(4), [1, seq, 80]);
+            let expected: Vec<f32> = reference(&module, x.clone()).into_data().to_vec().unwrap();
+            let layout = schedule.resolve(world, true).layout();
+            let groups = DeviceGroup::<Cpu>::in_process(vec![DEVICE; world]);
+            let shards: Vec<Tensor<Cpu, 3>> = groups
+                .into_iter()
+                .enumerate()
+                .map(|(rank, group)| {
+                    let x = shard_sequence(x.clone(), 1, layout, world, rank).unwrap();
+                    let module = module.clone();
+                    thread::spawn(move || {
+                        let context = AttentionContext::sharded(group).with_schedule(schedule);
+                        assert_eq!(context.layout(module.options()), layout);
+                        module.forward(x, &context)
+                    })
+                })
+                .collect::<Vec<_>>()
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .collect();
+            let got = gather_sequence(shards, 1, layout).unwrap();
+            let got: Vec<f32> = got.into_data().to_vec().unwrap();
+            let err = relative_error(&got, &expected);
+            assert!(
+                err < 1e-5,
+                "{world} ranks, {schedule:?}: differs by {err:e}"
+            );
+        });
+    }
+}
+
+#[test]
+fn an_odd_shard_under_zigzag_is_refused_by_the_module() {
+    within(Duration::from_secs(60), || {
+        let module = DistFlashAttentionConfig::new(2 * 16, 2).init::<Cpu>(&DEVICE);
+        let groups = DeviceGroup::<Cpu>::in_process(vec![DEVICE; 2]);
+        let handles: Vec<_> = groups
             .into_iter()
-            .enumerate()
-            .map(|(rank, group)| {
-                let (module, x) = (module.clone(), x.clone().narrow(1, rank * 7, 7));
+            .map(|group| {
+                let module = module.clone();
                 thread::spawn(move || {
-                    let out = module.forward(x, &AttentionContext::sharded(group));
-                    out.into_data().to_vec::<f32>().unwrap()
+                    let x = Tensor::<Cpu, 3>::ones([1, 5, 32], &DEVICE);
+                    let context =
+                        AttentionContext::sharded(group).with_schedule(ScheduleKind::Zigzag);
+                    module.try_forward(x, &context).unwrap_err().to_string()
                 })
             })
-            .collect::<Vec<_>>()
-            .into_iter()
-            .map(|h| h.join().unwrap())
             .collect();
-        let err = relative_error(&shards.concat(), &expected);
-        assert!(err < 1e-5, "sharded output differs by {err:e}");
+        for h in handles {
+            let e = h.join().unwrap();
+            assert!(
+                e.contains("Zigzag") && e.contains("got a shard of 5"),
+                "{e}"
+            );
+        }
     });
 }
 

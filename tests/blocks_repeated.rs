@@ -11,7 +11,10 @@ use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
 use burn_distflash::layers::AttentionContext;
-use burn_distflash::{CheckpointBackend, CheckpointPlacement, DeviceGroup, TransformerBlock};
+use burn_distflash::{
+    shard_sequence, CheckpointBackend, CheckpointPlacement, DeviceGroup, ScheduleKind,
+    TransformerBlock,
+};
 use common::block_case::{
     assert_same_step, combine, lift, random_blocks, relative_error, small_config, step, StepResult,
 };
@@ -95,9 +98,13 @@ where
         }
     }
     let shard = seq / world;
+    let layout = ScheduleKind::Auto.resolve(world, true).layout();
     let inputs: Vec<_> = (0..world)
         .map(|rank| {
-            let rows = |t: &Tensor<B::InnerBackend, 3>| t.clone().narrow(1, rank * shard, shard);
+            let rows = |t: &Tensor<B::InnerBackend, 3>| {
+                assert_eq!(t.dims()[1], shard * world);
+                shard_sequence(t.clone(), 1, layout, world, rank).unwrap()
+            };
             (rows(&x), rows(&r), per_rank.remove(0))
         })
         .collect();
@@ -125,7 +132,7 @@ where
     for (i, call) in CALLS.iter().enumerate() {
         let ranks: Vec<StepResult> = per_rank.iter_mut().map(|r| r.next().unwrap()).collect();
         let what = format!("{world} ranks, call {} ({call:?})", i + 1);
-        let got = combine(&ranks, batch);
+        let got = combine(&ranks, batch, layout);
         match call {
             None => {
                 let err = relative_error(&got.output, &single.output);

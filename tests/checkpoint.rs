@@ -12,7 +12,7 @@ use burn::backend::{Autodiff, NdArray};
 use burn::tensor::{Tensor, TensorData};
 use burn_distflash::layers::AttentionContext;
 use burn_distflash::schedule::ScheduleKind;
-use burn_distflash::{CheckpointPlacement, DeviceGroup};
+use burn_distflash::{shard_sequence, CheckpointPlacement, DeviceGroup};
 use common::block_case::{
     assert_same_step, combine, lift, random_blocks, relative_error, small_config, step, StepResult,
 };
@@ -91,9 +91,12 @@ fn sharded(
         .zip(lift(&blocks, placement, &devices))
         .enumerate()
         .map(|(rank, (group, blocks))| {
-            let rows = rank * shard..(rank + 1) * shard;
-            let x = x.clone().narrow(1, rows.start, shard);
-            let r = r.clone().narrow(1, rows.start, shard);
+            let layout = schedule.resolve(world, true).layout();
+            let rows = |t: &Tensor<Inner, 3>| {
+                assert_eq!(t.dims()[1], shard * world);
+                shard_sequence(t.clone(), 1, layout, world, rank).unwrap()
+            };
+            let (x, r) = (rows(x), rows(r));
             thread::spawn(move || {
                 let context = AttentionContext::sharded(group).with_schedule(schedule);
                 step(&blocks, x, r, &context)
@@ -113,6 +116,7 @@ fn placements_agree_on_every_rank_and_the_ranks_together_equal_one_device() {
             (2, ScheduleKind::Auto),
             (3, ScheduleKind::Balanced),
             (4, ScheduleKind::Ring),
+            (3, ScheduleKind::Zigzag),
         ] {
             let reference = sharded(world, CheckpointPlacement::None, schedule, &x, &r);
             for placement in PLACEMENTS {
@@ -128,7 +132,8 @@ fn placements_agree_on_every_rank_and_the_ranks_together_equal_one_device() {
                     assert_eq!(got.attention_forwards, vec![expected_forwards; 2], "{what}");
                 }
                 let what = format!("{world} ranks, {placement:?}, against one device");
-                assert_same_step(&what, &combine(&ranks, 2), &single, 1e-4);
+                let layout = schedule.resolve(world, true).layout();
+                assert_same_step(&what, &combine(&ranks, 2, layout), &single, 1e-4);
             }
         }
     });
@@ -142,7 +147,7 @@ fn the_rotary_positions_of_a_shard_are_absolute() {
         let (x, r) = (random(&mut rng, [2, 24, 64]), random(&mut rng, [2, 24, 64]));
         let ranks = sharded(2, CheckpointPlacement::None, ScheduleKind::Auto, &x, &r);
         let single = single_device(CheckpointPlacement::None, &x, &r);
-        let combined = combine(&ranks, 2);
+        let combined = combine(&ranks, 2, ScheduleKind::Auto.resolve(2, true).layout());
         assert!(relative_error(&combined.output, &single.output) < 1e-5);
     });
 }

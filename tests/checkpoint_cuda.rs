@@ -8,7 +8,7 @@ use std::thread;
 use burn::tensor::{Tensor, TensorData};
 use burn_autodiff::Autodiff;
 use burn_distflash::layers::AttentionContext;
-use burn_distflash::{CheckpointPlacement, DeviceGroup};
+use burn_distflash::{shard_sequence, CheckpointPlacement, DeviceGroup, ScheduleKind};
 use common::block_case::{assert_same_step, lift, random_blocks, small_config, step, StepResult};
 use common::Rng;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
@@ -72,8 +72,10 @@ fn two_gpus_over_nccl_agree_with_one_gpu_at_every_placement() {
             .enumerate()
             .map(|(rank, ((group, device), blocks))| {
                 thread::spawn(move || {
-                    let x = random(1, [2, 64, 64], &device).narrow(1, rank * 32, 32);
-                    let r = random(2, [2, 64, 64], &device).narrow(1, rank * 32, 32);
+                    let layout = ScheduleKind::Auto.resolve(2, true).layout();
+                    let shard = |t| shard_sequence(t, 1, layout, 2, rank).unwrap();
+                    let x = shard(random(1, [2, 64, 64], &device));
+                    let r = shard(random(2, [2, 64, 64], &device));
                     step(&blocks, x, r, &AttentionContext::sharded(group))
                 })
             })
@@ -81,7 +83,11 @@ fn two_gpus_over_nccl_agree_with_one_gpu_at_every_placement() {
             .into_iter()
             .map(|h| h.join().unwrap())
             .collect();
-        let combined = common::block_case::combine(&ranks, 2);
+        let combined = common::block_case::combine(
+            &ranks,
+            2,
+            ScheduleKind::Auto.resolve(ranks.len(), true).layout(),
+        );
         assert_same_step(
             &format!("2 GPUs, {placement:?}"),
             &combined,

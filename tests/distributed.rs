@@ -1,4 +1,4 @@
-//! Sequence-parallel attention on the in-process transport: world sizes 1-8, both schedules,
+//! Sequence-parallel attention on the in-process transport: world sizes 1-8, every schedule,
 //! forward and every gradient against f64 attention over the whole sequence; messages per step
 //! counted; bad input (shapes, float types, options, disagreeing ranks) and silent peers give
 //! errors, not hangs, and a group that failed refuses further calls at once.
@@ -39,9 +39,24 @@ fn every_world_size_and_schedule_matches_single_device_attention() {
 }
 
 #[test]
+fn zigzag_and_auto_at_every_world_size_match_single_device_attention() {
+    within(LIMIT, || {
+        for world in 1..=8 {
+            for schedule in [ScheduleKind::Zigzag, ScheduleKind::Auto] {
+                check::<Cpu>(cpu(world), Case::new(world, 6, schedule), ElemType::F32);
+            }
+        }
+    });
+}
+
+#[test]
 fn overlap_off_gives_the_same_results() {
     within(LIMIT, || {
-        for (world, schedule) in [(3, ScheduleKind::Balanced), (4, ScheduleKind::Ring)] {
+        for (world, schedule) in [
+            (3, ScheduleKind::Balanced),
+            (4, ScheduleKind::Ring),
+            (3, ScheduleKind::Zigzag),
+        ] {
             let case = Case {
                 overlap: false,
                 ..Case::new(world, 6, schedule)
@@ -67,7 +82,40 @@ fn odd_shapes_mqa_and_non_causal() {
             ..Case::new(4, 7, ScheduleKind::Auto)
         };
         check::<Cpu>(cpu(4), full, ElemType::F32);
+        let odd_zigzag = Case {
+            batch: 2,
+            q_heads: 3,
+            kv_heads: 1,
+            head_dim: 32,
+            ..Case::new(5, 14, ScheduleKind::Zigzag)
+        };
+        check::<Cpu>(cpu(5), odd_zigzag, ElemType::F32);
+        let full_zigzag = Case {
+            causal: false,
+            ..Case::new(3, 10, ScheduleKind::Zigzag)
+        };
+        check::<Cpu>(cpu(3), full_zigzag, ElemType::F32);
     });
+}
+
+#[test]
+fn an_odd_shard_under_zigzag_is_refused_with_what_is_allowed() {
+    let results = within(LIMIT, || {
+        let groups = DeviceGroup::<NdArray<f32>>::in_process(cpu(2));
+        on_ranks(groups, |_, group| {
+            let options = SequenceParallelOptions::causal().with_schedule(ScheduleKind::Zigzag);
+            sequence_parallel_attention(shard(7), shard(7), shard(7), &group, &options).map(|_| ())
+        })
+    });
+    for result in results {
+        match result {
+            Err(DistributedError::Layout(e)) => {
+                let msg = e.to_string();
+                assert!(msg.contains("multiple of 2") && msg.contains("7"), "{msg}");
+            }
+            other => panic!("expected a layout error, got {other:?}"),
+        }
+    }
 }
 
 /// Runs `body(rank, group)` on one thread per rank and returns each rank's result.
@@ -111,7 +159,8 @@ fn shard_errors(
 
 #[test]
 fn shards_of_unequal_length_are_refused_on_every_rank() {
-    for msg in shard_errors(|rank| 8 + rank, |_| SequenceParallelOptions::causal()) {
+    let balanced = |_| SequenceParallelOptions::causal().with_schedule(ScheduleKind::Balanced);
+    for msg in shard_errors(|rank| 8 + rank, balanced) {
         assert!(
             msg.contains("q [1, 2, 8, 16]") && msg.contains("q [1, 2, 9, 16]"),
             "{msg}"

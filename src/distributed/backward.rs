@@ -6,8 +6,9 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, TensorMetadata};
 
 use super::backend::Grads;
+use super::blocks::{backward_pair, Chunks};
 use super::pipeline::{self, incoming, input_messages, outgoing, step_operands, Pass};
-use super::{pair_step, SequenceParallelOptions};
+use super::SequenceParallelOptions;
 use crate::backend::FlashAttentionBackend;
 use crate::collective::{CommError, DeviceGroup, Incoming, MessageKind, Outgoing, Received};
 use crate::schedule::{RankStep, Schedule};
@@ -22,6 +23,8 @@ struct BackwardPass<B: FlashAttentionBackend> {
     dq: FloatTensor<B>,
     dk: FloatTensor<B>,
     dv: FloatTensor<B>,
+    schedule: Schedule,
+    chunks: Chunks,
     options: SequenceParallelOptions,
 }
 
@@ -51,22 +54,38 @@ impl<B: FlashAttentionBackend> Pass<B> for BackwardPass<B> {
         let [k, v]: [FloatTensor<B>; 2] = kv.try_into().expect("k, v");
         let [q, grad_out, lse, delta]: [FloatTensor<B>; 4] =
             query.try_into().expect("q, dO, lse, delta");
-        let step = pair_step(pair, &self.options);
-        let (dq, dk, dv) = B::attention_backward_step(q, k, v, grad_out, lse, delta, step);
-        let (dq, dk, dv) = (
-            cast::<B>(dq, DType::F32),
-            cast::<B>(dk, DType::F32),
-            cast::<B>(dv, DType::F32),
+        let blocks = self.schedule.blocks(pair);
+        let query = [&q, &grad_out, &lse, &delta];
+        let (own_query, own_kv) = (pair.query == self.rank, pair.kv == self.rank);
+        // This rank's own accumulators where a side is its own, fresh ones for the other side.
+        let acc = (
+            if own_query {
+                self.dq.clone()
+            } else {
+                zeros_like::<B>(&q)
+            },
+            if own_kv {
+                self.dk.clone()
+            } else {
+                zeros_like::<B>(&k)
+            },
+            if own_kv {
+                self.dv.clone()
+            } else {
+                zeros_like::<B>(&v)
+            },
         );
+        let (dq, dk, dv) =
+            backward_pair::<B>(query, [&k, &v], acc, &blocks, self.chunks, &self.options);
         let mut results = Vec::new();
-        if pair.query == self.rank {
-            self.dq = B::float_add(self.dq.clone(), dq);
+        if own_query {
+            self.dq = dq;
         } else {
             results.push(outgoing(pair.query, MessageKind::QueryGrad, &[dq]));
         }
-        if pair.kv == self.rank {
-            self.dk = B::float_add(self.dk.clone(), dk);
-            self.dv = B::float_add(self.dv.clone(), dv);
+        if own_kv {
+            self.dk = dk;
+            self.dv = dv;
         } else {
             results.push(outgoing(pair.kv, MessageKind::KeyValueGrad, &[dk, dv]));
         }
@@ -110,6 +129,10 @@ pub(crate) fn run<B: FlashAttentionBackend>(
     options: &SequenceParallelOptions,
 ) -> Result<Grads<B>, CommError> {
     let dtype = q.dtype();
+    let chunks = Chunks::new(
+        schedule.layout().chunks_per_rank(),
+        q.shape().dims::<4>()[2],
+    );
     let delta = B::attention_delta(out, grad_out.clone());
     let mut pass = BackwardPass {
         rank: group.rank(),
@@ -118,6 +141,8 @@ pub(crate) fn run<B: FlashAttentionBackend>(
         dv: zeros_like::<B>(&v),
         kv: [k, v],
         query: [q, grad_out, lse, delta],
+        schedule: schedule.clone(),
+        chunks,
         options: *options,
     };
     pipeline::run(group, schedule, &mut pass, options.overlap)?;

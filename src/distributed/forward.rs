@@ -4,8 +4,9 @@
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, TensorMetadata};
 
+use super::blocks::{forward_pair, Chunks};
 use super::pipeline::{self, input_messages, outgoing, step_operands, Pass};
-use super::{pair_step, SequenceParallelOptions};
+use super::SequenceParallelOptions;
 use crate::backend::FlashAttentionBackend;
 use crate::collective::{
     CommError, DeviceGroup, Incoming, MessageKind, Outgoing, Received, TensorLayout,
@@ -22,6 +23,8 @@ struct ForwardPass<B: FlashAttentionBackend> {
     /// Always `Some` between steps (taken while a step updates it).
     state: Option<AttentionState<B>>,
     state_layouts: Vec<TensorLayout>,
+    schedule: Schedule,
+    chunks: Chunks,
     options: SequenceParallelOptions,
 }
 
@@ -51,13 +54,15 @@ impl<B: FlashAttentionBackend> Pass<B> for ForwardPass<B> {
         let (kv, query) = step_operands(&own_kv, std::slice::from_ref(&self.q), inputs);
         let [k, v]: [FloatTensor<B>; 2] = kv.try_into().expect("k, v");
         let [q]: [FloatTensor<B>; 1] = query.try_into().expect("q");
-        let step = pair_step(pair, &self.options);
+        let blocks = self.schedule.blocks(pair);
+        let (chunks, options) = (self.chunks, self.options);
+        let fold = |state| forward_pair([&q, &k, &v], state, &blocks, chunks, &options);
         if pair.query == self.rank {
-            self.update(|state| B::attention_forward_step(q, k, v, state, step));
+            self.update(fold);
             return Vec::new();
         }
         // Helper work: a partial for the query's owner.
-        let partial = B::attention_forward_step(q.clone(), k, v, Self::empty_state(&q), step);
+        let partial = fold(Self::empty_state(&q));
         let tensors = [partial.o, partial.m, partial.l];
         vec![outgoing(pair.query, MessageKind::PartialState, &tensors)]
     }
@@ -96,6 +101,10 @@ pub(crate) fn run<B: FlashAttentionBackend>(
     options: &SequenceParallelOptions,
 ) -> Result<(FloatTensor<B>, FloatTensor<B>), CommError> {
     let dtype: DType = q.dtype();
+    let chunks = Chunks::new(
+        schedule.layout().chunks_per_rank(),
+        q.shape().dims::<4>()[2],
+    );
     let state = ForwardPass::<B>::empty_state(&q);
     let state_layouts = [&state.o, &state.m, &state.l]
         .into_iter()
@@ -108,6 +117,8 @@ pub(crate) fn run<B: FlashAttentionBackend>(
         v,
         state: Some(state),
         state_layouts,
+        schedule: schedule.clone(),
+        chunks,
         options: *options,
     };
     pipeline::run(group, schedule, &mut pass, options.overlap)?;

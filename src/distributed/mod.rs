@@ -1,8 +1,9 @@
 //! Sequence-parallel attention: one long sequence split across the ranks of a
 //! [`DeviceGroup`], attention computed exactly (DistFlashAttn, paper §3.1-3.2).
 //!
-//! Rank `r` of `P` holds the `r`-th contiguous shard of the queries, keys and values, all
-//! shards of one length. [`sequence_parallel_attention`] returns the rank's shard of the output;
+//! Rank `r` of `P` holds a shard of the queries, keys and values, all shards of one length,
+//! at the positions the schedule's [`Layout`] gives it (the `r`-th contiguous shard, or two
+//! zigzag chunks; [`shard_sequence`] and [`gather_sequence`] cut and join whole sequences). [`sequence_parallel_attention`] returns the rank's shard of the output;
 //! under `Autodiff` its backward runs the distributed backward, returning `dk, dv` of every
 //! chunk to its owner. The [`Schedule`] decides who computes which (query chunk, key chunk)
 //! pair; partial states and gradients stay f32 across hops.
@@ -10,8 +11,10 @@
 mod autodiff;
 mod backend;
 mod backward;
+mod blocks;
 mod forward;
 mod pipeline;
+mod sharding;
 
 use core::fmt;
 
@@ -19,19 +22,20 @@ use burn::tensor::{DType, Tensor, TensorPrimitive};
 use serde::{Deserialize, Serialize};
 
 pub use backend::SequenceParallelBackend;
+pub use sharding::{gather_sequence, shard_sequence};
 
 use crate::api::check_inputs;
 use crate::collective::{CommError, DeviceGroup};
-use crate::options::{AttentionError, FlashAttentionOptions, Mask};
-use crate::schedule::{Pair, Schedule, ScheduleKind};
-use crate::state::StepMask;
+use crate::options::{AttentionError, FlashAttentionOptions};
+use crate::schedule::{Layout, LayoutError, Schedule, ScheduleKind};
 
 /// Options of [`sequence_parallel_attention`].
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 pub struct SequenceParallelOptions {
     /// Causal masking (over the whole sequence) and score scale.
     pub attention: FlashAttentionOptions,
-    /// Which schedule; `Auto` is the load-balanced one for causal attention.
+    /// Which schedule, and so which [`Layout`] the shards must have (see
+    /// [`SequenceParallelOptions::layout`]); `Auto` picks by world size and mask.
     pub schedule: ScheduleKind,
     /// Overlap communication with computation (prefetch the next step's chunk). Off only to
     /// measure what the overlap saves.
@@ -39,7 +43,8 @@ pub struct SequenceParallelOptions {
 }
 
 impl SequenceParallelOptions {
-    /// Causal attention, load-balanced schedule, overlap on.
+    /// Causal attention, `Auto` schedule (zigzag at even world sizes, balanced at odd ones),
+    /// overlap on.
     pub fn causal() -> Self {
         Self {
             attention: FlashAttentionOptions::causal(),
@@ -62,6 +67,15 @@ impl SequenceParallelOptions {
     pub fn schedule_for(&self, world: usize) -> Schedule {
         Schedule::new(self.schedule, world, self.attention.causal)
     }
+
+    /// Where each rank's shard must come from on `world` ranks: shard the sequence with
+    /// [`crate::shard_sequence`] (and gather outputs with [`crate::gather_sequence`]) for this
+    /// layout.
+    pub fn layout(&self, world: usize) -> Layout {
+        (self.schedule)
+            .resolve(world, self.attention.causal)
+            .layout()
+    }
 }
 
 /// Why sequence-parallel attention refused to run or failed.
@@ -79,6 +93,8 @@ pub enum DistributedError {
     Input(String),
     /// The options are not valid (a score scale that is not a finite number).
     Options(String),
+    /// The shard length does not fit the schedule's layout (zigzag needs an even length).
+    Layout(LayoutError),
 }
 
 impl fmt::Display for DistributedError {
@@ -92,6 +108,7 @@ impl fmt::Display for DistributedError {
                 write!(f, "sequence-parallel attention: {what}")
             }
             DistributedError::Comm(e) => write!(f, "sequence-parallel attention: {e}"),
+            DistributedError::Layout(e) => write!(f, "sequence-parallel attention: {e}"),
         }
     }
 }
@@ -107,21 +124,6 @@ impl From<AttentionError> for DistributedError {
 impl From<CommError> for DistributedError {
     fn from(e: CommError) -> Self {
         DistributedError::Comm(e)
-    }
-}
-
-/// The mask and scale of one pair: the causal diagonal is masked within the chunk, every other
-/// scheduled pair is fully visible (key chunks before the query chunk, or non-causal).
-pub(crate) fn pair_step(pair: Pair, options: &SequenceParallelOptions) -> StepMask {
-    let mask = if options.attention.causal && pair.is_diagonal() {
-        Mask::causal()
-    } else {
-        Mask::None
-    };
-    StepMask {
-        mask,
-        scale: options.attention.scale,
-        deterministic: options.attention.deterministic,
     }
 }
 
@@ -186,7 +188,11 @@ fn local_values<B: SequenceParallelBackend>(
             qd[2], kd[2]
         )));
     }
-    let schedule = options.schedule.resolve(options.attention.causal) as u64;
+    let schedule = (options.schedule).resolve(group.world_size(), options.attention.causal);
+    (schedule.layout())
+        .check_shard_len(group.world_size(), qd[2])
+        .map_err(DistributedError::Layout)?;
+    let schedule = schedule as u64;
     let scale = options.attention.scale.map_or(u64::MAX, f64::to_bits);
     Ok([
         qd[0] as u64,
@@ -251,9 +257,12 @@ fn validate<B: SequenceParallelBackend>(
 
 /// This rank's shard of exact attention over the whole sequence split across `group`.
 ///
-/// q `[B, Hq, S, D]`, k and v `[B, Hkv, S, D]`: rank `r` holds positions `r*S .. (r+1)*S` of
-/// a sequence of `P*S` tokens; every rank must call this with shards of one shape (checked).
-/// Returns O `[B, Hq, S, D]` for the rank's positions. Differentiable under `Autodiff`: the
+/// q `[B, Hq, S, D]`, k and v `[B, Hkv, S, D]`: each rank holds `S` positions of a sequence of
+/// `P*S` tokens, which ones given by the schedule's [`Layout`]
+/// ([`SequenceParallelOptions::layout`]: rank `r` holds `r*S .. (r+1)*S` under the contiguous
+/// layout; [`crate::shard_sequence`] cuts a whole sequence for any layout). Every rank must
+/// call this with shards of one shape (checked; zigzag needs an even `S`). Returns
+/// O `[B, Hq, S, D]` for the rank's positions. Differentiable under `Autodiff`: the
 /// backward is distributed too, so every rank must run its backward.
 pub fn sequence_parallel_attention<B: SequenceParallelBackend>(
     q: Tensor<B, 4>,

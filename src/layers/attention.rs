@@ -178,7 +178,8 @@ impl<B: SequenceParallelBackend> DistFlashAttention<B> {
     }
 
     /// Refuses, before any work, an input that is not `[batch > 0, seq > 0, d_model]` of the
-    /// weights' float type on the weights' device, or not on the device of `context`'s group.
+    /// weights' float type on the weights' device, not on the device of `context`'s group, or of a
+    /// length the sharded layout cannot split (zigzag: odd).
     /// Sharded, the other ranks are told, so that their attention fails at once too.
     pub(crate) fn check_input(
         &self,
@@ -220,6 +221,9 @@ impl<B: SequenceParallelBackend> DistFlashAttention<B> {
                 weight.device()
             )));
         }
+        context
+            .positions(dims[1], self.options())
+            .map_err(DistributedError::Layout)?;
         if let AttentionContext::Sharded { group, .. } = context {
             if B::inner_device(&x.device()) != *group.device() {
                 return Err(DistributedError::Device(format!(
@@ -249,11 +253,12 @@ impl<B: SequenceParallelBackend> DistFlashAttention<B> {
         context: &AttentionContext<B::Inner>,
     ) -> Projected<B> {
         let [_, seq, _] = x.dims();
-        let rope = RotaryTables::new(
+        // A length the layout cannot split is refused by `check_input` before this runs.
+        let positions = (context.positions(seq, self.options())).unwrap_or_default();
+        let rope = RotaryTables::at_positions(
             &self.rope,
             self.head_dim,
-            context.position_offset(seq),
-            seq,
+            &positions,
             x.dtype(),
             &x.device(),
         );

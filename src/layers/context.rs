@@ -5,7 +5,7 @@ use burn::tensor::backend::Backend;
 
 use crate::collective::DeviceGroup;
 use crate::options::FlashAttentionOptions;
-use crate::schedule::ScheduleKind;
+use crate::schedule::{Layout, LayoutError, ScheduleKind};
 use crate::SequenceParallelOptions;
 
 /// How attention sees the sequence. Pass the same context to every layer of a forward pass.
@@ -13,13 +13,15 @@ use crate::SequenceParallelOptions;
 pub enum AttentionContext<I: Backend> {
     /// The tensors hold the whole sequence, on one device.
     Local,
-    /// The tensors hold rank `group.rank()`'s contiguous shard of a sequence of
-    /// `world_size * shard_len` tokens: rotary positions start at `rank * shard_len` and attention
-    /// runs sequence-parallel over the group (every rank must run the same layers).
+    /// The tensors hold rank `group.rank()`'s shard of a sequence of `world_size * shard_len`
+    /// tokens, at the positions the schedule's layout gives it (see
+    /// [`AttentionContext::positions`]; cut whole sequences with [`crate::shard_sequence`]):
+    /// rotary embeddings use those positions and attention runs sequence-parallel over the
+    /// group (every rank must run the same layers).
     Sharded {
         /// This rank's handle on the group.
         group: DeviceGroup<I>,
-        /// Which schedule (`Auto`: load-balanced when causal).
+        /// Which schedule, and so which layout (`Auto`: see [`ScheduleKind::resolve`]).
         schedule: ScheduleKind,
         /// Prefetch the next chunk while computing (off only to measure what it saves).
         overlap: bool,
@@ -27,7 +29,7 @@ pub enum AttentionContext<I: Backend> {
 }
 
 impl<I: Backend> AttentionContext<I> {
-    /// This rank's shard of a sequence split across `group`, load-balanced schedule, overlap on.
+    /// This rank's shard of a sequence split across `group`, `Auto` schedule, overlap on.
     pub fn sharded(group: DeviceGroup<I>) -> Self {
         Self::Sharded {
             group,
@@ -48,11 +50,30 @@ impl<I: Backend> AttentionContext<I> {
         }
     }
 
-    /// The absolute position of this tensor's first token, for shards of `shard_len` tokens.
-    pub fn position_offset(&self, shard_len: usize) -> usize {
+    /// Where each rank's tokens are under attention with `attention`'s mask: contiguous
+    /// locally, the schedule's layout when sharded (cut whole sequences with
+    /// [`crate::shard_sequence`] for it).
+    pub fn layout(&self, attention: FlashAttentionOptions) -> Layout {
+        match self.sequence_parallel_options(attention) {
+            None => Layout::Contiguous,
+            Some((group, options)) => options.layout(group.world_size()),
+        }
+    }
+
+    /// The absolute position of each of this tensor's `shard_len` tokens under attention with
+    /// `attention`'s mask (which, with the world size, decides the layout under `Auto`):
+    /// `0..shard_len` locally; sharded, the rank's positions in the layout, or why the layout
+    /// cannot split shards of that length.
+    pub fn positions(
+        &self,
+        shard_len: usize,
+        attention: FlashAttentionOptions,
+    ) -> Result<Vec<usize>, LayoutError> {
         match self {
-            Self::Local => 0,
-            Self::Sharded { group, .. } => group.rank() * shard_len,
+            Self::Local => Ok((0..shard_len).collect()),
+            Self::Sharded { group, .. } => {
+                (self.layout(attention)).positions(group.world_size(), group.rank(), shard_len)
+            }
         }
     }
 

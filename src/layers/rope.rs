@@ -67,8 +67,9 @@ impl Llama3RopeScaling {
     }
 }
 
-/// cos and sin of every (position, frequency) angle for a run of consecutive positions, laid out
-/// `[1, 1, len, head_dim]` to broadcast over `[batch, heads, len, head_dim]`.
+/// cos and sin of every (position, frequency) angle for a list of positions (a run of
+/// consecutive ones, or a rank's zigzag chunks), laid out `[1, 1, len, head_dim]` to broadcast
+/// over `[batch, heads, len, head_dim]`.
 #[derive(Debug, Clone)]
 pub struct RotaryTables<B: Backend> {
     cos: Tensor<B, 4>,
@@ -86,6 +87,19 @@ impl<B: Backend> RotaryTables<B> {
         dtype: DType,
         device: &B::Device,
     ) -> Self {
+        let positions: Vec<usize> = (start..start + len).collect();
+        Self::at_positions(config, head_dim, &positions, dtype, device)
+    }
+
+    /// Tables for the given positions, in order (row `i` rotates by `positions[i]`).
+    pub fn at_positions(
+        config: &RopeConfig,
+        head_dim: usize,
+        positions: &[usize],
+        dtype: DType,
+        device: &B::Device,
+    ) -> Self {
+        let len = positions.len();
         let freqs: Vec<f32> = config
             .inverse_frequencies(head_dim)
             .into_iter()
@@ -94,7 +108,7 @@ impl<B: Backend> RotaryTables<B> {
         let half = freqs.len();
         let f32_on_device = (device, DType::F32);
         let freqs = Tensor::<B, 2>::from_data(TensorData::new(freqs, [1, half]), f32_on_device);
-        let positions: Vec<f32> = (start..start + len).map(|p| p as f32).collect();
+        let positions: Vec<f32> = positions.iter().map(|&p| p as f32).collect();
         let positions =
             Tensor::<B, 2>::from_data(TensorData::new(positions, [len, 1]), f32_on_device);
         let angles = positions.matmul(freqs);

@@ -1,42 +1,42 @@
 //! Schedules of sequence-parallel attention: pure logic, apart from execution.
 //!
-//! `P` ranks each own one contiguous chunk of the sequence (rank `r` owns chunk `r`: its query,
-//! key and value rows). Causal attention needs every pair (query chunk `i`, key/value chunk `j`)
-//! with `j <= i`; the diagonal pairs are causally masked, the others fully visible. A schedule
-//! says, for every rank and step, which pair that rank computes; [`RankStep`] derives what it
-//! must then send and receive. Each schedule is one file implementing [`ScheduleRule`]:
-//! [`ring`] (the paper's Algorithm 1) and [`balanced`] (Algorithm 2, helper workers).
+//! `P` ranks each own one shard of the sequence (its query, key and value rows); the
+//! [`Layout`] says which positions a shard holds (one contiguous chunk, or two zigzag chunks).
+//! Causal attention needs every pair (query shard `i`, key/value shard `j`) that has a visible
+//! score; [`blocks`] splits a pair into step calls (diagonal chunks causally masked, the others
+//! fully visible, invisible ones skipped). A schedule says, for every rank and step, which pair
+//! that rank computes; [`RankStep`] derives what it must then send and receive. Each schedule is
+//! one file implementing [`ScheduleRule`]: [`ring`] (the paper's Algorithm 1), [`balanced`]
+//! (Algorithm 2, helper workers), both over the contiguous layout, and [`zigzag`] (the ring over
+//! the zigzag layout).
 
 pub mod balanced;
+pub mod blocks;
+pub mod layout;
 mod plan;
 pub mod ring;
+pub mod zigzag;
 
 use serde::{Deserialize, Serialize};
 
+pub use blocks::Block;
+pub use layout::{Layout, LayoutError};
 pub use plan::RankStep;
 
-/// One unit of attention work: query chunk `query` against key/value chunk `kv`.
+/// One unit of attention work: the query shard of rank `query` against the key/value shard of
+/// rank `kv` (under the contiguous layout, chunk `query` against chunk `kv`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Pair {
-    /// The query chunk (its owner holds the output rows).
+    /// The rank holding the query shard (and the output rows).
     pub query: usize,
-    /// The key/value chunk.
+    /// The rank holding the key/value shard.
     pub kv: usize,
 }
 
 impl Pair {
-    /// The chunk against itself (causally masked when the attention is causal).
+    /// A shard against itself.
     pub fn is_diagonal(&self) -> bool {
         self.query == self.kv
-    }
-
-    /// Relative cost: a causal diagonal pair computes half the scores of a full one.
-    pub fn cost(&self, causal: bool) -> f64 {
-        if causal && self.is_diagonal() {
-            0.5
-        } else {
-            1.0
-        }
     }
 }
 
@@ -51,25 +51,55 @@ pub trait ScheduleRule {
 /// [`ScheduleRule::pair`] of one rule.
 type PairFn = fn(usize, bool, usize, usize) -> Option<Pair>;
 
-/// Which schedule to run.
+/// Which schedule to run (each implies the [`Layout`] of the shards: see
+/// [`ScheduleKind::layout`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 pub enum ScheduleKind {
-    /// Balanced for causal attention, ring otherwise (where the ring is already balanced).
+    /// The fastest schedule by [`Schedule::time`] for the world size and mask (see
+    /// [`ScheduleKind::resolve`]): zigzag for causal attention at even `P > 1`, balanced for
+    /// causal attention at odd `P`, ring otherwise.
     #[default]
     Auto,
-    /// Every rank fetches key/value chunks from the ranks before it (paper Alg. 1).
+    /// Every rank fetches key/value chunks from the ranks before it (paper Alg. 1; contiguous
+    /// layout).
     Ring,
-    /// Ranks that run out of work compute for later ranks (paper Alg. 2).
+    /// Ranks that run out of work compute for later ranks (paper Alg. 2; contiguous layout).
     Balanced,
+    /// The ring over the zigzag layout: every rank holds an early and a late chunk, so causal
+    /// work is equal on every rank at every step.
+    Zigzag,
 }
 
 impl ScheduleKind {
-    /// The concrete schedule `Auto` means for this attention.
-    pub fn resolve(self, causal: bool) -> ScheduleKind {
+    /// The concrete schedule `Auto` means for `world` ranks: among the schedules for the mask
+    /// (causal: balanced, zigzag; otherwise: ring, already balanced), the one with the least
+    /// [`Schedule::time`], the earlier one on a tie. Causal, zigzag takes `P/2` pair-times and
+    /// balanced `floor(P/2) + 1/2`: zigzag wins at even `P`; at odd `P` (and `P = 1`) they tie
+    /// and balanced, with half the steps and the contiguous layout, is kept.
+    pub fn resolve(self, world: usize, causal: bool) -> ScheduleKind {
+        if self != ScheduleKind::Auto {
+            return self;
+        }
+        let candidates: &[ScheduleKind] = if causal {
+            &[ScheduleKind::Balanced, ScheduleKind::Zigzag]
+        } else {
+            &[ScheduleKind::Ring]
+        };
+        let mut best = (candidates[0], f64::INFINITY);
+        for &kind in candidates {
+            let time = Schedule::new(kind, world.max(1), causal).time();
+            if time < best.1 - 1e-12 {
+                best = (kind, time);
+            }
+        }
+        best.0
+    }
+
+    /// Where the shards' positions are (`Auto` must be resolved first: it is contiguous).
+    pub fn layout(self) -> Layout {
         match self {
-            ScheduleKind::Auto if causal => ScheduleKind::Balanced,
-            ScheduleKind::Auto => ScheduleKind::Ring,
-            kind => kind,
+            ScheduleKind::Zigzag => Layout::Zigzag,
+            _ => Layout::Contiguous,
         }
     }
 }
@@ -78,6 +108,7 @@ impl ScheduleKind {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Schedule {
     kind: ScheduleKind,
+    layout: Layout,
     world: usize,
     causal: bool,
     /// `pairs[step][rank]`.
@@ -88,11 +119,15 @@ impl Schedule {
     /// The schedule `kind` for `world >= 1` ranks.
     pub fn new(kind: ScheduleKind, world: usize, causal: bool) -> Self {
         assert!(world >= 1, "a schedule needs at least one rank");
-        let kind = kind.resolve(causal);
+        let kind = kind.resolve(world, causal);
         let (steps, pair): (usize, PairFn) = match kind {
             ScheduleKind::Balanced => (
                 balanced::Balanced::num_steps(world, causal),
                 balanced::Balanced::pair,
+            ),
+            ScheduleKind::Zigzag => (
+                zigzag::Zigzag::num_steps(world, causal),
+                zigzag::Zigzag::pair,
             ),
             _ => (ring::Ring::num_steps(world, causal), ring::Ring::pair),
         };
@@ -105,10 +140,28 @@ impl Schedule {
             .collect();
         Self {
             kind,
+            layout: kind.layout(),
             world,
             causal,
             pairs,
         }
+    }
+
+    /// Where the shards' positions are.
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    /// The step calls computing `pair` (see [`blocks`]).
+    pub fn blocks(&self, pair: Pair) -> Vec<Block> {
+        blocks::blocks(self.layout, self.world, self.causal, pair)
+    }
+
+    /// Work of `pair` in units of one full pair of shards.
+    pub fn pair_cost(&self, pair: Pair) -> f64 {
+        let per_rank = self.layout.chunks_per_rank() as f64;
+        let chunk_pairs: f64 = self.blocks(pair).iter().map(Block::cost).sum();
+        chunk_pairs / (per_rank * per_rank)
     }
 
     /// The concrete kind (never `Auto`).
@@ -141,15 +194,15 @@ impl Schedule {
         RankStep::derive(&self.pairs[step], rank)
     }
 
-    /// Time of the schedule in units of one full chunk pair: each step lasts as long as its
-    /// most expensive pair.
+    /// Time of the schedule in units of one full pair of shards: each step lasts as long as its
+    /// most expensive pair (communication counted as free).
     pub fn time(&self) -> f64 {
         self.pairs
             .iter()
             .map(|step| {
                 step.iter()
                     .flatten()
-                    .map(|p| p.cost(self.causal))
+                    .map(|&p| self.pair_cost(p))
                     .fold(0.0, f64::max)
             })
             .sum()
@@ -162,14 +215,14 @@ impl Schedule {
             .iter()
             .flatten()
             .flatten()
-            .map(|p| p.cost(self.causal))
+            .map(|&p| self.pair_cost(p))
             .sum();
         work / self.time()
     }
 
     /// Idle (rank, step) slots over `P²`, the paper's normalisation (`P²` is the ring's slot
     /// count): `(P² - P) / 2P²` for the causal ring, `1 / 2P` for the balanced schedule with
-    /// even `P` and 0 for odd `P`.
+    /// even `P` and 0 for odd `P`, 0 for zigzag.
     pub fn idle_fraction(&self) -> f64 {
         let idle = self.pairs.iter().flatten().filter(|p| p.is_none()).count();
         idle as f64 / (self.world * self.world) as f64

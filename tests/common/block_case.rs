@@ -6,8 +6,8 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
 use burn_distflash::layers::{AttentionContext, ForwardCounter};
 use burn_distflash::{
-    replicate, CheckpointBackend, CheckpointPlacement, DistFlashAttentionConfig, TransformerBlock,
-    TransformerBlockConfig,
+    replicate, CheckpointBackend, CheckpointPlacement, DistFlashAttentionConfig, Layout,
+    TransformerBlock, TransformerBlockConfig,
 };
 
 use super::Rng;
@@ -190,15 +190,25 @@ pub fn assert_same_step(what: &str, got: &StepResult, expected: &StepResult, tol
     }
 }
 
-/// The ranks' outputs and input gradients concatenated along the sequence (`batch` rows each),
-/// their weight gradients summed: what one device computes for the whole sequence.
-pub fn combine(ranks: &[StepResult], batch: usize) -> StepResult {
+/// The ranks' outputs and input gradients put back in sequence order for `layout` (`batch` rows
+/// each), their weight gradients summed: what one device computes for the whole sequence.
+pub fn combine(ranks: &[StepResult], batch: usize, layout: Layout) -> StepResult {
+    let world = ranks.len();
     let cat = |f: fn(&StepResult) -> &Vec<f32>| {
-        let per_row: Vec<usize> = ranks.iter().map(|r| f(r).len() / batch).collect();
+        let n = f(&ranks[0]).len() / batch;
+        let piece = n / layout.chunks_per_rank();
         let mut out = Vec::new();
         for b in 0..batch {
-            for (rank, n) in ranks.iter().zip(&per_row) {
-                out.extend_from_slice(&f(rank)[b * n..(b + 1) * n]);
+            // The sequence's chunks in order, each from the rank holding it.
+            for c in 0..layout.num_chunks(world) {
+                let (rank, local) = (0..world)
+                    .find_map(|r| {
+                        let local = layout.chunks(world, r).iter().position(|&x| x == c)?;
+                        Some((r, local))
+                    })
+                    .expect("every chunk has an owner");
+                let start = b * n + local * piece;
+                out.extend_from_slice(&f(&ranks[rank])[start..start + piece]);
             }
         }
         out

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::Tensor;
-use burn_distflash::schedule::{Schedule, ScheduleKind};
+use burn_distflash::schedule::{Layout, Schedule, ScheduleKind};
 use burn_distflash::{
     sequence_parallel_attention, DeviceGroup, FlashAttentionOptions, SequenceParallelBackend,
     SequenceParallelOptions,
@@ -47,6 +47,11 @@ impl Case {
         }
     }
 
+    /// Where the ranks' shards come from (the options' layout).
+    pub fn layout(&self) -> Layout {
+        self.options().layout(self.world)
+    }
+
     /// The options every rank passes.
     pub fn options(&self) -> SequenceParallelOptions {
         SequenceParallelOptions {
@@ -60,24 +65,41 @@ impl Case {
     }
 }
 
-/// Rows `r*shard .. (r+1)*shard` of a host tensor `[B, H, world*shard, D]`.
-pub fn shard_of(full: &[f64], [b, h, s, d]: [usize; 4], rank: usize, shard: usize) -> Vec<f64> {
+/// Rank `rank`'s rows of a host tensor `[B, H, world*shard, D]` under `layout` (written out
+/// position by position from the pure layout, independently of the library's tensor helpers).
+pub fn shard_of(
+    full: &[f64],
+    [b, h, s, d]: [usize; 4],
+    rank: usize,
+    shard: usize,
+    layout: Layout,
+) -> Vec<f64> {
+    let positions = layout.positions(s / shard, rank, shard).expect("layout");
     let mut out = Vec::with_capacity(b * h * shard * d);
     for bh in 0..b * h {
-        let start = (bh * s + rank * shard) * d;
-        out.extend_from_slice(&full[start..start + shard * d]);
+        for &pos in &positions {
+            let start = (bh * s + pos) * d;
+            out.extend_from_slice(&full[start..start + d]);
+        }
     }
     out
 }
 
 /// The inverse of [`shard_of`]: the whole tensor from every rank's rows.
-pub fn unshard(shards: &[Vec<f64>], [b, h, s, d]: [usize; 4], shard: usize) -> Vec<f64> {
+pub fn unshard(
+    shards: &[Vec<f64>],
+    [b, h, s, d]: [usize; 4],
+    shard: usize,
+    layout: Layout,
+) -> Vec<f64> {
     let mut full = vec![f64::NAN; b * h * s * d];
     for (rank, part) in shards.iter().enumerate() {
+        let positions = layout.positions(shards.len(), rank, shard).expect("layout");
         for bh in 0..b * h {
-            let dst = (bh * s + rank * shard) * d;
-            let src = bh * shard * d;
-            full[dst..dst + shard * d].copy_from_slice(&part[src..src + shard * d]);
+            for (row, &pos) in positions.iter().enumerate() {
+                let (dst, src) = ((bh * s + pos) * d, (bh * shard + row) * d);
+                full[dst..dst + d].copy_from_slice(&part[src..src + d]);
+            }
         }
     }
     full
@@ -188,7 +210,8 @@ impl CaseData {
             ..
         } = self.case;
         let (q_shape, kv_shape) = self.case.full_shapes();
-        let part = |full: &[f64], shape: [usize; 4]| shard_of(full, shape, rank, shard);
+        let layout = self.case.layout();
+        let part = |full: &[f64], shape: [usize; 4]| shard_of(full, shape, rank, shard, layout);
         RankInputs {
             q: part(&self.q, q_shape),
             k: part(&self.k, kv_shape),
@@ -223,7 +246,7 @@ impl CaseData {
         let (q_shape, _) = self.case.full_shapes();
         assert_close(
             &format!("{what}: O"),
-            &unshard(outs, q_shape, self.case.shard),
+            &unshard(outs, q_shape, self.case.shard, self.case.layout()),
             &expected.fwd.out,
             &expected.naive_fwd.out,
             self.elem,
@@ -235,7 +258,7 @@ impl CaseData {
         let (q_shape, kv_shape) = self.case.full_shapes();
         let gather = |pick: fn(&RankResult) -> &Vec<f64>, shape| {
             let parts: Vec<Vec<f64>> = results.iter().map(|r| pick(r).clone()).collect();
-            unshard(&parts, shape, self.case.shard)
+            unshard(&parts, shape, self.case.shard, self.case.layout())
         };
         let outs: Vec<Vec<f64>> = results.iter().map(|r| r.out.clone()).collect();
         self.assert_output(what, expected, &outs);

@@ -18,7 +18,9 @@ use burn::tensor::{DType, ElementConversion, Int, Tensor, TensorData};
 use super::model::Llama;
 use super::schedule::learning_rate;
 use burn_distflash::layers::AttentionContext;
-use burn_distflash::{CheckpointBackend, CommError, DistributedError};
+use burn_distflash::{
+    shard_sequence, CheckpointBackend, CommError, DistributedError, FlashAttentionOptions,
+};
 
 /// Optimisation settings (saved with every checkpoint).
 #[derive(Config, Debug)]
@@ -159,7 +161,8 @@ impl<B: TrainBackend> Trainer<B> {
         }
     }
 
-    /// This rank's columns of a row-major `[batch, seq_len]` token batch, as a tensor.
+    /// This rank's columns of a row-major `[batch, seq_len]` token batch, as a tensor: the
+    /// positions the attention's layout gives the rank (contiguous or zigzag).
     fn shard(&self, tokens: &[u32]) -> Result<Tensor<B, 2, Int>, TrainError> {
         let (batch, seq) = (self.options.batch, self.options.seq_len);
         let (rank, world) = self.rank();
@@ -176,26 +179,16 @@ impl<B: TrainBackend> Trainer<B> {
                  (ids 0..{vocab})"
             )));
         }
-        if seq % world != 0 {
-            return Err(TrainError::Input(format!(
-                "seq_len {seq} is not divisible by the group size {world}; each rank holds an \
-                 equal shard"
-            )));
-        }
-        let shard = seq / world;
-        let values: Vec<i64> = tokens
-            .chunks(seq)
-            .flat_map(|row| {
-                row[rank * shard..(rank + 1) * shard]
-                    .iter()
-                    .map(|&t| t as i64)
-            })
-            .collect();
+        let values: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
         let device = self.device();
-        Ok(Tensor::from_data(
-            TensorData::new(values, [batch, shard]),
-            &device,
-        ))
+        let whole = Tensor::<B, 2, Int>::from_data(TensorData::new(values, [batch, seq]), &device);
+        // The attention's layout decides which positions this rank holds (contiguous, zigzag).
+        let layout = self.context.layout(FlashAttentionOptions::causal());
+        shard_sequence(whole, 1, layout, world, rank).map_err(|e| {
+            TrainError::Input(format!(
+                "seq_len {seq} cannot be split over the group of {world}: {e}"
+            ))
+        })
     }
 
     fn device(&self) -> B::Device {

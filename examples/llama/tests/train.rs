@@ -244,7 +244,11 @@ fn bad_shapes_are_refused_before_any_work() {
             .collect();
         for h in handles {
             let what = h.join().unwrap();
-            assert!(what.contains("not divisible by the group size 3"), "{what}");
+            assert!(
+                what.contains("cannot be split over the group of 3")
+                    && what.contains("multiple of 3"),
+                "{what}"
+            );
         }
     });
 }

@@ -1,0 +1,172 @@
+//! One scheduled pair as step calls: the pair's [`Block`]s, each on the rows it covers (see
+//! [`crate::schedule::blocks`]). Partial states and gradients stay f32.
+
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, FloatDType, Slice, TensorMetadata};
+
+use super::backend::Grads;
+use super::SequenceParallelOptions;
+use crate::backend::FlashAttentionBackend;
+use crate::options::Mask;
+use crate::schedule::Block;
+use crate::state::{AttentionState, StepMask};
+
+/// Where a pair's blocks cut its shards: `per_rank` chunks of `chunk` rows each.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Chunks {
+    pub per_rank: usize,
+    pub chunk: usize,
+}
+
+impl Chunks {
+    /// Shards of `shard_len` rows cut into `per_rank` chunks.
+    pub fn new(per_rank: usize, shard_len: usize) -> Self {
+        Self {
+            per_rank,
+            chunk: shard_len / per_rank,
+        }
+    }
+
+    fn whole(&self, range: &core::ops::Range<usize>) -> bool {
+        range.start == 0 && range.end == self.per_rank
+    }
+
+    /// Rows `range` (in chunks) of `t` along dimension 2 (`[B, H, S, ..]`).
+    fn rows<B: FlashAttentionBackend>(
+        &self,
+        t: &FloatTensor<B>,
+        range: &core::ops::Range<usize>,
+    ) -> FloatTensor<B> {
+        if self.whole(range) {
+            return t.clone();
+        }
+        B::float_slice(t.clone(), &self.slices::<B>(t, range))
+    }
+
+    /// `t` with rows `range` (in chunks) replaced by `value`.
+    fn assign<B: FlashAttentionBackend>(
+        &self,
+        t: FloatTensor<B>,
+        range: &core::ops::Range<usize>,
+        value: FloatTensor<B>,
+    ) -> FloatTensor<B> {
+        if self.whole(range) {
+            return value;
+        }
+        let slices = self.slices::<B>(&t, range);
+        B::float_slice_assign(t, &slices, value)
+    }
+
+    fn slices<B: FlashAttentionBackend>(
+        &self,
+        t: &FloatTensor<B>,
+        range: &core::ops::Range<usize>,
+    ) -> Vec<Slice> {
+        let dims = t.shape().to_vec();
+        (dims.iter().enumerate())
+            .map(|(d, &n)| {
+                let (start, end) = if d == 2 {
+                    (range.start * self.chunk, range.end * self.chunk)
+                } else {
+                    (0, n)
+                };
+                Slice::new(start as isize, Some(end as isize), 1)
+            })
+            .collect()
+    }
+}
+
+/// The mask and scale of one block: causal over its local rows (offsets 0) or none.
+fn block_step(block: &Block, options: &SequenceParallelOptions) -> StepMask {
+    StepMask {
+        mask: if block.causal {
+            Mask::causal()
+        } else {
+            Mask::None
+        },
+        scale: options.attention.scale,
+        deterministic: options.attention.deterministic,
+    }
+}
+
+/// `state` (of the query shard's rows) with every block of a pair folded in.
+pub(crate) fn forward_pair<B: FlashAttentionBackend>(
+    [q, k, v]: [&FloatTensor<B>; 3],
+    mut state: AttentionState<B>,
+    blocks: &[Block],
+    chunks: Chunks,
+    options: &SequenceParallelOptions,
+) -> AttentionState<B> {
+    for block in blocks {
+        let (qs, ks, vs) = (
+            chunks.rows::<B>(q, &block.query),
+            chunks.rows::<B>(k, &block.kv),
+            chunks.rows::<B>(v, &block.kv),
+        );
+        let step = block_step(block, options);
+        let rows = &block.query;
+        let part = AttentionState {
+            o: chunks.rows::<B>(&state.o, rows),
+            m: chunks.rows::<B>(&state.m, rows),
+            l: chunks.rows::<B>(&state.l, rows),
+        };
+        let part = B::attention_forward_step(qs, ks, vs, part, step);
+        state = AttentionState {
+            o: chunks.assign::<B>(state.o, rows, part.o),
+            m: chunks.assign::<B>(state.m, rows, part.m),
+            l: chunks.assign::<B>(state.l, rows, part.l),
+        };
+    }
+    state
+}
+
+/// `t` as f32 (itself when it already is).
+pub(crate) fn to_f32<B: FlashAttentionBackend>(t: FloatTensor<B>) -> FloatTensor<B> {
+    if t.dtype() == DType::F32 {
+        t
+    } else {
+        B::float_cast(t, FloatDType::F32)
+    }
+}
+
+/// Adds `grad` into rows `range` of the f32 accumulator `acc`.
+fn add_rows<B: FlashAttentionBackend>(
+    chunks: Chunks,
+    acc: FloatTensor<B>,
+    range: &core::ops::Range<usize>,
+    grad: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let sum = B::float_add(chunks.rows::<B>(&acc, range), to_f32::<B>(grad));
+    chunks.assign::<B>(acc, range, sum)
+}
+
+/// A pair's `(dq, dk, dv)` added into the f32 accumulators `acc` (shaped like the whole
+/// shards): `[q, dO, lse, delta]` of the query shard, `[k, v]` of the key/value shard.
+pub(crate) fn backward_pair<B: FlashAttentionBackend>(
+    query: [&FloatTensor<B>; 4],
+    [k, v]: [&FloatTensor<B>; 2],
+    mut acc: Grads<B>,
+    blocks: &[Block],
+    chunks: Chunks,
+    options: &SequenceParallelOptions,
+) -> Grads<B> {
+    let [q, grad_out, lse, delta] = query;
+    for block in blocks {
+        let (qr, kr) = (&block.query, &block.kv);
+        let (dq, dk, dv) = B::attention_backward_step(
+            chunks.rows::<B>(q, qr),
+            chunks.rows::<B>(k, kr),
+            chunks.rows::<B>(v, kr),
+            chunks.rows::<B>(grad_out, qr),
+            chunks.rows::<B>(lse, qr),
+            chunks.rows::<B>(delta, qr),
+            block_step(block, options),
+        );
+        acc = (
+            add_rows::<B>(chunks, acc.0, qr, dq),
+            add_rows::<B>(chunks, acc.1, kr, dk),
+            add_rows::<B>(chunks, acc.2, kr, dv),
+        );
+    }
+    acc
+}

@@ -1,0 +1,152 @@
+//! Layouts: which positions of the sequence each rank holds.
+//!
+//! The sequence is cut into equal chunks and every rank holds the same number of them, its
+//! local shard being its chunks one after the other:
+//!
+//! - [`Layout::Contiguous`]: `P` chunks, rank `r` holds chunk `r` (positions `r*S .. (r+1)*S`
+//!   for shards of `S` tokens). Under causal attention rank `r` has `r + 1/2` chunk pairs of
+//!   work, so a plain ring leaves the early ranks idle (the balanced schedule moves work instead).
+//! - [`Layout::Zigzag`]: `2P` chunks of `S/2` tokens, rank `r` holds chunks `r` and `2P-1-r`, in
+//!   that order. Every rank then holds one early and one late chunk and the same share of the
+//!   causal triangle at every step of a plain ring (see [`super::zigzag`]).
+//!
+//! ```text
+//! P = 4, sequence of 8 chunks   0   1   2   3   4   5   6   7
+//!   Contiguous                  [ 0 ]   [ 1 ]   [ 2 ]   [ 3 ]      (rank owning the chunks)
+//!   Zigzag                      0   1   2   3   3   2   1   0
+//!
+//! Zigzag, local shards:  rank 0 = [c0 | c7], rank 1 = [c1 | c6], rank 2 = [c2 | c5],
+//!                        rank 3 = [c3 | c4]
+//! ```
+
+use core::fmt;
+use core::ops::Range;
+
+use serde::{Deserialize, Serialize};
+
+/// Which positions of the sequence each rank holds (see the module docs for pictures).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum Layout {
+    /// Rank `r` of `P` holds positions `r*S .. (r+1)*S`.
+    #[default]
+    Contiguous,
+    /// The sequence cut into `2P` chunks; rank `r` holds chunks `r` and `2P-1-r`, in that order.
+    Zigzag,
+}
+
+/// A sequence or shard length the layout cannot split evenly.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayoutError {
+    /// The layout asked for.
+    pub layout: Layout,
+    /// Number of ranks.
+    pub world: usize,
+    /// What was wrong and what is allowed.
+    pub what: String,
+}
+
+impl fmt::Display for LayoutError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:?} layout over {} ranks: {}",
+            self.layout, self.world, self.what
+        )
+    }
+}
+
+impl std::error::Error for LayoutError {}
+
+impl Layout {
+    /// Chunks each rank holds: 1 (contiguous) or 2 (zigzag).
+    pub fn chunks_per_rank(self) -> usize {
+        match self {
+            Layout::Contiguous => 1,
+            Layout::Zigzag => 2,
+        }
+    }
+
+    /// Number of chunks the sequence is cut into for `world` ranks.
+    pub fn num_chunks(self, world: usize) -> usize {
+        world * self.chunks_per_rank()
+    }
+
+    /// The chunks `rank` holds, in local order.
+    pub fn chunks(self, world: usize, rank: usize) -> Vec<usize> {
+        match self {
+            Layout::Contiguous => vec![rank],
+            Layout::Zigzag => vec![rank, 2 * world - 1 - rank],
+        }
+    }
+
+    /// Errors unless every rank can hold a shard of `shard_len` tokens (the sequence being
+    /// `world * shard_len` tokens): zigzag needs an even shard length (a sequence length that
+    /// is a multiple of `2P`), and no layout accepts empty shards.
+    pub fn check_shard_len(self, world: usize, shard_len: usize) -> Result<(), LayoutError> {
+        let error = |what: String| LayoutError {
+            layout: self,
+            world,
+            what,
+        };
+        if world == 0 {
+            return Err(error("a group has at least one rank".into()));
+        }
+        let per_rank = self.chunks_per_rank();
+        if shard_len == 0 || !shard_len.is_multiple_of(per_rank) {
+            return Err(error(format!(
+                "the sequence is cut into {} chunks ({per_rank} per rank), so each rank's shard \
+                 must be a positive multiple of {per_rank} tokens (the sequence length a positive \
+                 multiple of {}); got a shard of {shard_len} (a sequence of {})",
+                self.num_chunks(world),
+                self.num_chunks(world),
+                shard_len * world,
+            )));
+        }
+        Ok(())
+    }
+
+    /// Errors unless a sequence of `seq_len` tokens can be split over `world` ranks; returns
+    /// the shard length.
+    pub fn shard_len(self, world: usize, seq_len: usize) -> Result<usize, LayoutError> {
+        let chunks = self.num_chunks(world.max(1));
+        if world == 0 || seq_len == 0 || !seq_len.is_multiple_of(chunks) {
+            return Err(LayoutError {
+                layout: self,
+                world,
+                what: format!(
+                    "the sequence is cut into {chunks} equal chunks, so its length must be a \
+                     positive multiple of {chunks}; got {seq_len}"
+                ),
+            });
+        }
+        Ok(seq_len / world)
+    }
+
+    /// The positions `rank` holds, as ranges in local order, for shards of `shard_len` tokens.
+    pub fn ranges(
+        self,
+        world: usize,
+        rank: usize,
+        shard_len: usize,
+    ) -> Result<Vec<Range<usize>>, LayoutError> {
+        self.check_shard_len(world, shard_len)?;
+        let chunk = shard_len / self.chunks_per_rank();
+        Ok((self.chunks(world, rank).into_iter())
+            .map(|c| c * chunk..(c + 1) * chunk)
+            .collect())
+    }
+
+    /// The position of every local row of `rank` (shards of `shard_len` tokens).
+    pub fn positions(
+        self,
+        world: usize,
+        rank: usize,
+        shard_len: usize,
+    ) -> Result<Vec<usize>, LayoutError> {
+        Ok(self
+            .ranges(world, rank, shard_len)?
+            .into_iter()
+            .flatten()
+            .collect())
+    }
+}

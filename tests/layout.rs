@@ -1,28 +1,15 @@
 //! Layouts and the step calls of every scheduled pair, position by position, for every world
 //! size from 1 to 16 (pure logic, no tensors).
 
+mod common;
+
 use std::collections::BTreeMap;
 
 use burn_distflash::schedule::{Layout, Schedule, ScheduleKind};
+use common::schedules::{every_schedule, WORLDS};
 
-const WORLDS: std::ops::RangeInclusive<usize> = 1..=16;
 /// Tokens per chunk in the position-level checks (odd, so a halved chunk would show).
 const CHUNK: usize = 3;
-
-fn schedules() -> Vec<Schedule> {
-    WORLDS
-        .flat_map(|p| {
-            [
-                Schedule::new(ScheduleKind::Ring, p, true),
-                Schedule::new(ScheduleKind::Balanced, p, true),
-                Schedule::new(ScheduleKind::Zigzag, p, true),
-                Schedule::new(ScheduleKind::Ring, p, false),
-                Schedule::new(ScheduleKind::Zigzag, p, false),
-                Schedule::new(ScheduleKind::Auto, p, true),
-            ]
-        })
-        .collect()
-}
 
 /// The (query position, key position) pairs `rank` computes at `step`.
 fn computed(s: &Schedule, rank: usize, step: usize) -> Vec<(usize, usize)> {
@@ -50,7 +37,7 @@ fn computed(s: &Schedule, rank: usize, step: usize) -> Vec<(usize, usize)> {
 
 #[test]
 fn every_visible_position_pair_is_computed_exactly_once() {
-    for s in schedules() {
+    for s in every_schedule() {
         let seq = s.world_size() * CHUNK * s.layout().chunks_per_rank();
         let mut count: BTreeMap<(usize, usize), usize> = BTreeMap::new();
         for step in 0..s.num_steps() {
@@ -111,7 +98,7 @@ fn zigzag_pairs_are_one_block_each() {
 #[test]
 fn contiguous_schedules_cost_what_they_did() {
     // One block per pair, causal exactly on the diagonal.
-    for s in schedules() {
+    for s in every_schedule() {
         if s.layout() != Layout::Contiguous {
             continue;
         }

@@ -1,24 +1,11 @@
 //! Properties of the schedules for every world size from 1 to 16 (pure logic, no tensors).
 
+mod common;
+
 use std::collections::BTreeMap;
 
 use burn_distflash::schedule::{Pair, Schedule, ScheduleKind};
-
-const WORLDS: std::ops::RangeInclusive<usize> = 1..=16;
-
-fn schedules() -> Vec<Schedule> {
-    WORLDS
-        .flat_map(|p| {
-            [
-                Schedule::new(ScheduleKind::Ring, p, true),
-                Schedule::new(ScheduleKind::Balanced, p, true),
-                Schedule::new(ScheduleKind::Zigzag, p, true),
-                Schedule::new(ScheduleKind::Ring, p, false),
-                Schedule::new(ScheduleKind::Zigzag, p, false),
-            ]
-        })
-        .collect()
-}
+use common::schedules::{every_schedule, WORLDS};
 
 /// Every pair of shards the attention needs: all of them when not causal or under the zigzag
 /// layout (every rank holds a late chunk that sees an early chunk of every other), `kv <= query`
@@ -41,7 +28,7 @@ fn required_pairs(s: &Schedule) -> Vec<Pair> {
 
 #[test]
 fn every_required_pair_is_computed_exactly_once() {
-    for s in schedules() {
+    for s in every_schedule() {
         let mut count: BTreeMap<Pair, usize> = BTreeMap::new();
         for step in 0..s.num_steps() {
             for rank in 0..s.world_size() {
@@ -60,7 +47,7 @@ fn every_required_pair_is_computed_exactly_once() {
 
 #[test]
 fn a_rank_computes_only_pairs_it_owns_a_side_of() {
-    for s in schedules() {
+    for s in every_schedule() {
         for step in 0..s.num_steps() {
             for rank in 0..s.world_size() {
                 if let Some(p) = s.pair(rank, step) {
@@ -73,7 +60,7 @@ fn a_rank_computes_only_pairs_it_owns_a_side_of() {
 
 #[test]
 fn sends_match_receives_and_nobody_talks_to_itself() {
-    for s in schedules() {
+    for s in every_schedule() {
         let p = s.world_size();
         for step in 0..s.num_steps() {
             let plans: Vec<_> = (0..p).map(|r| s.rank_step(r, step)).collect();

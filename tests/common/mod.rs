@@ -7,6 +7,7 @@ pub mod distributed_case;
 pub mod matrix;
 pub mod modules;
 pub mod repeated_case;
+pub mod schedules;
 pub mod within;
 
 use distflash_kernels::reference::{self, Rounding};

@@ -22,7 +22,7 @@ use cubecl_cpp::shared::{register_mma_features, CompilationOptions, CppSupported
 use cubecl_cpp::DialectWmmaCompiler;
 use cubecl_cuda::CudaCompiler;
 use cubecl_runtime::compiler::Compiler;
-use distflash_kernels::tensor_core::{backward, forward};
+use distflash_kernels::tensor_core::{backward, dkdv, forward};
 use half::{bf16, f16};
 
 /// What an H200 reports to cubecl-cuda 0.10, as far as code generation depends on it.
@@ -187,7 +187,7 @@ fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, String); 
         );
     });
     let dkdv = |fuse_dq: bool, one_shot: bool| {
-        compile("backward_dkdv_mma", units, |b| {
+        compile("backward_dkdv_mma", dkdv::DKDV_UNITS as u32, |b| {
             let (q, k, v, grad_out) = (input::<E>(b), input::<E>(b), input::<E>(b), input::<E>(b));
             let (lse, delta) = (input::<f32>(b), input::<f32>(b));
             let (dk, dv) = (output::<f32>(b), output::<f32>(b));
@@ -196,7 +196,7 @@ fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, String); 
             let (scale, shift) = (scalar::<f32>(b), scalar::<i32>(b));
             let (q_len, kv_len) = (scalar::<u32>(b), scalar::<u32>(b));
             let (heads, group) = (scalar::<u32>(b), scalar::<u32>(b));
-            backward::backward_dkdv_mma::expand::<E>(
+            dkdv::backward_dkdv_mma::expand::<E>(
                 &mut b.scope,
                 q,
                 k,

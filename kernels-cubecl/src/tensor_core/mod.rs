@@ -3,6 +3,7 @@
 //! a dQ kernel and a dK/dV kernel.
 
 pub mod backward;
+pub mod dkdv;
 pub mod dq_fragments;
 pub mod forward;
 pub mod fragments;
@@ -19,6 +20,7 @@ use crate::launch::SoftmaxState;
 use crate::limits::DeviceLimits;
 use crate::tensor::{DeviceTensor, ElemType};
 use backward::{KEY_ROWS, QUERY_ROWS};
+use dkdv::{DKDV_KEYS, DKDV_UNITS};
 use forward::{BLOCK_KEYS, BLOCK_ROWS, UNITS};
 use tiles::padded_stride;
 
@@ -53,8 +55,8 @@ pub fn supports<R: Runtime>(client: &ComputeClient<R>, elem: ElemType, head_dim:
 /// Shared memory of the hungriest of the three kernels at `head_dim`, in bytes (f16/bf16 tiles,
 /// rows padded to [`padded_stride`], each 16-byte aligned, plus barriers): the forward's
 /// [`BLOCK_ROWS`] query rows and two [`BLOCK_KEYS`]-row key/value tiles, the dQ kernel's Q and
-/// dO tiles and double-buffered K and V tiles, the dK/dV kernel's K and V tiles and
-/// double-buffered Q and dO tiles, f32 lse and delta rows and (fused) its dS tile. Must
+/// dO tiles and double-buffered K and V tiles, the dK/dV kernel's (see
+/// [`dkdv::shared_memory_bytes`]). Must
 /// cover every kernel's `SharedMemory` declarations: the host checks it against the device
 /// before choosing this variant.
 pub(crate) fn shared_memory_bytes(head_dim: usize) -> usize {
@@ -62,12 +64,7 @@ pub(crate) fn shared_memory_bytes(head_dim: usize) -> usize {
     let barrier = 16;
     let forward = tile(BLOCK_ROWS) + 2 * tile(BLOCK_KEYS) + 2 * barrier;
     let dq = 2 * tile(QUERY_ROWS) + 2 * tile(2 * KEY_ROWS) + 2 * barrier;
-    let ds = (backward::ds_tile_elems(true) * 2).next_multiple_of(16) + 16;
-    let dkdv = 2 * tile(KEY_ROWS)
-        + 2 * tile(2 * QUERY_ROWS)
-        + 2 * (2 * QUERY_ROWS * 4 + 16)
-        + ds
-        + 2 * barrier;
+    let dkdv = dkdv::shared_memory_bytes(head_dim);
     forward.max(dq).max(dkdv)
 }
 
@@ -80,14 +77,14 @@ pub(crate) struct Grids {
     pub forward: CubeCount,
     /// dQ: blocks of [`QUERY_ROWS`] query rows, slices = batch * q_heads.
     pub dq: CubeCount,
-    /// dK/dV: blocks of [`KEY_ROWS`] keys, slices = batch * kv_heads.
+    /// dK/dV: blocks of [`DKDV_KEYS`] keys, slices = batch * kv_heads.
     pub dkdv: CubeCount,
 }
 
 /// The kernels' grids for `dims`, once their cubes, shared memory and grids are known to fit
 /// `limits`.
 pub(crate) fn grids(dims: &AttentionDims, limits: &DeviceLimits) -> Result<Grids, KernelError> {
-    limits.expect_units("the tensor-core kernels", UNITS)?;
+    limits.expect_units("the tensor-core kernels", UNITS.max(DKDV_UNITS))?;
     limits.expect_shared(
         "the tensor-core kernels",
         shared_memory_bytes(dims.head_dim),
@@ -96,7 +93,7 @@ pub(crate) fn grids(dims: &AttentionDims, limits: &DeviceLimits) -> Result<Grids
     Ok(Grids {
         forward: blocks("the tensor-core forward", Rows::Query, BLOCK_ROWS)?,
         dq: blocks("the tensor-core dQ kernel", Rows::Query, QUERY_ROWS)?,
-        dkdv: blocks("the tensor-core dK/dV kernel", Rows::Key, KEY_ROWS)?,
+        dkdv: blocks("the tensor-core dK/dV kernel", Rows::Key, DKDV_KEYS)?,
     })
 }
 
@@ -261,10 +258,10 @@ pub(crate) fn backward_step<R: Runtime>(
         )
     };
     // SAFETY: as above.
-    crate::launch::with_elem_type!(q.elem, E => unsafe { backward::backward_dkdv_mma::launch_unchecked::<E, R>(
+    crate::launch::with_elem_type!(q.elem, E => unsafe { dkdv::backward_dkdv_mma::launch_unchecked::<E, R>(
         client,
         grids.dkdv.clone(),
-        dim,
+        CubeDim::new_1d(DKDV_UNITS as u32),
         q.array_arg(),
         k.array_arg(),
         v.array_arg(),

@@ -107,9 +107,10 @@ pub fn multiply_by_rows_transposed<E: Float, NA: Size, NB: Size, NC: Size>(
 
 /// `acc (m_tiles x 16 x head_dim) += P . T` where `P` (`m_tiles x 16 x rows`) is given as A
 /// fragments (see [`accumulator_to_fragments`]) and `T` is `rows` staged rows of length
-/// `head_dim` from row `t_row0` of `tile` (P V in the forward, dS K for dQ, P^T dO for dV,
-/// dS^T Q for dK). Each transposed `ldmatrix.x4` of `T` feeds `2 * m_tiles` `mma`s.
+/// `head_dim` from row `t_row0` of `tile` (P V in the forward, dS K for dQ). Each transposed
+/// `ldmatrix.x4` of `T` feeds `2 * m_tiles` `mma`s.
 #[cube]
+#[allow(clippy::too_many_arguments)]
 pub fn multiply_by_rows<E: Float, NA: Size, NB: Size, NC: Size>(
     def: &MmaDefinition<E, E, f32>,
     p: &Array<Vector<E, NA>>,
@@ -120,14 +121,36 @@ pub fn multiply_by_rows<E: Float, NA: Size, NB: Size, NC: Size>(
     #[comptime] rows: usize,
     #[comptime] head_dim: usize,
 ) {
+    multiply_by_row_columns::<E, NA, NB, NC>(
+        def, p, tile, t_row0, 0usize, acc, m_tiles, rows, head_dim, head_dim,
+    );
+}
+
+/// [`multiply_by_rows`] on `cols` columns of `T` from column `t_col0` (a multiple of 16): `acc`
+/// is `m_tiles x 16 x cols` (tile `(mt, c)` at `(mt * cols / 8 + c) * vc`), `T`'s staged rows
+/// are `head_dim` long (P^T dO for a plane's share of dV, dS^T Q of dK, dS K of dQ).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn multiply_by_row_columns<E: Float, NA: Size, NB: Size, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    p: &Array<Vector<E, NA>>,
+    tile: &SharedMemory<E>,
+    t_row0: usize,
+    t_col0: usize,
+    acc: &mut Array<Vector<f32, NC>>,
+    #[comptime] m_tiles: usize,
+    #[comptime] rows: usize,
+    #[comptime] cols: usize,
+    #[comptime] head_dim: usize,
+) {
     let va = def.vectors_per_lane(MatrixIdent::A);
     let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
     let k_steps = comptime!(rows / FRAG_K);
-    let out_frags = comptime!(head_dim / FRAG_COLS);
+    let out_frags = comptime!(cols / FRAG_COLS);
     let stride = comptime!(padded_stride(head_dim));
-    let t_base = t_row0 * stride + pair_lane_offset(UNIT_POS_PLANE, head_dim, true);
+    let t_base = t_row0 * stride + t_col0 + pair_lane_offset(UNIT_POS_PLANE, head_dim, true);
     #[unroll]
-    for pair in 0..comptime!(head_dim / FRAG_COLS / 2) {
+    for pair in 0..comptime!(cols / FRAG_COLS / 2) {
         #[unroll]
         for kk in 0..k_steps {
             // Registers 0-1: the B fragment of output tile 2 * pair, 2-3: of 2 * pair + 1.
@@ -148,6 +171,94 @@ pub fn multiply_by_rows<E: Float, NA: Size, NB: Size, NC: Size>(
                     acc,
                     (mt * out_frags + 2 * pair) * vc,
                 );
+            }
+        }
+    }
+}
+
+/// A fragments of an `m_tiles x 16` by `k_steps x 16` matrix `A` staged in `tile` (rows
+/// `width` elements long, padded), in the layout [`multiply_by_row_columns`] takes (fragment
+/// `(mt, kk)` at `(mt * k_steps + kk) * va`). `A`'s element `(m, k)` is the staged element at
+/// row `a_row0 + m`, column `a_col0 + k`; with `transposed`, at row `a_col0 + k`, column
+/// `a_row0 + m` (the tile holds `A^T`; `.trans` loads).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn load_fragments<E: Float, NA: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    tile: &SharedMemory<E>,
+    a_row0: usize,
+    a_col0: usize,
+    #[comptime] m_tiles: usize,
+    #[comptime] k_steps: usize,
+    #[comptime] width: usize,
+    #[comptime] transposed: bool,
+) -> Array<Vector<E, NA>> {
+    let va = def.vectors_per_lane(MatrixIdent::A);
+    let stride = comptime!(padded_stride(width));
+    let lane = UNIT_POS_PLANE;
+    let mut frags = Array::<Vector<E, NA>>::new(comptime!(m_tiles * k_steps * va));
+    let mut base = a_row0 * stride + a_col0 + a_lane_offset(lane, width);
+    if transposed {
+        base = a_col0 * stride + a_row0 + pair_lane_offset(lane, width, false);
+    }
+    #[unroll]
+    for mt in 0..m_tiles {
+        #[unroll]
+        for kk in 0..k_steps {
+            let offset = comptime!(if transposed {
+                kk * FRAG_K * stride + mt * WARP_ROWS
+            } else {
+                mt * WARP_ROWS * stride + kk * FRAG_K
+            });
+            let regs =
+                load_matrix_x4::<E, NA>(def, tile, base + offset, MatrixIdent::A, transposed);
+            #[unroll]
+            for i in 0..va {
+                frags[(mt * k_steps + kk) * va + i] = regs[i];
+            }
+        }
+    }
+    frags
+}
+
+/// Stores `scale` times `m_tiles x 16 x cols` accumulators (laid out as in
+/// [`multiply_by_rows_transposed`]), converted to `E`, into a staged tile with rows `width`
+/// elements long (padded), from row `row0` and column `col0`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn store_to_tile<E: Float, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    acc: &Array<Vector<f32, NC>>,
+    tile: &mut SharedMemory<E>,
+    row0: usize,
+    col0: usize,
+    scale: f32,
+    #[comptime] m_tiles: usize,
+    #[comptime] cols: usize,
+    #[comptime] width: usize,
+) {
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let stride = comptime!(padded_stride(width));
+    let frags = comptime!(cols / FRAG_COLS);
+    let lane = UNIT_POS_PLANE;
+    let base = row0 * stride + col0;
+    #[unroll]
+    for mt in 0..m_tiles {
+        #[unroll]
+        for nt in 0..frags {
+            #[unroll]
+            for i in 0..vc {
+                let reg = acc[(mt * frags + nt) * vc + i];
+                #[unroll]
+                for e in 0..sc {
+                    let n = i * sc + e;
+                    let at = base
+                        + (mt * WARP_ROWS + accumulator_row(lane, n) as usize) * stride
+                        + nt * FRAG_COLS
+                        + accumulator_col(lane, n) as usize;
+                    tile[at] = E::cast_from(reg[e] * scale);
+                }
             }
         }
     }
@@ -264,6 +375,29 @@ pub fn store_accumulator<E: Float, T: Float, NC: Size>(
     #[comptime] cols: usize,
     #[comptime] accumulate: bool,
 ) {
+    store_accumulator_columns::<E, T, NC>(
+        def, acc, dst, base, row0, len, 0usize, scale, m_tiles, cols, cols, accumulate,
+    );
+}
+
+/// [`store_accumulator`] of an `m_tiles x 16 x cols` accumulator into columns `col0..col0 +
+/// cols` of a row-major matrix with rows `width` long.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn store_accumulator_columns<E: Float, T: Float, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    acc: &Array<Vector<f32, NC>>,
+    dst: &mut Array<T>,
+    base: usize,
+    row0: u32,
+    len: u32,
+    col0: usize,
+    scale: f32,
+    #[comptime] m_tiles: usize,
+    #[comptime] cols: usize,
+    #[comptime] width: usize,
+    #[comptime] accumulate: bool,
+) {
     let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
     let sc = def.vector_size(MatrixIdent::Accumulator);
     let frags = comptime!(cols / FRAG_COLS);
@@ -278,9 +412,9 @@ pub fn store_accumulator<E: Float, T: Float, NC: Size>(
                 #[unroll]
                 for e in 0..sc {
                     let row = row0 + (mt * WARP_ROWS) as u32 + accumulator_row(lane, i * sc + e);
-                    let col = t * FRAG_COLS + accumulator_col(lane, i * sc + e) as usize;
+                    let col = col0 + t * FRAG_COLS + accumulator_col(lane, i * sc + e) as usize;
                     if row < len {
-                        let at = (base + row as usize) * cols + col;
+                        let at = (base + row as usize) * width + col;
                         let value = T::cast_from(reg[e] * scale);
                         if accumulate {
                             dst[at] += value;

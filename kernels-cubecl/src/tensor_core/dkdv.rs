@@ -1,0 +1,789 @@
+//! The tensor-core dK/dV kernel (and, fused, dQ): a cube of 8 planes owns [`DKDV_KEYS`] keys and
+//! walks the [`QUERY_ROWS`]-row query tiles of every query head of its group that can see them.
+//!
+//! The planes split each step's products three ways, as FlashAttention-2 does, so that every
+//! `ldmatrix.x4` of a shared operand feeds four `mma`s and each plane reads a quarter to a half of
+//! the tiles instead of all of them:
+//! - S^T = K Q^T and dP^T = V dO^T: plane `w` takes key group `w / 2` (32 keys) against query
+//!   half `w % 2` (32 queries). P^T and dS^T = P^T (dP^T - delta) go to shared memory.
+//! - dV += P^T dO and dK += dS^T Q: plane `w` owns key group `w / 2` by head-dim half `w % 2`,
+//!   reading the whole query tile's P^T and dS^T rows of its keys.
+//! - fused dQ = dS K: plane `w` takes query half `w / 4` by head-dim quarter `w % 4` over all
+//!   [`DKDV_KEYS`] keys, and adds it to the fragment-order scratch with f32 atomics (half the
+//!   atomics per FLOP of a 64-key block).
+//!
+//! Two barriers per step: one before the next step's copies are issued into the buffers of the
+//! step before, one between storing P^T and dS^T and reading them back. The query tiles are
+//! double-buffered as in the dQ kernel; diagonal and partial tiles run masked, the others not.
+
+use cubecl::cmma::{MatrixIdent, MmaDefinition};
+use cubecl::prelude::barrier::Barrier;
+use cubecl::prelude::*;
+
+use super::backward::{commit_to_buffer, wait_for_buffer, QUERY_ROWS};
+use super::dq_fragments::tile_row_base;
+use super::forward::slot_row;
+use super::fragments::{accumulator_col, mma_definition, FRAG_COLS, FRAG_K, WARP_ROWS};
+use super::tiles::{padded_stride, stage_rows_async, stage_tile_async, ROW_SLOTS};
+use super::warp_tile::{
+    load_fragments, multiply_by_row_columns, multiply_by_rows_transposed,
+    store_accumulator_columns, store_to_tile, zero_accumulator,
+};
+use crate::stats::{lse_log2, weight_log2, LOG2_E};
+
+/// Planes (warps) of a dK/dV cube.
+pub const DKDV_PLANES: usize = 8;
+/// Units of a dK/dV cube.
+pub const DKDV_UNITS: usize = DKDV_PLANES * 32;
+/// Keys of a dK/dV cube: four groups of [`GROUP_KEYS`], each shared by two planes.
+pub const DKDV_KEYS: usize = 128;
+/// Keys of one plane's group: two `mma` row tiles.
+const GROUP_KEYS: usize = 2 * WARP_ROWS;
+/// `mma` row tiles of a plane's share of every product.
+const PLANE_TILES: usize = 2;
+/// Queries of half a query tile: a plane's share of S^T's columns and of dQ's rows.
+const HALF_QUERIES: usize = QUERY_ROWS / 2;
+/// Keys the fused dQ reduces over per batch of dS fragments it holds.
+const DQ_KEY_CHUNK: usize = 64;
+/// Key rows the lane's accumulator values of one plane's S^T fall in.
+const KEY_SLOTS: usize = PLANE_TILES * ROW_SLOTS;
+
+// The fused kernel's query tiles must not reach past a slice of the dQ scratch.
+const _: () = assert!(super::dq_fragments::SCRATCH_ROW_ALIGN.is_multiple_of(QUERY_ROWS));
+const _: () = assert!(DKDV_KEYS == (DKDV_PLANES / 2) * GROUP_KEYS);
+const _: () = assert!(DKDV_KEYS.is_multiple_of(DQ_KEY_CHUNK));
+
+/// Shared memory of the dK/dV kernel at `head_dim`, in bytes (each array 16-byte aligned, plus
+/// 16 bytes of slack each, and the two barriers): K and V blocks, double-buffered Q and dO
+/// tiles and their rows' f32 statistics, the P^T and dS^T tiles.
+pub fn shared_memory_bytes(head_dim: usize) -> usize {
+    let array = |bytes: usize| bytes.next_multiple_of(16) + 16;
+    let rows = |rows: usize, width: usize| array(rows * padded_stride(width) * 2);
+    2 * rows(DKDV_KEYS, head_dim)
+        + 2 * rows(2 * QUERY_ROWS, head_dim)
+        + 2 * array(2 * QUERY_ROWS * 4)
+        + 2 * rows(DKDV_KEYS, QUERY_ROWS)
+        + 2 * 16
+}
+
+/// dK/dV step, and with `fuse_dq` also dQ (added with f32 atomics to `dq`, a zeroed scratch in
+/// fragment order, see [`super::dq_fragments`]; not touched otherwise). A step adds dK and dV
+/// to the f32 `dk`, `dv`; with `one_shot` (a whole attention: the cube has seen every query)
+/// it writes them to `dk_out`, `dv_out` in `E` instead, leaving `dk`, `dv` alone. Grid:
+/// slice-major, x = batch * kv_heads, y = key blocks of [`DKDV_KEYS`] (under a causal mask the
+/// first blocks see the most queries and run first); [`DKDV_UNITS`] units per cube. Launched
+/// unchecked: global accesses are guarded against `q_len`/`kv_len` by the kernel.
+#[cube(launch_unchecked, fast_math = FastMath::all())]
+#[allow(clippy::too_many_arguments)]
+pub fn backward_dkdv_mma<E: Float>(
+    q: &Array<E>,
+    k: &Array<E>,
+    v: &Array<E>,
+    grad_out: &Array<E>,
+    lse: &Array<f32>,
+    delta: &Array<f32>,
+    dk: &mut Array<f32>,
+    dv: &mut Array<f32>,
+    dq: &mut Array<Atomic<f32>>,
+    dk_out: &mut Array<E>,
+    dv_out: &mut Array<E>,
+    scale: f32,
+    shift: i32,
+    q_len: u32,
+    kv_len: u32,
+    kv_heads: u32,
+    group_size: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] causal: bool,
+    #[comptime] fuse_dq: bool,
+    #[comptime] one_shot: bool,
+) {
+    let def = mma_definition::<E>();
+    let size!(NA) = def.vector_size(MatrixIdent::A);
+    let size!(NB) = def.vector_size(MatrixIdent::B);
+    let size!(NC) = def.vector_size(MatrixIdent::Accumulator);
+    let grad_frags = comptime!(PLANE_TILES * head_dim / 2 / FRAG_COLS);
+    let stride = comptime!(padded_stride(head_dim));
+    let ds_stride = comptime!(padded_stride(QUERY_ROWS));
+
+    let lane = UNIT_POS_PLANE;
+    let warp = UNIT_POS / 32;
+    let bkv = CUBE_POS_X;
+    let batch = bkv / kv_heads;
+    let kv_head = bkv % kv_heads;
+    let q_heads = kv_heads * group_size;
+    let key_base = (bkv * kv_len) as usize;
+    let block_start = CUBE_POS_Y * DKDV_KEYS as u32;
+    let shares = PlaneShares {
+        key_row0: (warp / 2) as usize * GROUP_KEYS,
+        query_col0: (warp % 2) as usize * HALF_QUERIES,
+        dim_col0: (warp % 2) as usize * comptime!(head_dim / 2),
+        dq_row0: (warp / 4) as usize * HALF_QUERIES,
+        dq_col0: (warp % 4) as usize * comptime!(head_dim / 4),
+    };
+
+    let mut k_block = SharedMemory::<E>::new_aligned(comptime!(DKDV_KEYS * stride), 16usize);
+    let mut v_block = SharedMemory::<E>::new_aligned(comptime!(DKDV_KEYS * stride), 16usize);
+    // Two buffers of query tiles and their rows' statistics: walk step `s` in buffer `s % 2`.
+    let mut q_tiles = SharedMemory::<E>::new_aligned(comptime!(2 * QUERY_ROWS * stride), 16usize);
+    let mut do_tiles = SharedMemory::<E>::new_aligned(comptime!(2 * QUERY_ROWS * stride), 16usize);
+    let mut lse_tiles = SharedMemory::<f32>::new(comptime!(2 * QUERY_ROWS));
+    let mut delta_tiles = SharedMemory::<f32>::new(comptime!(2 * QUERY_ROWS));
+    // This step's P^T and dS^T, keys by queries.
+    let mut p_tile = SharedMemory::<E>::new_aligned(comptime!(DKDV_KEYS * ds_stride), 16usize);
+    let mut ds_tile = SharedMemory::<E>::new_aligned(comptime!(DKDV_KEYS * ds_stride), 16usize);
+    let ready_even = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let ready_odd = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    sync_cube();
+    stage_rows_async::<E>(
+        k,
+        key_base * head_dim,
+        block_start,
+        kv_len,
+        &mut k_block,
+        0usize,
+        DKDV_KEYS,
+        head_dim,
+        DKDV_UNITS,
+        true,
+    );
+    stage_rows_async::<E>(
+        v,
+        key_base * head_dim,
+        block_start,
+        kv_len,
+        &mut v_block,
+        0usize,
+        DKDV_KEYS,
+        head_dim,
+        DKDV_UNITS,
+        true,
+    );
+
+    // First query each of the lane's key rows in the plane's S^T is seen by (query i sees key j
+    // iff j <= i + shift); keys past the chunk see nothing.
+    let mut query_floor = Array::<u32>::new(KEY_SLOTS);
+    #[unroll]
+    for mt in 0..PLANE_TILES {
+        #[unroll]
+        for slot in 0..ROW_SLOTS {
+            let key =
+                block_start + (shares.key_row0 + mt * WARP_ROWS) as u32 + slot_row(lane, slot);
+            let mut floor = 0u32;
+            if causal {
+                floor = max(key as i32 - shift, 0i32) as u32;
+            }
+            query_floor[mt * ROW_SLOTS + slot] = select(key < kv_len, floor, q_len);
+        }
+    }
+    // Query tiles of each query head of the group: [first, whole_from) on the causal diagonal
+    // (masked), [whole_from, whole_end) seen whole by every key of the block, [whole_end,
+    // num_tiles) the chunk's partial last tile. The walk visits `tiles` of them per head,
+    // head after head.
+    let num_tiles = q_len.div_ceil(QUERY_ROWS as u32);
+    let whole_end = q_len / QUERY_ROWS as u32;
+    let mut first = 0u32;
+    let mut whole_from = 0u32;
+    if causal {
+        let block_last = block_start + DKDV_KEYS as u32 - 1;
+        first = min(max(block_start as i32 - shift, 0i32) as u32, q_len) / QUERY_ROWS as u32;
+        whole_from =
+            min(max(block_last as i32 - shift, 0i32) as u32, q_len).div_ceil(QUERY_ROWS as u32);
+    }
+    whole_from = min(whole_from, whole_end);
+    first = min(first, num_tiles);
+    let walk = QueryWalk {
+        head0: batch * q_heads + kv_head * group_size,
+        q_len,
+        first,
+        tiles: num_tiles - first,
+    };
+    let steps = group_size * walk.tiles;
+
+    // The block's K and V and the first query tile arrive on the even barrier.
+    if steps > 0 {
+        let q_start = walk.tile(0u32) * QUERY_ROWS as u32;
+        stage_query_tile::<E>(
+            q,
+            grad_out,
+            walk.row_base(0u32),
+            q_start,
+            q_len,
+            &mut q_tiles,
+            &mut do_tiles,
+            0u32,
+            head_dim,
+        );
+        let mut stats = Array::<f32>::new(2usize);
+        load_row_stats(&mut stats, lse, delta, walk.row_base(0u32), q_start, q_len);
+        store_row_stats(&stats, &mut lse_tiles, &mut delta_tiles, 0u32);
+    }
+    ready_even.commit_copy_async();
+
+    let scale_log2 = scale * LOG2_E;
+    let mut dk_acc = zero_accumulator::<E, NC>(&def, grad_frags);
+    let mut dv_acc = zero_accumulator::<E, NC>(&def, grad_frags);
+    for step in 0..steps {
+        let tile = walk.tile(step);
+        let masked = tile < whole_from || tile >= whole_end;
+        sync_cube();
+        // Every plane is done with step - 1: its buffers take step + 1.
+        let has_next = step + 1 < steps;
+        let mut next_stats = Array::<f32>::new(2usize);
+        if has_next {
+            let next_start = walk.tile(step + 1) * QUERY_ROWS as u32;
+            stage_query_tile::<E>(
+                q,
+                grad_out,
+                walk.row_base(step + 1),
+                next_start,
+                q_len,
+                &mut q_tiles,
+                &mut do_tiles,
+                1 - step % 2,
+                head_dim,
+            );
+            commit_to_buffer(&ready_even, &ready_odd, 1 - step % 2);
+            // Loaded now, stored once this step's scores are done: the loads' latency hides
+            // behind them.
+            load_row_stats(
+                &mut next_stats,
+                lse,
+                delta,
+                walk.row_base(step + 1),
+                next_start,
+                q_len,
+            );
+        }
+        wait_for_buffer(&ready_even, &ready_odd, step % 2);
+        let step_tile = StepTile {
+            row0: (step % 2) as usize * QUERY_ROWS,
+            q_start: tile * QUERY_ROWS as u32,
+        };
+        if masked {
+            store_probabilities::<E, NA, NB, NC>(
+                &def,
+                &k_block,
+                &v_block,
+                &q_tiles,
+                &do_tiles,
+                &lse_tiles,
+                &delta_tiles,
+                &mut p_tile,
+                &mut ds_tile,
+                &shares,
+                &step_tile,
+                &query_floor,
+                q_len,
+                scale_log2,
+                head_dim,
+                true,
+            );
+        } else {
+            store_probabilities::<E, NA, NB, NC>(
+                &def,
+                &k_block,
+                &v_block,
+                &q_tiles,
+                &do_tiles,
+                &lse_tiles,
+                &delta_tiles,
+                &mut p_tile,
+                &mut ds_tile,
+                &shares,
+                &step_tile,
+                &query_floor,
+                q_len,
+                scale_log2,
+                head_dim,
+                false,
+            );
+        }
+        if has_next {
+            store_row_stats(&next_stats, &mut lse_tiles, &mut delta_tiles, 1 - step % 2);
+        }
+        sync_cube();
+        accumulate_key_grads::<E, NA, NB, NC>(
+            &def,
+            &q_tiles,
+            &do_tiles,
+            &p_tile,
+            &ds_tile,
+            &shares,
+            step_tile.row0,
+            &mut dk_acc,
+            &mut dv_acc,
+            head_dim,
+        );
+        if fuse_dq {
+            add_tile_dq::<E, NA, NB, NC>(
+                &def,
+                &k_block,
+                &ds_tile,
+                dq,
+                &shares,
+                walk.slice(step),
+                step_tile.q_start,
+                q_len,
+                scale,
+                head_dim,
+            );
+        }
+    }
+    // Keys no query sees never waited for their K and V copies: no cube exits with copies in
+    // flight.
+    if steps == 0 {
+        ready_even.arrive_and_wait();
+    }
+
+    let key_row = block_start + shares.key_row0 as u32;
+    if one_shot {
+        store_key_grads::<E, E, NC>(
+            &def,
+            &dk_acc,
+            &dv_acc,
+            dk_out,
+            dv_out,
+            key_base,
+            key_row,
+            kv_len,
+            shares.dim_col0,
+            scale,
+            head_dim,
+            false,
+        );
+    } else {
+        store_key_grads::<E, f32, NC>(
+            &def,
+            &dk_acc,
+            &dv_acc,
+            dk,
+            dv,
+            key_base,
+            key_row,
+            kv_len,
+            shares.dim_col0,
+            scale,
+            head_dim,
+            true,
+        );
+    }
+}
+
+/// Which part of each product a plane computes (see the module docs); rows and columns within
+/// the cube's key block and the step's query tile.
+#[derive(CubeType)]
+struct PlaneShares {
+    /// First of the plane's [`GROUP_KEYS`] keys (S^T, dP^T, dK, dV).
+    key_row0: usize,
+    /// First of the plane's [`HALF_QUERIES`] S^T columns.
+    query_col0: usize,
+    /// First of the plane's `head_dim / 2` dK/dV columns.
+    dim_col0: usize,
+    /// First of the plane's [`HALF_QUERIES`] dQ rows.
+    dq_row0: usize,
+    /// First of the plane's `head_dim / 4` dQ columns.
+    dq_col0: usize,
+}
+
+/// Where one walk step's query tile is: its buffer's first row and its first query row.
+#[derive(CubeType)]
+struct StepTile {
+    row0: usize,
+    q_start: u32,
+}
+
+/// The plane's share of S^T = K Q^T and dP^T = V dO^T, turned into P^T and dS^T = P^T (dP^T -
+/// delta) and stored into the P^T and dS^T tiles. With `masked`, queries that may not see a key
+/// (causal diagonal, rows past the chunk) get P = 0.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn store_probabilities<E: Float, NA: Size, NB: Size, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    k_block: &SharedMemory<E>,
+    v_block: &SharedMemory<E>,
+    q_tiles: &SharedMemory<E>,
+    do_tiles: &SharedMemory<E>,
+    lse_tiles: &SharedMemory<f32>,
+    delta_tiles: &SharedMemory<f32>,
+    p_tile: &mut SharedMemory<E>,
+    ds_tile: &mut SharedMemory<E>,
+    shares: &PlaneShares,
+    step_tile: &StepTile,
+    query_floor: &Array<u32>,
+    q_len: u32,
+    scale_log2: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] masked: bool,
+) {
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let frags = comptime!(HALF_QUERIES / FRAG_COLS);
+    let lane = UNIT_POS_PLANE;
+    let row0 = step_tile.row0;
+    let mut s_acc = zero_accumulator::<E, NC>(def, comptime!(PLANE_TILES * frags));
+    multiply_by_rows_transposed::<E, NA, NB, NC>(
+        def,
+        k_block,
+        shares.key_row0,
+        q_tiles,
+        row0 + shares.query_col0,
+        &mut s_acc,
+        PLANE_TILES,
+        HALF_QUERIES,
+        head_dim,
+    );
+    let mut dp_acc = zero_accumulator::<E, NC>(def, comptime!(PLANE_TILES * frags));
+    multiply_by_rows_transposed::<E, NA, NB, NC>(
+        def,
+        v_block,
+        shares.key_row0,
+        do_tiles,
+        row0 + shares.query_col0,
+        &mut dp_acc,
+        PLANE_TILES,
+        HALF_QUERIES,
+        head_dim,
+    );
+    #[unroll]
+    for mt in 0..PLANE_TILES {
+        #[unroll]
+        for nt in 0..frags {
+            #[unroll]
+            for i in 0..vc {
+                let at = (mt * frags + nt) * vc + i;
+                let mut s_reg = s_acc[at];
+                let mut dp_reg = dp_acc[at];
+                #[unroll]
+                for e in 0..sc {
+                    let n = i * sc + e;
+                    let col =
+                        shares.query_col0 + nt * FRAG_COLS + accumulator_col(lane, n) as usize;
+                    let mut p = weight_log2(s_reg[e], scale_log2, lse_tiles[row0 + col]);
+                    if masked {
+                        let query = step_tile.q_start + col as u32;
+                        let floor = query_floor[mt * ROW_SLOTS + n / 2];
+                        p = select(query >= floor && query < q_len, p, 0.0f32);
+                    }
+                    s_reg[e] = p;
+                    dp_reg[e] = p * (dp_reg[e] - delta_tiles[row0 + col]);
+                }
+                s_acc[at] = s_reg;
+                dp_acc[at] = dp_reg;
+            }
+        }
+    }
+    store_to_tile::<E, NC>(
+        def,
+        &s_acc,
+        p_tile,
+        shares.key_row0,
+        shares.query_col0,
+        1.0f32,
+        PLANE_TILES,
+        HALF_QUERIES,
+        QUERY_ROWS,
+    );
+    store_to_tile::<E, NC>(
+        def,
+        &dp_acc,
+        ds_tile,
+        shares.key_row0,
+        shares.query_col0,
+        1.0f32,
+        PLANE_TILES,
+        HALF_QUERIES,
+        QUERY_ROWS,
+    );
+}
+
+/// dV += P^T dO and dK += dS^T Q for the plane's keys and head-dim half, over the whole query
+/// tile in buffer rows `row0..`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn accumulate_key_grads<E: Float, NA: Size, NB: Size, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    q_tiles: &SharedMemory<E>,
+    do_tiles: &SharedMemory<E>,
+    p_tile: &SharedMemory<E>,
+    ds_tile: &SharedMemory<E>,
+    shares: &PlaneShares,
+    row0: usize,
+    dk_acc: &mut Array<Vector<f32, NC>>,
+    dv_acc: &mut Array<Vector<f32, NC>>,
+    #[comptime] head_dim: usize,
+) {
+    let k_steps = comptime!(QUERY_ROWS / FRAG_K);
+    let p_frags = load_fragments::<E, NA>(
+        def,
+        p_tile,
+        shares.key_row0,
+        0usize,
+        PLANE_TILES,
+        k_steps,
+        QUERY_ROWS,
+        false,
+    );
+    multiply_by_row_columns::<E, NA, NB, NC>(
+        def,
+        &p_frags,
+        do_tiles,
+        row0,
+        shares.dim_col0,
+        dv_acc,
+        PLANE_TILES,
+        QUERY_ROWS,
+        comptime!(head_dim / 2),
+        head_dim,
+    );
+    let ds_frags = load_fragments::<E, NA>(
+        def,
+        ds_tile,
+        shares.key_row0,
+        0usize,
+        PLANE_TILES,
+        k_steps,
+        QUERY_ROWS,
+        false,
+    );
+    multiply_by_row_columns::<E, NA, NB, NC>(
+        def,
+        &ds_frags,
+        q_tiles,
+        row0,
+        shares.dim_col0,
+        dk_acc,
+        PLANE_TILES,
+        QUERY_ROWS,
+        comptime!(head_dim / 2),
+        head_dim,
+    );
+}
+
+/// The fused kernel's dQ for one query tile: the plane's [`HALF_QUERIES`] queries by
+/// `head_dim / 4` columns of `scale * dS K` over the block's [`DKDV_KEYS`] keys, added to the
+/// fragment-order scratch `dq` of slice `slice` with f32 atomics, one 128-byte line per
+/// warp-wide atomic. The A fragments of dS are transposed loads of the dS^T tile.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn add_tile_dq<E: Float, NA: Size, NB: Size, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    k_block: &SharedMemory<E>,
+    ds_tile: &SharedMemory<E>,
+    dq: &mut Array<Atomic<f32>>,
+    shares: &PlaneShares,
+    slice: u32,
+    q_start: u32,
+    q_len: u32,
+    scale: f32,
+    #[comptime] head_dim: usize,
+) {
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let cols = comptime!(head_dim / 4);
+    let frags = comptime!(cols / FRAG_COLS);
+    let lane = UNIT_POS_PLANE;
+    let mut dq_acc = zero_accumulator::<E, NC>(def, comptime!(PLANE_TILES * frags));
+    #[unroll]
+    for chunk in 0..comptime!(DKDV_KEYS / DQ_KEY_CHUNK) {
+        let ds_frags = load_fragments::<E, NA>(
+            def,
+            ds_tile,
+            shares.dq_row0,
+            chunk * DQ_KEY_CHUNK,
+            PLANE_TILES,
+            comptime!(DQ_KEY_CHUNK / FRAG_K),
+            QUERY_ROWS,
+            true,
+        );
+        multiply_by_row_columns::<E, NA, NB, NC>(
+            def,
+            &ds_frags,
+            k_block,
+            chunk * DQ_KEY_CHUNK,
+            shares.dq_col0,
+            &mut dq_acc,
+            PLANE_TILES,
+            DQ_KEY_CHUNK,
+            cols,
+            head_dim,
+        );
+    }
+    // Row tiles wholly past the chunk add nothing; rows past it in a tile that straddles the
+    // end (dS = 0) land in the scratch's padding.
+    let first_col_tile = shares.dq_col0 / FRAG_COLS;
+    #[unroll]
+    for mt in 0..PLANE_TILES {
+        let row = q_start + (shares.dq_row0 + mt * WARP_ROWS) as u32;
+        if row < q_len {
+            let base = tile_row_base(slice, row, q_len, lane, head_dim) + first_col_tile * 128;
+            #[unroll]
+            for t in 0..frags {
+                #[unroll]
+                for i in 0..vc {
+                    let reg = dq_acc[(mt * frags + t) * vc + i];
+                    #[unroll]
+                    for e in 0..sc {
+                        let offset = comptime!((t * 4 + i * sc + e) * 32);
+                        dq[base + offset].fetch_add(reg[e] * scale);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Stores a plane's dK (times `scale`) and dV accumulators (its [`GROUP_KEYS`] keys from
+/// `key_row`, `head_dim / 2` columns from `col0`) to `dk`, `dv` in `T`, adding to what is there
+/// with `accumulate`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn store_key_grads<E: Float, T: Float, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    dk_acc: &Array<Vector<f32, NC>>,
+    dv_acc: &Array<Vector<f32, NC>>,
+    dk: &mut Array<T>,
+    dv: &mut Array<T>,
+    key_base: usize,
+    key_row: u32,
+    kv_len: u32,
+    col0: usize,
+    scale: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] accumulate: bool,
+) {
+    store_accumulator_columns::<E, T, NC>(
+        def,
+        dk_acc,
+        dk,
+        key_base,
+        key_row,
+        kv_len,
+        col0,
+        scale,
+        PLANE_TILES,
+        comptime!(head_dim / 2),
+        head_dim,
+        accumulate,
+    );
+    store_accumulator_columns::<E, T, NC>(
+        def,
+        dv_acc,
+        dv,
+        key_base,
+        key_row,
+        kv_len,
+        col0,
+        1.0f32,
+        PLANE_TILES,
+        comptime!(head_dim / 2),
+        head_dim,
+        accumulate,
+    );
+}
+
+/// The query tiles one dK/dV cube walks: for each query head of its group (from `head0`), tiles
+/// `first..first + tiles` of [`QUERY_ROWS`] rows, head after head.
+#[derive(CubeType)]
+struct QueryWalk {
+    head0: u32,
+    q_len: u32,
+    first: u32,
+    tiles: u32,
+}
+
+#[cube]
+impl QueryWalk {
+    /// Query tile (within its head) of walk step `step`.
+    fn tile(&self, step: u32) -> u32 {
+        self.first + step % self.tiles
+    }
+
+    /// (batch, query head) slice of walk step `step`.
+    fn slice(&self, step: u32) -> u32 {
+        self.head0 + step / self.tiles
+    }
+
+    /// First element row of walk step `step`'s query head.
+    fn row_base(&self, step: u32) -> usize {
+        (self.slice(step) * self.q_len) as usize
+    }
+}
+
+/// Issues the copies of the query tile starting at row `q_start` of Q and dO (of the query head
+/// whose rows start at `row_base`) into buffer `buffer` (0 or 1); the caller commits them.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_query_tile<E: Float>(
+    q: &Array<E>,
+    grad_out: &Array<E>,
+    row_base: usize,
+    q_start: u32,
+    q_len: u32,
+    q_tiles: &mut SharedMemory<E>,
+    do_tiles: &mut SharedMemory<E>,
+    buffer: u32,
+    #[comptime] head_dim: usize,
+) {
+    let row0 = buffer as usize * QUERY_ROWS;
+    stage_tile_async::<E>(
+        q,
+        row_base * head_dim,
+        q_start,
+        q_len,
+        q_tiles,
+        row0,
+        QUERY_ROWS,
+        head_dim,
+        DKDV_UNITS,
+    );
+    stage_tile_async::<E>(
+        grad_out,
+        row_base * head_dim,
+        q_start,
+        q_len,
+        do_tiles,
+        row0,
+        QUERY_ROWS,
+        head_dim,
+        DKDV_UNITS,
+    );
+}
+
+/// Loads the log-sum-exp and delta of the query tile's row `UNIT_POS` (units below
+/// [`QUERY_ROWS`]) from global memory into `stats` (`[lse, delta]`); zeros for the other units
+/// and for rows past the chunk.
+#[cube]
+fn load_row_stats(
+    stats: &mut Array<f32>,
+    lse: &Array<f32>,
+    delta: &Array<f32>,
+    row_base: usize,
+    q_start: u32,
+    q_len: u32,
+) {
+    let row = q_start + UNIT_POS;
+    stats[0] = 0.0f32;
+    stats[1] = 0.0f32;
+    if UNIT_POS < QUERY_ROWS as u32 && row < q_len {
+        stats[0] = lse[row_base + row as usize];
+        stats[1] = delta[row_base + row as usize];
+    }
+}
+
+/// Stores row `UNIT_POS`'s statistics (from [`load_row_stats`]) into buffer `buffer`, the
+/// log-sum-exp in base 2 as [`weight_log2`] takes it (plain stores: visible after the next
+/// `sync_cube`).
+#[cube]
+fn store_row_stats(
+    stats: &Array<f32>,
+    lse_tiles: &mut SharedMemory<f32>,
+    delta_tiles: &mut SharedMemory<f32>,
+    buffer: u32,
+) {
+    if UNIT_POS < QUERY_ROWS as u32 {
+        let at = buffer as usize * QUERY_ROWS + UNIT_POS as usize;
+        lse_tiles[at] = lse_log2(stats[0]);
+        delta_tiles[at] = stats[1];
+    }
+}

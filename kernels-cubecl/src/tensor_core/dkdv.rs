@@ -29,6 +29,7 @@ use super::warp_tile::{
     load_fragments, multiply_by_row_columns, multiply_by_rows_transposed,
     store_accumulator_columns, store_to_tile, zero_accumulator,
 };
+use crate::grid::cube_slice;
 use crate::stats::{lse_log2, weight_log2, LOG2_E};
 
 /// Planes (warps) of a dK/dV cube.
@@ -70,8 +71,10 @@ pub fn shared_memory_bytes(head_dim: usize) -> usize {
 /// fragment order, see [`super::dq_fragments`]; not touched otherwise). A step adds dK and dV
 /// to the f32 `dk`, `dv`; with `one_shot` (a whole attention: the cube has seen every query)
 /// it writes them to `dk_out`, `dv_out` in `E` instead, leaving `dk`, `dv` alone. Grid:
-/// slice-major, x = batch * kv_heads, y = key blocks of [`DKDV_KEYS`] (under a causal mask the
-/// first blocks see the most queries and run first); [`DKDV_UNITS`] units per cube. Launched
+/// sliced ([`crate::grid::sliced`]), x = key blocks of [`DKDV_KEYS`], the (batch, kv head)
+/// slice over y and z: the cubes under way at once share one head's Q, dO and dQ scratch in L2
+/// (under a causal mask each head's first blocks see the most queries and start first);
+/// [`DKDV_UNITS`] units per cube. Launched
 /// unchecked: global accesses are guarded against `q_len`/`kv_len` by the kernel.
 #[cube(launch_unchecked, fast_math = FastMath::all())]
 #[allow(clippy::too_many_arguments)]
@@ -108,12 +111,12 @@ pub fn backward_dkdv_mma<E: Float>(
 
     let lane = UNIT_POS_PLANE;
     let warp = UNIT_POS / 32;
-    let bkv = CUBE_POS_X;
+    let bkv = cube_slice();
     let batch = bkv / kv_heads;
     let kv_head = bkv % kv_heads;
     let q_heads = kv_heads * group_size;
     let key_base = (bkv * kv_len) as usize;
-    let block_start = CUBE_POS_Y * DKDV_KEYS as u32;
+    let block_start = CUBE_POS_X * DKDV_KEYS as u32;
     let shares = PlaneShares {
         key_row0: (warp / 2) as usize * GROUP_KEYS,
         query_col0: (warp % 2) as usize * HALF_QUERIES,

@@ -93,7 +93,13 @@ pub(crate) fn grids(dims: &AttentionDims, limits: &DeviceLimits) -> Result<Grids
     Ok(Grids {
         forward: blocks("the tensor-core forward", Rows::Query, BLOCK_ROWS)?,
         dq: blocks("the tensor-core dQ kernel", Rows::Query, QUERY_ROWS)?,
-        dkdv: blocks("the tensor-core dK/dV kernel", Rows::Key, DKDV_KEYS)?,
+        dkdv: grid::blocks(
+            "the tensor-core dK/dV kernel",
+            dims,
+            Rows::Key,
+            DKDV_KEYS,
+            limits,
+        )?,
     })
 }
 

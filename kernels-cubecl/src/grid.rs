@@ -8,10 +8,10 @@
 //! its slice with [`cube_slice`] (`CUBE_POS_Z * CUBE_COUNT_Y + CUBE_POS_Y`), its block with
 //! `CUBE_POS_X`. Unfolded grids (z = 1) decode the same way.
 //!
-//! **Slice-major kernels** (the tensor-core kernels, [`slice_major`]): x = the slice, y = the
-//! block, no fold. The device starts cubes in x-fastest order, so every slice's block `y` is
-//! under way before any slice's block `y + 1`: the kernels take their heaviest causal blocks at
-//! `y = 0`, and the light ones fill the last wave. CUDA's x axis holds 2^31 - 1 slices.
+//! **Slice-major kernels** (the tensor-core forward and dQ kernels, [`slice_major`]): x = the
+//! slice, y = the block, no fold. The device starts cubes in x-fastest order, so every slice's
+//! block `y` is under way before any slice's block `y + 1`: the kernels take their heaviest
+//! causal blocks at `y = 0`, and the light ones fill the last wave. CUDA's x axis holds 2^31 - 1 slices.
 //!
 //! **Linear kernels** (one unit per element or row, indexed by `ABSOLUTE_POS`, which CubeCL
 //! linearises over x, y and z): the cube count is folded over x, y and z, possibly with a few

@@ -76,7 +76,7 @@ pub trait FlashAttentionBackend: Backend {
         state: AttentionState<Self>,
         step: StepMask,
     ) -> AttentionState<Self> {
-        state::forward_step::<Self>(q, k, v, state, step)
+        crate::portable::forward_step::<Self>(q, k, v, state, step)
     }
 
     /// Merges two partial states of the same query rows.

@@ -7,7 +7,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Bool, Int, Tensor, TensorPrimitive};
 
 use crate::options::{FlashAttentionOptions, Mask};
-use crate::state::StepMask;
+use crate::state::{self, AttentionState, StepMask};
 
 /// Large negative finite value standing in for `-inf` where `-inf - -inf` would give NaN.
 const FLOOR: f64 = -1e30;
@@ -114,6 +114,19 @@ pub fn partial<B: Backend>(
     )
 }
 
+/// Folds one key/value chunk into the state, as the merge of the state with the chunk's own
+/// partial (computed from tensor operations).
+pub fn forward_step<B: Backend>(
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    state: AttentionState<B>,
+    step: StepMask,
+) -> AttentionState<B> {
+    let (m, l, o) = partial::<B>(q, k, v, step.mask, step.scale);
+    state::merge(state, AttentionState { o, m, l })
+}
+
 /// `(O, lse)`; a row that sees no key gets `O = 0`, `lse = -inf`.
 pub fn forward<B: Backend>(
     q: FloatTensor<B>,
@@ -122,7 +135,7 @@ pub fn forward<B: Backend>(
     options: FlashAttentionOptions,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
     let (m, l, o) = partial::<B>(q, k, v, options.mask(), options.scale);
-    crate::state::finalize::<B>(crate::state::AttentionState { o, m, l })
+    state::finalize::<B>(AttentionState { o, m, l })
 }
 
 /// One (query chunk, key chunk) pair's `(dq, dk, dv)` from the full rows' lse and delta.
@@ -169,7 +182,7 @@ pub fn backward<B: Backend>(
     grad_out: FloatTensor<B>,
     options: FlashAttentionOptions,
 ) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
-    let delta = crate::state::delta::<B>(out, grad_out.clone());
+    let delta = state::delta::<B>(out, grad_out.clone());
     gradients::<B>(
         q,
         k,

@@ -1,13 +1,12 @@
-//! The running softmax state at the Burn level, and the step operations' portable definitions
-//! from tensor operations (every backend gets these; the CubeCL backends override them with the
-//! kernels).
+//! The running softmax state at the Burn level and its operations from tensor operations
+//! (empty, merge, finalize, delta: every backend gets these; the CubeCL backends override them
+//! with the kernels). The portable forward step is in [`crate::portable`].
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Tensor, TensorPrimitive};
 
 use crate::options::{FlashAttentionOptions, Mask};
-use crate::portable;
 
 /// Running state of a block of query rows, all f32 where the backend allows: `o`
 /// (unnormalised output, `[B, H, S, D]`), `m` (running max) and `l` (running sum), `[B, H, S]`.
@@ -76,19 +75,6 @@ pub fn merge<B: Backend>(a: AttentionState<B>, b: AttentionState<B>) -> Attentio
         l: prim(t3::<B>(a.l) * wa + t3::<B>(b.l) * wb),
         m: prim(m),
     }
-}
-
-/// Folds one key/value chunk into the state, as the merge of the state with the chunk's own
-/// partial (computed from tensor operations).
-pub fn forward_step<B: Backend>(
-    q: FloatTensor<B>,
-    k: FloatTensor<B>,
-    v: FloatTensor<B>,
-    state: AttentionState<B>,
-    step: StepMask,
-) -> AttentionState<B> {
-    let (m, l, o) = portable::partial::<B>(q, k, v, step.mask, step.scale);
-    merge(state, AttentionState { o, m, l })
 }
 
 /// `(O, lse)` from a finished state; rows that saw no key give `O = 0`, `lse = -inf`.

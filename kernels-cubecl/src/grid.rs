@@ -152,6 +152,20 @@ pub(crate) fn linear(
     Ok(CubeCount::Static(x as u32, y as u32, z as u32))
 }
 
+/// Grid and cube of a linear kernel over `len` items, `per_cube` per cube.
+pub(crate) fn linear_launch(
+    kernel: &str,
+    len: usize,
+    per_cube: usize,
+    limits: &DeviceLimits,
+) -> Result<(CubeCount, CubeDim), KernelError> {
+    limits.expect_units(kernel, per_cube)?;
+    Ok((
+        linear(kernel, len.div_ceil(per_cube), limits)?,
+        CubeDim::new_1d(per_cube as u32),
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -3,7 +3,11 @@
 
 use cubecl::prelude::*;
 
-use crate::dims::{AttentionDims, Mask};
+pub use crate::buffers::{fill, zeros_f32, GradAccumulators, SoftmaxState};
+pub use crate::options::{StepOptions, Variant};
+
+use crate::buffers::enqueue_filled;
+use crate::dims::AttentionDims;
 use crate::error::{launch_result, KernelError};
 use crate::grid;
 use crate::limits::DeviceLimits;
@@ -11,244 +15,9 @@ use crate::plan::{LaunchPlan, ELEMENT_UNITS};
 use crate::portable::{self, ROWS_PER_CUBE};
 use crate::state_kernels;
 use crate::state_kernels::{ROW_LANES, ROW_UNITS};
-use crate::tensor::{DeviceTensor, ElemType};
+use crate::tensor::{with_elem_type, DeviceTensor, ElemType};
 use crate::tensor_core::dq_fragments;
 use crate::tensor_core::{DqTarget, ForwardTarget, KeyGrads};
-
-/// Runs `$body` with the type alias `$E` bound to the Rust type of an [`ElemType`].
-macro_rules! with_elem_type {
-    ($elem:expr, $E:ident => $body:expr) => {
-        match $elem {
-            ElemType::F16 => {
-                type $E = half::f16;
-                $body
-            }
-            ElemType::BF16 => {
-                type $E = half::bf16;
-                $body
-            }
-            ElemType::F32 => {
-                type $E = f32;
-                $body
-            }
-        }
-    };
-}
-pub(crate) use with_elem_type;
-
-/// Which implementation runs a step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Variant {
-    /// The tensor-core variant where the runtime and shapes allow it, the portable one otherwise.
-    #[default]
-    Auto,
-    /// Scalar kernels that run on every CubeCL runtime.
-    Portable,
-    /// Tensor-core kernels (CUDA with `mma.sync`); an error where unavailable.
-    TensorCore,
-}
-
-/// Options of one attention step.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct StepOptions {
-    /// Which keys each query sees.
-    pub mask: Mask,
-    /// Score scale; `None` means `1 / sqrt(head_dim)`.
-    pub scale: Option<f32>,
-    /// Kernel variant.
-    pub variant: Variant,
-    /// Backward without atomics: the tensor-core backward then computes dQ in its own kernel
-    /// (recomputing scores, seven GEMMs instead of five) and gives bitwise the same gradients on
-    /// every run. Off by default: one kernel adds dQ with f32 atomics, in no fixed order, as
-    /// FlashAttention-2 does. The portable kernels are always deterministic.
-    pub deterministic: bool,
-}
-
-impl StepOptions {
-    /// The scale actually applied to `q . k`.
-    pub fn resolved_scale(&self, head_dim: usize) -> f32 {
-        self.scale.unwrap_or(1.0 / (head_dim as f32).sqrt())
-    }
-
-    /// Errors unless the options can be used: a given scale must be finite.
-    pub fn check(&self) -> Result<(), KernelError> {
-        match self.scale {
-            Some(scale) if !scale.is_finite() => Err(KernelError::BadOption {
-                what: format!("the score scale must be finite, got {scale}"),
-            }),
-            _ => Ok(()),
-        }
-    }
-}
-
-/// The running state `(o, m, l)` of a block of query rows, all f32: `o` is `[B, H, S, D]`,
-/// `m` and `l` are `[B, H, S]`.
-#[derive(Clone, Debug)]
-pub struct SoftmaxState {
-    /// Unnormalised output.
-    pub o: DeviceTensor,
-    /// Running max of the scores.
-    pub m: DeviceTensor,
-    /// Running sum of `exp(score - m)`.
-    pub l: DeviceTensor,
-}
-
-/// f32 gradient accumulators of one (query chunk, key chunk) set.
-#[derive(Clone, Debug)]
-pub struct GradAccumulators {
-    /// `[B, Hq, Sq, D]`.
-    pub dq: DeviceTensor,
-    /// `[B, Hkv, Skv, D]`.
-    pub dk: DeviceTensor,
-    /// `[B, Hkv, Skv, D]`.
-    pub dv: DeviceTensor,
-}
-
-/// Grid and cube of a linear kernel over `len` items, `per_cube` per cube.
-fn linear_launch(
-    kernel: &str,
-    len: usize,
-    per_cube: usize,
-    limits: &DeviceLimits,
-) -> Result<(CubeCount, CubeDim), KernelError> {
-    limits.expect_units(kernel, per_cube)?;
-    Ok((
-        grid::linear(kernel, len.div_ceil(per_cube), limits)?,
-        CubeDim::new_1d(per_cube as u32),
-    ))
-}
-
-/// Queues [`state_kernels::fill_f32`] on `tensor` (f32, checked by the caller).
-fn enqueue_fill<R: Runtime>(
-    client: &ComputeClient<R>,
-    limits: &DeviceLimits,
-    tensor: &DeviceTensor,
-    value: f32,
-) -> Result<(), KernelError> {
-    let (count, dim) = linear_launch("fill", tensor.len(), ELEMENT_UNITS, limits)?;
-    state_kernels::fill_f32::launch::<R>(
-        client,
-        count,
-        dim,
-        tensor.array_arg(),
-        value,
-        tensor.len() as u32,
-    );
-    Ok(())
-}
-
-/// Fills an f32 tensor with `value`.
-pub fn fill<R: Runtime>(
-    client: &ComputeClient<R>,
-    tensor: &DeviceTensor,
-    value: f32,
-) -> Result<(), KernelError> {
-    tensor.expect_elem("tensor", ElemType::F32)?;
-    enqueue_fill(client, &DeviceLimits::of(client), tensor, value)?;
-    launch_result(client, "fill")
-}
-
-/// A new f32 tensor filled with `value`, queued (not flushed).
-fn enqueue_filled<R: Runtime>(
-    client: &ComputeClient<R>,
-    limits: &DeviceLimits,
-    shape: Vec<usize>,
-    value: f32,
-) -> Result<DeviceTensor, KernelError> {
-    let tensor = DeviceTensor::empty(client, shape, ElemType::F32);
-    enqueue_fill(client, limits, &tensor, value)?;
-    Ok(tensor)
-}
-
-/// A f32 tensor of zeros.
-pub fn zeros_f32<R: Runtime>(
-    client: &ComputeClient<R>,
-    shape: Vec<usize>,
-) -> Result<DeviceTensor, KernelError> {
-    let tensor = enqueue_filled(client, &DeviceLimits::of(client), shape, 0.0)?;
-    launch_result(client, "zeros_f32")?;
-    Ok(tensor)
-}
-
-impl SoftmaxState {
-    /// A state in which no row has seen any key yet (`o = 0, m = -inf, l = 0`), queued.
-    fn enqueue_empty<R: Runtime>(
-        client: &ComputeClient<R>,
-        limits: &DeviceLimits,
-        [batch, heads, len, head_dim]: [usize; 4],
-    ) -> Result<Self, KernelError> {
-        let rows = vec![batch, heads, len];
-        Ok(Self {
-            o: enqueue_filled(client, limits, vec![batch, heads, len, head_dim], 0.0)?,
-            m: enqueue_filled(client, limits, rows.clone(), f32::NEG_INFINITY)?,
-            l: enqueue_filled(client, limits, rows, 0.0)?,
-        })
-    }
-
-    /// A state in which no row has seen any key yet (`o = 0, m = -inf, l = 0`).
-    pub fn empty<R: Runtime>(
-        client: &ComputeClient<R>,
-        batch: usize,
-        heads: usize,
-        len: usize,
-        head_dim: usize,
-    ) -> Result<Self, KernelError> {
-        let state = Self::enqueue_empty(
-            client,
-            &DeviceLimits::of(client),
-            [batch, heads, len, head_dim],
-        )?;
-        launch_result(client, "SoftmaxState::empty")?;
-        Ok(state)
-    }
-
-    /// The state's `[batch, heads, len, head_dim]`.
-    pub fn shape(&self) -> &[usize] {
-        &self.o.shape
-    }
-
-    fn check(&self, name: &str) -> Result<(), KernelError> {
-        let row_shape = &self.o.shape[..self.o.shape.len().saturating_sub(1)];
-        if self.o.shape.len() != 4 {
-            return Err(KernelError::ShapeMismatch {
-                what: format!("{name}.o must be [batch, heads, len, head_dim]"),
-                expected: vec![],
-                got: self.o.shape.clone(),
-            });
-        }
-        AttentionDims::expect_shape(&format!("{name}.m"), row_shape, &self.m.shape)?;
-        AttentionDims::expect_shape(&format!("{name}.l"), row_shape, &self.l.shape)?;
-        for (field, t) in [("o", &self.o), ("m", &self.m), ("l", &self.l)] {
-            t.expect_elem(&format!("{name}.{field}"), ElemType::F32)?;
-        }
-        Ok(())
-    }
-}
-
-impl GradAccumulators {
-    /// Zeroed accumulators, queued.
-    fn enqueue_zeros<R: Runtime>(
-        client: &ComputeClient<R>,
-        limits: &DeviceLimits,
-        dims: &AttentionDims,
-    ) -> Result<Self, KernelError> {
-        Ok(Self {
-            dq: enqueue_filled(client, limits, dims.q_shape(), 0.0)?,
-            dk: enqueue_filled(client, limits, dims.kv_shape(), 0.0)?,
-            dv: enqueue_filled(client, limits, dims.kv_shape(), 0.0)?,
-        })
-    }
-
-    /// Zeroed accumulators for the given dimensions.
-    pub fn zeros<R: Runtime>(
-        client: &ComputeClient<R>,
-        dims: &AttentionDims,
-    ) -> Result<Self, KernelError> {
-        let grads = Self::enqueue_zeros(client, &DeviceLimits::of(client), dims)?;
-        launch_result(client, "GradAccumulators::zeros")?;
-        Ok(grads)
-    }
-}
 
 fn check_qkv(
     q: &DeviceTensor,
@@ -372,7 +141,7 @@ pub fn merge<R: Runtime>(
     AttentionDims::expect_shape("other.o", &into.o.shape, &other.o.shape)?;
     let rows = into.m.len();
     let head_dim = into.o.shape[3];
-    let (count, dim) = linear_launch(
+    let (count, dim) = grid::linear_launch(
         "merge",
         rows * ROW_LANES,
         ROW_UNITS,
@@ -416,7 +185,7 @@ fn enqueue_finalize<R: Runtime>(
 ) -> Result<(), KernelError> {
     let rows = state.m.len();
     let head_dim = state.o.shape[3];
-    let (count, dim) = linear_launch("finalize", rows * ROW_LANES, ROW_UNITS, limits)?;
+    let (count, dim) = grid::linear_launch("finalize", rows * ROW_LANES, ROW_UNITS, limits)?;
     with_elem_type!(out.elem, E => state_kernels::finalize_state::launch::<E, R>(
         client,
         count,
@@ -468,7 +237,7 @@ fn enqueue_delta<R: Runtime>(
     }
     limits.expect_elem(out.elem)?;
     let rows = out.len() / out.shape[3];
-    let (count, dim) = linear_launch("backward_delta", rows * ROW_LANES, ROW_UNITS, limits)?;
+    let (count, dim) = grid::linear_launch("backward_delta", rows * ROW_LANES, ROW_UNITS, limits)?;
     let delta = DeviceTensor::empty(client, out.shape[..3].to_vec(), ElemType::F32);
     with_elem_type!(out.elem, E => state_kernels::backward_delta::launch::<E, R>(
         client,
@@ -621,7 +390,7 @@ fn enqueue_unpack_dq_scratch<R: Runtime>(
     accumulate: bool,
 ) -> Result<(), KernelError> {
     let len = dq.len();
-    let (count, dim) = linear_launch("the dQ scratch unpacking", len, ELEMENT_UNITS, limits)?;
+    let (count, dim) = grid::linear_launch("the dQ scratch unpacking", len, ELEMENT_UNITS, limits)?;
     with_elem_type!(dq.elem, T => dq_fragments::unpack_fragment_scratch::launch::<T, R>(
         client,
         count,
@@ -746,7 +515,7 @@ fn enqueue_cast<R: Runtime>(
         return Ok(input.clone());
     }
     limits.expect_elem(elem)?;
-    let (count, dim) = linear_launch("cast_f32", input.len(), ELEMENT_UNITS, limits)?;
+    let (count, dim) = grid::linear_launch("cast_f32", input.len(), ELEMENT_UNITS, limits)?;
     let out = DeviceTensor::empty(client, input.shape.clone(), elem);
     with_elem_type!(elem, E => state_kernels::cast_from_f32::launch::<E, R>(
         client,

@@ -10,12 +10,14 @@
 //! on CUDA. [`launch`] validates inputs, and [`plan`] picks a variant and its launch shapes
 //! within the device's [`limits`]; a launch the runtime reports as failed is an error too.
 
+mod buffers;
 pub mod dims;
 pub mod error;
 pub mod geometry;
 pub mod grid;
 pub mod launch;
 pub mod limits;
+mod options;
 pub mod plan;
 pub mod portable;
 pub mod reference;

@@ -124,3 +124,24 @@ impl DeviceTensor {
         }
     }
 }
+
+/// Runs `$body` with the type alias `$E` bound to the Rust type of an [`ElemType`].
+macro_rules! with_elem_type {
+    ($elem:expr, $E:ident => $body:expr) => {
+        match $elem {
+            ElemType::F16 => {
+                type $E = half::f16;
+                $body
+            }
+            ElemType::BF16 => {
+                type $E = half::bf16;
+                $body
+            }
+            ElemType::F32 => {
+                type $E = f32;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use with_elem_type;

@@ -9,7 +9,8 @@ use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
 use burn_autodiff::Autodiff;
 
-use super::backend::{Grads, SequenceParallelBackend};
+use super::backend::SequenceParallelBackend;
+use super::Grads;
 use super::SequenceParallelOptions;
 use crate::collective::{CommError, DeviceGroup};
 

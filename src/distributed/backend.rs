@@ -10,12 +10,9 @@ use burn_ndarray::{
     FloatNdArrayElement, IntNdArrayElement, NdArray, NdArrayTensor, QuantElement, SharedArray,
 };
 
-use super::{backward, forward, SequenceParallelOptions};
+use super::{backward, forward, Grads, SequenceParallelOptions};
 use crate::backend::FlashAttentionBackend;
 use crate::collective::{CommError, DeviceGroup};
-
-/// Gradients of q, k and v.
-pub type Grads<B> = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
 
 /// A backend whose tensors can take part in sequence-parallel attention over a
 /// [`DeviceGroup`] of its inner backend: the backend that computes and communicates (`Self` for

@@ -5,9 +5,9 @@
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, TensorMetadata};
 
-use super::backend::Grads;
 use super::blocks::{backward_pair, Chunks};
 use super::pipeline::{self, incoming, input_messages, outgoing, step_operands, Pass};
+use super::Grads;
 use super::SequenceParallelOptions;
 use crate::backend::FlashAttentionBackend;
 use crate::collective::{CommError, DeviceGroup, Incoming, MessageKind, Outgoing, Received};

@@ -4,7 +4,7 @@
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, Slice, TensorMetadata};
 
-use super::backend::Grads;
+use super::Grads;
 use super::SequenceParallelOptions;
 use crate::backend::FlashAttentionBackend;
 use crate::options::Mask;

@@ -22,6 +22,13 @@ use burn::tensor::{DType, Tensor, TensorPrimitive};
 use serde::{Deserialize, Serialize};
 
 pub use backend::SequenceParallelBackend;
+
+/// Gradients of q, k and v.
+pub(crate) type Grads<B> = (
+    burn::tensor::ops::FloatTensor<B>,
+    burn::tensor::ops::FloatTensor<B>,
+    burn::tensor::ops::FloatTensor<B>,
+);
 pub use sharding::{gather_sequence, shard_sequence};
 
 use crate::api::check_inputs;

@@ -13,10 +13,10 @@ pub mod warp_tile;
 use cubecl::features::MmaConfig;
 use cubecl::prelude::*;
 
+use crate::buffers::SoftmaxState;
 use crate::dims::AttentionDims;
 use crate::error::KernelError;
 use crate::grid::{self, Rows};
-use crate::launch::SoftmaxState;
 use crate::limits::DeviceLimits;
 use crate::tensor::{DeviceTensor, ElemType};
 use backward::{KEY_ROWS, QUERY_ROWS};
@@ -155,7 +155,7 @@ pub(crate) fn forward<R: Runtime>(
     let dim = CubeDim::new_1d(UNITS as u32);
     // SAFETY: shapes were validated by `launch::forward_step`; the kernel guards every global
     // access against `q_len`/`kv_len` (see `forward_step_mma`).
-    crate::launch::with_elem_type!(q.elem, E => unsafe { forward::forward_step_mma::launch_unchecked::<E, R>(
+    crate::tensor::with_elem_type!(q.elem, E => unsafe { forward::forward_step_mma::launch_unchecked::<E, R>(
         client,
         grids.forward.clone(),
         dim,
@@ -223,7 +223,7 @@ pub(crate) fn backward_step<R: Runtime>(
         DqTarget::Rows(rows) => {
             // SAFETY: shapes were validated by the caller; the kernel guards every global
             // access against `q_len`/`kv_len`.
-            crate::launch::with_elem_type!(q.elem, E => unsafe { backward::backward_dq_mma::launch_unchecked::<E, R>(
+            crate::tensor::with_elem_type!(q.elem, E => unsafe { backward::backward_dq_mma::launch_unchecked::<E, R>(
                 client,
                 grids.dq.clone(),
                 dim,
@@ -264,7 +264,7 @@ pub(crate) fn backward_step<R: Runtime>(
         )
     };
     // SAFETY: as above.
-    crate::launch::with_elem_type!(q.elem, E => unsafe { dkdv::backward_dkdv_mma::launch_unchecked::<E, R>(
+    crate::tensor::with_elem_type!(q.elem, E => unsafe { dkdv::backward_dkdv_mma::launch_unchecked::<E, R>(
         client,
         grids.dkdv.clone(),
         CubeDim::new_1d(DKDV_UNITS as u32),

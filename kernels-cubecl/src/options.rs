@@ -1,0 +1,50 @@
+//! The options of one attention step: which kernels run it, the mask, the scale, and whether
+//! the backward may use atomics.
+
+use crate::dims::Mask;
+use crate::error::KernelError;
+
+/// Which implementation runs a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Variant {
+    /// The tensor-core variant where the runtime and shapes allow it, the portable one otherwise.
+    #[default]
+    Auto,
+    /// Scalar kernels that run on every CubeCL runtime.
+    Portable,
+    /// Tensor-core kernels (CUDA with `mma.sync`); an error where unavailable.
+    TensorCore,
+}
+
+/// Options of one attention step.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct StepOptions {
+    /// Which keys each query sees.
+    pub mask: Mask,
+    /// Score scale; `None` means `1 / sqrt(head_dim)`.
+    pub scale: Option<f32>,
+    /// Kernel variant.
+    pub variant: Variant,
+    /// Backward without atomics: the tensor-core backward then computes dQ in its own kernel
+    /// (recomputing scores, seven GEMMs instead of five) and gives bitwise the same gradients on
+    /// every run. Off by default: one kernel adds dQ with f32 atomics, in no fixed order, as
+    /// FlashAttention-2 does. The portable kernels are always deterministic.
+    pub deterministic: bool,
+}
+
+impl StepOptions {
+    /// The scale actually applied to `q . k`.
+    pub fn resolved_scale(&self, head_dim: usize) -> f32 {
+        self.scale.unwrap_or(1.0 / (head_dim as f32).sqrt())
+    }
+
+    /// Errors unless the options can be used: a given scale must be finite.
+    pub fn check(&self) -> Result<(), KernelError> {
+        match self.scale {
+            Some(scale) if !scale.is_finite() => Err(KernelError::BadOption {
+                what: format!("the score scale must be finite, got {scale}"),
+            }),
+            _ => Ok(()),
+        }
+    }
+}

@@ -7,6 +7,7 @@
 //!   fused backward.
 //! - [`kernels`]: the CubeCL kernels themselves (`distflash-kernels`), step by step.
 
+#![warn(missing_docs)]
 mod api;
 mod backend;
 pub mod backends;

@@ -10,20 +10,24 @@
 //! on CUDA. [`launch`] validates inputs, and [`plan`] picks a variant and its launch shapes
 //! within the device's [`limits`]; a launch the runtime reports as failed is an error too.
 
+#![warn(missing_docs)]
 mod buffers;
-pub mod dims;
-pub mod error;
-pub mod geometry;
-pub mod grid;
-pub mod launch;
-pub mod limits;
+mod dims;
+mod error;
+mod geometry;
+mod grid;
+mod launch;
+mod limits;
 mod options;
-pub mod plan;
-pub mod portable;
+mod plan;
+mod portable;
 pub mod reference;
-pub mod state_kernels;
-pub mod stats;
-pub mod tensor;
+mod state_kernels;
+mod stats;
+mod tensor;
+// Public for the `dump_cuda` example and kernel work, not part of the documented API: the
+// tensor-core kernels are reached through the entry points above.
+#[doc(hidden)]
 pub mod tensor_core;
 
 pub use dims::{AttentionDims, Mask};

@@ -2,6 +2,7 @@
 //! loading Hugging Face weights, tokenizers, data, training (AdamW, schedule, clipping, gradient
 //! all-reduce, checkpoints) and its logs. The `llama_train` binary (`src/main.rs`) drives it.
 
+#![warn(missing_docs)]
 pub mod config;
 pub mod data;
 pub mod generate;

@@ -48,7 +48,7 @@ const NO_SCORE: f32 = -f32::MAX;
 
 /// Row `slot` (0 or 1) of the accumulator rows a lane holds, relative to its 16-row tile.
 #[cube]
-pub fn slot_row(lane: u32, #[comptime] slot: usize) -> u32 {
+pub(crate) fn slot_row(lane: u32, #[comptime] slot: usize) -> u32 {
     lane / 4 + (slot * 8) as u32
 }
 

@@ -4,11 +4,11 @@
 
 pub mod backward;
 pub mod dkdv;
-pub mod dq_fragments;
+pub(crate) mod dq_fragments;
 pub mod forward;
-pub mod fragments;
-pub mod tiles;
-pub mod warp_tile;
+pub(crate) mod fragments;
+pub(crate) mod tiles;
+pub(crate) mod warp_tile;
 
 use cubecl::features::MmaConfig;
 use cubecl::prelude::*;

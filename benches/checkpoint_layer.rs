@@ -13,7 +13,6 @@
 //! causal attention (3.5 x 4 x S_total^2 x d / 2 / P), recomputation not counted.
 
 use std::sync::{Arc, Barrier};
-use std::thread;
 use std::time::Instant;
 
 use burn::tensor::backend::{AutodiffBackend, Backend};
@@ -21,7 +20,7 @@ use burn::tensor::{Distribution, Tensor};
 use burn_autodiff::Autodiff;
 use burn_distflash::layers::AttentionContext;
 use burn_distflash::{
-    CheckpointBackend, CheckpointPlacement, DeviceGroup, DistFlashAttentionConfig,
+    on_each_rank, CheckpointBackend, CheckpointPlacement, DeviceGroup, DistFlashAttentionConfig,
     TransformerBlockConfig,
 };
 use cubecl::cuda::{CudaDevice, CudaRuntime};
@@ -152,25 +151,15 @@ fn main() {
                         .collect()
                 };
                 let barrier = Arc::new(Barrier::new(world));
-                let handles: Vec<_> = devices
-                    .into_iter()
-                    .zip(contexts)
-                    .map(|(device, context)| {
-                        let barrier = barrier.clone();
-                        thread::spawn(move || {
-                            if fused {
-                                run_rank::<FusedTrain>(
-                                    device, context, tokens, placement, iters, barrier,
-                                )
-                            } else {
-                                run_rank::<Train>(
-                                    device, context, tokens, placement, iters, barrier,
-                                )
-                            }
-                        })
-                    })
-                    .collect();
-                let ranks: Vec<Measured> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+                let per_rank = devices.into_iter().zip(contexts).collect();
+                let ranks: Vec<Measured> = on_each_rank(per_rank, |_, (device, context)| {
+                    let barrier = barrier.clone();
+                    if fused {
+                        run_rank::<FusedTrain>(device, context, tokens, placement, iters, barrier)
+                    } else {
+                        run_rank::<Train>(device, context, tokens, placement, iters, barrier)
+                    }
+                });
                 let mut steps: Vec<f64> = (0..iters)
                     .map(|i| ranks.iter().map(|r| r.step_seconds[i]).fold(0.0, f64::max))
                     .collect();

@@ -10,8 +10,7 @@
 //! over the whole causal sequence (4 N² H D / 2 forward, x3.5 forward+backward, divided by P).
 //! An iteration's time is the slowest rank's; the median over iterations is reported.
 
-use std::sync::{mpsc, Arc, Barrier};
-use std::thread;
+use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
 use burn::tensor::backend::Backend;
@@ -20,8 +19,8 @@ use burn::tensor::{Distribution, FloatDType, Shape};
 use burn_distflash::collective::{CommError, Exchange, Incoming, Outgoing, Received, Transport};
 use burn_distflash::schedule::{Schedule, ScheduleKind};
 use burn_distflash::{
-    DeviceGroup, FlashAttentionBackend, FlashAttentionOptions, SequenceParallelBackend,
-    SequenceParallelOptions,
+    on_each_rank, DeviceGroup, FlashAttentionBackend, FlashAttentionOptions,
+    SequenceParallelBackend, SequenceParallelOptions,
 };
 use cubecl::cuda::CudaDevice;
 
@@ -261,24 +260,10 @@ fn main() {
         let groups = DeviceGroup::<Bf16>::nccl(&devices).expect("NCCL group");
         for &tokens in &tokens_list {
             let barrier = Arc::new(Barrier::new(world));
-            let (tx, rx) = mpsc::channel();
-            let handles: Vec<_> = groups
-                .iter()
-                .cloned()
-                .map(|group| {
-                    let (barrier, tx) = (barrier.clone(), tx.clone());
-                    thread::spawn(move || {
-                        let rank = group.rank();
-                        tx.send((rank, rank_main(group, tokens, iters, barrier)))
-                            .unwrap();
-                    })
-                })
-                .collect();
-            drop(tx);
-            let mut per_rank: Vec<(usize, RankTimes)> = rx.iter().collect();
-            for h in handles {
-                h.join().expect("rank thread");
-            }
+            let mut per_rank: Vec<(usize, RankTimes)> = on_each_rank(groups.clone(), |_, group| {
+                let rank = group.rank();
+                (rank, rank_main(group, tokens, iters, barrier.clone()))
+            });
             per_rank.sort_by_key(|(r, _)| *r);
             let n = (world * tokens) as f64;
             let flops = 4.0 * n * n * (HEADS * HEAD_DIM) as f64 / 2.0;

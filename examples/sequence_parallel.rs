@@ -10,13 +10,11 @@
 //!     cargo run --release --example sequence_parallel -- --env
 //! ```
 
-use std::thread;
-
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Distribution, ElementConversion, Tensor, TensorData};
 use burn_distflash::{
-    flash_attention, sequence_parallel_attention, shard_sequence, DeviceGroup,
+    flash_attention, on_each_rank, sequence_parallel_attention, shard_sequence, DeviceGroup,
     FlashAttentionOptions, SequenceParallelBackend, SequenceParallelOptions,
 };
 
@@ -80,18 +78,12 @@ where
     B: SequenceParallelBackend + AutodiffBackend,
 {
     let inputs = full_inputs(groups.len());
-    let handles: Vec<_> = groups
-        .into_iter()
-        .zip(devices)
-        .map(|(group, device)| {
-            let inputs = inputs.clone();
-            thread::spawn(move || rank_step::<B>(group, device, inputs))
-        })
-        .collect();
-    let worst = handles
-        .into_iter()
-        .map(|h| h.join().expect("rank"))
-        .fold(0.0f32, f32::max);
+    let per_rank = groups.into_iter().zip(devices).collect();
+    let worst = on_each_rank(per_rank, |_, (group, device)| {
+        rank_step::<B>(group, device, inputs.clone())
+    })
+    .into_iter()
+    .fold(0.0f32, f32::max);
     println!("worst max error over ranks: {worst:.2e}");
 }
 

@@ -23,7 +23,7 @@ pub mod state;
 pub use api::{flash_attention, flash_attention_with_lse};
 pub use backend::FlashAttentionBackend;
 pub use checkpoint::{CheckpointBackend, CheckpointPlacement};
-pub use collective::{CommError, DeviceGroup};
+pub use collective::{on_each_rank, CommError, DeviceGroup};
 pub use distflash_kernels as kernels;
 pub use distributed::{
     gather_sequence, sequence_parallel_attention, sequence_parallel_attention_with_lse,

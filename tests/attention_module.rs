@@ -6,7 +6,6 @@
 mod common;
 
 use std::f64::consts::PI;
-use std::thread;
 use std::time::Duration;
 
 use burn::backend::ndarray::NdArrayDevice;
@@ -15,8 +14,8 @@ use burn::tensor::activation::softmax;
 use burn::tensor::{DType, Tensor, TensorData};
 use burn_distflash::layers::{AttentionContext, Llama3RopeScaling, RopeConfig, RotaryTables};
 use burn_distflash::{
-    gather_sequence, shard_sequence, DeviceGroup, DistFlashAttention, DistFlashAttentionConfig,
-    ScheduleKind,
+    gather_sequence, on_each_rank, shard_sequence, DeviceGroup, DistFlashAttention,
+    DistFlashAttentionConfig, ScheduleKind,
 };
 use common::block_case::relative_error;
 use common::within::within;
@@ -123,22 +122,17 @@ fn a_sharded_sequence_matches_plain_attention_over_the_whole_sequence() {
             let expected: Vec<f32> = reference(&module, x.clone()).into_data().to_vec().unwrap();
             let layout = schedule.resolve(world, true).layout();
             let groups = DeviceGroup::<Cpu>::in_process(vec![DEVICE; world]);
-            let shards: Vec<Tensor<Cpu, 3>> = groups
-                .into_iter()
-                .enumerate()
+            let per_rank = (groups.into_iter().enumerate())
                 .map(|(rank, group)| {
                     let x = shard_sequence(x.clone(), 1, layout, world, rank).unwrap();
-                    let module = module.clone();
-                    thread::spawn(move || {
-                        let context = AttentionContext::sharded(group).with_schedule(schedule);
-                        assert_eq!(context.layout(module.options()), layout);
-                        module.forward(x, &context)
-                    })
+                    (group, module.clone(), x)
                 })
-                .collect::<Vec<_>>()
-                .into_iter()
-                .map(|h| h.join().unwrap())
                 .collect();
+            let shards = on_each_rank(per_rank, |_, (group, module, x)| {
+                let context = AttentionContext::sharded(group).with_schedule(schedule);
+                assert_eq!(context.layout(module.options()), layout);
+                module.forward(x, &context)
+            });
             let got = gather_sequence(shards, 1, layout).unwrap();
             let got: Vec<f32> = got.into_data().to_vec().unwrap();
             let err = relative_error(&got, &expected);
@@ -155,20 +149,13 @@ fn an_odd_shard_under_zigzag_is_refused_by_the_module() {
     within(Duration::from_secs(60), || {
         let module = DistFlashAttentionConfig::new(2 * 16, 2).init::<Cpu>(&DEVICE);
         let groups = DeviceGroup::<Cpu>::in_process(vec![DEVICE; 2]);
-        let handles: Vec<_> = groups
-            .into_iter()
-            .map(|group| {
-                let module = module.clone();
-                thread::spawn(move || {
-                    let x = Tensor::<Cpu, 3>::ones([1, 5, 32], &DEVICE);
-                    let context =
-                        AttentionContext::sharded(group).with_schedule(ScheduleKind::Zigzag);
-                    module.try_forward(x, &context).unwrap_err().to_string()
-                })
-            })
-            .collect();
-        for h in handles {
-            let e = h.join().unwrap();
+        let per_rank = groups.into_iter().map(|g| (g, module.clone())).collect();
+        let errors = on_each_rank(per_rank, |_, (group, module)| {
+            let x = Tensor::<Cpu, 3>::ones([1, 5, 32], &DEVICE);
+            let context = AttentionContext::sharded(group).with_schedule(ScheduleKind::Zigzag);
+            module.try_forward(x, &context).unwrap_err().to_string()
+        });
+        for e in errors {
             assert!(
                 e.contains("Zigzag") && e.contains("got a shard of 5"),
                 "{e}"
@@ -219,23 +206,14 @@ fn a_rank_whose_input_is_refused_makes_the_other_ranks_fail_at_once() {
         let groups =
             DeviceGroup::<Cpu>::in_process_with_timeout(vec![DEVICE; 2], Duration::from_secs(60));
         let start = std::time::Instant::now();
-        let errors: Vec<String> = groups
-            .into_iter()
-            .enumerate()
-            .map(|(rank, group)| {
-                let module = module.clone();
-                let width = if rank == 0 { 48 } else { 64 };
-                thread::spawn(move || {
-                    let x = random(&mut Rng::new(8), [1, 8, width]);
-                    (module.try_forward(x, &AttentionContext::sharded(group)))
-                        .unwrap_err()
-                        .to_string()
-                })
-            })
-            .collect::<Vec<_>>()
-            .into_iter()
-            .map(|h| h.join().unwrap())
-            .collect();
+        let per_rank = groups.into_iter().map(|g| (g, module.clone())).collect();
+        let errors: Vec<String> = on_each_rank(per_rank, |rank, (group, module)| {
+            let width = if rank == 0 { 48 } else { 64 };
+            let x = random(&mut Rng::new(8), [1, 8, width]);
+            (module.try_forward(x, &AttentionContext::sharded(group)))
+                .unwrap_err()
+                .to_string()
+        });
         assert!(
             start.elapsed() < Duration::from_secs(10),
             "a rank waited for the timeout"

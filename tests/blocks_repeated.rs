@@ -12,13 +12,12 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
 use burn_distflash::layers::AttentionContext;
 use burn_distflash::{
-    shard_sequence, CheckpointBackend, CheckpointPlacement, DeviceGroup, ScheduleKind,
-    TransformerBlock,
+    on_each_rank, shard_sequence, CheckpointBackend, CheckpointPlacement, DeviceGroup,
+    ScheduleKind, TransformerBlock,
 };
 use common::block_case::{
     assert_same_step, combine, lift, random_blocks, relative_error, small_config, step, StepResult,
 };
-use common::distributed_case::on_rank_threads;
 use common::within::within;
 use common::Rng;
 
@@ -111,7 +110,8 @@ where
     let groups = DeviceGroup::<<B as burn_distflash::SequenceParallelBackend>::Inner>::in_process(
         devices.iter().map(|d| B::inner_device(d)).collect(),
     );
-    let results = on_rank_threads(inputs, groups, |(x, r, calls), group| {
+    let results = on_each_rank(inputs.into_iter().zip(groups).collect(), |_, item| {
+        let ((x, r, calls), group) = item;
         let context = AttentionContext::sharded(group);
         (CALLS.iter().zip(calls))
             .map(|(call, blocks)| match call {

@@ -4,7 +4,6 @@
 
 mod common;
 
-use std::thread;
 use std::time::Duration;
 
 use burn::backend::ndarray::NdArrayDevice;
@@ -12,7 +11,7 @@ use burn::backend::{Autodiff, NdArray};
 use burn::tensor::{Tensor, TensorData};
 use burn_distflash::layers::AttentionContext;
 use burn_distflash::schedule::ScheduleKind;
-use burn_distflash::{shard_sequence, CheckpointPlacement, DeviceGroup};
+use burn_distflash::{on_each_rank, shard_sequence, CheckpointPlacement, DeviceGroup};
 use common::block_case::{
     assert_same_step, combine, lift, random_blocks, relative_error, small_config, step, StepResult,
 };
@@ -86,24 +85,19 @@ fn sharded(
     let blocks = random_blocks::<Cpu>(&small_config(), 7, &devices[0]);
     let shard = x.dims()[1] / world;
     let groups = DeviceGroup::<Inner>::in_process(devices.clone());
-    let handles: Vec<_> = groups
-        .into_iter()
-        .zip(lift(&blocks, placement, &devices))
+    let layout = schedule.resolve(world, true).layout();
+    let rows = |t: &Tensor<Inner, 3>, rank| {
+        assert_eq!(t.dims()[1], shard * world);
+        shard_sequence(t.clone(), 1, layout, world, rank).unwrap()
+    };
+    let per_rank = (groups.into_iter().zip(lift(&blocks, placement, &devices)))
         .enumerate()
-        .map(|(rank, (group, blocks))| {
-            let layout = schedule.resolve(world, true).layout();
-            let rows = |t: &Tensor<Inner, 3>| {
-                assert_eq!(t.dims()[1], shard * world);
-                shard_sequence(t.clone(), 1, layout, world, rank).unwrap()
-            };
-            let (x, r) = (rows(x), rows(r));
-            thread::spawn(move || {
-                let context = AttentionContext::sharded(group).with_schedule(schedule);
-                step(&blocks, x, r, &context)
-            })
-        })
+        .map(|(rank, (group, blocks))| (group, blocks, rows(x, rank), rows(r, rank)))
         .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
+    on_each_rank(per_rank, |_, (group, blocks, x, r)| {
+        let context = AttentionContext::sharded(group).with_schedule(schedule);
+        step(&blocks, x, r, &context)
+    })
 }
 
 #[test]

@@ -3,12 +3,12 @@
 
 mod common;
 
-use std::thread;
-
 use burn::tensor::{Tensor, TensorData};
 use burn_autodiff::Autodiff;
 use burn_distflash::layers::AttentionContext;
-use burn_distflash::{shard_sequence, CheckpointPlacement, DeviceGroup, ScheduleKind};
+use burn_distflash::{
+    on_each_rank, shard_sequence, CheckpointPlacement, DeviceGroup, ScheduleKind,
+};
 use common::block_case::{assert_same_step, lift, random_blocks, small_config, step, StepResult};
 use common::Rng;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
@@ -65,24 +65,14 @@ fn two_gpus_over_nccl_agree_with_one_gpu_at_every_placement() {
         let groups = DeviceGroup::<Inner>::nccl(&devices).expect("NCCL on two GPUs");
         let blocks = random_blocks::<Gpu>(&small_config(), 7, &devices[0]);
         let copies = lift(&blocks, placement, &devices);
-        let ranks: Vec<StepResult> = groups
-            .into_iter()
-            .zip(devices)
-            .zip(copies)
-            .enumerate()
-            .map(|(rank, ((group, device), blocks))| {
-                thread::spawn(move || {
-                    let layout = ScheduleKind::Auto.resolve(2, true).layout();
-                    let shard = |t| shard_sequence(t, 1, layout, 2, rank).unwrap();
-                    let x = shard(random(1, [2, 64, 64], &device));
-                    let r = shard(random(2, [2, 64, 64], &device));
-                    step(&blocks, x, r, &AttentionContext::sharded(group))
-                })
-            })
-            .collect::<Vec<_>>()
-            .into_iter()
-            .map(|h| h.join().unwrap())
-            .collect();
+        let per_rank = groups.into_iter().zip(devices).zip(copies).collect();
+        let ranks: Vec<StepResult> = on_each_rank(per_rank, |rank, ((group, device), blocks)| {
+            let layout = ScheduleKind::Auto.resolve(2, true).layout();
+            let shard = |t| shard_sequence(t, 1, layout, 2, rank).unwrap();
+            let x = shard(random(1, [2, 64, 64], &device));
+            let r = shard(random(2, [2, 64, 64], &device));
+            step(&blocks, x, r, &AttentionContext::sharded(group))
+        });
         let combined = common::block_case::combine(
             &ranks,
             2,

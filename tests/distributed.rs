@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::thread;
 use std::time::Duration;
 
 use burn::backend::ndarray::NdArrayDevice;
@@ -13,8 +12,8 @@ use burn::backend::{Autodiff, NdArray};
 use burn::tensor::{DType, Tensor};
 use burn_distflash::schedule::ScheduleKind;
 use burn_distflash::{
-    sequence_parallel_attention, AttentionError, CommError, DeviceGroup, DistributedError,
-    SequenceParallelOptions,
+    on_each_rank, sequence_parallel_attention, AttentionError, CommError, DeviceGroup,
+    DistributedError, SequenceParallelOptions,
 };
 use common::distributed_case::{check, Case};
 use common::within::within;
@@ -102,7 +101,7 @@ fn odd_shapes_mqa_and_non_causal() {
 fn an_odd_shard_under_zigzag_is_refused_with_what_is_allowed() {
     let results = within(LIMIT, || {
         let groups = DeviceGroup::<NdArray<f32>>::in_process(cpu(2));
-        on_ranks(groups, |_, group| {
+        on_each_rank(groups, |_, group| {
             let options = SequenceParallelOptions::causal().with_schedule(ScheduleKind::Zigzag);
             sequence_parallel_attention(shard(7), shard(7), shard(7), &group, &options).map(|_| ())
         })
@@ -118,19 +117,6 @@ fn an_odd_shard_under_zigzag_is_refused_with_what_is_allowed() {
     }
 }
 
-/// Runs `body(rank, group)` on one thread per rank and returns each rank's result.
-fn on_ranks<T: Send + 'static>(
-    groups: Vec<DeviceGroup<NdArray<f32>>>,
-    body: impl Fn(usize, DeviceGroup<NdArray<f32>>) -> T + Send + Sync + Copy + 'static,
-) -> Vec<T> {
-    let handles: Vec<_> = groups
-        .into_iter()
-        .enumerate()
-        .map(|(rank, group)| thread::spawn(move || body(rank, group)))
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
-}
-
 fn shard(len: usize) -> Tensor<NdArray<f32>, 4> {
     Tensor::ones([1, 2, len, 16], &NdArrayDevice::Cpu)
 }
@@ -143,7 +129,7 @@ fn shard_errors(
 ) -> Vec<String> {
     let results = within(LIMIT, move || {
         let groups = DeviceGroup::<NdArray<f32>>::in_process(cpu(2));
-        on_ranks(groups, move |rank, group| {
+        on_each_rank(groups, move |rank, group| {
             let n = len(rank);
             sequence_parallel_attention(shard(n), shard(n), shard(n), &group, &options(rank))
                 .map(|_| ())
@@ -184,7 +170,7 @@ fn a_rank_that_refuses_its_shards_makes_every_rank_fail_at_once() {
     let start = std::time::Instant::now();
     let results = within(LIMIT, || {
         let groups = DeviceGroup::<NdArray<f32>>::in_process_with_timeout(cpu(2), LIMIT);
-        on_ranks(groups, |rank, group| {
+        on_each_rank(groups, |rank, group| {
             let k = match rank {
                 0 => shard(8).cast(DType::F64),
                 _ => shard(8),

@@ -14,7 +14,7 @@ use burn::backend::NdArray;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 use burn_distflash::collective::{Incoming, MessageKind, Outgoing, TensorLayout};
-use burn_distflash::{CommError, DeviceGroup};
+use burn_distflash::{on_each_rank, CommError, DeviceGroup};
 use common::within::within;
 
 type Cpu = NdArray<f32>;
@@ -107,14 +107,9 @@ fn on_pair<T: Send + 'static>(
     body: impl Fn(usize, DeviceGroup<Cpu>) -> T + Send + Sync + Copy + 'static,
 ) -> Vec<T> {
     within(LIMIT, move || {
-        DeviceGroup::<Cpu>::in_process_with_timeout(vec![NdArrayDevice::Cpu; 2], timeout)
-            .into_iter()
-            .enumerate()
-            .map(|(rank, group)| thread::spawn(move || body(rank, group)))
-            .collect::<Vec<_>>()
-            .into_iter()
-            .map(|h| h.join().unwrap())
-            .collect()
+        let groups =
+            DeviceGroup::<Cpu>::in_process_with_timeout(vec![NdArrayDevice::Cpu; 2], timeout);
+        on_each_rank(groups, body)
     })
 }
 

@@ -11,6 +11,7 @@ mod group;
 pub mod local;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+mod ranks;
 mod reduce;
 
 use burn::tensor::backend::Backend;
@@ -19,6 +20,7 @@ use burn::tensor::DType;
 
 pub use error::CommError;
 pub use group::{DeviceGroup, Traffic};
+pub use ranks::on_each_rank;
 
 /// What a message carries; a receiver checks that it gets the kind it expects.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -2,15 +2,14 @@
 //! the f64 reference on the whole sequence (forward and every gradient).
 #![allow(dead_code)]
 
-use std::thread;
 use std::time::Duration;
 
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::Tensor;
 use burn_distflash::schedule::{Layout, Schedule, ScheduleKind};
 use burn_distflash::{
-    sequence_parallel_attention, DeviceGroup, FlashAttentionOptions, SequenceParallelBackend,
-    SequenceParallelOptions,
+    on_each_rank, sequence_parallel_attention, DeviceGroup, FlashAttentionOptions,
+    SequenceParallelBackend, SequenceParallelOptions,
 };
 use distflash_kernels::{AttentionDims, ElemType, Mask};
 
@@ -369,32 +368,13 @@ pub fn check_groups<B>(
     let data = CaseData::new(case, elem);
     let options = case.options();
     let inputs = with_devices(&data, devices);
-    let results = on_rank_threads(inputs, groups, move |(inputs, device), group| {
+    let per_rank = inputs.into_iter().zip(groups).collect();
+    let results = on_each_rank(per_rank, |_, ((inputs, device), group)| {
         train_on_rank::<B>(&inputs, &group, &device, &options)
     });
     assert_messages(&case, &results);
     let what = format!("{} {case:?}", std::any::type_name::<B>());
     data.assert_training(&what, &data.expected(), &results);
-}
-
-/// Runs `body(inputs[r], groups[r])` for every rank `r` on a thread of its own and returns the
-/// results in rank order.
-pub fn on_rank_threads<I, G, T, F>(inputs: Vec<I>, groups: Vec<G>, body: F) -> Vec<T>
-where
-    I: Send + 'static,
-    G: Send + 'static,
-    T: Send + 'static,
-    F: Fn(I, G) -> T + Send + Clone + 'static,
-{
-    let handles: Vec<_> = (inputs.into_iter().zip(groups))
-        .map(|(input, group)| {
-            let body = body.clone();
-            thread::spawn(move || body(input, group))
-        })
-        .collect();
-    (handles.into_iter())
-        .map(|h| h.join().expect("a rank panicked"))
-        .collect()
 }
 
 /// Each rank's shards of `data` with its device.

@@ -4,12 +4,12 @@
 #![allow(dead_code)]
 
 use burn::tensor::backend::AutodiffBackend;
-use burn_distflash::{DeviceGroup, SequenceParallelBackend};
+use burn_distflash::{on_each_rank, DeviceGroup, SequenceParallelBackend};
 use distflash_kernels::ElemType;
 
 use super::distributed_case::{
-    assert_messages, expected_messages, forward_on_rank, on_rank_threads, train_on_rank,
-    with_devices, Case, CaseData, RankResult,
+    assert_messages, expected_messages, forward_on_rank, train_on_rank, with_devices, Case,
+    CaseData, RankResult,
 };
 
 /// One call every rank makes.
@@ -54,7 +54,8 @@ pub fn check_repeated<B>(
     let options = case.options();
     let calls_per_rank = calls.to_vec();
     let inputs = with_devices(&data, devices);
-    let per_rank = on_rank_threads(inputs, groups, move |(inputs, device), group| {
+    let per_rank = on_each_rank(inputs.into_iter().zip(groups).collect(), |_, item| {
+        let ((inputs, device), group) = item;
         (calls_per_rank.iter())
             .map(|call| match call {
                 Call::Forward => {

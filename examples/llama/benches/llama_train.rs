@@ -12,12 +12,11 @@
 //! + 6 x layers x d_model x S (causal attention, forward + backward), recomputation not counted.
 
 use std::sync::{Arc, Barrier};
-use std::thread;
 use std::time::Instant;
 
 use burn::tensor::backend::Backend;
 use burn_distflash::layers::AttentionContext;
-use burn_distflash::{replicate, CheckpointPlacement, DeviceGroup};
+use burn_distflash::{on_each_rank, replicate, CheckpointPlacement, DeviceGroup};
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::Runtime;
 use distflash_llama::train::{TrainOptions, Trainer};
@@ -73,36 +72,28 @@ fn main() {
     let model = config.try_init::<Train>(&devices[0]).expect("model");
     let models = replicate(&model, &devices);
     drop(model);
-    let handles: Vec<_> = devices
-        .iter()
-        .cloned()
-        .zip(contexts)
-        .zip(models)
-        .map(|((device, context), model)| {
-            let (config, options, barrier) = (config.clone(), options.clone(), barrier.clone());
-            thread::spawn(move || {
-                let mut trainer = Trainer::new(model, context, options.clone());
-                let tokens: Vec<u32> = (0..batch * seq)
-                    .map(|i| ((i * 7919 + 13) % config.vocab_size) as u32)
-                    .collect();
-                let mut times = Vec::new();
-                let mut loss = 0.0;
-                for _ in 0..=iters {
-                    barrier.wait();
-                    let start = Instant::now();
-                    loss = trainer.train_step(&tokens, &tokens).expect("step").loss;
-                    Train::sync(&device).expect("sync");
-                    times.push(start.elapsed().as_secs_f64());
-                }
-                let reserved = CudaRuntime::client(&device)
-                    .memory_usage()
-                    .expect("memory")
-                    .bytes_reserved;
-                (times, reserved, loss)
-            })
-        })
-        .collect();
-    let ranks: Vec<(Vec<f64>, u64, f64)> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let per_rank = devices.iter().cloned().zip(contexts).zip(models).collect();
+    let ranks: Vec<(Vec<f64>, u64, f64)> =
+        on_each_rank(per_rank, |_, ((device, context), model)| {
+            let mut trainer = Trainer::new(model, context, options.clone());
+            let tokens: Vec<u32> = (0..batch * seq)
+                .map(|i| ((i * 7919 + 13) % config.vocab_size) as u32)
+                .collect();
+            let mut times = Vec::new();
+            let mut loss = 0.0;
+            for _ in 0..=iters {
+                barrier.wait();
+                let start = Instant::now();
+                loss = trainer.train_step(&tokens, &tokens).expect("step").loss;
+                Train::sync(&device).expect("sync");
+                times.push(start.elapsed().as_secs_f64());
+            }
+            let reserved = CudaRuntime::client(&device)
+                .memory_usage()
+                .expect("memory")
+                .bytes_reserved;
+            (times, reserved, loss)
+        });
     // The initial weights were allocated by this thread's stream, whose pool is counted too.
     let initial_reserved = CudaRuntime::client(&devices[0])
         .memory_usage()

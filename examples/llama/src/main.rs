@@ -25,7 +25,6 @@
 //!   `--log-every N`.
 
 use std::path::{Path, PathBuf};
-use std::thread;
 use std::time::Instant;
 
 use burn::config::Config;
@@ -34,7 +33,7 @@ use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::Backend;
 use burn_distflash::layers::AttentionContext;
 use burn_distflash::schedule::ScheduleKind;
-use burn_distflash::{replicate, CheckpointPlacement, DeviceGroup};
+use burn_distflash::{on_each_rank, replicate, CheckpointPlacement, DeviceGroup};
 use distflash_llama::data::TokenDataset;
 use distflash_llama::generate::{generate, Sampling};
 use distflash_llama::metrics::{read_metrics, write_loss_plot_svg, Curve, MetricsLog, StepMetrics};
@@ -462,12 +461,10 @@ where
     // One trainable copy of the model per GPU, all with the same weights.
     let models = replicate(&model, &devices);
     drop(model);
-    thread::scope(|s| {
-        for (group, model) in groups.into_iter().zip(models) {
-            let ctx = context(group);
-            s.spawn(move || train_rank(args, config, model, ctx));
-        }
-    });
+    on_each_rank(
+        groups.into_iter().zip(models).collect(),
+        |_, (group, model)| train_rank(args, config, model, context(group)),
+    );
 }
 
 fn main() {

@@ -5,14 +5,13 @@
 
 mod common;
 
-use std::thread;
 use std::time::Duration;
 
 use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::{Int, Tensor};
 use burn_distflash::layers::AttentionContext;
-use burn_distflash::{replicate, CheckpointPlacement, DeviceGroup};
+use burn_distflash::{on_each_rank, replicate, CheckpointPlacement, DeviceGroup};
 use common::modules::{float_params, require_grad_flags, ParamValues};
 use common::temp_dir::TempDir;
 use common::within::within;
@@ -93,22 +92,14 @@ fn one_step_on_a_group_of_four_equals_one_step_on_one_device() {
         let expected = single.train_step(&x, &y).unwrap();
         let expected_weights = float_params(&single.model);
         let groups = DeviceGroup::<Inner>::in_process(vec![DEVICE; 4]);
-        let ranks: Vec<(StepStats, Vec<ParamValues>)> = groups
-            .into_iter()
-            .zip(models)
-            .map(|(group, model)| {
-                let (x, y) = (x.clone(), y.clone());
-                thread::spawn(move || {
-                    let mut trainer =
-                        Trainer::new(model, AttentionContext::sharded(group), options(10));
-                    let stats = trainer.train_step(&x, &y).unwrap();
-                    (stats, float_params(&trainer.model))
-                })
-            })
-            .collect::<Vec<_>>()
-            .into_iter()
-            .map(|h| h.join().unwrap())
-            .collect();
+        let per_rank = groups.into_iter().zip(models).collect();
+        let ranks: Vec<(StepStats, Vec<ParamValues>)> =
+            on_each_rank(per_rank, |_, (group, model)| {
+                let mut trainer =
+                    Trainer::new(model, AttentionContext::sharded(group), options(10));
+                let stats = trainer.train_step(&x, &y).unwrap();
+                (stats, float_params(&trainer.model))
+            });
         for (rank, (stats, w)) in ranks.iter().enumerate() {
             assert!(
                 (stats.loss - expected.loss).abs() < 1e-5,
@@ -163,21 +154,14 @@ fn evaluation_changes_nothing_and_equals_the_loss_of_the_next_step() {
     let expected = trainer.evaluate(&x, &y).unwrap();
     let copies = replicate(&trainer.model, &[DEVICE; 2]);
     let losses = within(Duration::from_secs(120), move || {
-        let handles: Vec<_> = DeviceGroup::<Inner>::in_process(vec![DEVICE; 2])
-            .into_iter()
-            .zip(copies)
-            .map(|(group, model)| {
-                let (x, y) = (x.clone(), y.clone());
-                thread::spawn(move || {
-                    let trainer = Trainer::new(model, AttentionContext::sharded(group), options(4));
-                    trainer.evaluate(&x, &y).unwrap()
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap())
-            .collect::<Vec<f64>>()
+        let groups = DeviceGroup::<Inner>::in_process(vec![DEVICE; 2]);
+        on_each_rank(
+            groups.into_iter().zip(copies).collect(),
+            |_, (group, model)| {
+                let trainer = Trainer::new(model, AttentionContext::sharded(group), options(4));
+                trainer.evaluate(&x, &y).unwrap()
+            },
+        )
     });
     for loss in losses {
         assert!((loss - expected).abs() < 1e-5, "{loss} vs {expected}");
@@ -228,22 +212,16 @@ fn bad_shapes_are_refused_before_any_work() {
     assert!(unknown.contains("presets: tiny"), "{unknown}");
     within(Duration::from_secs(60), || {
         let groups = DeviceGroup::<Inner>::in_process(vec![DEVICE; 3]);
-        let handles: Vec<_> = groups
-            .into_iter()
-            .map(|group| {
-                thread::spawn(move || {
-                    let model = small().try_init::<Cpu>(&DEVICE).unwrap();
-                    let mut t = Trainer::new(model, AttentionContext::sharded(group), options(1));
-                    let tokens = vec![1u32; 4 * 32];
-                    match t.train_step(&tokens, &tokens) {
-                        Err(TrainError::Input(what)) => what,
-                        other => panic!("expected an input error, got {other:?}"),
-                    }
-                })
-            })
-            .collect();
-        for h in handles {
-            let what = h.join().unwrap();
+        let errors = on_each_rank(groups, |_, group| {
+            let model = small().try_init::<Cpu>(&DEVICE).unwrap();
+            let mut t = Trainer::new(model, AttentionContext::sharded(group), options(1));
+            let tokens = vec![1u32; 4 * 32];
+            match t.train_step(&tokens, &tokens) {
+                Err(TrainError::Input(what)) => what,
+                other => panic!("expected an input error, got {other:?}"),
+            }
+        });
+        for what in errors {
             assert!(
                 what.contains("cannot be split over the group of 3")
                     && what.contains("multiple of 3"),

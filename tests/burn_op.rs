@@ -39,6 +39,7 @@ type CudaF32 = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>
 #[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
 fn cuda_f32_matches_reference() {
     check_backend::<Autodiff<CudaF32>>(&cubecl::cuda::CudaDevice::new(0), ElemType::F32);
+    check_steps::<CudaF32>(&cubecl::cuda::CudaDevice::new(0), ElemType::F32);
     check_backend::<Autodiff<burn_fusion::Fusion<CudaF32>>>(
         &cubecl::cuda::CudaDevice::new(0),
         ElemType::F32,

@@ -70,18 +70,49 @@ fn kernel_step(step: StepMask) -> StepOptions {
     }
 }
 
-/// A tensor this call may overwrite: itself when nothing else holds its buffer, else a copy.
+/// A tensor this call may overwrite in place: itself when it is contiguous and nothing else
+/// holds its buffer, else a contiguous copy in a buffer of its own. (Burn's own copy may come
+/// back pitched on CUDA, rows padded to an alignment; the kernels would then write a further
+/// contiguous copy and the caller's tensor would never see the writes.)
 fn exclusive<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
-    let tensor = into_contiguous(tensor);
-    if tensor.can_mut() {
-        tensor
-    } else {
-        tensor.copy()
+    if tensor.is_contiguous() && tensor.can_mut() {
+        return tensor;
+    }
+    let (client, device, dtype) = (tensor.client.clone(), tensor.device.clone(), tensor.dtype);
+    let copy = cubecl::std::tensor::into_contiguous(&client, tensor.binding(), dtype.into());
+    CubeTensor::new(client, copy.handle, *copy.metadata, device, dtype)
+}
+
+/// The kernels' view of a tensor they write in place: its own buffer, never a copy.
+///
+/// # Panics
+/// If `tensor` is not contiguous (a caller passes tensors from [`exclusive`]).
+fn in_place_view<R: CubeRuntime>(tensor: &CubeTensor<R>) -> DeviceTensor {
+    assert!(
+        tensor.is_contiguous(),
+        "flash attention: a tensor written in place must be contiguous, got shape {:?} with \
+         strides {:?}",
+        tensor.shape(),
+        tensor.meta.strides()
+    );
+    device_tensor(tensor.clone())
+}
+
+/// The kernels' view of a state `(o, m, l)` that they write in place (from [`exclusive`]).
+fn in_place_state<R: CubeRuntime>(
+    o: &CubeTensor<R>,
+    m: &CubeTensor<R>,
+    l: &CubeTensor<R>,
+) -> SoftmaxState {
+    SoftmaxState {
+        o: in_place_view(o),
+        m: in_place_view(m),
+        l: in_place_view(l),
     }
 }
 
-/// The kernels' view of a state's `(o, m, l)` (buffers shared, not copied).
-fn kernel_state<R: CubeRuntime>(
+/// The kernels' read-only view of a state `(o, m, l)` (contiguous copies where needed).
+fn read_state<R: CubeRuntime>(
     o: &CubeTensor<R>,
     m: &CubeTensor<R>,
     l: &CubeTensor<R>,
@@ -206,7 +237,7 @@ where
             &device_tensor(q),
             &device_tensor(k),
             &device_tensor(v),
-            &kernel_state(&o, &m, &l),
+            &in_place_state(&o, &m, &l),
             &kernel_step(step),
         )
         .unwrap_or_else(|e| fail("forward step", e));
@@ -218,8 +249,8 @@ where
         let client = o.client.clone();
         distflash_kernels::merge(
             &client,
-            &kernel_state(&o, &m, &l),
-            &kernel_state(&b.o, &b.m, &b.l),
+            &in_place_state(&o, &m, &l),
+            &read_state(&b.o, &b.m, &b.l),
         )
         .unwrap_or_else(|e| fail("merge", e));
         AttentionState { o, m, l }
@@ -235,7 +266,7 @@ where
         });
         let (out, lse) = distflash_kernels::finalize(
             &like.client,
-            &kernel_state(&state.o, &state.m, &state.l),
+            &read_state(&state.o, &state.m, &state.l),
             elem,
         )
         .unwrap_or_else(|e| fail("finalize", e));

@@ -105,6 +105,11 @@ pub(crate) fn forward_pair<B: FlashAttentionBackend>(
         );
         let step = block_step(block, options);
         let rows = &block.query;
+        if chunks.whole(rows) {
+            // The state itself, not a clone that would force the step to copy it.
+            state = B::attention_forward_step(qs, ks, vs, state, step);
+            continue;
+        }
         let part = AttentionState {
             o: chunks.rows::<B>(&state.o, rows),
             m: chunks.rows::<B>(&state.m, rows),

@@ -29,7 +29,7 @@ use super::warp_tile::{
     load_fragments, multiply_by_row_columns, multiply_by_rows_transposed,
     store_accumulator_columns, store_to_tile, zero_accumulator,
 };
-use crate::grid::cube_slice;
+use crate::grid::paired_slice_block;
 use crate::stats::{lse_log2, weight_log2, LOG2_E};
 
 /// Planes (warps) of a dK/dV cube.
@@ -71,10 +71,11 @@ pub fn shared_memory_bytes(head_dim: usize) -> usize {
 /// fragment order, see [`super::dq_fragments`]; not touched otherwise). A step adds dK and dV
 /// to the f32 `dk`, `dv`; with `one_shot` (a whole attention: the cube has seen every query)
 /// it writes them to `dk_out`, `dv_out` in `E` instead, leaving `dk`, `dv` alone. Grid:
-/// sliced ([`crate::grid::sliced`]), x = key blocks of [`DKDV_KEYS`], the (batch, kv head)
-/// slice over y and z: the cubes under way at once share one head's Q, dO and dQ scratch in L2
-/// (under a causal mask each head's first blocks see the most queries and start first);
-/// [`DKDV_UNITS`] units per cube. Launched
+/// sliced ([`crate::grid::sliced`]): key blocks of [`DKDV_KEYS`] by (batch, kv head) slices,
+/// taken two slices at a time ([`paired_slice_block`]): the cubes under way share at most two
+/// heads' Q, dO and dQ scratch in L2, and under a causal mask each pair's first blocks (seen by
+/// the most queries) start first, so the last wave is light; [`DKDV_UNITS`] units per cube.
+/// Launched
 /// unchecked: global accesses are guarded against `q_len`/`kv_len` by the kernel.
 #[cube(launch_unchecked, fast_math = FastMath::all())]
 #[allow(clippy::too_many_arguments)]
@@ -111,12 +112,12 @@ pub fn backward_dkdv_mma<E: Float>(
 
     let lane = UNIT_POS_PLANE;
     let warp = UNIT_POS / 32;
-    let bkv = cube_slice();
+    let (bkv, key_block) = paired_slice_block();
     let batch = bkv / kv_heads;
     let kv_head = bkv % kv_heads;
     let q_heads = kv_heads * group_size;
     let key_base = (bkv * kv_len) as usize;
-    let block_start = CUBE_POS_X * DKDV_KEYS as u32;
+    let block_start = key_block * DKDV_KEYS as u32;
     let shares = PlaneShares {
         key_row0: (warp / 2) as usize * GROUP_KEYS,
         query_col0: (warp % 2) as usize * HALF_QUERIES,

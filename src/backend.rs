@@ -76,7 +76,7 @@ pub trait FlashAttentionBackend: Backend {
         state: AttentionState<Self>,
         step: StepMask,
     ) -> AttentionState<Self> {
-        crate::portable::forward_step::<Self>(q, k, v, state, step)
+        crate::tensor_ops::forward_step::<Self>(q, k, v, state, step)
     }
 
     /// Merges two partial states of the same query rows.
@@ -89,8 +89,7 @@ pub trait FlashAttentionBackend: Backend {
         state: AttentionState<Self>,
         output: DType,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let _ = output;
-        state::finalize::<Self>(state)
+        state::finalize::<Self>(state, output)
     }
 
     /// `delta = rowsum(dO * O)` `[B, H, S]`, the backward's preprocessing.
@@ -110,6 +109,6 @@ pub trait FlashAttentionBackend: Backend {
         delta: FloatTensor<Self>,
         step: StepMask,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        crate::portable::gradients::<Self>(q, k, v, grad_out, lse, delta, step)
+        crate::tensor_ops::gradients::<Self>(q, k, v, grad_out, lse, delta, step)
     }
 }

@@ -3,22 +3,22 @@
 //!
 //! - [`flash_attention`] / [`flash_attention_with_lse`]: the op Burn users call, on any backend
 //!   implementing [`FlashAttentionBackend`]: the CubeCL backends (CUDA, wgpu) run this project's
-//!   kernels, ndarray runs a portable tensor-op implementation, and `Autodiff<B>` of either adds a
+//!   kernels, ndarray runs an implementation from Burn tensor operations (`tensor_ops`), and `Autodiff<B>` of either adds a
 //!   fused backward.
 //! - [`kernels`]: the CubeCL kernels themselves (`distflash-kernels`), step by step.
 
 #![warn(missing_docs)]
 mod api;
 mod backend;
-pub mod backends;
+mod backends;
 pub mod checkpoint;
 pub mod collective;
 pub mod distributed;
 pub mod layers;
 mod options;
-pub mod portable;
 pub mod schedule;
-pub mod state;
+mod state;
+mod tensor_ops;
 
 pub use api::{flash_attention, flash_attention_with_lse};
 pub use backend::FlashAttentionBackend;

@@ -1,10 +1,10 @@
 //! The running softmax state at the Burn level and its operations from tensor operations
 //! (empty, merge, finalize, delta: every backend gets these; the CubeCL backends override them
-//! with the kernels). The portable forward step is in [`crate::portable`].
+//! with the kernels). The tensor-op forward step is in [`crate::tensor_ops`].
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Tensor, TensorPrimitive};
+use burn::tensor::{DType, FloatDType, Tensor, TensorPrimitive};
 
 use crate::options::{FlashAttentionOptions, Mask};
 
@@ -77,10 +77,17 @@ pub fn merge<B: Backend>(a: AttentionState<B>, b: AttentionState<B>) -> Attentio
     }
 }
 
-/// `(O, lse)` from a finished state; rows that saw no key give `O = 0`, `lse = -inf`.
-pub fn finalize<B: Backend>(state: AttentionState<B>) -> (FloatTensor<B>, FloatTensor<B>) {
+/// `(O, lse)` from a finished state, O in float type `output` (lse in the state's); rows that
+/// saw no key give `O = 0`, `lse = -inf`.
+pub fn finalize<B: Backend>(
+    state: AttentionState<B>,
+    output: DType,
+) -> (FloatTensor<B>, FloatTensor<B>) {
     let (m, l) = (t3::<B>(state.m), t3::<B>(state.l));
-    let out = t4::<B>(state.o) / l.clone().clamp_min(1e-30).unsqueeze_dim::<4>(3);
+    let mut out = t4::<B>(state.o) / l.clone().clamp_min(1e-30).unsqueeze_dim::<4>(3);
+    if out.dtype() != output {
+        out = out.cast(FloatDType::from(output));
+    }
     let lse = m.clamp_min(-1e30) + l.log();
     (prim(out), prim(lse))
 }
@@ -102,5 +109,22 @@ impl StepMask {
             scale: options.scale,
             deterministic: options.deterministic,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn_ndarray::NdArray;
+
+    #[test]
+    fn finalize_writes_the_output_in_the_float_type_asked_for() {
+        let device = Default::default();
+        let state = empty::<NdArray<f32>>([1, 2, 3, 4], DType::F32, &device);
+        let (out, lse) = finalize::<NdArray<f32>>(state.clone(), DType::F64);
+        assert_eq!(t4::<NdArray<f32>>(out).dtype(), DType::F64);
+        assert_eq!(t3::<NdArray<f32>>(lse).dtype(), DType::F32);
+        let (out, _) = finalize::<NdArray<f32>>(state, DType::F32);
+        assert_eq!(t4::<NdArray<f32>>(out).dtype(), DType::F32);
     }
 }

@@ -1,4 +1,4 @@
-//! The ndarray backend: the portable implementation from tensor operations.
+//! The ndarray backend: the implementation from Burn tensor operations (`tensor_ops`).
 
 use burn::tensor::ops::FloatTensor;
 use burn_ndarray::{
@@ -7,7 +7,7 @@ use burn_ndarray::{
 
 use crate::backend::FlashAttentionBackend;
 use crate::options::FlashAttentionOptions;
-use crate::portable;
+use crate::tensor_ops;
 
 impl<E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement> FlashAttentionBackend
     for NdArray<E, I, Q>
@@ -20,7 +20,7 @@ where
         v: FloatTensor<Self>,
         options: FlashAttentionOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        portable::forward::<Self>(q, k, v, options)
+        tensor_ops::forward::<Self>(q, k, v, options)
     }
 
     fn flash_attention_backward(
@@ -32,6 +32,6 @@ where
         grad_out: FloatTensor<Self>,
         options: FlashAttentionOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        portable::backward::<Self>(q, k, v, out, lse, grad_out, options)
+        tensor_ops::backward::<Self>(q, k, v, out, lse, grad_out, options)
     }
 }

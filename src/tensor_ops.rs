@@ -4,7 +4,7 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Bool, Int, Tensor, TensorPrimitive};
+use burn::tensor::{Bool, Int, Tensor, TensorMetadata, TensorPrimitive};
 
 use crate::options::{FlashAttentionOptions, Mask};
 use crate::state::{self, AttentionState, StepMask};
@@ -134,8 +134,9 @@ pub fn forward<B: Backend>(
     v: FloatTensor<B>,
     options: FlashAttentionOptions,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
+    let dtype = q.dtype();
     let (m, l, o) = partial::<B>(q, k, v, options.mask(), options.scale);
-    state::finalize::<B>(AttentionState { o, m, l })
+    state::finalize::<B>(AttentionState { o, m, l }, dtype)
 }
 
 /// One (query chunk, key chunk) pair's `(dq, dk, dv)` from the full rows' lse and delta.

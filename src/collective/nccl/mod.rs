@@ -36,7 +36,7 @@
 //! libcuda and libnccl are loaded at run time (cudarc's dynamic loading); when either is missing,
 //! constructors return [`CommError::Nccl`] saying so instead of panicking.
 
-pub mod rendezvous;
+mod rendezvous;
 
 mod exchange;
 mod library;

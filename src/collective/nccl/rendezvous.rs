@@ -466,3 +466,7 @@ pub fn join(
         ))),
     }
 }
+
+#[cfg(test)]
+#[path = "rendezvous_tests.rs"]
+mod tests;

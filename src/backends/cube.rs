@@ -83,36 +83,30 @@ fn exclusive<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
     CubeTensor::new(client, copy.handle, *copy.metadata, device, dtype)
 }
 
-/// The kernels' view of a tensor they write in place: its own buffer, never a copy.
+/// The kernels' view of a state `(o, m, l)` that they write in place (from [`exclusive`]): its
+/// own buffers, never copies.
 ///
 /// # Panics
-/// If `tensor` is not contiguous (a caller passes tensors from [`exclusive`]).
-fn in_place_view<R: CubeRuntime>(tensor: &CubeTensor<R>) -> DeviceTensor {
-    assert!(
-        tensor.is_contiguous(),
-        "flash attention: a tensor written in place must be contiguous, got shape {:?} with \
-         strides {:?}",
-        tensor.shape(),
-        tensor.meta.strides()
-    );
-    device_tensor(tensor.clone())
-}
-
-/// The kernels' view of a state `(o, m, l)` that they write in place (from [`exclusive`]).
+/// If a tensor is not contiguous (its view would be a copy that takes the writes).
 fn in_place_state<R: CubeRuntime>(
     o: &CubeTensor<R>,
     m: &CubeTensor<R>,
     l: &CubeTensor<R>,
 ) -> SoftmaxState {
-    SoftmaxState {
-        o: in_place_view(o),
-        m: in_place_view(m),
-        l: in_place_view(l),
+    for tensor in [o, m, l] {
+        assert!(
+            tensor.is_contiguous(),
+            "flash attention: a tensor written in place must be contiguous, got shape {:?} with \
+             strides {:?}",
+            tensor.shape(),
+            tensor.meta.strides()
+        );
     }
+    state_view(o, m, l)
 }
 
-/// The kernels' read-only view of a state `(o, m, l)` (contiguous copies where needed).
-fn read_state<R: CubeRuntime>(
+/// The kernels' view of a state `(o, m, l)` (contiguous copies where needed: read-only use).
+fn state_view<R: CubeRuntime>(
     o: &CubeTensor<R>,
     m: &CubeTensor<R>,
     l: &CubeTensor<R>,
@@ -250,7 +244,7 @@ where
         distflash_kernels::merge(
             &client,
             &in_place_state(&o, &m, &l),
-            &read_state(&b.o, &b.m, &b.l),
+            &state_view(&b.o, &b.m, &b.l),
         )
         .unwrap_or_else(|e| fail("merge", e));
         AttentionState { o, m, l }
@@ -266,7 +260,7 @@ where
         });
         let (out, lse) = distflash_kernels::finalize(
             &like.client,
-            &read_state(&state.o, &state.m, &state.l),
+            &state_view(&state.o, &state.m, &state.l),
             elem,
         )
         .unwrap_or_else(|e| fail("finalize", e));

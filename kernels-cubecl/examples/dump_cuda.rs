@@ -22,7 +22,7 @@ use cubecl_cpp::shared::{register_mma_features, CompilationOptions, CppSupported
 use cubecl_cpp::DialectWmmaCompiler;
 use cubecl_cuda::CudaCompiler;
 use cubecl_runtime::compiler::Compiler;
-use distflash_kernels::tensor_core::{backward, dkdv, forward};
+use distflash_kernels::tensor_core::{backward, dkdv, forward, BACKWARD_ADDRESS};
 use half::{bf16, f16};
 
 /// What an H200 reports to cubecl-cuda 0.10, as far as code generation depends on it.
@@ -75,7 +75,14 @@ fn h200_properties() -> DeviceProperties {
     p
 }
 
-fn compile(name: &str, units: u32, expand: impl FnOnce(&mut KernelBuilder)) -> String {
+/// The CUDA source of one kernel, indexed with `address` (the width its `#[cube]` attribute
+/// declares).
+fn compile(
+    name: &str,
+    units: u32,
+    address: AddressType,
+    expand: impl FnOnce(&mut KernelBuilder),
+) -> String {
     let properties = h200_properties();
     let mut builder = KernelBuilder::default();
     builder.runtime_properties(<cubecl_cuda::CudaRuntime as Runtime>::target_properties());
@@ -86,7 +93,7 @@ fn compile(name: &str, units: u32, expand: impl FnOnce(&mut KernelBuilder)) -> S
     builder
         .scope
         .register_type::<f16>(f16::as_type_native_unchecked().storage_type());
-    AddressType::U32.register(&mut builder.scope);
+    address.register(&mut builder.scope);
     expand(&mut builder);
     let settings = KernelSettings::default()
         .cube_dim(CubeDim::new_1d(units))
@@ -107,7 +114,7 @@ fn compile(name: &str, units: u32, expand: impl FnOnce(&mut KernelBuilder)) -> S
             definition,
             &options,
             ExecutionMode::Unchecked,
-            u32::as_type_native_unchecked().storage_type(),
+            address.unsigned_type(),
         )
         .expect("the kernel compiles")
         .to_string()
@@ -131,7 +138,7 @@ fn scalar<E: LaunchArg<CompilationArg = ()>>(b: &mut KernelBuilder) -> <E as Cub
 fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, String); 6] {
     let units = forward::UNITS as u32;
     let forward = |one_shot: bool| {
-        compile("forward_step_mma", units, |b| {
+        compile("forward_step_mma", units, AddressType::U32, |b| {
             let (q, k, v) = (input::<E>(b), input::<E>(b), input::<E>(b));
             let (o, m, l) = (output::<f32>(b), output::<f32>(b), output::<f32>(b));
             let (out, lse) = (output::<E>(b), output::<f32>(b));
@@ -160,7 +167,7 @@ fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, String); 
             );
         })
     };
-    let dq = compile("backward_dq_mma", units, |b| {
+    let dq = compile("backward_dq_mma", units, BACKWARD_ADDRESS, |b| {
         let (q, k, v, grad_out) = (input::<E>(b), input::<E>(b), input::<E>(b), input::<E>(b));
         let (lse, delta) = (input::<f32>(b), input::<f32>(b));
         let dq = output::<f32>(b);
@@ -187,40 +194,46 @@ fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, String); 
         );
     });
     let dkdv = |fuse_dq: bool, one_shot: bool| {
-        compile("backward_dkdv_mma", dkdv::DKDV_UNITS as u32, |b| {
-            let (q, k, v, grad_out) = (input::<E>(b), input::<E>(b), input::<E>(b), input::<E>(b));
-            let (lse, delta) = (input::<f32>(b), input::<f32>(b));
-            let (dk, dv) = (output::<f32>(b), output::<f32>(b));
-            let dq = output::<Atomic<f32>>(b);
-            let (dk_out, dv_out) = (output::<E>(b), output::<E>(b));
-            let (scale, shift) = (scalar::<f32>(b), scalar::<i32>(b));
-            let (q_len, kv_len) = (scalar::<u32>(b), scalar::<u32>(b));
-            let (heads, group) = (scalar::<u32>(b), scalar::<u32>(b));
-            dkdv::backward_dkdv_mma::expand::<E>(
-                &mut b.scope,
-                q,
-                k,
-                v,
-                grad_out,
-                lse,
-                delta,
-                dk,
-                dv,
-                dq,
-                dk_out,
-                dv_out,
-                scale,
-                shift,
-                q_len,
-                kv_len,
-                heads,
-                group,
-                head_dim,
-                causal,
-                fuse_dq,
-                one_shot,
-            );
-        })
+        compile(
+            "backward_dkdv_mma",
+            dkdv::DKDV_UNITS as u32,
+            BACKWARD_ADDRESS,
+            |b| {
+                let (q, k, v, grad_out) =
+                    (input::<E>(b), input::<E>(b), input::<E>(b), input::<E>(b));
+                let (lse, delta) = (input::<f32>(b), input::<f32>(b));
+                let (dk, dv) = (output::<f32>(b), output::<f32>(b));
+                let dq = output::<Atomic<f32>>(b);
+                let (dk_out, dv_out) = (output::<E>(b), output::<E>(b));
+                let (scale, shift) = (scalar::<f32>(b), scalar::<i32>(b));
+                let (q_len, kv_len) = (scalar::<u32>(b), scalar::<u32>(b));
+                let (heads, group) = (scalar::<u32>(b), scalar::<u32>(b));
+                dkdv::backward_dkdv_mma::expand::<E>(
+                    &mut b.scope,
+                    q,
+                    k,
+                    v,
+                    grad_out,
+                    lse,
+                    delta,
+                    dk,
+                    dv,
+                    dq,
+                    dk_out,
+                    dv_out,
+                    scale,
+                    shift,
+                    q_len,
+                    kv_len,
+                    heads,
+                    group,
+                    head_dim,
+                    causal,
+                    fuse_dq,
+                    one_shot,
+                );
+            },
+        )
     };
     [
         ("forward", forward(false)),

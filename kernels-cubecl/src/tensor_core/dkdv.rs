@@ -75,9 +75,11 @@ pub fn shared_memory_bytes(head_dim: usize) -> usize {
 /// taken two slices at a time ([`paired_slice_block`]): the cubes under way share at most two
 /// heads' Q, dO and dQ scratch in L2, and under a causal mask each pair's first blocks (seen by
 /// the most queries) start first, so the last wave is light; [`DKDV_UNITS`] units per cube.
-/// Launched
-/// unchecked: global accesses are guarded against `q_len`/`kv_len` by the kernel.
-#[cube(launch_unchecked, fast_math = FastMath::all())]
+/// Launched unchecked: global accesses are guarded against `q_len`/`kv_len` by the kernel.
+/// Indices are 64-bit ([`super::BACKWARD_ADDRESS`]): a shared-memory offset
+/// `base + constant` then folds into the `ldmatrix`/`lds` immediate (with 32-bit indices
+/// CubeCL's `smem + (u32)(base + c)` costs an add and a `LEA` per load).
+#[cube(launch_unchecked, address_type = "u64", fast_math = FastMath::all())]
 #[allow(clippy::too_many_arguments)]
 pub fn backward_dkdv_mma<E: Float>(
     q: &Array<E>,

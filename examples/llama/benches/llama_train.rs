@@ -2,7 +2,11 @@
 //! process, one thread per GPU, NCCL), bf16, AdamW, gradient all-reduce, on random tokens.
 //!
 //! `cargo bench -p distflash-llama --bench llama_train -- --config llama-7b [--layers 4] --gpus 4 --seq 32768
-//!  [--iters 2] [--checkpoint attention-output|layer|none] [--batch 1]`
+//!  [--iters 2] [--checkpoint attention-output|layer|none] [--batch 1] [--profile-last-step]`
+//!
+//! `--profile-last-step` brackets rank 0's last step with `cuProfilerStart` / `cuProfilerStop`
+//! (after a device sync on each side), so a profiler started with its collection off
+//! (`ncu --profile-from-start off ...`) sees exactly one warmed-up step and no autotuning.
 //!
 //! One configuration per process (an out-of-memory error ends the process, so the longest
 //! trainable sequence is found by a shell loop). Prints one table row: tokens/s over the whole
@@ -34,6 +38,24 @@ fn arg(args: &[String], name: &str) -> Option<String> {
         .cloned()
 }
 
+/// Turns the attached CUDA profiler's collection on or off for GPU 0's primary context (the
+/// context CubeCL's CUDA runtime runs on), made current on this thread first.
+fn profiler_collects(on: bool) {
+    let context = cudarc::driver::CudaContext::new(0).expect("CUDA context of GPU 0");
+    context.bind_to_thread().expect("bind the CUDA context");
+    // SAFETY: plain driver calls on the context bound above; they take no pointers.
+    let status = unsafe {
+        if on {
+            cudarc::driver::sys::cuProfilerStart()
+        } else {
+            cudarc::driver::sys::cuProfilerStop()
+        }
+    };
+    if status != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+        eprintln!("profiler start/stop returned {status:?}");
+    }
+}
+
 fn main() {
     std::env::set_var("NCCL_NVLS_ENABLE", "0");
     let args: Vec<String> = std::env::args().collect();
@@ -50,6 +72,7 @@ fn main() {
         Some("none") => CheckpointPlacement::None,
         Some(other) => panic!("--checkpoint: {other}"),
     };
+    let profile_last_step = args.iter().any(|a| a == "--profile-last-step");
     let (gpus, seq, iters, batch) = (
         num("--gpus", 4),
         num("--seq", 32768),
@@ -81,12 +104,20 @@ fn main() {
                 .collect();
             let mut times = Vec::new();
             let mut loss = 0.0;
-            for _ in 0..=iters {
+            for step in 0..=iters {
+                let profiled = profile_last_step && step == iters && device.index == 0;
                 barrier.wait();
+                if profiled {
+                    Train::sync(&device).expect("sync");
+                    profiler_collects(true);
+                }
                 let start = Instant::now();
                 loss = trainer.train_step(&tokens, &tokens).expect("step").loss;
                 Train::sync(&device).expect("sync");
                 times.push(start.elapsed().as_secs_f64());
+                if profiled {
+                    profiler_collects(false);
+                }
             }
             let reserved = CudaRuntime::client(&device)
                 .memory_usage()

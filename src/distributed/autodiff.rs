@@ -61,6 +61,10 @@ impl<B: SequenceParallelBackend, C: CheckpointStrategy> SequenceParallelBackend 
         B::inner_device(device)
     }
 
+    fn linear_product(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::layers::autodiff_linear_product::<B, C>(x, weight)
+    }
+
     fn sequence_parallel_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,

@@ -45,6 +45,18 @@ pub trait SequenceParallelBackend: FlashAttentionBackend {
         group: &DeviceGroup<Self::Inner>,
         options: &SequenceParallelOptions,
     ) -> Result<Grads<Self>, CommError>;
+
+    /// `x W` of a linear layer: `x` `[rows, d_in]`, `weight` `[d_in, d_out]`, `[rows, d_out]`.
+    /// cuBLAS on CUDA `CubeBackend` tensors (feature `cublas`; contiguous f32/f16/bf16 operands),
+    /// Burn's `matmul` elsewhere; on `Autodiff` one node whose backward products take the same
+    /// path.
+    fn linear_product(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self> {
+        use burn::tensor::{Tensor, TensorPrimitive};
+        let wrap = |t| Tensor::<Self, 2>::from_primitive(TensorPrimitive::Float(t));
+        crate::layers::product(wrap(x), wrap(weight), crate::layers::Transposed::Neither)
+            .into_primitive()
+            .tensor()
+    }
 }
 
 /// Implements the trait for a backend that computes and communicates itself.

@@ -11,6 +11,7 @@ use burn::tensor::Tensor;
 use super::config_error::ConfigError;
 use super::context::AttentionContext;
 use super::counter::ForwardCounter;
+use super::matmul::linear;
 use super::rope::{RopeConfig, RotaryTables};
 use crate::distributed::{
     announce_refusal, sequence_parallel_attention_with_lse, SequenceParallelBackend,
@@ -174,7 +175,7 @@ impl<B: SequenceParallelBackend> DistFlashAttention<B> {
         self.check_input(&x, context)?;
         let projected = self.project(x, context);
         let (out, _) = self.attend(&projected, context)?;
-        Ok(self.output.forward(merge_heads(out)))
+        Ok(linear(&self.output, merge_heads(out)))
     }
 
     /// Refuses, before any work, an input that is not `[batch > 0, seq > 0, d_model]` of the
@@ -262,9 +263,9 @@ impl<B: SequenceParallelBackend> DistFlashAttention<B> {
             x.dtype(),
             &x.device(),
         );
-        let q = split_heads(self.query.forward(x.clone()), self.n_heads);
-        let k = split_heads(self.key.forward(x.clone()), self.n_kv_heads);
-        let v = split_heads(self.value.forward(x), self.n_kv_heads);
+        let q = split_heads(linear(&self.query, x.clone()), self.n_heads);
+        let k = split_heads(linear(&self.key, x.clone()), self.n_kv_heads);
+        let v = split_heads(linear(&self.value, x), self.n_kv_heads);
         Projected {
             q: rope.apply(q),
             k: rope.apply(k),

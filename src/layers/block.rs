@@ -11,6 +11,7 @@ use super::attention_backward::{AttentionActivations, AttentionGrads};
 use super::config_error::ConfigError;
 use super::context::AttentionContext;
 use super::feed_forward::{FeedForward, FeedForwardConfig, FeedForwardGrads};
+use super::matmul::linear;
 use super::rms_norm::{RmsNorm, RmsNormConfig};
 use crate::checkpoint::{CheckpointBackend, CheckpointPlacement};
 use crate::distributed::SequenceParallelBackend;
@@ -140,7 +141,7 @@ impl<B: SequenceParallelBackend> TransformerBlock<B> {
             Some(saved) => saved,
             None => self.attention.attend(&projected, context)?,
         };
-        let h = x.clone() + self.attention.output.forward(merge_heads(out.clone()));
+        let h = x.clone() + linear(&self.attention.output, merge_heads(out.clone()));
         Ok(AttentionHalf {
             attention: AttentionActivations {
                 input,

@@ -8,6 +8,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
 use super::linear_grad::{linear_backward, LinearGrads};
+use super::matmul::linear;
+use crate::distributed::SequenceParallelBackend;
 
 /// Configuration of [`FeedForward`].
 #[derive(Config, Debug)]
@@ -56,11 +58,11 @@ pub(crate) struct FeedForwardGrads<B: Backend> {
     pub down: Tensor<B, 2>,
 }
 
-impl<B: Backend> FeedForward<B> {
+impl<B: SequenceParallelBackend> FeedForward<B> {
     /// Applies the block to `x` `[batch, seq, d_model]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let hidden = silu(self.gate.forward(x.clone())) * self.up.forward(x);
-        self.down.forward(hidden)
+        let hidden = silu(linear(&self.gate, x.clone())) * linear(&self.up, x);
+        linear(&self.down, hidden)
     }
 
     /// `(dx, weight gradients)` at input `x` for the output gradient `grad` (recomputes the
@@ -70,8 +72,8 @@ impl<B: Backend> FeedForward<B> {
         x: Tensor<B, 3>,
         grad: Tensor<B, 3>,
     ) -> (Tensor<B, 3>, FeedForwardGrads<B>) {
-        let gate = self.gate.forward(x.clone());
-        let up = self.up.forward(x.clone());
+        let gate = linear(&self.gate, x.clone());
+        let up = linear(&self.up, x.clone());
         let sig = sigmoid(gate.clone());
         let activated = gate.clone() * sig.clone();
         let LinearGrads {

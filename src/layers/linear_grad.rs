@@ -4,6 +4,8 @@ use burn::nn::Linear;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
+use super::matmul::{product, Transposed};
+
 /// Gradients of a linear layer's input and weight.
 pub(crate) struct LinearGrads<B: Backend> {
     /// `dx = dy W^T` `[batch, seq, d_in]`.
@@ -18,16 +20,11 @@ pub(crate) fn linear_backward<B: Backend>(
     x: Tensor<B, 3>,
     grad: Tensor<B, 3>,
 ) -> LinearGrads<B> {
-    let weight = linear.weight.val();
     let [batch, seq, d_in] = x.dims();
     let d_out = grad.dims()[2];
     let rows = batch * seq;
-    let dweight = x
-        .reshape([rows, d_in])
-        .transpose()
-        .matmul(grad.clone().reshape([rows, d_out]));
-    LinearGrads {
-        input: grad.matmul(weight.transpose().unsqueeze::<3>()),
-        weight: dweight,
-    }
+    let grad = grad.reshape([rows, d_out]);
+    let weight = product(x.reshape([rows, d_in]), grad.clone(), Transposed::Lhs);
+    let input = product(grad, linear.weight.val(), Transposed::Rhs).reshape([batch, seq, d_in]);
+    LinearGrads { input, weight }
 }

@@ -9,7 +9,8 @@ use burn::tensor::{DType, Int, Tensor};
 
 use super::config::LlamaConfig;
 use burn_distflash::layers::{
-    AttentionContext, ConfigError, RmsNorm, RmsNormConfig, TransformerBlock, TransformerBlockConfig,
+    linear, AttentionContext, ConfigError, RmsNorm, RmsNormConfig, TransformerBlock,
+    TransformerBlockConfig,
 };
 use burn_distflash::{CheckpointBackend, DistributedError, SequenceParallelBackend};
 
@@ -78,7 +79,7 @@ impl<B: CheckpointBackend> Llama<B> {
         }
         let x = self.norm.forward(x);
         Ok(match &self.lm_head {
-            Some(head) => head.forward(x),
+            Some(head) => linear(head, x),
             None => x.matmul(self.embedding.weight.val().transpose().unsqueeze()),
         })
     }

@@ -93,21 +93,16 @@ mod tests {
                 .expect("bias gradient");
             let dx = x.grad(&grads).expect("input gradient");
             let dweight = layer.weight.grad(&grads).expect("weight gradient");
-            (y, dx, dweight, bias)
+            [
+                y.into_data(),
+                dx.into_data(),
+                dweight.into_data(),
+                bias.into_data(),
+            ]
         };
         let (ours, burns) = (run(true), run(false));
-        let tolerance = Tolerance::<f32>::default();
-        ours.0
-            .into_data()
-            .assert_approx_eq(&burns.0.into_data(), tolerance);
-        ours.1
-            .into_data()
-            .assert_approx_eq(&burns.1.into_data(), tolerance);
-        ours.2
-            .into_data()
-            .assert_approx_eq(&burns.2.into_data(), tolerance);
-        ours.3
-            .into_data()
-            .assert_approx_eq(&burns.3.into_data(), tolerance);
+        for (ours, burns) in ours.into_iter().zip(burns) {
+            ours.assert_approx_eq::<f32>(&burns, Tolerance::default());
+        }
     }
 }

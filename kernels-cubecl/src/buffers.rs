@@ -7,8 +7,7 @@ use crate::dims::AttentionDims;
 use crate::error::{launch_result, KernelError};
 use crate::grid;
 use crate::limits::DeviceLimits;
-use crate::plan::ELEMENT_UNITS;
-use crate::state_kernels;
+use crate::state_kernels::{self, ELEMENT_UNITS};
 use crate::tensor::{DeviceTensor, ElemType};
 
 /// The running state `(o, m, l)` of a block of query rows, all f32: `o` is `[B, H, S, D]`,

@@ -11,12 +11,9 @@ use crate::limits::DeviceLimits;
 use crate::options::{StepOptions, Variant};
 use crate::portable::backward::{dkdv_shared_bytes, dq_shared_bytes};
 use crate::portable::{backward_tile_rows, ROWS_PER_CUBE};
-use crate::state_kernels::{ROW_LANES, ROW_UNITS};
+use crate::state_kernels::{ELEMENT_UNITS, ROW_LANES, ROW_UNITS};
 use crate::tensor::ElemType;
 use crate::tensor_core;
-
-/// Units per cube of the element-wise kernels (fill, cast).
-pub(crate) const ELEMENT_UNITS: usize = 256;
 
 /// Launch choices of the portable kernels for one call.
 #[derive(Debug, Clone)]

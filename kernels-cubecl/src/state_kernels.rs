@@ -9,6 +9,8 @@ use cubecl::prelude::*;
 
 use crate::stats::{log_sum_exp, output_normaliser, rescale_factor};
 
+/// Units per cube of the element-wise kernels (fill, cast, the dQ scratch unpacking).
+pub(crate) const ELEMENT_UNITS: usize = 256;
 /// Units that share one row in the row-wise kernels (merge, finalize, delta).
 pub const ROW_LANES: usize = 32;
 /// Units per cube of the row-wise kernels: [`ROW_UNITS`] / [`ROW_LANES`] rows per cube.

@@ -26,7 +26,7 @@ use cubecl::cuda::CudaRuntime;
 use cudarc::cublas::{result as blas, sys};
 use cudarc::driver::{CudaContext, CudaStream};
 
-use super::matmul::Transposed;
+use super::transposed::Transposed;
 
 type CudaTensor = CubeTensor<CudaRuntime>;
 

@@ -4,7 +4,8 @@ use burn::nn::Linear;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
-use super::matmul::{product, Transposed};
+use super::matmul::product;
+use super::transposed::Transposed;
 
 /// Gradients of a linear layer's input and weight.
 pub(crate) struct LinearGrads<B: Backend> {

@@ -9,7 +9,8 @@ use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
 use burn_autodiff::Autodiff;
 
-use super::matmul::{product, Transposed};
+use super::matmul::product;
+use super::transposed::Transposed;
 use crate::distributed::SequenceParallelBackend;
 
 /// The backward node of `y = x W`.

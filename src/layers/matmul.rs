@@ -6,18 +6,8 @@ use burn::nn::Linear;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorPrimitive};
 
+use super::transposed::Transposed;
 use crate::distributed::SequenceParallelBackend;
-
-/// Which operand of a product enters transposed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Transposed {
-    /// `a b`: `a` is `[m, k]`, `b` is `[k, n]`.
-    Neither,
-    /// `a^T b`: `a` is `[k, m]`, `b` is `[k, n]` (a weight gradient `x^T dy`).
-    Lhs,
-    /// `a b^T`: `a` is `[m, k]`, `b` is `[n, k]` (an input gradient `dy W^T`).
-    Rhs,
-}
 
 /// The product of two matrices as [`Transposed`] says, `[m, n]`.
 pub(crate) fn product<B: Backend>(

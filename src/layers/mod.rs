@@ -18,6 +18,7 @@ mod matmul;
 mod replicate;
 mod rms_norm;
 mod rope;
+mod transposed;
 
 pub use attention::{DistFlashAttention, DistFlashAttentionConfig};
 pub(crate) use block::BlockGrads;
@@ -28,7 +29,8 @@ pub use counter::ForwardCounter;
 pub use feed_forward::{FeedForward, FeedForwardConfig};
 pub(crate) use linear_node::linear_product as autodiff_linear_product;
 pub use matmul::linear;
-pub(crate) use matmul::{product, Transposed};
+pub(crate) use matmul::product;
 pub use replicate::replicate;
 pub use rms_norm::{RmsNorm, RmsNormConfig};
 pub use rope::{Llama3RopeScaling, RopeConfig, RotaryTables};
+pub(crate) use transposed::Transposed;

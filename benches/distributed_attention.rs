@@ -20,7 +20,7 @@ use burn_distflash::collective::{CommError, Exchange, Incoming, Outgoing, Receiv
 use burn_distflash::schedule::{Schedule, ScheduleKind};
 use burn_distflash::{
     on_each_rank, DeviceGroup, FlashAttentionBackend, FlashAttentionOptions,
-    SequenceParallelBackend, SequenceParallelOptions,
+    SequenceParallelOptions,
 };
 use cubecl::cuda::CudaDevice;
 

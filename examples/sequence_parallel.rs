@@ -15,7 +15,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Distribution, ElementConversion, Tensor, TensorData};
 use burn_distflash::{
     flash_attention, on_each_rank, sequence_parallel_attention, shard_sequence, DeviceGroup,
-    FlashAttentionOptions, SequenceParallelBackend, SequenceParallelOptions,
+    FlashAttentionBackend, FlashAttentionOptions, SequenceParallelOptions,
 };
 
 type Cuda = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
@@ -42,7 +42,7 @@ fn full_inputs(world: usize) -> [TensorData; 3] {
 /// one-device attention over the whole sequence.
 fn rank_step<B>(group: DeviceGroup<B::Inner>, device: B::Device, inputs: [TensorData; 3]) -> f32
 where
-    B: SequenceParallelBackend + AutodiffBackend,
+    B: FlashAttentionBackend + AutodiffBackend,
 {
     let (rank, world) = (group.rank(), group.world_size());
     let [q, k, v] = inputs.map(|data| Tensor::<B, 4>::from_data(data, &device));
@@ -75,7 +75,7 @@ where
 
 fn run_threads<B>(groups: Vec<DeviceGroup<B::Inner>>, devices: Vec<B::Device>)
 where
-    B: SequenceParallelBackend + AutodiffBackend,
+    B: FlashAttentionBackend + AutodiffBackend,
 {
     let inputs = full_inputs(groups.len());
     let per_rank = groups.into_iter().zip(devices).collect();

@@ -1,16 +1,30 @@
-//! The backend extension: attention with its softmax statistics and a fused backward, as an
-//! operation every supported Burn backend implements.
+//! The backend extension: attention with its softmax statistics and a fused backward, local or
+//! sequence-parallel over a [`DeviceGroup`] (a local call is a world of one), and the products
+//! of the linear layers, as operations every supported Burn backend implements.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::DType;
+use burn::tensor::{DType, Device, Tensor, TensorPrimitive};
 
 use distflash_kernels::AttentionDims;
 
+use crate::collective::{CommError, DeviceGroup};
+use crate::distributed::options::SequenceParallelOptions;
+use crate::matmul::{product, Transposed};
 use crate::options::{AttentionError, FlashAttentionOptions};
 use crate::state::{self, AttentionState, StepMask};
 
-/// A Burn backend that can run exact, memory-efficient attention and its fused backward.
+/// Gradients of q, k and v.
+pub(crate) type Grads<B> = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
+
+/// The Burn backend extension of this crate: exact, memory-efficient attention with its fused
+/// backward, step by step with the running softmax state, sequence-parallel over a
+/// [`DeviceGroup`] of [`FlashAttentionBackend::Inner`] (the backend that computes and
+/// communicates: `Self` for the CubeCL and ndarray backends, `B` for `Fusion<B>`, and for
+/// `Autodiff<B>` that of `B`), and the linear layers' products. Implemented for
+/// `CubeBackend` (CUDA, wgpu: this project's kernels), `NdArray` (Burn tensor ops), `Fusion<B>`
+/// and `Autodiff<B>` of those; a model generic over `B: FlashAttentionBackend` runs on all of
+/// them.
 ///
 /// Shapes: q `[B, Hq, Sq, D]`, k and v `[B, Hkv, Skv, D]` (`Hq` a multiple of `Hkv`), O like q,
 /// lse `[B, Hq, Sq]` (f32 where the backend allows it). Callers validate the inputs first,
@@ -110,5 +124,44 @@ pub trait FlashAttentionBackend: Backend {
         step: StepMask,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         crate::tensor_ops::gradients::<Self>(q, k, v, grad_out, lse, delta, step)
+    }
+
+    /// The backend that computes and communicates in sequence-parallel calls.
+    type Inner: FlashAttentionBackend;
+
+    /// `device` as the inner backend's device.
+    fn inner_device(device: &Self::Device) -> Device<Self::Inner>;
+
+    /// `(O, lse)` of this rank's shards (validated by the caller).
+    fn sequence_parallel_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        group: &DeviceGroup<Self::Inner>,
+        options: &SequenceParallelOptions,
+    ) -> Result<(FloatTensor<Self>, FloatTensor<Self>), CommError>;
+
+    /// `(dq, dk, dv)` of this rank's shards from the forward's O and lse.
+    #[allow(clippy::too_many_arguments)]
+    fn sequence_parallel_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad_out: FloatTensor<Self>,
+        group: &DeviceGroup<Self::Inner>,
+        options: &SequenceParallelOptions,
+    ) -> Result<Grads<Self>, CommError>;
+
+    /// `x W` of a linear layer: `x` `[rows, d_in]`, `weight` `[d_in, d_out]`, `[rows, d_out]`.
+    /// cuBLAS on CUDA `CubeBackend` tensors (feature `cublas`; contiguous f32/f16/bf16 operands),
+    /// Burn's `matmul` elsewhere; on `Autodiff` one node whose backward products take the same
+    /// path.
+    fn linear_product(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self> {
+        let wrap = |t| Tensor::<Self, 2>::from_primitive(TensorPrimitive::Float(t));
+        product(wrap(x), wrap(weight), Transposed::Neither)
+            .into_primitive()
+            .tensor()
     }
 }

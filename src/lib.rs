@@ -15,6 +15,7 @@ pub mod checkpoint;
 pub mod collective;
 pub mod distributed;
 pub mod layers;
+mod matmul;
 mod options;
 pub mod schedule;
 mod state;
@@ -27,7 +28,7 @@ pub use collective::{on_each_rank, CommError, DeviceGroup};
 pub use distflash_kernels as kernels;
 pub use distributed::{
     gather_sequence, sequence_parallel_attention, sequence_parallel_attention_with_lse,
-    shard_sequence, DistributedError, SequenceParallelBackend, SequenceParallelOptions,
+    shard_sequence, DistributedError, SequenceParallelOptions,
 };
 pub use layers::{
     replicate, AttentionContext, DistFlashAttention, DistFlashAttentionConfig, TransformerBlock,

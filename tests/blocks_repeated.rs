@@ -66,8 +66,7 @@ fn infer<B: CheckpointBackend>(
 fn check<B>(world: usize, device: B::Device, tolerance: f64)
 where
     B: AutodiffBackend + CheckpointBackend,
-    B::InnerBackend:
-        CheckpointBackend<Inner = <B as burn_distflash::SequenceParallelBackend>::Inner>,
+    B::InnerBackend: CheckpointBackend<Inner = <B as burn_distflash::FlashAttentionBackend>::Inner>,
     TransformerBlock<B>: AutodiffModule<B, InnerModule = TransformerBlock<B::InnerBackend>>,
 {
     let (batch, seq, width) = (2, 8 * world, 64);
@@ -107,7 +106,7 @@ where
             (rows(&x), rows(&r), per_rank.remove(0))
         })
         .collect();
-    let groups = DeviceGroup::<<B as burn_distflash::SequenceParallelBackend>::Inner>::in_process(
+    let groups = DeviceGroup::<<B as burn_distflash::FlashAttentionBackend>::Inner>::in_process(
         devices.iter().map(|d| B::inner_device(d)).collect(),
     );
     let results = on_each_rank(inputs.into_iter().zip(groups).collect(), |_, item| {

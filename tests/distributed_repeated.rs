@@ -13,7 +13,7 @@ use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::backend::AutodiffBackend;
 use burn_distflash::schedule::{Layout, ScheduleKind};
-use burn_distflash::SequenceParallelBackend;
+use burn_distflash::FlashAttentionBackend;
 use common::distributed_case::{in_process_groups, Case};
 use common::repeated_case::{check_repeated, MIXED};
 use common::within::within;
@@ -52,8 +52,8 @@ fn cases(head_dim: usize, shard: usize) -> Vec<Case> {
 /// Every case on an in-process group with every rank on `device`.
 fn run_all<B>(device: B::Device, cases: Vec<Case>)
 where
-    B: AutodiffBackend + SequenceParallelBackend,
-    B::InnerBackend: SequenceParallelBackend<Inner = <B as SequenceParallelBackend>::Inner>,
+    B: AutodiffBackend + FlashAttentionBackend,
+    B::InnerBackend: FlashAttentionBackend<Inner = <B as FlashAttentionBackend>::Inner>,
 {
     for case in cases {
         let devices = vec![device.clone(); case.world];

@@ -1,8 +1,10 @@
-//! `Autodiff<B>`: attention as one compute-bound node whose backward runs the backend's fused
-//! backward from the stored q, k, v, O and lse (no recomputation of the forward).
+//! `Autodiff<B>`: attention, local or sequence-parallel, as one compute-bound node whose backward
+//! runs the backend's fused backward from the stored q, k, v, O and lse (no recomputation of the
+//! forward); a local call is the world of one. The linear layers' products are one node each
+//! (`linear_node.rs`).
 
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::DType;
+use burn::tensor::{DType, Device};
 use burn_autodiff::checkpoint::base::Checkpointer;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
@@ -11,28 +13,39 @@ use burn_autodiff::Autodiff;
 
 use distflash_kernels::AttentionDims;
 
-use crate::backend::FlashAttentionBackend;
-use crate::options::AttentionError;
+use super::linear_node;
+use crate::backend::{FlashAttentionBackend, Grads};
+use crate::collective::{CommError, DeviceGroup};
+use crate::distributed::SequenceParallelOptions;
+use crate::options::{AttentionError, FlashAttentionOptions};
 
 /// The float tensor of `Autodiff<B, C>` (burn-autodiff's `AutodiffTensor`, whose module is private).
 type AutodiffTensor<B, C> = FloatTensor<Autodiff<B, C>>;
-use crate::options::FlashAttentionOptions;
 
 /// The backward node of one attention call.
 #[derive(Debug)]
-struct FlashAttentionNode;
+struct AttentionNode;
 
-impl<B: FlashAttentionBackend> Backward<B, 3> for FlashAttentionNode {
-    /// q, k, v, O, lse and the options.
-    #[allow(clippy::type_complexity)]
-    type State = (
-        FloatTensor<B>,
-        FloatTensor<B>,
-        FloatTensor<B>,
-        FloatTensor<B>,
-        FloatTensor<B>,
-        FlashAttentionOptions,
-    );
+/// Where the attention of a node ran: on this device alone, or over a group of ranks.
+#[derive(Debug, Clone)]
+enum Scope<B: FlashAttentionBackend> {
+    Local(FlashAttentionOptions),
+    Sharded(DeviceGroup<B::Inner>, SequenceParallelOptions),
+}
+
+/// What the backward needs: q, k, v, O, lse (this rank's shards when sharded) and the scope.
+#[derive(Debug, Clone)]
+struct NodeState<B: FlashAttentionBackend> {
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    out: FloatTensor<B>,
+    lse: FloatTensor<B>,
+    scope: Scope<B>,
+}
+
+impl<B: FlashAttentionBackend> Backward<B, 3> for AttentionNode {
+    type State = NodeState<B>;
 
     fn backward(
         self,
@@ -41,8 +54,17 @@ impl<B: FlashAttentionBackend> Backward<B, 3> for FlashAttentionNode {
         _checkpointer: &mut Checkpointer,
     ) {
         let grad_out = grads.consume::<B>(&ops.node);
-        let (q, k, v, out, lse, options) = ops.state;
-        let (dq, dk, dv) = B::flash_attention_backward(q, k, v, out, lse, grad_out, options);
+        let s = ops.state;
+        let (dq, dk, dv) = match s.scope {
+            Scope::Local(options) => {
+                B::flash_attention_backward(s.q, s.k, s.v, s.out, s.lse, grad_out, options)
+            }
+            Scope::Sharded(group, options) => B::sequence_parallel_backward(
+                s.q, s.k, s.v, s.out, s.lse, grad_out, &group, &options,
+            )
+            // A backward pass cannot return an error; a failed peer ends the training step here.
+            .unwrap_or_else(|e| panic!("sequence-parallel attention backward: {e}")),
+        };
         for (parent, grad) in ops.parents.into_iter().zip([dq, dk, dv]) {
             if let Some(node) = parent {
                 grads.register::<B>(node.id, grad);
@@ -51,7 +73,62 @@ impl<B: FlashAttentionBackend> Backward<B, 3> for FlashAttentionNode {
     }
 }
 
+/// `(O, lse)` of `Autodiff<B>` from `B`'s `(out, lse)` of the inner tensors of q, k, v: O tracked
+/// by one [`AttentionNode`] (when any input is), lse a constant (it carries no gradient of its
+/// own).
+fn track<B: FlashAttentionBackend, C: CheckpointStrategy>(
+    [q, k, v]: [AutodiffTensor<B, C>; 3],
+    (out, lse): (FloatTensor<B>, FloatTensor<B>),
+    scope: Scope<B>,
+) -> (AutodiffTensor<B, C>, AutodiffTensor<B, C>) {
+    let lse_out = AutodiffTensor::<B, C>::new(lse.clone());
+    let out = match AttentionNode
+        .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => {
+            let state = NodeState {
+                q: q.primitive,
+                k: k.primitive,
+                v: v.primitive,
+                out: out.clone(),
+                lse,
+                scope,
+            };
+            prep.finish(state, out)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(out),
+    };
+    (out, lse_out)
+}
+
+/// The inner tensors of autodiff tensors (the results are constants: second-order gradients are
+/// not supported).
+fn inner<B: FlashAttentionBackend, C: CheckpointStrategy, const N: usize>(
+    tensors: [AutodiffTensor<B, C>; N],
+) -> [FloatTensor<B>; N] {
+    tensors.map(|t| t.primitive)
+}
+
+/// Constant autodiff tensors of `B`'s gradients.
+fn constants<B: FlashAttentionBackend, C: CheckpointStrategy>(
+    (dq, dk, dv): Grads<B>,
+) -> Grads<Autodiff<B, C>> {
+    (
+        AutodiffTensor::<B, C>::new(dq),
+        AutodiffTensor::<B, C>::new(dk),
+        AutodiffTensor::<B, C>::new(dv),
+    )
+}
+
 impl<B: FlashAttentionBackend, C: CheckpointStrategy> FlashAttentionBackend for Autodiff<B, C> {
+    type Inner = B::Inner;
+
+    fn inner_device(device: &B::Device) -> Device<B::Inner> {
+        B::inner_device(device)
+    }
+
     fn lse_dtype(input: DType) -> DType {
         B::lse_dtype(input)
     }
@@ -70,33 +147,9 @@ impl<B: FlashAttentionBackend, C: CheckpointStrategy> FlashAttentionBackend for 
         v: AutodiffTensor<B, C>,
         options: FlashAttentionOptions,
     ) -> (AutodiffTensor<B, C>, AutodiffTensor<B, C>) {
-        let (out, lse) = B::flash_attention(
-            q.primitive.clone(),
-            k.primitive.clone(),
-            v.primitive.clone(),
-            options,
-        );
-        // lse is returned as a constant (it carries no gradient of its own).
-        let lse_out = AutodiffTensor::<B, C>::new(lse.clone());
-        let out = match FlashAttentionNode
-            .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish(
-                (
-                    q.primitive,
-                    k.primitive,
-                    v.primitive,
-                    out.clone(),
-                    lse,
-                    options,
-                ),
-                out,
-            ),
-            OpsKind::UnTracked(prep) => prep.finish(out),
-        };
-        (out, lse_out)
+        let [qi, ki, vi] = inner::<B, C, 3>([q.clone(), k.clone(), v.clone()]);
+        let result = B::flash_attention(qi, ki, vi, options);
+        track::<B, C>([q, k, v], result, Scope::Local(options))
     }
 
     fn flash_attention_backward(
@@ -107,25 +160,42 @@ impl<B: FlashAttentionBackend, C: CheckpointStrategy> FlashAttentionBackend for 
         lse: AutodiffTensor<B, C>,
         grad_out: AutodiffTensor<B, C>,
         options: FlashAttentionOptions,
-    ) -> (
-        AutodiffTensor<B, C>,
-        AutodiffTensor<B, C>,
-        AutodiffTensor<B, C>,
-    ) {
-        // Second-order gradients are not supported: the result is a constant.
-        let (dq, dk, dv) = B::flash_attention_backward(
-            q.primitive,
-            k.primitive,
-            v.primitive,
-            out.primitive,
-            lse.primitive,
-            grad_out.primitive,
-            options,
-        );
-        (
-            AutodiffTensor::<B, C>::new(dq),
-            AutodiffTensor::<B, C>::new(dk),
-            AutodiffTensor::<B, C>::new(dv),
-        )
+    ) -> Grads<Self> {
+        let [q, k, v, out, lse, grad_out] = inner::<B, C, 6>([q, k, v, out, lse, grad_out]);
+        constants::<B, C>(B::flash_attention_backward(
+            q, k, v, out, lse, grad_out, options,
+        ))
+    }
+
+    fn sequence_parallel_attention(
+        q: AutodiffTensor<B, C>,
+        k: AutodiffTensor<B, C>,
+        v: AutodiffTensor<B, C>,
+        group: &DeviceGroup<B::Inner>,
+        options: &SequenceParallelOptions,
+    ) -> Result<(AutodiffTensor<B, C>, AutodiffTensor<B, C>), CommError> {
+        let [qi, ki, vi] = inner::<B, C, 3>([q.clone(), k.clone(), v.clone()]);
+        let result = B::sequence_parallel_attention(qi, ki, vi, group, options)?;
+        let scope = Scope::Sharded(group.clone(), *options);
+        Ok(track::<B, C>([q, k, v], result, scope))
+    }
+
+    fn sequence_parallel_backward(
+        q: AutodiffTensor<B, C>,
+        k: AutodiffTensor<B, C>,
+        v: AutodiffTensor<B, C>,
+        out: AutodiffTensor<B, C>,
+        lse: AutodiffTensor<B, C>,
+        grad_out: AutodiffTensor<B, C>,
+        group: &DeviceGroup<B::Inner>,
+        options: &SequenceParallelOptions,
+    ) -> Result<Grads<Self>, CommError> {
+        let [q, k, v, out, lse, grad_out] = inner::<B, C, 6>([q, k, v, out, lse, grad_out]);
+        let grads = B::sequence_parallel_backward(q, k, v, out, lse, grad_out, group, options)?;
+        Ok(constants::<B, C>(grads))
+    }
+
+    fn linear_product(x: AutodiffTensor<B, C>, weight: AutodiffTensor<B, C>) -> FloatTensor<Self> {
+        linear_node::linear_product::<B, C>(x, weight)
     }
 }

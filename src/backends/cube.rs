@@ -129,6 +129,8 @@ where
     I: IntElement,
     BT: BoolElement,
 {
+    computes_itself!();
+
     fn lse_dtype(_input: DType) -> DType {
         DType::F32
     }

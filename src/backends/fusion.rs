@@ -7,14 +7,17 @@
 use core::marker::PhantomData;
 
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Shape};
+use burn::tensor::{DType, Device, Shape};
 use burn_fusion::stream::{Operation, OperationStreams};
 use burn_fusion::{get_client, Fusion, FusionBackend, FusionTensor};
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 
 use distflash_kernels::AttentionDims;
 
-use crate::backend::FlashAttentionBackend;
+use super::fusion_group;
+use crate::backend::{FlashAttentionBackend, Grads};
+use crate::collective::{CommError, DeviceGroup};
+use crate::distributed::SequenceParallelOptions;
 use crate::options::{AttentionError, FlashAttentionOptions};
 use crate::state::{AttentionState, StepMask};
 
@@ -191,7 +194,39 @@ fn output_like<B: FusionBackend>(
     TensorIr::uninit(like.client.create_empty_handle(), shape, dtype)
 }
 
-impl<B: FusionBackend + FlashAttentionBackend> FlashAttentionBackend for Fusion<B> {
+impl<B> FlashAttentionBackend for Fusion<B>
+where
+    B: FusionBackend + FlashAttentionBackend<Inner = B>,
+{
+    type Inner = B;
+
+    fn inner_device(device: &Self::Device) -> Device<B> {
+        device.clone()
+    }
+
+    fn sequence_parallel_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        group: &DeviceGroup<B>,
+        options: &SequenceParallelOptions,
+    ) -> Result<(FloatTensor<Self>, FloatTensor<Self>), CommError> {
+        fusion_group::attention::<B>(q, k, v, group, options)
+    }
+
+    fn sequence_parallel_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad_out: FloatTensor<Self>,
+        group: &DeviceGroup<B>,
+        options: &SequenceParallelOptions,
+    ) -> Result<Grads<Self>, CommError> {
+        fusion_group::backward::<B>(q, k, v, out, lse, grad_out, group, options)
+    }
+
     fn lse_dtype(input: DType) -> DType {
         B::lse_dtype(input)
     }

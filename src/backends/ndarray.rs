@@ -14,6 +14,8 @@ impl<E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement> FlashAttenti
 where
     NdArrayTensor: From<SharedArray<E>> + From<SharedArray<I>>,
 {
+    computes_itself!();
+
     fn flash_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,

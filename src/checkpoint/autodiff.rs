@@ -12,7 +12,7 @@ use burn_autodiff::ops::{Backward, Ops, OpsKind};
 use burn_autodiff::Autodiff;
 
 use super::{CheckpointBackend, CheckpointPlacement};
-use crate::distributed::SequenceParallelBackend;
+use crate::backend::FlashAttentionBackend;
 use crate::layers::{AttentionContext, BlockGrads, TransformerBlock};
 use crate::DistributedError;
 
@@ -26,23 +26,23 @@ struct CheckpointedBlock;
 /// What the backward keeps: the block's weights (shared, not copied), its input, and attention's
 /// `(O, lse)` at the attention-output placement.
 #[derive(Debug, Clone)]
-struct Kept<B: SequenceParallelBackend> {
+struct Kept<B: FlashAttentionBackend> {
     block: TransformerBlock<B>,
     input: FloatTensor<B>,
     attention: Option<(FloatTensor<B>, FloatTensor<B>)>,
     context: AttentionContext<B::Inner>,
 }
 
-fn wrap<B: SequenceParallelBackend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
+fn wrap<B: FlashAttentionBackend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
     Tensor::from_primitive(TensorPrimitive::Float(t))
 }
 
-fn unwrap<B: SequenceParallelBackend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
+fn unwrap<B: FlashAttentionBackend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
     t.into_primitive().tensor()
 }
 
 /// The gradients of the parents, input first, then the weights in the block's field order.
-fn weight_gradients<B: SequenceParallelBackend>(g: BlockGrads<B>) -> [FloatTensor<B>; PARENTS] {
+fn weight_gradients<B: FlashAttentionBackend>(g: BlockGrads<B>) -> [FloatTensor<B>; PARENTS] {
     [
         unwrap(g.input),
         unwrap(g.attention_norm),
@@ -57,7 +57,7 @@ fn weight_gradients<B: SequenceParallelBackend>(g: BlockGrads<B>) -> [FloatTenso
     ]
 }
 
-impl<B: SequenceParallelBackend> Backward<B, PARENTS> for CheckpointedBlock {
+impl<B: FlashAttentionBackend> Backward<B, PARENTS> for CheckpointedBlock {
     type State = Kept<B>;
 
     fn backward(
@@ -84,13 +84,13 @@ impl<B: SequenceParallelBackend> Backward<B, PARENTS> for CheckpointedBlock {
 }
 
 /// A weight of the autodiff block as its autodiff tensor (whose node becomes a parent).
-fn weight<B: SequenceParallelBackend, C: CheckpointStrategy, const D: usize>(
+fn weight<B: FlashAttentionBackend, C: CheckpointStrategy, const D: usize>(
     param: &Param<Tensor<Autodiff<B, C>, D>>,
 ) -> FloatTensor<Autodiff<B, C>> {
     param.val().into_primitive().tensor()
 }
 
-impl<B: SequenceParallelBackend, C: CheckpointStrategy> CheckpointBackend for Autodiff<B, C> {
+impl<B: FlashAttentionBackend, C: CheckpointStrategy> CheckpointBackend for Autodiff<B, C> {
     fn checkpoint_block(
         block: &TransformerBlock<Self>,
         x: Tensor<Self, 3>,

@@ -19,7 +19,7 @@ mod plain;
 use burn::config::Config;
 use burn::tensor::Tensor;
 
-use crate::distributed::SequenceParallelBackend;
+use crate::backend::FlashAttentionBackend;
 use crate::layers::{AttentionContext, TransformerBlock};
 use crate::DistributedError;
 
@@ -40,7 +40,7 @@ pub enum CheckpointPlacement {
 /// A backend on which [`TransformerBlock`]s can be checkpointed: on `Autodiff<B>` the block is
 /// one node recomputed in the backward; on backends without autodiff there is nothing to store
 /// and the block simply runs.
-pub trait CheckpointBackend: SequenceParallelBackend {
+pub trait CheckpointBackend: FlashAttentionBackend {
     /// `block` applied to `x` with its activations checkpointed at `placement`.
     fn checkpoint_block(
         block: &TransformerBlock<Self>,

@@ -8,7 +8,7 @@ use burn_ndarray::{
 };
 
 use super::{CheckpointBackend, CheckpointPlacement};
-use crate::distributed::SequenceParallelBackend;
+use crate::backend::FlashAttentionBackend;
 use crate::layers::{AttentionContext, TransformerBlock};
 use crate::DistributedError;
 
@@ -46,7 +46,7 @@ where
 
 impl<B> CheckpointBackend for Fusion<B>
 where
-    B: FusionBackend + SequenceParallelBackend<Inner = B>,
+    B: FusionBackend + FlashAttentionBackend<Inner = B>,
 {
     runs_the_block!();
 }

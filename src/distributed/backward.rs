@@ -7,9 +7,8 @@ use burn::tensor::{DType, FloatDType, TensorMetadata};
 
 use super::blocks::{backward_pair, Chunks};
 use super::pipeline::{self, incoming, input_messages, outgoing, step_operands, Pass};
-use super::Grads;
 use super::SequenceParallelOptions;
-use crate::backend::FlashAttentionBackend;
+use crate::backend::{FlashAttentionBackend, Grads};
 use crate::collective::{CommError, DeviceGroup, Incoming, MessageKind, Outgoing, Received};
 use crate::schedule::{RankStep, Schedule};
 
@@ -125,10 +124,10 @@ pub(crate) fn run<B: FlashAttentionBackend>(
     lse: FloatTensor<B>,
     grad_out: FloatTensor<B>,
     group: &DeviceGroup<B>,
-    schedule: &Schedule,
     options: &SequenceParallelOptions,
 ) -> Result<Grads<B>, CommError> {
     let dtype = q.dtype();
+    let schedule = &options.schedule_for(group.world_size());
     let chunks = Chunks::new(
         schedule.layout().chunks_per_rank(),
         q.shape().dims::<4>()[2],

@@ -4,9 +4,8 @@
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, Slice, TensorMetadata};
 
-use super::Grads;
 use super::SequenceParallelOptions;
-use crate::backend::FlashAttentionBackend;
+use crate::backend::{FlashAttentionBackend, Grads};
 use crate::options::Mask;
 use crate::schedule::Block;
 use crate::state::{AttentionState, StepMask};

@@ -91,16 +91,17 @@ impl<B: FlashAttentionBackend> Pass<B> for ForwardPass<B> {
     }
 }
 
-/// `(O, lse)` of this rank's query shard against the whole sequence (validated inputs).
+/// `(O, lse)` of this rank's query shard against the whole sequence (validated inputs), on a
+/// backend that computes and communicates itself.
 pub(crate) fn run<B: FlashAttentionBackend>(
     q: FloatTensor<B>,
     k: FloatTensor<B>,
     v: FloatTensor<B>,
     group: &DeviceGroup<B>,
-    schedule: &Schedule,
     options: &SequenceParallelOptions,
 ) -> Result<(FloatTensor<B>, FloatTensor<B>), CommError> {
     let dtype: DType = q.dtype();
+    let schedule = &options.schedule_for(group.world_size());
     let chunks = Chunks::new(
         schedule.layout().chunks_per_rank(),
         q.shape().dims::<4>()[2],

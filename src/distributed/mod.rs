@@ -2,88 +2,34 @@
 //! [`DeviceGroup`], attention computed exactly (DistFlashAttn, paper §3.1-3.2).
 //!
 //! Rank `r` of `P` holds a shard of the queries, keys and values, all shards of one length,
-//! at the positions the schedule's [`Layout`] gives it (the `r`-th contiguous shard, or two
+//! at the positions the schedule's [`crate::Layout`] gives it (the `r`-th contiguous shard, or two
 //! zigzag chunks; [`shard_sequence`] and [`gather_sequence`] cut and join whole sequences). [`sequence_parallel_attention`] returns the rank's shard of the output;
 //! under `Autodiff` its backward runs the distributed backward, returning `dk, dv` of every
-//! chunk to its owner. The [`Schedule`] decides who computes which (query chunk, key chunk)
+//! chunk to its owner. The [`crate::schedule::Schedule`] decides who computes which (query chunk, key chunk)
 //! pair; partial states and gradients stay f32 across hops.
 
-mod autodiff;
-mod backend;
 mod backward;
 mod blocks;
 mod forward;
+pub(crate) mod options;
 mod pipeline;
 mod sharding;
+
+pub(crate) use backward::run as backward_pass;
+pub(crate) use forward::run as forward_pass;
 
 use core::fmt;
 
 use burn::tensor::{DType, Tensor, TensorPrimitive};
-use serde::{Deserialize, Serialize};
 
-pub use backend::SequenceParallelBackend;
-
-/// Gradients of q, k and v.
-pub(crate) type Grads<B> = (
-    burn::tensor::ops::FloatTensor<B>,
-    burn::tensor::ops::FloatTensor<B>,
-    burn::tensor::ops::FloatTensor<B>,
-);
+pub use options::SequenceParallelOptions;
 pub use sharding::{gather_sequence, shard_sequence};
 
 use crate::api::check_inputs;
+use crate::backend::FlashAttentionBackend;
 use crate::collective::{CommError, DeviceGroup};
-use crate::options::{AttentionError, FlashAttentionOptions};
-use crate::schedule::{Layout, LayoutError, Schedule, ScheduleKind};
-
-/// Options of [`sequence_parallel_attention`].
-#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
-pub struct SequenceParallelOptions {
-    /// Causal masking (over the whole sequence) and score scale.
-    pub attention: FlashAttentionOptions,
-    /// Which schedule, and so which [`Layout`] the shards must have (see
-    /// [`SequenceParallelOptions::layout`]); `Auto` picks by world size and mask.
-    pub schedule: ScheduleKind,
-    /// Overlap communication with computation (prefetch the next step's chunk). Off only to
-    /// measure what the overlap saves.
-    pub overlap: bool,
-}
-
-impl SequenceParallelOptions {
-    /// Causal attention, `Auto` schedule (zigzag at even world sizes, balanced at odd ones),
-    /// overlap on.
-    pub fn causal() -> Self {
-        Self {
-            attention: FlashAttentionOptions::causal(),
-            schedule: ScheduleKind::Auto,
-            overlap: true,
-        }
-    }
-
-    /// The same options with another schedule.
-    pub fn with_schedule(self, schedule: ScheduleKind) -> Self {
-        Self { schedule, ..self }
-    }
-
-    /// The same options with overlap switched on or off.
-    pub fn with_overlap(self, overlap: bool) -> Self {
-        Self { overlap, ..self }
-    }
-
-    /// The schedule these options mean on `world` ranks.
-    pub fn schedule_for(&self, world: usize) -> Schedule {
-        Schedule::new(self.schedule, world, self.attention.causal)
-    }
-
-    /// Where each rank's shard must come from on `world` ranks: shard the sequence with
-    /// [`crate::shard_sequence`] (and gather outputs with [`crate::gather_sequence`]) for this
-    /// layout.
-    pub fn layout(&self, world: usize) -> Layout {
-        (self.schedule)
-            .resolve(world, self.attention.causal)
-            .layout()
-    }
-}
+use crate::options::AttentionError;
+use crate::schedule::LayoutError;
 
 /// Why sequence-parallel attention refused to run or failed.
 #[derive(Debug, Clone, PartialEq)]
@@ -161,7 +107,7 @@ const REFUSED: u64 = u64::MAX;
 
 /// This rank's shapes, float type and options as the values every rank must agree on, or why
 /// this rank's own shards or options are not valid.
-fn local_values<B: SequenceParallelBackend>(
+fn local_values<B: FlashAttentionBackend>(
     q: &Tensor<B, 4>,
     k: &Tensor<B, 4>,
     v: &Tensor<B, 4>,
@@ -226,7 +172,7 @@ pub(crate) fn announce_refusal<I: burn::tensor::backend::Backend>(group: &Device
 /// Checks this rank's shards and options, then that every rank has the same shapes, float type
 /// and options. A rank that refuses its own input still takes part in the agreement check, so
 /// every other rank fails at once too (naming it) rather than waiting for it.
-fn validate<B: SequenceParallelBackend>(
+fn validate<B: FlashAttentionBackend>(
     q: &Tensor<B, 4>,
     k: &Tensor<B, 4>,
     v: &Tensor<B, 4>,
@@ -265,13 +211,13 @@ fn validate<B: SequenceParallelBackend>(
 /// This rank's shard of exact attention over the whole sequence split across `group`.
 ///
 /// q `[B, Hq, S, D]`, k and v `[B, Hkv, S, D]`: each rank holds `S` positions of a sequence of
-/// `P*S` tokens, which ones given by the schedule's [`Layout`]
+/// `P*S` tokens, which ones given by the schedule's [`crate::Layout`]
 /// ([`SequenceParallelOptions::layout`]: rank `r` holds `r*S .. (r+1)*S` under the contiguous
 /// layout; [`crate::shard_sequence`] cuts a whole sequence for any layout). Every rank must
 /// call this with shards of one shape (checked; zigzag needs an even `S`). Returns
 /// O `[B, Hq, S, D]` for the rank's positions. Differentiable under `Autodiff`: the
 /// backward is distributed too, so every rank must run its backward.
-pub fn sequence_parallel_attention<B: SequenceParallelBackend>(
+pub fn sequence_parallel_attention<B: FlashAttentionBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
@@ -283,7 +229,7 @@ pub fn sequence_parallel_attention<B: SequenceParallelBackend>(
 
 /// [`sequence_parallel_attention`] that also returns the rank's rows' log-sum-exp `[B, Hq, S]`
 /// (no gradient).
-pub fn sequence_parallel_attention_with_lse<B: SequenceParallelBackend>(
+pub fn sequence_parallel_attention_with_lse<B: FlashAttentionBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,

@@ -11,11 +11,10 @@ use burn::tensor::Tensor;
 use super::config_error::ConfigError;
 use super::context::AttentionContext;
 use super::counter::ForwardCounter;
-use super::matmul::linear;
+use super::linear_layer::linear;
 use super::rope::{RopeConfig, RotaryTables};
-use crate::distributed::{
-    announce_refusal, sequence_parallel_attention_with_lse, SequenceParallelBackend,
-};
+use crate::backend::FlashAttentionBackend;
+use crate::distributed::{announce_refusal, sequence_parallel_attention_with_lse};
 use crate::kernels::SUPPORTED_HEAD_DIMS;
 use crate::options::FlashAttentionOptions;
 use crate::{flash_attention_with_lse, DistributedError};
@@ -86,7 +85,7 @@ impl DistFlashAttentionConfig {
     }
 
     /// The module, or what is wrong with the configuration.
-    pub fn try_init<B: SequenceParallelBackend>(
+    pub fn try_init<B: FlashAttentionBackend>(
         &self,
         device: &B::Device,
     ) -> Result<DistFlashAttention<B>, ConfigError> {
@@ -113,7 +112,7 @@ impl DistFlashAttentionConfig {
     }
 
     /// The module; panics with the configuration error (see [`try_init`](Self::try_init)).
-    pub fn init<B: SequenceParallelBackend>(&self, device: &B::Device) -> DistFlashAttention<B> {
+    pub fn init<B: FlashAttentionBackend>(&self, device: &B::Device) -> DistFlashAttention<B> {
         self.try_init(device).unwrap_or_else(|e| panic!("{e}"))
     }
 }
@@ -150,14 +149,14 @@ pub struct DistFlashAttention<B: Backend> {
 
 /// Queries, keys and values `[batch, heads, seq, head_dim]` after the rotary embedding.
 #[derive(Debug, Clone)]
-pub(crate) struct Projected<B: SequenceParallelBackend> {
+pub(crate) struct Projected<B: FlashAttentionBackend> {
     pub q: Tensor<B, 4>,
     pub k: Tensor<B, 4>,
     pub v: Tensor<B, 4>,
     pub rope: RotaryTables<B>,
 }
 
-impl<B: SequenceParallelBackend> DistFlashAttention<B> {
+impl<B: FlashAttentionBackend> DistFlashAttention<B> {
     /// Attention of `x` `[batch, seq, d_model]` (the whole sequence, or this rank's shard);
     /// panics with a clear message where [`try_forward`](Self::try_forward) returns an error.
     pub fn forward(&self, x: Tensor<B, 3>, context: &AttentionContext<B::Inner>) -> Tensor<B, 3> {

@@ -6,10 +6,10 @@ use burn::tensor::{Tensor, TensorPrimitive};
 use super::attention::{merge_heads, split_heads, DistFlashAttention, Projected};
 use super::context::AttentionContext;
 use super::linear_grad::linear_backward;
-use crate::distributed::SequenceParallelBackend;
+use crate::backend::FlashAttentionBackend;
 
 /// Gradients of the four projection weights of a [`DistFlashAttention`].
-pub(crate) struct AttentionGrads<B: SequenceParallelBackend> {
+pub(crate) struct AttentionGrads<B: FlashAttentionBackend> {
     pub query: Tensor<B, 2>,
     pub key: Tensor<B, 2>,
     pub value: Tensor<B, 2>,
@@ -17,14 +17,14 @@ pub(crate) struct AttentionGrads<B: SequenceParallelBackend> {
 }
 
 /// What the backward needs from the forward: the input, the projections and `(O, lse)`.
-pub(crate) struct AttentionActivations<B: SequenceParallelBackend> {
+pub(crate) struct AttentionActivations<B: FlashAttentionBackend> {
     pub input: Tensor<B, 3>,
     pub projected: Projected<B>,
     pub out: Tensor<B, 4>,
     pub lse: Tensor<B, 3>,
 }
 
-impl<B: SequenceParallelBackend> DistFlashAttention<B> {
+impl<B: FlashAttentionBackend> DistFlashAttention<B> {
     /// `(dx, weight gradients)` for the gradient `grad` of the module's output. Runs the
     /// attention backward (distributed in a sharded context) from the saved O and lse.
     pub(crate) fn backward(

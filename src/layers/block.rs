@@ -11,10 +11,10 @@ use super::attention_backward::{AttentionActivations, AttentionGrads};
 use super::config_error::ConfigError;
 use super::context::AttentionContext;
 use super::feed_forward::{FeedForward, FeedForwardConfig, FeedForwardGrads};
-use super::matmul::linear;
+use super::linear_layer::linear;
 use super::rms_norm::{RmsNorm, RmsNormConfig};
+use crate::backend::FlashAttentionBackend;
 use crate::checkpoint::{CheckpointBackend, CheckpointPlacement};
-use crate::distributed::SequenceParallelBackend;
 use crate::DistributedError;
 
 /// Configuration of [`TransformerBlock`].
@@ -34,7 +34,7 @@ pub struct TransformerBlockConfig {
 
 impl TransformerBlockConfig {
     /// The block, or what is wrong with the configuration.
-    pub fn try_init<B: SequenceParallelBackend>(
+    pub fn try_init<B: FlashAttentionBackend>(
         &self,
         device: &B::Device,
     ) -> Result<TransformerBlock<B>, ConfigError> {
@@ -55,7 +55,7 @@ impl TransformerBlockConfig {
     }
 
     /// The block; panics with the configuration error (see [`try_init`](Self::try_init)).
-    pub fn init<B: SequenceParallelBackend>(&self, device: &B::Device) -> TransformerBlock<B> {
+    pub fn init<B: FlashAttentionBackend>(&self, device: &B::Device) -> TransformerBlock<B> {
         self.try_init(device).unwrap_or_else(|e| panic!("{e}"))
     }
 }
@@ -77,7 +77,7 @@ pub struct TransformerBlock<B: Backend> {
 }
 
 /// The attention half of a block's forward: what its backward starts from.
-pub(crate) struct AttentionHalf<B: SequenceParallelBackend> {
+pub(crate) struct AttentionHalf<B: FlashAttentionBackend> {
     /// Input and projections of attention, its output and lse.
     pub attention: AttentionActivations<B>,
     /// The block input.
@@ -87,7 +87,7 @@ pub(crate) struct AttentionHalf<B: SequenceParallelBackend> {
 }
 
 /// Gradients of a block's input and of its nine weights.
-pub(crate) struct BlockGrads<B: SequenceParallelBackend> {
+pub(crate) struct BlockGrads<B: FlashAttentionBackend> {
     pub input: Tensor<B, 3>,
     pub attention_norm: Tensor<B, 1>,
     pub attention: AttentionGrads<B>,
@@ -117,7 +117,7 @@ impl<B: CheckpointBackend> TransformerBlock<B> {
     }
 }
 
-impl<B: SequenceParallelBackend> TransformerBlock<B> {
+impl<B: FlashAttentionBackend> TransformerBlock<B> {
     /// The forward through ordinary tensor ops: under autodiff, the graph keeps every activation.
     pub fn forward_stored(
         &self,

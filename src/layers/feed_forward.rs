@@ -8,8 +8,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
 use super::linear_grad::{linear_backward, LinearGrads};
-use super::matmul::linear;
-use crate::distributed::SequenceParallelBackend;
+use super::linear_layer::linear;
+use crate::backend::FlashAttentionBackend;
 
 /// Configuration of [`FeedForward`].
 #[derive(Config, Debug)]
@@ -58,7 +58,7 @@ pub(crate) struct FeedForwardGrads<B: Backend> {
     pub down: Tensor<B, 2>,
 }
 
-impl<B: SequenceParallelBackend> FeedForward<B> {
+impl<B: FlashAttentionBackend> FeedForward<B> {
     /// Applies the block to `x` `[batch, seq, d_model]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let hidden = silu(linear(&self.gate, x.clone())) * linear(&self.up, x);

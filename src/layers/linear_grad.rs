@@ -4,8 +4,7 @@ use burn::nn::Linear;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
-use super::matmul::product;
-use super::transposed::Transposed;
+use crate::matmul::{product, Transposed};
 
 /// Gradients of a linear layer's input and weight.
 pub(crate) struct LinearGrads<B: Backend> {

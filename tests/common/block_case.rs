@@ -117,7 +117,7 @@ pub fn step<B: AutodiffBackend + CheckpointBackend>(
     blocks: &[TransformerBlock<B>],
     x: Tensor<B::InnerBackend, 3>,
     r: Tensor<B::InnerBackend, 3>,
-    context: &AttentionContext<<B as burn_distflash::SequenceParallelBackend>::Inner>,
+    context: &AttentionContext<<B as burn_distflash::FlashAttentionBackend>::Inner>,
 ) -> StepResult {
     for block in blocks {
         block.attention.counter.reset();

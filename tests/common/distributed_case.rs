@@ -8,8 +8,8 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::Tensor;
 use burn_distflash::schedule::{Layout, Schedule, ScheduleKind};
 use burn_distflash::{
-    on_each_rank, sequence_parallel_attention, DeviceGroup, FlashAttentionOptions,
-    SequenceParallelBackend, SequenceParallelOptions,
+    on_each_rank, sequence_parallel_attention, DeviceGroup, FlashAttentionBackend,
+    FlashAttentionOptions, SequenceParallelOptions,
 };
 use distflash_kernels::{AttentionDims, ElemType, Mask};
 
@@ -287,12 +287,12 @@ impl Case {
 /// output, the gradients and the messages sent.
 pub fn train_on_rank<B>(
     inputs: &RankInputs,
-    group: &DeviceGroup<<B as SequenceParallelBackend>::Inner>,
+    group: &DeviceGroup<<B as FlashAttentionBackend>::Inner>,
     device: &B::Device,
     options: &SequenceParallelOptions,
 ) -> RankResult
 where
-    B: AutodiffBackend + SequenceParallelBackend,
+    B: AutodiffBackend + FlashAttentionBackend,
 {
     let rank = group.rank();
     let [q, k, v] = inputs.tensors::<B>(device).map(Tensor::require_grad);
@@ -316,7 +316,7 @@ where
 }
 
 /// One forward-only call on one rank (no autodiff): the output rows and the messages sent.
-pub fn forward_on_rank<B: SequenceParallelBackend>(
+pub fn forward_on_rank<B: FlashAttentionBackend>(
     inputs: &RankInputs,
     group: &DeviceGroup<B::Inner>,
     device: &B::Device,
@@ -334,7 +334,7 @@ pub fn forward_on_rank<B: SequenceParallelBackend>(
 /// Runs one case on an in-process group over `devices` (rank `r` on `devices[r]`).
 pub fn check<B>(devices: Vec<B::Device>, case: Case, elem: ElemType)
 where
-    B: AutodiffBackend + SequenceParallelBackend,
+    B: AutodiffBackend + FlashAttentionBackend,
 {
     check_groups::<B>(
         devices.clone(),
@@ -346,7 +346,7 @@ where
 
 /// An in-process group over `devices` (rank `r` on `devices[r]`) that gives up on a silent peer
 /// after two minutes.
-pub fn in_process_groups<B: SequenceParallelBackend>(
+pub fn in_process_groups<B: FlashAttentionBackend>(
     devices: &[B::Device],
 ) -> Vec<DeviceGroup<B::Inner>> {
     DeviceGroup::<B::Inner>::in_process_with_timeout(
@@ -359,11 +359,11 @@ pub fn in_process_groups<B: SequenceParallelBackend>(
 /// and checks it: output, gradients, messages per exchange.
 pub fn check_groups<B>(
     devices: Vec<B::Device>,
-    groups: Vec<DeviceGroup<<B as SequenceParallelBackend>::Inner>>,
+    groups: Vec<DeviceGroup<<B as FlashAttentionBackend>::Inner>>,
     case: Case,
     elem: ElemType,
 ) where
-    B: AutodiffBackend + SequenceParallelBackend,
+    B: AutodiffBackend + FlashAttentionBackend,
 {
     let data = CaseData::new(case, elem);
     let options = case.options();

@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use burn::tensor::backend::AutodiffBackend;
-use burn_distflash::{on_each_rank, DeviceGroup, SequenceParallelBackend};
+use burn_distflash::{on_each_rank, DeviceGroup, FlashAttentionBackend};
 use distflash_kernels::ElemType;
 
 use super::distributed_case::{
@@ -42,13 +42,13 @@ enum Outcome {
 /// rank, fresh input tensors every call) and checks every call's output, gradients and messages.
 pub fn check_repeated<B>(
     devices: Vec<B::Device>,
-    groups: Vec<DeviceGroup<<B as SequenceParallelBackend>::Inner>>,
+    groups: Vec<DeviceGroup<<B as FlashAttentionBackend>::Inner>>,
     case: Case,
     elem: ElemType,
     calls: &[Call],
 ) where
-    B: AutodiffBackend + SequenceParallelBackend,
-    B::InnerBackend: SequenceParallelBackend<Inner = <B as SequenceParallelBackend>::Inner>,
+    B: AutodiffBackend + FlashAttentionBackend,
+    B::InnerBackend: FlashAttentionBackend<Inner = <B as FlashAttentionBackend>::Inner>,
 {
     let data = CaseData::new(case, elem);
     let options = case.options();

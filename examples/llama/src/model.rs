@@ -12,7 +12,7 @@ use burn_distflash::layers::{
     linear, AttentionContext, ConfigError, RmsNorm, RmsNormConfig, TransformerBlock,
     TransformerBlockConfig,
 };
-use burn_distflash::{CheckpointBackend, DistributedError, SequenceParallelBackend};
+use burn_distflash::{CheckpointBackend, DistributedError, FlashAttentionBackend};
 
 /// A Llama language model.
 #[derive(Module, Debug)]
@@ -30,7 +30,7 @@ pub struct Llama<B: Backend> {
 impl LlamaConfig {
     /// The model with freshly initialised weights (normal, std 0.02), or what is wrong with the
     /// configuration.
-    pub fn try_init<B: SequenceParallelBackend>(
+    pub fn try_init<B: FlashAttentionBackend>(
         &self,
         device: &B::Device,
     ) -> Result<Llama<B>, ConfigError> {

@@ -374,8 +374,7 @@ impl<F, I, BT> NcclTransport<F, I, BT> {
     }
 
     /// This process's rank of a multi-process group: rank 0 creates the NCCL id and hands it
-    /// out over a TCP rendezvous at `addr` (`host:port`, where rank 0 listens; see
-    /// [`rendezvous`]), then every rank creates and connects its communicator on `device`.
+    /// out over a TCP rendezvous at `addr` (`host:port`, where rank 0 listens), then every rank creates and connects its communicator on `device`.
     /// Each step is bounded by `timeout`. A group of one ignores `addr`.
     pub fn with_rendezvous(
         rank: usize,

@@ -1,13 +1,16 @@
 //! The matrix products of the linear layers: cuBLAS on CUDA `CubeBackend` tensors (feature
-//! `cublas`, see [`super::cublas`]), Burn's `matmul` on every other backend and whenever cuBLAS
-//! cannot take the operands.
+//! `cublas`, see `cublas.rs`), Burn's `matmul` on every other backend and whenever cuBLAS cannot
+//! take the operands. Used by the backends' `linear_product` and by the checkpointed blocks'
+//! hand-written backward.
 
-use burn::nn::Linear;
+#[cfg(feature = "cublas")]
+mod cublas;
+mod transposed;
+
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::Tensor;
 
-use super::transposed::Transposed;
-use crate::distributed::SequenceParallelBackend;
+pub(crate) use transposed::Transposed;
 
 /// The product of two matrices as [`Transposed`] says, `[m, n]`.
 pub(crate) fn product<B: Backend>(
@@ -16,33 +19,13 @@ pub(crate) fn product<B: Backend>(
     transposed: Transposed,
 ) -> Tensor<B, 2> {
     #[cfg(feature = "cublas")]
-    if let Some(out) = super::cublas::product(&lhs, &rhs, transposed) {
+    if let Some(out) = cublas::product(&lhs, &rhs, transposed) {
         return out;
     }
     match transposed {
         Transposed::Neither => lhs.matmul(rhs),
         Transposed::Lhs => lhs.transpose().matmul(rhs),
         Transposed::Rhs => lhs.matmul(rhs.transpose()),
-    }
-}
-
-/// `x W (+ bias)` of a [`Linear`] layer over `[batch, seq, d_in]` inputs, `[batch, seq, d_out]`,
-/// through [`SequenceParallelBackend::linear_product`]: on CUDA `CubeBackend` (and `Autodiff` of
-/// it) the products run on cuBLAS (feature `cublas`), elsewhere they are Burn's `matmul`.
-///
-/// # Shapes
-/// - `x`: `[batch, seq, d_in]`; the layer's weight is `[d_in, d_out]`.
-/// - output: `[batch, seq, d_out]`.
-pub fn linear<B: SequenceParallelBackend>(linear: &Linear<B>, x: Tensor<B, 3>) -> Tensor<B, 3> {
-    let [batch, seq, d_in] = x.dims();
-    let weight = linear.weight.val();
-    let d_out = weight.dims()[1];
-    let x = x.reshape([batch * seq, d_in]).into_primitive().tensor();
-    let y = B::linear_product(x, weight.into_primitive().tensor());
-    let y = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(y)).reshape([batch, seq, d_out]);
-    match &linear.bias {
-        Some(bias) => y + bias.val().unsqueeze::<3>(),
-        None => y,
     }
 }
 

@@ -1,5 +1,5 @@
 //! [`Transposed`]: the operand layouts of the linear layers' products, shared by Burn's path
-//! ([`super::matmul`]) and the cuBLAS one.
+//! ([`super::product`]) and the cuBLAS one.
 
 /// Which operand of a product enters transposed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

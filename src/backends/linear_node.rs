@@ -9,19 +9,18 @@ use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
 use burn_autodiff::Autodiff;
 
-use super::matmul::product;
-use super::transposed::Transposed;
-use crate::distributed::SequenceParallelBackend;
+use crate::backend::FlashAttentionBackend;
+use crate::matmul::{product, Transposed};
 
 /// The backward node of `y = x W`.
 #[derive(Debug)]
 struct LinearProduct;
 
-fn wrap<B: SequenceParallelBackend>(t: FloatTensor<B>) -> Tensor<B, 2> {
+fn wrap<B: FlashAttentionBackend>(t: FloatTensor<B>) -> Tensor<B, 2> {
     Tensor::from_primitive(TensorPrimitive::Float(t))
 }
 
-impl<B: SequenceParallelBackend> Backward<B, 2> for LinearProduct {
+impl<B: FlashAttentionBackend> Backward<B, 2> for LinearProduct {
     /// `x` `[rows, d_in]` and `W` `[d_in, d_out]`.
     type State = (FloatTensor<B>, FloatTensor<B>);
 
@@ -46,7 +45,7 @@ impl<B: SequenceParallelBackend> Backward<B, 2> for LinearProduct {
 }
 
 /// `x W` on `Autodiff<B>`: `x` `[rows, d_in]`, `weight` `[d_in, d_out]`.
-pub(crate) fn linear_product<B: SequenceParallelBackend, C: CheckpointStrategy>(
+pub(crate) fn linear_product<B: FlashAttentionBackend, C: CheckpointStrategy>(
     x: FloatTensor<Autodiff<B, C>>,
     weight: FloatTensor<Autodiff<B, C>>,
 ) -> FloatTensor<Autodiff<B, C>> {

@@ -3,10 +3,13 @@
 //! Burn's autotuned matmul reaches 200-225 TFLOP/s on the LLaMA-7B products where cuBLAS reaches
 //! 760-820 on the same H200 (`benches/cublas_matmul.rs`). cuBLAS runs on its own stream of the
 //! device's primary context (the one CubeCL uses) and reads and writes CubeCL's buffers through
-//! their device addresses. CubeCL hands out no `CUstream` to order against, so every product is
-//! bracketed by host waits: CubeCL's stream of the calling thread is drained before the product
-//! (its inputs are written, and CubeCL's lazily ordered work on them is done), and the cuBLAS
-//! stream is drained after it (before CubeCL can read the output or reuse the inputs' memory).
+//! their device addresses. CubeCL hands out no `CUstream` to order against: CubeCL's stream of
+//! the calling thread is drained on the host before each product (its inputs are written, and
+//! CubeCL's lazily ordered work on them is done), and CubeCL's later work waits on the device
+//! for the product's end through a flag the cuBLAS stream writes (`device_order.rs`), so the host
+//! goes on queueing while the product runs. With `DISTFLASH_CUBLAS_HOST_WAITS=1` in the
+//! environment (to measure the difference), or where the flag cannot be written, the host also
+//! drains the cuBLAS stream after each product.
 //!
 //! Operands this path cannot take (another runtime or element type, a transposed or broadcast
 //! view, a mismatched shape) go back to the caller, which uses Burn's `matmul`. Where libcublas cannot be
@@ -26,12 +29,20 @@ use cubecl::cuda::CudaRuntime;
 use cudarc::cublas::{result as blas, sys};
 use cudarc::driver::{CudaContext, CudaStream};
 
+use super::device_order::DeviceOrder;
 use super::transposed::Transposed;
 
 type CudaTensor = CubeTensor<CudaRuntime>;
 
 /// Set once cuBLAS turned out unusable on this machine; the portable path serves from then on.
 static UNAVAILABLE: AtomicBool = AtomicBool::new(false);
+
+/// Set once the device-side wait turned out unusable (or was switched off by the environment):
+/// the host drains the cuBLAS stream after every product from then on.
+static HOST_WAITS: AtomicBool = AtomicBool::new(false);
+
+/// The environment variable that switches the device-side wait off.
+const HOST_WAITS_VAR: &str = "DISTFLASH_CUBLAS_HOST_WAITS";
 
 thread_local! {
     /// This thread's cuBLAS handle per device index (CubeCL's streams are per thread, too).
@@ -43,6 +54,8 @@ struct Blas {
     context: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     handle: sys::cublasHandle_t,
+    /// The device-side wait's flag, made at the first product.
+    order: Option<DeviceOrder>,
 }
 
 impl Blas {
@@ -71,10 +84,14 @@ impl Blas {
             let _ = unsafe { blas::destroy_handle(handle) };
             return Err(format!("cublasSetStream: {e:?}"));
         }
+        if std::env::var(HOST_WAITS_VAR).is_ok_and(|v| v == "1") {
+            HOST_WAITS.store(true, Ordering::Relaxed);
+        }
         Ok(Self {
             context,
             stream,
             handle,
+            order: None,
         })
     }
 }
@@ -156,7 +173,7 @@ pub(super) fn product<B: Backend>(
     let device = a.device.clone();
     HANDLES.with(|handles| {
         let mut handles = handles.borrow_mut();
-        let blas = match handles.get(&device.index) {
+        let blas = match handles.get_mut(&device.index) {
             Some(blas) => blas,
             None => match Blas::new(device.index) {
                 Ok(blas) => handles.entry(device.index).or_insert(blas),
@@ -177,23 +194,85 @@ fn disable<T>(why: &str) -> Option<T> {
     None
 }
 
-/// Allocates the output, drains CubeCL, runs `gemm_ex`, drains cuBLAS.
+/// One `gemm_ex` call: the handle, device addresses and shapes.
+#[derive(Clone, Copy)]
+struct Gemm {
+    handle: sys::cublasHandle_t,
+    /// Addresses of A, B and C.
+    operands: [u64; 3],
+    leading: [usize; 2],
+    dims: [usize; 3],
+    transposed: Transposed,
+    data_type: sys::cudaDataType,
+}
+
+impl Gemm {
+    /// Queues the product on the handle's stream.
+    ///
+    /// # Safety
+    /// The addresses hold matrices of `data_type` with these shapes and leading dimensions (C
+    /// contiguous), ordered after their writers and before later readers; the handle's context is
+    /// current.
+    unsafe fn queue(&self) -> Result<(), String> {
+        let ([pa, pb, pc], [lda, ldb], [m, k, n]) = (self.operands, self.leading, self.dims);
+        // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: B's buffer comes
+        // first, and a row-major matrix is its column-major transpose with the row stride as
+        // leading dimension.
+        let op = |t| match t {
+            true => sys::cublasOperation_t::CUBLAS_OP_T,
+            false => sys::cublasOperation_t::CUBLAS_OP_N,
+        };
+        let (op_a, op_b) = (
+            op(self.transposed == Transposed::Lhs),
+            op(self.transposed == Transposed::Rhs),
+        );
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // SAFETY: as the caller vouches.
+        unsafe {
+            blas::gemm_ex(
+                self.handle,
+                op_b,
+                op_a,
+                n as i32,
+                m as i32,
+                k as i32,
+                (&alpha as *const f32).cast::<c_void>(),
+                pb as *const c_void,
+                self.data_type,
+                ldb as i32,
+                pa as *const c_void,
+                self.data_type,
+                lda as i32,
+                (&beta as *const f32).cast::<c_void>(),
+                pc as *mut c_void,
+                self.data_type,
+                n as i32,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| format!("cublasGemmEx failed: {e:?}"))
+    }
+}
+
+/// Allocates the output and queues `gemm_ex` on the cuBLAS stream, after CubeCL's work so far
+/// (a host wait) and before CubeCL's next work (on the device through the flag, or a host wait).
 fn run(
-    blas: &Blas,
+    blas: &mut Blas,
     a: &CudaTensor,
     b: &CudaTensor,
-    [lda, ldb]: [usize; 2],
-    [m, k, n]: [usize; 3],
+    leading: [usize; 2],
+    dims: [usize; 3],
     transposed: Transposed,
     data_type: sys::cudaDataType,
 ) -> Option<CudaTensor> {
     let (client, device) = (&a.client, &a.device);
-    let bytes = m * n * a.dtype.size();
+    let [m, _, n] = dims;
     let out = CudaTensor::new_contiguous(
         client.clone(),
         device.clone(),
         Shape::from([m, n]),
-        client.empty(bytes),
+        client.empty(m * n * a.dtype.size()),
         a.dtype,
     );
     let address = |t: &CudaTensor| {
@@ -201,60 +280,54 @@ fn run(
             .get_resource(t.handle.clone())
             .unwrap_or_else(|e| panic!("the device address of a CUDA tensor: {e}"))
     };
-    // Kept alive (and their memory out of the pool) until the product has run.
+    // Kept alive (and their memory out of the pool) until the product is queued, and with host
+    // waits until it has run.
     let resources = [address(a), address(b), address(&out)];
-    let [pa, pb, pc] = resources.each_ref().map(|r| r.resource().ptr);
+    let gemm = Gemm {
+        handle: blas.handle,
+        operands: resources.each_ref().map(|r| r.resource().ptr),
+        leading,
+        dims,
+        transposed,
+        data_type,
+    };
     cubecl::future::block_on(client.sync())
         .unwrap_or_else(|e| panic!("CubeCL's stream failed before a cuBLAS product: {e}"));
-    // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: B's buffer comes first,
-    // and a row-major matrix is its column-major transpose with the row stride as leading
-    // dimension.
-    let op = |t| match t {
-        true => sys::cublasOperation_t::CUBLAS_OP_T,
-        false => sys::cublasOperation_t::CUBLAS_OP_N,
-    };
-    let (op_a, op_b) = (
-        op(transposed == Transposed::Lhs),
-        op(transposed == Transposed::Rhs),
-    );
-    let (alpha, beta) = (1.0f32, 0.0f32);
     if let Err(e) = blas.context.bind_to_thread() {
         return disable(&format!("binding the CUDA context: {e:?}"));
     }
-    // SAFETY: the three addresses hold matrices of `data_type` with the shapes (`dims`) and row
-    // strides (`row_stride`) above, the output contiguous (allocated here); CubeCL has finished every write to them and
-    // runs nothing until the cuBLAS stream is drained below.
-    let launched = unsafe {
-        blas::gemm_ex(
-            blas.handle,
-            op_b,
-            op_a,
-            n as i32,
-            m as i32,
-            k as i32,
-            (&alpha as *const f32).cast::<c_void>(),
-            pb as *const c_void,
-            data_type,
-            ldb as i32,
-            pa as *const c_void,
-            data_type,
-            lda as i32,
-            (&beta as *const f32).cast::<c_void>(),
-            pc as *mut c_void,
-            data_type,
-            n as i32,
-            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
-    };
-    if let Err(e) = launched {
-        return disable(&format!("cublasGemmEx failed: {e:?}"));
+    // SAFETY: the operands are as `Gemm::queue` needs; CubeCL has drained (its writes to them
+    // are done), and runs nothing after the product until it has run (below).
+    if let Err(why) = unsafe { gemm.queue() } {
+        return disable(&why);
     }
-    blas.stream
-        .synchronize()
-        .unwrap_or_else(|e| panic!("a cuBLAS product failed on the GPU: {e:?}"));
+    let mut waited_on_device = false;
+    if !HOST_WAITS.load(Ordering::Relaxed) {
+        let order = blas.order.get_or_insert_with(|| DeviceOrder::new(client));
+        // SAFETY: the cuBLAS stream of the flag's device, its context current; CubeCL drained
+        // above.
+        match unsafe { order.signal(blas.stream.cu_stream()) } {
+            Ok(()) => {
+                order.await_signal(client);
+                waited_on_device = true;
+            }
+            Err(e) => host_waits_from_now(&format!("cuMemsetD32Async: {e:?}")),
+        }
+    }
+    if !waited_on_device {
+        blas.stream
+            .synchronize()
+            .unwrap_or_else(|e| panic!("a cuBLAS product failed on the GPU: {e:?}"));
+    }
     drop(resources);
     Some(out)
+}
+
+/// Switches the device-side ordering off for the process, saying why once on stderr.
+fn host_waits_from_now(why: &str) {
+    if !HOST_WAITS.swap(true, Ordering::Relaxed) {
+        eprintln!("burn-distflash: cuBLAS products are ordered by host waits: {why}");
+    }
 }
 
 #[cfg(test)]
@@ -387,6 +460,58 @@ mod tests {
         type Cpu = burn_ndarray::NdArray<f32>;
         let c = Tensor::<Cpu, 2>::random([8, 4], Distribution::Default, &Default::default());
         assert!(product(&c, &c.clone().transpose(), Transposed::Neither).is_none());
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn cuda_chained_products_are_waited_for_on_the_device() {
+        // Each product's output is changed by a CubeCL kernel queued while the product runs, and
+        // read by the next product; every intermediate is dropped (its memory goes back to
+        // CubeCL's pool) as soon as it is queued: without the device-side wait the kernel reads
+        // rows the product has not written yet.
+        type Cuda = CubeBackend<CudaRuntime, f32, i32, u8>;
+        let device = CudaDevice::new(0);
+        let [rows, width, steps] = [256, 512, 24];
+        let normal = Distribution::Normal(0.0, 1.0);
+        let scale = 1.0 / (width as f64).sqrt();
+        let x0 = Tensor::<Cuda, 2>::random([rows, width], normal, &device);
+        let w = Tensor::<Cuda, 2>::random([width, width], normal, &device) * scale;
+        let mut x = x0.clone();
+        for _ in 0..steps {
+            let y = product(&x, &w, Transposed::Neither).expect("cuBLAS takes these operands");
+            x = y * 0.9 + 0.1;
+        }
+        let device_ordered = !HOST_WAITS.load(Ordering::Relaxed);
+        let got = x.to_data().convert::<f64>().to_vec::<f64>().unwrap();
+        let read = |t: &Tensor<Cuda, 2>| t.to_data().convert::<f64>().to_vec::<f64>().unwrap();
+        let (mut expected, w) = (read(&x0), read(&w));
+        for _ in 0..steps {
+            let mut next = vec![0.0f64; rows * width];
+            for i in 0..rows {
+                for p in 0..width {
+                    let a = expected[i * width + p];
+                    for j in 0..width {
+                        next[i * width + j] += a * w[p * width + j];
+                    }
+                }
+            }
+            expected = next.into_iter().map(|v| v * 0.9 + 0.1).collect();
+        }
+        let scale = expected.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        let worst = got
+            .iter()
+            .zip(&expected)
+            .fold(0.0f64, |m, (g, e)| m.max((g - e).abs()));
+        assert!(
+            worst / scale < 1e-4,
+            "{steps} chained products: relative error {:.2e}",
+            worst / scale
+        );
+        let forced = std::env::var(HOST_WAITS_VAR).is_ok_and(|v| v == "1");
+        assert!(
+            device_ordered || forced,
+            "the products fell back to host waits (see stderr)"
+        );
     }
 
     #[test]

@@ -5,6 +5,8 @@
 
 #[cfg(feature = "cublas")]
 mod cublas;
+#[cfg(feature = "cublas")]
+mod device_order;
 mod transposed;
 
 use burn::tensor::backend::Backend;

@@ -39,6 +39,21 @@ fn fused<B: FusionBackend>(tensor: FloatTensor<B>, device: &Device<B>) -> FloatT
         .remove(0)
 }
 
+/// `run` on the values of fused tensors, computed by `B` after the fusion stream has settled, its
+/// results handed back to the fusion stream.
+fn on_inner<B, const N: usize, const M: usize>(
+    inputs: [FloatTensor<Fusion<B>>; N],
+    device: &Device<B>,
+    run: impl FnOnce([FloatTensor<B>; N]) -> Result<[FloatTensor<B>; M], CommError>,
+) -> Result<[FloatTensor<Fusion<B>>; M], CommError>
+where
+    B: FusionBackend,
+{
+    let inputs = inputs.map(unfused::<B>);
+    settle::<B>(device);
+    Ok(run(inputs)?.map(|t| fused::<B>(t, device)))
+}
+
 /// `(O, lse)`.
 type OutputAndLse<B> = (FloatTensor<B>, FloatTensor<B>);
 
@@ -53,11 +68,11 @@ pub(super) fn attention<B>(
 where
     B: FusionBackend + FlashAttentionBackend<Inner = B>,
 {
-    let device = group.device().clone();
-    let (q, k, v) = (unfused::<B>(q), unfused::<B>(k), unfused::<B>(v));
-    settle::<B>(&device);
-    let (out, lse) = B::sequence_parallel_attention(q, k, v, group, options)?;
-    Ok((fused::<B>(out, &device), fused::<B>(lse, &device)))
+    let [out, lse] = on_inner::<B, 3, 2>([q, k, v], group.device(), |[q, k, v]| {
+        let (out, lse) = B::sequence_parallel_attention(q, k, v, group, options)?;
+        Ok([out, lse])
+    })?;
+    Ok((out, lse))
 }
 
 /// `(dq, dk, dv)` of this rank's fused shards, computed by `B`.
@@ -75,14 +90,12 @@ pub(super) fn backward<B>(
 where
     B: FusionBackend + FlashAttentionBackend<Inner = B>,
 {
-    let device = group.device().clone();
-    let (q, k, v) = (unfused::<B>(q), unfused::<B>(k), unfused::<B>(v));
-    let (out, lse, grad_out) = (unfused::<B>(out), unfused::<B>(lse), unfused::<B>(grad_out));
-    settle::<B>(&device);
-    let (dq, dk, dv) = B::sequence_parallel_backward(q, k, v, out, lse, grad_out, group, options)?;
-    Ok((
-        fused::<B>(dq, &device),
-        fused::<B>(dk, &device),
-        fused::<B>(dv, &device),
-    ))
+    let inputs = [q, k, v, out, lse, grad_out];
+    let [dq, dk, dv] =
+        on_inner::<B, 6, 3>(inputs, group.device(), |[q, k, v, out, lse, grad_out]| {
+            let (dq, dk, dv) =
+                B::sequence_parallel_backward(q, k, v, out, lse, grad_out, group, options)?;
+            Ok([dq, dk, dv])
+        })?;
+    Ok((dq, dk, dv))
 }

@@ -2,7 +2,12 @@
 //! process, one thread per GPU, NCCL), bf16, AdamW, gradient all-reduce, on random tokens.
 //!
 //! `cargo bench -p distflash-llama --bench llama_train -- --config llama-7b [--layers 4] --gpus 4 --seq 32768
-//!  [--iters 2] [--checkpoint attention-output|layer|none] [--batch 1] [--profile-last-step]`
+//!  [--iters 2] [--checkpoint attention-output|layer|none] [--batch 1] [--profile-last-step] [--phases]`
+//!
+//! `--phases` runs one more step after the timed ones with the device synchronised after each
+//! phase and prints rank 0's phase times (forward and loss, backward, gradient sums and norm,
+//! clipping, optimizer) under the row. `DISTFLASH_UNFUSED_OPTIMIZER=1` runs Burn's tensor-op
+//! AdamW and gradient norm instead of the fused kernels, for side-by-side runs.
 //!
 //! `--profile-last-step` brackets rank 0's last step with `cuProfilerStart` / `cuProfilerStop`
 //! (after a device sync on each side), so a profiler started with its collection off
@@ -23,13 +28,17 @@ use burn_distflash::layers::AttentionContext;
 use burn_distflash::{on_each_rank, replicate, CheckpointPlacement, DeviceGroup};
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::Runtime;
-use distflash_llama::train::{TrainOptions, Trainer};
+use distflash_llama::train::{PhaseTimes, TrainOptions, Trainer};
 use distflash_llama::LlamaConfig;
 
 type Inner = burn_cubecl::CubeBackend<CudaRuntime, half::bf16, i32, u8>;
 type Train = burn_autodiff::Autodiff<Inner>;
 
 const H200_BF16_PEAK: f64 = 989e12;
+
+/// Untimed steps before the timed ones: the first tunes Burn's kernels and compiles ours, the
+/// second is the first with an optimizer state (the fused AdamW update's first run).
+const WARM_UP: usize = 2;
 
 fn arg(args: &[String], name: &str) -> Option<String> {
     args.iter()
@@ -73,6 +82,7 @@ fn main() {
         Some(other) => panic!("--checkpoint: {other}"),
     };
     let profile_last_step = args.iter().any(|a| a == "--profile-last-step");
+    let phases = args.iter().any(|a| a == "--phases");
     let (gpus, seq, iters, batch) = (
         num("--gpus", 4),
         num("--seq", 32768),
@@ -89,14 +99,14 @@ fn main() {
             .map(AttentionContext::sharded)
             .collect()
     };
-    let options = TrainOptions::new(iters as u64 + 1, batch, seq).with_warmup(1);
+    let options = TrainOptions::new((WARM_UP + iters + 1) as u64, batch, seq).with_warmup(1);
     let barrier = Arc::new(Barrier::new(gpus));
     // Every rank starts from the same weights (initialised on GPU 0 by this thread).
     let model = config.try_init::<Train>(&devices[0]).expect("model");
     let models = replicate(&model, &devices);
     drop(model);
     let per_rank = devices.iter().cloned().zip(contexts).zip(models).collect();
-    let ranks: Vec<(Vec<f64>, u64, f64)> =
+    let ranks: Vec<(Vec<f64>, u64, f64, Option<PhaseTimes>)> =
         on_each_rank(per_rank, |_, ((device, context), model)| {
             let mut trainer = Trainer::new(model, context, options.clone());
             let tokens: Vec<u32> = (0..batch * seq)
@@ -104,8 +114,9 @@ fn main() {
                 .collect();
             let mut times = Vec::new();
             let mut loss = 0.0;
-            for step in 0..=iters {
-                let profiled = profile_last_step && step == iters && device.index == 0;
+            let steps = if iters == 0 { 1 } else { WARM_UP + iters };
+            for step in 0..steps {
+                let profiled = profile_last_step && step + 1 == steps && device.index == 0;
                 barrier.wait();
                 if profiled {
                     Train::sync(&device).expect("sync");
@@ -119,11 +130,16 @@ fn main() {
                     profiler_collects(false);
                 }
             }
+            let phase_times = phases.then(|| {
+                barrier.wait();
+                let (_, times) = trainer.train_step_timed(&tokens, &tokens).expect("step");
+                times
+            });
             let reserved = CudaRuntime::client(&device)
                 .memory_usage()
                 .expect("memory")
                 .bytes_reserved;
-            (times, reserved, loss)
+            (times, reserved, loss, phase_times)
         });
     // The initial weights were allocated by this thread's stream, whose pool is counted too.
     let initial_reserved = CudaRuntime::client(&devices[0])
@@ -131,7 +147,11 @@ fn main() {
         .expect("memory")
         .bytes_reserved;
     // With --iters 0 the only step (which includes the first-use autotuning) is reported.
-    let timed = if iters == 0 { 0..=0 } else { 1..=iters };
+    let timed = if iters == 0 {
+        0..1
+    } else {
+        WARM_UP..WARM_UP + iters
+    };
     let mut steps: Vec<f64> = timed
         .map(|i| ranks.iter().map(|r| r.0[i]).fold(0.0, f64::max))
         .collect();
@@ -153,4 +173,17 @@ fn main() {
         (ranks[0].1 + initial_reserved) as f64 / (1u64 << 30) as f64,
         ranks[0].2,
     );
+    if let Some(t) = ranks[0].3 {
+        let ms = |s: f64| s * 1e3;
+        println!(
+            "phases (rank 0, one synchronised step, ms): forward+loss {:.1} | backward {:.1} | \
+             gradient sums+norm {:.1} | clip {:.1} | optimizer {:.1} | total {:.1}",
+            ms(t.forward),
+            ms(t.backward),
+            ms(t.gradients),
+            ms(t.clip),
+            ms(t.optimizer),
+            ms(t.forward + t.backward + t.gradients + t.clip + t.optimizer),
+        );
+    }
 }

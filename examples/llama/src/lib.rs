@@ -4,11 +4,15 @@
 
 #![warn(missing_docs)]
 pub mod config;
+mod cube_args;
+mod cube_reduce;
 pub mod data;
 pub mod generate;
 pub mod hf_config;
+pub mod loss;
 pub mod metrics;
 pub mod model;
+pub mod optimizer;
 pub mod progress;
 mod rng;
 pub mod safetensors;

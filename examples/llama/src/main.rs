@@ -442,6 +442,7 @@ fn train_cuda<F: burn_cubecl::FloatElement>(args: &Args, config: &LlamaConfig, w
 where
     Cuda<F>: TrainBackend<Device = cubecl::cuda::CudaDevice>
         + burn::tensor::backend::AutodiffBackend<InnerBackend = CudaInner<F>>,
+    CudaInner<F>: burn::tensor::backend::Backend<Device = cubecl::cuda::CudaDevice>,
 {
     let context = |group: DeviceGroup<CudaInner<F>>| {
         AttentionContext::sharded(group).with_schedule(args.schedule)

@@ -3,11 +3,11 @@
 
 use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig};
-use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Int, Tensor};
+use burn::tensor::{Int, Tensor};
 
 use super::config::LlamaConfig;
+use super::loss::CrossEntropyBackend;
 use burn_distflash::layers::{
     linear, AttentionContext, ConfigError, RmsNorm, RmsNormConfig, TransformerBlock,
     TransformerBlockConfig,
@@ -112,9 +112,14 @@ impl<B: CheckpointBackend> Llama<B> {
         targets: Tensor<B, 2, Int>,
         context: &AttentionContext<B::Inner>,
         normalizer: usize,
-    ) -> Result<Tensor<B, 1>, DistributedError> {
-        let logits = self.forward(tokens, context)?.cast(DType::F32);
-        let picked = log_softmax(logits, 2).gather(2, targets.unsqueeze_dim(2));
-        Ok(picked.sum().neg().div_scalar(normalizer as f64))
+    ) -> Result<Tensor<B, 1>, DistributedError>
+    where
+        B: CrossEntropyBackend,
+    {
+        let logits = self.forward(tokens, context)?;
+        let [batch, seq, vocab] = logits.dims();
+        let rows = batch * seq;
+        let sum = B::cross_entropy_sum(logits.reshape([rows, vocab]), targets.reshape([rows]));
+        Ok(sum.div_scalar(normalizer as f64))
     }
 }

@@ -6,16 +6,19 @@
 use core::fmt;
 use std::fs;
 use std::path::Path;
+use std::time::Instant;
 
 use burn::config::Config;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::adaptor::OptimizerAdaptor;
-use burn::optim::{AdamW, AdamWConfig, GradientsParams, Optimizer};
+use burn::optim::{GradientsParams, Optimizer};
 use burn::record::{BinFileRecorder, FullPrecisionSettings, Recorder};
-use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{DType, ElementConversion, Int, Tensor, TensorData};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 
+use super::loss::CrossEntropyBackend;
 use super::model::Llama;
+use super::optimizer::{FusedAdamW, OptimizerBackend};
 use super::schedule::learning_rate;
 use burn_distflash::layers::AttentionContext;
 use burn_distflash::{
@@ -106,15 +109,67 @@ pub struct StepStats {
     pub lr: f64,
 }
 
+/// Wall time of a step's phases in seconds ([`Trainer::train_step_timed`]), each phase ended by
+/// a device synchronisation so that its GPU work is counted in it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PhaseTimes {
+    /// Forward pass and loss.
+    pub forward: f64,
+    /// Backward pass (checkpoint recomputation included).
+    pub backward: f64,
+    /// Loss and gradient sums over the group, the gradients' global norm.
+    pub gradients: f64,
+    /// Scaling the gradients down to the clipping norm (zero when they are not clipped).
+    pub clip: f64,
+    /// The AdamW update of every parameter.
+    pub optimizer: f64,
+}
+
+/// Times the phases of one step on one device.
+struct PhaseClock<B: Backend> {
+    device: B::Device,
+    last: Instant,
+    times: PhaseTimes,
+}
+
+impl<B: Backend> PhaseClock<B> {
+    fn start(device: B::Device) -> Self {
+        Self::sync(&device);
+        Self {
+            device,
+            last: Instant::now(),
+            times: PhaseTimes::default(),
+        }
+    }
+
+    /// Ends a phase: waits for the device, adds the time since the last lap to `phase`.
+    fn lap(&mut self, phase: fn(&mut PhaseTimes) -> &mut f64) {
+        Self::sync(&self.device);
+        let now = Instant::now();
+        *phase(&mut self.times) += (now - self.last).as_secs_f64();
+        self.last = now;
+    }
+
+    fn sync(device: &B::Device) {
+        // A failed synchronisation leaves the timing off, never the step: the step's own reads
+        // report device errors.
+        let _ = B::sync(device);
+    }
+}
+
 /// The backends a [`Trainer`] runs on: autodiff over a backend that computes and communicates
-/// itself (CUDA and wgpu `CubeBackend`, ndarray).
+/// itself, runs the optimizer's passes and the loss (CUDA and wgpu `CubeBackend`, ndarray).
 pub trait TrainBackend:
-    AutodiffBackend + CheckpointBackend<Inner = <Self as AutodiffBackend>::InnerBackend>
+    AutodiffBackend<InnerBackend: OptimizerBackend>
+    + CheckpointBackend<Inner = <Self as AutodiffBackend>::InnerBackend>
+    + CrossEntropyBackend
 {
 }
 
 impl<B> TrainBackend for B where
-    B: AutodiffBackend + CheckpointBackend<Inner = <B as AutodiffBackend>::InnerBackend>
+    B: AutodiffBackend<InnerBackend: OptimizerBackend>
+        + CheckpointBackend<Inner = <B as AutodiffBackend>::InnerBackend>
+        + CrossEntropyBackend
 {
 }
 
@@ -122,7 +177,7 @@ impl<B> TrainBackend for B where
 pub struct Trainer<B: TrainBackend> {
     /// The model (identical on every rank after every step).
     pub model: Llama<B>,
-    optim: OptimizerAdaptor<AdamW, Llama<B>, B>,
+    optim: OptimizerAdaptor<FusedAdamW, Llama<B>, B>,
     /// Steps done.
     pub step: u64,
     /// Where attention runs (a sharded context for a group).
@@ -138,12 +193,13 @@ impl<B: TrainBackend> Trainer<B> {
         context: AttentionContext<B::InnerBackend>,
         options: TrainOptions,
     ) -> Self {
-        let optim = AdamWConfig::new()
-            .with_beta_1(options.beta_1 as f32)
-            .with_beta_2(options.beta_2 as f32)
-            .with_epsilon(1e-8)
-            .with_weight_decay(options.weight_decay as f32)
-            .init::<B, Llama<B>>();
+        let optim = FusedAdamW::new(
+            options.beta_1 as f32,
+            options.beta_2 as f32,
+            1e-8,
+            options.weight_decay as f32,
+        )
+        .into_optimizer();
         Self {
             model,
             optim,
@@ -198,12 +254,40 @@ impl<B: TrainBackend> Trainer<B> {
     /// One optimizer step on `inputs` and next-token `targets` (row-major `[batch, seq_len]`,
     /// the same whole batch on every rank).
     pub fn train_step(&mut self, inputs: &[u32], targets: &[u32]) -> Result<StepStats, TrainError> {
+        self.step_with(inputs, targets, None)
+    }
+
+    /// [`train_step`](Self::train_step) with the device synchronised after each phase, and the
+    /// wall time of each phase. The synchronisations cost some speed: for profiling only.
+    pub fn train_step_timed(
+        &mut self,
+        inputs: &[u32],
+        targets: &[u32],
+    ) -> Result<(StepStats, PhaseTimes), TrainError> {
+        let mut clock = PhaseClock::start(self.device());
+        let stats = self.step_with(inputs, targets, Some(&mut clock))?;
+        Ok((stats, clock.times))
+    }
+
+    fn step_with(
+        &mut self,
+        inputs: &[u32],
+        targets: &[u32],
+        mut clock: Option<&mut PhaseClock<B>>,
+    ) -> Result<StepStats, TrainError> {
+        let mut lap = |phase: fn(&mut PhaseTimes) -> &mut f64| {
+            if let Some(clock) = clock.as_mut() {
+                clock.lap(phase);
+            }
+        };
         let (tokens, targets) = (self.shard(inputs)?, self.shard(targets)?);
         let normalizer = self.options.batch * self.options.seq_len;
         let loss = self
             .model
             .loss(tokens, targets, &self.context, normalizer)?;
+        lap(|t| &mut t.forward);
         let grads = GradientsParams::from_grads(loss.backward(), &self.model);
+        lap(|t| &mut t.backward);
         let loss = self.group_loss(loss)?;
         let mut reduce = ReduceGrads::<B> {
             grads,
@@ -222,6 +306,7 @@ impl<B: TrainBackend> Trainer<B> {
             .map_or(0.0, |t| t.into_scalar().elem::<f64>());
         let grad_norm = squared.sqrt();
         let mut grads = reduce.grads;
+        lap(|t| &mut t.gradients);
         if self.options.grad_clip > 0.0 && grad_norm > self.options.grad_clip {
             let mut scale = ScaleGrads {
                 grads,
@@ -230,9 +315,11 @@ impl<B: TrainBackend> Trainer<B> {
             self.model.visit(&mut scale);
             grads = scale.grads;
         }
+        lap(|t| &mut t.clip);
         let o = &self.options;
         let lr = learning_rate(self.step, o.steps, o.warmup, o.lr, o.min_lr_ratio);
         self.model = self.optim.step(lr, self.model.clone(), grads);
+        lap(|t| &mut t.optimizer);
         self.step += 1;
         Ok(StepStats {
             loss,
@@ -360,13 +447,8 @@ impl<B: TrainBackend> ModuleVisitor<B> for ReduceGrads<'_, B> {
             (_, Some(_)) => return,
             (AttentionContext::Local, None) => grad,
         };
-        self.squared_norm.push(
-            grad.clone()
-                .cast(DType::F32)
-                .square()
-                .sum()
-                .cast(DType::F32),
-        );
+        self.squared_norm
+            .push(B::InnerBackend::squared_norm(grad.clone()));
         self.grads.register(param.id, grad);
     }
 }

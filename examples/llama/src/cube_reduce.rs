@@ -1,0 +1,33 @@
+//! A cube-wide reduction through shared memory, shared by the training kernels (the optimizer's
+//! squared norm, the loss's row maximum and sum).
+
+use cubecl::prelude::*;
+
+/// Units per cube of the training kernels.
+pub(crate) const CUBE_UNITS: usize = 256;
+
+/// Sums (`take_max == false`) or maximises the cube's `value`s; every unit gets the result. The
+/// tree adds in a fixed order: deterministic. Every unit of the cube must call it.
+#[cube]
+pub(crate) fn cube_reduce(value: f32, #[comptime] take_max: bool) -> f32 {
+    let mut shared = SharedMemory::<f32>::new(CUBE_UNITS);
+    shared[UNIT_POS as usize] = value;
+    sync_cube();
+    #[unroll]
+    for level in 1..=comptime!(CUBE_UNITS.trailing_zeros() as usize) {
+        let width = comptime!(CUBE_UNITS) >> level;
+        if (UNIT_POS as usize) < width {
+            let other = shared[UNIT_POS as usize + width];
+            let mine = shared[UNIT_POS as usize];
+            shared[UNIT_POS as usize] = if take_max {
+                max(mine, other)
+            } else {
+                mine + other
+            };
+        }
+        sync_cube();
+    }
+    let result = shared[0];
+    sync_cube();
+    result
+}

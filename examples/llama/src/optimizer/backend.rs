@@ -1,0 +1,166 @@
+//! [`OptimizerBackend`]: the per-parameter passes of a training step that a backend may fuse
+//! (a gradient's squared norm, the AdamW update), with Burn tensor operations as the portable
+//! implementation and one CubeCL kernel each on the CubeCL backends (CUDA, wgpu).
+
+use std::sync::OnceLock;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Shape, Tensor, TensorPrimitive};
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use burn_ndarray::{
+    FloatNdArrayElement, IntNdArrayElement, NdArray, NdArrayTensor, QuantElement, SharedArray,
+};
+use cubecl::prelude::*;
+
+use super::kernels::{adamw_update, sum_of_squares, AdamWStep};
+use crate::cube_args::{
+    array, contiguous, empty_like, is_kernel_float, vector_size, with_float_type,
+};
+use crate::cube_reduce::CUBE_UNITS;
+
+/// A parameter's AdamW tensors after one update: `(param, moment_1, moment_2)`.
+pub type AdamWTensors<B> = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
+
+/// Backends that can run the optimizer's per-parameter passes fused.
+pub trait OptimizerBackend: Backend {
+    /// `sum(x^2)` over every element of `tensor`, computed in f32, as a one-element f32 tensor.
+    fn squared_norm<const D: usize>(tensor: Tensor<Self, D>) -> Tensor<Self, 1> {
+        squared_norm_portable(tensor)
+    }
+
+    /// One AdamW update of `param` from `grad` and the moments `(moment_1, moment_2)` in one
+    /// pass, or `None` where this backend has no fused update for these tensors (the caller then
+    /// runs Burn's `AdamW`). All four tensors have the same shape.
+    fn fused_adamw(
+        _param: FloatTensor<Self>,
+        _grad: FloatTensor<Self>,
+        _moments: (FloatTensor<Self>, FloatTensor<Self>),
+        _step: &AdamWStep,
+    ) -> Option<AdamWTensors<Self>> {
+        None
+    }
+}
+
+/// Whether `DISTFLASH_UNFUSED_OPTIMIZER=1` asks for the portable passes on every backend (for
+/// side-by-side measurements; read once per process).
+pub fn unfused_optimizer_forced() -> bool {
+    static FORCED: OnceLock<bool> = OnceLock::new();
+    *FORCED.get_or_init(|| std::env::var("DISTFLASH_UNFUSED_OPTIMIZER").is_ok_and(|v| v == "1"))
+}
+
+/// `sum(x^2)` with Burn tensor operations: an f32 copy, its square, its sum.
+fn squared_norm_portable<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Tensor<B, 1> {
+    tensor.cast(DType::F32).square().sum().cast(DType::F32)
+}
+
+impl<E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement> OptimizerBackend
+    for NdArray<E, I, Q>
+where
+    NdArrayTensor: From<SharedArray<E>> + From<SharedArray<I>>,
+{
+}
+
+impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> OptimizerBackend
+    for CubeBackend<R, F, I, BT>
+{
+    fn squared_norm<const D: usize>(tensor: Tensor<Self, D>) -> Tensor<Self, 1> {
+        if unfused_optimizer_forced() || !is_kernel_float(tensor.dtype()) {
+            return squared_norm_portable(tensor);
+        }
+        let tensor = contiguous(tensor.into_primitive().tensor());
+        let len = tensor.meta.num_elements();
+        let vector = vector_size(len, tensor.dtype);
+        let vectors = len / vector;
+        // Enough cubes to fill the device several times over, each unit striding over the rest.
+        let cubes = vectors.div_ceil(CUBE_UNITS * 8).clamp(1, 1024);
+        let partials = empty_like(&tensor, Shape::new([cubes]), DType::F32);
+        let client = tensor.client.clone();
+        let (count, dim) = (
+            CubeCount::Static(cubes as u32, 1, 1),
+            CubeDim::new_1d(CUBE_UNITS as u32),
+        );
+        let units = (cubes * CUBE_UNITS) as u32;
+        macro_rules! launch_as {
+            ($F:ty) => {
+                sum_of_squares::launch_unchecked::<$F, R>(
+                    &client,
+                    count,
+                    dim,
+                    vector,
+                    array(&tensor, len),
+                    array(&partials, cubes),
+                    units,
+                )
+            };
+        }
+        // SAFETY: `tensor` is contiguous with `len` elements and `partials` has one element per
+        // cube; the kernel guards its reads by the array length.
+        unsafe { with_float_type!(tensor.dtype, launch_as) }
+        Tensor::<Self, 1>::from_primitive(TensorPrimitive::Float(partials)).sum()
+    }
+
+    fn fused_adamw(
+        param: CubeTensor<R>,
+        grad: CubeTensor<R>,
+        (moment_1, moment_2): (CubeTensor<R>, CubeTensor<R>),
+        step: &AdamWStep,
+    ) -> Option<AdamWTensors<Self>> {
+        if unfused_optimizer_forced() {
+            return None;
+        }
+        let dtype = kernel_dtype(&[&param, &grad, &moment_1, &moment_2])?;
+        let shape = param.meta.shape().clone();
+        if [&grad, &moment_1, &moment_2]
+            .iter()
+            .any(|t| *t.meta.shape() != shape)
+        {
+            return None;
+        }
+        let [param, grad, moment_1, moment_2] = [param, grad, moment_1, moment_2].map(contiguous);
+        let len = param.meta.num_elements();
+        let vector = vector_size(len, dtype);
+        let vectors = len / vector;
+        let outputs = [0; 3].map(|_| empty_like(&param, shape.clone(), dtype));
+        let client = param.client.clone();
+        let dim = CubeDim::new_1d(CUBE_UNITS as u32);
+        let count = cubecl::calculate_cube_count_elemwise(&client, vectors, dim);
+        let [p_out, m1_out, m2_out] = &outputs;
+        macro_rules! launch_as {
+            ($F:ty) => {
+                adamw_update::launch_unchecked::<$F, R>(
+                    &client,
+                    count,
+                    dim,
+                    vector,
+                    array(&param, len),
+                    array(&grad, len),
+                    array(&moment_1, len),
+                    array(&moment_2, len),
+                    array(p_out, len),
+                    array(m1_out, len),
+                    array(m2_out, len),
+                    step.beta_1,
+                    step.beta_2,
+                    step.bias_1,
+                    step.bias_2,
+                    step.epsilon,
+                    step.decay,
+                    step.lr,
+                )
+            };
+        }
+        // SAFETY: all seven arrays are contiguous with `len` elements of `dtype`;
+        // the kernel guards every access by the array length.
+        unsafe { with_float_type!(dtype, launch_as) }
+        let [p, m1, m2] = outputs;
+        Some((p, m1, m2))
+    }
+}
+
+/// The element type every tensor shares, if the kernels take it (f32, f16, bf16).
+fn kernel_dtype<R: CubeRuntime>(tensors: &[&CubeTensor<R>]) -> Option<DType> {
+    let dtype = tensors.first()?.dtype;
+    (is_kernel_float(dtype) && tensors.iter().all(|t| t.dtype == dtype)).then_some(dtype)
+}

@@ -1,0 +1,118 @@
+//! AdamW with its per-parameter passes fused where the backend allows ([`OptimizerBackend`]):
+//! on the CubeCL backends one kernel reads the parameter, its gradient and both moments once and
+//! writes the three results once; elsewhere (and on the first step, and under
+//! `DISTFLASH_UNFUSED_OPTIMIZER=1`) Burn's own `AdamW` runs. The state is Burn's `AdamWState`,
+//! so checkpoints of either are the same records.
+
+mod backend;
+mod kernels;
+
+pub use backend::{unfused_optimizer_forced, AdamWTensors, OptimizerBackend};
+pub use kernels::AdamWStep;
+
+use burn::module::AutodiffModule;
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::{
+    AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, LearningRate, SimpleOptimizer,
+};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Tensor, TensorPrimitive};
+
+/// AdamW (decoupled weight decay, no AMSGrad) whose update runs as one fused pass per parameter
+/// on backends that have one.
+#[derive(Clone)]
+pub struct FusedAdamW {
+    beta_1: f32,
+    beta_2: f32,
+    epsilon: f32,
+    weight_decay: f32,
+    /// Burn's AdamW with the same settings: the first step and the portable path.
+    reference: AdamW,
+}
+
+impl FusedAdamW {
+    /// AdamW with these moment decays, epsilon and weight decay.
+    pub fn new(beta_1: f32, beta_2: f32, epsilon: f32, weight_decay: f32) -> Self {
+        let config = AdamWConfig::new()
+            .with_beta_1(beta_1)
+            .with_beta_2(beta_2)
+            .with_epsilon(epsilon)
+            .with_weight_decay(weight_decay);
+        Self {
+            beta_1,
+            beta_2,
+            epsilon,
+            weight_decay,
+            reference: config.build(),
+        }
+    }
+
+    /// This optimizer as a Burn [`Optimizer`](burn::optim::Optimizer) of module `M`.
+    pub fn into_optimizer<B, M>(self) -> OptimizerAdaptor<Self, M, B>
+    where
+        B: AutodiffBackend<InnerBackend: OptimizerBackend>,
+        M: AutodiffModule<B>,
+    {
+        OptimizerAdaptor::from(self)
+    }
+
+    /// The kernel's constants for the update that makes a state of `time` steps `time + 1`.
+    fn step_constants(&self, lr: LearningRate, time: usize) -> AdamWStep {
+        let t = (time + 1) as i32;
+        let (beta_1, beta_2) = (self.beta_1, self.beta_2);
+        AdamWStep {
+            beta_1,
+            beta_2,
+            bias_1: 1.0 - beta_1.powi(t),
+            bias_2: 1.0 - beta_2.powi(t),
+            epsilon: self.epsilon,
+            decay: (1.0 - lr * self.weight_decay as f64) as f32,
+            lr: lr as f32,
+        }
+    }
+}
+
+impl<B: OptimizerBackend> SimpleOptimizer<B> for FusedAdamW {
+    type State<const D: usize> = AdamWState<B, D>;
+
+    fn step<const D: usize>(
+        &self,
+        lr: LearningRate,
+        tensor: Tensor<B, D>,
+        grad: Tensor<B, D>,
+        state: Option<Self::State<D>>,
+    ) -> (Tensor<B, D>, Option<Self::State<D>>) {
+        let Some(AdamWState { momentum }) = state.clone() else {
+            return self.reference.step(lr, tensor, grad, state);
+        };
+        if momentum.max_moment_2.is_some() {
+            return self.reference.step(lr, tensor, grad, state);
+        }
+        let constants = self.step_constants(lr, momentum.time);
+        let moments = (
+            momentum.moment_1.into_primitive().tensor(),
+            momentum.moment_2.into_primitive().tensor(),
+        );
+        let fused = B::fused_adamw(
+            tensor.clone().into_primitive().tensor(),
+            grad.clone().into_primitive().tensor(),
+            moments,
+            &constants,
+        );
+        let Some((param, moment_1, moment_2)) = fused else {
+            return self.reference.step(lr, tensor, grad, state);
+        };
+        let wrap = |t| Tensor::<B, D>::from_primitive(TensorPrimitive::Float(t));
+        let momentum = AdaptiveMomentumState {
+            time: momentum.time + 1,
+            moment_1: wrap(moment_1),
+            moment_2: wrap(moment_2),
+            max_moment_2: None,
+        };
+        (wrap(param), Some(AdamWState { momentum }))
+    }
+
+    fn to_device<const D: usize>(state: Self::State<D>, device: &B::Device) -> Self::State<D> {
+        <AdamW as SimpleOptimizer<B>>::to_device(state, device)
+    }
+}

@@ -1,6 +1,7 @@
 //! The backend extension: attention with its softmax statistics and a fused backward, local or
-//! sequence-parallel over a [`DeviceGroup`] (a local call is a world of one), and the products
-//! of the linear layers, as operations every supported Burn backend implements.
+//! sequence-parallel over a [`DeviceGroup`] (a local call is a world of one), the products
+//! of the linear layers and the layers' element-wise parts (SwiGLU, RMS norm, rotary embedding),
+//! as operations every supported Burn backend implements.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
@@ -10,6 +11,7 @@ use distflash_kernels::AttentionDims;
 
 use crate::collective::{CommError, DeviceGroup};
 use crate::distributed::options::SequenceParallelOptions;
+use crate::layer_ops;
 use crate::matmul::{product, Transposed};
 use crate::options::{AttentionError, FlashAttentionOptions};
 use crate::state::{self, AttentionState, StepMask};
@@ -163,5 +165,51 @@ pub trait FlashAttentionBackend: Backend {
         product(wrap(x), wrap(weight), Transposed::Neither)
             .into_primitive()
             .tensor()
+    }
+
+    /// `silu(gate) * up` (SwiGLU's hidden activation), `gate` and `up` of one shape and float
+    /// type. One CubeCL pass on `CubeBackend` (computing in f32), Burn tensor operations elsewhere.
+    fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        layer_ops::portable::swiglu::<Self>(gate, up)
+    }
+
+    /// `(hidden, dgate, dup)` of [`swiglu`](Self::swiglu) for the hidden gradient `dhidden`:
+    /// the activation recomputed (the down projection's weight gradient needs it) and the
+    /// gradients of `gate` and `up`.
+    fn swiglu_backward(
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+        dhidden: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        layer_ops::portable::swiglu_backward::<Self>(gate, up, dhidden)
+    }
+
+    /// `x / sqrt(mean(x^2) + eps) * weight` over the last dimension of `x` `[batch, seq, d]`,
+    /// `weight` `[d]`, statistics in f32, the result in `x`'s float type.
+    fn rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+        layer_ops::portable::rms_norm::<Self>(x, weight, eps)
+    }
+
+    /// `(dx, dweight)` of [`rms_norm`](Self::rms_norm) at `x` for the output gradient `grad`.
+    fn rms_norm_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        layer_ops::portable::rms_norm_backward::<Self>(x, weight, grad, eps)
+    }
+
+    /// The rotary embedding of `x` `[batch, heads, len, head_dim]` with tables `cos`, `sin`
+    /// `[1, 1, len, head_dim]`: `x cos + rotate_half(x) sin`, `rotate_half([x1, x2]) = [-x2, x1]`;
+    /// with `transpose` its adjoint (the rotation by the opposite angle, which maps the rotated
+    /// tensor's gradient to the input's). `x` may be a strided view; the result is contiguous.
+    fn rotary(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        transpose: bool,
+    ) -> FloatTensor<Self> {
+        layer_ops::portable::rotary::<Self>(x, cos, sin, transpose)
     }
 }

@@ -9,6 +9,7 @@ use distflash_kernels::{
 };
 
 use crate::backend::FlashAttentionBackend;
+use crate::layer_ops;
 use crate::options::{AttentionError, FlashAttentionOptions};
 use crate::state::{AttentionState, StepMask};
 
@@ -313,5 +314,54 @@ where
             cube_tensor(&like, grads.dk),
             cube_tensor(&like, grads.dv),
         )
+    }
+
+    fn swiglu(gate: CubeTensor<R>, up: CubeTensor<R>) -> CubeTensor<R> {
+        match layer_ops::cube::swiglu(gate.clone(), up.clone()) {
+            Some(hidden) => hidden,
+            None => layer_ops::portable::swiglu::<Self>(gate, up),
+        }
+    }
+
+    fn swiglu_backward(
+        gate: CubeTensor<R>,
+        up: CubeTensor<R>,
+        dhidden: CubeTensor<R>,
+    ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+        match layer_ops::cube::swiglu_backward(gate.clone(), up.clone(), dhidden.clone()) {
+            Some([hidden, dgate, dup]) => (hidden, dgate, dup),
+            None => layer_ops::portable::swiglu_backward::<Self>(gate, up, dhidden),
+        }
+    }
+
+    fn rms_norm(x: CubeTensor<R>, weight: CubeTensor<R>, eps: f64) -> CubeTensor<R> {
+        match layer_ops::cube::rms_norm(x.clone(), weight.clone(), eps) {
+            Some(out) => out,
+            None => layer_ops::portable::rms_norm::<Self>(x, weight, eps),
+        }
+    }
+
+    fn rms_norm_backward(
+        x: CubeTensor<R>,
+        weight: CubeTensor<R>,
+        grad: CubeTensor<R>,
+        eps: f64,
+    ) -> (CubeTensor<R>, CubeTensor<R>) {
+        match layer_ops::cube::rms_norm_backward(x.clone(), weight.clone(), grad.clone(), eps) {
+            Some([dx, dweight]) => (dx, dweight),
+            None => layer_ops::portable::rms_norm_backward::<Self>(x, weight, grad, eps),
+        }
+    }
+
+    fn rotary(
+        x: CubeTensor<R>,
+        cos: CubeTensor<R>,
+        sin: CubeTensor<R>,
+        transpose: bool,
+    ) -> CubeTensor<R> {
+        match layer_ops::cube::rotary(x.clone(), cos.clone(), sin.clone(), transpose) {
+            Some(out) => out,
+            None => layer_ops::portable::rotary::<Self>(x, cos, sin, transpose),
+        }
     }
 }

@@ -3,11 +3,10 @@
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::{Initializer, Linear, LinearConfig};
-use burn::tensor::activation::{sigmoid, silu};
 use burn::tensor::backend::Backend;
-use burn::tensor::Tensor;
+use burn::tensor::{Tensor, TensorPrimitive};
 
-use super::linear_grad::{linear_backward, LinearGrads};
+use super::linear_grad::{linear_backward, linear_input_grad, linear_weight_grad};
 use super::linear_layer::linear;
 use crate::backend::FlashAttentionBackend;
 
@@ -61,7 +60,9 @@ pub(crate) struct FeedForwardGrads<B: Backend> {
 impl<B: FlashAttentionBackend> FeedForward<B> {
     /// Applies the block to `x` `[batch, seq, d_model]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let hidden = silu(linear(&self.gate, x.clone())) * linear(&self.up, x);
+        let gate = linear(&self.gate, x.clone()).into_primitive().tensor();
+        let up = linear(&self.up, x).into_primitive().tensor();
+        let hidden = Tensor::from_primitive(TensorPrimitive::Float(B::swiglu(gate, up)));
         linear(&self.down, hidden)
     }
 
@@ -72,18 +73,16 @@ impl<B: FlashAttentionBackend> FeedForward<B> {
         x: Tensor<B, 3>,
         grad: Tensor<B, 3>,
     ) -> (Tensor<B, 3>, FeedForwardGrads<B>) {
-        let gate = linear(&self.gate, x.clone());
-        let up = linear(&self.up, x.clone());
-        let sig = sigmoid(gate.clone());
-        let activated = gate.clone() * sig.clone();
-        let LinearGrads {
-            input: dhidden,
-            weight: ddown,
-        } = linear_backward(&self.down, activated.clone() * up.clone(), grad);
-        let dup = dhidden.clone() * activated;
-        // silu'(g) = sig(g) * (1 + g * (1 - sig(g)))
-        let dsilu = sig.clone() * (gate * (sig.neg().add_scalar(1.0))).add_scalar(1.0);
-        let dgate = dhidden * up * dsilu;
+        let prim = |t: Tensor<B, 3>| t.into_primitive().tensor();
+        let wrap = |t| Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(t));
+        let gate = prim(linear(&self.gate, x.clone()));
+        let up = prim(linear(&self.up, x.clone()));
+        // The down projection's input gradient needs only its weight, so the hidden activation
+        // (its weight gradient's input) is recomputed with the SwiGLU gradients in one pass.
+        let dhidden = prim(linear_input_grad(&self.down, grad.clone()));
+        let (hidden, dgate, dup) = B::swiglu_backward(gate, up, dhidden);
+        let ddown = linear_weight_grad(wrap(hidden), grad);
+        let (dgate, dup) = (wrap(dgate), wrap(dup));
         let from_gate = linear_backward(&self.gate, x.clone(), dgate);
         let from_up = linear_backward(&self.up, x, dup);
         (

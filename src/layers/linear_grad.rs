@@ -20,11 +20,33 @@ pub(crate) fn linear_backward<B: Backend>(
     x: Tensor<B, 3>,
     grad: Tensor<B, 3>,
 ) -> LinearGrads<B> {
+    LinearGrads {
+        input: linear_input_grad(linear, grad.clone()),
+        weight: linear_weight_grad(x, grad),
+    }
+}
+
+/// `dx = dy W^T` `[batch, seq, d_in]` of `y = x W` for the output gradient `grad`.
+pub(crate) fn linear_input_grad<B: Backend>(
+    linear: &Linear<B>,
+    grad: Tensor<B, 3>,
+) -> Tensor<B, 3> {
+    let [batch, seq, d_out] = grad.dims();
+    let weight = linear.weight.val();
+    let d_in = weight.dims()[0];
+    let grad = grad.reshape([batch * seq, d_out]);
+    product(grad, weight, Transposed::Rhs).reshape([batch, seq, d_in])
+}
+
+/// `dW = x^T dy` `[d_in, d_out]` of `y = x W` at input `x` for the output gradient `grad`,
+/// summed over batch and sequence.
+pub(crate) fn linear_weight_grad<B: Backend>(x: Tensor<B, 3>, grad: Tensor<B, 3>) -> Tensor<B, 2> {
     let [batch, seq, d_in] = x.dims();
     let d_out = grad.dims()[2];
     let rows = batch * seq;
-    let grad = grad.reshape([rows, d_out]);
-    let weight = product(x.reshape([rows, d_in]), grad.clone(), Transposed::Lhs);
-    let input = product(grad, linear.weight.val(), Transposed::Rhs).reshape([batch, seq, d_in]);
-    LinearGrads { input, weight }
+    product(
+        x.reshape([rows, d_in]),
+        grad.reshape([rows, d_out]),
+        Transposed::Lhs,
+    )
 }

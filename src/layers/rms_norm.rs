@@ -1,10 +1,13 @@
 //! Root-mean-square layer norm as in Llama: statistics in f32, the learned scale applied in the
-//! input's float type; with its backward, used when a checkpointed layer is recomputed.
+//! input's float type; with its backward, used when a checkpointed layer is recomputed. Both run
+//! as the backend's [`FlashAttentionBackend::rms_norm`] operations.
 
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{Tensor, TensorPrimitive};
+
+use crate::backend::FlashAttentionBackend;
 
 /// Configuration of [`RmsNorm`].
 #[derive(Config, Debug)]
@@ -35,41 +38,28 @@ pub struct RmsNorm<B: Backend> {
     pub eps: f64,
 }
 
-impl<B: Backend> RmsNorm<B> {
-    /// Normalises `x` `[batch, seq, d_model]`.
+impl<B: FlashAttentionBackend> RmsNorm<B> {
+    /// Normalises `x` `[batch, seq, d_model]` ([`FlashAttentionBackend::rms_norm`]: one pass on
+    /// `CubeBackend`).
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let dtype = x.dtype();
-        let (normed, _) = self.normalise(x);
-        normed.cast(dtype) * self.weight.val().unsqueeze::<3>()
-    }
-
-    /// `(x * r, r)` in f32, `r = 1 / sqrt(mean(x^2) + eps)` per row `[batch, seq, 1]`.
-    fn normalise(&self, x: Tensor<B, 3>) -> (Tensor<B, 3>, Tensor<B, 3>) {
-        let x = x.cast(DType::F32);
-        let inv_rms = x
-            .clone()
-            .square()
-            .mean_dim(2)
-            .add_scalar(self.eps)
-            .sqrt()
-            .recip();
-        (x * inv_rms.clone(), inv_rms)
+        let (x, weight) = (
+            x.into_primitive().tensor(),
+            self.weight.val().into_primitive().tensor(),
+        );
+        Tensor::from_primitive(TensorPrimitive::Float(B::rms_norm(x, weight, self.eps)))
     }
 
     /// `(dx, dweight)` of [`forward`](Self::forward) at input `x` for the output gradient `grad`.
     pub fn backward(&self, x: Tensor<B, 3>, grad: Tensor<B, 3>) -> (Tensor<B, 3>, Tensor<B, 1>) {
-        let dtype = x.dtype();
-        let weight = self.weight.val();
-        let (normed, inv_rms) = self.normalise(x);
-        let [batch, seq, d] = grad.dims();
-        let dweight = (grad.clone().cast(DType::F32) * normed.clone())
-            .reshape([batch * seq, d])
-            .sum_dim(0)
-            .reshape([d])
-            .cast(weight.dtype());
-        let dnormed = (grad * weight.unsqueeze::<3>()).cast(DType::F32);
-        let projection = (dnormed.clone() * normed.clone()).mean_dim(2);
-        let dx = (dnormed - normed * projection) * inv_rms;
-        (dx.cast(dtype), dweight)
+        let (dx, dweight) = B::rms_norm_backward(
+            x.into_primitive().tensor(),
+            self.weight.val().into_primitive().tensor(),
+            grad.into_primitive().tensor(),
+            self.eps,
+        );
+        (
+            Tensor::from_primitive(TensorPrimitive::Float(dx)),
+            Tensor::from_primitive(TensorPrimitive::Float(dweight)),
+        )
     }
 }

@@ -6,7 +6,9 @@ use core::f64::consts::PI;
 
 use burn::config::Config;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
+
+use crate::backend::FlashAttentionBackend;
 
 /// Llama-3's rescaling of the rotary frequencies for long contexts (`rope_scaling` of type
 /// `llama3` in a Hugging Face config).
@@ -118,27 +120,29 @@ impl<B: Backend> RotaryTables<B> {
             sin: angles.sin().cast(dtype),
         }
     }
+}
 
-    /// Rotates `x` `[batch, heads, len, head_dim]`: `x * cos + rotate_half(x) * sin`.
+impl<B: FlashAttentionBackend> RotaryTables<B> {
+    /// Rotates `x` `[batch, heads, len, head_dim]`: `x * cos + rotate_half(x) * sin`
+    /// ([`FlashAttentionBackend::rotary`]: one pass on `CubeBackend`, any strides of `x`).
     pub fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        x.clone() * self.cos.clone() + rotate_half(x, false) * self.sin.clone()
+        self.rotate(x, false)
     }
 
     /// The adjoint of [`apply`](Self::apply) (rotation by the opposite angle): maps the gradient
     /// of the rotated tensor to the gradient of its input.
     pub fn apply_transpose(&self, grad: Tensor<B, 4>) -> Tensor<B, 4> {
-        grad.clone() * self.cos.clone() + rotate_half(grad * self.sin.clone(), true)
+        self.rotate(grad, true)
     }
-}
 
-/// `[x1, x2] -> [-x2, x1]` over the last dimension, or its transpose `[u1, u2] -> [u2, -u1]`.
-fn rotate_half<B: Backend>(x: Tensor<B, 4>, transpose: bool) -> Tensor<B, 4> {
-    let half = x.dims()[3] / 2;
-    let first = x.clone().narrow(3, 0, half);
-    let second = x.narrow(3, half, half);
-    if transpose {
-        Tensor::cat(vec![second, first.neg()], 3)
-    } else {
-        Tensor::cat(vec![second.neg(), first], 3)
+    fn rotate(&self, x: Tensor<B, 4>, transpose: bool) -> Tensor<B, 4> {
+        let prim = |t: Tensor<B, 4>| t.into_primitive().tensor();
+        let (cos, sin) = (prim(self.cos.clone()), prim(self.sin.clone()));
+        Tensor::from_primitive(TensorPrimitive::Float(B::rotary(
+            prim(x),
+            cos,
+            sin,
+            transpose,
+        )))
     }
 }

@@ -4,8 +4,6 @@
 
 #![warn(missing_docs)]
 pub mod config;
-mod cube_args;
-mod cube_reduce;
 pub mod data;
 pub mod generate;
 pub mod hf_config;

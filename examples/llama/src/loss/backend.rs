@@ -15,10 +15,10 @@ use burn_ndarray::{
 use cubecl::prelude::*;
 
 use super::kernels::{cross_entropy_grad, cross_entropy_rows, cross_entropy_target_grad};
-use crate::cube_args::{
+use burn_distflash::cube_support::CUBE_UNITS;
+use burn_distflash::cube_support::{
     array, contiguous, empty_like, is_kernel_float, vector_size, with_float_type,
 };
-use crate::cube_reduce::CUBE_UNITS;
 
 /// Whether `DISTFLASH_UNFUSED_LOSS=1` asks for Burn's log-softmax on every backend (for
 /// side-by-side measurements; read once per process).

@@ -4,7 +4,7 @@
 
 use cubecl::prelude::*;
 
-use crate::cube_reduce::{cube_reduce, CUBE_UNITS};
+use burn_distflash::cube_support::{cube_reduce, CUBE_UNITS};
 
 /// Cube `row` computes `lse[row] = log(sum_j exp(x_j))` over its row of `logits` and
 /// `loss[row] = lse[row] - x[target]`, or `invalid` (the launcher passes NaN) when the target is

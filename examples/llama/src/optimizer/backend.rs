@@ -15,10 +15,10 @@ use burn_ndarray::{
 use cubecl::prelude::*;
 
 use super::kernels::{adamw_update, sum_of_squares, AdamWStep};
-use crate::cube_args::{
+use burn_distflash::cube_support::CUBE_UNITS;
+use burn_distflash::cube_support::{
     array, contiguous, empty_like, is_kernel_float, vector_size, with_float_type,
 };
-use crate::cube_reduce::CUBE_UNITS;
 
 /// A parameter's AdamW tensors after one update: `(param, moment_1, moment_2)`.
 pub type AdamWTensors<B> = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);

@@ -4,7 +4,7 @@
 
 use cubecl::prelude::*;
 
-use crate::cube_reduce::cube_reduce;
+use burn_distflash::cube_support::cube_reduce;
 
 /// AdamW's constants for one step, as the update kernel takes them.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -1,4 +1,4 @@
-//! Helpers the training kernels' launches share: contiguous buffers, their kernel arguments, the
+//! What launches over `CubeBackend` tensors share: contiguous buffers, their kernel arguments, the
 //! vector width and the Rust type of a float dtype.
 
 use burn::tensor::{DType, Shape};
@@ -7,24 +7,24 @@ use burn_cubecl::CubeRuntime;
 use cubecl::prelude::*;
 
 /// Runs `$launch!(T)` with the Rust float type `T` of a float dtype (bf16, f16, else f32).
+#[macro_export]
 macro_rules! with_float_type {
     ($dtype:expr, $launch:ident) => {
         match $dtype {
-            burn::tensor::DType::BF16 => $launch!(half::bf16),
-            burn::tensor::DType::F16 => $launch!(half::f16),
+            burn::tensor::DType::BF16 => $launch!($crate::cube_support::bf16),
+            burn::tensor::DType::F16 => $launch!($crate::cube_support::f16),
             _ => $launch!(f32),
         }
     };
 }
-pub(crate) use with_float_type;
 
 /// Whether the kernels take this element type (f32, f16, bf16).
-pub(crate) fn is_kernel_float(dtype: DType) -> bool {
+pub fn is_kernel_float(dtype: DType) -> bool {
     matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
 }
 
 /// The widest vector (up to 16 bytes) whose width divides `len` elements of `dtype`.
-pub(crate) fn vector_size(len: usize, dtype: DType) -> usize {
+pub fn vector_size(len: usize, dtype: DType) -> usize {
     let widest = (16 / dtype.size()).max(1);
     [widest, widest / 2, widest / 4]
         .into_iter()
@@ -33,7 +33,7 @@ pub(crate) fn vector_size(len: usize, dtype: DType) -> usize {
 }
 
 /// `tensor` itself when contiguous, else a contiguous copy.
-pub(crate) fn contiguous<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
+pub fn contiguous<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
     if tensor.is_contiguous() {
         return tensor;
     }
@@ -43,7 +43,7 @@ pub(crate) fn contiguous<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R>
 }
 
 /// An uninitialised contiguous tensor of `shape` and `dtype` on the device of `like`.
-pub(crate) fn empty_like<R: CubeRuntime>(
+pub fn empty_like<R: CubeRuntime>(
     like: &CubeTensor<R>,
     shape: Shape,
     dtype: DType,
@@ -61,7 +61,7 @@ pub(crate) fn empty_like<R: CubeRuntime>(
 ///
 /// # Safety
 /// The tensor is contiguous and holds at least `len` elements.
-pub(crate) unsafe fn array<R: CubeRuntime>(tensor: &CubeTensor<R>, len: usize) -> ArrayArg<R> {
+pub unsafe fn array<R: CubeRuntime>(tensor: &CubeTensor<R>, len: usize) -> ArrayArg<R> {
     // SAFETY: as the caller vouches.
     unsafe { ArrayArg::from_raw_parts(tensor.handle.clone(), len) }
 }

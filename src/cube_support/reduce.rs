@@ -1,15 +1,18 @@
-//! A cube-wide reduction through shared memory, shared by the training kernels (the optimizer's
-//! squared norm, the loss's row maximum and sum).
+//! A cube-wide reduction through shared memory (row norms, the Llama example's loss and gradient
+//! norm).
+
+// `#[cube]` generates an undocumented module and function beside `cube_reduce`.
+#![allow(missing_docs)]
 
 use cubecl::prelude::*;
 
-/// Units per cube of the training kernels.
-pub(crate) const CUBE_UNITS: usize = 256;
+/// Units per cube of the kernels that reduce with [`cube_reduce`].
+pub const CUBE_UNITS: usize = 256;
 
 /// Sums (`take_max == false`) or maximises the cube's `value`s; every unit gets the result. The
 /// tree adds in a fixed order: deterministic. Every unit of the cube must call it.
 #[cube]
-pub(crate) fn cube_reduce(value: f32, #[comptime] take_max: bool) -> f32 {
+pub fn cube_reduce(value: f32, #[comptime] take_max: bool) -> f32 {
     let mut shared = SharedMemory::<f32>::new(CUBE_UNITS);
     shared[UNIT_POS as usize] = value;
     sync_cube();

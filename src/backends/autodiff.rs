@@ -1,7 +1,7 @@
 //! `Autodiff<B>`: attention, local or sequence-parallel, as one compute-bound node whose backward
 //! runs the backend's fused backward from the stored q, k, v, O and lse (no recomputation of the
 //! forward); a local call is the world of one. The linear layers' products are one node each
-//! (`linear_node.rs`).
+//! (`linear_node.rs`), and so are the layers' element-wise operations (`layer_nodes.rs`).
 
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Device};
@@ -13,7 +13,7 @@ use burn_autodiff::Autodiff;
 
 use distflash_kernels::AttentionDims;
 
-use super::linear_node;
+use super::{layer_nodes, linear_node};
 use crate::backend::{FlashAttentionBackend, Grads};
 use crate::collective::{CommError, DeviceGroup};
 use crate::distributed::SequenceParallelOptions;
@@ -197,5 +197,26 @@ impl<B: FlashAttentionBackend, C: CheckpointStrategy> FlashAttentionBackend for 
 
     fn linear_product(x: AutodiffTensor<B, C>, weight: AutodiffTensor<B, C>) -> FloatTensor<Self> {
         linear_node::linear_product::<B, C>(x, weight)
+    }
+
+    fn swiglu(gate: AutodiffTensor<B, C>, up: AutodiffTensor<B, C>) -> FloatTensor<Self> {
+        layer_nodes::swiglu::<B, C>(gate, up)
+    }
+
+    fn rms_norm(
+        x: AutodiffTensor<B, C>,
+        weight: AutodiffTensor<B, C>,
+        eps: f64,
+    ) -> FloatTensor<Self> {
+        layer_nodes::rms_norm::<B, C>(x, weight, eps)
+    }
+
+    fn rotary(
+        x: AutodiffTensor<B, C>,
+        cos: AutodiffTensor<B, C>,
+        sin: AutodiffTensor<B, C>,
+        transpose: bool,
+    ) -> FloatTensor<Self> {
+        layer_nodes::rotary::<B, C>(x, cos, sin, transpose)
     }
 }

@@ -46,5 +46,6 @@ mod autodiff;
 pub mod cube;
 mod fusion;
 mod fusion_group;
+mod layer_nodes;
 mod linear_node;
 mod ndarray;

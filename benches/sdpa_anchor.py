@@ -24,6 +24,7 @@ Run on the GPU machine (needs only PyTorch with CUDA):
 
     python3 benches/sdpa_anchor.py --json $OUT/sdpa.jsonl
     python3 benches/sdpa_anchor.py --seqs 8192,16384
+    python3 benches/sdpa_anchor.py --seqs 8192 --chunks 4   # adds FlashAttention-2 pair by pair
 
 Prints a markdown table (rows: backend x pass, columns: sequence length; cells: TFLOP/s and the
 median time) and, with `--json PATH`, writes one JSON object per measurement:
@@ -87,8 +88,28 @@ def run_once(pass_name: str, q, k, v, grad_out) -> None:
         out.backward(grad_out)
 
 
-def time_ms(backend, pass_name: str, q, k, v, grad_out) -> float:
-    """Median milliseconds of ITERS iterations after WARMUP, timed with CUDA events."""
+def run_chunked(pass_name: str, chunks: int, q, k, v, grad_out) -> None:
+    """The causal attention cut into `chunks` query and key chunks, every visible (query chunk,
+    key chunk) pair one SDPA call (diagonal pairs causal, the others full), as a ring pass calls
+    FlashAttention chunk by chunk. The partial outputs are not merged (a merge would only add
+    time): a lower bound on what chunked FlashAttention-2 calls cost."""
+    seq = q.shape[2]
+    size = seq // chunks
+    for qc in range(chunks):
+        rows = slice(qc * size, (qc + 1) * size)
+        for kc in range(qc + 1):
+            keys = slice(kc * size, (kc + 1) * size)
+            out = F.scaled_dot_product_attention(
+                q[:, :, rows], k[:, :, keys], v[:, :, keys], is_causal=kc == qc,
+                enable_gqa=KV_HEADS != HEADS,
+            )
+            if pass_name == "fwd+bwd":
+                out.backward(grad_out[:, :, rows])
+
+
+def time_ms(backend, pass_name: str, q, k, v, grad_out, chunks: int = 1) -> float:
+    """Median milliseconds of ITERS iterations after WARMUP, timed with CUDA events; with
+    `chunks` > 1, of [`run_chunked`]."""
     times = []
     with sdpa_kernel(backend):
         for i in range(WARMUP + ITERS):
@@ -97,7 +118,10 @@ def time_ms(backend, pass_name: str, q, k, v, grad_out) -> float:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
-            run_once(pass_name, q, k, v, grad_out)
+            if chunks > 1:
+                run_chunked(pass_name, chunks, q, k, v, grad_out)
+            else:
+                run_once(pass_name, q, k, v, grad_out)
             end.record()
             torch.cuda.synchronize()
             if i >= WARMUP:
@@ -123,6 +147,13 @@ def main() -> int:
     parser.add_argument(
         "--kv-heads", type=int, default=HEADS, help="key/value heads (32; fewer is GQA)"
     )
+    parser.add_argument(
+        "--chunks",
+        type=int,
+        default=1,
+        help="also time FlashAttention-2 called pair by pair over this many chunks (the "
+        "sequence must divide evenly)",
+    )
     args = parser.parse_args()
     HEAD_DIM, KV_HEADS = args.head_dim, args.kv_heads
     seqs = [int(s) for s in args.seqs.split(",") if s.strip()]
@@ -142,15 +173,23 @@ def main() -> int:
         f"head dim {HEAD_DIM}; median of {ITERS} after {WARMUP} warm-up iterations"
     )
 
+    backends = list(BACKENDS)
+    if args.chunks > 1:
+        if any(seq % args.chunks for seq in seqs):
+            print(f"error: --chunks {args.chunks} does not divide every sequence", file=sys.stderr)
+            return 1
+        backends.append((f"torch_sdpa_flash, {args.chunks} chunks", SDPBackend.FLASH_ATTENTION))
+
     torch.manual_seed(0)
     records = []
     results = {}  # (impl, pass, seq) -> (tflops, ms) or error string
     for seq in seqs:
         q, k, v, grad_out = make_inputs(seq)
-        for impl, backend in BACKENDS:
+        for impl, backend in backends:
+            chunks = args.chunks if impl.endswith("chunks") else 1
             for pass_name in PASSES:
                 try:
-                    ms = time_ms(backend, pass_name, q, k, v, grad_out)
+                    ms = time_ms(backend, pass_name, q, k, v, grad_out, chunks)
                     tflops = pass_flops(pass_name, seq) / (ms * 1e-3) / 1e12
                     results[(impl, pass_name, seq)] = (tflops, ms)
                     records.append(
@@ -176,7 +215,7 @@ def main() -> int:
     print()
     print(header)
     print("| --- | --- | " + " | ".join("---" for _ in seqs) + " |")
-    for impl, _ in BACKENDS:
+    for impl, _ in backends:
         for pass_name in PASSES:
             cells = []
             for seq in seqs:

@@ -1,10 +1,12 @@
 //! Tensor-core forward step, FlashAttention-2's shape: one cube of four planes takes 128 query
 //! rows (32 per plane, two 16-row `mma` tiles, so every `ldmatrix` of K or V feeds four `mma`s),
 //! walks the visible key/value tiles of 64 rows staged in shared memory, keeps scores,
-//! probabilities and the output accumulator in registers, and reads/writes the running state
-//! `(o, m, l)` like the portable kernel. Called for a whole attention (`one_shot`), it starts
-//! from the empty state and writes the finished output and log-sum-exp instead: no state is
-//! filled, read back or finalised by other kernels.
+//! probabilities and the output accumulator in registers, and folds them into the running state
+//! `(o, m, l)` like the portable kernel. The tiles always run from the empty state; a stored state
+//! is read only in the epilogue and merged there (read before the first tile, its 128 f32 per
+//! lane were spilled to local memory across the whole loop). Called for a whole attention
+//! (`one_shot`), it writes the finished output and log-sum-exp instead: no state is filled, read
+//! back or finalised by other kernels.
 //!
 //! Cost structure, as in FlashAttention-2:
 //! - key tiles every row of the block sees whole run a loop with no mask and unchecked staging;
@@ -17,13 +19,13 @@ use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
-use super::fragments::{accumulator_col, mma_definition, FRAG_COLS, WARP_ROWS};
+use super::fragments::{accumulator_col, accumulator_row, mma_definition, FRAG_COLS, WARP_ROWS};
 use super::tiles::{
     padded_stride, quad_max, quad_sum, stage_rows_async, stage_tile_async, ROW_SLOTS,
 };
 use super::warp_tile::{
-    accumulator_to_fragments, load_accumulator, multiply_by_rows, multiply_by_rows_transposed,
-    store_accumulator, zero_accumulator,
+    accumulator_to_fragments, multiply_by_rows, multiply_by_rows_transposed, store_accumulator,
+    zero_accumulator,
 };
 use crate::geometry::{query_block_at, row_key_limit, visible_key_end};
 use crate::stats::{
@@ -151,47 +153,24 @@ pub fn forward_step_mma<E: Float>(
     }
     k_ready.commit_copy_async();
 
-    // Running state: the output accumulator in registers, and for each of the lane's rows the
-    // running max and a lane-partial running sum (reduced over the quad at the end).
+    // Running state, started empty whether or not a stored state exists (the stored one is
+    // merged in the epilogue, where the tiles no longer hold registers): the output accumulator
+    // in registers, and for each of the lane's rows the running max and a lane-partial running
+    // sum (reduced over the quad at the end).
     #[allow(clippy::manual_is_multiple_of)]
     let first_in_quad = lane % 4 == 0;
-    // A whole attention starts from the empty state: no row of `o` is read.
-    let mut state_rows = q_len;
-    if one_shot {
-        state_rows = 0u32;
-    }
-    let mut o_acc = load_accumulator::<E, NC>(
-        &def,
-        o,
-        row_base,
-        plane_start,
-        state_rows,
-        PLANE_TILES,
-        head_dim,
-    );
+    let mut o_acc = zero_accumulator::<E, NC>(&def, comptime!(PLANE_TILES * out_frags));
     let mut m_row = Array::<f32>::new(LANE_ROWS);
     let mut l_row = Array::<f32>::new(LANE_ROWS);
     // Exclusive bound on the keys each row sees (used on diagonal tiles only).
     let mut key_limit = Array::<u32>::new(LANE_ROWS);
     #[unroll]
     for r in 0..LANE_ROWS {
-        let row = plane_start + lane_row(lane, r);
-        let mut mv = 0.0f32;
-        let mut lv = 0.0f32;
-        if one_shot {
-            // The empty state: max -inf, sum 0 (and o = 0 above).
-            mv = negative_infinity();
-        } else if row < q_len {
-            mv = m[row_base + row as usize] * LOG2_E;
-            if first_in_quad {
-                lv = l[row_base + row as usize];
-            }
-        }
-        m_row[r] = mv;
-        l_row[r] = lv;
+        m_row[r] = negative_infinity();
+        l_row[r] = 0.0f32;
         let mut limit = kv_end;
         if causal {
-            limit = row_key_limit(row, kv_end, shift);
+            limit = row_key_limit(plane_start + lane_row(lane, r), kv_end, shift);
         }
         key_limit[r] = limit;
     }
@@ -286,18 +265,35 @@ pub fn forward_step_mma<E: Float>(
             }
         }
     } else {
-        // Write the state back.
-        store_accumulator::<E, f32, NC>(
+        // Merge with the stored state, `o = o_old 2^(m_old - m) + o_new 2^(m_new - m)` with
+        // `m = max(m_old, m_new)` (base 2), and write it back.
+        let mut old_factor = Array::<f32>::new(LANE_ROWS);
+        let mut new_factor = Array::<f32>::new(LANE_ROWS);
+        #[unroll]
+        for r in 0..LANE_ROWS {
+            let row = plane_start + lane_row(lane, r);
+            let mut m_old = negative_infinity();
+            let mut l_old = 0.0f32;
+            if row < q_len {
+                m_old = m[row_base + row as usize] * LOG2_E;
+                l_old = l[row_base + row as usize];
+            }
+            let merged = max(m_old, m_row[r]);
+            old_factor[r] = rescale_factor_log2(m_old, merged);
+            new_factor[r] = rescale_factor_log2(m_row[r], merged);
+            totals[r] = l_old * old_factor[r] + totals[r] * new_factor[r];
+            m_row[r] = merged;
+        }
+        merge_rows::<E, NC>(
             &def,
             &o_acc,
             o,
             row_base,
             plane_start,
             q_len,
-            1.0f32,
-            PLANE_TILES,
+            &old_factor,
+            &new_factor,
             head_dim,
-            false,
         );
         #[unroll]
         for r in 0..LANE_ROWS {
@@ -305,6 +301,50 @@ pub fn forward_step_mma<E: Float>(
             if row < q_len && first_in_quad {
                 m[row_base + row as usize] = m_row[r] * LN_2;
                 l[row_base + row as usize] = totals[r];
+            }
+        }
+    }
+}
+
+/// `dst = dst * old_factor + acc * new_factor`, row by row, over the plane's valid rows (from
+/// `row0`, of `len`) of a row-major f32 matrix with `cols` columns starting at row `base`; the
+/// factors are indexed like [`scale_rows`]'s.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn merge_rows<E: Float, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    acc: &Array<Vector<f32, NC>>,
+    dst: &mut Array<f32>,
+    base: usize,
+    row0: u32,
+    len: u32,
+    old_factor: &Array<f32>,
+    new_factor: &Array<f32>,
+    #[comptime] cols: usize,
+) {
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let frags = comptime!(cols / FRAG_COLS);
+    let lane = UNIT_POS_PLANE;
+    #[unroll]
+    for mt in 0..PLANE_TILES {
+        #[unroll]
+        for t in 0..frags {
+            #[unroll]
+            for i in 0..vc {
+                let reg = acc[(mt * frags + t) * vc + i];
+                #[unroll]
+                for e in 0..sc {
+                    let n = i * sc + e;
+                    let r = mt * ROW_SLOTS + n / 2;
+                    let row = row0 + (mt * WARP_ROWS) as u32 + accumulator_row(lane, n);
+                    if row < len {
+                        let at = (base + row as usize) * cols
+                            + t * FRAG_COLS
+                            + accumulator_col(lane, n) as usize;
+                        dst[at] = dst[at] * old_factor[r] + reg[e] * new_factor[r];
+                    }
+                }
             }
         }
     }

@@ -317,50 +317,9 @@ pub fn zero_accumulator<E: Float, NC: Size>(
     acc
 }
 
-/// Reads the plane's `m_tiles x 16` rows (from `row0`, of `len` valid rows) of a row-major f32
-/// matrix with `cols` columns starting at row `base` into an accumulator laid out as in
-/// [`multiply_by_rows`]; invalid rows read as 0.
-#[cube]
-pub fn load_accumulator<E: Float, NC: Size>(
-    def: &MmaDefinition<E, E, f32>,
-    src: &Array<f32>,
-    base: usize,
-    row0: u32,
-    len: u32,
-    #[comptime] m_tiles: usize,
-    #[comptime] cols: usize,
-) -> Array<Vector<f32, NC>> {
-    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
-    let sc = def.vector_size(MatrixIdent::Accumulator);
-    let frags = comptime!(cols / FRAG_COLS);
-    let lane = UNIT_POS_PLANE;
-    let mut acc = Array::<Vector<f32, NC>>::new(comptime!(m_tiles * frags * vc));
-    #[unroll]
-    for mt in 0..m_tiles {
-        #[unroll]
-        for t in 0..frags {
-            #[unroll]
-            for i in 0..vc {
-                let mut reg = Vector::<f32, NC>::empty();
-                #[unroll]
-                for e in 0..sc {
-                    let row = row0 + (mt * WARP_ROWS) as u32 + accumulator_row(lane, i * sc + e);
-                    let col = t * FRAG_COLS + accumulator_col(lane, i * sc + e) as usize;
-                    let mut val = 0.0f32;
-                    if row < len {
-                        val = src[(base + row as usize) * cols + col];
-                    }
-                    reg[e] = val;
-                }
-                acc[(mt * frags + t) * vc + i] = reg;
-            }
-        }
-    }
-    acc
-}
-
 /// Writes `scale * acc`, converted to `T`, over (or, with `accumulate`, adds it to) the plane's
-/// valid rows of a row-major matrix laid out as in [`load_accumulator`].
+/// `m_tiles x 16` valid rows (from `row0`, of `len`) of a row-major matrix with `cols` columns
+/// starting at row `base`, in the accumulator layout of [`multiply_by_rows`].
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn store_accumulator<E: Float, T: Float, NC: Size>(

@@ -19,13 +19,13 @@ use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
-use super::fragments::{accumulator_col, accumulator_row, mma_definition, FRAG_COLS, WARP_ROWS};
+use super::fragments::{accumulator_col, mma_definition, FRAG_COLS, WARP_ROWS};
 use super::tiles::{
     padded_stride, quad_max, quad_sum, stage_rows_async, stage_tile_async, ROW_SLOTS,
 };
 use super::warp_tile::{
     accumulator_to_fragments, multiply_by_rows, multiply_by_rows_transposed, store_accumulator,
-    zero_accumulator,
+    update_rows, zero_accumulator,
 };
 use crate::geometry::{query_block_at, row_key_limit, visible_key_end};
 use crate::stats::{
@@ -284,16 +284,20 @@ pub fn forward_step_mma<E: Float>(
             totals[r] = l_old * old_factor[r] + totals[r] * new_factor[r];
             m_row[r] = merged;
         }
-        merge_rows::<E, NC>(
+        update_rows::<E, f32, NC>(
             &def,
             &o_acc,
             o,
             row_base,
             plane_start,
             q_len,
+            0usize,
             &old_factor,
             &new_factor,
+            PLANE_TILES,
             head_dim,
+            head_dim,
+            true,
         );
         #[unroll]
         for r in 0..LANE_ROWS {
@@ -301,50 +305,6 @@ pub fn forward_step_mma<E: Float>(
             if row < q_len && first_in_quad {
                 m[row_base + row as usize] = m_row[r] * LN_2;
                 l[row_base + row as usize] = totals[r];
-            }
-        }
-    }
-}
-
-/// `dst = dst * old_factor + acc * new_factor`, row by row, over the plane's valid rows (from
-/// `row0`, of `len`) of a row-major f32 matrix with `cols` columns starting at row `base`; the
-/// factors are indexed like [`scale_rows`]'s.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn merge_rows<E: Float, NC: Size>(
-    def: &MmaDefinition<E, E, f32>,
-    acc: &Array<Vector<f32, NC>>,
-    dst: &mut Array<f32>,
-    base: usize,
-    row0: u32,
-    len: u32,
-    old_factor: &Array<f32>,
-    new_factor: &Array<f32>,
-    #[comptime] cols: usize,
-) {
-    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
-    let sc = def.vector_size(MatrixIdent::Accumulator);
-    let frags = comptime!(cols / FRAG_COLS);
-    let lane = UNIT_POS_PLANE;
-    #[unroll]
-    for mt in 0..PLANE_TILES {
-        #[unroll]
-        for t in 0..frags {
-            #[unroll]
-            for i in 0..vc {
-                let reg = acc[(mt * frags + t) * vc + i];
-                #[unroll]
-                for e in 0..sc {
-                    let n = i * sc + e;
-                    let r = mt * ROW_SLOTS + n / 2;
-                    let row = row0 + (mt * WARP_ROWS) as u32 + accumulator_row(lane, n);
-                    if row < len {
-                        let at = (base + row as usize) * cols
-                            + t * FRAG_COLS
-                            + accumulator_col(lane, n) as usize;
-                        dst[at] = dst[at] * old_factor[r] + reg[e] * new_factor[r];
-                    }
-                }
             }
         }
     }

@@ -7,7 +7,7 @@ use cubecl::prelude::*;
 use super::fragments::{
     accumulator_col, accumulator_row, mma_accumulate, FRAG_COLS, FRAG_K, WARP_ROWS,
 };
-use super::tiles::{a_lane_offset, load_matrix_x4, padded_stride, pair_lane_offset};
+use super::tiles::{a_lane_offset, load_matrix_x4, padded_stride, pair_lane_offset, ROW_SLOTS};
 
 /// `acc` tiles `acc_at` and the next one `+= a[a_at..] x` the two B fragments held back to back
 /// in `pair` (one `ldmatrix.x4`).
@@ -357,28 +357,98 @@ pub fn store_accumulator_columns<E: Float, T: Float, NC: Size>(
     #[comptime] width: usize,
     #[comptime] accumulate: bool,
 ) {
+    let mut keep = Array::<f32>::new(comptime!(m_tiles * ROW_SLOTS));
+    let mut add = Array::<f32>::new(comptime!(m_tiles * ROW_SLOTS));
+    #[unroll]
+    for r in 0..comptime!(m_tiles * ROW_SLOTS) {
+        keep[r] = 1.0f32;
+        add[r] = scale;
+    }
+    update_rows::<E, T, NC>(
+        def, acc, dst, base, row0, len, col0, &keep, &add, m_tiles, cols, width, accumulate,
+    );
+}
+
+/// Accumulator fragments per batch of [`update_rows`]: the loads of a batch are all issued before
+/// any of its stores (32 values per lane).
+const UPDATE_BATCH_FRAGS: usize = 8;
+
+/// `dst = T(acc * add[r])`, or with `read` `dst = T(dst * keep[r] + acc * add[r])`, over the
+/// plane's valid rows (from `row0`, of `len`) of columns `col0..col0 + cols` of a row-major
+/// matrix with rows `width` long starting at row `base`, in the accumulator layout of
+/// [`multiply_by_rows`]; `r = tile * 2 + slot` is the lane's row (see
+/// [`super::fragments::accumulator_row`]). Reading and writing the same array, each batch loads
+/// all of its values first: a load may not pass an earlier store to `dst`, so element-wise
+/// read-modify-write would pay one memory round trip per pair of values.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn update_rows<E: Float, T: Float, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    acc: &Array<Vector<f32, NC>>,
+    dst: &mut Array<T>,
+    base: usize,
+    row0: u32,
+    len: u32,
+    col0: usize,
+    keep: &Array<f32>,
+    add: &Array<f32>,
+    #[comptime] m_tiles: usize,
+    #[comptime] cols: usize,
+    #[comptime] width: usize,
+    #[comptime] read: bool,
+) {
     let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
     let sc = def.vector_size(MatrixIdent::Accumulator);
     let frags = comptime!(cols / FRAG_COLS);
+    let batch = comptime!(if frags < UPDATE_BATCH_FRAGS {
+        frags
+    } else {
+        UPDATE_BATCH_FRAGS
+    });
     let lane = UNIT_POS_PLANE;
     #[unroll]
     for mt in 0..m_tiles {
         #[unroll]
-        for t in 0..frags {
-            #[unroll]
-            for i in 0..vc {
-                let reg = acc[(mt * frags + t) * vc + i];
+        for b in 0..comptime!(frags / batch) {
+            let mut old = Array::<f32>::new(comptime!(batch * 4));
+            if read {
                 #[unroll]
-                for e in 0..sc {
-                    let row = row0 + (mt * WARP_ROWS) as u32 + accumulator_row(lane, i * sc + e);
-                    let col = col0 + t * FRAG_COLS + accumulator_col(lane, i * sc + e) as usize;
-                    if row < len {
-                        let at = (base + row as usize) * width + col;
-                        let value = T::cast_from(reg[e] * scale);
-                        if accumulate {
-                            dst[at] += value;
-                        } else {
-                            dst[at] = value;
+                for tt in 0..batch {
+                    #[unroll]
+                    for i in 0..vc {
+                        #[unroll]
+                        for e in 0..sc {
+                            let n = i * sc + e;
+                            let row = row0 + (mt * WARP_ROWS) as u32 + accumulator_row(lane, n);
+                            let col = col0
+                                + (b * batch + tt) * FRAG_COLS
+                                + accumulator_col(lane, n) as usize;
+                            // Rows past `len` read the matrix's first element (never stored).
+                            let at = select(row < len, (base + row as usize) * width + col, 0usize);
+                            old[tt * 4 + n] = f32::cast_from(dst[at]);
+                        }
+                    }
+                }
+            }
+            #[unroll]
+            for tt in 0..batch {
+                #[unroll]
+                for i in 0..vc {
+                    let reg = acc[(mt * frags + b * batch + tt) * vc + i];
+                    #[unroll]
+                    for e in 0..sc {
+                        let n = i * sc + e;
+                        let r = mt * ROW_SLOTS + n / 2;
+                        let row = row0 + (mt * WARP_ROWS) as u32 + accumulator_row(lane, n);
+                        if row < len {
+                            let col = col0
+                                + (b * batch + tt) * FRAG_COLS
+                                + accumulator_col(lane, n) as usize;
+                            let mut value = reg[e] * add[r];
+                            if read {
+                                value += old[tt * 4 + n] * keep[r];
+                            }
+                            dst[(base + row as usize) * width + col] = T::cast_from(value);
                         }
                     }
                 }

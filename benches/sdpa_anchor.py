@@ -173,6 +173,9 @@ def main() -> int:
         f"head dim {HEAD_DIM}; median of {ITERS} after {WARMUP} warm-up iterations"
     )
 
+    if args.chunks < 1:
+        print(f"error: --chunks must be at least 1 (got {args.chunks})", file=sys.stderr)
+        return 1
     backends = list(BACKENDS)
     if args.chunks > 1:
         if any(seq % args.chunks for seq in seqs):

@@ -19,7 +19,9 @@ pub mod schedule;
 mod temp_dir;
 pub mod tokenizer;
 pub mod train;
+mod training_kernels;
 pub mod weights;
 
 pub use config::{LlamaConfig, PRESETS};
 pub use model::Llama;
+pub use training_kernels::TrainingKernels;

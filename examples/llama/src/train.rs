@@ -18,8 +18,9 @@ use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 
 use super::loss::CrossEntropyBackend;
 use super::model::Llama;
-use super::optimizer::{FusedAdamW, OptimizerBackend};
+use super::optimizer::FusedAdamW;
 use super::schedule::learning_rate;
+use super::TrainingKernels;
 use burn_distflash::layers::AttentionContext;
 use burn_distflash::{
     shard_sequence, CheckpointBackend, CommError, DistributedError, FlashAttentionOptions,
@@ -160,14 +161,14 @@ impl<B: Backend> PhaseClock<B> {
 /// The backends a [`Trainer`] runs on: autodiff over a backend that computes and communicates
 /// itself, runs the optimizer's passes and the loss (CUDA and wgpu `CubeBackend`, ndarray).
 pub trait TrainBackend:
-    AutodiffBackend<InnerBackend: OptimizerBackend>
+    AutodiffBackend<InnerBackend: TrainingKernels>
     + CheckpointBackend<Inner = <Self as AutodiffBackend>::InnerBackend>
     + CrossEntropyBackend
 {
 }
 
 impl<B> TrainBackend for B where
-    B: AutodiffBackend<InnerBackend: OptimizerBackend>
+    B: AutodiffBackend<InnerBackend: TrainingKernels>
         + CheckpointBackend<Inner = <B as AutodiffBackend>::InnerBackend>
         + CrossEntropyBackend
 {

@@ -6,7 +6,8 @@
 use burn::optim::{AdamWConfig, AdamWState, SimpleOptimizer};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
-use distflash_llama::optimizer::{AdamWStep, FusedAdamW, OptimizerBackend};
+use distflash_llama::optimizer::{AdamWStep, FusedAdamW};
+use distflash_llama::TrainingKernels;
 
 type WgpuF32 = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>;
 type CudaBf16 = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, half::bf16, i32, u8>;
@@ -73,7 +74,7 @@ fn tolerance(dtype: DType) -> f64 {
     }
 }
 
-fn check_adamw<B: OptimizerBackend>(device: &B::Device, dtype: DType) {
+fn check_adamw<B: TrainingKernels>(device: &B::Device, dtype: DType) {
     let step = AdamWStep {
         beta_1: 0.9,
         beta_2: 0.95,
@@ -122,7 +123,7 @@ fn check_adamw<B: OptimizerBackend>(device: &B::Device, dtype: DType) {
     }
 }
 
-fn check_squared_norm<B: OptimizerBackend>(device: &B::Device, dtype: DType) {
+fn check_squared_norm<B: TrainingKernels>(device: &B::Device, dtype: DType) {
     for (i, &len) in LENGTHS.iter().chain(&[1_000_003]).enumerate() {
         let (t, held) = tensor::<B>(&values(len, 7 + i as u64, -2.0, 2.0), dtype, device);
         let got = host(B::squared_norm(t.reshape([len, 1])))[0];
@@ -136,7 +137,7 @@ fn check_squared_norm<B: OptimizerBackend>(device: &B::Device, dtype: DType) {
 }
 
 /// Three steps of `FusedAdamW` against Burn's `AdamW` with the same settings, on 2-D tensors.
-fn check_against_burn<B: OptimizerBackend>(device: &B::Device) {
+fn check_against_burn<B: TrainingKernels>(device: &B::Device) {
     let fused = FusedAdamW::new(0.9, 0.95, 1e-8, 0.1);
     let burn = AdamWConfig::new()
         .with_beta_1(0.9)

@@ -4,11 +4,12 @@
 //! for the backward; elsewhere (and under `DISTFLASH_UNFUSED_LOSS=1`) Burn's log-softmax on an
 //! f32 copy of the logits.
 
-mod backend;
+pub(crate) mod cube;
 mod kernels;
 mod node;
 
-pub use backend::{unfused_loss_forced, CrossEntropyKernels, CrossEntropyRows};
+pub(crate) use cube::cross_entropy_backward_portable;
+pub use cube::{unfused_loss_forced, CrossEntropyRows};
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::Backend;

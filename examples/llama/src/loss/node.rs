@@ -1,5 +1,5 @@
 //! `Autodiff<B>`'s fused cross-entropy: one graph node from the logits to the rows' losses, whose
-//! backward runs [`CrossEntropyKernels::cross_entropy_backward`] from the saved log-sum-exp.
+//! backward runs [`TrainingKernels::cross_entropy_backward`] from the saved log-sum-exp.
 
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Int, Tensor, TensorPrimitive};
@@ -9,14 +9,14 @@ use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
 use burn_autodiff::Autodiff;
 
-use super::backend::CrossEntropyKernels;
 use super::{cross_entropy_sum_portable, CrossEntropyBackend};
+use crate::TrainingKernels;
 
 /// The backward node of `loss[row] = lse[row] - logits[row, target[row]]`.
 #[derive(Debug)]
 struct CrossEntropyRows;
 
-impl<B: CrossEntropyKernels> Backward<B, 1> for CrossEntropyRows {
+impl<B: TrainingKernels> Backward<B, 1> for CrossEntropyRows {
     /// The logits `[rows, vocab]`, the targets `[rows]` and the rows' log-sum-exp `[rows]`.
     type State = (FloatTensor<B>, IntTensor<B>, FloatTensor<B>);
 
@@ -35,7 +35,7 @@ impl<B: CrossEntropyKernels> Backward<B, 1> for CrossEntropyRows {
     }
 }
 
-impl<B: CrossEntropyKernels, C: CheckpointStrategy> CrossEntropyBackend for Autodiff<B, C> {
+impl<B: TrainingKernels, C: CheckpointStrategy> CrossEntropyBackend for Autodiff<B, C> {
     fn cross_entropy_sum(
         logits: Tensor<Self, 2>,
         targets: Tensor<Self, 1, Int>,

@@ -1,13 +1,15 @@
-//! AdamW with its per-parameter passes fused where the backend allows ([`OptimizerBackend`]):
+//! AdamW with its per-parameter passes fused where the backend allows
+//! ([`TrainingKernels`](crate::TrainingKernels)):
 //! on the CubeCL backends one kernel reads the parameter, its gradient and both moments once and
 //! writes the three results once; elsewhere (and on the first step, and under
 //! `DISTFLASH_UNFUSED_OPTIMIZER=1`) Burn's own `AdamW` runs. The state is Burn's `AdamWState`,
 //! so checkpoints of either are the same records.
 
-mod backend;
+pub(crate) mod cube;
 mod kernels;
 
-pub use backend::{unfused_optimizer_forced, AdamWTensors, OptimizerBackend};
+pub(crate) use cube::squared_norm_portable;
+pub use cube::{unfused_optimizer_forced, AdamWTensors};
 pub use kernels::AdamWStep;
 
 use burn::module::AutodiffModule;
@@ -17,6 +19,8 @@ use burn::optim::{
 };
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorPrimitive};
+
+use crate::TrainingKernels;
 
 /// AdamW (decoupled weight decay, no AMSGrad) whose update runs as one fused pass per parameter
 /// on backends that have one.
@@ -50,7 +54,7 @@ impl FusedAdamW {
     /// This optimizer as a Burn [`Optimizer`](burn::optim::Optimizer) of module `M`.
     pub fn into_optimizer<B, M>(self) -> OptimizerAdaptor<Self, M, B>
     where
-        B: AutodiffBackend<InnerBackend: OptimizerBackend>,
+        B: AutodiffBackend<InnerBackend: TrainingKernels>,
         M: AutodiffModule<B>,
     {
         OptimizerAdaptor::from(self)
@@ -72,7 +76,7 @@ impl FusedAdamW {
     }
 }
 
-impl<B: OptimizerBackend> SimpleOptimizer<B> for FusedAdamW {
+impl<B: TrainingKernels> SimpleOptimizer<B> for FusedAdamW {
     type State<const D: usize> = AdamWState<B, D>;
 
     fn step<const D: usize>(

@@ -1,0 +1,102 @@
+//! [`TrainingKernels`]: the passes of a training step outside the model that a backend may fuse:
+//! the loss (a cross-entropy forward that keeps each row's log-sum-exp, its backward from it) and
+//! the optimizer's (a gradient's squared norm, the AdamW update). Burn tensor operations are the
+//! defaults; the CubeCL backends (CUDA, wgpu) run one kernel each. Every backend's implementation
+//! is here, so a Burn upgrade that changes the backends touches this file only.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::Tensor;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use burn_ndarray::{
+    FloatNdArrayElement, IntNdArrayElement, NdArray, NdArrayTensor, QuantElement, SharedArray,
+};
+
+use crate::loss::{self, CrossEntropyRows};
+use crate::optimizer::{self, AdamWStep, AdamWTensors};
+
+/// Backends that may run the training step's loss and optimizer passes fused. Under `Autodiff`,
+/// the inner backend's implementation is the one used (see
+/// [`CrossEntropyBackend`](crate::loss::CrossEntropyBackend) and
+/// [`FusedAdamW`](crate::optimizer::FusedAdamW)).
+pub trait TrainingKernels: Backend {
+    /// `sum(x^2)` over every element of `tensor`, computed in f32, as a one-element f32 tensor.
+    fn squared_norm<const D: usize>(tensor: Tensor<Self, D>) -> Tensor<Self, 1> {
+        optimizer::squared_norm_portable(tensor)
+    }
+
+    /// One AdamW update of `param` from `grad` and the moments `(moment_1, moment_2)` in one
+    /// pass, or `None` where this backend has no fused update for these tensors (the caller then
+    /// runs Burn's `AdamW`). All four tensors have the same shape.
+    fn fused_adamw(
+        _param: FloatTensor<Self>,
+        _grad: FloatTensor<Self>,
+        _moments: (FloatTensor<Self>, FloatTensor<Self>),
+        _step: &AdamWStep,
+    ) -> Option<AdamWTensors<Self>> {
+        None
+    }
+
+    /// Per row of logits `[rows, vocab]` against targets `[rows]` (every id below `vocab`),
+    /// `loss = lse - logits[target]` and `lse = log(sum(exp(logits)))` in f32, or `None` where
+    /// this backend has no fused kernel for these tensors (the caller then runs Burn's
+    /// log-softmax).
+    fn cross_entropy_forward(
+        _logits: FloatTensor<Self>,
+        _targets: IntTensor<Self>,
+    ) -> Option<CrossEntropyRows<Self>> {
+        None
+    }
+
+    /// `dlogits = grad[row] (exp(logits - lse[row]) - onehot(target))` in the logits' element
+    /// type, from the forward's `lse` and the rows' loss gradient `grad` (f32 `[rows]`).
+    fn cross_entropy_backward(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        loss::cross_entropy_backward_portable::<Self>(logits, targets, lse, grad)
+    }
+}
+
+impl<E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement> TrainingKernels
+    for NdArray<E, I, Q>
+where
+    NdArrayTensor: From<SharedArray<E>> + From<SharedArray<I>>,
+{
+}
+
+impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> TrainingKernels
+    for CubeBackend<R, F, I, BT>
+{
+    fn squared_norm<const D: usize>(tensor: Tensor<Self, D>) -> Tensor<Self, 1> {
+        optimizer::cube::squared_norm(tensor)
+    }
+
+    fn fused_adamw(
+        param: CubeTensor<R>,
+        grad: CubeTensor<R>,
+        moments: (CubeTensor<R>, CubeTensor<R>),
+        step: &AdamWStep,
+    ) -> Option<AdamWTensors<Self>> {
+        optimizer::cube::fused_adamw(param, grad, moments, step)
+    }
+
+    fn cross_entropy_forward(
+        logits: CubeTensor<R>,
+        targets: CubeTensor<R>,
+    ) -> Option<CrossEntropyRows<Self>> {
+        loss::cube::cross_entropy_forward::<R, I>(logits, targets)
+    }
+
+    fn cross_entropy_backward(
+        logits: CubeTensor<R>,
+        targets: CubeTensor<R>,
+        lse: CubeTensor<R>,
+        grad: CubeTensor<R>,
+    ) -> CubeTensor<R> {
+        loss::cube::cross_entropy_backward::<R, I>(logits, targets, lse, grad)
+    }
+}

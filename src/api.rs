@@ -58,11 +58,34 @@ pub(crate) fn check_inputs<B: FlashAttentionBackend>(
     Ok(dims)
 }
 
-/// Exact softmax attention: q `[B, Hq, Sq, D]`, k and v `[B, Hkv, Skv, D]` with `Hq` a multiple
-/// of `Hkv` (GQA/MQA without repeating k and v), returns O `[B, Hq, Sq, D]`. Differentiable under
-/// `Autodiff`, with a fused backward. Every input is checked before any work (see
-/// [`AttentionError`]): bad shapes, float types, devices or options, or a call beyond the
-/// device's limits, are errors, never panics.
+/// Exact softmax attention of `q` against `k` and `v`, with `q_heads` a multiple of `kv_heads`
+/// (GQA/MQA without repeating k and v). Differentiable under `Autodiff`, with a fused backward.
+/// Every input is checked before any work: bad shapes, float types, devices or options, or a
+/// call beyond the device's limits, are errors, never panics.
+///
+/// # Shapes
+///
+/// - q: `[batch, q_heads, seq_q, head_dim]`
+/// - k: `[batch, kv_heads, seq_kv, head_dim]`
+/// - v: `[batch, kv_heads, seq_kv, head_dim]`
+/// - output: `[batch, q_heads, seq_q, head_dim]`
+///
+/// # Errors
+///
+/// - [`AttentionError::Invalid`] when [`check_shapes`] refuses the shapes; when
+///   `options.scale` is not finite in f32
+///   ([`KernelError::BadOption`](crate::kernels::KernelError::BadOption)); on the CubeCL
+///   backends, when the call exceeds the device's limits
+///   ([`KernelError::DeviceLimit`](crate::kernels::KernelError::DeviceLimit)) or the device runs
+///   no kernels on q's float type ([`KernelError::DType`](crate::kernels::KernelError::DType)).
+/// - [`AttentionError::DType`] when q is not f16, bf16 or f32, when k or v has another float
+///   type than q, or when the backend does not support q's float type on q's device.
+/// - [`AttentionError::Device`] when k or v is not on q's device.
+///
+/// # Panics
+///
+/// On the CubeCL backends, when the runtime reports a kernel launch as failed after the checks
+/// passed (the output is never silently wrong).
 pub fn flash_attention<B: FlashAttentionBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -72,8 +95,25 @@ pub fn flash_attention<B: FlashAttentionBackend>(
     flash_attention_with_lse(q, k, v, options).map(|(out, _)| out)
 }
 
-/// [`flash_attention`] that also returns the log-sum-exp of each query row `[B, Hq, Sq]`
-/// (`-inf` for a row that sees no key). The lse carries no gradient.
+/// [`flash_attention`] that also returns the log-sum-exp of each query row (`-inf` for a row
+/// that sees no key). The lse carries no gradient.
+///
+/// # Shapes
+///
+/// - q: `[batch, q_heads, seq_q, head_dim]`
+/// - k: `[batch, kv_heads, seq_kv, head_dim]`
+/// - v: `[batch, kv_heads, seq_kv, head_dim]`
+/// - output: `[batch, q_heads, seq_q, head_dim]`
+/// - lse: `[batch, q_heads, seq_q]`, of float type
+///   [`FlashAttentionBackend::lse_dtype`] (f32 on the CubeCL backends)
+///
+/// # Errors
+///
+/// As [`flash_attention`].
+///
+/// # Panics
+///
+/// As [`flash_attention`].
 pub fn flash_attention_with_lse<B: FlashAttentionBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,

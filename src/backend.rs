@@ -28,11 +28,22 @@ pub(crate) type Grads<B> = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
 /// and `Autodiff<B>` of those; a model generic over `B: FlashAttentionBackend` runs on all of
 /// them.
 ///
-/// Shapes: q `[B, Hq, Sq, D]`, k and v `[B, Hkv, Skv, D]` (`Hq` a multiple of `Hkv`), O like q,
-/// lse `[B, Hq, Sq]` (f32 where the backend allows it). Callers validate the inputs first,
-/// [`FlashAttentionBackend::check_attention_limits`] included (the public functions do);
-/// implementations may panic on invalid input, and panic (never return silent zeros) when a
-/// kernel launch fails anyway.
+/// # Shapes
+///
+/// Of the attention methods (each method lists its own), with `q_heads` a multiple of
+/// `kv_heads`:
+///
+/// - q: `[batch, q_heads, seq_q, head_dim]`
+/// - k, v: `[batch, kv_heads, seq_kv, head_dim]`
+/// - O: like q
+/// - lse: `[batch, q_heads, seq_q]`, of float type
+///   [`lse_dtype`](FlashAttentionBackend::lse_dtype) (f32 where the backend allows it)
+///
+/// # Panics
+///
+/// Callers validate the inputs first, [`FlashAttentionBackend::check_attention_limits`]
+/// included (the public functions do); implementations may panic on invalid input, and panic
+/// (never return silent zeros) when a kernel launch fails anyway.
 pub trait FlashAttentionBackend: Backend {
     /// Float type of the lse returned for inputs of type `input` (f32 on the kernel backends).
     fn lse_dtype(input: DType) -> DType {
@@ -43,6 +54,16 @@ pub trait FlashAttentionBackend: Backend {
     /// `dtype` can run on `device`, forward and backward, one-shot or in steps: the kernel
     /// backends check the device's limits (grid, cubes, shared memory, element types). The
     /// default (tensor-op backends) accepts everything.
+    ///
+    /// # Errors
+    ///
+    /// On the CubeCL backends (and `Fusion` or `Autodiff` of them):
+    /// - [`AttentionError::DType`] when `dtype` is not f16, bf16 or f32;
+    /// - [`AttentionError::Invalid`] with
+    ///   [`KernelError::DType`](crate::kernels::KernelError::DType) when the device runs no
+    ///   kernels on `dtype`, or with
+    ///   [`KernelError::DeviceLimit`](crate::kernels::KernelError::DeviceLimit) when a kernel of
+    ///   the call needs more cubes, units per cube or shared memory than the device allows.
     fn check_attention_limits(
         dims: &AttentionDims,
         dtype: DType,
@@ -53,6 +74,13 @@ pub trait FlashAttentionBackend: Backend {
     }
 
     /// `(O, lse)` of softmax attention of q against k, v.
+    ///
+    /// # Shapes
+    ///
+    /// - q: `[batch, q_heads, seq_q, head_dim]`
+    /// - k, v: `[batch, kv_heads, seq_kv, head_dim]`
+    /// - O: `[batch, q_heads, seq_q, head_dim]`
+    /// - lse: `[batch, q_heads, seq_q]`
     fn flash_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
@@ -63,6 +91,13 @@ pub trait FlashAttentionBackend: Backend {
     /// `(dq, dk, dv)` from the forward's O and lse and the output gradient, without recomputing
     /// the forward and without materialising the score matrix (on the kernel backends). GQA
     /// gradients are summed into the shared key/value heads.
+    ///
+    /// # Shapes
+    ///
+    /// - q, out, grad_out: `[batch, q_heads, seq_q, head_dim]`
+    /// - k, v: `[batch, kv_heads, seq_kv, head_dim]`
+    /// - lse: `[batch, q_heads, seq_q]`
+    /// - dq: like q; dk, dv: like k
     #[allow(clippy::too_many_arguments)]
     fn flash_attention_backward(
         q: FloatTensor<Self>,
@@ -74,8 +109,13 @@ pub trait FlashAttentionBackend: Backend {
         options: FlashAttentionOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
 
-    /// An empty running state (`o = 0, m = -inf, l = 0`) for query rows `[B, H, S, D]` of float
-    /// type `input` (the state itself is f32 on the kernel backends).
+    /// An empty running state (`o = 0, m = -inf, l = 0`) for query rows of float type `input`
+    /// (the state itself is f32 on the kernel backends, of type `input` on the others).
+    ///
+    /// # Shapes
+    ///
+    /// - shape: `[batch, heads, seq, head_dim]`
+    /// - state: o `[batch, heads, seq, head_dim]`; m, l `[batch, heads, seq]`
     fn attention_state_empty(
         shape: [usize; 4],
         input: DType,
@@ -85,6 +125,12 @@ pub trait FlashAttentionBackend: Backend {
     }
 
     /// Folds one key/value chunk into the running state of the query rows `q`.
+    ///
+    /// # Shapes
+    ///
+    /// - q: `[batch, q_heads, seq_q, head_dim]`
+    /// - k, v: `[batch, kv_heads, seq_kv, head_dim]`
+    /// - state and result: o `[batch, q_heads, seq_q, head_dim]`; m, l `[batch, q_heads, seq_q]`
     fn attention_forward_step(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
@@ -96,11 +142,21 @@ pub trait FlashAttentionBackend: Backend {
     }
 
     /// Merges two partial states of the same query rows.
+    ///
+    /// # Shapes
+    ///
+    /// - a, b and result: o `[batch, heads, seq, head_dim]`; m, l `[batch, heads, seq]`
     fn attention_merge(a: AttentionState<Self>, b: AttentionState<Self>) -> AttentionState<Self> {
         state::merge::<Self>(a, b)
     }
 
     /// `(O, lse)` of a finished state, O in float type `output`.
+    ///
+    /// # Shapes
+    ///
+    /// - state: o `[batch, heads, seq, head_dim]`; m, l `[batch, heads, seq]`
+    /// - O: `[batch, heads, seq, head_dim]`
+    /// - lse: `[batch, heads, seq]`
     fn attention_finalize(
         state: AttentionState<Self>,
         output: DType,
@@ -108,13 +164,25 @@ pub trait FlashAttentionBackend: Backend {
         state::finalize::<Self>(state, output)
     }
 
-    /// `delta = rowsum(dO * O)` `[B, H, S]`, the backward's preprocessing.
+    /// `delta = rowsum(dO * O)`, the backward's preprocessing.
+    ///
+    /// # Shapes
+    ///
+    /// - out, grad_out: `[batch, heads, seq, head_dim]`
+    /// - delta: `[batch, heads, seq]`
     fn attention_delta(out: FloatTensor<Self>, grad_out: FloatTensor<Self>) -> FloatTensor<Self> {
         state::delta::<Self>(out, grad_out)
     }
 
     /// One (query chunk, key chunk) pair's `(dq, dk, dv)` from the full rows' lse and delta
     /// (f32 on the kernel backends, for accumulation across steps).
+    ///
+    /// # Shapes
+    ///
+    /// - q, grad_out: `[batch, q_heads, seq_q, head_dim]`
+    /// - k, v: `[batch, kv_heads, seq_kv, head_dim]`
+    /// - lse, delta: `[batch, q_heads, seq_q]`
+    /// - dq: like q; dk, dv: like k
     #[allow(clippy::too_many_arguments)]
     fn attention_backward_step(
         q: FloatTensor<Self>,
@@ -135,6 +203,18 @@ pub trait FlashAttentionBackend: Backend {
     fn inner_device(device: &Self::Device) -> Device<Self::Inner>;
 
     /// `(O, lse)` of this rank's shards (validated by the caller).
+    ///
+    /// # Shapes
+    ///
+    /// - q: `[batch, q_heads, shard_len, head_dim]`
+    /// - k, v: `[batch, kv_heads, shard_len, head_dim]`
+    /// - O: `[batch, q_heads, shard_len, head_dim]`
+    /// - lse: `[batch, q_heads, shard_len]`
+    ///
+    /// # Errors
+    ///
+    /// A [`CommError`] when moving tensors between the ranks fails (a peer that stays silent,
+    /// disagrees or has left, or a group broken by an earlier failure).
     fn sequence_parallel_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
@@ -144,6 +224,18 @@ pub trait FlashAttentionBackend: Backend {
     ) -> Result<(FloatTensor<Self>, FloatTensor<Self>), CommError>;
 
     /// `(dq, dk, dv)` of this rank's shards from the forward's O and lse.
+    ///
+    /// # Shapes
+    ///
+    /// - q, out, grad_out: `[batch, q_heads, shard_len, head_dim]`
+    /// - k, v: `[batch, kv_heads, shard_len, head_dim]`
+    /// - lse: `[batch, q_heads, shard_len]`
+    /// - dq: like q; dk, dv: like k
+    ///
+    /// # Errors
+    ///
+    /// A [`CommError`] when moving tensors between the ranks fails, as for
+    /// [`sequence_parallel_attention`](Self::sequence_parallel_attention).
     #[allow(clippy::too_many_arguments)]
     fn sequence_parallel_backward(
         q: FloatTensor<Self>,
@@ -156,10 +248,15 @@ pub trait FlashAttentionBackend: Backend {
         options: &SequenceParallelOptions,
     ) -> Result<Grads<Self>, CommError>;
 
-    /// `x W` of a linear layer: `x` `[rows, d_in]`, `weight` `[d_in, d_out]`, `[rows, d_out]`.
-    /// cuBLAS on CUDA `CubeBackend` tensors (feature `cublas`; contiguous f32/f16/bf16 operands),
-    /// Burn's `matmul` elsewhere; on `Autodiff` one node whose backward products take the same
-    /// path.
+    /// `x W` of a linear layer. cuBLAS on CUDA `CubeBackend` tensors (feature `cublas`;
+    /// contiguous f32/f16/bf16 operands), Burn's `matmul` elsewhere; on `Autodiff` one node whose
+    /// backward products take the same path.
+    ///
+    /// # Shapes
+    ///
+    /// - x: `[rows, d_in]`
+    /// - weight: `[d_in, d_out]`
+    /// - output: `[rows, d_out]`
     fn linear_product(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self> {
         let wrap = |t| Tensor::<Self, 2>::from_primitive(TensorPrimitive::Float(t));
         product(wrap(x), wrap(weight), Transposed::Neither)
@@ -169,6 +266,11 @@ pub trait FlashAttentionBackend: Backend {
 
     /// `silu(gate) * up` (SwiGLU's hidden activation), `gate` and `up` of one shape and float
     /// type. One CubeCL pass on `CubeBackend` (computing in f32), Burn tensor operations elsewhere.
+    ///
+    /// # Shapes
+    ///
+    /// - gate, up: `[batch, seq, d_ff]`
+    /// - output: `[batch, seq, d_ff]`
     fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
         layer_ops::portable::swiglu::<Self>(gate, up)
     }
@@ -176,6 +278,11 @@ pub trait FlashAttentionBackend: Backend {
     /// `(hidden, dgate, dup)` of [`swiglu`](Self::swiglu) for the hidden gradient `dhidden`:
     /// the activation recomputed (the down projection's weight gradient needs it) and the
     /// gradients of `gate` and `up`.
+    ///
+    /// # Shapes
+    ///
+    /// - gate, up, dhidden: `[batch, seq, d_ff]`
+    /// - hidden, dgate, dup: `[batch, seq, d_ff]`
     fn swiglu_backward(
         gate: FloatTensor<Self>,
         up: FloatTensor<Self>,
@@ -184,13 +291,25 @@ pub trait FlashAttentionBackend: Backend {
         layer_ops::portable::swiglu_backward::<Self>(gate, up, dhidden)
     }
 
-    /// `x / sqrt(mean(x^2) + eps) * weight` over the last dimension of `x` `[batch, seq, d]`,
-    /// `weight` `[d]`, statistics in f32, the result in `x`'s float type.
+    /// `x / sqrt(mean(x^2) + eps) * weight` over the last dimension of `x`, statistics in f32,
+    /// the result in `x`'s float type.
+    ///
+    /// # Shapes
+    ///
+    /// - x: `[batch, seq, d]`
+    /// - weight: `[d]`
+    /// - output: `[batch, seq, d]`
     fn rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
         layer_ops::portable::rms_norm::<Self>(x, weight, eps)
     }
 
     /// `(dx, dweight)` of [`rms_norm`](Self::rms_norm) at `x` for the output gradient `grad`.
+    ///
+    /// # Shapes
+    ///
+    /// - x, grad: `[batch, seq, d]`
+    /// - weight: `[d]`
+    /// - dx: `[batch, seq, d]`; dweight: `[d]`
     fn rms_norm_backward(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
@@ -200,10 +319,16 @@ pub trait FlashAttentionBackend: Backend {
         layer_ops::portable::rms_norm_backward::<Self>(x, weight, grad, eps)
     }
 
-    /// The rotary embedding of `x` `[batch, heads, len, head_dim]` with tables `cos`, `sin`
-    /// `[1, 1, len, head_dim]`: `x cos + rotate_half(x) sin`, `rotate_half([x1, x2]) = [-x2, x1]`;
-    /// with `transpose` its adjoint (the rotation by the opposite angle, which maps the rotated
-    /// tensor's gradient to the input's). `x` may be a strided view; the result is contiguous.
+    /// The rotary embedding of `x` with tables `cos`, `sin`: `x cos + rotate_half(x) sin`,
+    /// `rotate_half([x1, x2]) = [-x2, x1]`; with `transpose` its adjoint (the rotation by the
+    /// opposite angle, which maps the rotated tensor's gradient to the input's). `x` may be a
+    /// strided view; the result is contiguous.
+    ///
+    /// # Shapes
+    ///
+    /// - x: `[batch, heads, len, head_dim]`
+    /// - cos, sin: `[1, 1, len, head_dim]`
+    /// - output: `[batch, heads, len, head_dim]`
     fn rotary(
         x: FloatTensor<Self>,
         cos: FloatTensor<Self>,

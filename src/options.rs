@@ -46,6 +46,12 @@ impl FlashAttentionOptions {
 
     /// Errors unless the options can be used: a given scale must be finite (also in f32, the
     /// kernels' precision).
+    ///
+    /// # Errors
+    ///
+    /// [`AttentionError::Invalid`] with
+    /// [`KernelError::BadOption`] when `scale` is `Some` of a value that is not finite once
+    /// converted to f32 (NaN, infinite, or beyond f32's range).
     pub fn check(&self) -> Result<(), AttentionError> {
         match self.scale {
             Some(scale) if !(scale as f32).is_finite() => {
@@ -89,7 +95,26 @@ impl From<KernelError> for AttentionError {
     }
 }
 
-/// Validates q `[B, Hq, Sq, D]`, k and v `[B, Hkv, Skv, D]` before anything runs.
+/// Validates the shapes of q, k and v before anything runs, and returns the call's dimensions.
+///
+/// # Shapes
+///
+/// - q: `[batch, q_heads, seq_q, head_dim]`
+/// - k: `[batch, kv_heads, seq_kv, head_dim]`
+/// - v: `[batch, kv_heads, seq_kv, head_dim]`
+///
+/// # Errors
+///
+/// [`AttentionError::Invalid`] with:
+/// - [`KernelError::Rank`] when q, k or v does not have 4 dimensions;
+/// - [`KernelError::ShapeMismatch`] when k's `batch` or `head_dim` differs from q's, or v's
+///   shape differs from k's;
+/// - [`KernelError::HeadGrouping`] when `q_heads` or `kv_heads` is zero, or `q_heads` is not a
+///   multiple of `kv_heads`;
+/// - [`KernelError::UnsupportedHeadDim`] when `head_dim` is not in
+///   [`SUPPORTED_HEAD_DIMS`](crate::kernels::SUPPORTED_HEAD_DIMS);
+/// - [`KernelError::BadLength`] when `batch`, `seq_q` or `seq_kv` is zero, or
+///   `batch * q_heads * max(seq_q, seq_kv) * head_dim` exceeds `i32::MAX` (32-bit indexing).
 pub fn check_shapes(
     q: &[usize],
     k: &[usize],

@@ -147,3 +147,17 @@ fn lengths_a_layout_cannot_split_are_errors_that_say_what_is_allowed() {
     assert_eq!(Layout::Zigzag.shard_len(3, 12), Ok(4));
     assert_eq!(Layout::Contiguous.shard_len(3, 9), Ok(3));
 }
+
+#[test]
+fn ranks_outside_the_group_are_errors_not_positions() {
+    for layout in [Layout::Contiguous, Layout::Zigzag] {
+        for rank in [4, 7, 8, 100] {
+            let e = layout.positions(4, rank, 8).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("rank {rank}")) && e.contains("0..4"),
+                "{e}"
+            );
+        }
+        assert_eq!(layout.positions(4, 3, 8).map(|p| p.len()), Ok(8));
+    }
+}

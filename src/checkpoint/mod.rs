@@ -41,7 +41,25 @@ pub enum CheckpointPlacement {
 /// one node recomputed in the backward; on backends without autodiff there is nothing to store
 /// and the block simply runs.
 pub trait CheckpointBackend: FlashAttentionBackend {
-    /// `block` applied to `x` with its activations checkpointed at `placement`.
+    /// `block` applied to `x` with its activations checkpointed at `placement`. `x` is not
+    /// checked first ([`TransformerBlock::try_forward`] checks it, then calls this). On
+    /// `Autodiff`, a failure while the backward pass recomputes the block (a failed peer)
+    /// panics there, since a backward pass cannot return an error.
+    ///
+    /// # Shapes
+    ///
+    /// - x: `[batch, seq, d_model]`
+    /// - output: `[batch, seq, d_model]`
+    ///
+    /// # Errors
+    ///
+    /// The errors of the block's attention on the projected heads (those of
+    /// [`TransformerBlock::try_forward`] after its input check).
+    ///
+    /// # Panics
+    ///
+    /// On most inputs that [`TransformerBlock::try_forward`] would refuse, in Burn's shape
+    /// checks: call this through `try_forward` (or `forward`), which checks `x` first.
     fn checkpoint_block(
         block: &TransformerBlock<Self>,
         x: Tensor<Self, 3>,

@@ -83,6 +83,19 @@ impl<B: Backend> DeviceGroup<B> {
     }
 
     /// Posts one step's sends and receives (see [`Transport::exchange`]) and logs the sends.
+    ///
+    /// # Errors
+    ///
+    /// - Refused before anything moves (the group stays usable): [`CommError::Setup`] for a
+    ///   peer outside the group, [`CommError::Mismatch`] for this rank itself as a peer.
+    /// - [`CommError::Broken`] (in-process) or [`CommError::Nccl`] (NCCL) once an earlier call
+    ///   has broken the group.
+    /// - A failure while posting: in-process, [`CommError::Setup`] (the device failed) or
+    ///   [`CommError::Disconnected`] (a peer's end is gone); over NCCL, [`CommError::Setup`] (a
+    ///   tensor not on this rank's device, or not a float), [`CommError::Timeout`] or
+    ///   [`CommError::Nccl`].
+    ///
+    /// The receives' own failures come from [`Exchange::wait`].
     pub fn exchange(
         &self,
         sends: Vec<Outgoing<B>>,
@@ -102,6 +115,14 @@ impl<B: Backend> DeviceGroup<B> {
     }
 
     /// Every rank's `values`, indexed by rank.
+    ///
+    /// # Errors
+    ///
+    /// - [`CommError::Mismatch`] when the ranks pass different numbers of values.
+    /// - [`CommError::Timeout`] when a peer does not take part within the group's timeout.
+    /// - [`CommError::Disconnected`] (in-process) when a peer's end is gone.
+    /// - [`CommError::Broken`] (in-process) or [`CommError::Nccl`] (NCCL) once an earlier call
+    ///   has broken the group; [`CommError::Nccl`] also when an NCCL or CUDA call fails.
     pub fn all_gather_values(&self, values: &[u64]) -> Result<Vec<Vec<u64>>, CommError> {
         self.transport.all_gather_values(values)
     }

@@ -11,6 +11,18 @@ impl<B: Backend> DeviceGroup<B> {
     /// the P contributions in rank order, so every rank gets bitwise the same sums and replicated
     /// weights stay identical after an optimizer step. Traffic is `(P - 1)` times the tensors per
     /// rank: meant for gradients, one weight (or a few) per call.
+    ///
+    /// # Shapes
+    ///
+    /// - tensors: any shapes, the same on every rank
+    /// - output: the sums, of the same shapes, in the same order
+    ///
+    /// # Errors
+    ///
+    /// As [`exchange`](Self::exchange) and [`Exchange::wait`](super::Exchange::wait), notably
+    /// [`CommError::Timeout`] when a peer does not take part, and (in-process)
+    /// [`CommError::Mismatch`] when a peer's tensors have other shapes or float types (NCCL does
+    /// not check them). A group of one rank returns `tensors` as they are and never errs.
     pub fn all_reduce_sum(
         &self,
         tensors: Vec<FloatTensor<B>>,

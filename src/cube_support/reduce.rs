@@ -6,7 +6,7 @@
 
 use cubecl::prelude::*;
 
-/// Units per cube of the kernels that reduce with [`cube_reduce`].
+/// Units per cube of the kernels that reduce with [`cube_reduce`](fn@cube_reduce).
 pub const CUBE_UNITS: usize = 256;
 
 /// Sums (`take_max == false`) or maximises the cube's `value`s; every unit gets the result. The

@@ -210,13 +210,41 @@ fn validate<B: FlashAttentionBackend>(
 
 /// This rank's shard of exact attention over the whole sequence split across `group`.
 ///
-/// q `[B, Hq, S, D]`, k and v `[B, Hkv, S, D]`: each rank holds `S` positions of a sequence of
-/// `P*S` tokens, which ones given by the schedule's [`crate::Layout`]
-/// ([`SequenceParallelOptions::layout`]: rank `r` holds `r*S .. (r+1)*S` under the contiguous
-/// layout; [`crate::shard_sequence`] cuts a whole sequence for any layout). Every rank must
-/// call this with shards of one shape (checked; zigzag needs an even `S`). Returns
-/// O `[B, Hq, S, D]` for the rank's positions. Differentiable under `Autodiff`: the
-/// backward is distributed too, so every rank must run its backward.
+/// Each of the `P` ranks holds `shard_len` positions of a sequence of `P * shard_len` tokens,
+/// which ones given by the schedule's [`crate::Layout`] ([`SequenceParallelOptions::layout`]:
+/// rank `r` holds `r * shard_len .. (r + 1) * shard_len` under the contiguous layout;
+/// [`crate::shard_sequence`] cuts a whole sequence for any layout). Every rank must call this
+/// with shards of one shape (checked; zigzag needs an even `shard_len`). Returns O for the
+/// rank's positions. Differentiable under `Autodiff`: the backward is distributed too, so every
+/// rank must run its backward (where a communication failure panics, since a backward pass
+/// cannot return an error).
+///
+/// # Shapes
+///
+/// - q: `[batch, q_heads, shard_len, head_dim]`
+/// - k: `[batch, kv_heads, shard_len, head_dim]`
+/// - v: `[batch, kv_heads, shard_len, head_dim]`
+/// - output: `[batch, q_heads, shard_len, head_dim]`
+///
+/// # Errors
+///
+/// - [`DistributedError::Options`] when `options.attention.scale` is not a finite number.
+/// - [`DistributedError::Device`] when k or v is not on q's device, or q's device is not the
+///   device of this rank of `group`.
+/// - [`DistributedError::Attention`] when this rank's shards are not valid inputs of
+///   [`crate::flash_attention`] (shapes, float types, a scale that overflows f32, the device's
+///   limits).
+/// - [`DistributedError::Shards`] when q and k have different `shard_len`s, when another rank
+///   refused its own input, or when the ranks disagree on shapes, float type or options.
+/// - [`DistributedError::Layout`] when `shard_len` does not fit the schedule's layout (zigzag:
+///   an odd length).
+/// - [`DistributedError::Comm`] when the ranks' agreement check or the exchange of chunks
+///   between the ranks fails.
+///
+/// # Panics
+///
+/// As [`crate::flash_attention`]: on the CubeCL backends, when a kernel launch fails after the
+/// checks passed.
 pub fn sequence_parallel_attention<B: FlashAttentionBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -227,8 +255,24 @@ pub fn sequence_parallel_attention<B: FlashAttentionBackend>(
     sequence_parallel_attention_with_lse(q, k, v, group, options).map(|(out, _)| out)
 }
 
-/// [`sequence_parallel_attention`] that also returns the rank's rows' log-sum-exp `[B, Hq, S]`
-/// (no gradient).
+/// [`sequence_parallel_attention`] that also returns the rank's rows' log-sum-exp (no
+/// gradient).
+///
+/// # Shapes
+///
+/// - q: `[batch, q_heads, shard_len, head_dim]`
+/// - k: `[batch, kv_heads, shard_len, head_dim]`
+/// - v: `[batch, kv_heads, shard_len, head_dim]`
+/// - output: `[batch, q_heads, shard_len, head_dim]`
+/// - lse: `[batch, q_heads, shard_len]`
+///
+/// # Errors
+///
+/// As [`sequence_parallel_attention`].
+///
+/// # Panics
+///
+/// As [`sequence_parallel_attention`].
 pub fn sequence_parallel_attention_with_lse<B: FlashAttentionBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,

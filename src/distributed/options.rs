@@ -40,6 +40,10 @@ impl SequenceParallelOptions {
     }
 
     /// The schedule these options mean on `world` ranks.
+    ///
+    /// # Panics
+    ///
+    /// When `world` is zero.
     pub fn schedule_for(&self, world: usize) -> Schedule {
         Schedule::new(self.schedule, world, self.attention.causal)
     }

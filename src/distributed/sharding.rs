@@ -25,10 +25,21 @@ fn check_dim<const D: usize>(layout: Layout, world: usize, dim: usize) -> Result
 }
 
 /// Rank `rank`'s shard of `full`, a whole-sequence tensor whose dimension `dim` is the sequence
-/// (`2` for q, k, v `[B, H, S, D]`, `1` for tokens `[B, S]`; float, int or bool), for `world` ranks under
-/// `layout` (the one [`crate::SequenceParallelOptions::layout`] gives). The chunks are
-/// concatenated in the layout's local order. A sequence the layout cannot split, a rank outside
-/// the group or a dimension beyond the tensor's rank is an error.
+/// (`2` for q, k, v, `1` for tokens; float, int or bool), for `world` ranks under `layout` (the
+/// one [`crate::SequenceParallelOptions::layout`] gives). The chunks are concatenated in the
+/// layout's local order.
+///
+/// # Shapes
+///
+/// - full: any shape with `seq` at dimension `dim`, e.g. `[batch, heads, seq, head_dim]` (q, k,
+///   v) or `[batch, seq]` (tokens)
+/// - output: like `full`, with `seq / world` at dimension `dim`
+///
+/// # Errors
+///
+/// [`LayoutError`] when `dim` is not below the tensor's rank `D`, when `world` is zero, when
+/// `seq` is zero or not a multiple of the layout's number of chunks (`world`, or `2 * world`
+/// for zigzag), or when `rank` is not below `world`.
 pub fn shard_sequence<B: Backend, const D: usize, K: BasicOps<B>>(
     full: Tensor<B, D, K>,
     dim: usize,
@@ -52,8 +63,22 @@ pub fn shard_sequence<B: Backend, const D: usize, K: BasicOps<B>>(
 }
 
 /// The whole sequence from every rank's shard (`shards[r]` from rank `r`, the sequence along
-/// dimension `dim`), the inverse of [`shard_sequence`]. Shards of different lengths, a length
-/// the layout cannot split, or no shard at all is an error.
+/// dimension `dim`), the inverse of [`shard_sequence`].
+///
+/// # Shapes
+///
+/// - each of shards: one shape with `shard_len` at dimension `dim`, e.g.
+///   `[batch, heads, shard_len, head_dim]`
+/// - output: like a shard, with `shards.len() * shard_len` at dimension `dim`
+///
+/// # Errors
+///
+/// [`LayoutError`] when `dim` is not below the tensors' rank `D`, when `shards` is empty, when
+/// the shards' lengths along `dim` differ, or when `shard_len` is zero or (zigzag) odd.
+///
+/// # Panics
+///
+/// When shards differ in a dimension other than `dim` (Burn's `Tensor::cat` refuses them).
 pub fn gather_sequence<B: Backend, const D: usize, K: BasicOps<B>>(
     shards: Vec<Tensor<B, D, K>>,
     dim: usize,

@@ -49,6 +49,12 @@ pub struct DistFlashAttentionConfig {
 
 impl DistFlashAttentionConfig {
     /// `(n_kv_heads, head_dim)` after defaults, or what is wrong with the configuration.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] when `d_model`, `n_heads` or `n_kv_heads` is zero, when `n_kv_heads`
+    /// does not divide `n_heads`, when `head_dim` is unset and `n_heads` does not divide
+    /// `d_model`, or when `head_dim` is not in [`SUPPORTED_HEAD_DIMS`].
     pub fn resolved(&self) -> Result<(usize, usize), ConfigError> {
         let n_kv = self.n_kv_heads.unwrap_or(self.n_heads);
         if self.d_model == 0 || self.n_heads == 0 || n_kv == 0 {
@@ -85,6 +91,10 @@ impl DistFlashAttentionConfig {
     }
 
     /// The module, or what is wrong with the configuration.
+    ///
+    /// # Errors
+    ///
+    /// As [`resolved`](Self::resolved).
     pub fn try_init<B: FlashAttentionBackend>(
         &self,
         device: &B::Device,
@@ -111,7 +121,11 @@ impl DistFlashAttentionConfig {
         })
     }
 
-    /// The module; panics with the configuration error (see [`try_init`](Self::try_init)).
+    /// The module.
+    ///
+    /// # Panics
+    ///
+    /// With the configuration error where [`try_init`](Self::try_init) returns one.
     pub fn init<B: FlashAttentionBackend>(&self, device: &B::Device) -> DistFlashAttention<B> {
         self.try_init(device).unwrap_or_else(|e| panic!("{e}"))
     }
@@ -157,15 +171,44 @@ pub(crate) struct Projected<B: FlashAttentionBackend> {
 }
 
 impl<B: FlashAttentionBackend> DistFlashAttention<B> {
-    /// Attention of `x` `[batch, seq, d_model]` (the whole sequence, or this rank's shard);
-    /// panics with a clear message where [`try_forward`](Self::try_forward) returns an error.
+    /// Attention of `x` (the whole sequence, or this rank's shard).
+    ///
+    /// # Shapes
+    ///
+    /// - x: `[batch, seq, d_model]`
+    /// - output: `[batch, seq, d_model]`
+    ///
+    /// # Panics
+    ///
+    /// With a clear message where [`try_forward`](Self::try_forward) returns an error.
     pub fn forward(&self, x: Tensor<B, 3>, context: &AttentionContext<B::Inner>) -> Tensor<B, 3> {
         self.try_forward(x, context)
             .unwrap_or_else(|e| panic!("{e}"))
     }
 
-    /// Attention of `x` `[batch, seq, d_model]`, or why it cannot run (bad shapes, shards that
-    /// disagree across ranks, a failed peer).
+    /// Attention of `x` (the whole sequence, or this rank's shard), or why it cannot run. When
+    /// sharded and this rank refuses `x`, the other ranks are told, so their attention fails at
+    /// once too.
+    ///
+    /// # Shapes
+    ///
+    /// - x: `[batch, seq, d_model]`
+    /// - output: `[batch, seq, d_model]`
+    ///
+    /// # Errors
+    ///
+    /// - [`DistributedError::Input`] when `x` is not `[batch, seq, d_model]` with `batch` and
+    ///   `seq` at least 1, or not of the weights' float type.
+    /// - [`DistributedError::Device`] when `x` is not on the weights' device, or (sharded) not
+    ///   on the device of this rank of the context's group.
+    /// - [`DistributedError::Layout`] (sharded) when the schedule's layout cannot split shards
+    ///   of length `seq` (zigzag: an odd length).
+    /// - [`DistributedError::Attention`] when attention refuses the projected heads (see
+    ///   [`crate::flash_attention`]: a float type it does not run, or a call beyond the
+    ///   device's limits).
+    /// - Sharded, the other errors of [`crate::sequence_parallel_attention`]:
+    ///   [`DistributedError::Shards`] when the ranks disagree or another rank refused its input,
+    ///   [`DistributedError::Comm`] when moving tensors between the ranks fails.
     pub fn try_forward(
         &self,
         x: Tensor<B, 3>,

@@ -34,6 +34,11 @@ pub struct TransformerBlockConfig {
 
 impl TransformerBlockConfig {
     /// The block, or what is wrong with the configuration.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] when `d_ff` is zero, or where
+    /// [`DistFlashAttentionConfig::resolved`] errs for `attention`.
     pub fn try_init<B: FlashAttentionBackend>(
         &self,
         device: &B::Device,
@@ -54,7 +59,11 @@ impl TransformerBlockConfig {
         })
     }
 
-    /// The block; panics with the configuration error (see [`try_init`](Self::try_init)).
+    /// The block.
+    ///
+    /// # Panics
+    ///
+    /// With the configuration error where [`try_init`](Self::try_init) returns one.
     pub fn init<B: FlashAttentionBackend>(&self, device: &B::Device) -> TransformerBlock<B> {
         self.try_init(device).unwrap_or_else(|e| panic!("{e}"))
     }
@@ -96,14 +105,33 @@ pub(crate) struct BlockGrads<B: FlashAttentionBackend> {
 }
 
 impl<B: CheckpointBackend> TransformerBlock<B> {
-    /// The block applied to `x` `[batch, seq, d_model]` (the whole sequence or this rank's
-    /// shard); panics with a clear message where [`try_forward`](Self::try_forward) errs.
+    /// The block applied to `x` (the whole sequence or this rank's shard).
+    ///
+    /// # Shapes
+    ///
+    /// - x: `[batch, seq, d_model]`
+    /// - output: `[batch, seq, d_model]`
+    ///
+    /// # Panics
+    ///
+    /// With a clear message where [`try_forward`](Self::try_forward) errs.
     pub fn forward(&self, x: Tensor<B, 3>, context: &AttentionContext<B::Inner>) -> Tensor<B, 3> {
         self.try_forward(x, context)
             .unwrap_or_else(|e| panic!("{e}"))
     }
 
-    /// The block applied to `x`, checkpointed as [`checkpoint`](Self::checkpoint) says.
+    /// The block applied to `x` (the whole sequence or this rank's shard), checkpointed as
+    /// [`checkpoint`](Self::checkpoint) says. `x` is checked before any work.
+    ///
+    /// # Shapes
+    ///
+    /// - x: `[batch, seq, d_model]`
+    /// - output: `[batch, seq, d_model]`
+    ///
+    /// # Errors
+    ///
+    /// As [`DistFlashAttention::try_forward`] of the block's attention: `x` is checked the same
+    /// way, and the attention's errors are returned.
     pub fn try_forward(
         &self,
         x: Tensor<B, 3>,
@@ -119,7 +147,25 @@ impl<B: CheckpointBackend> TransformerBlock<B> {
 
 impl<B: FlashAttentionBackend> TransformerBlock<B> {
     /// The forward through ordinary tensor ops: under autodiff, the graph keeps every activation.
-    pub fn forward_stored(
+    /// Unlike [`try_forward`](Self::try_forward), `x` is not checked first: callers check it.
+    ///
+    /// # Shapes
+    ///
+    /// - x: `[batch, seq, d_model]`
+    /// - output: `[batch, seq, d_model]`
+    ///
+    /// # Errors
+    ///
+    /// The errors of the block's attention on the projected heads:
+    /// [`DistributedError::Attention`] locally; sharded, those of
+    /// [`crate::sequence_parallel_attention`].
+    ///
+    /// # Panics
+    ///
+    /// On most inputs that [`try_forward`](Self::try_forward) refuses, in Burn's shape checks:
+    /// for example a last dimension other than `d_model`, or (sharded) a `seq` the layout cannot
+    /// split.
+    pub(crate) fn forward_stored(
         &self,
         x: Tensor<B, 3>,
         context: &AttentionContext<B::Inner>,

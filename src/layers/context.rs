@@ -64,6 +64,10 @@ impl<I: Backend> AttentionContext<I> {
     /// `attention`'s mask (which, with the world size, decides the layout under `Auto`):
     /// `0..shard_len` locally; sharded, the rank's positions in the layout, or why the layout
     /// cannot split shards of that length.
+    ///
+    /// # Errors
+    ///
+    /// Sharded only: [`LayoutError`] when `shard_len` is zero, or odd under the zigzag layout.
     pub fn positions(
         &self,
         shard_len: usize,

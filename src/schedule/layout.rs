@@ -72,7 +72,15 @@ impl Layout {
     }
 
     /// The chunks `rank` holds, in local order.
+    ///
+    /// # Panics
+    ///
+    /// When `rank` is not below `world` ([`ranges`](Self::ranges) returns that as an error).
     pub fn chunks(self, world: usize, rank: usize) -> Vec<usize> {
+        assert!(
+            rank < world,
+            "rank {rank} is not in a group of {world} ranks (ranks are 0..{world})"
+        );
         match self {
             Layout::Contiguous => vec![rank],
             Layout::Zigzag => vec![rank, 2 * world - 1 - rank],
@@ -82,6 +90,11 @@ impl Layout {
     /// Errors unless every rank can hold a shard of `shard_len` tokens (the sequence being
     /// `world * shard_len` tokens): zigzag needs an even shard length (a sequence length that
     /// is a multiple of `2P`), and no layout accepts empty shards.
+    ///
+    /// # Errors
+    ///
+    /// [`LayoutError`] when `world` is zero, when `shard_len` is zero, or when it is odd under
+    /// [`Layout::Zigzag`].
     pub fn check_shard_len(self, world: usize, shard_len: usize) -> Result<(), LayoutError> {
         let error = |what: String| LayoutError {
             layout: self,
@@ -107,6 +120,11 @@ impl Layout {
 
     /// Errors unless a sequence of `seq_len` tokens can be split over `world` ranks; returns
     /// the shard length.
+    ///
+    /// # Errors
+    ///
+    /// [`LayoutError`] when `world` is zero, or when `seq_len` is zero or not a multiple of
+    /// [`num_chunks`](Self::num_chunks)`(world)` (`world`, or `2 * world` for zigzag).
     pub fn shard_len(self, world: usize, seq_len: usize) -> Result<usize, LayoutError> {
         let chunks = self.num_chunks(world.max(1));
         if world == 0 || seq_len == 0 || !seq_len.is_multiple_of(chunks) {
@@ -123,6 +141,11 @@ impl Layout {
     }
 
     /// The positions `rank` holds, as ranges in local order, for shards of `shard_len` tokens.
+    ///
+    /// # Errors
+    ///
+    /// As [`check_shard_len`](Self::check_shard_len), and [`LayoutError`] when `rank` is not
+    /// below `world`.
     pub fn ranges(
         self,
         world: usize,
@@ -130,6 +153,13 @@ impl Layout {
         shard_len: usize,
     ) -> Result<Vec<Range<usize>>, LayoutError> {
         self.check_shard_len(world, shard_len)?;
+        if rank >= world {
+            return Err(LayoutError {
+                layout: self,
+                world,
+                what: format!("rank {rank} is not in the group (ranks are 0..{world})"),
+            });
+        }
         let chunk = shard_len / self.chunks_per_rank();
         Ok((self.chunks(world, rank).into_iter())
             .map(|c| c * chunk..(c + 1) * chunk)
@@ -137,6 +167,10 @@ impl Layout {
     }
 
     /// The position of every local row of `rank` (shards of `shard_len` tokens).
+    ///
+    /// # Errors
+    ///
+    /// As [`ranges`](Self::ranges).
     pub fn positions(
         self,
         world: usize,

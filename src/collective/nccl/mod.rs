@@ -414,13 +414,22 @@ where
     /// `devices[i]`), with communicators created and connected now; hand each returned rank to
     /// its own host thread. Waits for silent peers up to [`DEFAULT_TIMEOUT`].
     ///
-    /// Fails with [`CommError::Setup`] for an empty list, a repeated device or a device that
-    /// does not exist, and with [`CommError::Nccl`] when libcuda or libnccl cannot be loaded.
+    /// # Errors
+    ///
+    /// - [`CommError::Setup`] for an empty list, a repeated device or a device that does not
+    ///   exist, or when creating or connecting the communicators does not finish within the
+    ///   timeout.
+    /// - [`CommError::Nccl`] when libcuda or libnccl cannot be loaded, or a CUDA or NCCL call
+    ///   fails.
     pub fn nccl(devices: &[CudaDevice]) -> Result<Vec<Self>, CommError> {
         Self::nccl_with_timeout(devices, DEFAULT_TIMEOUT)
     }
 
     /// [`DeviceGroup::nccl`] with a different wait limit for silent peers.
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceGroup::nccl`].
     pub fn nccl_with_timeout(
         devices: &[CudaDevice],
         timeout: Duration,
@@ -434,16 +443,26 @@ where
     /// This process's rank of a multi-process NCCL group described torchrun-style by the
     /// environment: `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (the CUDA device ordinal), and
     /// `MASTER_ADDR`/`MASTER_PORT`, where rank 0 listens for the rendezvous (see
-    /// [`DeviceGroup::nccl_with_rendezvous`]). Missing or malformed variables give
-    /// [`CommError::Setup`] naming the variable. Waits up to [`DEFAULT_TIMEOUT`].
+    /// [`DeviceGroup::nccl_with_rendezvous`]). Waits up to [`DEFAULT_TIMEOUT`].
     ///
     /// Under torchrun itself, `MASTER_PORT` is taken by torchrun's own store: use
     /// [`DeviceGroup::nccl_with_rendezvous`] with a port of your own there.
+    ///
+    /// # Errors
+    ///
+    /// [`CommError::Setup`] naming the variable when `RANK`, `WORLD_SIZE` or `LOCAL_RANK` (and,
+    /// for more than one process, `MASTER_ADDR` or the port: `DISTFLASH_RENDEZVOUS_PORT` when
+    /// set, else `MASTER_PORT`) is missing or malformed; otherwise as
+    /// [`DeviceGroup::nccl_with_rendezvous`].
     pub fn nccl_from_env() -> Result<Self, CommError> {
         Self::nccl_from_env_with_timeout(DEFAULT_TIMEOUT)
     }
 
     /// [`DeviceGroup::nccl_from_env`] with a different wait limit.
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceGroup::nccl_from_env`].
     pub fn nccl_from_env_with_timeout(timeout: Duration) -> Result<Self, CommError> {
         let env = EnvConfig::from_env()?;
         Self::nccl_with_rendezvous(
@@ -459,6 +478,15 @@ where
     /// rank 0 listens on `addr` (`host:port`) and hands the NCCL id to the other ranks, which
     /// connect to it; then every rank creates and connects its communicator. Every step waits at
     /// most `timeout`, and a failure names the ranks that did not show up.
+    ///
+    /// # Errors
+    ///
+    /// - [`CommError::Setup`] when `rank` is not below `world_size`, `device` does not exist,
+    ///   the rendezvous fails (an address that cannot be resolved or listened on, a rank that
+    ///   does not show up in time), or creating or connecting the communicator does not finish
+    ///   within `timeout`.
+    /// - [`CommError::Nccl`] when libcuda or libnccl cannot be loaded, or a CUDA or NCCL call
+    ///   fails.
     pub fn nccl_with_rendezvous(
         rank: usize,
         world_size: usize,

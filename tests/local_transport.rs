@@ -130,7 +130,8 @@ fn bad_peers_are_refused_before_anything_moves() {
             matches!(to_self, Some(CommError::Mismatch { .. })),
             "{to_self:?}"
         );
-        // Nothing moved: the ranks are still in step.
+        // Nothing moved: the ranks are still in step, and the traffic log holds no refused call.
+        assert!(group.take_traffic().messages.is_empty());
         let peer = 1 - rank;
         let got = group
             .exchange(vec![message(peer, ones())], vec![expect(peer)])
@@ -138,6 +139,7 @@ fn bad_peers_are_refused_before_anything_moves() {
             .wait()
             .unwrap();
         assert_eq!(got.len(), 1);
+        assert_eq!(group.take_traffic().messages, vec![1]);
     });
 }
 

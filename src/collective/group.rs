@@ -101,17 +101,18 @@ impl<B: Backend> DeviceGroup<B> {
         sends: Vec<Outgoing<B>>,
         receives: Vec<Incoming>,
     ) -> Result<Box<dyn Exchange<B> + '_>, CommError> {
+        let messages = sends.len();
         let bytes = sends
             .iter()
             .flat_map(|m| m.tensors.iter())
             .map(|t| TensorLayout::of::<B>(t).bytes())
             .sum();
-        {
-            let mut traffic = self.traffic.lock().expect("traffic log poisoned");
-            traffic.messages.push(sends.len());
-            traffic.bytes.push(bytes);
-        }
-        self.transport.exchange(sends, receives)
+        // Logged once the transport has taken the exchange: a refused one moved nothing.
+        let exchange = self.transport.exchange(sends, receives)?;
+        let mut traffic = self.traffic.lock().expect("traffic log poisoned");
+        traffic.messages.push(messages);
+        traffic.bytes.push(bytes);
+        Ok(exchange)
     }
 
     /// Every rank's `values`, indexed by rank.

@@ -82,7 +82,8 @@ impl<B: Backend> DeviceGroup<B> {
         self.transport.device()
     }
 
-    /// Posts one step's sends and receives (see [`Transport::exchange`]) and logs the sends.
+    /// Posts one step's sends and receives (see [`Transport::exchange`]) and, once the
+    /// transport has taken them, logs the sends ([`take_traffic`](Self::take_traffic)).
     ///
     /// # Errors
     ///

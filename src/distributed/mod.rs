@@ -44,7 +44,7 @@ pub enum DistributedError {
     Comm(CommError),
     /// A module's input does not have the shape or float type the module was built for.
     Input(String),
-    /// The options are not valid (a score scale that is not a finite number).
+    /// The options are not valid (a score scale that is not a finite number in f32).
     Options(String),
     /// The shard length does not fit the schedule's layout (zigzag needs an even length).
     Layout(LayoutError),
@@ -88,11 +88,13 @@ fn dtype_code(dtype: DType) -> u64 {
     }
 }
 
-/// Refuses a score scale that is not a finite number.
+/// Refuses a score scale that is not a finite number in f32, the kernels' precision (as
+/// [`FlashAttentionOptions::check`](crate::FlashAttentionOptions::check) does for a local call).
 fn check_options(options: &SequenceParallelOptions) -> Result<(), DistributedError> {
     match options.attention.scale {
-        Some(scale) if !scale.is_finite() => Err(DistributedError::Options(format!(
-            "the score scale is {scale}; it must be a finite number (or None for 1 / sqrt(head_dim))"
+        Some(scale) if !(scale as f32).is_finite() => Err(DistributedError::Options(format!(
+            "the score scale is {scale}; it must be a finite number within f32's range (or None \
+             for 1 / sqrt(head_dim))"
         ))),
         _ => Ok(()),
     }

@@ -230,7 +230,7 @@ fn validate<B: FlashAttentionBackend>(
 ///
 /// # Errors
 ///
-/// - [`DistributedError::Options`] when `options.attention.scale` is not a finite number.
+/// - [`DistributedError::Options`] when `options.attention.scale` is not a finite number in f32.
 /// - [`DistributedError::Device`] when k or v is not on q's device, or q's device is not the
 ///   device of this rank of `group`.
 /// - [`DistributedError::Attention`] when this rank's shards are not valid inputs of

@@ -234,8 +234,7 @@ fn validate<B: FlashAttentionBackend>(
 /// - [`DistributedError::Device`] when k or v is not on q's device, or q's device is not the
 ///   device of this rank of `group`.
 /// - [`DistributedError::Attention`] when this rank's shards are not valid inputs of
-///   [`crate::flash_attention`] (shapes, float types, a scale that overflows f32, the device's
-///   limits).
+///   [`crate::flash_attention`] (shapes, float types, the device's limits).
 /// - [`DistributedError::Shards`] when q and k have different `shard_len`s, when another rank
 ///   refused its own input, or when the ranks disagree on shapes, float type or options.
 /// - [`DistributedError::Layout`] when `shard_len` does not fit the schedule's layout (zigzag:

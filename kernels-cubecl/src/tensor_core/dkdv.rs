@@ -14,10 +14,13 @@
 //!
 //! Two barriers per step: one before the next step's copies are issued into the buffers of the
 //! step before, one between storing P^T and dS^T and reading them back. The query tiles are
-//! double-buffered as in the dQ kernel; diagonal and partial tiles run masked, the others not.
+//! double-buffered as in the dQ kernel, and their rows' log-sum-exp and delta arrive with them
+//! (4-byte asynchronous copies on the same barrier: no register holds them across a step); the
+//! walk over (query head, query tile) advances by one step without a division. Diagonal and
+//! partial tiles run masked, the others not.
 
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
-use cubecl::prelude::barrier::Barrier;
+use cubecl::prelude::barrier::{copy_async_checked, Barrier};
 use cubecl::prelude::*;
 
 use super::backward::{commit_to_buffer, wait_for_buffer, QUERY_ROWS};
@@ -198,31 +201,36 @@ pub fn backward_dkdv_mma<E: Float>(
     }
     whole_from = min(whole_from, whole_end);
     first = min(first, num_tiles);
-    let walk = QueryWalk {
-        head0: batch * q_heads + kv_head * group_size,
-        q_len,
-        first,
-        tiles: num_tiles - first,
-    };
-    let steps = group_size * walk.tiles;
+    let tiles = num_tiles - first;
+    let steps = group_size * tiles;
+    // The walk's position, advanced one step at a time (no division per step): this step's
+    // (batch, query head) slice and query tile, and the next step's.
+    let mut slice = batch * q_heads + kv_head * group_size;
+    let mut tile = first;
+    let mut next_slice = slice;
+    let mut next_tile = tile + 1;
+    if next_tile == num_tiles {
+        next_tile = first;
+        next_slice += 1;
+    }
 
     // The block's K and V and the first query tile arrive on the even barrier.
     if steps > 0 {
-        let q_start = walk.tile(0u32) * QUERY_ROWS as u32;
         stage_query_tile::<E>(
             q,
             grad_out,
-            walk.row_base(0u32),
-            q_start,
+            lse,
+            delta,
+            (slice * q_len) as usize,
+            tile * QUERY_ROWS as u32,
             q_len,
             &mut q_tiles,
             &mut do_tiles,
+            &mut lse_tiles,
+            &mut delta_tiles,
             0u32,
             head_dim,
         );
-        let mut stats = Array::<f32>::new(2usize);
-        load_row_stats(&mut stats, lse, delta, walk.row_base(0u32), q_start, q_len);
-        store_row_stats(&stats, &mut lse_tiles, &mut delta_tiles, 0u32);
     }
     ready_even.commit_copy_async();
 
@@ -230,36 +238,26 @@ pub fn backward_dkdv_mma<E: Float>(
     let mut dk_acc = zero_accumulator::<E, NC>(&def, grad_frags);
     let mut dv_acc = zero_accumulator::<E, NC>(&def, grad_frags);
     for step in 0..steps {
-        let tile = walk.tile(step);
         let masked = tile < whole_from || tile >= whole_end;
         sync_cube();
         // Every plane is done with step - 1: its buffers take step + 1.
-        let has_next = step + 1 < steps;
-        let mut next_stats = Array::<f32>::new(2usize);
-        if has_next {
-            let next_start = walk.tile(step + 1) * QUERY_ROWS as u32;
+        if step + 1 < steps {
             stage_query_tile::<E>(
                 q,
                 grad_out,
-                walk.row_base(step + 1),
-                next_start,
+                lse,
+                delta,
+                (next_slice * q_len) as usize,
+                next_tile * QUERY_ROWS as u32,
                 q_len,
                 &mut q_tiles,
                 &mut do_tiles,
+                &mut lse_tiles,
+                &mut delta_tiles,
                 1 - step % 2,
                 head_dim,
             );
             commit_to_buffer(&ready_even, &ready_odd, 1 - step % 2);
-            // Loaded now, stored once this step's scores are done: the loads' latency hides
-            // behind them.
-            load_row_stats(
-                &mut next_stats,
-                lse,
-                delta,
-                walk.row_base(step + 1),
-                next_start,
-                q_len,
-            );
         }
         wait_for_buffer(&ready_even, &ready_odd, step % 2);
         let step_tile = StepTile {
@@ -305,9 +303,6 @@ pub fn backward_dkdv_mma<E: Float>(
                 false,
             );
         }
-        if has_next {
-            store_row_stats(&next_stats, &mut lse_tiles, &mut delta_tiles, 1 - step % 2);
-        }
         sync_cube();
         accumulate_key_grads::<E, NA, NB, NC>(
             &def,
@@ -328,12 +323,19 @@ pub fn backward_dkdv_mma<E: Float>(
                 &ds_tile,
                 dq,
                 &shares,
-                walk.slice(step),
+                slice,
                 step_tile.q_start,
                 q_len,
                 scale,
                 head_dim,
             );
+        }
+        slice = next_slice;
+        tile = next_tile;
+        next_tile += 1;
+        if next_tile == num_tiles {
+            next_tile = first;
+            next_slice += 1;
         }
     }
     // Keys no query sees never waited for their K and V copies: no cube exits with copies in
@@ -465,7 +467,7 @@ fn store_probabilities<E: Float, NA: Size, NB: Size, NC: Size>(
                     let n = i * sc + e;
                     let col =
                         shares.query_col0 + nt * FRAG_COLS + accumulator_col(lane, n) as usize;
-                    let mut p = weight_log2(s_reg[e], scale_log2, lse_tiles[row0 + col]);
+                    let mut p = weight_log2(s_reg[e], scale_log2, lse_log2(lse_tiles[row0 + col]));
                     if masked {
                         let query = step_tile.q_start + col as u32;
                         let floor = query_floor[mt * ROW_SLOTS + n / 2];
@@ -688,50 +690,45 @@ fn store_key_grads<E: Float, T: Float, NC: Size>(
     );
 }
 
-/// The query tiles one dK/dV cube walks: for each query head of its group (from `head0`), tiles
-/// `first..first + tiles` of [`QUERY_ROWS`] rows, head after head.
-#[derive(CubeType)]
-struct QueryWalk {
-    head0: u32,
-    q_len: u32,
-    first: u32,
-    tiles: u32,
-}
-
-#[cube]
-impl QueryWalk {
-    /// Query tile (within its head) of walk step `step`.
-    fn tile(&self, step: u32) -> u32 {
-        self.first + step % self.tiles
-    }
-
-    /// (batch, query head) slice of walk step `step`.
-    fn slice(&self, step: u32) -> u32 {
-        self.head0 + step / self.tiles
-    }
-
-    /// First element row of walk step `step`'s query head.
-    fn row_base(&self, step: u32) -> usize {
-        (self.slice(step) * self.q_len) as usize
-    }
-}
-
 /// Issues the copies of the query tile starting at row `q_start` of Q and dO (of the query head
-/// whose rows start at `row_base`) into buffer `buffer` (0 or 1); the caller commits them.
+/// whose rows start at `row_base`), and of its rows' log-sum-exp and delta, into buffer `buffer`
+/// (0 or 1); the caller commits them. Statistics of rows past the chunk are zero-filled.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn stage_query_tile<E: Float>(
     q: &Array<E>,
     grad_out: &Array<E>,
+    lse: &Array<f32>,
+    delta: &Array<f32>,
     row_base: usize,
     q_start: u32,
     q_len: u32,
     q_tiles: &mut SharedMemory<E>,
     do_tiles: &mut SharedMemory<E>,
+    lse_tiles: &mut SharedMemory<f32>,
+    delta_tiles: &mut SharedMemory<f32>,
     buffer: u32,
     #[comptime] head_dim: usize,
 ) {
     let row0 = buffer as usize * QUERY_ROWS;
+    if UNIT_POS < QUERY_ROWS as u32 {
+        // One 4-byte copy per statistic and row, on the same barrier as the tiles.
+        let row = q_start + UNIT_POS;
+        let valid = row < q_len;
+        let start = select(valid, row_base + row as usize, 0usize);
+        let count = select(valid, 1usize, 0usize);
+        let at = row0 + UNIT_POS as usize;
+        copy_async_checked(
+            &lse.slice(start, start + count),
+            &mut lse_tiles.slice_mut(at, at + 1),
+            1u32,
+        );
+        copy_async_checked(
+            &delta.slice(start, start + count),
+            &mut delta_tiles.slice_mut(at, at + 1),
+            1u32,
+        );
+    }
     stage_tile_async::<E>(
         q,
         row_base * head_dim,
@@ -754,42 +751,4 @@ fn stage_query_tile<E: Float>(
         head_dim,
         DKDV_UNITS,
     );
-}
-
-/// Loads the log-sum-exp and delta of the query tile's row `UNIT_POS` (units below
-/// [`QUERY_ROWS`]) from global memory into `stats` (`[lse, delta]`); zeros for the other units
-/// and for rows past the chunk.
-#[cube]
-fn load_row_stats(
-    stats: &mut Array<f32>,
-    lse: &Array<f32>,
-    delta: &Array<f32>,
-    row_base: usize,
-    q_start: u32,
-    q_len: u32,
-) {
-    let row = q_start + UNIT_POS;
-    stats[0] = 0.0f32;
-    stats[1] = 0.0f32;
-    if UNIT_POS < QUERY_ROWS as u32 && row < q_len {
-        stats[0] = lse[row_base + row as usize];
-        stats[1] = delta[row_base + row as usize];
-    }
-}
-
-/// Stores row `UNIT_POS`'s statistics (from [`load_row_stats`]) into buffer `buffer`, the
-/// log-sum-exp in base 2 as [`weight_log2`] takes it (plain stores: visible after the next
-/// `sync_cube`).
-#[cube]
-fn store_row_stats(
-    stats: &Array<f32>,
-    lse_tiles: &mut SharedMemory<f32>,
-    delta_tiles: &mut SharedMemory<f32>,
-    buffer: u32,
-) {
-    if UNIT_POS < QUERY_ROWS as u32 {
-        let at = buffer as usize * QUERY_ROWS + UNIT_POS as usize;
-        lse_tiles[at] = lse_log2(stats[0]);
-        delta_tiles[at] = stats[1];
-    }
 }

@@ -22,7 +22,7 @@ use cubecl_cpp::shared::{register_mma_features, CompilationOptions, CppSupported
 use cubecl_cpp::DialectWmmaCompiler;
 use cubecl_cuda::CudaCompiler;
 use cubecl_runtime::compiler::Compiler;
-use distflash_kernels::tensor_core::{backward, dkdv, forward, BACKWARD_ADDRESS};
+use distflash_kernels::tensor_core::{backward, dkdv, forward, KERNEL_ADDRESS};
 use half::{bf16, f16};
 
 /// What an H200 reports to cubecl-cuda 0.10, as far as code generation depends on it.
@@ -138,7 +138,7 @@ fn scalar<E: LaunchArg<CompilationArg = ()>>(b: &mut KernelBuilder) -> <E as Cub
 fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, String); 6] {
     let units = forward::UNITS as u32;
     let forward = |one_shot: bool| {
-        compile("forward_step_mma", units, AddressType::U32, |b| {
+        compile("forward_step_mma", units, KERNEL_ADDRESS, |b| {
             let (q, k, v) = (input::<E>(b), input::<E>(b), input::<E>(b));
             let (o, m, l) = (output::<f32>(b), output::<f32>(b), output::<f32>(b));
             let (out, lse) = (output::<E>(b), output::<f32>(b));
@@ -167,7 +167,7 @@ fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, String); 
             );
         })
     };
-    let dq = compile("backward_dq_mma", units, BACKWARD_ADDRESS, |b| {
+    let dq = compile("backward_dq_mma", units, KERNEL_ADDRESS, |b| {
         let (q, k, v, grad_out) = (input::<E>(b), input::<E>(b), input::<E>(b), input::<E>(b));
         let (lse, delta) = (input::<f32>(b), input::<f32>(b));
         let dq = output::<f32>(b);
@@ -197,7 +197,7 @@ fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, String); 
         compile(
             "backward_dkdv_mma",
             dkdv::DKDV_UNITS as u32,
-            BACKWARD_ADDRESS,
+            KERNEL_ADDRESS,
             |b| {
                 let (q, k, v, grad_out) =
                     (input::<E>(b), input::<E>(b), input::<E>(b), input::<E>(b));

@@ -33,9 +33,7 @@ pub const KEY_ROWS: usize = PLANES * WARP_ROWS;
 /// dQ step. Grid: slice-major ([`crate::grid::slice_major`]), x = batch * q_heads, y = query
 /// blocks of [`QUERY_ROWS`], taken last block first.
 /// Launched unchecked: global accesses are guarded against `q_len`/`kv_len` by the kernel.
-/// Indices are 64-bit ([`super::BACKWARD_ADDRESS`]): a shared-memory offset
-/// `base + constant` then folds into the `ldmatrix`/`lds` immediate (with 32-bit indices
-/// CubeCL's `smem + (u32)(base + c)` costs an add and a `LEA` per load).
+/// Indices are 64-bit ([`super::KERNEL_ADDRESS`]).
 #[cube(launch_unchecked, address_type = "u64", fast_math = FastMath::all())]
 #[allow(clippy::too_many_arguments)]
 pub fn backward_dq_mma<E: Float>(

@@ -79,9 +79,7 @@ pub fn shared_memory_bytes(head_dim: usize) -> usize {
 /// heads' Q, dO and dQ scratch in L2, and under a causal mask each pair's first blocks (seen by
 /// the most queries) start first, so the last wave is light; [`DKDV_UNITS`] units per cube.
 /// Launched unchecked: global accesses are guarded against `q_len`/`kv_len` by the kernel.
-/// Indices are 64-bit ([`super::BACKWARD_ADDRESS`]): a shared-memory offset
-/// `base + constant` then folds into the `ldmatrix`/`lds` immediate (with 32-bit indices
-/// CubeCL's `smem + (u32)(base + c)` costs an add and a `LEA` per load).
+/// Indices are 64-bit ([`super::KERNEL_ADDRESS`]).
 #[cube(launch_unchecked, address_type = "u64", fast_math = FastMath::all())]
 #[allow(clippy::too_many_arguments)]
 pub fn backward_dkdv_mma<E: Float>(
@@ -453,10 +451,20 @@ fn store_probabilities<E: Float, NA: Size, NB: Size, NC: Size>(
         HALF_QUERIES,
         head_dim,
     );
+    // Column-major over the fragments: a lane's two query columns of fragment column `nt` share
+    // one lse (in base 2) and one delta across the row tiles, read and converted once.
     #[unroll]
-    for mt in 0..PLANE_TILES {
+    for nt in 0..frags {
+        let mut lse_cols = Array::<f32>::new(2usize);
+        let mut delta_cols = Array::<f32>::new(2usize);
         #[unroll]
-        for nt in 0..frags {
+        for c in 0..2usize {
+            let col = shares.query_col0 + nt * FRAG_COLS + accumulator_col(lane, c) as usize;
+            lse_cols[c] = lse_log2(lse_tiles[row0 + col]);
+            delta_cols[c] = delta_tiles[row0 + col];
+        }
+        #[unroll]
+        for mt in 0..PLANE_TILES {
             #[unroll]
             for i in 0..vc {
                 let at = (mt * frags + nt) * vc + i;
@@ -465,16 +473,16 @@ fn store_probabilities<E: Float, NA: Size, NB: Size, NC: Size>(
                 #[unroll]
                 for e in 0..sc {
                     let n = i * sc + e;
-                    let col =
-                        shares.query_col0 + nt * FRAG_COLS + accumulator_col(lane, n) as usize;
-                    let mut p = weight_log2(s_reg[e], scale_log2, lse_log2(lse_tiles[row0 + col]));
+                    let mut p = weight_log2(s_reg[e], scale_log2, lse_cols[n % 2]);
                     if masked {
+                        let col =
+                            shares.query_col0 + nt * FRAG_COLS + accumulator_col(lane, n) as usize;
                         let query = step_tile.q_start + col as u32;
                         let floor = query_floor[mt * ROW_SLOTS + n / 2];
                         p = select(query >= floor && query < q_len, p, 0.0f32);
                     }
                     s_reg[e] = p;
-                    dp_reg[e] = p * (dp_reg[e] - delta_tiles[row0 + col]);
+                    dp_reg[e] = p * (dp_reg[e] - delta_cols[n % 2]);
                 }
                 s_acc[at] = s_reg;
                 dp_acc[at] = dp_reg;

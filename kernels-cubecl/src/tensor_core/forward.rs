@@ -68,8 +68,8 @@ fn lane_row(lane: u32, #[comptime] r: usize) -> u32 {
 /// `out = o / l` (element type `E`) and `lse = m + ln l` (rows that see no key: 0 and `-inf`),
 /// leaving `o`, `m` and `l` alone. Launched unchecked: every global access is guarded by the kernel itself
 /// (rows past `q_len` or `kv_len` are skipped or zero-filled) and shared-memory indices are in
-/// range by construction.
-#[cube(launch_unchecked, fast_math = FastMath::all())]
+/// range by construction. Indices are 64-bit ([`super::KERNEL_ADDRESS`]).
+#[cube(launch_unchecked, address_type = "u64", fast_math = FastMath::all())]
 #[allow(clippy::too_many_arguments)]
 pub fn forward_step_mma<E: Float>(
     q: &Array<E>,

@@ -27,13 +27,14 @@ use tiles::padded_stride;
 /// Head dimensions the tensor-core kernels are compiled for.
 pub const HEAD_DIMS: [usize; 2] = [64, 128];
 
-/// Index width of the backward kernels (the `address_type` of their `#[cube]` attributes, which
-/// must match). With 32-bit indices CubeCL emits shared-memory loads as `smem + (u32)(base + c)`,
-/// and the zero-extension keeps ptxas from folding the constant into the load: every `ldmatrix`
-/// costs an add and a `LEA`. 64-bit indices fold (measured with `cuda-sass` on the fused dK/dV
-/// loop at head dim 128: 2409 -> 2071 instructions per 448 `mma`). The forward kernel stays
-/// 32-bit: its loop grows with 64-bit indices (1462 -> 1538).
-pub const BACKWARD_ADDRESS: AddressType = AddressType::U64;
+/// Index width of the tensor-core kernels (the `address_type` of their `#[cube]` attributes,
+/// which must match). With 32-bit indices CubeCL emits a load as `base_ptr + (u32)(i + c)`, and
+/// the zero-extension keeps ptxas from folding the constant `c` into the instruction: every
+/// `ldmatrix` and every asynchronous copy costs an add and a `LEA`. 64-bit indices fold them
+/// (`cuda-sass`, bf16, head dim 128, causal: fused dK/dV loop 2409 -> 2071 instructions per 448
+/// `mma`; the forward's loop 1463 -> 1403 per 256 `mma` once its staging copies were written as
+/// a per-unit base plus compile-time offsets, with spills 420 -> 260 bytes).
+pub const KERNEL_ADDRESS: AddressType = AddressType::U64;
 
 /// Whether this client can run the tensor-core kernels for `elem` and `head_dim`: f16 or bf16
 /// inputs, a supported head dimension, planes of 32, asynchronous copies and `m16n8k16` manual
@@ -57,7 +58,7 @@ pub fn supports<R: Runtime>(client: &ComputeClient<R>, elem: ElemType, head_dim:
         && properties.hardware.plane_size_min == 32
         && properties.hardware.plane_size_max == 32
         && properties.features.copy_async
-        && properties.supports_address(BACKWARD_ADDRESS)
+        && properties.supports_address(KERNEL_ADDRESS)
         && properties.features.matmul.mma.contains(&config)
 }
 

@@ -20,8 +20,14 @@ pub const COPY_ELEMS: usize = 8;
 /// Issues asynchronous 16-byte copies of rows `[first, first + rows)` of a `[len, head_dim]`
 /// matrix starting at element `base` into a padded shared tile, from its row `dest_row0` on.
 /// With `checked`, rows at or past `len` copy nothing and are zero-filled; without, every row
-/// must be below `len` (interior tiles: no bounds arithmetic at all). All `units` units take part; the caller commits and
-/// waits on a barrier.
+/// must be below `len` (interior tiles: no bounds arithmetic at all). All `units` units take
+/// part (`units` a multiple of the 16-byte chunks of a row); the caller commits and waits on a
+/// barrier.
+///
+/// Each unit copies the same chunk column of every `units / chunks per row`-th row, so its
+/// source and destination are one per-unit base plus a compile-time offset per copy: under
+/// 64-bit indices the offsets fold into the copies' immediates (no address arithmetic per copy,
+/// and no per-copy offset held in a register across a kernel's loop).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn stage_rows_async<E: Float>(
@@ -38,20 +44,26 @@ pub fn stage_rows_async<E: Float>(
 ) {
     let stride = comptime!(padded_stride(head_dim));
     let chunks_per_row = comptime!(head_dim / COPY_ELEMS);
-    let per_unit = comptime!(rows * chunks_per_row / units);
-    let block_base = base + first as usize * head_dim;
-    let dest_base = dest_row0 * stride;
+    comptime!(assert!(
+        units.is_multiple_of(chunks_per_row) && rows.is_multiple_of(units / chunks_per_row),
+        "a staging pass covers whole rows"
+    ));
+    let rows_per_pass = comptime!(units / chunks_per_row);
+    let unit = UNIT_POS as usize;
+    let unit_row = unit / chunks_per_row;
+    let unit_col = (unit % chunks_per_row) * COPY_ELEMS;
+    let src_base = base + (first as usize + unit_row) * head_dim + unit_col;
+    let dest_base = (dest_row0 + unit_row) * stride + unit_col;
     #[unroll]
-    for it in 0..per_unit {
-        let chunk = it * units + UNIT_POS as usize;
-        let row = chunk / chunks_per_row;
-        let col = (chunk % chunks_per_row) * COPY_ELEMS;
-        let at = dest_base + row * stride + col;
+    for pass in 0..comptime!(rows / rows_per_pass) {
+        let at = dest_base + comptime!(pass * rows_per_pass * stride);
         let mut destination = tile.slice_mut(at, at + COPY_ELEMS);
+        let start = src_base + comptime!(pass * rows_per_pass * head_dim);
         if checked {
             // Branch-free: rows past `len` copy nothing and are zero-filled.
-            let valid = first + (row as u32) < len;
-            let start = select(valid, block_base + row * head_dim + col, 0usize);
+            let row = (unit_row + comptime!(pass * rows_per_pass)) as u32;
+            let valid = first + row < len;
+            let start = select(valid, start, 0usize);
             let count = select(valid, COPY_ELEMS, 0usize);
             copy_async_checked(
                 &src.slice(start, start + count),
@@ -59,7 +71,6 @@ pub fn stage_rows_async<E: Float>(
                 COPY_ELEMS as u32,
             );
         } else {
-            let start = block_base + row * head_dim + col;
             copy_async(
                 &src.slice(start, start + COPY_ELEMS),
                 &mut destination,

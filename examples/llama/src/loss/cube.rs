@@ -1,13 +1,12 @@
 //! The fused cross-entropy (a forward that keeps each row's log-sum-exp, a backward from it): one
 //! pass over the logits each way on the CubeCL backends instead of an f32 copy of the logits and
-//! Burn's log-softmax graph, and the backward from Burn tensor operations as the portable form
+//! Burn's log-softmax graph. The portable forms, Burn tensor operations, are in the parent module
 //! ([`TrainingKernels`](crate::TrainingKernels) picks).
 
 use std::sync::OnceLock;
 
-use burn::tensor::backend::Backend;
-use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{DType, Int, Shape, Tensor, TensorPrimitive};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Shape};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeRuntime, IntElement};
 use cubecl::prelude::*;
@@ -27,31 +26,6 @@ pub fn unfused_loss_forced() -> bool {
 
 /// A row-wise cross-entropy's per-row results: `(loss, lse)`, both f32 `[rows]`.
 pub type CrossEntropyRows<B> = (FloatTensor<B>, FloatTensor<B>);
-
-/// `dlogits = grad[row] (exp(logits - lse[row]) - onehot(target))` in the logits' element type,
-/// from the forward's `lse` and the rows' loss gradient `grad` (f32 `[rows]`), with Burn tensor
-/// operations.
-pub(crate) fn cross_entropy_backward_portable<B: Backend>(
-    logits: FloatTensor<B>,
-    targets: IntTensor<B>,
-    lse: FloatTensor<B>,
-    grad: FloatTensor<B>,
-) -> FloatTensor<B> {
-    let logits = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(logits));
-    let [_, vocab] = logits.dims();
-    let dtype = logits.dtype();
-    let lse = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(lse));
-    let grad = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(grad));
-    let onehot = Tensor::<B, 1, Int>::from_primitive(targets)
-        .one_hot::<2>(vocab)
-        .float()
-        .cast(DType::F32);
-    let softmax = (logits.cast(DType::F32) - lse.unsqueeze_dim(1)).exp();
-    ((softmax - onehot) * grad.unsqueeze_dim(1))
-        .cast(dtype)
-        .into_primitive()
-        .tensor()
-}
 
 /// Per row, `(loss, lse)` in f32 in one pass over the logits, or `None` where the kernel does not
 /// take these tensors (or under `DISTFLASH_UNFUSED_LOSS=1`); `I` is the backend's int type.

@@ -1,10 +1,9 @@
 //! The optimizer's per-parameter passes (a gradient's squared norm, the AdamW update): one CubeCL
-//! kernel each on the CubeCL backends (CUDA, wgpu), and Burn tensor operations as the portable
-//! implementation ([`TrainingKernels`](crate::TrainingKernels) picks).
+//! kernel each on the CubeCL backends (CUDA, wgpu). The portable forms, Burn tensor operations,
+//! are in the parent module ([`TrainingKernels`](crate::TrainingKernels) picks).
 
 use std::sync::OnceLock;
 
-use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Shape, Tensor, TensorPrimitive};
 use burn_cubecl::tensor::CubeTensor;
@@ -12,6 +11,7 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 use cubecl::prelude::*;
 
 use super::kernels::{adamw_update, sum_of_squares, AdamWStep};
+use super::squared_norm_portable;
 use burn_distflash::cube_support::CUBE_UNITS;
 use burn_distflash::cube_support::{
     array, contiguous, empty_like, is_kernel_float, vector_size, with_float_type,
@@ -25,13 +25,6 @@ pub type AdamWTensors<B> = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
 pub fn unfused_optimizer_forced() -> bool {
     static FORCED: OnceLock<bool> = OnceLock::new();
     *FORCED.get_or_init(|| std::env::var("DISTFLASH_UNFUSED_OPTIMIZER").is_ok_and(|v| v == "1"))
-}
-
-/// `sum(x^2)` with Burn tensor operations: an f32 copy, its square, its sum.
-pub(crate) fn squared_norm_portable<B: Backend, const D: usize>(
-    tensor: Tensor<B, D>,
-) -> Tensor<B, 1> {
-    tensor.cast(DType::F32).square().sum().cast(DType::F32)
 }
 
 /// `sum(x^2)` over every element of `tensor` in f32, one kernel pass (the portable form for

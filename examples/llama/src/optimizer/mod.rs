@@ -8,7 +8,6 @@
 pub(crate) mod cube;
 mod kernels;
 
-pub(crate) use cube::squared_norm_portable;
 pub use cube::{unfused_optimizer_forced, AdamWTensors};
 pub use kernels::AdamWStep;
 
@@ -17,10 +16,17 @@ use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{
     AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, LearningRate, SimpleOptimizer,
 };
-use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{DType, Tensor, TensorPrimitive};
 
 use crate::TrainingKernels;
+
+/// `sum(x^2)` with Burn tensor operations: an f32 copy, its square, its sum.
+pub(crate) fn squared_norm_portable<B: Backend, const D: usize>(
+    tensor: Tensor<B, D>,
+) -> Tensor<B, 1> {
+    tensor.cast(DType::F32).square().sum().cast(DType::F32)
+}
 
 /// AdamW (decoupled weight decay, no AMSGrad) whose update runs as one fused pass per parameter
 /// on backends that have one.

@@ -51,7 +51,7 @@ fn portable_cube() -> CubeDim {
 }
 
 /// Whether the tensor-core variant can run these inputs on this client (runtime features,
-/// element type and head dim; [`check_launch`] also checks the device's limits).
+/// element type and head dim; `check_launch` also checks the device's limits).
 pub fn tensor_core_available<R: Runtime>(
     client: &ComputeClient<R>,
     elem: ElemType,

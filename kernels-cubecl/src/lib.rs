@@ -5,10 +5,10 @@
 //! chunk after chunk, or as independent partials that are merged, and is exact. The backward step
 //! uses the stored log-sum-exp and `delta = rowsum(dO * O)`, never the forward again.
 //!
-//! Two variants share the statistics logic of [`stats`]: [`portable`] scalar kernels that run on
+//! Two variants share the statistics logic of `stats`: `portable` scalar kernels that run on
 //! every CubeCL runtime (wgpu on a CPU included), and [`tensor_core`] kernels using `mma.sync`
-//! on CUDA. [`launch`] validates inputs, and [`plan`] picks a variant and its launch shapes
-//! within the device's [`limits`]; a launch the runtime reports as failed is an error too.
+//! on CUDA. `launch` validates inputs, and `plan` picks a variant and its launch shapes
+//! within the device's `limits`; a launch the runtime reports as failed is an error too.
 
 #![warn(missing_docs)]
 mod buffers;

@@ -30,7 +30,7 @@ pub const QUERY_ROWS: usize = PLANES * WARP_ROWS;
 /// Key rows per key tile of the dQ kernel (16 per plane).
 pub const KEY_ROWS: usize = PLANES * WARP_ROWS;
 
-/// dQ step. Grid: slice-major ([`crate::grid::slice_major`]), x = batch * q_heads, y = query
+/// dQ step. Grid: slice-major (`grid::slice_major`), x = batch * q_heads, y = query
 /// blocks of [`QUERY_ROWS`], taken last block first.
 /// Launched unchecked: global accesses are guarded against `q_len`/`kv_len` by the kernel.
 /// Indices are 64-bit ([`super::KERNEL_ADDRESS`]).

@@ -39,7 +39,7 @@ use crate::stats::{lse_log2, weight_log2, LOG2_E};
 pub const DKDV_PLANES: usize = 8;
 /// Units of a dK/dV cube.
 pub const DKDV_UNITS: usize = DKDV_PLANES * 32;
-/// Keys of a dK/dV cube: four groups of [`GROUP_KEYS`], each shared by two planes.
+/// Keys of a dK/dV cube: four groups of `GROUP_KEYS`, each shared by two planes.
 pub const DKDV_KEYS: usize = 128;
 /// Keys of one plane's group: two `mma` row tiles.
 const GROUP_KEYS: usize = 2 * WARP_ROWS;
@@ -71,11 +71,11 @@ pub fn shared_memory_bytes(head_dim: usize) -> usize {
 }
 
 /// dK/dV step, and with `fuse_dq` also dQ (added with f32 atomics to `dq`, a zeroed scratch in
-/// fragment order, see [`super::dq_fragments`]; not touched otherwise). A step adds dK and dV
+/// fragment order, see `dq_fragments`; not touched otherwise). A step adds dK and dV
 /// to the f32 `dk`, `dv`; with `one_shot` (a whole attention: the cube has seen every query)
 /// it writes them to `dk_out`, `dv_out` in `E` instead, leaving `dk`, `dv` alone. Grid:
-/// sliced ([`crate::grid::sliced`]): key blocks of [`DKDV_KEYS`] by (batch, kv head) slices,
-/// taken two slices at a time ([`paired_slice_block`]): the cubes under way share at most two
+/// sliced (`grid::sliced`): key blocks of [`DKDV_KEYS`] by (batch, kv head) slices,
+/// taken two slices at a time (`grid::paired_slice_block`): the cubes under way share at most two
 /// heads' Q, dO and dQ scratch in L2, and under a causal mask each pair's first blocks (seen by
 /// the most queries) start first, so the last wave is light; [`DKDV_UNITS`] units per cube.
 /// Launched unchecked: global accesses are guarded against `q_len`/`kv_len` by the kernel.

@@ -61,7 +61,7 @@ fn lane_row(lane: u32, #[comptime] r: usize) -> u32 {
     (comptime!(r / ROW_SLOTS) * WARP_ROWS) as u32 + slot_row(lane, comptime!(r % ROW_SLOTS))
 }
 
-/// Grid: slice-major ([`crate::grid::slice_major`]), x = batch * q_heads, y = query blocks of
+/// Grid: slice-major (`grid::slice_major`), x = batch * q_heads, y = query blocks of
 /// [`BLOCK_ROWS`], taken last block first (the heaviest under a causal mask); cube = [`UNITS`]
 /// units. Without `one_shot` it folds the keys into the state `(o, m, l)` and leaves `out` and
 /// `lse` alone; with it, it reads no state, attends to all of the keys and writes

@@ -38,7 +38,7 @@ pub const KERNEL_ADDRESS: AddressType = AddressType::U64;
 
 /// Whether this client can run the tensor-core kernels for `elem` and `head_dim`: f16 or bf16
 /// inputs, a supported head dimension, planes of 32, asynchronous copies and `m16n8k16` manual
-/// MMA with f32 accumulation (shared memory is checked with the launch plan, [`grids`]).
+/// MMA with f32 accumulation (shared memory is checked with the launch plan, `grids`).
 pub fn supports<R: Runtime>(client: &ComputeClient<R>, elem: ElemType, head_dim: usize) -> bool {
     let storage = match elem {
         ElemType::F16 => half::f16::as_type_native_unchecked().storage_type(),

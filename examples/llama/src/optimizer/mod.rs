@@ -1,5 +1,5 @@
 //! AdamW with its per-parameter passes fused where the backend allows
-//! ([`TrainingKernels`](crate::TrainingKernels)):
+//! ([`TrainingKernels`]):
 //! on the CubeCL backends one kernel reads the parameter, its gradient and both moments once and
 //! writes the three results once; elsewhere (and on the first step, and under
 //! `DISTFLASH_UNFUSED_OPTIMIZER=1`) Burn's own `AdamW` runs. The state is Burn's `AdamWState`,

@@ -149,10 +149,12 @@ pub fn multiply_by_row_columns<E: Float, NA: Size, NB: Size, NC: Size>(
     let out_frags = comptime!(cols / FRAG_COLS);
     let stride = comptime!(padded_stride(head_dim));
     let t_base = t_row0 * stride + t_col0 + pair_lane_offset(UNIT_POS_PLANE, head_dim, true);
+    // k-steps outermost: two `mma`s into the same accumulator tile are `2 * m_tiles * cols / 8`
+    // `mma`s apart, not `2 * m_tiles` (an `mma` waits on the previous one into its accumulator).
     #[unroll]
-    for pair in 0..comptime!(cols / FRAG_COLS / 2) {
+    for kk in 0..k_steps {
         #[unroll]
-        for kk in 0..k_steps {
+        for pair in 0..comptime!(cols / FRAG_COLS / 2) {
             // Registers 0-1: the B fragment of output tile 2 * pair, 2-3: of 2 * pair + 1.
             let regs = load_matrix_x4::<E, NB>(
                 def,

@@ -106,11 +106,13 @@ fn one_step_on_a_group_of_four_equals_one_step_on_one_device() {
                 "rank {rank} loss"
             );
             assert!((stats.grad_norm - expected.grad_norm).abs() < 1e-4 * expected.grad_norm);
-            // AdamW's first step divides each gradient element by its own magnitude, so an
-            // element whose gradient is near zero turns f32 rounding differences between the
-            // sharded and the single-device sums into update differences: compare the weights
-            // against the step size (lr 3e-3), not relatively. Without the all-reduce the updates
-            // differ by up to 2 lr.
+            // AdamW's first step divides each gradient element by its own magnitude
+            // (`lr * g / (|g| + eps)`), so an element whose gradient is near zero turns an f32
+            // rounding difference `d` between the sharded and the single-device sums into an
+            // update difference of up to `lr * d / eps`: compare the weights against the step
+            // size (lr 3e-3), not relatively. On fresh random weights this reached 0.022 lr
+            // (6.5e-5) once in CI, so the bound is 0.1 lr. Without the all-reduce each rank
+            // steps on its quarter of the batch and the updates differ by up to 2 lr.
             assert!(w != &initial, "rank {rank}: the step changed no weight");
             for (i, ((_, got), (_, want))) in w.iter().zip(&expected_weights).enumerate() {
                 let err = got
@@ -118,7 +120,7 @@ fn one_step_on_a_group_of_four_equals_one_step_on_one_device() {
                     .zip(want)
                     .map(|(a, b)| (a - b).abs())
                     .fold(0.0f32, f32::max);
-                assert!(err < 3e-5, "rank {rank}, weight {i}: differs by {err:e}");
+                assert!(err < 3e-4, "rank {rank}, weight {i}: differs by {err:e}");
                 assert_eq!(
                     got, &ranks[0].1[i].1,
                     "rank {rank} differs from rank 0 (weight {i})"

@@ -238,25 +238,6 @@ pub fn backward_dkdv_mma<E: Float>(
     for step in 0..steps {
         let masked = tile < whole_from || tile >= whole_end;
         sync_cube();
-        // Every plane is done with step - 1: its buffers take step + 1.
-        if step + 1 < steps {
-            stage_query_tile::<E>(
-                q,
-                grad_out,
-                lse,
-                delta,
-                (next_slice * q_len) as usize,
-                next_tile * QUERY_ROWS as u32,
-                q_len,
-                &mut q_tiles,
-                &mut do_tiles,
-                &mut lse_tiles,
-                &mut delta_tiles,
-                1 - step % 2,
-                head_dim,
-            );
-            commit_to_buffer(&ready_even, &ready_odd, 1 - step % 2);
-        }
         wait_for_buffer(&ready_even, &ready_odd, step % 2);
         let step_tile = StepTile {
             row0: (step % 2) as usize * QUERY_ROWS,
@@ -301,16 +282,36 @@ pub fn backward_dkdv_mma<E: Float>(
                 false,
             );
         }
+        // Every plane was done with step - 1 at the step's first barrier: its buffers take
+        // step + 1. Issued here, after the S and dP products, the copies do not compete with
+        // their `ldmatrix` loads.
+        if step + 1 < steps {
+            stage_query_tile::<E>(
+                q,
+                grad_out,
+                lse,
+                delta,
+                (next_slice * q_len) as usize,
+                next_tile * QUERY_ROWS as u32,
+                q_len,
+                &mut q_tiles,
+                &mut do_tiles,
+                &mut lse_tiles,
+                &mut delta_tiles,
+                1 - step % 2,
+                head_dim,
+            );
+            commit_to_buffer(&ready_even, &ready_odd, 1 - step % 2);
+        }
         sync_cube();
-        accumulate_key_grads::<E, NA, NB, NC>(
+        // FlashAttention-2's order: dV, then dQ, then dK. The dQ atomics drain while the dK
+        // products run; issued last, the next step's first instructions wait on them.
+        accumulate_key_grad::<E, NA, NB, NC>(
             &def,
-            &q_tiles,
-            &do_tiles,
             &p_tile,
-            &ds_tile,
+            &do_tiles,
             &shares,
             step_tile.row0,
-            &mut dk_acc,
             &mut dv_acc,
             head_dim,
         );
@@ -328,6 +329,15 @@ pub fn backward_dkdv_mma<E: Float>(
                 head_dim,
             );
         }
+        accumulate_key_grad::<E, NA, NB, NC>(
+            &def,
+            &ds_tile,
+            &q_tiles,
+            &shares,
+            step_tile.row0,
+            &mut dk_acc,
+            head_dim,
+        );
         slice = next_slice;
         tile = next_tile;
         next_tile += 1;
@@ -513,62 +523,37 @@ fn store_probabilities<E: Float, NA: Size, NB: Size, NC: Size>(
     );
 }
 
-/// dV += P^T dO and dK += dS^T Q for the plane's keys and head-dim half, over the whole query
-/// tile in buffer rows `row0..`.
+/// One of the plane's key gradients over the whole query tile in buffer rows `row0..`, for its
+/// keys and head-dim half: dV += P^T dO (`weights` the P^T tile, `rows` the dO tiles) or
+/// dK += dS^T Q (the dS^T tile and the Q tiles).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn accumulate_key_grads<E: Float, NA: Size, NB: Size, NC: Size>(
+fn accumulate_key_grad<E: Float, NA: Size, NB: Size, NC: Size>(
     def: &MmaDefinition<E, E, f32>,
-    q_tiles: &SharedMemory<E>,
-    do_tiles: &SharedMemory<E>,
-    p_tile: &SharedMemory<E>,
-    ds_tile: &SharedMemory<E>,
+    weights: &SharedMemory<E>,
+    rows: &SharedMemory<E>,
     shares: &PlaneShares,
     row0: usize,
-    dk_acc: &mut Array<Vector<f32, NC>>,
-    dv_acc: &mut Array<Vector<f32, NC>>,
+    acc: &mut Array<Vector<f32, NC>>,
     #[comptime] head_dim: usize,
 ) {
-    let k_steps = comptime!(QUERY_ROWS / FRAG_K);
-    let p_frags = load_fragments::<E, NA>(
+    let frags = load_fragments::<E, NA>(
         def,
-        p_tile,
+        weights,
         shares.key_row0,
         0usize,
         PLANE_TILES,
-        k_steps,
+        comptime!(QUERY_ROWS / FRAG_K),
         QUERY_ROWS,
         false,
     );
     multiply_by_row_columns::<E, NA, NB, NC>(
         def,
-        &p_frags,
-        do_tiles,
+        &frags,
+        rows,
         row0,
         shares.dim_col0,
-        dv_acc,
-        PLANE_TILES,
-        QUERY_ROWS,
-        comptime!(head_dim / 2),
-        head_dim,
-    );
-    let ds_frags = load_fragments::<E, NA>(
-        def,
-        ds_tile,
-        shares.key_row0,
-        0usize,
-        PLANE_TILES,
-        k_steps,
-        QUERY_ROWS,
-        false,
-    );
-    multiply_by_row_columns::<E, NA, NB, NC>(
-        def,
-        &ds_frags,
-        q_tiles,
-        row0,
-        shares.dim_col0,
-        dk_acc,
+        acc,
         PLANE_TILES,
         QUERY_ROWS,
         comptime!(head_dim / 2),

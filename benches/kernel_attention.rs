@@ -6,7 +6,9 @@
 //! `cargo bench --bench kernel_attention -- [--seqs 8192,16384,32768] [--bwd-seqs 8192]
 //! [--burn-seqs 8192,16384] [--iters 5] [--head-dim 128] [--kv-heads 32] [--chunks 4]`.
 //! `--chunks C` adds rows where the sequence is cut into C chunks and run pair by pair through
-//! `forward_step` / `backward_step` with causal offsets, as the distributed pass does. The
+//! `forward_step` / `backward_step` with causal offsets, as the distributed pass does, and a
+//! forward row where each query chunk's first and last key chunks go through
+//! `forward_first_step` / `forward_last_step` (no fill or finalise kernels). The
 //! forward+backward rows run the default backward (dQ added with atomics) and the deterministic
 //! one. Prints a markdown table.
 
@@ -195,6 +197,56 @@ impl Chunks {
             .collect()
     }
 
+    /// [`Chunks::forward`] with each query chunk's first key chunk starting its state
+    /// (`forward_first_step`) and its last one finishing it (`forward_last_step`): no state is
+    /// filled, read back or finalised by kernels of its own. A query chunk with one key chunk is
+    /// one `attention` call.
+    fn forward_fused_ends(
+        &self,
+        client: &ComputeClient<CudaRuntime>,
+    ) -> Vec<(DeviceTensor, DeviceTensor)> {
+        (0..self.q.len())
+            .map(|i| {
+                let q = &self.q[i];
+                if i == 0 {
+                    let options = self.options(0, 0);
+                    return distflash_kernels::attention(
+                        client, q, &self.k[0], &self.v[0], &options,
+                    )
+                    .unwrap();
+                }
+                let state = distflash_kernels::forward_first_step(
+                    client,
+                    q,
+                    &self.k[0],
+                    &self.v[0],
+                    &self.options(i, 0),
+                )
+                .unwrap();
+                for j in 1..i {
+                    distflash_kernels::forward_step(
+                        client,
+                        q,
+                        &self.k[j],
+                        &self.v[j],
+                        &state,
+                        &self.options(i, j),
+                    )
+                    .unwrap();
+                }
+                distflash_kernels::forward_last_step(
+                    client,
+                    q,
+                    &self.k[i],
+                    &self.v[i],
+                    state,
+                    &self.options(i, i),
+                )
+                .unwrap()
+            })
+            .collect()
+    }
+
     /// Causal backward over the same pairs, from the forward's results.
     fn backward(
         &self,
@@ -336,6 +388,12 @@ fn main() {
                 sync(&client);
             });
             row(&name, "fwd", seq, secs, flops);
+            let secs = median_seconds(iters, || {
+                let _ = parts.forward_fused_ends(&client);
+                sync(&client);
+            });
+            let fused_name = format!("distflash steps, {chunks} chunks, first/last fused (bf16)");
+            row(&fused_name, "fwd", seq, secs, flops);
             if bwd_seqs.contains(&seq) {
                 let secs = median_seconds(iters.min(3), || {
                     let outputs = parts.forward(&client, shape);

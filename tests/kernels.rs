@@ -430,8 +430,9 @@ fn chunk_mask(case: &Case, start: usize) -> Mask {
     }
 }
 
-/// Attention over the concatenation of key/value chunks equals stepping chunk by chunk, and equals
-/// merging independent partials; the backward summed over chunks equals the whole backward.
+/// Attention over the concatenation of key/value chunks equals stepping chunk by chunk (from an
+/// empty state, or from `forward_first_step` to `forward_last_step`), and equals merging
+/// independent partials; the backward summed over chunks equals the whole backward.
 pub fn chunks_step_and_merge_exactly<R: Runtime>(client: &ComputeClient<R>, elem: ElemType) {
     for (elem, variant) in configurations(client, elem) {
         let causal = Mask::Causal {
@@ -451,8 +452,8 @@ pub fn chunks_step_and_merge_exactly<R: Runtime>(client: &ComputeClient<R>, elem
                 SoftmaxState::empty(client, dims.batch, dims.q_heads, dims.q_len, dims.head_dim)
                     .unwrap()
             };
-            let (stepped, merged) = (empty(), empty());
-            for w in bounds.windows(2) {
+            // Key chunk `w[0]..w[1]` and its step's options.
+            let chunk_step = |w: &[usize]| {
                 let (kc, vc) = (
                     key_chunk(client, &case, &case.k, w[0], w[1]),
                     key_chunk(client, &case, &case.v, w[0], w[1]),
@@ -461,6 +462,11 @@ pub fn chunks_step_and_merge_exactly<R: Runtime>(client: &ComputeClient<R>, elem
                     mask: chunk_mask(&case, w[0]),
                     ..opts
                 };
+                (kc, vc, step_opts)
+            };
+            let (stepped, merged) = (empty(), empty());
+            for w in bounds.windows(2) {
+                let (kc, vc, step_opts) = chunk_step(w);
                 distflash_kernels::forward_step(client, &q, &kc, &vc, &stepped, &step_opts)
                     .unwrap();
                 let partial = empty();
@@ -482,9 +488,32 @@ pub fn chunks_step_and_merge_exactly<R: Runtime>(client: &ComputeClient<R>, elem
                 scale,
                 naive_rounding(elem),
             );
+            // The first chunk starts a state and the last one finishes it, each in one call.
+            let windows: Vec<&[usize]> = bounds.windows(2).collect();
+            let (kc, vc, first_opts) = chunk_step(windows[0]);
+            let fused =
+                distflash_kernels::forward_first_step(client, &q, &kc, &vc, &first_opts).unwrap();
+            for w in &windows[1..windows.len() - 1] {
+                let (kc, vc, step_opts) = chunk_step(w);
+                distflash_kernels::forward_step(client, &q, &kc, &vc, &fused, &step_opts).unwrap();
+            }
+            let (kc, vc, last_opts) = chunk_step(windows[windows.len() - 1]);
+            let first_to_last =
+                distflash_kernels::forward_last_step(client, &q, &kc, &vc, fused, &last_opts)
+                    .unwrap();
             let whole_lse_host = read(client, &whole_lse);
-            for (name, state) in [("stepped", &stepped), ("merged", &merged)] {
-                let (out, lse) = distflash_kernels::finalize(client, state, elem).unwrap();
+            let finished = [
+                (
+                    "stepped",
+                    distflash_kernels::finalize(client, &stepped, elem).unwrap(),
+                ),
+                (
+                    "merged",
+                    distflash_kernels::finalize(client, &merged, elem).unwrap(),
+                ),
+                ("first to last", first_to_last),
+            ];
+            for (name, (out, lse)) in finished {
                 assert_close(
                     &format!("{what} {name} O"),
                     &read(client, &out),
@@ -513,10 +542,7 @@ pub fn chunks_step_and_merge_exactly<R: Runtime>(client: &ComputeClient<R>, elem
             let dq = distflash_kernels::zeros_f32(client, dims.q_shape()).unwrap();
             let (mut dk, mut dv) = (Vec::new(), Vec::new());
             for w in bounds.windows(2) {
-                let (kc, vc) = (
-                    key_chunk(client, &case, &case.k, w[0], w[1]),
-                    key_chunk(client, &case, &case.v, w[0], w[1]),
-                );
+                let (kc, vc, step_opts) = chunk_step(w);
                 let chunk_dims = AttentionDims {
                     kv_len: w[1] - w[0],
                     ..dims
@@ -524,10 +550,6 @@ pub fn chunks_step_and_merge_exactly<R: Runtime>(client: &ComputeClient<R>, elem
                 let g = GradAccumulators {
                     dq: dq.clone(),
                     ..GradAccumulators::zeros(client, &chunk_dims).unwrap()
-                };
-                let step_opts = StepOptions {
-                    mask: chunk_mask(&case, w[0]),
-                    ..opts
                 };
                 distflash_kernels::backward_step(
                     client, &q, &kc, &vc, &grad_out, &whole_lse, &delta, &g, &step_opts,
@@ -667,6 +689,19 @@ pub fn bad_input_is_refused<R: Runtime>(client: &ComputeClient<R>) {
         .unwrap_err()
         .to_string();
     assert!(msg.contains("state.o"), "{msg}");
+    let msg = err(distflash_kernels::forward_last_step(
+        client,
+        &q,
+        &k,
+        &k,
+        wrong_state,
+        &opts,
+    ));
+    assert!(msg.contains("state.o"), "{msg}");
+    let msg = distflash_kernels::forward_first_step(client, &q, &half_k, &half_k, &opts)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("dtype"), "{msg}");
 
     let nan_scale = StepOptions {
         scale: Some(f32::NAN),

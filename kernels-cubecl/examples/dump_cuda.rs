@@ -3,8 +3,9 @@
 //! CubeCL's CUDA compiler, exactly what cubecl-cuda hands to NVRTC at first launch.
 //!
 //! `cargo run --release -p distflash-kernels --example dump_cuda -- OUT_DIR [bf16|f16]`
-//! writes `OUT_DIR/{forward,dq,dkdv,fused}_{causal,full}_d{64,128}.cu` (`fused`: the dK/dV
-//! kernel that also adds dQ with atomics). Read them with a CUDA
+//! writes `OUT_DIR/{forward,attention,forward_first,forward_last,dq,dkdv,fused,fused_whole}_{causal,full}_d{64,128}.cu`
+//! (`attention`: the whole-attention forward; `fused`: the dK/dV kernel that also adds dQ with
+//! atomics, `fused_whole` its whole-attention form). Read them with a CUDA
 //! compiler's resource report (registers, spills) and the SASS of their loops.
 
 use std::path::PathBuf;
@@ -133,11 +134,11 @@ fn scalar<E: LaunchArg<CompilationArg = ()>>(b: &mut KernelBuilder) -> <E as Cub
 }
 
 /// CUDA sources of the kernels for element type `E`: the forward step, the whole-attention
-/// forward, dQ, dK/dV (deterministic) and the fused dK/dV kernel that also adds dQ, as a step
+/// forward, the first and last forward steps, dQ, dK/dV (deterministic) and the fused dK/dV kernel that also adds dQ, as a step
 /// and for a whole attention.
-fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, String); 6] {
+fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, String); 8] {
     let units = forward::UNITS as u32;
-    let forward = |one_shot: bool| {
+    let forward = |reads_state: bool, finishes: bool| {
         compile("forward_step_mma", units, KERNEL_ADDRESS, |b| {
             let (q, k, v) = (input::<E>(b), input::<E>(b), input::<E>(b));
             let (o, m, l) = (output::<f32>(b), output::<f32>(b), output::<f32>(b));
@@ -163,7 +164,8 @@ fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, String); 
                 group,
                 head_dim,
                 causal,
-                one_shot,
+                reads_state,
+                finishes,
             );
         })
     };
@@ -236,8 +238,10 @@ fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, String); 
         )
     };
     [
-        ("forward", forward(false)),
-        ("attention", forward(true)),
+        ("forward", forward(true, false)),
+        ("attention", forward(false, true)),
+        ("forward_first", forward(false, false)),
+        ("forward_last", forward(true, true)),
         ("dq", dq),
         ("dkdv", dkdv(false, false)),
         ("fused", dkdv(true, false)),

@@ -100,6 +100,18 @@ impl SoftmaxState {
         })
     }
 
+    /// A state whose tensors are allocated but not written: only for a kernel that writes every
+    /// element before anything reads it (the tensor-core first step).
+    pub(crate) fn unfilled<R: Runtime>(client: &ComputeClient<R>, shape: [usize; 4]) -> Self {
+        let [batch, heads, len, head_dim] = shape;
+        let rows = vec![batch, heads, len];
+        Self {
+            o: DeviceTensor::empty(client, vec![batch, heads, len, head_dim], ElemType::F32),
+            m: DeviceTensor::empty(client, rows.clone(), ElemType::F32),
+            l: DeviceTensor::empty(client, rows, ElemType::F32),
+        }
+    }
+
     /// A state in which no row has seen any key yet (`o = 0, m = -inf, l = 0`).
     pub fn empty<R: Runtime>(
         client: &ComputeClient<R>,

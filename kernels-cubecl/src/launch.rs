@@ -73,17 +73,8 @@ fn enqueue_forward<R: Runtime>(
     let shift = options.mask.diagonal_shift(dims);
     let portable = match plan {
         LaunchPlan::TensorCore(grids) => {
-            return crate::tensor_core::forward(
-                client,
-                q,
-                k,
-                v,
-                ForwardTarget::State(state),
-                dims,
-                grids,
-                scale,
-                shift,
-            )
+            let target = ForwardTarget::Step(state);
+            return enqueue_tensor_core_forward(client, grids, (q, k, v), target, dims, options);
         }
         LaunchPlan::Portable(portable) => portable,
     };
@@ -127,6 +118,131 @@ pub fn forward_step<R: Runtime>(
     let (_, plan) = LaunchPlan::for_call(client, &dims, q.elem, options)?;
     enqueue_forward(client, &plan, (q, k, v), state, &dims, options);
     launch_result(client, "forward_step")
+}
+
+/// A new running state of the query rows `q` with the first key/value chunk folded in: what
+/// [`SoftmaxState::empty`] and then [`forward_step`] give, in one kernel on the tensor-core path
+/// (no kernel fills the empty state, and the step reads none).
+///
+/// # Errors
+///
+/// As [`forward_step`].
+pub fn forward_first_step<R: Runtime>(
+    client: &ComputeClient<R>,
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+    options: &StepOptions,
+) -> Result<SoftmaxState, KernelError> {
+    let dims = check_qkv(q, k, v)?;
+    let (limits, plan) = LaunchPlan::for_call(client, &dims, q.elem, options)?;
+    let shape = [dims.batch, dims.q_heads, dims.q_len, dims.head_dim];
+    let state = match &plan {
+        LaunchPlan::TensorCore(grids) => {
+            let state = SoftmaxState::unfilled(client, shape);
+            let target = ForwardTarget::FirstStep(&state);
+            enqueue_tensor_core_forward(client, grids, (q, k, v), target, &dims, options);
+            state
+        }
+        LaunchPlan::Portable(_) => {
+            let state = SoftmaxState::enqueue_empty(client, &limits, shape)?;
+            enqueue_forward(client, &plan, (q, k, v), &state, &dims, options);
+            state
+        }
+    };
+    launch_result(client, "forward_first_step")?;
+    Ok(state)
+}
+
+/// Folds the last key/value chunk into `state` and returns the finished output (in the inputs'
+/// element type) and f32 log-sum-exp `[B, H, S]`: what [`forward_step`] and then [`finalize`]
+/// give, in one kernel on the tensor-core path (no kernel writes the state back or reads it
+/// again). The state is consumed: the tensor-core path leaves its tensors as they were.
+///
+/// # Errors
+///
+/// As [`forward_step`].
+pub fn forward_last_step<R: Runtime>(
+    client: &ComputeClient<R>,
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+    state: SoftmaxState,
+    options: &StepOptions,
+) -> Result<(DeviceTensor, DeviceTensor), KernelError> {
+    let dims = check_qkv(q, k, v)?;
+    state.check("state")?;
+    AttentionDims::expect_shape("state.o", &dims.q_shape(), &state.o.shape)?;
+    finished_forward(
+        client,
+        (q, k, v),
+        Some(&state),
+        &dims,
+        options,
+        "forward_last_step",
+    )
+}
+
+/// `(O, lse)` of the keys `k`, `v` merged into `state` (a last step) or, without one, of the
+/// keys alone (a whole attention), for validated `dims`: one kernel on the tensor-core path; an
+/// empty state where none is given, the forward and the finalisation on the portable one.
+fn finished_forward<R: Runtime>(
+    client: &ComputeClient<R>,
+    (q, k, v): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
+    state: Option<&SoftmaxState>,
+    dims: &AttentionDims,
+    options: &StepOptions,
+    call: &str,
+) -> Result<(DeviceTensor, DeviceTensor), KernelError> {
+    let (limits, plan) = LaunchPlan::for_call(client, dims, q.elem, options)?;
+    let out = DeviceTensor::empty(client, dims.q_shape(), q.elem);
+    let lse = DeviceTensor::empty(client, dims.row_shape(), ElemType::F32);
+    match &plan {
+        LaunchPlan::TensorCore(grids) => {
+            let (out, lse) = (&out, &lse);
+            let target = match state {
+                Some(state) => ForwardTarget::LastStep { state, out, lse },
+                None => ForwardTarget::Finished { out, lse },
+            };
+            enqueue_tensor_core_forward(client, grids, (q, k, v), target, dims, options);
+        }
+        LaunchPlan::Portable(_) => {
+            let state = match state {
+                Some(state) => state.clone(),
+                None => SoftmaxState::enqueue_empty(
+                    client,
+                    &limits,
+                    [dims.batch, dims.q_heads, dims.q_len, dims.head_dim],
+                )?,
+            };
+            enqueue_forward(client, &plan, (q, k, v), &state, dims, options);
+            enqueue_finalize(client, &limits, &state, &out, &lse)?;
+        }
+    }
+    launch_result(client, call)?;
+    Ok((out, lse))
+}
+
+/// The tensor-core forward of `target`, with the options' scale and mask resolved for `dims`.
+fn enqueue_tensor_core_forward<R: Runtime>(
+    client: &ComputeClient<R>,
+    grids: &crate::tensor_core::Grids,
+    (q, k, v): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
+    target: ForwardTarget,
+    dims: &AttentionDims,
+    options: &StepOptions,
+) {
+    crate::tensor_core::forward(
+        client,
+        q,
+        k,
+        v,
+        target,
+        dims,
+        grids,
+        options.resolved_scale(dims.head_dim),
+        options.mask.diagonal_shift(dims),
+    );
 }
 
 /// Merges the partial state `other` into `into` (same shapes), in place.
@@ -548,36 +664,7 @@ pub fn attention<R: Runtime>(
     options: &StepOptions,
 ) -> Result<(DeviceTensor, DeviceTensor), KernelError> {
     let dims = check_qkv(q, k, v)?;
-    let (limits, plan) = LaunchPlan::for_call(client, &dims, q.elem, options)?;
-    let out = DeviceTensor::empty(client, dims.q_shape(), q.elem);
-    let lse = DeviceTensor::empty(client, dims.row_shape(), ElemType::F32);
-    if let LaunchPlan::TensorCore(grids) = &plan {
-        // One kernel: no state to fill, read back or finalise.
-        crate::tensor_core::forward(
-            client,
-            q,
-            k,
-            v,
-            ForwardTarget::Finished {
-                out: &out,
-                lse: &lse,
-            },
-            &dims,
-            grids,
-            options.resolved_scale(dims.head_dim),
-            options.mask.diagonal_shift(&dims),
-        );
-    } else {
-        let state = SoftmaxState::enqueue_empty(
-            client,
-            &limits,
-            [dims.batch, dims.q_heads, dims.q_len, dims.head_dim],
-        )?;
-        enqueue_forward(client, &plan, (q, k, v), &state, &dims, options);
-        enqueue_finalize(client, &limits, &state, &out, &lse)?;
-    }
-    launch_result(client, "attention")?;
-    Ok((out, lse))
+    finished_forward(client, (q, k, v), None, &dims, options, "attention")
 }
 
 /// Whole attention backward in one call: `(dq, dk, dv)` in the input element type.

@@ -34,8 +34,8 @@ pub use dims::{AttentionDims, Mask};
 pub use error::{KernelError, SUPPORTED_HEAD_DIMS};
 pub use launch::{
     attention, attention_backward, backward_delta, backward_step, cast_f32, fill, finalize,
-    finalize_into, forward_step, merge, tensor_core_available, zeros_f32, GradAccumulators,
-    SoftmaxState, StepOptions, Variant,
+    finalize_into, forward_first_step, forward_last_step, forward_step, merge,
+    tensor_core_available, zeros_f32, GradAccumulators, SoftmaxState, StepOptions, Variant,
 };
 pub use limits::DeviceLimits;
 pub use plan::check_launch;

@@ -4,9 +4,11 @@
 //! probabilities and the output accumulator in registers, and folds them into the running state
 //! `(o, m, l)` like the portable kernel. The tiles always run from the empty state; a stored state
 //! is read only in the epilogue and merged there (read before the first tile, its 128 f32 per
-//! lane were spilled to local memory across the whole loop). Called for a whole attention
-//! (`one_shot`), it writes the finished output and log-sum-exp instead: no state is filled, read
-//! back or finalised by other kernels.
+//! lane were spilled to local memory across the whole loop). The epilogue has four forms (see
+//! [`forward_step_mma`]): a step (read the state, merge, write it back), a first step (write the
+//! state, read nothing: no kernel fills it first), a last step (read the state, merge, write the
+//! finished output and log-sum-exp: no kernel finalises it after) and a whole attention (write
+//! the finished output from this call's keys alone).
 //!
 //! Cost structure, as in FlashAttention-2:
 //! - key tiles every row of the block sees whole run a loop with no mask and unchecked staging;
@@ -19,7 +21,7 @@ use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
-use super::fragments::{accumulator_col, mma_definition, FRAG_COLS, WARP_ROWS};
+use super::fragments::{accumulator_col, accumulator_row, mma_definition, FRAG_COLS, WARP_ROWS};
 use super::tiles::{
     padded_stride, quad_max, quad_sum, stage_rows_async, stage_tile_async, ROW_SLOTS,
 };
@@ -63,10 +65,11 @@ fn lane_row(lane: u32, #[comptime] r: usize) -> u32 {
 
 /// Grid: slice-major (`grid::slice_major`), x = batch * q_heads, y = query blocks of
 /// [`BLOCK_ROWS`], taken last block first (the heaviest under a causal mask); cube = [`UNITS`]
-/// units. Without `one_shot` it folds the keys into the state `(o, m, l)` and leaves `out` and
-/// `lse` alone; with it, it reads no state, attends to all of the keys and writes
-/// `out = o / l` (element type `E`) and `lse = m + ln l` (rows that see no key: 0 and `-inf`),
-/// leaving `o`, `m` and `l` alone. Launched unchecked: every global access is guarded by the kernel itself
+/// units. With `reads_state` the keys are merged with the stored state `(o, m, l)`; without, they
+/// start from the empty state and nothing is read. With `finishes` it writes
+/// `out = o / l` (element type `E`) and `lse = m + ln l` (rows that see no key: 0 and `-inf`)
+/// and leaves `o`, `m` and `l` alone; without, it writes the state `(o, m, l)` (every element of
+/// the block's rows) and leaves `out` and `lse` alone. Launched unchecked: every global access is guarded by the kernel itself
 /// (rows past `q_len` or `kv_len` are skipped or zero-filled) and shared-memory indices are in
 /// range by construction. Indices are 64-bit ([`super::KERNEL_ADDRESS`]).
 #[cube(launch_unchecked, address_type = "u64", fast_math = FastMath::all())]
@@ -88,7 +91,8 @@ pub fn forward_step_mma<E: Float>(
     group_size: u32,
     #[comptime] head_dim: usize,
     #[comptime] causal: bool,
-    #[comptime] one_shot: bool,
+    #[comptime] reads_state: bool,
+    #[comptime] finishes: bool,
 ) {
     let def = mma_definition::<E>();
     let size!(NA) = def.vector_size(MatrixIdent::A);
@@ -237,14 +241,54 @@ pub fn forward_step_mma<E: Float>(
     for r in 0..LANE_ROWS {
         totals[r] = quad_sum(l_row[r]);
     }
-    if one_shot {
+    // With a stored state: merge, `o = o_old 2^(m_old - m) + o_new 2^(m_new - m)` with
+    // `m = max(m_old, m_new)` (base 2); `totals` and `m_row` become the merged rows'.
+    let mut old_factor = Array::<f32>::new(LANE_ROWS);
+    let mut new_factor = Array::<f32>::new(LANE_ROWS);
+    if reads_state {
+        #[unroll]
+        for r in 0..LANE_ROWS {
+            let row = plane_start + lane_row(lane, r);
+            let mut m_old = negative_infinity();
+            let mut l_old = 0.0f32;
+            if row < q_len {
+                m_old = m[row_base + row as usize] * LOG2_E;
+                l_old = l[row_base + row as usize];
+            }
+            let merged = max(m_old, m_row[r]);
+            old_factor[r] = rescale_factor_log2(m_old, merged);
+            new_factor[r] = rescale_factor_log2(m_row[r], merged);
+            totals[r] = l_old * old_factor[r] + totals[r] * new_factor[r];
+            m_row[r] = merged;
+        }
+    }
+    if finishes {
         // The finished output and log-sum-exp.
         let mut inverse = Array::<f32>::new(LANE_ROWS);
         #[unroll]
         for r in 0..LANE_ROWS {
             inverse[r] = output_normaliser(totals[r]);
         }
-        scale_rows::<E, NC>(&def, &mut o_acc, &inverse, out_frags);
+        if reads_state {
+            #[unroll]
+            for r in 0..LANE_ROWS {
+                old_factor[r] *= inverse[r];
+                new_factor[r] *= inverse[r];
+            }
+            fold_stored_rows::<E, NC>(
+                &def,
+                &mut o_acc,
+                o,
+                row_base,
+                plane_start,
+                q_len,
+                &old_factor,
+                &new_factor,
+                head_dim,
+            );
+        } else {
+            scale_rows::<E, NC>(&def, &mut o_acc, &inverse, out_frags);
+        }
         store_accumulator::<E, E, NC>(
             &def,
             &o_acc,
@@ -265,46 +309,87 @@ pub fn forward_step_mma<E: Float>(
             }
         }
     } else {
-        // Merge with the stored state, `o = o_old 2^(m_old - m) + o_new 2^(m_new - m)` with
-        // `m = max(m_old, m_new)` (base 2), and write it back.
-        let mut old_factor = Array::<f32>::new(LANE_ROWS);
-        let mut new_factor = Array::<f32>::new(LANE_ROWS);
-        #[unroll]
-        for r in 0..LANE_ROWS {
-            let row = plane_start + lane_row(lane, r);
-            let mut m_old = negative_infinity();
-            let mut l_old = 0.0f32;
-            if row < q_len {
-                m_old = m[row_base + row as usize] * LOG2_E;
-                l_old = l[row_base + row as usize];
-            }
-            let merged = max(m_old, m_row[r]);
-            old_factor[r] = rescale_factor_log2(m_old, merged);
-            new_factor[r] = rescale_factor_log2(m_row[r], merged);
-            totals[r] = l_old * old_factor[r] + totals[r] * new_factor[r];
-            m_row[r] = merged;
+        if reads_state {
+            update_rows::<E, f32, NC>(
+                &def,
+                &o_acc,
+                o,
+                row_base,
+                plane_start,
+                q_len,
+                0usize,
+                &old_factor,
+                &new_factor,
+                PLANE_TILES,
+                head_dim,
+                head_dim,
+                true,
+            );
+        } else {
+            // A first step: the state is this block's alone, every element written.
+            store_accumulator::<E, f32, NC>(
+                &def,
+                &o_acc,
+                o,
+                row_base,
+                plane_start,
+                q_len,
+                1.0f32,
+                PLANE_TILES,
+                head_dim,
+                false,
+            );
         }
-        update_rows::<E, f32, NC>(
-            &def,
-            &o_acc,
-            o,
-            row_base,
-            plane_start,
-            q_len,
-            0usize,
-            &old_factor,
-            &new_factor,
-            PLANE_TILES,
-            head_dim,
-            head_dim,
-            true,
-        );
         #[unroll]
         for r in 0..LANE_ROWS {
             let row = plane_start + lane_row(lane, r);
             if row < q_len && first_in_quad {
                 m[row_base + row as usize] = m_row[r] * LN_2;
                 l[row_base + row as usize] = totals[r];
+            }
+        }
+    }
+}
+
+/// `acc = acc * new[r] + stored * old[r]` over the plane's valid rows (from `row0`, of `len`)
+/// of the row-major f32 `[.., head_dim]` matrix `stored` starting at row `base`, in the
+/// accumulator layout of `multiply_by_rows` (`r = tile * 2 + slot`). Reads only: the loads of a
+/// row tile are all issued before its first use.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn fold_stored_rows<E: Float, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    acc: &mut Array<Vector<f32, NC>>,
+    stored: &Array<f32>,
+    base: usize,
+    row0: u32,
+    len: u32,
+    old: &Array<f32>,
+    new: &Array<f32>,
+    #[comptime] head_dim: usize,
+) {
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let frags = comptime!(head_dim / FRAG_COLS);
+    let lane = UNIT_POS_PLANE;
+    #[unroll]
+    for mt in 0..PLANE_TILES {
+        #[unroll]
+        for t in 0..frags {
+            #[unroll]
+            for i in 0..vc {
+                let mut reg = acc[(mt * frags + t) * vc + i];
+                #[unroll]
+                for e in 0..sc {
+                    let n = i * sc + e;
+                    let r = mt * ROW_SLOTS + n / 2;
+                    let row = row0 + (mt * WARP_ROWS) as u32 + accumulator_row(lane, n);
+                    let col = t * FRAG_COLS + accumulator_col(lane, n) as usize;
+                    // Rows past `len` read the matrix's first element (never stored).
+                    let at = select(row < len, (base + row as usize) * head_dim + col, 0usize);
+                    reg[e] = reg[e] * new[r] + stored[at] * old[r];
+                }
+                acc[(mt * frags + t) * vc + i] = reg;
             }
         }
     }

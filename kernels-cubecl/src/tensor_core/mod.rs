@@ -113,10 +113,23 @@ pub(crate) fn grids(dims: &AttentionDims, limits: &DeviceLimits) -> Result<Grids
     })
 }
 
-/// What the tensor-core forward writes.
+/// What the tensor-core forward reads and writes.
 pub(crate) enum ForwardTarget<'a> {
     /// Fold the keys into this running state (a step, see [`crate::forward_step`]).
-    State(&'a SoftmaxState),
+    Step(&'a SoftmaxState),
+    /// Write this state from the keys alone, reading nothing: its previous contents are never
+    /// read and every element is written (see [`crate::forward_first_step`]).
+    FirstStep(&'a SoftmaxState),
+    /// Merge the keys with this state and write the finished output and log-sum-exp, leaving the
+    /// state alone (see [`crate::forward_last_step`]).
+    LastStep {
+        /// The running state, read only.
+        state: &'a SoftmaxState,
+        /// The output `[B, H, S, D]`, in the inputs' element type.
+        out: &'a DeviceTensor,
+        /// The f32 log-sum-exp `[B, H, S]`.
+        lse: &'a DeviceTensor,
+    },
     /// A whole attention (see [`crate::attention`]): start from the empty state and write the
     /// finished output `[B, H, S, D]` (the inputs' element type) and f32 log-sum-exp `[B, H, S]`.
     Finished {
@@ -127,9 +140,45 @@ pub(crate) enum ForwardTarget<'a> {
     },
 }
 
-/// Tensor-core forward: a step into a running state, or a whole attention (see
-/// [`ForwardTarget`]). The kernel's arguments of the other kind get one-element placeholders
-/// (it never touches them).
+impl ForwardTarget<'_> {
+    /// The kernel's state `(o, m, l)` and finished `(out, lse)` arguments, one-element
+    /// placeholders where it never touches them, and its `(reads_state, finishes)`.
+    #[allow(clippy::type_complexity)]
+    fn arguments<R: Runtime>(
+        &self,
+        client: &ComputeClient<R>,
+        elem: ElemType,
+    ) -> ([DeviceTensor; 5], (bool, bool)) {
+        let placeholder = |elem| DeviceTensor::empty(client, vec![1], elem);
+        let no_state = || {
+            let f32_placeholder = placeholder(ElemType::F32);
+            [
+                f32_placeholder.clone(),
+                f32_placeholder.clone(),
+                f32_placeholder,
+            ]
+        };
+        let state_of = |s: &SoftmaxState| [s.o.clone(), s.m.clone(), s.l.clone()];
+        let no_output = || (placeholder(elem), placeholder(ElemType::F32));
+        let (state, (out, lse), flags) = match self {
+            ForwardTarget::Step(s) => (state_of(s), no_output(), (true, false)),
+            ForwardTarget::FirstStep(s) => (state_of(s), no_output(), (false, false)),
+            ForwardTarget::LastStep { state, out, lse } => (
+                state_of(state),
+                ((*out).clone(), (*lse).clone()),
+                (true, true),
+            ),
+            ForwardTarget::Finished { out, lse } => {
+                (no_state(), ((*out).clone(), (*lse).clone()), (false, true))
+            }
+        };
+        let [o, m, l] = state;
+        ([o, m, l, out, lse], flags)
+    }
+}
+
+/// Tensor-core forward: a step into a running state, a first or last step, or a whole attention
+/// (see [`ForwardTarget`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward<R: Runtime>(
     client: &ComputeClient<R>,
@@ -142,29 +191,10 @@ pub(crate) fn forward<R: Runtime>(
     scale: f32,
     shift: Option<i32>,
 ) {
-    let placeholder = |elem| DeviceTensor::empty(client, vec![1], elem);
-    let f32_placeholder = || placeholder(ElemType::F32);
-    let (o, m, l, out, lse, one_shot) = match target {
-        ForwardTarget::State(state) => (
-            state.o.clone(),
-            state.m.clone(),
-            state.l.clone(),
-            placeholder(q.elem),
-            f32_placeholder(),
-            false,
-        ),
-        ForwardTarget::Finished { out, lse } => (
-            f32_placeholder(),
-            f32_placeholder(),
-            f32_placeholder(),
-            out.clone(),
-            lse.clone(),
-            true,
-        ),
-    };
+    let ([o, m, l, out, lse], (reads_state, finishes)) = target.arguments(client, q.elem);
     let dim = CubeDim::new_1d(UNITS as u32);
-    // SAFETY: shapes were validated by `launch::forward_step`; the kernel guards every global
-    // access against `q_len`/`kv_len` (see `forward_step_mma`).
+    // SAFETY: shapes were validated by the caller; the kernel guards every global access
+    // against `q_len`/`kv_len` (see `forward_step_mma`).
     crate::tensor::with_elem_type!(q.elem, E => unsafe { forward::forward_step_mma::launch_unchecked::<E, R>(
         client,
         grids.forward.clone(),
@@ -185,7 +215,8 @@ pub(crate) fn forward<R: Runtime>(
         dims.group_size() as u32,
         dims.head_dim,
         shift.is_some(),
-        one_shot,
+        reads_state,
+        finishes,
     ) });
 }
 

@@ -17,8 +17,8 @@ use common::temp_dir::TempDir;
 use common::within::within;
 use distflash_llama::data::TokenDataset;
 use distflash_llama::tokenizer::Tokenizer;
-use distflash_llama::train::{StepStats, TrainError, TrainOptions, Trainer};
-use distflash_llama::{Llama, LlamaConfig};
+use distflash_llama::train::{StepStats, TrainOptions, Trainer};
+use distflash_llama::{Error, Llama, LlamaConfig};
 
 type Inner = NdArray<f32>;
 type Cpu = Autodiff<Inner>;
@@ -219,15 +219,21 @@ fn bad_shapes_are_refused_before_any_work() {
             let mut t = Trainer::new(model, AttentionContext::sharded(group), options(1));
             let tokens = vec![1u32; 4 * 32];
             match t.train_step(&tokens, &tokens) {
-                Err(TrainError::Input(what)) => what,
+                Err(Error::Invalid {
+                    what,
+                    expected,
+                    got,
+                    ..
+                }) => (what, expected, got),
                 other => panic!("expected an input error, got {other:?}"),
             }
         });
-        for what in errors {
+        for (what, expected, got) in errors {
+            assert_eq!((what.as_str(), got.as_str()), ("seq_len", "32"));
             assert!(
-                what.contains("cannot be split over the group of 3")
-                    && what.contains("multiple of 3"),
-                "{what}"
+                expected.contains("split over the group of 3")
+                    && expected.contains("multiple of 3"),
+                "{expected}"
             );
         }
     });
@@ -240,11 +246,14 @@ fn tokens_the_model_cannot_take_are_refused_before_any_work() {
     let mut tokens = vec![1u32; 4 * 32];
     tokens[5] = 256;
     match trainer.train_step(&tokens, &tokens) {
-        Err(TrainError::Input(what)) => {
-            assert!(
-                what.contains("token id 256") && what.contains("256 tokens"),
-                "{what}"
-            )
+        Err(Error::Invalid {
+            what,
+            expected,
+            got,
+            ..
+        }) => {
+            assert_eq!((what.as_str(), got.as_str()), ("a token id", "256"));
+            assert!(expected.contains("vocabulary of 256 tokens"), "{expected}")
         }
         other => panic!("expected an input error, got {other:?}"),
     }

@@ -277,7 +277,7 @@ fn placement_data(tensor: StoredTensor<'_>, slot: Slot) -> TensorData {
 /// `param` with its value replaced by `data` (converted to the device's float type as it is
 /// placed), keeping its id, device and parameter mapper, and requiring gradients so the loaded
 /// model can be fine-tuned (meaningful on autodiff backends; a no-op elsewhere).
-fn load_param<B: Backend, const D: usize>(
+pub(crate) fn load_param<B: Backend, const D: usize>(
     param: Param<Tensor<B, D>>,
     data: TensorData,
     device: &B::Device,

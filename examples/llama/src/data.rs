@@ -4,13 +4,12 @@
 //! generator seeded with `(seed, step)` alone, so a run resumed from a checkpoint at step `k`
 //! sees exactly the batches the uninterrupted run would have seen.
 
-use std::fmt;
 use std::fs;
-use std::io;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use super::rng::SplitMix64;
-use super::tokenizer::{Tokenizer, TokenizerError};
+use super::tokenizer::Tokenizer;
+use crate::Error;
 
 /// A corpus of token ids.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -18,67 +17,17 @@ pub struct TokenDataset {
     tokens: Vec<u32>,
 }
 
-/// Everything that can go wrong building a dataset or drawing a batch.
-#[derive(Debug)]
-pub enum DataError {
-    /// The text file could not be read (missing, unreadable, or not UTF-8).
-    Io {
-        /// The file involved.
-        path: PathBuf,
-        /// The underlying error.
-        source: io::Error,
-    },
-    /// The tokenizer could not encode the text.
-    Tokenizer(TokenizerError),
-    /// The corpus is shorter than one training window.
-    TooFewTokens {
-        /// Tokens available.
-        tokens: usize,
-        /// Tokens one window needs (`seq_len + 1`).
-        needed: usize,
-    },
-    /// An argument is out of range.
-    InvalidArgument {
-        /// What was wrong and what is allowed.
-        message: String,
-    },
-}
-
-impl fmt::Display for DataError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Io { path, source } => {
-                write!(f, "cannot read text file {}: {source}", path.display())
-            }
-            Self::Tokenizer(e) => write!(f, "cannot tokenize the text: {e}"),
-            Self::TooFewTokens { tokens, needed } => write!(
-                f,
-                "the text has {tokens} tokens but one training sequence needs {needed} \
-                 (seq_len + 1); use more text or a shorter sequence"
-            ),
-            Self::InvalidArgument { message } => f.write_str(message),
-        }
-    }
-}
-
-impl std::error::Error for DataError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            Self::Io { source, .. } => Some(source),
-            Self::Tokenizer(e) => Some(e),
-            _ => None,
-        }
-    }
-}
-
-impl From<TokenizerError> for DataError {
-    fn from(e: TokenizerError) -> Self {
-        DataError::Tokenizer(e)
-    }
-}
-
-fn invalid(message: String) -> DataError {
-    DataError::InvalidArgument { message }
+/// The error of a corpus shorter than one training window of `seq_len + 1` tokens.
+fn too_few_tokens(tokens: usize, seq_len: usize) -> Error {
+    Error::invalid(
+        "the number of tokens in the text",
+        format!(
+            "at least {} (seq_len + 1, one training sequence); use more text or a shorter \
+             sequence",
+            seq_len.saturating_add(1)
+        ),
+        tokens,
+    )
 }
 
 impl TokenDataset {
@@ -88,28 +37,17 @@ impl TokenDataset {
     }
 
     /// Tokenizes `text` (no BOS/EOS added).
-    pub fn from_text(text: &str, tokenizer: &Tokenizer) -> Result<Self, DataError> {
+    pub fn from_text(text: &str, tokenizer: &Tokenizer) -> Result<Self, Error> {
         Ok(Self::from_tokens(tokenizer.encode(text)?))
     }
 
     /// Reads and tokenizes a UTF-8 text file, requiring at least one window of `seq_len + 1`
     /// tokens.
-    pub fn from_file(
-        path: &Path,
-        tokenizer: &Tokenizer,
-        seq_len: usize,
-    ) -> Result<Self, DataError> {
-        let text = fs::read_to_string(path).map_err(|source| DataError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+    pub fn from_file(path: &Path, tokenizer: &Tokenizer, seq_len: usize) -> Result<Self, Error> {
+        let text = fs::read_to_string(path).map_err(Error::io("read the text file", path))?;
         let dataset = Self::from_text(&text, tokenizer)?;
-        let needed = seq_len.saturating_add(1);
-        if dataset.len() < needed {
-            return Err(DataError::TooFewTokens {
-                tokens: dataset.len(),
-                needed,
-            });
+        if dataset.num_windows(seq_len) == 0 {
+            return Err(too_few_tokens(dataset.len(), seq_len));
         }
         Ok(dataset)
     }
@@ -139,21 +77,27 @@ impl TokenDataset {
     ///
     /// `validation_fraction` must be in `[0, 1)`; 0 gives an empty validation part, and any other
     /// value must leave both parts non-empty.
-    pub fn split(&self, validation_fraction: f64) -> Result<(Self, Self), DataError> {
+    pub fn split(&self, validation_fraction: f64) -> Result<(Self, Self), Error> {
         if !(0.0..1.0).contains(&validation_fraction) {
-            return Err(invalid(format!(
-                "validation fraction {validation_fraction} is out of range; it must be at least 0 \
-                 and below 1"
-            )));
+            return Err(Error::invalid(
+                "the validation fraction",
+                "at least 0 and below 1",
+                validation_fraction,
+            ));
         }
         let n = self.len();
         // The fraction is below 1, so the product is at most n.
         let validation = (n as f64 * validation_fraction).round() as usize;
         if validation_fraction > 0.0 && (validation == 0 || validation >= n) {
-            return Err(invalid(format!(
-                "validation fraction {validation_fraction} of {n} tokens leaves an empty train or \
-                 validation part; use a larger corpus or another fraction"
-            )));
+            return Err(Error::invalid(
+                format!("the validation part (fraction {validation_fraction} of {n} tokens)"),
+                format!(
+                    "1 to {} tokens, so that neither the train nor the validation part is \
+                     empty; use a larger corpus or another fraction",
+                    n.saturating_sub(1)
+                ),
+                format!("{validation} tokens"),
+            ));
         }
         let (train, val) = self.tokens.split_at(n - validation);
         Ok((
@@ -174,23 +118,24 @@ impl TokenDataset {
         seed: u64,
         batch: usize,
         seq_len: usize,
-    ) -> Result<(Vec<u32>, Vec<u32>), DataError> {
+    ) -> Result<(Vec<u32>, Vec<u32>), Error> {
         if batch == 0 || seq_len == 0 {
-            return Err(invalid(format!(
-                "batch size {batch} and sequence length {seq_len} must both be at least 1"
-            )));
+            return Err(Error::invalid(
+                "the batch size and sequence length",
+                "both at least 1",
+                format!("{batch} and {seq_len}"),
+            ));
         }
         let total = batch.checked_mul(seq_len).ok_or_else(|| {
-            invalid(format!(
-                "batch size {batch} times sequence length {seq_len} overflows usize"
-            ))
+            Error::invalid(
+                "batch size x sequence length",
+                "a product that fits in usize",
+                format!("{batch} x {seq_len}"),
+            )
         })?;
         let windows = self.num_windows(seq_len);
         if windows == 0 {
-            return Err(DataError::TooFewTokens {
-                tokens: self.len(),
-                needed: seq_len.saturating_add(1),
-            });
+            return Err(too_few_tokens(self.len(), seq_len));
         }
         let mut rng = SplitMix64::for_step(seed, step);
         let mut inputs = Vec::with_capacity(total);
@@ -283,14 +228,11 @@ mod tests {
         let data = positions(10);
         assert!(data.batch(0, 0, 1, 9).is_ok());
         let err = data.batch(0, 0, 1, 10).unwrap_err();
-        assert!(matches!(
-            err,
-            DataError::TooFewTokens {
-                tokens: 10,
-                needed: 11
-            }
-        ));
-        assert!(err.to_string().contains("needs 11"), "{err}");
+        assert!(
+            matches!(err, Error::Invalid { ref got, ref expected, .. }
+                if got == "10" && expected.starts_with("at least 11 (seq_len + 1")),
+            "{err}"
+        );
         assert!(data.batch(0, 0, 0, 4).is_err());
         assert!(data.batch(0, 0, 2, 0).is_err());
         assert!(data.batch(0, 0, usize::MAX, 2).is_err());
@@ -320,18 +262,13 @@ mod tests {
         fs::create_dir_all(&dir).unwrap();
         let path = dir.join("corpus.txt");
         let err = TokenDataset::from_file(&path, &tok, 4).unwrap_err();
-        assert!(matches!(err, DataError::Io { .. }));
+        assert!(matches!(err, Error::Io { .. }), "{err}");
         assert!(err.to_string().contains("corpus.txt"), "{err}");
         fs::write(&path, "abcd").unwrap();
         let err = TokenDataset::from_file(&path, &tok, 4).unwrap_err();
         assert!(
-            matches!(
-                err,
-                DataError::TooFewTokens {
-                    tokens: 4,
-                    needed: 5
-                }
-            ),
+            matches!(err, Error::Invalid { ref got, ref expected, .. }
+                if got == "4" && expected.starts_with("at least 5 (seq_len + 1")),
             "{err}"
         );
         fs::write(&path, "abcde").unwrap();

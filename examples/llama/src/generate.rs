@@ -1,14 +1,13 @@
 //! Text generation from a trained [`Llama`]: greedy decoding or top-k sampling, one token at a
 //! time from the last `context` tokens (no key/value cache: a short sample after training).
 
-use core::fmt;
-
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_distflash::layers::AttentionContext;
-use burn_distflash::{CheckpointBackend, DistributedError};
+use burn_distflash::CheckpointBackend;
 
 use crate::model::Llama;
 use crate::rng::SplitMix64;
+use crate::Error;
 
 /// How the next token is chosen from the model's logits.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -25,32 +24,6 @@ pub enum Sampling {
         /// Seed of the draws: the same seed, model and prompt give the same text.
         seed: u64,
     },
-}
-
-/// Why generation could not run.
-#[derive(Debug)]
-pub enum GenerateError {
-    /// The prompt, the context length or the sampling settings are unusable.
-    Input(String),
-    /// The model refused its input.
-    Model(DistributedError),
-}
-
-impl fmt::Display for GenerateError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Input(what) => write!(f, "generation: {what}"),
-            Self::Model(e) => write!(f, "generation: {e}"),
-        }
-    }
-}
-
-impl std::error::Error for GenerateError {}
-
-impl From<DistributedError> for GenerateError {
-    fn from(e: DistributedError) -> Self {
-        Self::Model(e)
-    }
 }
 
 /// The candidates' ids in order of decreasing logit (ties: lower id first).
@@ -93,22 +66,20 @@ pub fn generate<B: CheckpointBackend>(
     new_tokens: usize,
     context: usize,
     sampling: Sampling,
-) -> Result<Vec<u32>, GenerateError> {
+) -> Result<Vec<u32>, Error> {
     let vocab = model.embedding.weight.dims()[0];
     if prompt.is_empty() {
-        return Err(GenerateError::Input(
-            "the prompt is empty; give at least one token".into(),
-        ));
+        return Err(Error::invalid("the prompt", "at least one token", "empty"));
     }
     if let Some(&id) = prompt.iter().find(|&&id| id as usize >= vocab) {
-        return Err(GenerateError::Input(format!(
-            "prompt token {id} is outside the model's vocabulary of {vocab}"
-        )));
+        return Err(Error::invalid(
+            "a prompt token",
+            format!("an id inside the model's vocabulary of {vocab} (ids 0..{vocab})"),
+            id,
+        ));
     }
     if context == 0 {
-        return Err(GenerateError::Input(
-            "the context length must be at least 1".into(),
-        ));
+        return Err(Error::invalid("the context length", "at least 1", 0));
     }
     let mut seed = 0;
     if let Sampling::TopK {
@@ -118,10 +89,11 @@ pub fn generate<B: CheckpointBackend>(
     } = sampling
     {
         if k == 0 || !(temperature.is_finite() && temperature > 0.0) {
-            return Err(GenerateError::Input(format!(
-                "top-k needs k >= 1 and a finite temperature above 0; got k {k}, temperature \
-                 {temperature}"
-            )));
+            return Err(Error::invalid(
+                "top-k's k and temperature",
+                "k >= 1 and a finite temperature above 0",
+                format!("k {k}, temperature {temperature}"),
+            ));
         }
         seed = s;
     }
@@ -133,14 +105,19 @@ pub fn generate<B: CheckpointBackend>(
         let ids: Vec<i64> = window.iter().map(|&t| i64::from(t)).collect();
         let input =
             Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, window.len()]), &device);
-        let logits = model.forward(input, &AttentionContext::Local)?;
+        let logits = model
+            .forward(input, &AttentionContext::Local)
+            .map_err(|source| Error::Attention {
+                during: "generation",
+                source,
+            })?;
         let last = logits
             .slice([0..1, window.len() - 1..window.len(), 0..vocab])
             .into_data()
             .convert::<f32>();
-        let last = last.as_slice::<f32>().map_err(|e| {
-            GenerateError::Input(format!("the logits could not be read as f32: {e:?}"))
-        })?;
+        let last = last
+            .as_slice::<f32>()
+            .map_err(|e| Error::invalid("the logits", "readable as f32", format!("{e:?}")))?;
         tokens.push(pick(last, sampling, &mut rng) as u32);
     }
     Ok(tokens)

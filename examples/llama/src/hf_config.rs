@@ -4,13 +4,13 @@
 //! `transformers` 4.x) and the `rope_parameters` object that `transformers` 5 writes. Writes the
 //! classic layout, which both versions load.
 
-use std::fmt;
 use std::fs;
-use std::io;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
+
+use crate::Error;
 
 /// The RoPE scaling of a Llama 3.1-style model (`rope_type == "llama3"`).
 #[derive(Debug, Clone, PartialEq)]
@@ -75,12 +75,18 @@ impl HfLlamaConfig {
     /// `num_attention_heads`; positive finite `rms_norm_eps` and `rope_theta`; and for Llama 3
     /// scaling a positive `factor`, `0 < low_freq_factor < high_freq_factor`, and a positive
     /// `original_max_position_embeddings`.
-    pub fn validate(&self) -> Result<(), HfConfigError> {
-        self.check()
-            .map_err(|reason| HfConfigError::Invalid { path: None, reason })
+    pub fn validate(&self) -> Result<(), Error> {
+        self.check(None)
     }
 
-    fn check(&self) -> Result<(), String> {
+    /// [`validate`](Self::validate), naming `path` (the file read or to be written) in errors.
+    fn check(&self, path: Option<&Path>) -> Result<(), Error> {
+        let invalid = |what: &str, expected: &str, got: String| Error::Invalid {
+            path: path.map(Path::to_path_buf),
+            what: format!("the Llama config's {what}"),
+            expected: expected.to_string(),
+            got,
+        };
         let sizes = [
             ("hidden_size", self.hidden_size),
             ("intermediate_size", self.intermediate_size),
@@ -89,185 +95,87 @@ impl HfLlamaConfig {
             ("num_hidden_layers", self.num_hidden_layers),
             ("vocab_size", self.vocab_size),
             ("max_position_embeddings", self.max_position_embeddings),
+            ("head_dim", self.head_dim.unwrap_or(1)),
         ];
         for (name, value) in sizes {
             if value == 0 {
-                return Err(format!("`{name}` is 0; it must be at least 1"));
+                return Err(invalid(&format!("`{name}`"), "at least 1", "0".into()));
             }
         }
-        match self.head_dim {
-            Some(0) => return Err("`head_dim` is 0; it must be at least 1".to_string()),
-            Some(_) => {}
-            None if !self.hidden_size.is_multiple_of(self.num_attention_heads) => {
-                return Err(format!(
-                "`num_attention_heads` ({}) does not divide `hidden_size` ({}); it must, unless \
-                     `head_dim` is given",
-                self.num_attention_heads, self.hidden_size
-            ))
-            }
-            None => {}
+        if self.head_dim.is_none() && !self.hidden_size.is_multiple_of(self.num_attention_heads) {
+            return Err(invalid(
+                "`hidden_size` / `num_attention_heads`",
+                "a whole number (`num_attention_heads` must divide `hidden_size` unless \
+                 `head_dim` is given)",
+                format!("{} / {}", self.hidden_size, self.num_attention_heads),
+            ));
         }
         let head_dim = self.resolved_head_dim();
         if !head_dim.is_multiple_of(2) {
-            return Err(format!(
-                "the head width is {head_dim}; it must be even because rotary embeddings rotate \
-                 pairs of dimensions"
+            return Err(invalid(
+                "head width",
+                "an even number, because rotary embeddings rotate pairs of dimensions",
+                head_dim.to_string(),
             ));
         }
         if !self
             .num_attention_heads
             .is_multiple_of(self.num_key_value_heads)
         {
-            return Err(format!(
-                "`num_key_value_heads` ({}) does not divide `num_attention_heads` ({}); each \
-                 key/value head must serve the same number of query heads",
-                self.num_key_value_heads, self.num_attention_heads
+            return Err(invalid(
+                "`num_attention_heads` / `num_key_value_heads`",
+                "a whole number (`num_key_value_heads` must divide `num_attention_heads`: each \
+                 key/value head serves the same number of query heads)",
+                format!(
+                    "{} / {}",
+                    self.num_attention_heads, self.num_key_value_heads
+                ),
             ));
         }
+        let positive = "a finite number above 0";
         for (name, value) in [
             ("rms_norm_eps", self.rms_norm_eps),
             ("rope_theta", self.rope_theta),
         ] {
             if !(value.is_finite() && value > 0.0) {
-                return Err(format!(
-                    "`{name}` is {value}; it must be a finite number above 0"
-                ));
+                return Err(invalid(&format!("`{name}`"), positive, value.to_string()));
             }
         }
         if let Some(s) = &self.rope_scaling {
             if s.rope_type != "llama3" {
-                return Err(format!(
-                    "`rope_scaling.rope_type` is \"{}\"; only \"llama3\" is supported (use no \
-                     rope_scaling for the default)",
-                    s.rope_type
-                ));
+                return Err(Error::Unsupported {
+                    path: path.map(Path::to_path_buf),
+                    what: "the Llama config's `rope_scaling.rope_type`".to_string(),
+                    expected: "\"llama3\" (use no rope_scaling for the default)".to_string(),
+                    got: format!("\"{}\"", s.rope_type),
+                });
             }
             if !(s.factor.is_finite() && s.factor > 0.0) {
-                return Err(format!(
-                    "`rope_scaling.factor` is {}; it must be a finite number above 0",
-                    s.factor
+                return Err(invalid(
+                    "`rope_scaling.factor`",
+                    positive,
+                    s.factor.to_string(),
                 ));
             }
             let ordered = s.low_freq_factor > 0.0
                 && s.high_freq_factor.is_finite()
                 && s.low_freq_factor < s.high_freq_factor;
             if !ordered {
-                return Err(format!(
-                    "`rope_scaling` has low_freq_factor {} and high_freq_factor {}; they must \
-                     satisfy 0 < low_freq_factor < high_freq_factor",
-                    s.low_freq_factor, s.high_freq_factor
+                return Err(invalid(
+                    "`rope_scaling` low_freq_factor and high_freq_factor",
+                    "0 < low_freq_factor < high_freq_factor",
+                    format!("{} and {}", s.low_freq_factor, s.high_freq_factor),
                 ));
             }
             if s.original_max_position_embeddings == 0 {
-                return Err(
-                    "`rope_scaling.original_max_position_embeddings` is 0; it must be at least 1"
-                        .to_string(),
-                );
+                return Err(invalid(
+                    "`rope_scaling.original_max_position_embeddings`",
+                    "at least 1",
+                    "0".into(),
+                ));
             }
         }
         Ok(())
-    }
-}
-
-/// Everything that can go wrong reading or writing a `config.json`.
-#[derive(Debug)]
-pub enum HfConfigError {
-    /// The file could not be read or written (including a missing file).
-    Io {
-        /// The file involved.
-        path: PathBuf,
-        /// The underlying error.
-        source: io::Error,
-    },
-    /// The file is not valid JSON, not an object, or a field has the wrong JSON type.
-    Json {
-        /// The file involved.
-        path: PathBuf,
-        /// What was wrong, with serde's message.
-        message: String,
-    },
-    /// A required field is absent or `null`.
-    MissingField {
-        /// The file involved.
-        path: PathBuf,
-        /// The field's name (`rope_scaling.factor` for nested fields).
-        field: String,
-    },
-    /// `model_type` is present and is not `"llama"`.
-    WrongModelType {
-        /// The file involved.
-        path: PathBuf,
-        /// The `model_type` found.
-        model_type: String,
-    },
-    /// The RoPE scaling type is neither `"llama3"` nor `"default"`.
-    UnsupportedRopeType {
-        /// The file involved.
-        path: PathBuf,
-        /// The type found.
-        rope_type: String,
-    },
-    /// The config asks for a Llama variant this crate does not implement (activation, biases).
-    Unsupported {
-        /// The file involved.
-        path: PathBuf,
-        /// What is unsupported and what is.
-        reason: String,
-    },
-    /// The values are inconsistent (see [`HfLlamaConfig::validate`]).
-    Invalid {
-        /// The file involved, when the config came from or goes to one.
-        path: Option<PathBuf>,
-        /// What was wrong and what is allowed.
-        reason: String,
-    },
-}
-
-impl fmt::Display for HfConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Io { path, source } if source.kind() == io::ErrorKind::NotFound => {
-                write!(f, "config file {} does not exist", path.display())
-            }
-            Self::Io { path, source } => write!(f, "I/O error on {}: {source}", path.display()),
-            Self::Json { path, message } => {
-                write!(
-                    f,
-                    "{} is not a valid config.json: {message}",
-                    path.display()
-                )
-            }
-            Self::MissingField { path, field } => write!(
-                f,
-                "{} lacks the required field `{field}` (or it is null)",
-                path.display()
-            ),
-            Self::WrongModelType { path, model_type } => write!(
-                f,
-                "{} has model_type \"{model_type}\"; only \"llama\" is supported",
-                path.display()
-            ),
-            Self::UnsupportedRopeType { path, rope_type } => write!(
-                f,
-                "{} uses RoPE scaling type \"{rope_type}\"; only \"llama3\" and \"default\" are \
-                 supported",
-                path.display()
-            ),
-            Self::Unsupported { path, reason } => write!(f, "{}: {reason}", path.display()),
-            Self::Invalid { path, reason } => match path {
-                Some(path) => write!(f, "invalid Llama config {}: {reason}", path.display()),
-                None => write!(f, "invalid Llama config: {reason}"),
-            },
-        }
-    }
-}
-
-impl std::error::Error for HfConfigError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            Self::Io { source, .. } => Some(source),
-            _ => None,
-        }
     }
 }
 
@@ -280,24 +188,41 @@ struct Fields<'a> {
 
 impl Fields<'_> {
     /// The field's value; `None` when absent or `null`.
-    fn optional<T: DeserializeOwned>(&self, key: &str) -> Result<Option<T>, HfConfigError> {
+    fn optional<T: DeserializeOwned>(&self, key: &str) -> Result<Option<T>, Error> {
         match self.object.get(key) {
             None | Some(Value::Null) => Ok(None),
-            Some(value) => T::deserialize(value)
-                .map(Some)
-                .map_err(|e| HfConfigError::Json {
-                    path: self.path.to_path_buf(),
-                    message: format!("field `{}{key}`: {e}", self.prefix),
-                }),
+            Some(value) => T::deserialize(value).map(Some).map_err(|e| Error::Format {
+                path: Some(self.path.to_path_buf()),
+                what: format!("field `{}{key}`", self.prefix),
+                expected: format!("a value of type {}", short_type_name::<T>()),
+                source: Box::new(e),
+            }),
         }
     }
 
-    fn required<T: DeserializeOwned>(&self, key: &str) -> Result<T, HfConfigError> {
-        self.optional(key)?
-            .ok_or_else(|| HfConfigError::MissingField {
-                path: self.path.to_path_buf(),
-                field: format!("{}{key}", self.prefix),
-            })
+    fn required<T: DeserializeOwned>(&self, key: &str) -> Result<T, Error> {
+        self.optional(key)?.ok_or_else(|| Error::MissingField {
+            path: self.path.to_path_buf(),
+            field: format!("{}{key}", self.prefix),
+        })
+    }
+}
+
+/// `T`'s name without its module path (`usize`, `String`).
+fn short_type_name<T>() -> &'static str {
+    let name = std::any::type_name::<T>();
+    name.rsplit("::").next().unwrap_or(name)
+}
+
+/// The JSON type of `value`, for errors.
+fn json_type(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
     }
 }
 
@@ -307,11 +232,13 @@ struct RopeSettings {
     scaling: Option<HfRopeScaling>,
 }
 
-fn parse_rope(path: &Path, name: &str, value: &Value) -> Result<RopeSettings, HfConfigError> {
+fn parse_rope(path: &Path, name: &str, value: &Value) -> Result<RopeSettings, Error> {
     let Value::Object(object) = value else {
-        return Err(HfConfigError::Json {
-            path: path.to_path_buf(),
-            message: format!("field `{name}` must be an object or null"),
+        return Err(Error::Invalid {
+            path: Some(path.to_path_buf()),
+            what: format!("field `{name}`"),
+            expected: "an object or null".to_string(),
+            got: json_type(value).to_string(),
         });
     };
     let prefix = format!("{name}.");
@@ -338,24 +265,30 @@ fn parse_rope(path: &Path, name: &str, value: &Value) -> Result<RopeSettings, Hf
                 .required("original_max_position_embeddings")?,
         }),
         _ => {
-            return Err(HfConfigError::UnsupportedRopeType {
-                path: path.to_path_buf(),
-                rope_type,
+            return Err(Error::Unsupported {
+                path: Some(path.to_path_buf()),
+                what: format!("the RoPE scaling type in `{name}`"),
+                expected: "\"llama3\" and \"default\"".to_string(),
+                got: format!("\"{rope_type}\""),
             })
         }
     };
     Ok(RopeSettings { theta, scaling })
 }
 
-fn parse_config(path: &Path, text: &str) -> Result<HfLlamaConfig, HfConfigError> {
-    let value: Value = serde_json::from_str(text).map_err(|e| HfConfigError::Json {
-        path: path.to_path_buf(),
-        message: e.to_string(),
+fn parse_config(path: &Path, text: &str) -> Result<HfLlamaConfig, Error> {
+    let value: Value = serde_json::from_str(text).map_err(|e| Error::Format {
+        path: Some(path.to_path_buf()),
+        what: "the text".to_string(),
+        expected: "JSON".to_string(),
+        source: Box::new(e),
     })?;
     let Value::Object(object) = &value else {
-        return Err(HfConfigError::Json {
-            path: path.to_path_buf(),
-            message: "the top level must be a JSON object".to_string(),
+        return Err(Error::Invalid {
+            path: Some(path.to_path_buf()),
+            what: "the top level".to_string(),
+            expected: "a JSON object".to_string(),
+            got: json_type(&value).to_string(),
         });
     };
     let fields = Fields {
@@ -363,30 +296,37 @@ fn parse_config(path: &Path, text: &str) -> Result<HfLlamaConfig, HfConfigError>
         object,
         prefix: "",
     };
+    let unsupported = |key: &str, expected: &str, got: String| Error::Unsupported {
+        path: Some(path.to_path_buf()),
+        what: format!("`{key}`"),
+        expected: expected.to_string(),
+        got,
+    };
     if let Some(model_type) = fields.optional::<String>("model_type")? {
         if model_type != "llama" {
-            return Err(HfConfigError::WrongModelType {
-                path: path.to_path_buf(),
-                model_type,
-            });
+            return Err(unsupported(
+                "model_type",
+                "\"llama\"",
+                format!("\"{model_type}\""),
+            ));
         }
     }
-    let unsupported = |reason: String| HfConfigError::Unsupported {
-        path: path.to_path_buf(),
-        reason,
-    };
     if let Some(act) = fields.optional::<String>("hidden_act")? {
         if act != "silu" {
-            return Err(unsupported(format!(
-                "`hidden_act` is \"{act}\"; only \"silu\" (SwiGLU) is supported"
-            )));
+            return Err(unsupported(
+                "hidden_act",
+                "\"silu\" (SwiGLU)",
+                format!("\"{act}\""),
+            ));
         }
     }
     for key in ["attention_bias", "mlp_bias"] {
         if fields.optional::<bool>(key)? == Some(true) {
-            return Err(unsupported(format!(
-                "`{key}` is true; only bias-free Llama projections are supported"
-            )));
+            return Err(unsupported(
+                key,
+                "false (bias-free Llama projections)",
+                "true".to_string(),
+            ));
         }
     }
 
@@ -419,10 +359,7 @@ fn parse_config(path: &Path, text: &str) -> Result<HfLlamaConfig, HfConfigError>
         max_position_embeddings: fields.optional("max_position_embeddings")?.unwrap_or(2048),
         head_dim: fields.optional("head_dim")?,
     };
-    config.check().map_err(|reason| HfConfigError::Invalid {
-        path: Some(path.to_path_buf()),
-        reason,
-    })?;
+    config.check(Some(path))?;
     Ok(config)
 }
 
@@ -431,11 +368,8 @@ fn parse_config(path: &Path, text: &str) -> Result<HfLlamaConfig, HfConfigError>
 /// Defaults follow `transformers`' `LlamaConfig`. Besides the errors of
 /// [`HfLlamaConfig::validate`], rejects a `model_type` other than `"llama"`, a `hidden_act` other
 /// than `"silu"`, and `attention_bias` or `mlp_bias` set to true.
-pub fn read_hf_config(path: &Path) -> Result<HfLlamaConfig, HfConfigError> {
-    let text = fs::read_to_string(path).map_err(|source| HfConfigError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
+pub fn read_hf_config(path: &Path) -> Result<HfLlamaConfig, Error> {
+    let text = fs::read_to_string(path).map_err(Error::io("read the config file", path))?;
     parse_config(path, &text)
 }
 
@@ -444,11 +378,8 @@ pub fn read_hf_config(path: &Path) -> Result<HfLlamaConfig, HfConfigError> {
 /// Validates the config first, and writes `"model_type": "llama"`,
 /// `"architectures": ["LlamaForCausalLM"]`, `"hidden_act": "silu"`, no biases, and `rope_theta`
 /// with `rope_scaling` at the top level; `head_dim` is written only when set.
-pub fn write_hf_config(path: &Path, config: &HfLlamaConfig) -> Result<(), HfConfigError> {
-    config.check().map_err(|reason| HfConfigError::Invalid {
-        path: Some(path.to_path_buf()),
-        reason,
-    })?;
+pub fn write_hf_config(path: &Path, config: &HfLlamaConfig) -> Result<(), Error> {
+    config.check(Some(path))?;
     let mut object = serde_json::json!({
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -483,20 +414,20 @@ pub fn write_hf_config(path: &Path, config: &HfLlamaConfig) -> Result<(), HfConf
             );
         }
     }
-    let mut text = serde_json::to_string_pretty(&object).map_err(|e| HfConfigError::Json {
-        path: path.to_path_buf(),
-        message: e.to_string(),
+    let mut text = serde_json::to_string_pretty(&object).map_err(|e| Error::Format {
+        path: Some(path.to_path_buf()),
+        what: "the config to write".to_string(),
+        expected: "JSON".to_string(),
+        source: Box::new(e),
     })?;
     text.push('\n');
-    fs::write(path, text).map_err(|source| HfConfigError::Io {
-        path: path.to_path_buf(),
-        source,
-    })
+    fs::write(path, text).map_err(Error::io("write the config file", path))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io;
 
     use crate::temp_dir::TempDir;
 
@@ -512,7 +443,7 @@ mod tests {
     }"#;
 
     /// Parses `text` as if read from a file named `config.json`.
-    fn parse(text: &str) -> Result<HfLlamaConfig, HfConfigError> {
+    fn parse(text: &str) -> Result<HfLlamaConfig, Error> {
         parse_config(Path::new("config.json"), text)
     }
 
@@ -587,7 +518,10 @@ mod tests {
             Some(serde_json::json!({"rope_type": "yarn"})),
         ));
         let err = err.unwrap_err();
-        assert!(matches!(err, HfConfigError::UnsupportedRopeType { .. }));
+        assert!(
+            matches!(err, Error::Unsupported { ref got, .. } if got == "\"yarn\""),
+            "{err}"
+        );
         let msg = err.to_string();
         assert!(
             msg.contains("\"yarn\"") && msg.contains("\"llama3\" and \"default\""),
@@ -597,7 +531,7 @@ mod tests {
         let incomplete = serde_json::json!({"rope_type": "llama3", "factor": 8.0});
         let err = parse(&edited("rope_scaling", Some(incomplete))).unwrap_err();
         assert!(
-            matches!(err, HfConfigError::MissingField { ref field, .. } if field == "rope_scaling.low_freq_factor"),
+            matches!(err, Error::MissingField { ref field, .. } if field == "rope_scaling.low_freq_factor"),
             "{err}"
         );
         let reversed = serde_json::json!({"rope_type": "llama3", "factor": 8.0,
@@ -621,16 +555,20 @@ mod tests {
         ] {
             let err = parse(&edited(field, None)).unwrap_err();
             assert!(
-                matches!(err, HfConfigError::MissingField { field: ref f, .. } if f == field),
+                matches!(err, Error::MissingField { field: ref f, .. } if f == field),
                 "{field}: {err}"
             );
             assert!(err.to_string().contains(field));
         }
         let err = parse(&edited("hidden_size", Some("2048".into()))).unwrap_err();
-        assert!(matches!(err, HfConfigError::Json { .. }));
         assert!(
-            err.to_string()
-                .contains("field `hidden_size`: invalid type"),
+            matches!(err, Error::Format { ref what, .. } if what == "field `hidden_size`"),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains(
+                "field `hidden_size` is not a value of type usize: invalid type: string \"2048\""
+            ),
             "{err}"
         );
     }
@@ -638,17 +576,23 @@ mod tests {
     #[test]
     fn bad_json_reports_serde_message() {
         let err = parse(r#"{"hidden_size": 64,"#).unwrap_err();
-        assert!(matches!(err, HfConfigError::Json { .. }));
+        assert!(matches!(err, Error::Format { .. }), "{err}");
         assert!(err.to_string().contains("EOF while parsing"), "{err}");
         let err = parse("[1, 2]").unwrap_err();
-        assert!(err.to_string().contains("JSON object"), "{err}");
+        assert!(
+            matches!(err, Error::Invalid { ref expected, ref got, .. }
+                if expected == "a JSON object" && got == "an array"),
+            "{err}"
+        );
     }
 
     #[test]
     fn wrong_model_type_and_unsupported_variants() {
         let err = parse(&edited("model_type", Some("mistral".into()))).unwrap_err();
         assert!(
-            matches!(err, HfConfigError::WrongModelType { ref model_type, .. } if model_type == "mistral")
+            matches!(err, Error::Unsupported { ref what, ref got, .. }
+                if what == "`model_type`" && got == "\"mistral\""),
+            "{err}"
         );
         assert!(err.to_string().contains("only \"llama\""));
         let err = parse(&edited("hidden_act", Some("gelu".into()))).unwrap_err();
@@ -664,7 +608,7 @@ mod tests {
     fn inconsistent_values() {
         let expect = |text: String, needle: &str| {
             let err = parse(&text).unwrap_err();
-            assert!(matches!(err, HfConfigError::Invalid { .. }), "{err}");
+            assert!(matches!(err, Error::Invalid { .. }), "{err}");
             assert!(
                 err.to_string().contains(needle),
                 "expected `{needle}` in: {err}"
@@ -674,13 +618,13 @@ mod tests {
         let mut v: Value = serde_json::from_str(&edited("head_dim", None)).unwrap();
         v["num_attention_heads"] = 24.into();
         v["num_key_value_heads"] = 8.into();
-        expect(v.to_string(), "does not divide `hidden_size`");
+        expect(v.to_string(), "must divide `hidden_size`");
         v["head_dim"] = 64.into();
         assert_eq!(parse(&v.to_string()).unwrap().resolved_head_dim(), 64);
 
         expect(
             edited("num_key_value_heads", Some(5.into())),
-            "does not divide `num_attention_heads`",
+            "must divide `num_attention_heads`",
         );
         expect(edited("vocab_size", Some(0.into())), "`vocab_size` is 0");
         expect(
@@ -688,7 +632,10 @@ mod tests {
             "`num_hidden_layers` is 0",
         );
         expect(edited("head_dim", Some(0.into())), "`head_dim` is 0");
-        expect(edited("head_dim", Some(63.into())), "must be even");
+        expect(
+            edited("head_dim", Some(63.into())),
+            "is 63; expected an even number",
+        );
         expect(
             edited("rms_norm_eps", Some((-1.0).into())),
             "`rms_norm_eps` is -1",
@@ -700,9 +647,13 @@ mod tests {
         let tmp = TempDir::new("missing");
         let err = read_hf_config(&tmp.path().join("config.json")).unwrap_err();
         assert!(
-            matches!(err, HfConfigError::Io { ref source, .. } if source.kind() == io::ErrorKind::NotFound)
+            matches!(err, Error::Io { ref source, .. } if source.kind() == io::ErrorKind::NotFound),
+            "{err}"
         );
-        assert!(err.to_string().contains("does not exist"), "{err}");
+        assert!(
+            err.to_string().contains("cannot read the config file"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -747,7 +698,7 @@ mod tests {
         assert!(bad.validate().is_err());
         assert!(matches!(
             write_hf_config(&path, &bad),
-            Err(HfConfigError::Invalid { path: Some(_), .. })
+            Err(Error::Invalid { path: Some(_), .. })
         ));
     }
 }

@@ -1,10 +1,15 @@
 //! Llama models trained with burn-distflash's attention: the model and its configuration,
 //! loading Hugging Face weights, tokenizers, data, training (AdamW, schedule, clipping, gradient
 //! all-reduce, checkpoints) and its logs. The `llama_train` binary (`src/main.rs`) drives it.
+//!
+//! Every fallible function of this crate returns its one error type, [`Error`]; the model and
+//! its configuration return the plugin's errors (`ConfigError`, `DistributedError`) as the
+//! plugin's layers do.
 
 #![warn(missing_docs)]
 pub mod config;
 pub mod data;
+mod error;
 pub mod generate;
 pub mod hf_config;
 pub mod loss;
@@ -23,5 +28,6 @@ mod training_kernels;
 pub mod weights;
 
 pub use config::{LlamaConfig, PRESETS};
+pub use error::Error;
 pub use model::Llama;
 pub use training_kernels::TrainingKernels;

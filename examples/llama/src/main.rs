@@ -39,9 +39,9 @@ use distflash_llama::generate::{generate, Sampling};
 use distflash_llama::metrics::{read_metrics, write_loss_plot_svg, Curve, MetricsLog, StepMetrics};
 use distflash_llama::progress::ProgressBar;
 use distflash_llama::tokenizer::Tokenizer;
-use distflash_llama::train::{TrainBackend, TrainError, TrainOptions, Trainer};
+use distflash_llama::train::{TrainBackend, TrainOptions, Trainer};
 use distflash_llama::weights::load_hf_llama;
-use distflash_llama::{Llama, LlamaConfig};
+use distflash_llama::{Error, Llama, LlamaConfig};
 
 /// Everything the command line chose.
 #[derive(Clone)]
@@ -327,8 +327,10 @@ fn train_rank<B: TrainBackend>(
         let tokens_per_s = (o.batch * o.seq_len) as f64 / step_start.elapsed().as_secs_f64();
         let last = trainer.step == o.steps;
         let validate = args.val_every > 0 && (last || trainer.step % args.val_every == 0);
-        let val_loss =
-            validate.then(|| validation_loss(&trainer, &validation).unwrap_or_else(|e| fail(e)));
+        let val_loss = validate.then(|| {
+            validation_loss(&trainer, &validation)
+                .unwrap_or_else(|e| fail(format!("validation loss: {e}")))
+        });
         if let (Some(bar), Some(log)) = (bar.as_mut(), log.as_mut()) {
             bar.update(trainer.step, stats.loss, tokens_per_s);
             log.log(&StepMetrics {
@@ -384,13 +386,11 @@ fn train_rank<B: TrainBackend>(
 fn validation_loss<B: TrainBackend>(
     trainer: &Trainer<B>,
     validation: &TokenDataset,
-) -> Result<f64, TrainError> {
+) -> Result<f64, Error> {
     let o = &trainer.options;
     let mut total = 0.0;
     for i in 0..VALIDATION_BATCHES {
-        let (x, y) = validation
-            .batch(i, o.seed ^ VALIDATION_SEED, o.batch, o.seq_len)
-            .map_err(|e| TrainError::Input(format!("validation batch: {e}")))?;
+        let (x, y) = validation.batch(i, o.seed ^ VALIDATION_SEED, o.batch, o.seq_len)?;
         total += trainer.evaluate(&x, &y)?;
     }
     Ok(total / VALIDATION_BATCHES as f64)

@@ -3,12 +3,14 @@
 //!
 //! Non-finite numbers are written as `null` (JSON has no NaN or infinity) and read back as NaN.
 
-use std::fmt::{self, Write as _};
+use std::fmt::Write as _;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Deserializer, Serialize};
+
+use crate::Error;
 
 /// The metrics of one training step, one JSON object per log line.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -40,59 +42,9 @@ fn nan_if_null<'de, D: Deserializer<'de>>(deserializer: D) -> Result<f64, D::Err
     Ok(Option::<f64>::deserialize(deserializer)?.unwrap_or(f64::NAN))
 }
 
-/// Everything that can go wrong with a metrics log.
-#[derive(Debug)]
-pub enum MetricsError {
-    /// Opening, reading or writing the log failed.
-    Io {
-        /// The log file.
-        path: PathBuf,
-        /// The underlying error.
-        source: io::Error,
-    },
-    /// A line is not a metrics object.
-    Parse {
-        /// The log file.
-        path: PathBuf,
-        /// 1-based line number.
-        line: usize,
-        /// serde's message.
-        message: String,
-    },
-}
-
-impl fmt::Display for MetricsError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Io { path, source } => {
-                write!(f, "I/O error on metrics log {}: {source}", path.display())
-            }
-            Self::Parse {
-                path,
-                line,
-                message,
-            } => write!(
-                f,
-                "line {line} of metrics log {} is not a metrics object ({{\"step\", \"loss\", \
-                 \"lr\", \"tokens_per_s\", \"grad_norm\", \"elapsed_s\"}}): {message}",
-                path.display()
-            ),
-        }
-    }
-}
-
-impl std::error::Error for MetricsError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            Self::Io { source, .. } => Some(source),
-            Self::Parse { .. } => None,
-        }
-    }
-}
-
 /// Parses log text. A last line without a newline that does not parse is an interrupted write
 /// and is skipped; any other bad line is an error. Blank lines are ignored.
-fn parse_log(path: &Path, text: &str) -> Result<Vec<StepMetrics>, MetricsError> {
+fn parse_log(path: &Path, text: &str) -> Result<Vec<StepMetrics>, Error> {
     let unterminated_tail = !text.is_empty() && !text.ends_with('\n');
     let lines: Vec<&str> = text.lines().collect();
     let mut records = Vec::with_capacity(lines.len());
@@ -104,10 +56,13 @@ fn parse_log(path: &Path, text: &str) -> Result<Vec<StepMetrics>, MetricsError> 
             Ok(record) => records.push(record),
             Err(_) if unterminated_tail && k + 1 == lines.len() => {}
             Err(e) => {
-                return Err(MetricsError::Parse {
-                    path: path.to_path_buf(),
-                    line: k + 1,
-                    message: e.to_string(),
+                return Err(Error::Format {
+                    path: Some(path.to_path_buf()),
+                    what: format!("line {} of the metrics log", k + 1),
+                    expected: "a metrics object ({\"step\", \"loss\", \"lr\", \"tokens_per_s\", \
+                               \"grad_norm\", \"elapsed_s\"})"
+                        .to_string(),
+                    source: Box::new(e),
                 })
             }
         }
@@ -116,11 +71,8 @@ fn parse_log(path: &Path, text: &str) -> Result<Vec<StepMetrics>, MetricsError> 
 }
 
 /// Reads every record of a metrics log.
-pub fn read_metrics(path: &Path) -> Result<Vec<StepMetrics>, MetricsError> {
-    let text = fs::read_to_string(path).map_err(|source| MetricsError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
+pub fn read_metrics(path: &Path) -> Result<Vec<StepMetrics>, Error> {
+    let text = fs::read_to_string(path).map_err(Error::io("read the metrics log", path))?;
     parse_log(path, &text)
 }
 
@@ -133,11 +85,8 @@ pub struct MetricsLog {
 
 impl MetricsLog {
     /// Creates the log, emptying any existing file.
-    pub fn create(path: &Path) -> Result<Self, MetricsError> {
-        let file = File::create(path).map_err(|source| MetricsError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+    pub fn create(path: &Path) -> Result<Self, Error> {
+        let file = File::create(path).map_err(Error::io("create the metrics log", path))?;
         Ok(Self {
             path: path.to_path_buf(),
             file,
@@ -146,25 +95,24 @@ impl MetricsLog {
 
     /// Opens the log for appending, creating it if missing. An unterminated last line (an
     /// interrupted write) is removed first so new records start on a line of their own.
-    pub fn append(path: &Path) -> Result<Self, MetricsError> {
-        let io_err = |source| MetricsError::Io {
-            path: path.to_path_buf(),
-            source,
-        };
+    pub fn append(path: &Path) -> Result<Self, Error> {
         match fs::read(path) {
             Ok(bytes) if !bytes.is_empty() && bytes.last() != Some(&b'\n') => {
                 let keep = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |k| k + 1);
-                fs::write(path, &bytes[..keep]).map_err(io_err)?;
+                fs::write(path, &bytes[..keep]).map_err(Error::io(
+                    "cut the unterminated last line of the metrics log",
+                    path,
+                ))?;
             }
             Ok(_) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(io_err(e)),
+            Err(e) => return Err(Error::io("read the metrics log", path)(e)),
         }
         let file = OpenOptions::new()
             .create(true)
             .append(true)
             .open(path)
-            .map_err(io_err)?;
+            .map_err(Error::io("open the metrics log for appending", path))?;
         Ok(Self {
             path: path.to_path_buf(),
             file,
@@ -174,19 +122,14 @@ impl MetricsLog {
     /// Opens the log to continue a run resumed from a checkpoint taken after `last_step`:
     /// records with a larger step (written after that checkpoint) are dropped, then new records
     /// are appended. A missing file starts an empty log.
-    pub fn resume(path: &Path, last_step: u64) -> Result<Self, MetricsError> {
+    pub fn resume(path: &Path, last_step: u64) -> Result<Self, Error> {
         let kept: Vec<StepMetrics> = match fs::read_to_string(path) {
             Ok(text) => parse_log(path, &text)?
                 .into_iter()
                 .filter(|r| r.step <= last_step)
                 .collect(),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Vec::new(),
-            Err(source) => {
-                return Err(MetricsError::Io {
-                    path: path.to_path_buf(),
-                    source,
-                })
-            }
+            Err(e) => return Err(Error::io("read the metrics log", path)(e)),
         };
         let mut log = Self::create(path)?;
         for record in &kept {
@@ -196,15 +139,17 @@ impl MetricsLog {
     }
 
     /// Appends one record as a single JSON line.
-    pub fn log(&mut self, metrics: &StepMetrics) -> Result<(), MetricsError> {
-        let io_err = |source| MetricsError::Io {
-            path: self.path.clone(),
-            source,
-        };
-        let mut line = serde_json::to_string(metrics)
-            .map_err(|e| io_err(io::Error::new(io::ErrorKind::InvalidData, e)))?;
+    pub fn log(&mut self, metrics: &StepMetrics) -> Result<(), Error> {
+        let mut line = serde_json::to_string(metrics).map_err(|e| Error::Format {
+            path: Some(self.path.clone()),
+            what: format!("the record of step {}", metrics.step),
+            expected: "serialisable as JSON".to_string(),
+            source: Box::new(e),
+        })?;
         line.push('\n');
-        self.file.write_all(line.as_bytes()).map_err(io_err)
+        self.file
+            .write_all(line.as_bytes())
+            .map_err(Error::io("write to the metrics log", &self.path))
     }
 
     /// The log's path.
@@ -463,8 +408,8 @@ pub fn loss_curves_svg(curves: &[Curve<'_>], title: &str) -> String {
 }
 
 /// Writes [`loss_curves_svg`] of `curves` to `path`.
-pub fn write_loss_plot_svg(curves: &[Curve<'_>], path: &Path, title: &str) -> io::Result<()> {
-    fs::write(path, loss_curves_svg(curves, title))
+pub fn write_loss_plot_svg(curves: &[Curve<'_>], path: &Path, title: &str) -> Result<(), Error> {
+    fs::write(path, loss_curves_svg(curves, title)).map_err(Error::io("write the loss plot", path))
 }
 
 #[cfg(test)]
@@ -588,13 +533,16 @@ mod tests {
         let good = serde_json::to_string(&record(1, 1.0)).unwrap();
         fs::write(&path, format!("{good}\n\n{{\"step\": 2}}\n{good}\n")).unwrap();
         let err = read_metrics(&path).unwrap_err();
-        assert!(matches!(err, MetricsError::Parse { line: 3, .. }), "{err}");
+        assert!(
+            matches!(err, Error::Format { ref what, .. } if what == "line 3 of the metrics log"),
+            "{err}"
+        );
         assert!(
             err.to_string().contains("line 3") && err.to_string().contains("loss"),
             "{err}"
         );
         let err = read_metrics(&tmp.path().join("absent.jsonl")).unwrap_err();
-        assert!(matches!(err, MetricsError::Io { .. }));
+        assert!(matches!(err, Error::Io { .. }), "{err}");
     }
 
     #[test]

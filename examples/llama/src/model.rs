@@ -1,13 +1,15 @@
 //! [`Llama`]: token embedding, [`TransformerBlock`]s, final RMSNorm and the output projection
 //! (tied to the embedding or not), with the next-token cross-entropy loss.
 
-use burn::module::Module;
+use burn::module::{Module, ModuleMapper, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{Int, Tensor, TensorData};
 
 use super::config::LlamaConfig;
 use super::loss::CrossEntropyBackend;
+use super::rng::SplitMix64;
+use super::weights::load_param;
 use burn_distflash::layers::{
     linear, AttentionContext, ConfigError, RmsNorm, RmsNormConfig, TransformerBlock,
     TransformerBlockConfig,
@@ -27,6 +29,9 @@ pub struct Llama<B: Backend> {
     pub lm_head: Option<Linear<B>>,
 }
 
+/// Standard deviation of the initial weight matrices.
+const INIT_STD: f64 = 0.02;
+
 impl LlamaConfig {
     /// The model with freshly initialised weights (normal, std 0.02), or what is wrong with the
     /// configuration.
@@ -37,7 +42,7 @@ impl LlamaConfig {
         self.validate()?;
         let init = Initializer::Normal {
             mean: 0.0,
-            std: 0.02,
+            std: INIT_STD,
         };
         let block =
             TransformerBlockConfig::new(self.attention().with_initializer(init.clone()), self.d_ff)
@@ -61,6 +66,48 @@ impl LlamaConfig {
                     .init(device)
             }),
         })
+    }
+
+    /// [`try_init`](Self::try_init) with the weight matrices drawn (normal, std 0.02) from a
+    /// splitmix64 stream seeded with `seed`, not from the backend's generator: that one is
+    /// shared by every thread of the process and, as Burn initialises weights lazily, drawn
+    /// from whenever a weight is first read. The same seed gives the same weights in every run
+    /// (rounded to the backend's float type), whatever other threads do. The norm scales keep
+    /// their initial ones.
+    pub fn try_init_seeded<B: FlashAttentionBackend>(
+        &self,
+        device: &B::Device,
+        seed: u64,
+    ) -> Result<Llama<B>, ConfigError> {
+        let model = self.try_init::<B>(device)?;
+        Ok(model.map(&mut SeededMatrices {
+            seed,
+            index: 0,
+            device: device.clone(),
+        }))
+    }
+}
+
+/// Replaces every weight matrix of a module, in visiting order, with normal values (std
+/// [`INIT_STD`]) from the stream `(seed, index)`; vectors (the norm scales) are kept.
+struct SeededMatrices<B: Backend> {
+    seed: u64,
+    index: u64,
+    device: B::Device,
+}
+
+impl<B: Backend> ModuleMapper<B> for SeededMatrices<B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        if D < 2 {
+            return param;
+        }
+        let shape = param.lazy_shape();
+        let mut rng = SplitMix64::for_step(self.seed, self.index);
+        self.index += 1;
+        let values: Vec<f32> = (0..shape.num_elements())
+            .map(|_| (INIT_STD * rng.normal()) as f32)
+            .collect();
+        load_param(param, TensorData::new(values, shape), &self.device)
     }
 }
 
@@ -121,5 +168,34 @@ impl<B: CheckpointBackend> Llama<B> {
         let rows = batch * seq;
         let sum = B::cross_entropy_sum(logits.reshape([rows, vocab]), targets.reshape([rows]));
         Ok(sum.div_scalar(normalizer as f64))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::NdArray;
+
+    fn values<const D: usize>(param: &Param<Tensor<NdArray, D>>) -> Vec<f32> {
+        param.val().into_data().to_vec().unwrap()
+    }
+
+    #[test]
+    fn seeded_weights_depend_on_the_seed_alone() {
+        let config = LlamaConfig::new(64, 32, 1, 2, 2, 48);
+        let device = Default::default();
+        let a = config.try_init_seeded::<NdArray>(&device, 7).unwrap();
+        let b = config.try_init_seeded::<NdArray>(&device, 7).unwrap();
+        let c = config.try_init_seeded::<NdArray>(&device, 8).unwrap();
+        let embedding = values(&a.embedding.weight);
+        assert_eq!(embedding, values(&b.embedding.weight));
+        assert_ne!(embedding, values(&c.embedding.weight));
+        let up = values(&a.blocks[0].ffn.up.weight);
+        assert_eq!(up, values(&b.blocks[0].ffn.up.weight));
+        assert_ne!(up, embedding[..up.len()], "each matrix has its own stream");
+        let n = embedding.len() as f64;
+        let std = (embedding.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>() / n).sqrt();
+        assert!((std - INIT_STD).abs() < 0.1 * INIT_STD, "std {std}");
+        assert!(values(&a.norm.weight).iter().all(|&v| v == 1.0));
     }
 }

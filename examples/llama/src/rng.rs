@@ -1,5 +1,5 @@
 //! The splitmix64 generator (Steele, Lea and Flood, 2014): small, fast and deterministic, for
-//! batch positions and sampling.
+//! batch positions, sampling and seeded initial weights.
 
 /// A splitmix64 stream.
 pub(crate) struct SplitMix64(pub(crate) u64);
@@ -31,6 +31,13 @@ impl SplitMix64 {
     pub(crate) fn unit(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
+
+    /// A standard normal value (Box-Muller, from two uniform values).
+    pub(crate) fn normal(&mut self) -> f64 {
+        // `1 - unit` lies in (0, 1], so its logarithm is finite.
+        let radius = (-2.0 * (1.0 - self.unit()).ln()).sqrt();
+        radius * (std::f64::consts::TAU * self.unit()).cos()
+    }
 }
 
 #[cfg(test)]
@@ -52,5 +59,17 @@ mod tests {
         assert!(values.iter().all(|v| (0.0..1.0).contains(v)));
         let mean = values.iter().sum::<f64>() / 1000.0;
         assert!((mean - 0.5).abs() < 0.05, "mean {mean}");
+    }
+
+    #[test]
+    fn normal_values_have_mean_0_and_variance_1() {
+        let mut rng = SplitMix64(11);
+        let values: Vec<f64> = (0..20_000).map(|_| rng.normal()).collect();
+        assert!(values.iter().all(|v| v.is_finite()));
+        let mean = values.iter().sum::<f64>() / 20_000.0;
+        let variance = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / 20_000.0;
+        // Standard errors: 0.007 for the mean, 0.01 for the variance.
+        assert!(mean.abs() < 0.04, "mean {mean}");
+        assert!((variance - 1.0).abs() < 0.05, "variance {variance}");
     }
 }

@@ -10,7 +10,6 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::fs::{self, File};
-use std::io;
 use std::path::{Component, Path, PathBuf};
 
 use burn::tensor::{DType, TensorData};
@@ -19,109 +18,24 @@ use safetensors::tensor::Metadata;
 use safetensors::{Dtype, SafeTensorError, SafeTensors, View};
 use serde::Deserialize;
 
+use crate::Error;
+
 /// File name of a single-file checkpoint inside a model directory.
 pub const SINGLE_FILE_NAME: &str = "model.safetensors";
 
 /// File name of the shard index of a sharded checkpoint inside a model directory.
 pub const INDEX_FILE_NAME: &str = "model.safetensors.index.json";
 
-/// Everything that can go wrong reading or writing safetensors files.
-#[derive(Debug)]
-pub enum SafeTensorsError {
-    /// Opening, mapping, writing or renaming a file failed.
-    Io {
-        /// The file involved.
-        path: PathBuf,
-        /// The underlying error.
-        source: io::Error,
-    },
-    /// The file is not valid safetensors (the `safetensors` crate's message says why).
-    Invalid {
-        /// The file involved.
-        path: PathBuf,
-        /// What the `safetensors` crate reported.
-        reason: String,
-    },
-    /// A tensor is stored, or asked to be written, in a dtype other than F32, F16 or BF16.
-    UnsupportedDType {
-        /// The file involved.
-        path: PathBuf,
-        /// The tensor's name.
-        tensor: String,
-        /// The dtype found.
-        dtype: String,
-    },
-    /// A model directory holds neither `model.safetensors` nor `model.safetensors.index.json`.
-    NoModelFiles {
-        /// The directory searched.
-        dir: PathBuf,
-    },
-    /// The shard index `model.safetensors.index.json` is invalid or disagrees with the shards.
-    InvalidIndex {
-        /// The index file.
-        path: PathBuf,
-        /// What was wrong.
-        reason: String,
-    },
-    /// Two shards of one checkpoint contain a tensor of the same name.
-    DuplicateTensor {
-        /// The tensor's name.
-        tensor: String,
-        /// The shard read first.
-        first: PathBuf,
-        /// The shard that repeats it.
-        second: PathBuf,
-    },
-}
+/// The dtypes this crate reads and writes, for errors.
+const SUPPORTED_DTYPES: &str = "F32, F16 and BF16";
 
-impl fmt::Display for SafeTensorsError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Io { path, source } => write!(f, "I/O error on {}: {source}", path.display()),
-            Self::Invalid { path, reason } => {
-                write!(
-                    f,
-                    "{} is not a valid safetensors file: {reason}",
-                    path.display()
-                )
-            }
-            Self::UnsupportedDType {
-                path,
-                tensor,
-                dtype,
-            } => write!(
-                f,
-                "tensor `{tensor}` in {} has dtype {dtype}; only F32, F16 and BF16 are supported",
-                path.display()
-            ),
-            Self::NoModelFiles { dir } => write!(
-                f,
-                "{} contains neither {SINGLE_FILE_NAME} nor {INDEX_FILE_NAME}",
-                dir.display()
-            ),
-            Self::InvalidIndex { path, reason } => {
-                write!(f, "invalid shard index {}: {reason}", path.display())
-            }
-            Self::DuplicateTensor {
-                tensor,
-                first,
-                second,
-            } => write!(
-                f,
-                "tensor `{tensor}` appears in both {} and {}; each tensor must be in one shard",
-                first.display(),
-                second.display()
-            ),
-        }
-    }
-}
-
-impl std::error::Error for SafeTensorsError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            Self::Io { source, .. } => Some(source),
-            _ => None,
-        }
+/// The error of a tensor stored, or to be written, in a dtype this crate does not handle.
+fn unsupported_dtype(path: &Path, tensor: &str, dtype: impl fmt::Debug) -> Error {
+    Error::Unsupported {
+        path: Some(path.to_path_buf()),
+        what: format!("the dtype of tensor `{tensor}`"),
+        expected: SUPPORTED_DTYPES.to_string(),
+        got: format!("{dtype:?}"),
     }
 }
 
@@ -173,26 +87,19 @@ struct MappedFile {
 }
 
 impl MappedFile {
-    fn open(path: &Path) -> Result<Self, SafeTensorsError> {
-        let io_err = |source| SafeTensorsError::Io {
-            path: path.to_path_buf(),
-            source,
-        };
-        let file = File::open(path).map_err(io_err)?;
+    fn open(path: &Path) -> Result<Self, Error> {
+        let file = File::open(path).map_err(Error::io("open the safetensors file", path))?;
         // SAFETY: the map is read-only and private to this process. As with every memory-mapped
         // checkpoint loader (the `safetensors` crate's own examples, candle, burn-store), the
         // file must not be truncated or rewritten by another process while the map lives: the
         // checkpoint is only read for the duration of one load.
-        let map = unsafe { Mmap::map(&file) }.map_err(io_err)?;
+        let map =
+            unsafe { Mmap::map(&file) }.map_err(Error::io("map the safetensors file", path))?;
         let (header_len, metadata) =
-            SafeTensors::read_metadata(&map).map_err(|e| invalid(path, e))?;
+            SafeTensors::read_metadata(&map).map_err(|e| invalid(path, "the file", e))?;
         for (name, info) in metadata.tensors() {
             if burn_dtype(info.dtype).is_none() {
-                return Err(SafeTensorsError::UnsupportedDType {
-                    path: path.to_path_buf(),
-                    tensor: name,
-                    dtype: format!("{:?}", info.dtype),
-                });
+                return Err(unsupported_dtype(path, &name, info.dtype));
             }
         }
         Ok(Self {
@@ -220,10 +127,14 @@ impl MappedFile {
     }
 }
 
-fn invalid(path: &Path, e: SafeTensorError) -> SafeTensorsError {
-    SafeTensorsError::Invalid {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
+/// The error of bytes that are not a valid safetensors file: `what` is "the file" when read,
+/// "the data written" when written.
+fn invalid(path: &Path, what: &str, e: SafeTensorError) -> Error {
+    Error::Format {
+        path: Some(path.to_path_buf()),
+        what: what.to_string(),
+        expected: "a valid safetensors file".to_string(),
+        source: Box::new(e),
     }
 }
 
@@ -242,7 +153,7 @@ pub struct Checkpoint {
 
 impl Checkpoint {
     /// Maps one safetensors file.
-    pub fn open_file(path: &Path) -> Result<Self, SafeTensorsError> {
+    pub fn open_file(path: &Path) -> Result<Self, Error> {
         let file = MappedFile::open(path)?;
         let location = file.names().into_iter().map(|name| (name, 0)).collect();
         Ok(Self {
@@ -256,32 +167,38 @@ impl Checkpoint {
     /// its `weight_map`. Shard names must be plain file names inside `dir`; every tensor the
     /// index lists must be in the shard it names, and no tensor may appear in two shards.
     /// Tensors present in a shard but absent from the index are kept.
-    pub fn open_dir(dir: &Path) -> Result<Self, SafeTensorsError> {
+    pub fn open_dir(dir: &Path) -> Result<Self, Error> {
         let single = dir.join(SINGLE_FILE_NAME);
         if single.is_file() {
             return Self::open_file(&single);
         }
         let index_path = dir.join(INDEX_FILE_NAME);
-        if !index_path.is_file() {
-            return Err(SafeTensorsError::NoModelFiles {
-                dir: dir.to_path_buf(),
+        if !index_path.exists() {
+            return Err(Error::NotFound {
+                path: single,
+                expected: format!("it, or the shard index {INDEX_FILE_NAME} next to it"),
             });
         }
-        let index_err = |reason: String| SafeTensorsError::InvalidIndex {
-            path: index_path.clone(),
-            reason,
+        let index_err = |what: String, expected: String, got: String| Error::Invalid {
+            path: Some(index_path.clone()),
+            what,
+            expected,
+            got,
         };
-        let text = fs::read_to_string(&index_path).map_err(|source| SafeTensorsError::Io {
-            path: index_path.clone(),
-            source,
-        })?;
-        let index: ShardIndex = serde_json::from_str(&text).map_err(|e| {
-            index_err(format!(
-                "expected {{\"weight_map\": {{tensor name: shard file name}}}}: {e}"
-            ))
+        let text = fs::read_to_string(&index_path)
+            .map_err(Error::io("read the shard index", &index_path))?;
+        let index: ShardIndex = serde_json::from_str(&text).map_err(|e| Error::Format {
+            path: Some(index_path.clone()),
+            what: "the shard index".to_string(),
+            expected: "{\"weight_map\": {tensor name: shard file name}}".to_string(),
+            source: Box::new(e),
         })?;
         if index.weight_map.is_empty() {
-            return Err(index_err("`weight_map` is empty".to_string()));
+            return Err(index_err(
+                "`weight_map`".to_string(),
+                "at least one tensor name with its shard file name".to_string(),
+                "empty".to_string(),
+            ));
         }
         let shards: BTreeSet<&String> = index.weight_map.values().collect();
         let mut files: Vec<MappedFile> = Vec::with_capacity(shards.len());
@@ -293,18 +210,20 @@ impl Checkpoint {
                 (Some(Component::Normal(_)), None)
             );
             if !plain {
-                return Err(index_err(format!(
-                    "shard `{shard}` is not a plain file name; shards must lie in the model \
-                     directory"
-                )));
+                return Err(index_err(
+                    "a shard's name".to_string(),
+                    "a plain file name: shards must lie in the model directory".to_string(),
+                    format!("`{shard}`"),
+                ));
             }
             let file = MappedFile::open(&dir.join(shard))?;
             for name in file.names() {
                 if let Some(&first) = location.get(&name) {
-                    return Err(SafeTensorsError::DuplicateTensor {
-                        tensor: name,
-                        first: files[first].path.clone(),
-                        second: file.path.clone(),
+                    return Err(Error::Invalid {
+                        path: Some(file.path.clone()),
+                        what: format!("tensor `{name}`"),
+                        expected: "each tensor in one shard only".to_string(),
+                        got: format!("also in {}", files[first].path.display()),
                     });
                 }
                 location.insert(name, files.len());
@@ -314,10 +233,14 @@ impl Checkpoint {
         for (name, shard) in &index.weight_map {
             let found = location.get(name).map(|&i| &files[i].path);
             if found != Some(&dir.join(shard)) {
-                return Err(index_err(format!(
-                    "tensor `{name}` is listed in shard `{shard}`, but that shard does not \
-                     contain it"
-                )));
+                return Err(index_err(
+                    format!("tensor `{name}`"),
+                    format!("in shard `{shard}`, where the index lists it"),
+                    found.map_or(
+                        "in none of the shards the index lists".to_string(),
+                        |path| format!("in {}", path.display()),
+                    ),
+                ));
             }
         }
         Ok(Self { files, location })
@@ -382,17 +305,11 @@ impl View for DataView<'_> {
 ///
 /// The file is written to a temporary sibling and renamed into place, so an interrupted write
 /// never leaves a partial file under `path`.
-pub fn write_safetensors(
-    path: &Path,
-    tensors: &BTreeMap<String, TensorData>,
-) -> Result<(), SafeTensorsError> {
+pub fn write_safetensors(path: &Path, tensors: &BTreeMap<String, TensorData>) -> Result<(), Error> {
     let mut views = Vec::with_capacity(tensors.len());
     for (name, data) in tensors {
-        let dtype = stored_dtype(data.dtype).ok_or_else(|| SafeTensorsError::UnsupportedDType {
-            path: path.to_path_buf(),
-            tensor: name.clone(),
-            dtype: format!("{:?}", data.dtype),
-        })?;
+        let dtype =
+            stored_dtype(data.dtype).ok_or_else(|| unsupported_dtype(path, name, data.dtype))?;
         views.push((name.as_str(), DataView { data, dtype }));
     }
     let file_name = path
@@ -402,12 +319,16 @@ pub fn write_safetensors(
     let tmp_path = path.with_file_name(format!(".{file_name}.tmp"));
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
     let written = safetensors::serialize_to_file(views, Some(metadata), &tmp_path)
-        .map_err(|e| invalid(path, e))
-        .and_then(|()| {
-            fs::rename(&tmp_path, path).map_err(|source| SafeTensorsError::Io {
-                path: path.to_path_buf(),
+        .map_err(|e| match e {
+            SafeTensorError::IoError(source) => Error::Io {
+                action: "write the safetensors file",
+                path: tmp_path.clone(),
                 source,
-            })
+            },
+            e => invalid(path, "the data written", e),
+        })
+        .and_then(|()| {
+            fs::rename(&tmp_path, path).map_err(Error::io("rename the written file to", path))
         });
     if written.is_err() {
         // Best effort: the temporary file may not exist if creating it failed.
@@ -483,20 +404,27 @@ mod tests {
         assert_eq!(checkpoint.get("y").unwrap().dtype, DType::BF16);
 
         write_index(dir, &[("x", "s2.safetensors"), ("y", "s2.safetensors")]);
-        let e = Checkpoint::open_dir(dir).err().unwrap().to_string();
+        let e = Checkpoint::open_dir(dir).err().unwrap();
         assert!(
-            e.contains("tensor `x` is listed in shard `s2.safetensors`"),
+            matches!(e, Error::Invalid { ref what, ref expected, ref got, .. }
+                if what == "tensor `x`"
+                    && expected.starts_with("in shard `s2.safetensors`")
+                    && got == "in none of the shards the index lists"),
             "{e}"
         );
 
         write_index(dir, &[("x", "../s1.safetensors")]);
         let e = Checkpoint::open_dir(dir).err().unwrap().to_string();
-        assert!(e.contains("not a plain file name"), "{e}");
+        assert!(e.contains("expected a plain file name"), "{e}");
 
         write_safetensors(&dir.join("s2.safetensors"), &one).unwrap();
         write_index(dir, &[("x", "s1.safetensors"), ("y", "s2.safetensors")]);
         let e = Checkpoint::open_dir(dir).err().unwrap();
-        assert!(matches!(e, SafeTensorsError::DuplicateTensor { .. }), "{e}");
+        assert!(
+            matches!(e, Error::Invalid { ref what, ref got, .. }
+                if what == "tensor `x`" && got.starts_with("also in")),
+            "{e}"
+        );
 
         fs::write(dir.join(INDEX_FILE_NAME), "{\"weight_map\": 3}").unwrap();
         let e = Checkpoint::open_dir(dir).err().unwrap().to_string();
@@ -507,7 +435,8 @@ mod tests {
     fn missing_truncated_and_unsupported_files_are_errors() {
         let tmp = TempDir::new("bad");
         let e = Checkpoint::open_dir(tmp.path()).err().unwrap();
-        assert!(matches!(e, SafeTensorsError::NoModelFiles { .. }), "{e}");
+        assert!(matches!(e, Error::NotFound { .. }), "{e}");
+        assert!(e.to_string().contains(INDEX_FILE_NAME), "{e}");
 
         let path = tmp.path().join(SINGLE_FILE_NAME);
         let tensors = BTreeMap::from([("x".to_string(), f32_data(&[4], &[1.0; 4]))]);

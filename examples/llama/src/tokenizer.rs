@@ -4,9 +4,10 @@
 //! `encode` adds no BOS/EOS (the `add_special_tokens` flag of `tokenizers` is off): look them up
 //! with [`Tokenizer::token_id`] and add them yourself. `decode` keeps special tokens' text.
 
-use std::fmt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::str::FromStr;
+
+use crate::Error;
 
 /// Vocabulary size of [`Tokenizer::Bytes`].
 pub const BYTE_VOCAB_SIZE: usize = 256;
@@ -31,45 +32,46 @@ impl Tokenizer {
     }
 
     /// Loads a Hugging Face `tokenizer.json`.
-    pub fn from_file(path: &Path) -> Result<Self, TokenizerError> {
-        let text = std::fs::read_to_string(path).map_err(|e| TokenizerError::Load {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
-        Self::from_json(&text).map_err(|e| match e {
-            TokenizerError::Json { message } => TokenizerError::Load {
-                path: path.to_path_buf(),
-                message,
-            },
-            other => other,
-        })
+    pub fn from_file(path: &Path) -> Result<Self, Error> {
+        let text =
+            std::fs::read_to_string(path).map_err(Error::io("read the tokenizer file", path))?;
+        Self::parse(&text, Some(path))
     }
 
     /// Parses the contents of a Hugging Face `tokenizer.json`.
-    pub fn from_json(json: &str) -> Result<Self, TokenizerError> {
+    pub fn from_json(json: &str) -> Result<Self, Error> {
+        Self::parse(json, None)
+    }
+
+    /// Parses `tokenizer.json` text, read from `path` if given.
+    fn parse(json: &str, path: Option<&Path>) -> Result<Self, Error> {
         tokenizers::Tokenizer::from_str(json)
             .map(|t| Tokenizer::HuggingFace(Box::new(t)))
-            .map_err(|e| TokenizerError::Json {
-                message: e.to_string(),
+            .map_err(|source| Error::Format {
+                path: path.map(Path::to_path_buf),
+                what: "the text".to_string(),
+                expected: "a tokenizer.json that the `tokenizers` library loads".to_string(),
+                source,
             })
     }
 
     /// Encodes text into token ids (no BOS/EOS added).
-    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, Error> {
         match self {
             Tokenizer::Bytes => Ok(text.bytes().map(u32::from).collect()),
             Tokenizer::HuggingFace(t) => t
                 .encode(text, false)
                 .map(|encoding| encoding.get_ids().to_vec())
-                .map_err(|e| TokenizerError::Encode {
-                    message: e.to_string(),
+                .map_err(|source| Error::Tokenizer {
+                    action: "encode the text",
+                    source,
                 }),
         }
     }
 
     /// Decodes token ids into text; the byte tokenizer turns invalid UTF-8 and ids above 255
     /// into U+FFFD.
-    pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+    pub fn decode(&self, ids: &[u32]) -> Result<String, Error> {
         match self {
             Tokenizer::Bytes => {
                 let mut bytes = Vec::with_capacity(ids.len());
@@ -81,8 +83,9 @@ impl Tokenizer {
                 }
                 Ok(String::from_utf8_lossy(&bytes).into_owned())
             }
-            Tokenizer::HuggingFace(t) => t.decode(ids, false).map_err(|e| TokenizerError::Decode {
-                message: e.to_string(),
+            Tokenizer::HuggingFace(t) => t.decode(ids, false).map_err(|source| Error::Tokenizer {
+                action: "decode the ids",
+                source,
             }),
         }
     }
@@ -110,48 +113,6 @@ impl Tokenizer {
     }
 }
 
-/// Everything that can go wrong loading a tokenizer, encoding or decoding text.
-#[derive(Debug, Clone, PartialEq)]
-pub enum TokenizerError {
-    /// A tokenizer file could not be read or parsed.
-    Load {
-        /// The file involved.
-        path: PathBuf,
-        /// What was wrong.
-        message: String,
-    },
-    /// Tokenizer JSON (not from a file) could not be parsed.
-    Json {
-        /// What `tokenizers` reported.
-        message: String,
-    },
-    /// `tokenizers` could not encode the text.
-    Encode {
-        /// What `tokenizers` reported.
-        message: String,
-    },
-    /// `tokenizers` could not decode the ids (for example an id outside its vocabulary).
-    Decode {
-        /// What `tokenizers` reported.
-        message: String,
-    },
-}
-
-impl fmt::Display for TokenizerError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Load { path, message } => {
-                write!(f, "cannot load tokenizer {}: {message}", path.display())
-            }
-            Self::Json { message } => write!(f, "invalid tokenizer.json: {message}"),
-            Self::Encode { message } => write!(f, "cannot encode the text: {message}"),
-            Self::Decode { message } => write!(f, "cannot decode the ids: {message}"),
-        }
-    }
-}
-
-impl std::error::Error for TokenizerError {}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -173,11 +134,16 @@ mod tests {
     #[test]
     fn bad_files_and_json_are_errors_naming_the_problem() {
         let missing = Path::new("no/such/tokenizer.json");
-        let e = Tokenizer::from_file(missing).unwrap_err().to_string();
-        assert!(e.contains("no/such/tokenizer.json"), "{e}");
+        let e = Tokenizer::from_file(missing).unwrap_err();
+        assert!(matches!(e, Error::Io { .. }), "{e:?}");
+        assert!(e.to_string().contains("no/such/tokenizer.json"), "{e}");
         let e = Tokenizer::from_json("{ not json").unwrap_err();
-        assert!(matches!(e, TokenizerError::Json { .. }), "{e:?}");
+        assert!(matches!(e, Error::Format { path: None, .. }), "{e:?}");
         let e = Tokenizer::from_json(r#"{"model": {"type": "NoSuchModel"}}"#).unwrap_err();
-        assert!(e.to_string().starts_with("invalid tokenizer.json"), "{e}");
+        assert!(
+            e.to_string()
+                .starts_with("the text is not a tokenizer.json that the `tokenizers` library"),
+            "{e}"
+        );
     }
 }

@@ -3,7 +3,6 @@
 //! group (every rank holds the whole model), clipped by their global norm, AdamW with the
 //! learning-rate schedule. Checkpoints save and restore everything a step depends on.
 
-use core::fmt;
 use std::fs;
 use std::path::Path;
 use std::time::Instant;
@@ -21,10 +20,9 @@ use super::model::Llama;
 use super::optimizer::FusedAdamW;
 use super::schedule::learning_rate;
 use super::TrainingKernels;
+use crate::Error;
 use burn_distflash::layers::AttentionContext;
-use burn_distflash::{
-    shard_sequence, CheckpointBackend, CommError, DistributedError, FlashAttentionOptions,
-};
+use burn_distflash::{shard_sequence, CheckpointBackend, CommError, FlashAttentionOptions};
 
 /// Optimisation settings (saved with every checkpoint).
 #[derive(Config, Debug)]
@@ -59,44 +57,6 @@ pub struct TrainOptions {
     /// Seed of the data order.
     #[config(default = 0)]
     pub seed: u64,
-}
-
-/// Why a training step or a checkpoint failed.
-#[derive(Debug)]
-pub enum TrainError {
-    /// The batch does not fit the options or the group.
-    Input(String),
-    /// The forward pass refused its input or a peer failed.
-    Distributed(DistributedError),
-    /// Summing gradients over the group failed.
-    Comm(CommError),
-    /// Reading or writing a checkpoint failed.
-    Checkpoint(String),
-}
-
-impl fmt::Display for TrainError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            TrainError::Input(what) => write!(f, "training input: {what}"),
-            TrainError::Distributed(e) => write!(f, "training step: {e}"),
-            TrainError::Comm(e) => write!(f, "gradient all-reduce: {e}"),
-            TrainError::Checkpoint(what) => write!(f, "checkpoint: {what}"),
-        }
-    }
-}
-
-impl std::error::Error for TrainError {}
-
-impl From<DistributedError> for TrainError {
-    fn from(e: DistributedError) -> Self {
-        TrainError::Distributed(e)
-    }
-}
-
-impl From<CommError> for TrainError {
-    fn from(e: CommError) -> Self {
-        TrainError::Comm(e)
-    }
 }
 
 /// What one step measured.
@@ -220,21 +180,23 @@ impl<B: TrainBackend> Trainer<B> {
 
     /// This rank's columns of a row-major `[batch, seq_len]` token batch, as a tensor: the
     /// positions the attention's layout gives the rank (contiguous or zigzag).
-    fn shard(&self, tokens: &[u32]) -> Result<Tensor<B, 2, Int>, TrainError> {
+    fn shard(&self, tokens: &[u32]) -> Result<Tensor<B, 2, Int>, Error> {
         let (batch, seq) = (self.options.batch, self.options.seq_len);
         let (rank, world) = self.rank();
         if tokens.len() != batch * seq {
-            return Err(TrainError::Input(format!(
-                "a batch has {} tokens but batch x seq_len is {batch} x {seq}",
-                tokens.len()
-            )));
+            return Err(Error::invalid(
+                "the number of tokens in a batch",
+                format!("batch x seq_len = {batch} x {seq} = {}", batch * seq),
+                tokens.len(),
+            ));
         }
         let vocab = self.model.embedding.weight.dims()[0];
         if let Some(&token) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(TrainError::Input(format!(
-                "token id {token} is out of range: the model's vocabulary has {vocab} tokens \
-                 (ids 0..{vocab})"
-            )));
+            return Err(Error::invalid(
+                "a token id",
+                format!("an id of the model's vocabulary of {vocab} tokens (ids 0..{vocab})"),
+                token,
+            ));
         }
         let values: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
         let device = self.device();
@@ -242,9 +204,11 @@ impl<B: TrainBackend> Trainer<B> {
         // The attention's layout decides which positions this rank holds (contiguous, zigzag).
         let layout = self.context.layout(FlashAttentionOptions::causal());
         shard_sequence(whole, 1, layout, world, rank).map_err(|e| {
-            TrainError::Input(format!(
-                "seq_len {seq} cannot be split over the group of {world}: {e}"
-            ))
+            Error::invalid(
+                "seq_len",
+                format!("a length that can be split over the group of {world}: {e}"),
+                seq,
+            )
         })
     }
 
@@ -254,7 +218,7 @@ impl<B: TrainBackend> Trainer<B> {
 
     /// One optimizer step on `inputs` and next-token `targets` (row-major `[batch, seq_len]`,
     /// the same whole batch on every rank).
-    pub fn train_step(&mut self, inputs: &[u32], targets: &[u32]) -> Result<StepStats, TrainError> {
+    pub fn train_step(&mut self, inputs: &[u32], targets: &[u32]) -> Result<StepStats, Error> {
         self.step_with(inputs, targets, None)
     }
 
@@ -264,7 +228,7 @@ impl<B: TrainBackend> Trainer<B> {
         &mut self,
         inputs: &[u32],
         targets: &[u32],
-    ) -> Result<(StepStats, PhaseTimes), TrainError> {
+    ) -> Result<(StepStats, PhaseTimes), Error> {
         let mut clock = PhaseClock::start(self.device());
         let stats = self.step_with(inputs, targets, Some(&mut clock))?;
         Ok((stats, clock.times))
@@ -275,7 +239,7 @@ impl<B: TrainBackend> Trainer<B> {
         inputs: &[u32],
         targets: &[u32],
         mut clock: Option<&mut PhaseClock<B>>,
-    ) -> Result<StepStats, TrainError> {
+    ) -> Result<StepStats, Error> {
         let mut lap = |phase: fn(&mut PhaseTimes) -> &mut f64| {
             if let Some(clock) = clock.as_mut() {
                 clock.lap(phase);
@@ -285,7 +249,11 @@ impl<B: TrainBackend> Trainer<B> {
         let normalizer = self.options.batch * self.options.seq_len;
         let loss = self
             .model
-            .loss(tokens, targets, &self.context, normalizer)?;
+            .loss(tokens, targets, &self.context, normalizer)
+            .map_err(|source| Error::Attention {
+                during: "training step",
+                source,
+            })?;
         lap(|t| &mut t.forward);
         let grads = GradientsParams::from_grads(loss.backward(), &self.model);
         lap(|t| &mut t.backward);
@@ -297,8 +265,11 @@ impl<B: TrainBackend> Trainer<B> {
             error: None,
         };
         self.model.visit(&mut reduce);
-        if let Some(e) = reduce.error {
-            return Err(e.into());
+        if let Some(source) = reduce.error {
+            return Err(Error::Comm {
+                what: "the gradients",
+                source,
+            });
         }
         let squared: f64 = reduce
             .squared_norm
@@ -332,18 +303,27 @@ impl<B: TrainBackend> Trainer<B> {
     /// Mean next-token loss of `inputs` and `targets` (row-major `[batch, seq_len]`, the same
     /// whole batch on every rank) under the current weights, changing nothing: no gradient, no
     /// step. Every rank of a group must call it, like [`train_step`](Self::train_step).
-    pub fn evaluate(&self, inputs: &[u32], targets: &[u32]) -> Result<f64, TrainError> {
+    pub fn evaluate(&self, inputs: &[u32], targets: &[u32]) -> Result<f64, Error> {
         let (tokens, targets) = (self.shard(inputs)?, self.shard(targets)?);
         let normalizer = self.options.batch * self.options.seq_len;
         let loss = self
             .model
-            .loss(tokens, targets, &self.context, normalizer)?;
+            .loss(tokens, targets, &self.context, normalizer)
+            .map_err(|source| Error::Attention {
+                during: "evaluation",
+                source,
+            })?;
         self.group_loss(loss)
     }
 
     /// This rank's share of a loss, summed over the group, as a number.
-    fn group_loss(&self, loss: Tensor<B, 1>) -> Result<f64, TrainError> {
-        let loss = self.sum_over_group(loss.inner().into_primitive().tensor())?;
+    fn group_loss(&self, loss: Tensor<B, 1>) -> Result<f64, Error> {
+        let loss = self
+            .sum_over_group(loss.inner().into_primitive().tensor())
+            .map_err(|source| Error::Comm {
+                what: "the loss",
+                source,
+            })?;
         Ok(
             Tensor::<B::InnerBackend, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(
                 loss,
@@ -365,49 +345,56 @@ impl<B: TrainBackend> Trainer<B> {
 
     /// Writes the model, the optimizer state and the step to `dir` (rank 0 of a group is
     /// enough: every rank holds the same state).
-    pub fn save(&self, dir: &Path) -> Result<(), TrainError> {
-        let fail = |what: &str, e: &dyn fmt::Display| {
-            TrainError::Checkpoint(format!("{what} in {}: {e}", dir.display()))
-        };
-        fs::create_dir_all(dir).map_err(|e| fail("creating the directory", &e))?;
+    pub fn save(&self, dir: &Path) -> Result<(), Error> {
+        fs::create_dir_all(dir).map_err(Error::io("create the checkpoint directory", dir))?;
         let recorder = BinFileRecorder::<FullPrecisionSettings>::new();
         self.model
             .clone()
             .save_file(dir.join("model"), &recorder)
-            .map_err(|e| fail("writing the model", &e))?;
+            .map_err(checkpoint_error("write the model", dir))?;
         recorder
             .record(self.optim.to_record(), dir.join("optimizer"))
-            .map_err(|e| fail("writing the optimizer state", &e))?;
+            .map_err(checkpoint_error("write the optimizer state", dir))?;
         let state = TrainerState {
             step: self.step,
             options: self.options.clone(),
         };
+        let state_path = dir.join("trainer.json");
         state
-            .save(dir.join("trainer.json"))
-            .map_err(|e| fail("writing trainer.json", &e))
+            .save(&state_path)
+            .map_err(Error::io("write the trainer state", &state_path))
     }
 
     /// Restores a checkpoint written by [`save`](Self::save) into this trainer (built with the
     /// same model configuration); training then continues exactly where it stopped.
-    pub fn resume(mut self, dir: &Path) -> Result<Self, TrainError> {
-        let fail = |what: &str, e: &dyn fmt::Display| {
-            TrainError::Checkpoint(format!("{what} from {}: {e}", dir.display()))
-        };
+    pub fn resume(mut self, dir: &Path) -> Result<Self, Error> {
         let state = TrainerState::load(dir.join("trainer.json"))
-            .map_err(|e| fail("reading trainer.json", &e))?;
+            .map_err(checkpoint_error("read trainer.json", dir))?;
         let recorder = BinFileRecorder::<FullPrecisionSettings>::new();
         let device = self.device();
         self.model = self
             .model
             .load_file(dir.join("model"), &recorder, &device)
-            .map_err(|e| fail("reading the model", &e))?;
+            .map_err(checkpoint_error("read the model", dir))?;
         let record = recorder
             .load(dir.join("optimizer"), &device)
-            .map_err(|e| fail("reading the optimizer state", &e))?;
+            .map_err(checkpoint_error("read the optimizer state", dir))?;
         self.optim = self.optim.load_record(record);
         self.step = state.step;
         self.options = state.options;
         Ok(self)
+    }
+}
+
+/// An [`Error::Checkpoint`] for a failure of Burn's recorder or config files in `dir`.
+fn checkpoint_error<'a, E: std::error::Error + Send + Sync + 'static>(
+    action: &'static str,
+    dir: &'a Path,
+) -> impl FnOnce(E) -> Error + 'a {
+    move |e| Error::Checkpoint {
+        action,
+        dir: dir.to_path_buf(),
+        source: Box::new(e),
     }
 }
 

@@ -15,23 +15,18 @@
 //! [`Linear`]: burn::nn::Linear
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::fmt;
 use std::fs;
-use std::io;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use burn::module::Param;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
 
 use super::config::LlamaConfig;
-use super::hf_config::{
-    read_hf_config, write_hf_config, HfConfigError, HfLlamaConfig, HfRopeScaling,
-};
+use super::hf_config::{read_hf_config, write_hf_config, HfLlamaConfig, HfRopeScaling};
 use super::model::Llama;
-use super::safetensors::{
-    write_safetensors, Checkpoint, SafeTensorsError, StoredTensor, SINGLE_FILE_NAME,
-};
+use super::safetensors::{write_safetensors, Checkpoint, StoredTensor, SINGLE_FILE_NAME};
+use crate::Error;
 use burn_distflash::layers::ConfigError;
 use burn_distflash::CheckpointBackend;
 
@@ -50,229 +45,6 @@ const EMBED_TOKENS: &str = "model.embed_tokens.weight";
 
 /// How many names an error lists before it only counts the rest.
 const LISTED_NAMES: usize = 5;
-
-/// Everything that can go wrong loading or saving a Hugging Face Llama directory.
-#[derive(Debug)]
-pub enum WeightsError {
-    /// The model directory does not exist or is not a directory.
-    MissingDirectory {
-        /// The path given.
-        dir: PathBuf,
-    },
-    /// The model directory has no `config.json`.
-    MissingConfig {
-        /// The path where `config.json` was expected.
-        path: PathBuf,
-    },
-    /// `config.json` could not be read, parsed or written.
-    Config(HfConfigError),
-    /// The configuration describes a model this crate cannot build (for instance a head width
-    /// the attention kernels do not support).
-    InvalidConfig {
-        /// The `config.json` read or to be written.
-        path: PathBuf,
-        /// What is wrong.
-        source: ConfigError,
-    },
-    /// The safetensors files could not be read or written.
-    SafeTensors(SafeTensorsError),
-    /// Tensors the configuration requires are absent from the checkpoint.
-    MissingTensors {
-        /// The model directory.
-        dir: PathBuf,
-        /// The first missing names (at most five).
-        names: Vec<String>,
-        /// How many are missing in all.
-        total: usize,
-    },
-    /// A tensor's shape differs from the one the configuration implies.
-    ShapeMismatch {
-        /// The model directory.
-        dir: PathBuf,
-        /// The tensor's name.
-        name: String,
-        /// The shape in the checkpoint.
-        got: Vec<usize>,
-        /// The shape the configuration implies (Hugging Face layout).
-        expected: Vec<usize>,
-    },
-    /// The checkpoint holds tensors that no part of the model takes.
-    UnexpectedTensors {
-        /// The model directory.
-        dir: PathBuf,
-        /// The first unexpected names (at most five).
-        names: Vec<String>,
-        /// How many are unexpected in all.
-        total: usize,
-    },
-    /// The config ties the output projection to the embedding, but `lm_head.weight` is present
-    /// and differs from `model.embed_tokens.weight`.
-    TiedHeadDiffers {
-        /// The model directory.
-        dir: PathBuf,
-    },
-    /// A model given to [`save_hf_llama`] has a weight whose shape disagrees with its config.
-    ModelShapeMismatch {
-        /// The Hugging Face name of the weight.
-        name: String,
-        /// The weight's shape, in Hugging Face layout.
-        got: Vec<usize>,
-        /// The shape the configuration implies.
-        expected: Vec<usize>,
-    },
-    /// A model given to [`save_hf_llama`] has a different number of blocks than its config.
-    LayerCountMismatch {
-        /// The model's number of blocks.
-        got: usize,
-        /// The config's `n_layers`.
-        expected: usize,
-    },
-    /// A model given to [`save_hf_llama`] has an output projection although its config ties it
-    /// to the embedding, or lacks one although the config does not.
-    HeadMismatch {
-        /// The config's `tie_embeddings`.
-        tied: bool,
-    },
-    /// [`save_hf_llama`] was asked for a dtype safetensors checkpoints of Llama do not use.
-    SaveDType {
-        /// The dtype asked for.
-        dtype: DType,
-    },
-    /// Creating the output directory failed.
-    Io {
-        /// The directory involved.
-        path: PathBuf,
-        /// The underlying error.
-        source: io::Error,
-    },
-}
-
-/// `` `a`, `b`, `c` `` followed by "and N more" when only some of `total` names are listed.
-fn name_list(names: &[String], total: usize) -> String {
-    let mut out = names
-        .iter()
-        .map(|n| format!("`{n}`"))
-        .collect::<Vec<_>>()
-        .join(", ");
-    if total > names.len() {
-        out.push_str(&format!(" and {} more", total - names.len()));
-    }
-    out
-}
-
-impl fmt::Display for WeightsError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::MissingDirectory { dir } => write!(
-                f,
-                "model directory {} does not exist or is not a directory; expected a directory \
-                 holding {CONFIG_FILE_NAME} and {SINGLE_FILE_NAME} (or sharded safetensors)",
-                dir.display()
-            ),
-            Self::MissingConfig { path } => write!(
-                f,
-                "{} does not exist; a Hugging Face model directory needs its {CONFIG_FILE_NAME} \
-                 next to the safetensors weights",
-                path.display()
-            ),
-            Self::Config(e) => write!(f, "{e}"),
-            Self::InvalidConfig { path, source } => write!(f, "{}: {source}", path.display()),
-            Self::SafeTensors(e) => write!(f, "{e}"),
-            Self::MissingTensors { dir, names, total } => write!(
-                f,
-                "the safetensors weights in {} lack {total} tensor(s) the config requires: {}",
-                dir.display(),
-                name_list(names, *total)
-            ),
-            Self::ShapeMismatch {
-                dir,
-                name,
-                got,
-                expected,
-            } => write!(
-                f,
-                "tensor `{name}` in {} has shape {got:?}, but {CONFIG_FILE_NAME} implies \
-                 {expected:?}",
-                dir.display()
-            ),
-            Self::UnexpectedTensors { dir, names, total } => write!(
-                f,
-                "the safetensors weights in {} hold {total} tensor(s) a Llama model with this \
-                 config does not have: {}; expected only Hugging Face Llama names \
-                 (model.embed_tokens, model.layers.<i>.*, model.norm, lm_head) for the configured \
-                 number of layers",
-                dir.display(),
-                name_list(names, *total)
-            ),
-            Self::TiedHeadDiffers { dir } => write!(
-                f,
-                "{} sets tie_word_embeddings, but `{LM_HEAD}` in {} differs from \
-                 `{EMBED_TOKENS}`; expected no `{LM_HEAD}` or an exact copy of the embedding \
-                 (set tie_word_embeddings to false to load a separate output projection)",
-                CONFIG_FILE_NAME,
-                dir.display()
-            ),
-            Self::ModelShapeMismatch {
-                name,
-                got,
-                expected,
-            } => write!(
-                f,
-                "the model's `{name}` has shape {got:?} (Hugging Face layout), but its config \
-                 implies {expected:?}"
-            ),
-            Self::LayerCountMismatch { got, expected } => write!(
-                f,
-                "the model has {got} blocks, but its config has n_layers = {expected}; they must \
-                 agree"
-            ),
-            Self::HeadMismatch { tied } => {
-                if *tied {
-                    write!(
-                        f,
-                        "the config ties the output projection to the embedding, but the model \
-                         has a separate lm_head; expected lm_head to be None"
-                    )
-                } else {
-                    write!(
-                        f,
-                        "the config has a separate output projection, but the model's lm_head \
-                         is None; expected a lm_head of shape [d_model, vocab_size]"
-                    )
-                }
-            }
-            Self::SaveDType { dtype } => write!(
-                f,
-                "cannot save weights as {dtype:?}; save_hf_llama writes F32, F16 or BF16"
-            ),
-            Self::Io { path, source } => write!(f, "I/O error on {}: {source}", path.display()),
-        }
-    }
-}
-
-impl std::error::Error for WeightsError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            Self::Config(e) => Some(e),
-            Self::InvalidConfig { source, .. } => Some(source),
-            Self::SafeTensors(e) => Some(e),
-            Self::Io { source, .. } => Some(source),
-            _ => None,
-        }
-    }
-}
-
-impl From<HfConfigError> for WeightsError {
-    fn from(e: HfConfigError) -> Self {
-        Self::Config(e)
-    }
-}
-
-impl From<SafeTensorsError> for WeightsError {
-    fn from(e: SafeTensorsError) -> Self {
-        Self::SafeTensors(e)
-    }
-}
 
 /// The model weight a checkpoint tensor belongs to.
 #[derive(Debug, Clone, Copy)]
@@ -392,13 +164,13 @@ fn check_checkpoint(
     config: &LlamaConfig,
     specs: &[Spec],
     checkpoint: &Checkpoint,
-) -> Result<(), WeightsError> {
+) -> Result<(), Error> {
     let missing: Vec<&Spec> = specs
         .iter()
         .filter(|s| checkpoint.get(&s.name).is_none())
         .collect();
     if !missing.is_empty() {
-        return Err(WeightsError::MissingTensors {
+        return Err(Error::MissingTensors {
             dir: dir.to_path_buf(),
             names: missing
                 .iter()
@@ -408,11 +180,11 @@ fn check_checkpoint(
             total: missing.len(),
         });
     }
-    let shape_error = |name: &str, got: &[usize], expected: &[usize]| WeightsError::ShapeMismatch {
-        dir: dir.to_path_buf(),
-        name: name.to_string(),
-        got: got.to_vec(),
+    let shape_error = |name: &str, got: &[usize], expected: &[usize]| Error::Shape {
+        path: Some(dir.to_path_buf()),
+        tensor: name.to_string(),
         expected: expected.to_vec(),
+        got: got.to_vec(),
     };
     for spec in specs {
         let got = checkpoint.get(&spec.name).map_or(&[][..], |t| t.shape);
@@ -431,7 +203,7 @@ fn check_checkpoint(
         .filter(|name| !known.contains(name) && !is_ignorable(name))
         .collect();
     if !unexpected.is_empty() {
-        return Err(WeightsError::UnexpectedTensors {
+        return Err(Error::UnexpectedTensors {
             dir: dir.to_path_buf(),
             names: unexpected
                 .iter()
@@ -446,8 +218,15 @@ fn check_checkpoint(
             return Err(shape_error(LM_HEAD, head.shape, embedding.shape));
         }
         if head.dtype != embedding.dtype || head.bytes != embedding.bytes {
-            return Err(WeightsError::TiedHeadDiffers {
-                dir: dir.to_path_buf(),
+            return Err(Error::Invalid {
+                path: Some(dir.to_path_buf()),
+                what: format!("`{LM_HEAD}`"),
+                expected: format!(
+                    "no `{LM_HEAD}` or an exact copy of `{EMBED_TOKENS}`, since \
+                     {CONFIG_FILE_NAME} sets tie_word_embeddings (set tie_word_embeddings to \
+                     false to load a separate output projection)"
+                ),
+                got: format!("a tensor that differs from `{EMBED_TOKENS}`"),
             });
         }
     }
@@ -498,7 +277,7 @@ fn placement_data(tensor: StoredTensor<'_>, slot: Slot) -> TensorData {
 /// `param` with its value replaced by `data` (converted to the device's float type as it is
 /// placed), keeping its id, device and parameter mapper, and requiring gradients so the loaded
 /// model can be fine-tuned (meaningful on autodiff backends; a no-op elsewhere).
-fn load_param<B: Backend, const D: usize>(
+pub(crate) fn load_param<B: Backend, const D: usize>(
     param: Param<Tensor<B, D>>,
     data: TensorData,
     device: &B::Device,
@@ -560,20 +339,41 @@ fn assign<B: Backend>(model: &mut Llama<B>, slot: Slot, data: TensorData, device
 pub fn load_hf_llama<B: CheckpointBackend>(
     dir: &Path,
     device: &B::Device,
-) -> Result<(LlamaConfig, Llama<B>), WeightsError> {
+) -> Result<(LlamaConfig, Llama<B>), Error> {
+    let model_dir = || {
+        format!(
+            "a model directory holding {CONFIG_FILE_NAME} and {SINGLE_FILE_NAME} (or sharded \
+             safetensors)"
+        )
+    };
+    if !dir.exists() {
+        return Err(Error::NotFound {
+            path: dir.to_path_buf(),
+            expected: model_dir(),
+        });
+    }
     if !dir.is_dir() {
-        return Err(WeightsError::MissingDirectory {
-            dir: dir.to_path_buf(),
+        return Err(Error::Invalid {
+            path: Some(dir.to_path_buf()),
+            what: "the model path".to_string(),
+            expected: model_dir(),
+            got: "not a directory".to_string(),
         });
     }
     let config_path = dir.join(CONFIG_FILE_NAME);
-    if !config_path.is_file() {
-        return Err(WeightsError::MissingConfig { path: config_path });
+    if !config_path.exists() {
+        return Err(Error::NotFound {
+            path: config_path,
+            expected: format!(
+                "the {CONFIG_FILE_NAME} a Hugging Face model directory holds next to the \
+                 safetensors weights"
+            ),
+        });
     }
     let hf = read_hf_config(&config_path)?;
     let config = LlamaConfig::from_hf(&hf);
-    let invalid = |source| WeightsError::InvalidConfig {
-        path: config_path.clone(),
+    let invalid = |source| Error::Config {
+        path: Some(config_path.clone()),
         source,
     };
     config.validate().map_err(invalid)?;
@@ -585,7 +385,7 @@ pub fn load_hf_llama<B: CheckpointBackend>(
     for spec in &specs {
         // Present: `check_checkpoint` found every spec's tensor.
         let Some(tensor) = checkpoint.get(&spec.name) else {
-            return Err(WeightsError::MissingTensors {
+            return Err(Error::MissingTensors {
                 dir: dir.to_path_buf(),
                 names: vec![spec.name.clone()],
                 total: 1,
@@ -680,6 +480,22 @@ impl<B: Backend> ModelParam<'_, B> {
     }
 }
 
+/// The error of a model whose output projection disagrees with its config's `tie_embeddings`.
+fn head_mismatch(tied: bool) -> Error {
+    let (expected, got) = match tied {
+        true => (
+            "None, since the config ties the output projection to the embedding",
+            "a separate output projection",
+        ),
+        false => (
+            "an output projection of shape [d_model, vocab_size], since the config does not tie \
+             it to the embedding",
+            "None",
+        ),
+    };
+    Error::invalid("the model's lm_head", expected, got)
+}
+
 /// Saves `model` as a Hugging Face Llama directory that [`load_hf_llama`] and `transformers`
 /// both load: `dir/config.json` (the fields of `config`; `max_position_embeddings` 131072, since
 /// [`LlamaConfig`] has no context length) and `dir/model.safetensors` with every tensor in
@@ -695,43 +511,49 @@ pub fn save_hf_llama<B: CheckpointBackend>(
     config: &LlamaConfig,
     dir: &Path,
     dtype: DType,
-) -> Result<(), WeightsError> {
+) -> Result<(), Error> {
     if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
-        return Err(WeightsError::SaveDType { dtype });
+        return Err(Error::Unsupported {
+            path: Some(dir.to_path_buf()),
+            what: "the dtype to save the weights as".to_string(),
+            expected: "F32, F16 and BF16 (what save_hf_llama writes)".to_string(),
+            got: format!("{dtype:?}"),
+        });
     }
     let config_path = dir.join(CONFIG_FILE_NAME);
-    let invalid = |source| WeightsError::InvalidConfig {
-        path: config_path.clone(),
+    let invalid = |source| Error::Config {
+        path: Some(config_path.clone()),
         source,
     };
     config.validate().map_err(invalid)?;
     let specs = tensor_specs(config).map_err(invalid)?;
     if model.blocks.len() != config.n_layers {
-        return Err(WeightsError::LayerCountMismatch {
-            got: model.blocks.len(),
-            expected: config.n_layers,
-        });
+        return Err(Error::invalid(
+            "the model's number of blocks",
+            format!(
+                "its config's n_layers, {}; they must agree",
+                config.n_layers
+            ),
+            model.blocks.len(),
+        ));
     }
     if model.lm_head.is_some() == config.tie_embeddings {
-        return Err(WeightsError::HeadMismatch {
-            tied: config.tie_embeddings,
-        });
+        return Err(head_mismatch(config.tie_embeddings));
     }
     let mut params = Vec::with_capacity(specs.len());
     for spec in &specs {
         let transposed = spec.slot.transposed();
         // Present: the block count and lm_head were checked above.
         let Some(param) = model_param(model, spec.slot) else {
-            return Err(WeightsError::HeadMismatch {
-                tied: config.tie_embeddings,
-            });
+            return Err(head_mismatch(config.tie_embeddings));
         };
         let got = param.hf_shape(transposed);
         if got != spec.shape {
-            return Err(WeightsError::ModelShapeMismatch {
-                name: spec.name.clone(),
-                got,
+            return Err(Error::Shape {
+                path: None,
+                tensor: spec.name.clone(),
                 expected: spec.shape.clone(),
+                got,
             });
         }
         params.push((spec, param));
@@ -742,10 +564,7 @@ pub fn save_hf_llama<B: CheckpointBackend>(
         let data = param.hf_data(spec.slot.transposed(), dtype);
         tensors.insert(spec.name.clone(), data);
     }
-    fs::create_dir_all(dir).map_err(|source| WeightsError::Io {
-        path: dir.to_path_buf(),
-        source,
-    })?;
+    fs::create_dir_all(dir).map_err(Error::io("create the model directory", dir))?;
     write_hf_config(&config_path, &hf_config(config))?;
     write_safetensors(&dir.join(SINGLE_FILE_NAME), &tensors)?;
     Ok(())

@@ -5,10 +5,10 @@ use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::{Autodiff, NdArray};
 use burn_distflash::layers::AttentionContext;
 use distflash_llama::data::TokenDataset;
-use distflash_llama::generate::{generate, GenerateError, Sampling};
+use distflash_llama::generate::{generate, Sampling};
 use distflash_llama::tokenizer::Tokenizer;
 use distflash_llama::train::{TrainOptions, Trainer};
-use distflash_llama::{Llama, LlamaConfig};
+use distflash_llama::{Error, Llama, LlamaConfig};
 
 type Cpu = Autodiff<NdArray<f32>>;
 const DEVICE: NdArrayDevice = NdArrayDevice::Cpu;
@@ -61,25 +61,32 @@ fn bad_prompts_and_settings_are_refused() {
     let model = LlamaConfig::new(256, 64, 1, 4, 2, 128)
         .try_init::<Cpu>(&DEVICE)
         .unwrap();
-    let input_error = |r: Result<Vec<u32>, GenerateError>| match r {
-        Err(GenerateError::Input(what)) => what,
+    // The value, what is allowed and what was given, of an input error.
+    let input_error = |r: Result<Vec<u32>, Error>| match r {
+        Err(Error::Invalid {
+            what,
+            expected,
+            got,
+            ..
+        }) => (what, expected, got),
         other => panic!("expected an input error, got {other:?}"),
     };
-    let what = input_error(generate(&model, &[], 5, 8, Sampling::Greedy));
-    assert!(what.contains("empty"), "{what}");
-    let what = input_error(generate(&model, &[1, 256], 5, 8, Sampling::Greedy));
-    assert!(
-        what.contains("256") && what.contains("vocabulary of 256"),
-        "{what}"
-    );
-    let what = input_error(generate(&model, &[1], 5, 0, Sampling::Greedy));
-    assert!(what.contains("context"), "{what}");
+    let (what, _, got) = input_error(generate(&model, &[], 5, 8, Sampling::Greedy));
+    assert_eq!((what.as_str(), got.as_str()), ("the prompt", "empty"));
+    let (what, expected, got) = input_error(generate(&model, &[1, 256], 5, 8, Sampling::Greedy));
+    assert_eq!((what.as_str(), got.as_str()), ("a prompt token", "256"));
+    assert!(expected.contains("vocabulary of 256"), "{expected}");
+    let (what, _, got) = input_error(generate(&model, &[1], 5, 0, Sampling::Greedy));
+    assert_eq!((what.as_str(), got.as_str()), ("the context length", "0"));
     let cold = Sampling::TopK {
         k: 3,
         temperature: 0.0,
         seed: 0,
     };
-    let what = input_error(generate(&model, &[1], 5, 8, cold));
-    assert!(what.contains("temperature 0"), "{what}");
+    let (what, _, got) = input_error(generate(&model, &[1], 5, 8, cold));
+    assert!(
+        what.contains("temperature") && got.contains("temperature 0"),
+        "{got}"
+    );
     assert_eq!(generate(&model, &[7], 0, 8, Sampling::Greedy).unwrap(), [7]);
 }

@@ -17,8 +17,8 @@ use common::modules::{float_params, require_grad_flags, ParamValues};
 use common::temp_dir::TempDir;
 use distflash_llama::hf_config::{write_hf_config, HfLlamaConfig};
 use distflash_llama::safetensors::{write_safetensors, Checkpoint};
-use distflash_llama::weights::{load_hf_llama, save_hf_llama, WeightsError};
-use distflash_llama::{Llama, LlamaConfig};
+use distflash_llama::weights::{load_hf_llama, save_hf_llama};
+use distflash_llama::{Error, Llama, LlamaConfig};
 
 type Cpu = NdArray<f32>;
 const DEVICE: NdArrayDevice = NdArrayDevice::Cpu;
@@ -358,7 +358,11 @@ fn tied_checkpoint_accepts_a_copy_of_the_embedding_only() {
     );
     write_checkpoint(tmp.path(), &hf_config(true), &tensors);
     let err = load_hf_llama::<Cpu>(tmp.path(), &DEVICE).unwrap_err();
-    assert!(matches!(err, WeightsError::TiedHeadDiffers { .. }), "{err}");
+    assert!(
+        matches!(err, Error::Invalid { ref what, ref got, .. }
+            if what == "`lm_head.weight`" && got.contains("differs from")),
+        "{err}"
+    );
     assert!(err.to_string().contains("tie_word_embeddings"), "{err}");
 }
 
@@ -392,7 +396,7 @@ fn loaded_model_requires_gradients_and_trains() {
         .is_some());
 }
 
-fn load_err(dir: &Path) -> WeightsError {
+fn load_err(dir: &Path) -> Error {
     match load_hf_llama::<Cpu>(dir, &DEVICE) {
         Ok(_) => panic!("loading {} succeeded", dir.display()),
         Err(e) => e,
@@ -402,17 +406,28 @@ fn load_err(dir: &Path) -> WeightsError {
 #[test]
 fn missing_directory_and_config() {
     let tmp = TempDir::new("missing");
-    let err = load_err(&tmp.path().join("nowhere"));
+    let nowhere = tmp.path().join("nowhere");
+    let err = load_err(&nowhere);
     assert!(
-        matches!(err, WeightsError::MissingDirectory { .. }),
+        matches!(err, Error::NotFound { ref path, .. } if path == &nowhere),
         "{err}"
     );
     assert!(err.to_string().contains("nowhere"), "{err}");
 
     write_safetensors(&tmp.path().join("model.safetensors"), &hf_tensors(false)).unwrap();
     let err = load_err(tmp.path());
-    assert!(matches!(err, WeightsError::MissingConfig { .. }), "{err}");
+    assert!(
+        matches!(err, Error::NotFound { ref path, .. } if path == &tmp.path().join("config.json")),
+        "{err}"
+    );
     assert!(err.to_string().contains("config.json"), "{err}");
+
+    // A file where the directory should be.
+    let err = load_err(&tmp.path().join("model.safetensors"));
+    assert!(
+        matches!(err, Error::Invalid { ref got, .. } if got == "not a directory"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -424,7 +439,7 @@ fn missing_tensor_is_named() {
     let err = load_err(tmp.path());
     let msg = err.to_string();
     assert!(
-        matches!(err, WeightsError::MissingTensors { ref names, total: 1, .. }
+        matches!(err, Error::MissingTensors { ref names, total: 1, .. }
             if names == &["model.layers.1.mlp.up_proj.weight".to_string()]),
         "{msg}"
     );
@@ -449,11 +464,11 @@ fn wrong_shape_is_named_with_got_and_expected() {
     let err = load_err(tmp.path());
     let msg = err.to_string();
     match &err {
-        WeightsError::ShapeMismatch {
-            name,
+        Error::Shape {
+            path: Some(_),
+            tensor: name,
             got,
             expected,
-            ..
         } => {
             assert_eq!(name, "model.layers.0.self_attn.k_proj.weight");
             assert_eq!(
@@ -481,7 +496,7 @@ fn wrong_shape_is_named_with_got_and_expected() {
     write_checkpoint(tmp.path(), &hf_config(false), &tensors);
     assert!(matches!(
         load_err(tmp.path()),
-        WeightsError::ShapeMismatch { .. }
+        Error::Shape { path: Some(_), .. }
     ));
 }
 
@@ -497,7 +512,7 @@ fn unexpected_tensors_are_listed() {
     let err = load_err(tmp.path());
     let msg = err.to_string();
     assert!(
-        matches!(err, WeightsError::UnexpectedTensors { total: 2, .. }),
+        matches!(err, Error::UnexpectedTensors { total: 2, .. }),
         "{msg}"
     );
     assert!(msg.contains("`model.layers.2.mlp.up_proj.weight`"), "{msg}");
@@ -517,21 +532,19 @@ fn unbuildable_config_and_inconsistent_model_are_refused() {
     };
     write_checkpoint(tmp.path(), &config, &hf_tensors(false));
     let err = load_err(tmp.path());
-    assert!(matches!(err, WeightsError::InvalidConfig { .. }), "{err}");
+    assert!(matches!(err, Error::Config { path: Some(_), .. }), "{err}");
     assert!(err.to_string().contains("head_dim 10"), "{err}");
 
     // Saving an untied model under a tied config.
     let model = small_config(false).try_init::<Cpu>(&DEVICE).unwrap();
     let err = save_hf_llama(&model, &small_config(true), tmp.path(), DType::F32).unwrap_err();
     assert!(
-        matches!(err, WeightsError::HeadMismatch { tied: true }),
+        matches!(err, Error::Invalid { ref what, ref got, .. }
+            if what == "the model's lm_head" && got == "a separate output projection"),
         "{err}"
     );
     // A model wider than its config.
     let wide = LlamaConfig::new(64, 128, 2, 4, 2, 96);
     let err = save_hf_llama(&model, &wide, tmp.path(), DType::F32).unwrap_err();
-    assert!(
-        matches!(err, WeightsError::ModelShapeMismatch { .. }),
-        "{err}"
-    );
+    assert!(matches!(err, Error::Shape { path: None, .. }), "{err}");
 }

@@ -5,7 +5,7 @@
 //! `(o, m, l)` like the portable kernel. The tiles always run from the empty state; a stored state
 //! is read only in the epilogue and merged there (read before the first tile, its 128 f32 per
 //! lane were spilled to local memory across the whole loop). The epilogue has four forms (see
-//! [`forward_step_mma`]): a step (read the state, merge, write it back), a first step (write the
+//! `forward_step_mma`): a step (read the state, merge, write it back), a first step (write the
 //! state, read nothing: no kernel fills it first), a last step (read the state, merge, write the
 //! finished output and log-sum-exp: no kernel finalises it after) and a whole attention (write
 //! the finished output from this call's keys alone).

@@ -1,6 +1,7 @@
 //! Writes the CUDA C++ that cubecl-cuda generates for each tensor-core kernel, with no GPU: the
 //! kernels are expanded into a `KernelBuilder` configured like an H200 (sm_90) and compiled by
-//! CubeCL's CUDA compiler, exactly what cubecl-cuda hands to NVRTC at first launch.
+//! CubeCL's CUDA compiler, with `exp2` rewritten as the launches rewrite it
+//! (`tensor_core::fast_exp2`): exactly what cubecl-cuda hands to NVRTC at first launch.
 //!
 //! `cargo run --release -p distflash-kernels --example dump_cuda -- OUT_DIR [bf16|f16]`
 //! writes `OUT_DIR/{forward,attention,forward_first,forward_last,dq,dkdv,fused,fused_whole}_{causal,full}_d{64,128}.cu`
@@ -23,7 +24,7 @@ use cubecl_cpp::shared::{register_mma_features, CompilationOptions, CppSupported
 use cubecl_cpp::DialectWmmaCompiler;
 use cubecl_cuda::CudaCompiler;
 use cubecl_runtime::compiler::Compiler;
-use distflash_kernels::tensor_core::{backward, dkdv, forward, KERNEL_ADDRESS};
+use distflash_kernels::tensor_core::{backward, dkdv, fast_exp2, forward, KERNEL_ADDRESS};
 use half::{bf16, f16};
 
 /// What an H200 reports to cubecl-cuda 0.10, as far as code generation depends on it.
@@ -110,7 +111,7 @@ fn compile(
             elect_sync: true,
         },
     };
-    CudaCompiler::default()
+    let source = CudaCompiler::default()
         .compile(
             definition,
             &options,
@@ -118,7 +119,9 @@ fn compile(
             address.unsigned_type(),
         )
         .expect("the kernel compiles")
-        .to_string()
+        .to_string();
+    // What the tensor-core launches hand to NVRTC (see `tensor_core::fast_exp2`).
+    fast_exp2::with_fast_exp2(&source).0
 }
 
 fn input<E: CubePrimitive>(b: &mut KernelBuilder) -> <Array<E> as CubeType>::ExpandType {
@@ -136,7 +139,7 @@ fn scalar<E: LaunchArg<CompilationArg = ()>>(b: &mut KernelBuilder) -> <E as Cub
 /// CUDA sources of the kernels for element type `E`: the forward step, the whole-attention
 /// forward, the first and last forward steps, dQ, dK/dV (deterministic) and the fused dK/dV kernel that also adds dQ, as a step
 /// and for a whole attention.
-fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, String); 8] {
+pub fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, String); 8] {
     let units = forward::UNITS as u32;
     let forward = |reads_state: bool, finishes: bool| {
         compile("forward_step_mma", units, KERNEL_ADDRESS, |b| {

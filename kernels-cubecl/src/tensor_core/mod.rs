@@ -5,6 +5,7 @@
 pub mod backward;
 pub mod dkdv;
 pub(crate) mod dq_fragments;
+pub mod fast_exp2;
 pub mod forward;
 pub(crate) mod fragments;
 pub(crate) mod tiles;
@@ -21,6 +22,7 @@ use crate::limits::DeviceLimits;
 use crate::tensor::{DeviceTensor, ElemType};
 use backward::{KEY_ROWS, QUERY_ROWS};
 use dkdv::{DKDV_KEYS, DKDV_UNITS};
+use fast_exp2::LaunchArguments;
 use forward::{BLOCK_KEYS, BLOCK_ROWS, UNITS};
 use tiles::padded_stride;
 
@@ -192,32 +194,38 @@ pub(crate) fn forward<R: Runtime>(
     shift: Option<i32>,
 ) {
     let ([o, m, l, out, lse], (reads_state, finishes)) = target.arguments(client, q.elem);
-    let dim = CubeDim::new_1d(UNITS as u32);
-    // SAFETY: shapes were validated by the caller; the kernel guards every global access
-    // against `q_len`/`kv_len` (see `forward_step_mma`).
-    crate::tensor::with_elem_type!(q.elem, E => unsafe { forward::forward_step_mma::launch_unchecked::<E, R>(
-        client,
-        grids.forward.clone(),
-        dim,
-        q.array_arg(),
-        k.array_arg(),
-        v.array_arg(),
-        o.array_arg(),
-        m.array_arg(),
-        l.array_arg(),
-        out.array_arg(),
-        lse.array_arg(),
-        scale,
-        shift.unwrap_or(0),
-        dims.q_len as u32,
-        dims.kv_len as u32,
-        dims.q_heads as u32,
-        dims.group_size() as u32,
-        dims.head_dim,
-        shift.is_some(),
-        reads_state,
-        finishes,
-    ) });
+    let settings = settings(UNITS);
+    let mut args = LaunchArguments::new(KERNEL_ADDRESS);
+    crate::tensor::with_elem_type!(q.elem, E => {
+        // A scalar's compilation argument is `()` (see `LaunchArguments::scalar`).
+        #[allow(clippy::unit_arg)]
+        let kernel = forward::forward_step_mma::ForwardStepMma::<E, R>::new(
+            settings,
+            client.clone(),
+            args.array(q),
+            args.array(k),
+            args.array(v),
+            args.array(&o),
+            args.array(&m),
+            args.array(&l),
+            args.array(&out),
+            args.array(&lse),
+            args.scalar(scale),
+            args.scalar(shift.unwrap_or(0)),
+            args.scalar(dims.q_len as u32),
+            args.scalar(dims.kv_len as u32),
+            args.scalar(dims.q_heads as u32),
+            args.scalar(dims.group_size() as u32),
+            dims.head_dim,
+            shift.is_some(),
+            reads_state,
+            finishes,
+        );
+        // SAFETY: shapes were validated by the caller; the kernel guards every global access
+        // against `q_len`/`kv_len` (see `forward_step_mma`), and the arguments follow its
+        // parameters.
+        unsafe { fast_exp2::launch_unchecked(client, grids.forward.clone(), kernel, args) }
+    });
 }
 
 /// Where the tensor-core backward adds dQ.
@@ -259,31 +267,35 @@ pub(crate) fn backward_step<R: Runtime>(
     scale: f32,
     shift: Option<i32>,
 ) {
-    let dim = CubeDim::new_1d(UNITS as u32);
     let (dq, fuse_dq) = match dq {
         DqTarget::Rows(rows) => {
-            // SAFETY: shapes were validated by the caller; the kernel guards every global
-            // access against `q_len`/`kv_len`.
-            crate::tensor::with_elem_type!(q.elem, E => unsafe { backward::backward_dq_mma::launch_unchecked::<E, R>(
-                client,
-                grids.dq.clone(),
-                dim,
-                q.array_arg(),
-                k.array_arg(),
-                v.array_arg(),
-                grad_out.array_arg(),
-                lse.array_arg(),
-                delta.array_arg(),
-                rows.array_arg(),
-                scale,
-                shift.unwrap_or(0),
-                dims.q_len as u32,
-                dims.kv_len as u32,
-                dims.q_heads as u32,
-                dims.group_size() as u32,
-                dims.head_dim,
-                shift.is_some(),
-            ) });
+            let mut args = LaunchArguments::new(KERNEL_ADDRESS);
+            crate::tensor::with_elem_type!(q.elem, E => {
+                // A scalar's compilation argument is `()` (see `LaunchArguments::scalar`).
+                #[allow(clippy::unit_arg)]
+                let kernel = backward::backward_dq_mma::BackwardDqMma::<E, R>::new(
+                    settings(UNITS),
+                    client.clone(),
+                    args.array(q),
+                    args.array(k),
+                    args.array(v),
+                    args.array(grad_out),
+                    args.array(lse),
+                    args.array(delta),
+                    args.array(rows),
+                    args.scalar(scale),
+                    args.scalar(shift.unwrap_or(0)),
+                    args.scalar(dims.q_len as u32),
+                    args.scalar(dims.kv_len as u32),
+                    args.scalar(dims.q_heads as u32),
+                    args.scalar(dims.group_size() as u32),
+                    dims.head_dim,
+                    shift.is_some(),
+                );
+                // SAFETY: shapes were validated by the caller; the kernel guards every global
+                // access against `q_len`/`kv_len`, and the arguments follow its parameters.
+                unsafe { fast_exp2::launch_unchecked(client, grids.dq.clone(), kernel, args) }
+            });
             (rows, false)
         }
         DqTarget::Scratch(scratch) => (scratch, true),
@@ -304,31 +316,43 @@ pub(crate) fn backward_step<R: Runtime>(
             placeholder(q.elem),
         )
     };
-    // SAFETY: as above.
-    crate::tensor::with_elem_type!(q.elem, E => unsafe { dkdv::backward_dkdv_mma::launch_unchecked::<E, R>(
-        client,
-        grids.dkdv.clone(),
-        CubeDim::new_1d(DKDV_UNITS as u32),
-        q.array_arg(),
-        k.array_arg(),
-        v.array_arg(),
-        grad_out.array_arg(),
-        lse.array_arg(),
-        delta.array_arg(),
-        dk.array_arg(),
-        dv.array_arg(),
-        dq.array_arg(),
-        dk_out.array_arg(),
-        dv_out.array_arg(),
-        scale,
-        shift.unwrap_or(0),
-        dims.q_len as u32,
-        dims.kv_len as u32,
-        dims.kv_heads as u32,
-        dims.group_size() as u32,
-        dims.head_dim,
-        shift.is_some(),
-        fuse_dq,
-        key_grads.finished,
-    ) });
+    let mut args = LaunchArguments::new(KERNEL_ADDRESS);
+    crate::tensor::with_elem_type!(q.elem, E => {
+        // A scalar's compilation argument is `()` (see `LaunchArguments::scalar`).
+        #[allow(clippy::unit_arg)]
+        let kernel = dkdv::backward_dkdv_mma::BackwardDkdvMma::<E, R>::new(
+            settings(DKDV_UNITS),
+            client.clone(),
+            args.array(q),
+            args.array(k),
+            args.array(v),
+            args.array(grad_out),
+            args.array(lse),
+            args.array(delta),
+            args.array(&dk),
+            args.array(&dv),
+            args.array(dq),
+            args.array(&dk_out),
+            args.array(&dv_out),
+            args.scalar(scale),
+            args.scalar(shift.unwrap_or(0)),
+            args.scalar(dims.q_len as u32),
+            args.scalar(dims.kv_len as u32),
+            args.scalar(dims.kv_heads as u32),
+            args.scalar(dims.group_size() as u32),
+            dims.head_dim,
+            shift.is_some(),
+            fuse_dq,
+            key_grads.finished,
+        );
+        // SAFETY: as above.
+        unsafe { fast_exp2::launch_unchecked(client, grids.dkdv.clone(), kernel, args) }
+    });
+}
+
+/// Settings of a tensor-core kernel launched with cubes of `units` units.
+fn settings(units: usize) -> KernelSettings {
+    KernelSettings::default()
+        .cube_dim(CubeDim::new_1d(units as u32))
+        .address_type(KERNEL_ADDRESS)
 }

@@ -871,6 +871,34 @@ pub fn larger_shapes_match_reference<R: Runtime>(client: &ComputeClient<R>, elem
     }
 }
 
+/// The tensor-core backward with the value-by-value stores of devices without `stmatrix`
+/// (before sm_90), forced on this thread of an sm_90 device, against the f64 reference: both
+/// ways of storing P^T and dS^T stay tested on one machine.
+pub fn backward_without_stmatrix_matches_reference<R: Runtime>(
+    client: &ComputeClient<R>,
+    elem: ElemType,
+) {
+    struct Restore;
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            distflash_kernels::scalar_fragment_stores::force(false);
+        }
+    }
+    let _restore = Restore;
+    distflash_kernels::scalar_fragment_stores::force(true);
+    backward_matches_reference(client, elem);
+}
+
+mod cuda_scalar_stores {
+    use super::*;
+    suite!(
+        @per_elem backward,
+        backward_without_stmatrix_matches_reference,
+        cubecl::cuda::CudaRuntime::client(&cubecl::cuda::CudaDevice::new(0)),
+        #[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
+    );
+}
+
 mod cuda_large {
     use super::*;
     suite!(

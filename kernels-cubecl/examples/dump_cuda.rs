@@ -236,6 +236,7 @@ pub fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, Strin
                     causal,
                     fuse_dq,
                     one_shot,
+                    true,
                 );
             },
         )

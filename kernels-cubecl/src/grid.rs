@@ -248,6 +248,7 @@ mod tests {
             max_cube_dim_x: 256,
             f16: true,
             bf16: false,
+            stmatrix: false,
         }
     }
 

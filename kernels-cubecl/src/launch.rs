@@ -423,7 +423,7 @@ fn enqueue_backward<R: Runtime>(
             } else {
                 let scratch = enqueue_dq_scratch(client, limits, dims)?;
                 tensor_core_step(DqTarget::Scratch(&scratch));
-                enqueue_unpack_dq_scratch(client, limits, &scratch, &grads.dq, dims, true)?;
+                enqueue_unpack_dq_scratch(client, limits, &scratch, &grads.dq, dims, scale, true)?;
             }
             return Ok(());
         }
@@ -494,14 +494,17 @@ fn enqueue_dq_scratch<R: Runtime>(
     enqueue_filled(client, limits, vec![rows, dims.head_dim], 0.0)
 }
 
-/// Queues the unpacking of the fused backward's dQ scratch into the row-major `dq`: added to an
-/// f32 accumulator (`accumulate`), or written in `dq`'s element type.
+/// Queues the unpacking of the fused backward's dQ scratch (unscaled `dS K`) into the row-major
+/// `dq`, times the softmax `scale`: added to an f32 accumulator (`accumulate`), or written in
+/// `dq`'s element type.
+#[allow(clippy::too_many_arguments)]
 fn enqueue_unpack_dq_scratch<R: Runtime>(
     client: &ComputeClient<R>,
     limits: &DeviceLimits,
     scratch: &DeviceTensor,
     dq: &DeviceTensor,
     dims: &AttentionDims,
+    scale: f32,
     accumulate: bool,
 ) -> Result<(), KernelError> {
     let len = dq.len();
@@ -512,6 +515,7 @@ fn enqueue_unpack_dq_scratch<R: Runtime>(
         dim,
         scratch.array_arg(),
         dq.array_arg(),
+        scale,
         dims.q_len as u32,
         len as u32,
         dims.head_dim,
@@ -543,6 +547,7 @@ fn enqueue_finished_backward<R: Runtime>(
         dv: &dv,
         finished: true,
     };
+    let scale = options.resolved_scale(dims.head_dim);
     let tensor_core_step = |dq| {
         crate::tensor_core::backward_step(
             client,
@@ -554,7 +559,7 @@ fn enqueue_finished_backward<R: Runtime>(
             key_grads,
             dims,
             grids,
-            options.resolved_scale(dims.head_dim),
+            scale,
             options.mask.diagonal_shift(dims),
         )
     };
@@ -566,7 +571,7 @@ fn enqueue_finished_backward<R: Runtime>(
         let scratch = enqueue_dq_scratch(client, limits, dims)?;
         tensor_core_step(DqTarget::Scratch(&scratch));
         let dq = DeviceTensor::empty(client, dims.q_shape(), q.elem);
-        enqueue_unpack_dq_scratch(client, limits, &scratch, &dq, dims, false)?;
+        enqueue_unpack_dq_scratch(client, limits, &scratch, &dq, dims, scale, false)?;
         dq
     };
     Ok((dq, dk, dv))

@@ -37,6 +37,8 @@ pub use launch::{
     finalize_into, forward_first_step, forward_last_step, forward_step, merge,
     tensor_core_available, zeros_f32, GradAccumulators, SoftmaxState, StepOptions, Variant,
 };
+#[doc(hidden)]
+pub use limits::scalar_fragment_stores;
 pub use limits::DeviceLimits;
 pub use plan::check_launch;
 pub use tensor::{DeviceTensor, ElemType};

@@ -20,6 +20,10 @@ pub struct DeviceLimits {
     pub max_cube_dim_x: u32,
     /// Whether the device runs kernels on f16 data.
     pub f16: bool,
+    /// Whether the device stores `mma` fragments of f16 and bf16 to shared memory with
+    /// `stmatrix` (CUDA sm_90 and later); the tensor-core backward stores them value by value
+    /// without it.
+    pub stmatrix: bool,
     /// Whether the device runs kernels on bf16 data.
     pub bf16: bool,
 }
@@ -36,6 +40,18 @@ impl DeviceLimits {
             max_cube_dim_x: hardware.max_cube_dim.0,
             f16: properties.supports_type(half::f16::as_type_native_unchecked()),
             bf16: properties.supports_type(half::bf16::as_type_native_unchecked()),
+            stmatrix: [
+                half::f16::as_type_native_unchecked(),
+                half::bf16::as_type_native_unchecked(),
+            ]
+            .iter()
+            .all(|ty| {
+                properties
+                    .features
+                    .matmul
+                    .stmatrix
+                    .contains(&ty.storage_type())
+            }) && !scalar_fragment_stores::forced(),
         }
     }
 
@@ -79,5 +95,27 @@ impl DeviceLimits {
                 ),
             })
         }
+    }
+}
+
+/// A switch for tests that run the tensor-core backward on an `stmatrix` device with the
+/// value-by-value stores of older devices, to check both against each other.
+#[doc(hidden)]
+pub mod scalar_fragment_stores {
+    use std::cell::Cell;
+
+    thread_local! {
+        static FORCED: Cell<bool> = const { Cell::new(false) };
+    }
+
+    /// Whether launches on this thread store fragments value by value.
+    pub fn forced() -> bool {
+        FORCED.with(Cell::get)
+    }
+
+    /// Makes launches on this thread store fragments value by value (`true`) or as the device
+    /// allows (`false`).
+    pub fn force(on: bool) {
+        FORCED.with(|f| f.set(on));
     }
 }

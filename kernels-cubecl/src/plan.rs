@@ -177,6 +177,7 @@ mod tests {
             max_cube_dim_x: 1024,
             f16: true,
             bf16: false,
+            stmatrix: false,
         }
     }
 

@@ -104,6 +104,7 @@ pub fn backward_dkdv_mma<E: Float>(
     #[comptime] causal: bool,
     #[comptime] fuse_dq: bool,
     #[comptime] one_shot: bool,
+    #[comptime] stmatrix: bool,
 ) {
     let def = mma_definition::<E>();
     let size!(NA) = def.vector_size(MatrixIdent::A);
@@ -261,6 +262,7 @@ pub fn backward_dkdv_mma<E: Float>(
                 scale_log2,
                 head_dim,
                 true,
+                stmatrix,
             );
         } else {
             store_probabilities::<E, NA, NB, NC>(
@@ -280,6 +282,7 @@ pub fn backward_dkdv_mma<E: Float>(
                 scale_log2,
                 head_dim,
                 false,
+                stmatrix,
             );
         }
         // Every plane was done with step - 1 at the step's first barrier: its buffers take
@@ -325,7 +328,6 @@ pub fn backward_dkdv_mma<E: Float>(
                 slice,
                 step_tile.q_start,
                 q_len,
-                scale,
                 head_dim,
             );
         }
@@ -431,6 +433,7 @@ fn store_probabilities<E: Float, NA: Size, NB: Size, NC: Size>(
     scale_log2: f32,
     #[comptime] head_dim: usize,
     #[comptime] masked: bool,
+    #[comptime] stmatrix: bool,
 ) {
     let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
     let sc = def.vector_size(MatrixIdent::Accumulator);
@@ -499,27 +502,27 @@ fn store_probabilities<E: Float, NA: Size, NB: Size, NC: Size>(
             }
         }
     }
-    store_to_tile::<E, NC>(
+    store_to_tile::<E, NA, NC>(
         def,
         &s_acc,
         p_tile,
         shares.key_row0,
         shares.query_col0,
-        1.0f32,
         PLANE_TILES,
         HALF_QUERIES,
         QUERY_ROWS,
+        stmatrix,
     );
-    store_to_tile::<E, NC>(
+    store_to_tile::<E, NA, NC>(
         def,
         &dp_acc,
         ds_tile,
         shares.key_row0,
         shares.query_col0,
-        1.0f32,
         PLANE_TILES,
         HALF_QUERIES,
         QUERY_ROWS,
+        stmatrix,
     );
 }
 
@@ -562,9 +565,9 @@ fn accumulate_key_grad<E: Float, NA: Size, NB: Size, NC: Size>(
 }
 
 /// The fused kernel's dQ for one query tile: the plane's [`HALF_QUERIES`] queries by
-/// `head_dim / 4` columns of `scale * dS K` over the block's [`DKDV_KEYS`] keys, added to the
+/// `head_dim / 4` columns of `dS K` over the block's [`DKDV_KEYS`] keys, added to the
 /// fragment-order scratch `dq` of slice `slice` with f32 atomics, one 128-byte line per
-/// warp-wide atomic. The A fragments of dS are transposed loads of the dS^T tile.
+/// warp-wide atomic (the softmax scale is applied once, when the scratch is unpacked). The A fragments of dS are transposed loads of the dS^T tile.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn add_tile_dq<E: Float, NA: Size, NB: Size, NC: Size>(
@@ -576,7 +579,6 @@ fn add_tile_dq<E: Float, NA: Size, NB: Size, NC: Size>(
     slice: u32,
     q_start: u32,
     q_len: u32,
-    scale: f32,
     #[comptime] head_dim: usize,
 ) {
     let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
@@ -626,7 +628,7 @@ fn add_tile_dq<E: Float, NA: Size, NB: Size, NC: Size>(
                     #[unroll]
                     for e in 0..sc {
                         let offset = comptime!((t * 4 + i * sc + e) * 32);
-                        dq[base + offset].fetch_add(reg[e] * scale);
+                        dq[base + offset].fetch_add(reg[e]);
                     }
                 }
             }

@@ -38,12 +38,15 @@ pub fn tile_row_base(
     (slice * rows + row) as usize * head_dim + lane as usize
 }
 
-/// `dq += scratch` (with `accumulate`) or `dq = scratch` converted to `T`, for a row-major
-/// `[slices, q_len, head_dim]` dQ of `len` elements; one unit per element of dQ.
+/// `dq += scale * scratch` (with `accumulate`) or `dq = scale * scratch` converted to `T`, for
+/// a row-major `[slices, q_len, head_dim]` dQ of `len` elements; one unit per element of dQ.
+/// The fused kernel adds unscaled `dS K` (one multiply fewer per atomic); `scale` is the
+/// softmax scale.
 #[cube(launch)]
 pub fn unpack_fragment_scratch<T: Float>(
     scratch: &Array<f32>,
     dq: &mut Array<T>,
+    scale: f32,
     q_len: u32,
     len: u32,
     #[comptime] head_dim: usize,
@@ -60,7 +63,7 @@ pub fn unpack_fragment_scratch<T: Float>(
         let n = (r / 8) * 2 + col % 2;
         let from = tile_row_base(slice, row - r, q_len, lane, head_dim)
             + (((col / FRAG_COLS as u32) * 4 + n) * 32) as usize;
-        let value = T::cast_from(scratch[from]);
+        let value = T::cast_from(scratch[from] * scale);
         if accumulate {
             dq[at] += value;
         } else {

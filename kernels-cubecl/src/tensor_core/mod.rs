@@ -91,6 +91,9 @@ pub(crate) struct Grids {
     pub dq: CubeCount,
     /// dK/dV: blocks of [`DKDV_KEYS`] keys, slices = batch * kv_heads.
     pub dkdv: CubeCount,
+    /// Whether the dK/dV kernel stores P^T and dS^T with `stmatrix` (see
+    /// [`DeviceLimits::stmatrix`]).
+    pub stmatrix: bool,
 }
 
 /// The kernels' grids for `dims`, once their cubes, shared memory and grids are known to fit
@@ -112,6 +115,7 @@ pub(crate) fn grids(dims: &AttentionDims, limits: &DeviceLimits) -> Result<Grids
             DKDV_KEYS,
             limits,
         )?,
+        stmatrix: limits.stmatrix,
     })
 }
 
@@ -344,6 +348,7 @@ pub(crate) fn backward_step<R: Runtime>(
             shift.is_some(),
             fuse_dq,
             key_grads.finished,
+            grids.stmatrix,
         );
         // SAFETY: as above.
         unsafe { fast_exp2::launch_unchecked(client, grids.dkdv.clone(), kernel, args) }

@@ -7,7 +7,9 @@ use cubecl::prelude::*;
 use super::fragments::{
     accumulator_col, accumulator_row, mma_accumulate, FRAG_COLS, FRAG_K, WARP_ROWS,
 };
-use super::tiles::{a_lane_offset, load_matrix_x4, padded_stride, pair_lane_offset, ROW_SLOTS};
+use super::tiles::{
+    a_lane_offset, load_matrix_x4, padded_stride, pair_lane_offset, COPY_ELEMS, ROW_SLOTS,
+};
 
 /// `acc` tiles `acc_at` and the next one `+= a[a_at..] x` the two B fragments held back to back
 /// in `pair` (one `ldmatrix.x4`).
@@ -223,43 +225,72 @@ pub fn load_fragments<E: Float, NA: Size>(
     frags
 }
 
-/// Stores `scale` times `m_tiles x 16 x cols` accumulators (laid out as in
-/// [`multiply_by_rows_transposed`]), converted to `E`, into a staged tile with rows `width`
-/// elements long (padded), from row `row0` and column `col0`.
+/// Stores `m_tiles x 16 x cols` accumulators (laid out as in [`multiply_by_rows_transposed`]),
+/// converted to `E`, into a staged tile with rows `width` elements long (padded), from row
+/// `row0` and column `col0`. With `stmatrix` (sm_90 and later) each 16 x 16 block is one
+/// `stmatrix.x4` of its A fragment (see [`accumulator_to_fragments`]), the inverse of the
+/// `ldmatrix.x4` that reads it back, at the same per-lane address: one instruction per 8 values
+/// of a lane; without, the values are stored one by one.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub fn store_to_tile<E: Float, NC: Size>(
+pub fn store_to_tile<E: Float, NA: Size, NC: Size>(
     def: &MmaDefinition<E, E, f32>,
     acc: &Array<Vector<f32, NC>>,
     tile: &mut SharedMemory<E>,
     row0: usize,
     col0: usize,
-    scale: f32,
     #[comptime] m_tiles: usize,
     #[comptime] cols: usize,
     #[comptime] width: usize,
+    #[comptime] stmatrix: bool,
 ) {
-    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
-    let sc = def.vector_size(MatrixIdent::Accumulator);
     let stride = comptime!(padded_stride(width));
-    let frags = comptime!(cols / FRAG_COLS);
     let lane = UNIT_POS_PLANE;
-    let base = row0 * stride + col0;
-    #[unroll]
-    for mt in 0..m_tiles {
+    if stmatrix {
+        let va = def.vectors_per_lane(MatrixIdent::A);
+        let steps = comptime!(cols / FRAG_K);
+        let frags = accumulator_to_fragments::<E, NA, NC>(def, acc, m_tiles, cols);
+        let base = row0 * stride + col0 + a_lane_offset(lane, width);
         #[unroll]
-        for nt in 0..frags {
+        for mt in 0..m_tiles {
             #[unroll]
-            for i in 0..vc {
-                let reg = acc[(mt * frags + nt) * vc + i];
+            for kk in 0..steps {
+                let mut regs = Array::<Vector<E, NA>>::new(va);
                 #[unroll]
-                for e in 0..sc {
-                    let n = i * sc + e;
-                    let at = base
-                        + (mt * WARP_ROWS + accumulator_row(lane, n) as usize) * stride
-                        + nt * FRAG_COLS
-                        + accumulator_col(lane, n) as usize;
-                    tile[at] = E::cast_from(reg[e] * scale);
+                for i in 0..va {
+                    regs[i] = frags[(mt * steps + kk) * va + i];
+                }
+                let at = base + comptime!(mt * WARP_ROWS * stride + kk * FRAG_K);
+                def.store_matrix::<E, NA>(
+                    &mut tile.slice_mut(at, at + COPY_ELEMS),
+                    &regs,
+                    MatrixIdent::A,
+                    4usize,
+                    false,
+                );
+            }
+        }
+    } else {
+        let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+        let sc = def.vector_size(MatrixIdent::Accumulator);
+        let frags = comptime!(cols / FRAG_COLS);
+        let base = row0 * stride + col0;
+        #[unroll]
+        for mt in 0..m_tiles {
+            #[unroll]
+            for nt in 0..frags {
+                #[unroll]
+                for i in 0..vc {
+                    let reg = acc[(mt * frags + nt) * vc + i];
+                    #[unroll]
+                    for e in 0..sc {
+                        let n = i * sc + e;
+                        let at = base
+                            + (mt * WARP_ROWS + accumulator_row(lane, n) as usize) * stride
+                            + nt * FRAG_COLS
+                            + accumulator_col(lane, n) as usize;
+                        tile[at] = E::cast_from(reg[e]);
+                    }
                 }
             }
         }

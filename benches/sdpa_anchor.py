@@ -13,7 +13,8 @@ and two passes:
   * fwd      the forward of a training step (inputs require grad, so the log-sum-exp is kept)
   * fwd+bwd  forward, then backward from a fixed random dO (gradients reset before each run)
 
-Timing: CUDA events around each iteration, 3 warm-up iterations, then the median of 10.
+Timing: CUDA events around each iteration, 3 warm-up iterations, then the median of 10
+(`--wall-clock` adds FlashAttention-2 timed on the host clock, one synchronised call at a time).
 Throughput follows FlashAttention's convention: forward FLOPs = 4 * S^2 * H * D / 2 for causal
 attention (= 2 * S^2 * H * D, times the batch), forward+backward = 3.5 x forward FLOPs.
 
@@ -36,6 +37,7 @@ import datetime
 import json
 import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -107,25 +109,38 @@ def run_chunked(pass_name: str, chunks: int, q, k, v, grad_out) -> None:
                 out.backward(grad_out[:, :, rows])
 
 
-def time_ms(backend, pass_name: str, q, k, v, grad_out, chunks: int = 1) -> float:
+def time_ms(
+    backend, pass_name: str, q, k, v, grad_out, chunks: int = 1, wall: bool = False
+) -> float:
     """Median milliseconds of ITERS iterations after WARMUP, timed with CUDA events; with
-    `chunks` > 1, of [`run_chunked`]."""
+    `chunks` > 1, of [`run_chunked`]. With `wall`, timed on the host clock from before the call
+    to after `torch.cuda.synchronize()`, the way `benches/kernel_attention.rs` times a single
+    call (launch and wait latency included)."""
     times = []
     with sdpa_kernel(backend):
         for i in range(WARMUP + ITERS):
             for t in (q, k, v):
                 t.grad = None
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
+            if wall:
+                torch.cuda.synchronize()
+                begin = time.perf_counter()
+            else:
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
             if chunks > 1:
                 run_chunked(pass_name, chunks, q, k, v, grad_out)
             else:
                 run_once(pass_name, q, k, v, grad_out)
-            end.record()
-            torch.cuda.synchronize()
+            if wall:
+                torch.cuda.synchronize()
+                elapsed = (time.perf_counter() - begin) * 1e3
+            else:
+                end.record()
+                torch.cuda.synchronize()
+                elapsed = start.elapsed_time(end)
             if i >= WARMUP:
-                times.append(start.elapsed_time(end))
+                times.append(elapsed)
     return statistics.median(times)
 
 
@@ -153,6 +168,12 @@ def main() -> int:
         default=1,
         help="also time FlashAttention-2 called pair by pair over this many chunks (the "
         "sequence must divide evenly)",
+    )
+    parser.add_argument(
+        "--wall-clock",
+        action="store_true",
+        help="also time FlashAttention-2 on the host clock, one synchronised call at a time "
+        "(the method of the Rust bench's single-call rows)",
     )
     args = parser.parse_args()
     HEAD_DIM, KV_HEADS = args.head_dim, args.kv_heads
@@ -182,6 +203,8 @@ def main() -> int:
             print(f"error: --chunks {args.chunks} does not divide every sequence", file=sys.stderr)
             return 1
         backends.append((f"torch_sdpa_flash, {args.chunks} chunks", SDPBackend.FLASH_ATTENTION))
+    if args.wall_clock:
+        backends.append(("torch_sdpa_flash, wall clock", SDPBackend.FLASH_ATTENTION))
 
     torch.manual_seed(0)
     records = []
@@ -190,9 +213,10 @@ def main() -> int:
         q, k, v, grad_out = make_inputs(seq)
         for impl, backend in backends:
             chunks = args.chunks if impl.endswith("chunks") else 1
+            wall = impl.endswith("wall clock")
             for pass_name in PASSES:
                 try:
-                    ms = time_ms(backend, pass_name, q, k, v, grad_out, chunks)
+                    ms = time_ms(backend, pass_name, q, k, v, grad_out, chunks, wall)
                     tflops = pass_flops(pass_name, seq) / (ms * 1e-3) / 1e12
                     results[(impl, pass_name, seq)] = (tflops, ms)
                     records.append(

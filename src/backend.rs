@@ -5,7 +5,7 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Device, Tensor, TensorPrimitive};
+use burn::tensor::{DType, Device, Tensor, TensorMetadata, TensorPrimitive};
 
 use distflash_kernels::AttentionDims;
 
@@ -139,6 +139,27 @@ pub trait FlashAttentionBackend: Backend {
         step: StepMask,
     ) -> AttentionState<Self> {
         crate::tensor_ops::forward_step::<Self>(q, k, v, state, step)
+    }
+
+    /// A new running state of the query rows `q` with its first key/value chunk folded in:
+    /// [`attention_state_empty`](Self::attention_state_empty) then
+    /// [`attention_forward_step`](Self::attention_forward_step), which is the default. The kernel
+    /// backends write the state in one launch, with no fill before it and no state read.
+    ///
+    /// # Shapes
+    ///
+    /// - q: `[batch, q_heads, seq_q, head_dim]`
+    /// - k, v: `[batch, kv_heads, seq_kv, head_dim]`
+    /// - result: o `[batch, q_heads, seq_q, head_dim]`; m, l `[batch, q_heads, seq_q]`
+    fn attention_forward_first_step(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        step: StepMask,
+    ) -> AttentionState<Self> {
+        let shape: [usize; 4] = q.shape().dims();
+        let empty = Self::attention_state_empty(shape, q.dtype(), &Self::float_device(&q));
+        Self::attention_forward_step(q, k, v, empty, step)
     }
 
     /// Merges two partial states of the same query rows.

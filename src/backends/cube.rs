@@ -241,6 +241,37 @@ where
         AttentionState { o, m, l }
     }
 
+    fn attention_forward_first_step(
+        q: CubeTensor<R>,
+        k: CubeTensor<R>,
+        v: CubeTensor<R>,
+        step: StepMask,
+    ) -> AttentionState<Self> {
+        let (client, device) = (q.client.clone(), q.device.clone());
+        let state = distflash_kernels::forward_first_step(
+            &client,
+            &device_tensor(q),
+            &device_tensor(k),
+            &device_tensor(v),
+            &kernel_step(step),
+        )
+        .unwrap_or_else(|e| fail("first forward step", e));
+        let wrap = |t: DeviceTensor| {
+            CubeTensor::new_contiguous(
+                client.clone(),
+                device.clone(),
+                Shape::from(t.shape),
+                t.handle,
+                DType::F32,
+            )
+        };
+        AttentionState {
+            o: wrap(state.o),
+            m: wrap(state.m),
+            l: wrap(state.l),
+        }
+    }
+
     fn attention_merge(a: AttentionState<Self>, b: AttentionState<Self>) -> AttentionState<Self> {
         let (o, m, l) = (exclusive(a.o), exclusive(a.m), exclusive(a.l));
         let client = o.client.clone();

@@ -88,14 +88,21 @@ fn block_step(block: &Block, options: &SequenceParallelOptions) -> StepMask {
     }
 }
 
-/// `state` (of the query shard's rows) with every block of a pair folded in.
+/// `state` (of the query shard's rows) with every block of a pair folded in. `None` is the
+/// empty state: a first block over all the rows then writes a new state in one step
+/// ([`FlashAttentionBackend::attention_forward_first_step`], no fill, no state read), and a
+/// first block over some of them starts from an empty state of the whole shard.
 pub(crate) fn forward_pair<B: FlashAttentionBackend>(
     [q, k, v]: [&FloatTensor<B>; 3],
-    mut state: AttentionState<B>,
+    mut state: Option<AttentionState<B>>,
     blocks: &[Block],
     chunks: Chunks,
     options: &SequenceParallelOptions,
 ) -> AttentionState<B> {
+    let empty = || {
+        let shape: [usize; 4] = q.shape().dims();
+        B::attention_state_empty(shape, q.dtype(), &B::float_device(q))
+    };
     for block in blocks {
         let (qs, ks, vs) = (
             chunks.rows::<B>(q, &block.query),
@@ -106,22 +113,26 @@ pub(crate) fn forward_pair<B: FlashAttentionBackend>(
         let rows = &block.query;
         if chunks.whole(rows) {
             // The state itself, not a clone that would force the step to copy it.
-            state = B::attention_forward_step(qs, ks, vs, state, step);
+            state = Some(match state {
+                Some(state) => B::attention_forward_step(qs, ks, vs, state, step),
+                None => B::attention_forward_first_step(qs, ks, vs, step),
+            });
             continue;
         }
+        let whole = state.unwrap_or_else(empty);
         let part = AttentionState {
-            o: chunks.rows::<B>(&state.o, rows),
-            m: chunks.rows::<B>(&state.m, rows),
-            l: chunks.rows::<B>(&state.l, rows),
+            o: chunks.rows::<B>(&whole.o, rows),
+            m: chunks.rows::<B>(&whole.m, rows),
+            l: chunks.rows::<B>(&whole.l, rows),
         };
         let part = B::attention_forward_step(qs, ks, vs, part, step);
-        state = AttentionState {
-            o: chunks.assign::<B>(state.o, rows, part.o),
-            m: chunks.assign::<B>(state.m, rows, part.m),
-            l: chunks.assign::<B>(state.l, rows, part.l),
-        };
+        state = Some(AttentionState {
+            o: chunks.assign::<B>(whole.o, rows, part.o),
+            m: chunks.assign::<B>(whole.m, rows, part.m),
+            l: chunks.assign::<B>(whole.l, rows, part.l),
+        });
     }
-    state
+    state.unwrap_or_else(empty)
 }
 
 /// `t` as f32 (itself when it already is).

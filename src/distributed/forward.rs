@@ -20,7 +20,8 @@ struct ForwardPass<B: FlashAttentionBackend> {
     q: FloatTensor<B>,
     k: FloatTensor<B>,
     v: FloatTensor<B>,
-    /// Always `Some` between steps (taken while a step updates it).
+    /// `None` until the first fold or partial arrives: the empty state, never materialised (the
+    /// first fold writes a new state, the first partial becomes the state).
     state: Option<AttentionState<B>>,
     state_layouts: Vec<TensorLayout>,
     schedule: Schedule,
@@ -29,14 +30,14 @@ struct ForwardPass<B: FlashAttentionBackend> {
 }
 
 impl<B: FlashAttentionBackend> ForwardPass<B> {
-    fn empty_state(q: &FloatTensor<B>) -> AttentionState<B> {
-        let shape: [usize; 4] = q.shape().dims();
-        B::attention_state_empty(shape, q.dtype(), &B::float_device(q))
-    }
-
-    fn update(&mut self, step: impl FnOnce(AttentionState<B>) -> AttentionState<B>) {
-        let state = self.state.take().expect("state between steps");
-        self.state = Some(step(state));
+    /// The layouts of a running state of this rank's query rows (as partials arrive in).
+    fn state_layouts(q: &FloatTensor<B>) -> Vec<TensorLayout> {
+        let [b, h, s, d]: [usize; 4] = q.shape().dims();
+        let dtype = B::lse_dtype(q.dtype());
+        [vec![b, h, s, d], vec![b, h, s], vec![b, h, s]]
+            .into_iter()
+            .map(|shape| TensorLayout { shape, dtype })
+            .collect()
     }
 }
 
@@ -58,11 +59,11 @@ impl<B: FlashAttentionBackend> Pass<B> for ForwardPass<B> {
         let (chunks, options) = (self.chunks, self.options);
         let fold = |state| forward_pair([&q, &k, &v], state, &blocks, chunks, &options);
         if pair.query == self.rank {
-            self.update(fold);
+            self.state = Some(fold(self.state.take()));
             return Vec::new();
         }
-        // Helper work: a partial for the query's owner.
-        let partial = fold(Self::empty_state(&q));
+        // Helper work: a partial for the query's owner, from the empty state.
+        let partial = fold(None);
         let tensors = [partial.o, partial.m, partial.l];
         vec![outgoing(pair.query, MessageKind::PartialState, &tensors)]
     }
@@ -86,7 +87,10 @@ impl<B: FlashAttentionBackend> Pass<B> for ForwardPass<B> {
                 m: t.next().expect("m"),
                 l: t.next().expect("l"),
             };
-            self.update(|state| B::attention_merge(state, partial));
+            self.state = Some(match self.state.take() {
+                Some(state) => B::attention_merge(state, partial),
+                None => partial,
+            });
         }
     }
 }
@@ -106,23 +110,24 @@ pub(crate) fn run<B: FlashAttentionBackend>(
         schedule.layout().chunks_per_rank(),
         q.shape().dims::<4>()[2],
     );
-    let state = ForwardPass::<B>::empty_state(&q);
-    let state_layouts = [&state.o, &state.m, &state.l]
-        .into_iter()
-        .map(TensorLayout::of::<B>)
-        .collect();
+    let state_layouts = ForwardPass::<B>::state_layouts(&q);
     let mut pass = ForwardPass {
         rank: group.rank(),
         q,
         k,
         v,
-        state: Some(state),
+        state: None,
         state_layouts,
         schedule: schedule.clone(),
         chunks,
         options: *options,
     };
     pipeline::run(group, schedule, &mut pass, options.overlap)?;
-    let state = pass.state.expect("state after the last step");
+    // Every schedule folds each rank's diagonal, so the state exists; a world that folded
+    // nothing would finalise the empty state (zero output, lse -inf).
+    let state = pass.state.unwrap_or_else(|| {
+        let shape: [usize; 4] = pass.q.shape().dims();
+        B::attention_state_empty(shape, dtype, &B::float_device(&pass.q))
+    });
     Ok(B::attention_finalize(state, dtype))
 }

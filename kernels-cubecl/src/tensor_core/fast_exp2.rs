@@ -128,8 +128,9 @@ impl LaunchArguments {
         ArrayCompilationArg { inplace: None }
     }
 
-    /// Registers `value` as the next scalar parameter and returns what the kernel's definition
-    /// takes for it (nothing: scalars are compiled by type alone).
+    /// Registers `value` as the next scalar parameter (the kernel's definition takes `()` for
+    /// it: scalars are compiled by type alone). Scalars are kept apart from the arrays, so only
+    /// their order among themselves matters.
     pub(crate) fn scalar<T: ScalarArgType>(&mut self, value: T) {
         self.info.scalars.push(value);
     }

@@ -146,40 +146,50 @@ pub(crate) enum ForwardTarget<'a> {
     },
 }
 
+/// The forward kernel's state and output arguments for one [`ForwardTarget`], with one-element
+/// placeholders where the kernel never touches them, and its two epilogue flags.
+struct ForwardArguments {
+    /// The running state `(o, m, l)`.
+    state: [DeviceTensor; 3],
+    /// The finished output and log-sum-exp.
+    finished: [DeviceTensor; 2],
+    /// Whether the kernel merges the stored state.
+    reads_state: bool,
+    /// Whether it writes the finished output and lse (else the state).
+    finishes: bool,
+}
+
 impl ForwardTarget<'_> {
-    /// The kernel's state `(o, m, l)` and finished `(out, lse)` arguments, one-element
-    /// placeholders where it never touches them, and its `(reads_state, finishes)`.
-    #[allow(clippy::type_complexity)]
-    fn arguments<R: Runtime>(
-        &self,
-        client: &ComputeClient<R>,
-        elem: ElemType,
-    ) -> ([DeviceTensor; 5], (bool, bool)) {
+    /// The kernel's arguments for this target (`elem`: the inputs' element type).
+    fn arguments<R: Runtime>(&self, client: &ComputeClient<R>, elem: ElemType) -> ForwardArguments {
         let placeholder = |elem| DeviceTensor::empty(client, vec![1], elem);
-        let no_state = || {
-            let f32_placeholder = placeholder(ElemType::F32);
-            [
-                f32_placeholder.clone(),
-                f32_placeholder.clone(),
-                f32_placeholder,
-            ]
-        };
         let state_of = |s: &SoftmaxState| [s.o.clone(), s.m.clone(), s.l.clone()];
-        let no_output = || (placeholder(elem), placeholder(ElemType::F32));
-        let (state, (out, lse), flags) = match self {
-            ForwardTarget::Step(s) => (state_of(s), no_output(), (true, false)),
-            ForwardTarget::FirstStep(s) => (state_of(s), no_output(), (false, false)),
+        let no_output = || [placeholder(elem), placeholder(ElemType::F32)];
+        let (state, finished, reads_state, finishes) = match self {
+            ForwardTarget::Step(s) => (state_of(s), no_output(), true, false),
+            ForwardTarget::FirstStep(s) => (state_of(s), no_output(), false, false),
             ForwardTarget::LastStep { state, out, lse } => (
                 state_of(state),
-                ((*out).clone(), (*lse).clone()),
-                (true, true),
+                [(*out).clone(), (*lse).clone()],
+                true,
+                true,
             ),
             ForwardTarget::Finished { out, lse } => {
-                (no_state(), ((*out).clone(), (*lse).clone()), (false, true))
+                let none = placeholder(ElemType::F32);
+                (
+                    [none.clone(), none.clone(), none],
+                    [(*out).clone(), (*lse).clone()],
+                    false,
+                    true,
+                )
             }
         };
-        let [o, m, l] = state;
-        ([o, m, l, out, lse], flags)
+        ForwardArguments {
+            state,
+            finished,
+            reads_state,
+            finishes,
+        }
     }
 }
 
@@ -197,14 +207,17 @@ pub(crate) fn forward<R: Runtime>(
     scale: f32,
     shift: Option<i32>,
 ) {
-    let ([o, m, l, out, lse], (reads_state, finishes)) = target.arguments(client, q.elem);
-    let settings = settings(UNITS);
+    let ForwardArguments {
+        state: [o, m, l],
+        finished: [out, lse],
+        reads_state,
+        finishes,
+    } = target.arguments(client, q.elem);
     let mut args = LaunchArguments::new(KERNEL_ADDRESS);
+    let [s0, s1, s2, s3, s4, s5] = register_scalars(&mut args, scale, shift, dims, dims.q_heads);
     crate::tensor::with_elem_type!(q.elem, E => {
-        // A scalar's compilation argument is `()` (see `LaunchArguments::scalar`).
-        #[allow(clippy::unit_arg)]
         let kernel = forward::forward_step_mma::ForwardStepMma::<E, R>::new(
-            settings,
+            settings(UNITS),
             client.clone(),
             args.array(q),
             args.array(k),
@@ -214,12 +227,12 @@ pub(crate) fn forward<R: Runtime>(
             args.array(&l),
             args.array(&out),
             args.array(&lse),
-            args.scalar(scale),
-            args.scalar(shift.unwrap_or(0)),
-            args.scalar(dims.q_len as u32),
-            args.scalar(dims.kv_len as u32),
-            args.scalar(dims.q_heads as u32),
-            args.scalar(dims.group_size() as u32),
+            s0,
+            s1,
+            s2,
+            s3,
+            s4,
+            s5,
             dims.head_dim,
             shift.is_some(),
             reads_state,
@@ -274,9 +287,9 @@ pub(crate) fn backward_step<R: Runtime>(
     let (dq, fuse_dq) = match dq {
         DqTarget::Rows(rows) => {
             let mut args = LaunchArguments::new(KERNEL_ADDRESS);
+            let [s0, s1, s2, s3, s4, s5] =
+                register_scalars(&mut args, scale, shift, dims, dims.q_heads);
             crate::tensor::with_elem_type!(q.elem, E => {
-                // A scalar's compilation argument is `()` (see `LaunchArguments::scalar`).
-                #[allow(clippy::unit_arg)]
                 let kernel = backward::backward_dq_mma::BackwardDqMma::<E, R>::new(
                     settings(UNITS),
                     client.clone(),
@@ -287,12 +300,12 @@ pub(crate) fn backward_step<R: Runtime>(
                     args.array(lse),
                     args.array(delta),
                     args.array(rows),
-                    args.scalar(scale),
-                    args.scalar(shift.unwrap_or(0)),
-                    args.scalar(dims.q_len as u32),
-                    args.scalar(dims.kv_len as u32),
-                    args.scalar(dims.q_heads as u32),
-                    args.scalar(dims.group_size() as u32),
+                    s0,
+                    s1,
+                    s2,
+                    s3,
+                    s4,
+                    s5,
                     dims.head_dim,
                     shift.is_some(),
                 );
@@ -321,9 +334,8 @@ pub(crate) fn backward_step<R: Runtime>(
         )
     };
     let mut args = LaunchArguments::new(KERNEL_ADDRESS);
+    let [s0, s1, s2, s3, s4, s5] = register_scalars(&mut args, scale, shift, dims, dims.kv_heads);
     crate::tensor::with_elem_type!(q.elem, E => {
-        // A scalar's compilation argument is `()` (see `LaunchArguments::scalar`).
-        #[allow(clippy::unit_arg)]
         let kernel = dkdv::backward_dkdv_mma::BackwardDkdvMma::<E, R>::new(
             settings(DKDV_UNITS),
             client.clone(),
@@ -338,12 +350,12 @@ pub(crate) fn backward_step<R: Runtime>(
             args.array(dq),
             args.array(&dk_out),
             args.array(&dv_out),
-            args.scalar(scale),
-            args.scalar(shift.unwrap_or(0)),
-            args.scalar(dims.q_len as u32),
-            args.scalar(dims.kv_len as u32),
-            args.scalar(dims.kv_heads as u32),
-            args.scalar(dims.group_size() as u32),
+            s0,
+            s1,
+            s2,
+            s3,
+            s4,
+            s5,
             dims.head_dim,
             shift.is_some(),
             fuse_dq,
@@ -353,6 +365,27 @@ pub(crate) fn backward_step<R: Runtime>(
         // SAFETY: as above.
         unsafe { fast_exp2::launch_unchecked(client, grids.dkdv.clone(), kernel, args) }
     });
+}
+
+/// Registers the six scalars every tensor-core kernel takes after its arrays, in their order:
+/// the score scale, the causal diagonal shift (0 without a mask), `q_len`, `kv_len`, the heads
+/// the grid walks (`heads`) and the query heads per key/value head. Returns their compilation
+/// arguments (`()` each), for the kernel's constructor. Scalars and arrays are registered in
+/// separate lists, so registering the scalars first keeps both in parameter order.
+fn register_scalars(
+    args: &mut LaunchArguments,
+    scale: f32,
+    shift: Option<i32>,
+    dims: &AttentionDims,
+    heads: usize,
+) -> [(); 6] {
+    args.scalar(scale);
+    args.scalar(shift.unwrap_or(0));
+    args.scalar(dims.q_len as u32);
+    args.scalar(dims.kv_len as u32);
+    args.scalar(heads as u32);
+    args.scalar(dims.group_size() as u32);
+    [(); 6]
 }
 
 /// Settings of a tensor-core kernel launched with cubes of `units` units.

@@ -5,7 +5,7 @@
 //! NVRTC no flush-to-zero option, so every exponential becomes `ex2.approx.f32` with its denormal
 //! fix-up: a compare and two predicated multiplies around the `MUFU.EX2` (192 of the forward
 //! loop's 1136 instructions per tile). CubeCL has no inline assembly and no compiler option for
-//! it, so on CUDA the kernels are launched through [`FastExp2Task`], which compiles the kernel
+//! it, so on CUDA the kernels are launched through `FastExp2Task`, which compiles the kernel
 //! exactly as CubeCL does and then calls a one-instruction `ex2.approx.ftz.f32` helper in place
 //! of each `__powf(float(2.0), x)` of the generated source ([`with_fast_exp2`]).
 //!
@@ -14,7 +14,7 @@
 //! Other runtimes, and a source CubeCL prints differently, compile unchanged (correct, slower);
 //! a unit test pins the printed form so an upgrade that changes it fails loudly.
 //!
-//! The arguments are registered by [`LaunchArguments`] the way CubeCL's `KernelLauncher`
+//! The arguments are registered by `LaunchArguments` the way CubeCL's `KernelLauncher`
 //! registers arrays and scalars (whose bindings it does not hand out), in the kernel's parameter
 //! order.
 

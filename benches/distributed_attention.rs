@@ -4,7 +4,7 @@
 //!  [--iters 3] [--no-single]`
 //!
 //! Causal bf16, batch 1, 32 heads, head dim 128, `tokens` per GPU. For each world size and
-//! length: ring and balanced schedules with overlap on and off, and the same schedules with
+//! length: ring, balanced and zigzag schedules with overlap on and off, and the same schedules with
 //! communication replaced by local buffers (the zero-communication ideal); then this project's
 //! single-GPU attention on the whole sequence. Per-GPU TFLOP/s with FlashAttention's convention
 //! over the whole causal sequence (4 N² H D / 2 forward, x3.5 forward+backward, divided by P).
@@ -100,7 +100,11 @@ struct Config {
 
 fn configs() -> Vec<Config> {
     let mut all = Vec::new();
-    for schedule in [ScheduleKind::Ring, ScheduleKind::Balanced] {
+    for schedule in [
+        ScheduleKind::Ring,
+        ScheduleKind::Balanced,
+        ScheduleKind::Zigzag,
+    ] {
         for (overlap, communicate) in [(true, true), (false, true), (true, false)] {
             all.push(Config {
                 schedule,

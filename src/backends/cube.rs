@@ -119,6 +119,28 @@ fn state_view<R: CubeRuntime>(
     }
 }
 
+/// A kernel-made f32 state `(o, m, l)` as the backend's tensors on `device`.
+fn cube_state<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    client: &cubecl::prelude::ComputeClient<R>,
+    device: &R::Device,
+    state: SoftmaxState,
+) -> AttentionState<CubeBackend<R, F, I, BT>> {
+    let wrap = |t: DeviceTensor| {
+        CubeTensor::new_contiguous(
+            client.clone(),
+            device.clone(),
+            Shape::from(t.shape),
+            t.handle,
+            DType::F32,
+        )
+    };
+    AttentionState {
+        o: wrap(state.o),
+        m: wrap(state.m),
+        l: wrap(state.l),
+    }
+}
+
 fn fail(what: &str, e: distflash_kernels::KernelError) -> ! {
     panic!("flash attention {what}: {e}")
 }
@@ -204,20 +226,7 @@ where
         let [b, h, s, d] = shape;
         let st =
             SoftmaxState::empty(&client, b, h, s, d).unwrap_or_else(|e| fail("empty state", e));
-        let wrap = |t: DeviceTensor| {
-            CubeTensor::new_contiguous(
-                client.clone(),
-                device.clone(),
-                Shape::from(t.shape),
-                t.handle,
-                DType::F32,
-            )
-        };
-        AttentionState {
-            o: wrap(st.o),
-            m: wrap(st.m),
-            l: wrap(st.l),
-        }
+        cube_state(&client, device, st)
     }
 
     fn attention_forward_step(
@@ -256,20 +265,7 @@ where
             &kernel_step(step),
         )
         .unwrap_or_else(|e| fail("first forward step", e));
-        let wrap = |t: DeviceTensor| {
-            CubeTensor::new_contiguous(
-                client.clone(),
-                device.clone(),
-                Shape::from(t.shape),
-                t.handle,
-                DType::F32,
-            )
-        };
-        AttentionState {
-            o: wrap(state.o),
-            m: wrap(state.m),
-            l: wrap(state.l),
-        }
+        cube_state(&client, &device, state)
     }
 
     fn attention_merge(a: AttentionState<Self>, b: AttentionState<Self>) -> AttentionState<Self> {

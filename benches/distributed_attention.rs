@@ -16,8 +16,9 @@ use std::time::Instant;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Distribution, FloatDType, Shape};
-use burn_distflash::collective::{CommError, Exchange, Incoming, Outgoing, Received, Transport};
+use burn_distflash::collective::{Exchange, Incoming, Outgoing, Received, Transport};
 use burn_distflash::schedule::{Schedule, ScheduleKind};
+use burn_distflash::Error;
 use burn_distflash::{
     on_each_rank, DeviceGroup, FlashAttentionBackend, FlashAttentionOptions,
     SequenceParallelOptions,
@@ -50,7 +51,7 @@ struct NoComm<B: Backend> {
 struct Ready<B: Backend>(Vec<Received<B>>);
 
 impl<B: Backend> Exchange<B> for Ready<B> {
-    fn wait(self: Box<Self>) -> Result<Vec<Received<B>>, CommError> {
+    fn wait(self: Box<Self>) -> Result<Vec<Received<B>>, Error> {
         Ok(self.0)
     }
 }
@@ -69,7 +70,7 @@ impl<B: Backend> Transport<B> for NoComm<B> {
         &self,
         _sends: Vec<Outgoing<B>>,
         receives: Vec<Incoming>,
-    ) -> Result<Box<dyn Exchange<B> + '_>, CommError> {
+    ) -> Result<Box<dyn Exchange<B> + '_>, Error> {
         let received = receives
             .into_iter()
             .map(|r| Received {
@@ -85,7 +86,7 @@ impl<B: Backend> Transport<B> for NoComm<B> {
             .collect();
         Ok(Box::new(Ready(received)))
     }
-    fn all_gather_values(&self, values: &[u64]) -> Result<Vec<Vec<u64>>, CommError> {
+    fn all_gather_values(&self, values: &[u64]) -> Result<Vec<Vec<u64>>, Error> {
         Ok(vec![values.to_vec(); self.world])
     }
 }

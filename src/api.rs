@@ -1,10 +1,11 @@
 //! The functions Burn users call, shaped like `burn::tensor::module::attention`.
 
+use crate::Error;
 use burn::tensor::{DType, Tensor, TensorPrimitive};
 use distflash_kernels::AttentionDims;
 
 use crate::backend::FlashAttentionBackend;
-use crate::options::{check_shapes, AttentionError, FlashAttentionOptions};
+use crate::options::{check_shapes, FlashAttentionOptions};
 
 /// q's float type is one the op supports and its device supports; k and v share q's float type
 /// and device.
@@ -12,31 +13,37 @@ fn check_types_and_devices<B: FlashAttentionBackend>(
     q: &Tensor<B, 4>,
     k: &Tensor<B, 4>,
     v: &Tensor<B, 4>,
-) -> Result<(), AttentionError> {
+) -> Result<(), Error> {
     let (dtype, device) = (q.dtype(), q.device());
     if !matches!(dtype, DType::F16 | DType::BF16 | DType::F32) {
-        return Err(AttentionError::DType(format!(
-            "q is {dtype:?}; supported float types are f16, bf16 and f32"
-        )));
+        return Err(Error::DType {
+            tensor: "q".into(),
+            expected: "f16, bf16 or f32".into(),
+            got: format!("{dtype:?}"),
+        });
     }
     for (name, t) in [("k", k), ("v", v)] {
         if t.dtype() != dtype {
-            return Err(AttentionError::DType(format!(
-                "{name} is {:?} but q is {dtype:?}; q, k and v must share one float type",
-                t.dtype()
-            )));
+            return Err(Error::DType {
+                tensor: name.into(),
+                expected: format!("q's float type {dtype:?} (q, k and v share one)"),
+                got: format!("{:?}", t.dtype()),
+            });
         }
         if t.device() != device {
-            return Err(AttentionError::Device(format!(
-                "{name} is on {:?} but q is on {device:?}; q, k and v must share one device",
-                t.device()
-            )));
+            return Err(Error::Device {
+                tensor: name.into(),
+                expected: format!("q's device {device:?} (q, k and v share one)"),
+                got: format!("{:?}", t.device()),
+            });
         }
     }
     if !B::supports_dtype(&device, dtype) {
-        return Err(AttentionError::DType(format!(
-            "{dtype:?} is not supported on {device:?}"
-        )));
+        return Err(Error::DType {
+            tensor: "q".into(),
+            expected: format!("a float type the backend supports on {device:?}"),
+            got: format!("{dtype:?}"),
+        });
     }
     Ok(())
 }
@@ -50,7 +57,7 @@ pub(crate) fn check_inputs<B: FlashAttentionBackend>(
     k: &Tensor<B, 4>,
     v: &Tensor<B, 4>,
     options: &FlashAttentionOptions,
-) -> Result<AttentionDims, AttentionError> {
+) -> Result<AttentionDims, Error> {
     let dims = check_shapes(&q.dims(), &k.dims(), &v.dims())?;
     check_types_and_devices(q, k, v)?;
     options.check()?;
@@ -72,15 +79,15 @@ pub(crate) fn check_inputs<B: FlashAttentionBackend>(
 ///
 /// # Errors
 ///
-/// - [`AttentionError::Invalid`] when [`check_shapes`] refuses the shapes; when
+/// - [`Error::Kernel`] when [`check_shapes`] refuses the shapes; when
 ///   `options.scale` is not finite in f32
 ///   ([`KernelError::BadOption`](crate::kernels::KernelError::BadOption)); on the CubeCL
 ///   backends, when the call exceeds the device's limits
 ///   ([`KernelError::DeviceLimit`](crate::kernels::KernelError::DeviceLimit)) or the device runs
 ///   no kernels on q's float type ([`KernelError::DType`](crate::kernels::KernelError::DType)).
-/// - [`AttentionError::DType`] when q is not f16, bf16 or f32, when k or v has another float
+/// - [`Error::DType`] when q is not f16, bf16 or f32, when k or v has another float
 ///   type than q, or when the backend does not support q's float type on q's device.
-/// - [`AttentionError::Device`] when k or v is not on q's device.
+/// - [`Error::Device`] when k or v is not on q's device.
 ///
 /// # Panics
 ///
@@ -91,7 +98,7 @@ pub fn flash_attention<B: FlashAttentionBackend>(
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
     options: FlashAttentionOptions,
-) -> Result<Tensor<B, 4>, AttentionError> {
+) -> Result<Tensor<B, 4>, Error> {
     flash_attention_with_lse(q, k, v, options).map(|(out, _)| out)
 }
 
@@ -119,7 +126,7 @@ pub fn flash_attention_with_lse<B: FlashAttentionBackend>(
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
     options: FlashAttentionOptions,
-) -> Result<(Tensor<B, 4>, Tensor<B, 3>), AttentionError> {
+) -> Result<(Tensor<B, 4>, Tensor<B, 3>), Error> {
     check_inputs(&q, &k, &v, &options)?;
     let (out, lse) = B::flash_attention(
         q.into_primitive().tensor(),

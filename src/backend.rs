@@ -3,17 +3,18 @@
 //! of the linear layers and the layers' element-wise parts (SwiGLU, RMS norm, rotary embedding),
 //! as operations every supported Burn backend implements.
 
+use crate::Error;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Device, Tensor, TensorMetadata, TensorPrimitive};
 
 use distflash_kernels::AttentionDims;
 
-use crate::collective::{CommError, DeviceGroup};
+use crate::collective::DeviceGroup;
 use crate::distributed::options::SequenceParallelOptions;
 use crate::layer_ops;
 use crate::matmul::{product, Transposed};
-use crate::options::{AttentionError, FlashAttentionOptions};
+use crate::options::FlashAttentionOptions;
 use crate::state::{self, AttentionState, StepMask};
 
 /// Gradients of q, k and v.
@@ -58,8 +59,8 @@ pub trait FlashAttentionBackend: Backend {
     /// # Errors
     ///
     /// On the CubeCL backends (and `Fusion` or `Autodiff` of them):
-    /// - [`AttentionError::DType`] when `dtype` is not f16, bf16 or f32;
-    /// - [`AttentionError::Invalid`] with
+    /// - [`Error::DType`] when `dtype` is not f16, bf16 or f32;
+    /// - [`Error::Kernel`] with
     ///   [`KernelError::DType`](crate::kernels::KernelError::DType) when the device runs no
     ///   kernels on `dtype`, or with
     ///   [`KernelError::DeviceLimit`](crate::kernels::KernelError::DeviceLimit) when a kernel of
@@ -68,7 +69,7 @@ pub trait FlashAttentionBackend: Backend {
         dims: &AttentionDims,
         dtype: DType,
         device: &Self::Device,
-    ) -> Result<(), AttentionError> {
+    ) -> Result<(), Error> {
         let _ = (dims, dtype, device);
         Ok(())
     }
@@ -234,7 +235,7 @@ pub trait FlashAttentionBackend: Backend {
     ///
     /// # Errors
     ///
-    /// A [`CommError`] when moving tensors between the ranks fails (a peer that stays silent,
+    /// A [`Error`] when moving tensors between the ranks fails (a peer that stays silent,
     /// disagrees or has left, or a group broken by an earlier failure).
     fn sequence_parallel_attention(
         q: FloatTensor<Self>,
@@ -242,7 +243,7 @@ pub trait FlashAttentionBackend: Backend {
         v: FloatTensor<Self>,
         group: &DeviceGroup<Self::Inner>,
         options: &SequenceParallelOptions,
-    ) -> Result<(FloatTensor<Self>, FloatTensor<Self>), CommError>;
+    ) -> Result<(FloatTensor<Self>, FloatTensor<Self>), Error>;
 
     /// `(dq, dk, dv)` of this rank's shards from the forward's O and lse.
     ///
@@ -255,7 +256,7 @@ pub trait FlashAttentionBackend: Backend {
     ///
     /// # Errors
     ///
-    /// A [`CommError`] when moving tensors between the ranks fails, as for
+    /// A [`Error`] when moving tensors between the ranks fails, as for
     /// [`sequence_parallel_attention`](Self::sequence_parallel_attention).
     #[allow(clippy::too_many_arguments)]
     fn sequence_parallel_backward(
@@ -267,7 +268,7 @@ pub trait FlashAttentionBackend: Backend {
         grad_out: FloatTensor<Self>,
         group: &DeviceGroup<Self::Inner>,
         options: &SequenceParallelOptions,
-    ) -> Result<Grads<Self>, CommError>;
+    ) -> Result<Grads<Self>, Error>;
 
     /// `x W` of a linear layer. cuBLAS on CUDA `CubeBackend` tensors (feature `cublas`;
     /// contiguous f32/f16/bf16 operands), Burn's `matmul` elsewhere; on `Autodiff` one node whose

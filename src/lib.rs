@@ -15,6 +15,7 @@ pub mod checkpoint;
 pub mod collective;
 pub mod cube_support;
 pub mod distributed;
+mod error;
 mod layer_ops;
 pub mod layers;
 mod matmul;
@@ -26,16 +27,17 @@ mod tensor_ops;
 pub use api::{flash_attention, flash_attention_with_lse};
 pub use backend::FlashAttentionBackend;
 pub use checkpoint::{CheckpointBackend, CheckpointPlacement};
-pub use collective::{on_each_rank, CommError, DeviceGroup};
+pub use collective::{on_each_rank, DeviceGroup};
 pub use distflash_kernels as kernels;
 pub use distributed::{
     gather_sequence, sequence_parallel_attention, sequence_parallel_attention_with_lse,
-    shard_sequence, DistributedError, SequenceParallelOptions,
+    shard_sequence, SequenceParallelOptions,
 };
+pub use error::Error;
 pub use layers::{
     replicate, AttentionContext, DistFlashAttention, DistFlashAttentionConfig, TransformerBlock,
     TransformerBlockConfig,
 };
-pub use options::{check_shapes, AttentionError, FlashAttentionOptions, Mask};
-pub use schedule::{Layout, LayoutError, ScheduleKind};
+pub use options::{check_shapes, FlashAttentionOptions, Mask};
+pub use schedule::{Layout, ScheduleKind};
 pub use state::{AttentionState, StepMask};

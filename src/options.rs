@@ -1,6 +1,6 @@
 //! Options and errors of the Burn-level attention op.
 
-use core::fmt;
+use crate::Error;
 
 pub use distflash_kernels::Mask;
 use distflash_kernels::{AttentionDims, KernelError};
@@ -49,49 +49,18 @@ impl FlashAttentionOptions {
     ///
     /// # Errors
     ///
-    /// [`AttentionError::Invalid`] with
+    /// [`Error::Kernel`] with
     /// [`KernelError::BadOption`] when `scale` is `Some` of a value that is not finite once
     /// converted to f32 (NaN, infinite, or beyond f32's range).
-    pub fn check(&self) -> Result<(), AttentionError> {
+    pub fn check(&self) -> Result<(), Error> {
         match self.scale {
             Some(scale) if !(scale as f32).is_finite() => {
-                Err(AttentionError::Invalid(KernelError::BadOption {
+                Err(Error::Kernel(KernelError::BadOption {
                     what: format!("the score scale must be finite, got {scale}"),
                 }))
             }
             _ => Ok(()),
         }
-    }
-}
-
-/// Why the attention op refused its input.
-#[derive(Debug, Clone, PartialEq)]
-pub enum AttentionError {
-    /// Shapes, head grouping, head dimension or options are not acceptable, or the call exceeds
-    /// a limit of the device (see the message).
-    Invalid(KernelError),
-    /// The tensors' float type is not one the op (or the device) supports.
-    DType(String),
-    /// The tensors are not all on one device.
-    Device(String),
-}
-
-impl fmt::Display for AttentionError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            AttentionError::Invalid(e) => write!(f, "flash attention: {e}"),
-            AttentionError::DType(what) | AttentionError::Device(what) => {
-                write!(f, "flash attention: {what}")
-            }
-        }
-    }
-}
-
-impl std::error::Error for AttentionError {}
-
-impl From<KernelError> for AttentionError {
-    fn from(e: KernelError) -> Self {
-        AttentionError::Invalid(e)
     }
 }
 
@@ -105,7 +74,7 @@ impl From<KernelError> for AttentionError {
 ///
 /// # Errors
 ///
-/// [`AttentionError::Invalid`] with:
+/// [`Error::Kernel`] with:
 /// - [`KernelError::Rank`] when q, k or v does not have 4 dimensions;
 /// - [`KernelError::ShapeMismatch`] when k's `batch` or `head_dim` differs from q's, or v's
 ///   shape differs from k's;
@@ -115,10 +84,6 @@ impl From<KernelError> for AttentionError {
 ///   [`SUPPORTED_HEAD_DIMS`](crate::kernels::SUPPORTED_HEAD_DIMS);
 /// - [`KernelError::BadLength`] when `batch`, `seq_q` or `seq_kv` is zero, or
 ///   `batch * q_heads * max(seq_q, seq_kv) * head_dim` exceeds `i32::MAX` (32-bit indexing).
-pub fn check_shapes(
-    q: &[usize],
-    k: &[usize],
-    v: &[usize],
-) -> Result<AttentionDims, AttentionError> {
+pub fn check_shapes(q: &[usize], k: &[usize], v: &[usize]) -> Result<AttentionDims, Error> {
     Ok(AttentionDims::from_qkv(q, k, v)?)
 }

@@ -167,12 +167,19 @@ fn an_odd_shard_under_zigzag_is_refused_by_the_module() {
 #[test]
 fn bad_configurations_say_what_is_wrong() {
     let err = |c: DistFlashAttentionConfig| c.try_init::<Cpu>(&DEVICE).unwrap_err().to_string();
-    assert!(err(DistFlashAttentionConfig::new(100, 3)).contains("does not divide d_model"));
+    assert!(err(DistFlashAttentionConfig::new(100, 3))
+        .contains("n_heads is 3; expected a divisor of d_model (100)"));
     let e = err(DistFlashAttentionConfig::new(64, 4).with_n_kv_heads(Some(3)));
-    assert!(e.contains("must divide n_heads"), "{e}");
+    assert!(
+        e.contains("n_kv_heads is 3; expected a divisor of n_heads (4)"),
+        "{e}"
+    );
     let e = err(DistFlashAttentionConfig::new(40, 4));
-    assert!(e.contains("head_dim 10 is not supported"), "{e}");
-    assert!(err(DistFlashAttentionConfig::new(64, 0)).contains("must be positive"));
+    assert!(
+        e.contains("head_dim is 10; expected one the attention kernels support"),
+        "{e}"
+    );
+    assert!(err(DistFlashAttentionConfig::new(64, 0)).contains("expected all positive"));
     // An explicit head width need not divide the hidden size.
     let odd = DistFlashAttentionConfig::new(100, 3).with_head_dim(Some(32));
     assert_eq!(
@@ -191,11 +198,14 @@ fn inputs_the_module_cannot_take_are_refused_before_any_work() {
             .to_string()
     };
     let e = refuse(random(&mut Rng::new(6), [1, 8, 48]));
-    assert!(e.contains("expects [batch, seq, 64]"), "{e}");
+    assert!(e.contains("[1, 8, 48]; expected [batch, seq, 64]"), "{e}");
     let e = refuse(Tensor::zeros([1, 0, 64], &DEVICE));
     assert!(e.contains("[1, 0, 64]") && e.contains("at least 1"), "{e}");
     let e = refuse(random(&mut Rng::new(7), [1, 8, 64]).cast(DType::F64));
-    assert!(e.contains("F64 but the module's weights are F32"), "{e}");
+    assert!(
+        e.contains("is F64; expected the module weights' float type F32"),
+        "{e}"
+    );
     assert_eq!(module.counter.get(), 0, "attention ran");
 }
 
@@ -221,7 +231,7 @@ fn a_rank_whose_input_is_refused_makes_the_other_ranks_fail_at_once() {
         errors
     });
     assert!(
-        errors[0].contains("expects [batch, seq, 64]"),
+        errors[0].contains("expected [batch, seq, 64]"),
         "{}",
         errors[0]
     );

@@ -12,12 +12,11 @@ use burn::backend::{Autodiff, NdArray};
 use burn::tensor::{DType, Tensor};
 use burn_distflash::schedule::ScheduleKind;
 use burn_distflash::{
-    on_each_rank, sequence_parallel_attention, AttentionError, CommError, DeviceGroup,
-    DistributedError, SequenceParallelOptions,
+    on_each_rank, sequence_parallel_attention, DeviceGroup, Error, SequenceParallelOptions,
 };
 use common::distributed_case::{check, Case};
 use common::within::within;
-use distflash_kernels::ElemType;
+use distflash_kernels::{ElemType, KernelError};
 
 type Cpu = Autodiff<NdArray<f32>>;
 const LIMIT: Duration = Duration::from_secs(300);
@@ -108,7 +107,7 @@ fn an_odd_shard_under_zigzag_is_refused_with_what_is_allowed() {
     });
     for result in results {
         match result {
-            Err(DistributedError::Layout(e)) => {
+            Err(e @ Error::Layout { world: 2, .. }) => {
                 let msg = e.to_string();
                 assert!(msg.contains("multiple of 2") && msg.contains("7"), "{msg}");
             }
@@ -121,7 +120,7 @@ fn shard(len: usize) -> Tensor<NdArray<f32>, 4> {
     Tensor::ones([1, 2, len, 16], &NdArrayDevice::Cpu)
 }
 
-/// The `Shards` error each of two ranks gets when rank `r` passes shards of `len(r)` rows with
+/// The `RanksDisagree` error each of two ranks gets when rank `r` passes shards of `len(r)` rows with
 /// `options(r)`.
 fn shard_errors(
     len: fn(usize) -> usize,
@@ -137,7 +136,7 @@ fn shard_errors(
     });
     (results.into_iter())
         .map(|result| match result {
-            Err(DistributedError::Shards(msg)) => msg,
+            Err(Error::RanksDisagree { mine, theirs, .. }) => format!("{mine} / {theirs}"),
             other => panic!("expected the ranks to disagree, got {other:?}"),
         })
         .collect()
@@ -190,11 +189,11 @@ fn a_rank_that_refuses_its_shards_makes_every_rank_fail_at_once() {
         "a rank waited for the timeout"
     );
     match &results[0] {
-        Err(DistributedError::Attention(AttentionError::DType(m))) => assert!(m.contains("k is")),
+        Err(Error::DType { tensor, .. }) => assert_eq!(tensor, "k"),
         other => panic!("rank 0: expected its own float-type error, got {other:?}"),
     }
     match &results[1] {
-        Err(DistributedError::Shards(m)) => assert!(m.contains("rank 0 refused"), "{m}"),
+        Err(Error::PeerRefused { rank: 1, peer: 0 }) => {}
         other => panic!("rank 1: expected to hear of rank 0's refusal, got {other:?}"),
     }
 }
@@ -230,13 +229,13 @@ fn a_silent_peer_gives_a_timeout_not_a_hang() {
         (first, second)
     });
     match result.0 {
-        Err(DistributedError::Comm(CommError::Timeout {
+        Err(Error::Timeout {
             rank: 0, peer: 1, ..
-        })) => {}
+        }) => {}
         other => panic!("expected a timeout waiting for rank 1, got {other:?}"),
     }
     match result.1 {
-        Err(DistributedError::Comm(CommError::Broken { rank: 0, .. })) => {}
+        Err(Error::Broken { rank: 0, .. }) => {}
         other => panic!("expected the broken group to refuse, got {other:?}"),
     }
 }
@@ -246,7 +245,7 @@ fn refused(
     q: Tensor<NdArray<f32>, 4>,
     k: Tensor<NdArray<f32>, 4>,
     options: SequenceParallelOptions,
-) -> DistributedError {
+) -> Error {
     let group = DeviceGroup::<NdArray<f32>>::in_process(cpu(1)).remove(0);
     let err = sequence_parallel_attention(q, k.clone(), k, &group, &options).unwrap_err();
     assert!(group.take_traffic().messages.is_empty(), "{err}");
@@ -261,8 +260,8 @@ fn mixed_float_types_are_refused_before_any_exchange() {
         SequenceParallelOptions::causal(),
     );
     assert!(
-        matches!(&err, DistributedError::Attention(AttentionError::DType(m))
-            if m.contains("k is F64 but q is F32")),
+        matches!(&err, Error::DType { tensor, expected, got }
+            if tensor == "k" && expected.contains("F32") && got == "F64"),
         "{err}"
     );
 }
@@ -275,7 +274,7 @@ fn a_score_scale_that_is_not_a_finite_number_is_refused_before_any_exchange() {
         options.attention.scale = Some(scale);
         let err = refused(shard(8), shard(8), options);
         assert!(
-            matches!(&err, DistributedError::Options(m) if m.contains("finite number")),
+            matches!(&err, Error::Kernel(KernelError::BadOption { what }) if what.contains("finite")),
             "{err}"
         );
     }
@@ -289,6 +288,9 @@ fn bad_shards_are_refused_before_any_exchange() {
     let err =
         sequence_parallel_attention(q, k.clone(), k, &group, &SequenceParallelOptions::causal())
             .unwrap_err();
-    assert!(matches!(err, DistributedError::Attention(_)), "{err}");
+    assert!(
+        matches!(err, Error::Kernel(KernelError::HeadGrouping { .. })),
+        "{err}"
+    );
     assert!(group.take_traffic().messages.is_empty());
 }

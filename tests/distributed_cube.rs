@@ -74,16 +74,16 @@ fn tensors_on_another_device_are_refused_before_any_work() {
     use burn::tensor::Tensor;
     use burn_distflash::layers::AttentionContext;
     use burn_distflash::{
-        sequence_parallel_attention, DeviceGroup, DistFlashAttentionConfig, DistributedError,
+        sequence_parallel_attention, DeviceGroup, DistFlashAttentionConfig, Error,
         SequenceParallelOptions,
     };
     let here = cubecl::wgpu::WgpuDevice::Cpu;
     let group = DeviceGroup::<WgpuF32>::in_process(vec![here.clone()]).remove(0);
     let shard = |device| Tensor::<WgpuF32, 4>::ones([1, 2, 8, 16], device);
     let options = SequenceParallelOptions::causal();
-    fn device_error<T>(result: Result<T, DistributedError>, what: &str) {
+    fn device_error<T>(result: Result<T, Error>, what: &str) {
         match result {
-            Err(DistributedError::Device(m)) => assert!(m.contains(what), "{m}"),
+            Err(e @ Error::Device { .. }) => assert!(e.to_string().contains(what), "{e}"),
             Err(other) => panic!("expected a device error, got {other}"),
             Ok(_) => panic!("expected a device error"),
         }
@@ -111,7 +111,7 @@ fn tensors_on_another_device_are_refused_before_any_work() {
     let x = |device| Tensor::<WgpuF32, 3>::ones([1, 8, 32], device);
     device_error(
         module.try_forward(x(&elsewhere), &AttentionContext::Local),
-        "the module's weights are on",
+        "the module weights' device",
     );
     let remote = DistFlashAttentionConfig::new(32, 2).init::<WgpuF32>(&elsewhere);
     let sharded = AttentionContext::sharded(group.clone());

@@ -14,7 +14,7 @@ use burn::backend::NdArray;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 use burn_distflash::collective::{Incoming, MessageKind, Outgoing, TensorLayout};
-use burn_distflash::{on_each_rank, CommError, DeviceGroup};
+use burn_distflash::{on_each_rank, DeviceGroup, Error};
 use common::within::within;
 
 type Cpu = NdArray<f32>;
@@ -122,12 +122,12 @@ fn bad_peers_are_refused_before_anything_moves() {
     on_pair(LIMIT, |rank, group| {
         let outside = group.exchange(vec![message(5, ones())], vec![]).err();
         assert!(
-            matches!(&outside, Some(CommError::Setup(m)) if m.contains("the group has 2 ranks")),
+            matches!(&outside, Some(Error::GroupSetup(m)) if m.contains("the group has 2 ranks")),
             "{outside:?}"
         );
         let to_self = group.exchange(vec![], vec![expect(rank)]).err();
         assert!(
-            matches!(to_self, Some(CommError::Mismatch { .. })),
+            matches!(to_self, Some(Error::Mismatch { .. })),
             "{to_self:?}"
         );
         // Nothing moved: the ranks are still in step, and the traffic log holds no refused call.
@@ -148,7 +148,7 @@ fn uneven_all_gathers_are_refused_on_every_rank_and_the_group_stays_usable() {
     on_pair(LIMIT, |rank, group| {
         let values = vec![7; 2 + rank];
         match group.all_gather_values(&values) {
-            Err(CommError::Mismatch { detail, .. }) => {
+            Err(Error::Mismatch { detail, .. }) => {
                 assert!(detail.contains("gave"), "{detail}")
             }
             other => panic!("rank {rank}: expected a mismatch, got {other:?}"),
@@ -181,7 +181,7 @@ fn a_failure_while_messages_move_breaks_the_group_and_later_calls_say_so_at_once
             group.exchange(vec![], vec![]).err(),
         ] {
             match later {
-                Some(CommError::Broken { rank: 0, cause }) => {
+                Some(Error::Broken { rank: 0, cause }) => {
                     assert!(
                         cause.contains("no Reduction message from rank 1"),
                         "{cause}"

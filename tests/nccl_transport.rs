@@ -13,8 +13,9 @@ use burn::tensor::{DType, TensorData};
 use burn_cubecl::CubeBackend;
 use burn_distflash::collective::nccl::{self, NcclTransport};
 use burn_distflash::collective::{
-    CommError, DeviceGroup, Incoming, MessageKind, Outgoing, TensorLayout, Transport,
+    DeviceGroup, Incoming, MessageKind, Outgoing, TensorLayout, Transport,
 };
+use burn_distflash::Error;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use half::bf16;
 
@@ -35,12 +36,12 @@ fn free_addr() -> String {
 #[test]
 fn bad_device_lists_are_refused() {
     match DeviceGroup::<B>::nccl(&[]) {
-        Err(CommError::Setup(message)) => assert!(message.contains("none was given"), "{message}"),
+        Err(Error::GroupSetup(message)) => assert!(message.contains("none was given"), "{message}"),
         other => panic!("expected a setup error, got {other:?}"),
     }
     let devices = [CudaDevice::new(0), CudaDevice::new(1), CudaDevice::new(0)];
     match DeviceGroup::<B>::nccl(&devices) {
-        Err(CommError::Setup(message)) => {
+        Err(Error::GroupSetup(message)) => {
             assert!(
                 message.contains("Cuda(0)") && message.contains("twice"),
                 "{message}"
@@ -55,7 +56,7 @@ fn bad_device_lists_are_refused() {
         "127.0.0.1:1",
         Duration::from_secs(1),
     ) {
-        Err(CommError::Setup(message)) => assert!(message.contains("rank 2"), "{message}"),
+        Err(Error::GroupSetup(message)) => assert!(message.contains("rank 2"), "{message}"),
         other => panic!("expected a setup error, got {other:?}"),
     }
 }
@@ -66,7 +67,7 @@ fn missing_cuda_or_nccl_is_an_error_not_a_panic() {
         eprintln!("skipped: CUDA and NCCL are both present on this machine");
         return;
     };
-    let CommError::Nccl(message) = &probe else {
+    let Error::Nccl(message) = &probe else {
         panic!("expected an NCCL error, got {probe:?}");
     };
     assert!(
@@ -279,7 +280,7 @@ fn f32_and_bf16_messages_cross_both_ways() {
                 ..incoming[0].clone()
             }],
         );
-        assert!(matches!(to_self.err(), Some(CommError::Mismatch { .. })));
+        assert!(matches!(to_self.err(), Some(Error::Mismatch { .. })));
         let outside = group.exchange(
             Vec::new(),
             vec![Incoming {
@@ -287,7 +288,7 @@ fn f32_and_bf16_messages_cross_both_ways() {
                 ..incoming[0].clone()
             }],
         );
-        assert!(matches!(outside.err(), Some(CommError::Setup(_))));
+        assert!(matches!(outside.err(), Some(Error::GroupSetup(_))));
     });
 }
 
@@ -357,7 +358,7 @@ fn all_gather_values_returns_every_rank() {
         let uneven: Vec<u64> = (0..=rank).collect();
         assert!(matches!(
             group.all_gather_values(&uneven),
-            Err(CommError::Mismatch { .. })
+            Err(Error::Mismatch { .. })
         ));
         assert_eq!(
             group.all_gather_values(&[]).expect("empty all-gather"),
@@ -395,7 +396,7 @@ fn a_silent_peer_gives_a_timeout() {
             .and_then(|exchange| exchange.wait());
         let elapsed = started.elapsed();
         match outcome {
-            Err(CommError::Timeout {
+            Err(Error::Timeout {
                 rank: r,
                 peer: p,
                 kind: k,
@@ -413,7 +414,7 @@ fn a_silent_peer_gives_a_timeout() {
         );
         // The communicator is gone: later calls fail at once instead of hanging.
         let again = group.all_gather_values(&[1]);
-        assert!(matches!(again, Err(CommError::Nccl(_))), "{again:?}");
+        assert!(matches!(again, Err(Error::Nccl(_))), "{again:?}");
     });
 }
 

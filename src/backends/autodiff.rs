@@ -3,6 +3,7 @@
 //! forward); a local call is the world of one. The linear layers' products are one node each
 //! (`linear_node.rs`), and so are the layers' element-wise operations (`layer_nodes.rs`).
 
+use crate::Error;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Device};
 use burn_autodiff::checkpoint::base::Checkpointer;
@@ -15,9 +16,9 @@ use distflash_kernels::AttentionDims;
 
 use super::{layer_nodes, linear_node};
 use crate::backend::{FlashAttentionBackend, Grads};
-use crate::collective::{CommError, DeviceGroup};
+use crate::collective::DeviceGroup;
 use crate::distributed::SequenceParallelOptions;
-use crate::options::{AttentionError, FlashAttentionOptions};
+use crate::options::FlashAttentionOptions;
 
 /// The float tensor of `Autodiff<B, C>` (burn-autodiff's `AutodiffTensor`, whose module is private).
 type AutodiffTensor<B, C> = FloatTensor<Autodiff<B, C>>;
@@ -137,7 +138,7 @@ impl<B: FlashAttentionBackend, C: CheckpointStrategy> FlashAttentionBackend for 
         dims: &AttentionDims,
         dtype: DType,
         device: &B::Device,
-    ) -> Result<(), AttentionError> {
+    ) -> Result<(), Error> {
         B::check_attention_limits(dims, dtype, device)
     }
 
@@ -173,7 +174,7 @@ impl<B: FlashAttentionBackend, C: CheckpointStrategy> FlashAttentionBackend for 
         v: AutodiffTensor<B, C>,
         group: &DeviceGroup<B::Inner>,
         options: &SequenceParallelOptions,
-    ) -> Result<(AutodiffTensor<B, C>, AutodiffTensor<B, C>), CommError> {
+    ) -> Result<(AutodiffTensor<B, C>, AutodiffTensor<B, C>), Error> {
         let [qi, ki, vi] = inner::<B, C, 3>([q.clone(), k.clone(), v.clone()]);
         let result = B::sequence_parallel_attention(qi, ki, vi, group, options)?;
         let scope = Scope::Sharded(group.clone(), *options);
@@ -189,7 +190,7 @@ impl<B: FlashAttentionBackend, C: CheckpointStrategy> FlashAttentionBackend for 
         grad_out: AutodiffTensor<B, C>,
         group: &DeviceGroup<B::Inner>,
         options: &SequenceParallelOptions,
-    ) -> Result<Grads<Self>, CommError> {
+    ) -> Result<Grads<Self>, Error> {
         let [q, k, v, out, lse, grad_out] = inner::<B, C, 6>([q, k, v, out, lse, grad_out]);
         let grads = B::sequence_parallel_backward(q, k, v, out, lse, grad_out, group, options)?;
         Ok(constants::<B, C>(grads))

@@ -1,5 +1,6 @@
 //! The CubeCL backends (CUDA, wgpu, any CubeCL runtime): the op runs this project's kernels.
 
+use crate::Error;
 use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
@@ -10,7 +11,7 @@ use distflash_kernels::{
 
 use crate::backend::FlashAttentionBackend;
 use crate::layer_ops;
-use crate::options::{AttentionError, FlashAttentionOptions};
+use crate::options::FlashAttentionOptions;
 use crate::state::{AttentionState, StepMask};
 
 /// The kernel element type of a Burn float dtype.
@@ -162,9 +163,11 @@ where
         dims: &AttentionDims,
         dtype: DType,
         device: &R::Device,
-    ) -> Result<(), AttentionError> {
-        let elem = elem_type(dtype).ok_or_else(|| {
-            AttentionError::DType(format!("{dtype:?} is not a float type the kernels run"))
+    ) -> Result<(), Error> {
+        let elem = elem_type(dtype).ok_or_else(|| Error::DType {
+            tensor: "q".into(),
+            expected: "f16, bf16 or f32, the float types the kernels run".into(),
+            got: format!("{dtype:?}"),
         })?;
         let options = StepOptions {
             variant: Variant::Auto,

@@ -4,6 +4,7 @@
 //! tensor-op defaults would run the steps as Burn matmuls instead, TF32 for f32 on CUDA, with a
 //! state in the input's float type).
 
+use crate::Error;
 use core::marker::PhantomData;
 
 use burn::tensor::ops::FloatTensor;
@@ -16,9 +17,9 @@ use distflash_kernels::AttentionDims;
 
 use super::fusion_group;
 use crate::backend::{FlashAttentionBackend, Grads};
-use crate::collective::{CommError, DeviceGroup};
+use crate::collective::DeviceGroup;
 use crate::distributed::SequenceParallelOptions;
-use crate::options::{AttentionError, FlashAttentionOptions};
+use crate::options::FlashAttentionOptions;
 use crate::state::{AttentionState, StepMask};
 
 /// Forward: inputs q, k, v; outputs O, lse.
@@ -210,7 +211,7 @@ where
         v: FloatTensor<Self>,
         group: &DeviceGroup<B>,
         options: &SequenceParallelOptions,
-    ) -> Result<(FloatTensor<Self>, FloatTensor<Self>), CommError> {
+    ) -> Result<(FloatTensor<Self>, FloatTensor<Self>), Error> {
         fusion_group::attention::<B>(q, k, v, group, options)
     }
 
@@ -223,7 +224,7 @@ where
         grad_out: FloatTensor<Self>,
         group: &DeviceGroup<B>,
         options: &SequenceParallelOptions,
-    ) -> Result<Grads<Self>, CommError> {
+    ) -> Result<Grads<Self>, Error> {
         fusion_group::backward::<B>(q, k, v, out, lse, grad_out, group, options)
     }
 
@@ -235,7 +236,7 @@ where
         dims: &AttentionDims,
         dtype: DType,
         device: &B::Device,
-    ) -> Result<(), AttentionError> {
+    ) -> Result<(), Error> {
         B::check_attention_limits(dims, dtype, device)
     }
 

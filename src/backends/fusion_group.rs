@@ -2,6 +2,7 @@
 //! (its kernels, its NCCL transport); the inputs are materialised, the results handed back to
 //! the fusion stream.
 
+use crate::Error;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Device, TensorMetadata};
 use burn_fusion::stream::OperationStreams;
@@ -9,7 +10,7 @@ use burn_fusion::{get_client, Fusion, FusionBackend, FusionTensor, NoOp};
 use burn_ir::{InitOperationIr, OperationIr};
 
 use crate::backend::{FlashAttentionBackend, Grads};
-use crate::collective::{CommError, DeviceGroup};
+use crate::collective::DeviceGroup;
 use crate::distributed::SequenceParallelOptions;
 
 /// A fused tensor's value as a tensor of the backend under fusion (runs what is queued).
@@ -44,8 +45,8 @@ fn fused<B: FusionBackend>(tensor: FloatTensor<B>, device: &Device<B>) -> FloatT
 fn on_inner<B, const N: usize, const M: usize>(
     inputs: [FloatTensor<Fusion<B>>; N],
     device: &Device<B>,
-    run: impl FnOnce([FloatTensor<B>; N]) -> Result<[FloatTensor<B>; M], CommError>,
-) -> Result<[FloatTensor<Fusion<B>>; M], CommError>
+    run: impl FnOnce([FloatTensor<B>; N]) -> Result<[FloatTensor<B>; M], Error>,
+) -> Result<[FloatTensor<Fusion<B>>; M], Error>
 where
     B: FusionBackend,
 {
@@ -64,7 +65,7 @@ pub(super) fn attention<B>(
     v: FloatTensor<Fusion<B>>,
     group: &DeviceGroup<B>,
     options: &SequenceParallelOptions,
-) -> Result<OutputAndLse<Fusion<B>>, CommError>
+) -> Result<OutputAndLse<Fusion<B>>, Error>
 where
     B: FusionBackend + FlashAttentionBackend<Inner = B>,
 {
@@ -86,7 +87,7 @@ pub(super) fn backward<B>(
     grad_out: FloatTensor<Fusion<B>>,
     group: &DeviceGroup<B>,
     options: &SequenceParallelOptions,
-) -> Result<Grads<Fusion<B>>, CommError>
+) -> Result<Grads<Fusion<B>>, Error>
 where
     B: FusionBackend + FlashAttentionBackend<Inner = B>,
 {

@@ -22,7 +22,7 @@ macro_rules! computes_itself {
                 burn::tensor::ops::FloatTensor<Self>,
                 burn::tensor::ops::FloatTensor<Self>,
             ),
-            crate::collective::CommError,
+            crate::Error,
         > {
             crate::distributed::forward_pass::<Self>(q, k, v, group, options)
         }
@@ -36,7 +36,7 @@ macro_rules! computes_itself {
             grad_out: burn::tensor::ops::FloatTensor<Self>,
             group: &crate::collective::DeviceGroup<Self>,
             options: &crate::distributed::SequenceParallelOptions,
-        ) -> Result<crate::backend::Grads<Self>, crate::collective::CommError> {
+        ) -> Result<crate::backend::Grads<Self>, crate::Error> {
             crate::distributed::backward_pass::<Self>(q, k, v, out, lse, grad_out, group, options)
         }
     };

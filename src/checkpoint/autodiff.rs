@@ -2,6 +2,7 @@
 //! weights. The forward runs on `B` and stores the input (and attention's output and lse at the
 //! attention-output placement); the backward recomputes the rest and runs the block's backward.
 
+use crate::Error;
 use burn::module::{AutodiffModule, Param};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
@@ -14,7 +15,6 @@ use burn_autodiff::Autodiff;
 use super::{CheckpointBackend, CheckpointPlacement};
 use crate::backend::FlashAttentionBackend;
 use crate::layers::{AttentionContext, BlockGrads, TransformerBlock};
-use crate::DistributedError;
 
 /// The block input and its nine weights, in the order of [`weight_gradients`].
 const PARENTS: usize = 10;
@@ -96,7 +96,7 @@ impl<B: FlashAttentionBackend, C: CheckpointStrategy> CheckpointBackend for Auto
         x: Tensor<Self, 3>,
         context: &AttentionContext<B::Inner>,
         placement: CheckpointPlacement,
-    ) -> Result<Tensor<Self, 3>, DistributedError> {
+    ) -> Result<Tensor<Self, 3>, Error> {
         if placement == CheckpointPlacement::None {
             return block.forward_stored(x, context);
         }

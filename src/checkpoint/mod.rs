@@ -16,12 +16,12 @@
 mod autodiff;
 mod plain;
 
+use crate::Error;
 use burn::config::Config;
 use burn::tensor::Tensor;
 
 use crate::backend::FlashAttentionBackend;
 use crate::layers::{AttentionContext, TransformerBlock};
-use crate::DistributedError;
 
 /// Where a model's gradient checkpoints go.
 #[derive(Config, Debug, Copy, PartialEq, Eq)]
@@ -65,5 +65,5 @@ pub trait CheckpointBackend: FlashAttentionBackend {
         x: Tensor<Self, 3>,
         context: &AttentionContext<Self::Inner>,
         placement: CheckpointPlacement,
-    ) -> Result<Tensor<Self, 3>, DistributedError>;
+    ) -> Result<Tensor<Self, 3>, Error>;
 }

@@ -1,5 +1,6 @@
 //! Backends without autodiff: a checkpointed block is just the block.
 
+use crate::Error;
 use burn::tensor::Tensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use burn_fusion::{Fusion, FusionBackend};
@@ -10,7 +11,6 @@ use burn_ndarray::{
 use super::{CheckpointBackend, CheckpointPlacement};
 use crate::backend::FlashAttentionBackend;
 use crate::layers::{AttentionContext, TransformerBlock};
-use crate::DistributedError;
 
 /// Implements the trait by running the block's ordinary forward.
 macro_rules! runs_the_block {
@@ -20,7 +20,7 @@ macro_rules! runs_the_block {
             x: Tensor<Self, 3>,
             context: &AttentionContext<Self::Inner>,
             _placement: CheckpointPlacement,
-        ) -> Result<Tensor<Self, 3>, DistributedError> {
+        ) -> Result<Tensor<Self, 3>, Error> {
             block.forward_stored(x, context)
         }
     };

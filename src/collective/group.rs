@@ -1,10 +1,11 @@
 //! [`DeviceGroup`]: one rank's handle on a group of devices, with a log of what it sent.
 
+use crate::Error;
 use std::sync::{Arc, Mutex};
 
 use burn::tensor::backend::Backend;
 
-use super::{CommError, Exchange, Incoming, Outgoing, TensorLayout, Transport};
+use super::{Exchange, Incoming, Outgoing, TensorLayout, Transport};
 
 /// Messages and bytes one rank sent, one entry per exchange (step) since the last
 /// [`DeviceGroup::take_traffic`].
@@ -87,21 +88,21 @@ impl<B: Backend> DeviceGroup<B> {
     ///
     /// # Errors
     ///
-    /// - Refused before anything moves (the group stays usable): [`CommError::Setup`] for a
-    ///   peer outside the group, [`CommError::Mismatch`] for this rank itself as a peer.
-    /// - [`CommError::Broken`] (in-process) or [`CommError::Nccl`] (NCCL) once an earlier call
+    /// - Refused before anything moves (the group stays usable): [`Error::GroupSetup`] for a
+    ///   peer outside the group, [`Error::Mismatch`] for this rank itself as a peer.
+    /// - [`Error::Broken`] (in-process) or [`Error::Nccl`] (NCCL) once an earlier call
     ///   has broken the group.
-    /// - A failure while posting: in-process, [`CommError::Setup`] (the device failed) or
-    ///   [`CommError::Disconnected`] (a peer's end is gone); over NCCL, [`CommError::Setup`] (a
-    ///   tensor not on this rank's device, or not a float), [`CommError::Timeout`] or
-    ///   [`CommError::Nccl`].
+    /// - A failure while posting: in-process, [`Error::GroupSetup`] (the device failed) or
+    ///   [`Error::Disconnected`] (a peer's end is gone); over NCCL, [`Error::GroupSetup`] (a
+    ///   tensor not on this rank's device, or not a float), [`Error::Timeout`] or
+    ///   [`Error::Nccl`].
     ///
     /// The receives' own failures come from [`Exchange::wait`].
     pub fn exchange(
         &self,
         sends: Vec<Outgoing<B>>,
         receives: Vec<Incoming>,
-    ) -> Result<Box<dyn Exchange<B> + '_>, CommError> {
+    ) -> Result<Box<dyn Exchange<B> + '_>, Error> {
         let messages = sends.len();
         let bytes = sends
             .iter()
@@ -120,12 +121,12 @@ impl<B: Backend> DeviceGroup<B> {
     ///
     /// # Errors
     ///
-    /// - [`CommError::Mismatch`] when the ranks pass different numbers of values.
-    /// - [`CommError::Timeout`] when a peer does not take part within the group's timeout.
-    /// - [`CommError::Disconnected`] (in-process) when a peer's end is gone.
-    /// - [`CommError::Broken`] (in-process) or [`CommError::Nccl`] (NCCL) once an earlier call
-    ///   has broken the group; [`CommError::Nccl`] also when an NCCL or CUDA call fails.
-    pub fn all_gather_values(&self, values: &[u64]) -> Result<Vec<Vec<u64>>, CommError> {
+    /// - [`Error::Mismatch`] when the ranks pass different numbers of values.
+    /// - [`Error::Timeout`] when a peer does not take part within the group's timeout.
+    /// - [`Error::Disconnected`] (in-process) when a peer's end is gone.
+    /// - [`Error::Broken`] (in-process) or [`Error::Nccl`] (NCCL) once an earlier call
+    ///   has broken the group; [`Error::Nccl`] also when an NCCL or CUDA call fails.
+    pub fn all_gather_values(&self, values: &[u64]) -> Result<Vec<Vec<u64>>, Error> {
         self.transport.all_gather_values(values)
     }
 

@@ -21,6 +21,7 @@
 //!
 //! The caller may therefore drop sent and received tensors whenever it likes, as with NCCL.
 
+use crate::Error;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
@@ -31,11 +32,10 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 
 use super::{
-    CommError, DeviceGroup, Exchange, Incoming, MessageKind, Outgoing, Received, TensorLayout,
-    Transport,
+    DeviceGroup, Exchange, Incoming, MessageKind, Outgoing, Received, TensorLayout, Transport,
 };
 
-/// How long a rank waits for a peer before failing with [`CommError::Timeout`], unless told
+/// How long a rank waits for a peer before failing with [`Error::Timeout`], unless told
 /// otherwise.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
@@ -86,7 +86,7 @@ pub struct LocalTransport<B: Backend> {
     /// pools before that synchronisation.
     held: Mutex<Vec<FloatTensor<B>>>,
     /// The first failure while messages were moving; from then on every call fails with
-    /// [`CommError::Broken`] rather than pair messages of different steps.
+    /// [`Error::Broken`] rather than pair messages of different steps.
     failure: Mutex<Option<String>>,
 }
 
@@ -126,10 +126,10 @@ impl<B: Backend> LocalTransport<B> {
             .collect()
     }
 
-    /// Fails with [`CommError::Broken`] once a call has failed while messages were moving.
-    fn check_usable(&self) -> Result<(), CommError> {
+    /// Fails with [`Error::Broken`] once a call has failed while messages were moving.
+    fn check_usable(&self) -> Result<(), Error> {
         match &*self.failure.lock().expect("failure poisoned") {
-            Some(cause) => Err(CommError::Broken {
+            Some(cause) => Err(Error::Broken {
                 rank: self.rank,
                 cause: cause.clone(),
             }),
@@ -138,22 +138,22 @@ impl<B: Backend> LocalTransport<B> {
     }
 
     /// Records `error` as the failure that broke the group (the first one is kept).
-    fn broken(&self, error: CommError) -> CommError {
+    fn broken(&self, error: Error) -> Error {
         (self.failure.lock().expect("failure poisoned")).get_or_insert_with(|| error.to_string());
         error
     }
 
     /// Refuses a peer outside the group or this rank itself.
-    fn check_peer(&self, peer: usize) -> Result<(), CommError> {
+    fn check_peer(&self, peer: usize) -> Result<(), Error> {
         self.peer_slot(&self.outboxes, peer).map(|_| ())
     }
 
     /// Host-synchronises this rank's stream (every kernel queued so far has run), then lets go
     /// of the senders' tensors that the queued copies were reading.
-    fn settle(&self) -> Result<(), CommError> {
+    fn settle(&self) -> Result<(), Error> {
         let mut held = self.held.lock().expect("held tensors poisoned");
         B::sync(&self.device).map_err(|e| {
-            self.broken(CommError::Setup(format!(
+            self.broken(Error::GroupSetup(format!(
                 "rank {}: the device failed during an exchange: {e:?}",
                 self.rank
             )))
@@ -163,7 +163,7 @@ impl<B: Backend> LocalTransport<B> {
     }
 
     /// [`settle`](Self::settle), only when senders' tensors are held.
-    fn release_held(&self) -> Result<(), CommError> {
+    fn release_held(&self) -> Result<(), Error> {
         let pending = !self.held.lock().expect("held tensors poisoned").is_empty();
         if pending {
             self.settle()?;
@@ -174,7 +174,7 @@ impl<B: Backend> LocalTransport<B> {
     /// A received tensor as this rank's own: a copy in memory of this rank's stream on its
     /// device. The sender's tensor is held until this rank's next synchronisation, since the
     /// copy is only queued.
-    fn adopt(&self, sent: FloatTensor<B>) -> Result<FloatTensor<B>, CommError> {
+    fn adopt(&self, sent: FloatTensor<B>) -> Result<FloatTensor<B>, Error> {
         let source = B::float_device(&sent);
         // Held before copying: a tensor held twice is never updated in place, so the copy below
         // gets a buffer of its own.
@@ -184,7 +184,7 @@ impl<B: Backend> LocalTransport<B> {
             // runs on this thread's stream of the source device, which is synchronised here.
             let moved = B::float_to_device(sent, &self.device);
             B::sync(&source).map_err(|e| {
-                self.broken(CommError::Setup(format!(
+                self.broken(Error::GroupSetup(format!(
                     "rank {}: the sender's device failed during a transfer: {e:?}",
                     self.rank
                 )))
@@ -196,29 +196,29 @@ impl<B: Backend> LocalTransport<B> {
         Ok(B::float_mul_scalar(sent, 1.0f32.into()))
     }
 
-    fn send(&self, peer: usize, packet: Packet<B>) -> Result<(), CommError> {
+    fn send(&self, peer: usize, packet: Packet<B>) -> Result<(), Error> {
         let outbox = self.peer_slot(&self.outboxes, peer)?;
         outbox
             .lock()
             .expect("outbox poisoned")
             .send(packet)
             .map_err(|_| {
-                self.broken(CommError::Disconnected {
+                self.broken(Error::Disconnected {
                     rank: self.rank,
                     peer,
                 })
             })
     }
 
-    fn peer_slot<'a, T>(&self, slots: &'a [Option<T>], peer: usize) -> Result<&'a T, CommError> {
+    fn peer_slot<'a, T>(&self, slots: &'a [Option<T>], peer: usize) -> Result<&'a T, Error> {
         match slots.get(peer) {
             Some(Some(slot)) => Ok(slot),
-            Some(None) => Err(CommError::Mismatch {
+            Some(None) => Err(Error::Mismatch {
                 rank: self.rank,
                 peer,
                 detail: "a rank cannot send to or receive from itself".into(),
             }),
-            None => Err(CommError::Setup(format!(
+            None => Err(Error::GroupSetup(format!(
                 "rank {} addressed rank {peer}, but the group has {} ranks",
                 self.rank,
                 slots.len()
@@ -235,7 +235,7 @@ impl<B: Backend> LocalTransport<B> {
         kind: MessageKind,
         matches: impl Fn(&Payload<B>) -> bool,
         deadline: Instant,
-    ) -> Result<Packet<B>, CommError> {
+    ) -> Result<Packet<B>, Error> {
         let mut inbox = self
             .peer_slot(&self.inboxes, peer)?
             .lock()
@@ -250,7 +250,7 @@ impl<B: Backend> LocalTransport<B> {
                 Ok(packet) if wanted(&packet) => return Ok(packet),
                 Ok(packet) if packet.sequence >= sequence => inbox.early.push_back(packet),
                 Ok(packet) => {
-                    return Err(CommError::Mismatch {
+                    return Err(Error::Mismatch {
                         rank: self.rank,
                         peer,
                         detail: format!(
@@ -260,7 +260,7 @@ impl<B: Backend> LocalTransport<B> {
                     })
                 }
                 Err(RecvTimeoutError::Timeout) => {
-                    return Err(CommError::Timeout {
+                    return Err(Error::Timeout {
                         rank: self.rank,
                         peer,
                         kind,
@@ -268,7 +268,7 @@ impl<B: Backend> LocalTransport<B> {
                     })
                 }
                 Err(RecvTimeoutError::Disconnected) => {
-                    return Err(CommError::Disconnected {
+                    return Err(Error::Disconnected {
                         rank: self.rank,
                         peer,
                     })
@@ -319,7 +319,7 @@ impl<B: Backend> Transport<B> for LocalTransport<B> {
         &self,
         sends: Vec<Outgoing<B>>,
         receives: Vec<Incoming>,
-    ) -> Result<Box<dyn Exchange<B> + '_>, CommError> {
+    ) -> Result<Box<dyn Exchange<B> + '_>, Error> {
         self.check_usable()?;
         // Bad peers are refused before anything moves (the group stays usable).
         for peer in (sends.iter().map(|m| m.peer)).chain(receives.iter().map(|m| m.peer)) {
@@ -347,7 +347,7 @@ impl<B: Backend> Transport<B> for LocalTransport<B> {
         }))
     }
 
-    fn all_gather_values(&self, values: &[u64]) -> Result<Vec<Vec<u64>>, CommError> {
+    fn all_gather_values(&self, values: &[u64]) -> Result<Vec<Vec<u64>>, Error> {
         self.check_usable()?;
         let sequence = self.gathers.fetch_add(1, Ordering::SeqCst);
         let world = self.world_size();
@@ -378,14 +378,14 @@ impl<B: Backend> Transport<B> for LocalTransport<B> {
                     Payload::Tensors(..) => unreachable!("matched on values"),
                 }
             })
-            .collect::<Result<Vec<_>, CommError>>()?;
+            .collect::<Result<Vec<_>, Error>>()?;
         // Checked once every peer's values are in, so the ranks stay in step.
         if let Some((peer, theirs)) = gathered
             .iter()
             .enumerate()
             .find(|(_, v)| v.len() != values.len())
         {
-            return Err(CommError::Mismatch {
+            return Err(Error::Mismatch {
                 rank: self.rank,
                 peer,
                 detail: format!(
@@ -401,14 +401,14 @@ impl<B: Backend> Transport<B> for LocalTransport<B> {
 
 impl<B: Backend> Exchange<B> for LocalExchange<'_, B> {
     /// A failure (silent peer, out-of-step or mismatched message) breaks the group.
-    fn wait(self: Box<Self>) -> Result<Vec<Received<B>>, CommError> {
+    fn wait(self: Box<Self>) -> Result<Vec<Received<B>>, Error> {
         let transport = self.transport;
         self.receive().map_err(|e| transport.broken(e))
     }
 }
 
 impl<B: Backend> LocalExchange<'_, B> {
-    fn receive(&self) -> Result<Vec<Received<B>>, CommError> {
+    fn receive(&self) -> Result<Vec<Received<B>>, Error> {
         let transport = self.transport;
         self.receives
             .iter()
@@ -427,7 +427,7 @@ impl<B: Backend> LocalExchange<'_, B> {
                 let layouts: Vec<TensorLayout> =
                     tensors.iter().map(TensorLayout::of::<B>).collect();
                 if layouts != incoming.layouts {
-                    return Err(CommError::Mismatch {
+                    return Err(Error::Mismatch {
                         rank: transport.rank,
                         peer: incoming.peer,
                         detail: format!(

@@ -6,7 +6,6 @@
 //! sends and receives are posted together with [`Transport::exchange`] and completed later with
 //! [`Exchange::wait`], so the next step's data travels while the current step computes.
 
-mod error;
 mod group;
 pub mod local;
 #[cfg(feature = "nccl")]
@@ -14,11 +13,11 @@ pub mod nccl;
 mod ranks;
 mod reduce;
 
+use crate::Error;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::DType;
 
-pub use error::CommError;
 pub use group::{DeviceGroup, Traffic};
 pub use ranks::on_each_rank;
 
@@ -103,13 +102,13 @@ pub struct Received<B: Backend> {
 pub trait Exchange<B: Backend>: Send {
     /// Blocks until every send of the step has left and every receive has arrived (or the
     /// group's timeout passes). Received messages come back in the order they were expected.
-    fn wait(self: Box<Self>) -> Result<Vec<Received<B>>, CommError>;
+    fn wait(self: Box<Self>) -> Result<Vec<Received<B>>, Error>;
 }
 
 /// Moves tensors between the ranks of a group. Every rank of the group must post the same
 /// sequence of exchanges (matching sends with receives) or the exchanges fail with
-/// [`CommError::Mismatch`] or [`CommError::Timeout`], never hang; after such a failure the
-/// rank refuses further work ([`CommError::Broken`] in-process, [`CommError::Nccl`] over NCCL).
+/// [`Error::Mismatch`] or [`Error::Timeout`], never hang; after such a failure the
+/// rank refuses further work ([`Error::Broken`] in-process, [`Error::Nccl`] over NCCL).
 ///
 /// Ownership, whatever the backend's streams: the sender may drop a sent tensor as soon as
 /// [`exchange`](Transport::exchange) returns, and a received tensor is the receiver's own
@@ -130,8 +129,8 @@ pub trait Transport<B: Backend>: Send + Sync {
         &self,
         sends: Vec<Outgoing<B>>,
         receives: Vec<Incoming>,
-    ) -> Result<Box<dyn Exchange<B> + '_>, CommError>;
+    ) -> Result<Box<dyn Exchange<B> + '_>, Error>;
     /// Every rank's `values` (same length on every rank), indexed by rank; used to check that
     /// the ranks agree on shapes and options before any tensor moves.
-    fn all_gather_values(&self, values: &[u64]) -> Result<Vec<Vec<u64>>, CommError>;
+    fn all_gather_values(&self, values: &[u64]) -> Result<Vec<Vec<u64>>, Error>;
 }

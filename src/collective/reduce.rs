@@ -1,9 +1,10 @@
 //! Summing tensors over a group (replicated weights' gradients), identically on every rank.
 
+use crate::Error;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 
-use super::{CommError, DeviceGroup, Incoming, MessageKind, Outgoing, TensorLayout};
+use super::{DeviceGroup, Incoming, MessageKind, Outgoing, TensorLayout};
 
 impl<B: Backend> DeviceGroup<B> {
     /// The element-wise sum over all ranks of each of `tensors` (every rank passes tensors of the
@@ -20,13 +21,13 @@ impl<B: Backend> DeviceGroup<B> {
     /// # Errors
     ///
     /// As [`exchange`](Self::exchange) and [`Exchange::wait`](super::Exchange::wait), notably
-    /// [`CommError::Timeout`] when a peer does not take part, and (in-process)
-    /// [`CommError::Mismatch`] when a peer's tensors have other shapes or float types (NCCL does
+    /// [`Error::Timeout`] when a peer does not take part, and (in-process)
+    /// [`Error::Mismatch`] when a peer's tensors have other shapes or float types (NCCL does
     /// not check them). A group of one rank returns `tensors` as they are and never errs.
     pub fn all_reduce_sum(
         &self,
         tensors: Vec<FloatTensor<B>>,
-    ) -> Result<Vec<FloatTensor<B>>, CommError> {
+    ) -> Result<Vec<FloatTensor<B>>, Error> {
         let (rank, world) = (self.rank(), self.world_size());
         if world == 1 {
             return Ok(tensors);

@@ -2,6 +2,7 @@
 //! assigns, from the forward's lse and `delta = rowsum(dO * O)`, and returns the gradients that
 //! belong to other ranks' chunks to their owners. Gradients are accumulated in f32.
 
+use crate::Error;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, TensorMetadata};
 
@@ -9,7 +10,7 @@ use super::blocks::{backward_pair, Chunks};
 use super::pipeline::{self, incoming, input_messages, outgoing, step_operands, Pass};
 use super::SequenceParallelOptions;
 use crate::backend::{FlashAttentionBackend, Grads};
-use crate::collective::{CommError, DeviceGroup, Incoming, MessageKind, Outgoing, Received};
+use crate::collective::{DeviceGroup, Incoming, MessageKind, Outgoing, Received};
 use crate::schedule::{RankStep, Schedule};
 
 /// One rank's backward: its chunks, the query-side bundle, and f32 gradient accumulators.
@@ -125,7 +126,7 @@ pub(crate) fn run<B: FlashAttentionBackend>(
     grad_out: FloatTensor<B>,
     group: &DeviceGroup<B>,
     options: &SequenceParallelOptions,
-) -> Result<Grads<B>, CommError> {
+) -> Result<Grads<B>, Error> {
     let dtype = q.dtype();
     let schedule = &options.schedule_for(group.world_size());
     let chunks = Chunks::new(

@@ -1,6 +1,7 @@
 //! The distributed forward: each rank's running state over the key/value chunks its schedule
 //! assigns, helpers' partials merged in, then finalised to `(O, lse)`.
 
+use crate::Error;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, TensorMetadata};
 
@@ -8,9 +9,7 @@ use super::blocks::{forward_pair, Chunks};
 use super::pipeline::{self, input_messages, outgoing, step_operands, Pass};
 use super::SequenceParallelOptions;
 use crate::backend::FlashAttentionBackend;
-use crate::collective::{
-    CommError, DeviceGroup, Incoming, MessageKind, Outgoing, Received, TensorLayout,
-};
+use crate::collective::{DeviceGroup, Incoming, MessageKind, Outgoing, Received, TensorLayout};
 use crate::schedule::{RankStep, Schedule};
 use crate::state::AttentionState;
 
@@ -103,7 +102,7 @@ pub(crate) fn run<B: FlashAttentionBackend>(
     v: FloatTensor<B>,
     group: &DeviceGroup<B>,
     options: &SequenceParallelOptions,
-) -> Result<(FloatTensor<B>, FloatTensor<B>), CommError> {
+) -> Result<(FloatTensor<B>, FloatTensor<B>), Error> {
     let dtype: DType = q.dtype();
     let schedule = &options.schedule_for(group.world_size());
     let chunks = Chunks::new(

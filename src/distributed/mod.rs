@@ -18,7 +18,7 @@ mod sharding;
 pub(crate) use backward::run as backward_pass;
 pub(crate) use forward::run as forward_pass;
 
-use core::fmt;
+use crate::Error;
 
 use burn::tensor::{DType, Tensor, TensorPrimitive};
 
@@ -27,76 +27,13 @@ pub use sharding::{gather_sequence, shard_sequence};
 
 use crate::api::check_inputs;
 use crate::backend::FlashAttentionBackend;
-use crate::collective::{CommError, DeviceGroup};
-use crate::options::AttentionError;
-use crate::schedule::LayoutError;
-
-/// Why sequence-parallel attention refused to run or failed.
-#[derive(Debug, Clone, PartialEq)]
-pub enum DistributedError {
-    /// This rank's shards are not valid attention inputs.
-    Attention(AttentionError),
-    /// The shards are not on the group's device.
-    Device(String),
-    /// The ranks' shards or options disagree (shapes, dtypes, schedule).
-    Shards(String),
-    /// Moving tensors between ranks failed.
-    Comm(CommError),
-    /// A module's input does not have the shape or float type the module was built for.
-    Input(String),
-    /// The options are not valid (a score scale that is not a finite number in f32).
-    Options(String),
-    /// The shard length does not fit the schedule's layout (zigzag needs an even length).
-    Layout(LayoutError),
-}
-
-impl fmt::Display for DistributedError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            DistributedError::Attention(e) => write!(f, "sequence-parallel attention: {e}"),
-            DistributedError::Device(what)
-            | DistributedError::Shards(what)
-            | DistributedError::Input(what)
-            | DistributedError::Options(what) => {
-                write!(f, "sequence-parallel attention: {what}")
-            }
-            DistributedError::Comm(e) => write!(f, "sequence-parallel attention: {e}"),
-            DistributedError::Layout(e) => write!(f, "sequence-parallel attention: {e}"),
-        }
-    }
-}
-
-impl std::error::Error for DistributedError {}
-
-impl From<AttentionError> for DistributedError {
-    fn from(e: AttentionError) -> Self {
-        DistributedError::Attention(e)
-    }
-}
-
-impl From<CommError> for DistributedError {
-    fn from(e: CommError) -> Self {
-        DistributedError::Comm(e)
-    }
-}
+use crate::collective::DeviceGroup;
 
 fn dtype_code(dtype: DType) -> u64 {
     match dtype {
         DType::F16 => 1,
         DType::BF16 => 2,
         _ => 3,
-    }
-}
-
-/// Refuses a score scale that is not a finite number in f32, the kernels' precision (as
-/// [`FlashAttentionOptions::check`](crate::FlashAttentionOptions::check) does for a local call).
-fn check_options(options: &SequenceParallelOptions) -> Result<(), DistributedError> {
-    match options.attention.scale {
-        Some(scale) if !(scale as f32).is_finite() => Err(DistributedError::Options(format!(
-            "the score scale is {scale}; it must be a finite number within f32's range (or None \
-             for 1 / sqrt(head_dim))"
-        ))),
-        _ => Ok(()),
     }
 }
 
@@ -115,38 +52,45 @@ fn local_values<B: FlashAttentionBackend>(
     v: &Tensor<B, 4>,
     group: &DeviceGroup<B::Inner>,
     options: &SequenceParallelOptions,
-) -> Result<[u64; AGREED_VALUES], DistributedError> {
-    check_options(options)?;
+) -> Result<[u64; AGREED_VALUES], Error> {
+    options.attention.check()?;
     for (name, t) in [("k", k), ("v", v)] {
         if t.device() != q.device() {
-            return Err(DistributedError::Device(format!(
-                "{name} is on {:?} but q is on {:?}; a rank's q, k and v must be on its device",
-                t.device(),
-                q.device()
-            )));
+            return Err(Error::Device {
+                tensor: name.into(),
+                expected: format!(
+                    "q's device {:?} (a rank's q, k and v are on its device)",
+                    q.device()
+                ),
+                got: format!("{:?}", t.device()),
+            });
         }
     }
     check_inputs(q, k, v, &options.attention)?;
     if B::inner_device(&q.device()) != *group.device() {
-        return Err(DistributedError::Device(format!(
-            "rank {} computes on {:?} but q is on {:?}",
-            group.rank(),
-            group.device(),
-            q.device()
-        )));
+        return Err(Error::Device {
+            tensor: "q".into(),
+            expected: format!(
+                "{:?}, the device rank {} of its group computes on",
+                group.device(),
+                group.rank()
+            ),
+            got: format!("{:?}", q.device()),
+        });
     }
     let (qd, kd) = (q.dims(), k.dims());
     if qd[2] != kd[2] {
-        return Err(DistributedError::Shards(format!(
-            "query and key/value shards must have the same length (each rank owns the same \
-             positions of q, k and v); got {} query and {} key rows",
-            qd[2], kd[2]
-        )));
+        return Err(Error::Shape {
+            tensor: "k's shard".into(),
+            expected: format!(
+                "{} rows, the length of q's shard (each rank owns the same positions of q, k and v)",
+                qd[2]
+            ),
+            got: format!("{kd:?}"),
+        });
     }
     let schedule = (options.schedule).resolve(group.world_size(), options.attention.causal);
-    (schedule.layout())
-        .check_shard_len(group.world_size(), qd[2])
-        .map_err(DistributedError::Layout)?;
+    (schedule.layout()).check_shard_len(group.world_size(), qd[2])?;
     let schedule = schedule as u64;
     let scale = options.attention.scale.map_or(u64::MAX, f64::to_bits);
     Ok([
@@ -180,16 +124,16 @@ fn validate<B: FlashAttentionBackend>(
     v: &Tensor<B, 4>,
     group: &DeviceGroup<B::Inner>,
     options: &SequenceParallelOptions,
-) -> Result<(), DistributedError> {
+) -> Result<(), Error> {
     let local = local_values(q, k, v, group, options);
     let gathered = group.all_gather_values(local.as_ref().unwrap_or(&[REFUSED; AGREED_VALUES]));
     let mine = local?;
     let all = gathered?;
     if let Some(other) = all.iter().position(|m| m[0] == REFUSED) {
-        return Err(DistributedError::Shards(format!(
-            "rank {other} refused its own input (its error says why), so rank {} cannot go on",
-            group.rank()
-        )));
+        return Err(Error::PeerRefused {
+            rank: group.rank(),
+            peer: other,
+        });
     }
     let describe = |m: &[u64]| {
         format!(
@@ -199,13 +143,12 @@ fn validate<B: FlashAttentionBackend>(
         )
     };
     if let Some((other, theirs)) = all.iter().enumerate().find(|(_, m)| m[..] != mine[..]) {
-        return Err(DistributedError::Shards(format!(
-            "every rank must hold shards of one shape with the same float type and options; \
-             rank {} has {} but rank {other} has {}",
-            group.rank(),
-            describe(&mine),
-            describe(theirs)
-        )));
+        return Err(Error::RanksDisagree {
+            rank: group.rank(),
+            peer: other,
+            mine: describe(&mine),
+            theirs: describe(theirs),
+        });
     }
     Ok(())
 }
@@ -230,17 +173,20 @@ fn validate<B: FlashAttentionBackend>(
 ///
 /// # Errors
 ///
-/// - [`DistributedError::Options`] when `options.attention.scale` is not a finite number in f32.
-/// - [`DistributedError::Device`] when k or v is not on q's device, or q's device is not the
+/// - [`Error::Kernel`] with [`KernelError::BadOption`](crate::kernels::KernelError::BadOption)
+///   when `options.attention.scale` is not a finite number in f32.
+/// - [`Error::Device`] when k or v is not on q's device, or q's device is not the
 ///   device of this rank of `group`.
-/// - [`DistributedError::Attention`] when this rank's shards are not valid inputs of
+/// - [`Error::Kernel`] or [`Error::DType`] when this rank's shards are not valid inputs of
 ///   [`crate::flash_attention`] (shapes, float types, the device's limits).
-/// - [`DistributedError::Shards`] when q and k have different `shard_len`s, when another rank
-///   refused its own input, or when the ranks disagree on shapes, float type or options.
-/// - [`DistributedError::Layout`] when `shard_len` does not fit the schedule's layout (zigzag:
+/// - [`Error::Shape`] when q and k have different `shard_len`s; [`Error::PeerRefused`] when
+///   another rank refused its own input; [`Error::RanksDisagree`] when the ranks disagree on
+///   shapes, float type or options.
+/// - [`Error::Layout`] when `shard_len` does not fit the schedule's layout (zigzag:
 ///   an odd length).
-/// - [`DistributedError::Comm`] when the ranks' agreement check or the exchange of chunks
-///   between the ranks fails.
+/// - The collective layer's errors ([`Error::is_collective`]: a timeout, a mismatch, a
+///   departed peer, a broken group, NCCL) when the ranks' agreement check or the exchange of
+///   chunks between the ranks fails.
 ///
 /// # Panics
 ///
@@ -252,7 +198,7 @@ pub fn sequence_parallel_attention<B: FlashAttentionBackend>(
     v: Tensor<B, 4>,
     group: &DeviceGroup<B::Inner>,
     options: &SequenceParallelOptions,
-) -> Result<Tensor<B, 4>, DistributedError> {
+) -> Result<Tensor<B, 4>, Error> {
     sequence_parallel_attention_with_lse(q, k, v, group, options).map(|(out, _)| out)
 }
 
@@ -280,7 +226,7 @@ pub fn sequence_parallel_attention_with_lse<B: FlashAttentionBackend>(
     v: Tensor<B, 4>,
     group: &DeviceGroup<B::Inner>,
     options: &SequenceParallelOptions,
-) -> Result<(Tensor<B, 4>, Tensor<B, 3>), DistributedError> {
+) -> Result<(Tensor<B, 4>, Tensor<B, 3>), Error> {
     validate(&q, &k, &v, group, options)?;
     let (out, lse) = B::sequence_parallel_attention(
         q.into_primitive().tensor(),

@@ -1,11 +1,12 @@
 //! The step loop shared by the distributed forward and backward: inputs of the next step travel
 //! while the current step computes, results travel back while the next step computes.
 
+use crate::Error;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 
 use crate::collective::{
-    CommError, DeviceGroup, Exchange, Incoming, MessageKind, Outgoing, Received, TensorLayout,
+    DeviceGroup, Exchange, Incoming, MessageKind, Outgoing, Received, TensorLayout,
 };
 use crate::schedule::{RankStep, Schedule};
 
@@ -33,7 +34,7 @@ pub(crate) fn run<B: Backend, P: Pass<B>>(
     schedule: &Schedule,
     pass: &mut P,
     overlap: bool,
-) -> Result<(), CommError> {
+) -> Result<(), Error> {
     let rank = group.rank();
     let plans: Vec<RankStep> = (0..schedule.num_steps())
         .map(|step| schedule.rank_step(rank, step))

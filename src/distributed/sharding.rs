@@ -1,19 +1,20 @@
 //! Cutting a whole sequence into the ranks' shards for a [`Layout`], and joining shards back.
 
+use crate::Error;
 use burn::tensor::backend::Backend;
 use burn::tensor::{BasicOps, Tensor};
 
-use crate::schedule::{Layout, LayoutError};
+use crate::schedule::Layout;
 
-fn error(layout: Layout, world: usize, what: String) -> LayoutError {
-    LayoutError {
+fn error(layout: Layout, world: usize, what: String) -> Error {
+    Error::Layout {
         layout,
         world,
         what,
     }
 }
 
-fn check_dim<const D: usize>(layout: Layout, world: usize, dim: usize) -> Result<(), LayoutError> {
+fn check_dim<const D: usize>(layout: Layout, world: usize, dim: usize) -> Result<(), Error> {
     if dim >= D {
         return Err(error(
             layout,
@@ -37,7 +38,7 @@ fn check_dim<const D: usize>(layout: Layout, world: usize, dim: usize) -> Result
 ///
 /// # Errors
 ///
-/// [`LayoutError`] when `dim` is not below the tensor's rank `D`, when `world` is zero, when
+/// [`Error`] when `dim` is not below the tensor's rank `D`, when `world` is zero, when
 /// `seq` is zero or not a multiple of the layout's number of chunks (`world`, or `2 * world`
 /// for zigzag), or when `rank` is not below `world`.
 pub fn shard_sequence<B: Backend, const D: usize, K: BasicOps<B>>(
@@ -46,7 +47,7 @@ pub fn shard_sequence<B: Backend, const D: usize, K: BasicOps<B>>(
     layout: Layout,
     world: usize,
     rank: usize,
-) -> Result<Tensor<B, D, K>, LayoutError> {
+) -> Result<Tensor<B, D, K>, Error> {
     check_dim::<D>(layout, world, dim)?;
     let shard_len = layout.shard_len(world, full.dims()[dim])?;
     if rank >= world {
@@ -73,7 +74,7 @@ pub fn shard_sequence<B: Backend, const D: usize, K: BasicOps<B>>(
 ///
 /// # Errors
 ///
-/// [`LayoutError`] when `dim` is not below the tensors' rank `D`, when `shards` is empty, when
+/// [`Error`] when `dim` is not below the tensors' rank `D`, when `shards` is empty, when
 /// the shards' lengths along `dim` differ, or when `shard_len` is zero or (zigzag) odd.
 ///
 /// # Panics
@@ -83,7 +84,7 @@ pub fn gather_sequence<B: Backend, const D: usize, K: BasicOps<B>>(
     shards: Vec<Tensor<B, D, K>>,
     dim: usize,
     layout: Layout,
-) -> Result<Tensor<B, D, K>, LayoutError> {
+) -> Result<Tensor<B, D, K>, Error> {
     let world = shards.len();
     check_dim::<D>(layout, world, dim)?;
     let Some(first) = shards.first() else {

@@ -2,22 +2,22 @@
 //! grouped key/value heads (GQA/MQA), rotary embeddings at absolute positions, on one device or on
 //! a rank of a sequence-parallel group.
 
+use crate::Error;
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::{Initializer, Linear, LinearConfig};
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
-use super::config_error::ConfigError;
 use super::context::AttentionContext;
 use super::counter::ForwardCounter;
 use super::linear_layer::linear;
 use super::rope::{RopeConfig, RotaryTables};
 use crate::backend::FlashAttentionBackend;
 use crate::distributed::{announce_refusal, sequence_parallel_attention_with_lse};
+use crate::flash_attention_with_lse;
 use crate::kernels::SUPPORTED_HEAD_DIMS;
 use crate::options::FlashAttentionOptions;
-use crate::{flash_attention_with_lse, DistributedError};
 
 /// Configuration of [`DistFlashAttention`].
 #[derive(Config, Debug)]
@@ -52,40 +52,48 @@ impl DistFlashAttentionConfig {
     ///
     /// # Errors
     ///
-    /// [`ConfigError`] when `d_model`, `n_heads` or `n_kv_heads` is zero, when `n_kv_heads`
+    /// [`Error`] when `d_model`, `n_heads` or `n_kv_heads` is zero, when `n_kv_heads`
     /// does not divide `n_heads`, when `head_dim` is unset and `n_heads` does not divide
     /// `d_model`, or when `head_dim` is not in [`SUPPORTED_HEAD_DIMS`].
-    pub fn resolved(&self) -> Result<(usize, usize), ConfigError> {
+    pub fn resolved(&self) -> Result<(usize, usize), Error> {
         let n_kv = self.n_kv_heads.unwrap_or(self.n_heads);
         if self.d_model == 0 || self.n_heads == 0 || n_kv == 0 {
-            return Err(ConfigError(format!(
-                "d_model ({}), n_heads ({}) and n_kv_heads ({n_kv}) must be positive",
-                self.d_model, self.n_heads
-            )));
+            return Err(Error::config(
+                "d_model, n_heads and n_kv_heads",
+                "all positive",
+                format!("{}, {} and {n_kv}", self.d_model, self.n_heads),
+            ));
         }
         if !self.n_heads.is_multiple_of(n_kv) {
-            return Err(ConfigError(format!(
-                "n_kv_heads ({n_kv}) must divide n_heads ({}): each key/value head serves a group \
-                 of query heads",
-                self.n_heads
-            )));
+            return Err(Error::config(
+                "n_kv_heads",
+                format!(
+                    "a divisor of n_heads ({}): each key/value head serves a group of query heads",
+                    self.n_heads
+                ),
+                n_kv,
+            ));
         }
         let head_dim = match self.head_dim {
             Some(d) => d,
             None if self.d_model.is_multiple_of(self.n_heads) => self.d_model / self.n_heads,
             None => {
-                return Err(ConfigError(format!(
-                    "n_heads ({}) does not divide d_model ({}); set head_dim explicitly or choose \
-                     a head count that divides the hidden size",
-                    self.n_heads, self.d_model
-                )))
+                return Err(Error::config(
+                    "n_heads",
+                    format!(
+                        "a divisor of d_model ({}) when head_dim is unset (or set head_dim)",
+                        self.d_model
+                    ),
+                    self.n_heads,
+                ))
             }
         };
         if !SUPPORTED_HEAD_DIMS.contains(&head_dim) {
-            return Err(ConfigError(format!(
-                "head_dim {head_dim} is not supported by the attention kernels; supported: \
-                 {SUPPORTED_HEAD_DIMS:?}"
-            )));
+            return Err(Error::config(
+                "head_dim",
+                format!("one the attention kernels support: {SUPPORTED_HEAD_DIMS:?}"),
+                head_dim,
+            ));
         }
         Ok((n_kv, head_dim))
     }
@@ -98,7 +106,7 @@ impl DistFlashAttentionConfig {
     pub fn try_init<B: FlashAttentionBackend>(
         &self,
         device: &B::Device,
-    ) -> Result<DistFlashAttention<B>, ConfigError> {
+    ) -> Result<DistFlashAttention<B>, Error> {
         let (n_kv_heads, head_dim) = self.resolved()?;
         let linear = |d_in: usize, d_out: usize| {
             LinearConfig::new(d_in, d_out)
@@ -197,23 +205,24 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
     ///
     /// # Errors
     ///
-    /// - [`DistributedError::Input`] when `x` is not `[batch, seq, d_model]` with `batch` and
-    ///   `seq` at least 1, or not of the weights' float type.
-    /// - [`DistributedError::Device`] when `x` is not on the weights' device, or (sharded) not
+    /// - [`Error::Shape`] when `x` is not `[batch, seq, d_model]` with `batch` and
+    ///   `seq` at least 1; [`Error::DType`] when it is not of the weights' float type.
+    /// - [`Error::Device`] when `x` is not on the weights' device, or (sharded) not
     ///   on the device of this rank of the context's group.
-    /// - [`DistributedError::Layout`] (sharded) when the schedule's layout cannot split shards
+    /// - [`Error::Layout`] (sharded) when the schedule's layout cannot split shards
     ///   of length `seq` (zigzag: an odd length).
-    /// - [`DistributedError::Attention`] when attention refuses the projected heads (see
+    /// - [`Error::Kernel`] or [`Error::DType`] when attention refuses the projected heads (see
     ///   [`crate::flash_attention`]: a float type it does not run, or a call beyond the
     ///   device's limits).
     /// - Sharded, the other errors of [`crate::sequence_parallel_attention`]:
-    ///   [`DistributedError::Shards`] when the ranks disagree or another rank refused its input,
-    ///   [`DistributedError::Comm`] when moving tensors between the ranks fails.
+    ///   [`Error::RanksDisagree`] or [`Error::PeerRefused`] when the ranks disagree or another
+    ///   rank refused its input, and the collective layer's errors
+    ///   ([`Error::is_collective`]) when moving tensors between the ranks fails.
     pub fn try_forward(
         &self,
         x: Tensor<B, 3>,
         context: &AttentionContext<B::Inner>,
-    ) -> Result<Tensor<B, 3>, DistributedError> {
+    ) -> Result<Tensor<B, 3>, Error> {
         self.check_input(&x, context)?;
         let projected = self.project(x, context);
         let (out, _) = self.attend(&projected, context)?;
@@ -228,7 +237,7 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
         &self,
         x: &Tensor<B, 3>,
         context: &AttentionContext<B::Inner>,
-    ) -> Result<(), DistributedError> {
+    ) -> Result<(), Error> {
         let refused = self.input_problem(x, context);
         if let (Err(_), AttentionContext::Sharded { group, .. }) = (&refused, context) {
             announce_refusal(group);
@@ -240,41 +249,46 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
         &self,
         x: &Tensor<B, 3>,
         context: &AttentionContext<B::Inner>,
-    ) -> Result<(), DistributedError> {
+    ) -> Result<(), Error> {
         let weight = self.query.weight.val();
         let d_model = weight.dims()[0];
         let dims = x.dims();
         if dims[2] != d_model || dims[0] == 0 || dims[1] == 0 {
-            return Err(DistributedError::Input(format!(
-                "attention input is {dims:?} but the module expects [batch, seq, {d_model}] with \
-                 batch and seq at least 1"
-            )));
+            return Err(Error::Shape {
+                tensor: "the attention input".into(),
+                expected: format!("[batch, seq, {d_model}] with batch and seq at least 1"),
+                got: format!("{dims:?}"),
+            });
         }
         if x.dtype() != weight.dtype() {
-            return Err(DistributedError::Input(format!(
-                "attention input is {:?} but the module's weights are {:?}; cast one to the other",
-                x.dtype(),
-                weight.dtype()
-            )));
+            return Err(Error::DType {
+                tensor: "the attention input".into(),
+                expected: format!(
+                    "the module weights' float type {:?} (cast one to the other)",
+                    weight.dtype()
+                ),
+                got: format!("{:?}", x.dtype()),
+            });
         }
         if x.device() != weight.device() {
-            return Err(DistributedError::Device(format!(
-                "attention input is on {:?} but the module's weights are on {:?}",
-                x.device(),
-                weight.device()
-            )));
+            return Err(Error::Device {
+                tensor: "the attention input".into(),
+                expected: format!("the module weights' device {:?}", weight.device()),
+                got: format!("{:?}", x.device()),
+            });
         }
-        context
-            .positions(dims[1], self.options())
-            .map_err(DistributedError::Layout)?;
+        context.positions(dims[1], self.options())?;
         if let AttentionContext::Sharded { group, .. } = context {
             if B::inner_device(&x.device()) != *group.device() {
-                return Err(DistributedError::Device(format!(
-                    "attention input is on {:?} but rank {} of its group computes on {:?}",
-                    x.device(),
-                    group.rank(),
-                    group.device()
-                )));
+                return Err(Error::Device {
+                    tensor: "the attention input".into(),
+                    expected: format!(
+                        "{:?}, the device rank {} of its group computes on",
+                        group.device(),
+                        group.rank()
+                    ),
+                    got: format!("{:?}", x.device()),
+                });
             }
         }
         Ok(())
@@ -321,7 +335,7 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
         &self,
         p: &Projected<B>,
         context: &AttentionContext<B::Inner>,
-    ) -> Result<(Tensor<B, 4>, Tensor<B, 3>), DistributedError> {
+    ) -> Result<(Tensor<B, 4>, Tensor<B, 3>), Error> {
         self.counter.record();
         let (q, k, v) = (p.q.clone(), p.k.clone(), p.v.clone());
         match context.sequence_parallel_options(self.options()) {

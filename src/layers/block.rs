@@ -1,6 +1,7 @@
 //! [`TransformerBlock`]: a Llama decoder layer (pre-norm attention and SwiGLU feed-forward, both
 //! residual), with a per-model choice of where gradient checkpointing puts its boundary.
 
+use crate::Error;
 use burn::config::Config;
 use burn::module::Module;
 use burn::tensor::backend::Backend;
@@ -8,14 +9,12 @@ use burn::tensor::Tensor;
 
 use super::attention::{merge_heads, DistFlashAttention, DistFlashAttentionConfig};
 use super::attention_backward::{AttentionActivations, AttentionGrads};
-use super::config_error::ConfigError;
 use super::context::AttentionContext;
 use super::feed_forward::{FeedForward, FeedForwardConfig, FeedForwardGrads};
 use super::linear_layer::linear;
 use super::rms_norm::{RmsNorm, RmsNormConfig};
 use crate::backend::FlashAttentionBackend;
 use crate::checkpoint::{CheckpointBackend, CheckpointPlacement};
-use crate::DistributedError;
 
 /// Configuration of [`TransformerBlock`].
 #[derive(Config, Debug)]
@@ -37,15 +36,15 @@ impl TransformerBlockConfig {
     ///
     /// # Errors
     ///
-    /// [`ConfigError`] when `d_ff` is zero, or where
+    /// [`Error`] when `d_ff` is zero, or where
     /// [`DistFlashAttentionConfig::resolved`] errs for `attention`.
     pub fn try_init<B: FlashAttentionBackend>(
         &self,
         device: &B::Device,
-    ) -> Result<TransformerBlock<B>, ConfigError> {
+    ) -> Result<TransformerBlock<B>, Error> {
         let d_model = self.attention.d_model;
         if self.d_ff == 0 {
-            return Err(ConfigError("d_ff must be positive".into()));
+            return Err(Error::config("d_ff", "positive", 0));
         }
         let norm = RmsNormConfig::new(d_model).with_eps(self.norm_eps);
         Ok(TransformerBlock {
@@ -136,7 +135,7 @@ impl<B: CheckpointBackend> TransformerBlock<B> {
         &self,
         x: Tensor<B, 3>,
         context: &AttentionContext<B::Inner>,
-    ) -> Result<Tensor<B, 3>, DistributedError> {
+    ) -> Result<Tensor<B, 3>, Error> {
         self.attention.check_input(&x, context)?;
         match self.checkpoint {
             CheckpointPlacement::None => self.forward_stored(x, context),
@@ -157,7 +156,7 @@ impl<B: FlashAttentionBackend> TransformerBlock<B> {
     /// # Errors
     ///
     /// The errors of the block's attention on the projected heads:
-    /// [`DistributedError::Attention`] locally; sharded, those of
+    /// [`Error::Kernel`] or [`Error::DType`] locally; sharded, those of
     /// [`crate::sequence_parallel_attention`].
     ///
     /// # Panics
@@ -169,7 +168,7 @@ impl<B: FlashAttentionBackend> TransformerBlock<B> {
         &self,
         x: Tensor<B, 3>,
         context: &AttentionContext<B::Inner>,
-    ) -> Result<Tensor<B, 3>, DistributedError> {
+    ) -> Result<Tensor<B, 3>, Error> {
         let half = self.attention_half(x, context, None)?;
         Ok(half.h.clone() + self.ffn.forward(self.ffn_norm.forward(half.h)))
     }
@@ -180,7 +179,7 @@ impl<B: FlashAttentionBackend> TransformerBlock<B> {
         x: Tensor<B, 3>,
         context: &AttentionContext<B::Inner>,
         saved: Option<(Tensor<B, 4>, Tensor<B, 3>)>,
-    ) -> Result<AttentionHalf<B>, DistributedError> {
+    ) -> Result<AttentionHalf<B>, Error> {
         let input = self.attention_norm.forward(x.clone());
         let projected = self.attention.project(input.clone(), context);
         let (out, lse) = match saved {

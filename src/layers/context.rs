@@ -1,11 +1,12 @@
 //! Where a layer's attention runs: over the whole sequence on one device, or over this rank's
 //! shard of a sequence split across a [`DeviceGroup`].
 
+use crate::Error;
 use burn::tensor::backend::Backend;
 
 use crate::collective::DeviceGroup;
 use crate::options::FlashAttentionOptions;
-use crate::schedule::{Layout, LayoutError, ScheduleKind};
+use crate::schedule::{Layout, ScheduleKind};
 use crate::SequenceParallelOptions;
 
 /// How attention sees the sequence. Pass the same context to every layer of a forward pass.
@@ -67,12 +68,12 @@ impl<I: Backend> AttentionContext<I> {
     ///
     /// # Errors
     ///
-    /// Sharded only: [`LayoutError`] when `shard_len` is zero, or odd under the zigzag layout.
+    /// Sharded only: [`Error`] when `shard_len` is zero, or odd under the zigzag layout.
     pub fn positions(
         &self,
         shard_len: usize,
         attention: FlashAttentionOptions,
-    ) -> Result<Vec<usize>, LayoutError> {
+    ) -> Result<Vec<usize>, Error> {
         match self {
             Self::Local => Ok((0..shard_len).collect()),
             Self::Sharded { group, .. } => {

@@ -6,7 +6,6 @@
 mod attention;
 mod attention_backward;
 mod block;
-mod config_error;
 mod context;
 mod counter;
 mod feed_forward;
@@ -19,7 +18,6 @@ mod rope;
 pub use attention::{DistFlashAttention, DistFlashAttentionConfig};
 pub(crate) use block::BlockGrads;
 pub use block::{TransformerBlock, TransformerBlockConfig};
-pub use config_error::ConfigError;
 pub use context::AttentionContext;
 pub use counter::ForwardCounter;
 pub use feed_forward::{FeedForward, FeedForwardConfig};

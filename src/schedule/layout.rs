@@ -19,7 +19,7 @@
 //!                        rank 3 = [c3 | c4]
 //! ```
 
-use core::fmt;
+use crate::Error;
 use core::ops::Range;
 
 use serde::{Deserialize, Serialize};
@@ -33,29 +33,6 @@ pub enum Layout {
     /// The sequence cut into `2P` chunks; rank `r` holds chunks `r` and `2P-1-r`, in that order.
     Zigzag,
 }
-
-/// A sequence or shard length the layout cannot split evenly.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LayoutError {
-    /// The layout asked for.
-    pub layout: Layout,
-    /// Number of ranks.
-    pub world: usize,
-    /// What was wrong and what is allowed.
-    pub what: String,
-}
-
-impl fmt::Display for LayoutError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{:?} layout over {} ranks: {}",
-            self.layout, self.world, self.what
-        )
-    }
-}
-
-impl std::error::Error for LayoutError {}
 
 impl Layout {
     /// Chunks each rank holds: 1 (contiguous) or 2 (zigzag).
@@ -93,10 +70,10 @@ impl Layout {
     ///
     /// # Errors
     ///
-    /// [`LayoutError`] when `world` is zero, when `shard_len` is zero, or when it is odd under
+    /// [`Error`] when `world` is zero, when `shard_len` is zero, or when it is odd under
     /// [`Layout::Zigzag`].
-    pub fn check_shard_len(self, world: usize, shard_len: usize) -> Result<(), LayoutError> {
-        let error = |what: String| LayoutError {
+    pub fn check_shard_len(self, world: usize, shard_len: usize) -> Result<(), Error> {
+        let error = |what: String| Error::Layout {
             layout: self,
             world,
             what,
@@ -123,12 +100,12 @@ impl Layout {
     ///
     /// # Errors
     ///
-    /// [`LayoutError`] when `world` is zero, or when `seq_len` is zero or not a multiple of
+    /// [`Error`] when `world` is zero, or when `seq_len` is zero or not a multiple of
     /// [`num_chunks`](Self::num_chunks)`(world)` (`world`, or `2 * world` for zigzag).
-    pub fn shard_len(self, world: usize, seq_len: usize) -> Result<usize, LayoutError> {
+    pub fn shard_len(self, world: usize, seq_len: usize) -> Result<usize, Error> {
         let chunks = self.num_chunks(world.max(1));
         if world == 0 || seq_len == 0 || !seq_len.is_multiple_of(chunks) {
-            return Err(LayoutError {
+            return Err(Error::Layout {
                 layout: self,
                 world,
                 what: format!(
@@ -144,17 +121,17 @@ impl Layout {
     ///
     /// # Errors
     ///
-    /// As [`check_shard_len`](Self::check_shard_len), and [`LayoutError`] when `rank` is not
+    /// As [`check_shard_len`](Self::check_shard_len), and [`Error`] when `rank` is not
     /// below `world`.
     pub fn ranges(
         self,
         world: usize,
         rank: usize,
         shard_len: usize,
-    ) -> Result<Vec<Range<usize>>, LayoutError> {
+    ) -> Result<Vec<Range<usize>>, Error> {
         self.check_shard_len(world, shard_len)?;
         if rank >= world {
-            return Err(LayoutError {
+            return Err(Error::Layout {
                 layout: self,
                 world,
                 what: format!("rank {rank} is not in the group (ranks are 0..{world})"),
@@ -176,7 +153,7 @@ impl Layout {
         world: usize,
         rank: usize,
         shard_len: usize,
-    ) -> Result<Vec<usize>, LayoutError> {
+    ) -> Result<Vec<usize>, Error> {
         Ok(self
             .ranges(world, rank, shard_len)?
             .into_iter()

@@ -20,7 +20,7 @@ pub mod zigzag;
 use serde::{Deserialize, Serialize};
 
 pub use blocks::Block;
-pub use layout::{Layout, LayoutError};
+pub use layout::Layout;
 pub use plan::RankStep;
 
 /// One unit of attention work: the query shard of rank `query` against the key/value shard of

@@ -6,10 +6,8 @@ use std::path::Path;
 use burn::config::Config;
 
 use super::hf_config::HfLlamaConfig;
-use burn_distflash::layers::{
-    ConfigError, DistFlashAttentionConfig, Llama3RopeScaling, RopeConfig,
-};
-use burn_distflash::CheckpointPlacement;
+use burn_distflash::layers::{DistFlashAttentionConfig, Llama3RopeScaling, RopeConfig};
+use burn_distflash::{CheckpointPlacement, Error as PluginError};
 
 /// The shape of a Llama model (`LlamaConfig::load("config.json")` / `config.save(..)`).
 #[derive(Config, Debug)]
@@ -84,7 +82,7 @@ impl LlamaConfig {
 
     /// A preset by name: `tiny`, `llama-7b`, `llama-gqa`, `llama-33h`, `llama-16h`, `llama-8h`,
     /// `llama-4h`, `llama-2h`, `llama3-8b`.
-    pub fn preset(name: &str) -> Result<Self, ConfigError> {
+    pub fn preset(name: &str) -> Result<Self, PluginError> {
         Ok(match name {
             "tiny" => Self::tiny(),
             "llama-7b" => Self::llama_7b(),
@@ -96,18 +94,21 @@ impl LlamaConfig {
             "llama-2h" => Self::llama_few_heads(2),
             "llama3-8b" => Self::llama3_8b(),
             other => {
-                return Err(ConfigError(format!(
-                    "unknown preset {other:?}; presets: {}",
-                    PRESETS.join(", ")
-                )))
+                return Err(PluginError::config(
+                    "preset",
+                    format!("one of {}", PRESETS.join(", ")),
+                    format!("{other:?}"),
+                ))
             }
         })
     }
 
     /// A preset name or the path of a JSON config file.
-    pub fn from_name_or_file(name: &str) -> Result<Self, ConfigError> {
+    pub fn from_name_or_file(name: &str) -> Result<Self, PluginError> {
         if Path::new(name).exists() {
-            Self::load(name).map_err(|e| ConfigError(format!("reading config {name}: {e}")))
+            Self::load(name).map_err(|e| {
+                PluginError::config("config file", "a readable Llama configuration (JSON)", e)
+            })
         } else {
             Self::preset(name)
         }
@@ -122,7 +123,7 @@ impl LlamaConfig {
     }
 
     /// Checks the shape before anything is allocated.
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    pub fn validate(&self) -> Result<(), PluginError> {
         for (name, value) in [
             ("vocab_size", self.vocab_size),
             ("d_model", self.d_model),
@@ -130,7 +131,7 @@ impl LlamaConfig {
             ("d_ff", self.d_ff),
         ] {
             if value == 0 {
-                return Err(ConfigError(format!("{name} must be positive")));
+                return Err(PluginError::config(name, "positive", value));
             }
         }
         self.attention().resolved().map(|_| ())

@@ -5,8 +5,7 @@ use std::fmt;
 use std::io;
 use std::path::{Path, PathBuf};
 
-use burn_distflash::layers::ConfigError;
-use burn_distflash::{CommError, DistributedError};
+use burn_distflash::Error as PluginError;
 
 /// Everything that can go wrong in this crate: files, formats, values, checkpoints, the
 /// tokenizer, and the attention and collectives of the plugin.
@@ -108,7 +107,7 @@ pub enum Error {
         /// The `config.json` read or to be written, if any.
         path: Option<PathBuf>,
         /// What the plugin reported.
-        source: ConfigError,
+        source: PluginError,
     },
     /// The `tokenizers` library could not encode the text or decode the ids.
     Tokenizer {
@@ -132,14 +131,14 @@ pub enum Error {
         /// What was running ("training step", "generation").
         during: &'static str,
         /// The plugin's error.
-        source: DistributedError,
+        source: PluginError,
     },
     /// Summing over the device group failed.
     Comm {
         /// What was being summed ("the gradients").
         what: &'static str,
         /// The plugin's error.
-        source: CommError,
+        source: PluginError,
     },
 }
 

@@ -3,7 +3,7 @@
 //! all-reduce, checkpoints) and its logs. The `llama_train` binary (`src/main.rs`) drives it.
 //!
 //! Every fallible function of this crate returns its one error type, [`Error`]; the model and
-//! its configuration return the plugin's errors (`ConfigError`, `DistributedError`) as the
+//! its configuration return the plugin's errors (`burn_distflash::Error`) as the
 //! plugin's layers do.
 
 #![warn(missing_docs)]

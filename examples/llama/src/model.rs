@@ -11,10 +11,9 @@ use super::loss::CrossEntropyBackend;
 use super::rng::SplitMix64;
 use super::weights::load_param;
 use burn_distflash::layers::{
-    linear, AttentionContext, ConfigError, RmsNorm, RmsNormConfig, TransformerBlock,
-    TransformerBlockConfig,
+    linear, AttentionContext, RmsNorm, RmsNormConfig, TransformerBlock, TransformerBlockConfig,
 };
-use burn_distflash::{CheckpointBackend, DistributedError, FlashAttentionBackend};
+use burn_distflash::{CheckpointBackend, Error as PluginError, FlashAttentionBackend};
 
 /// A Llama language model.
 #[derive(Module, Debug)]
@@ -38,7 +37,7 @@ impl LlamaConfig {
     pub fn try_init<B: FlashAttentionBackend>(
         &self,
         device: &B::Device,
-    ) -> Result<Llama<B>, ConfigError> {
+    ) -> Result<Llama<B>, PluginError> {
         self.validate()?;
         let init = Initializer::Normal {
             mean: 0.0,
@@ -78,7 +77,7 @@ impl LlamaConfig {
         &self,
         device: &B::Device,
         seed: u64,
-    ) -> Result<Llama<B>, ConfigError> {
+    ) -> Result<Llama<B>, PluginError> {
         let model = self.try_init::<B>(device)?;
         Ok(model.map(&mut SeededMatrices {
             seed,
@@ -118,7 +117,7 @@ impl<B: CheckpointBackend> Llama<B> {
         &self,
         tokens: Tensor<B, 2, Int>,
         context: &AttentionContext<B::Inner>,
-    ) -> Result<Tensor<B, 3>, DistributedError> {
+    ) -> Result<Tensor<B, 3>, PluginError> {
         self.check_tokens(&tokens)?;
         let mut x = self.embedding.forward(tokens);
         for block in &self.blocks {
@@ -133,19 +132,22 @@ impl<B: CheckpointBackend> Llama<B> {
 
     /// Refuses, before any work, tokens that are not `[batch > 0, seq > 0]` on the model's
     /// device.
-    fn check_tokens(&self, tokens: &Tensor<B, 2, Int>) -> Result<(), DistributedError> {
+    fn check_tokens(&self, tokens: &Tensor<B, 2, Int>) -> Result<(), PluginError> {
         let dims = tokens.dims();
         if dims[0] == 0 || dims[1] == 0 {
-            return Err(DistributedError::Input(format!(
-                "tokens are {dims:?}; batch and seq must be at least 1"
-            )));
+            return Err(PluginError::Shape {
+                tensor: "the tokens".into(),
+                expected: "[batch, seq] with batch and seq at least 1".into(),
+                got: format!("{dims:?}"),
+            });
         }
         let device = self.embedding.weight.val().device();
         if tokens.device() != device {
-            return Err(DistributedError::Device(format!(
-                "tokens are on {:?} but the model is on {device:?}",
-                tokens.device()
-            )));
+            return Err(PluginError::Device {
+                tensor: "the tokens".into(),
+                expected: format!("the model's device {device:?}"),
+                got: format!("{:?}", tokens.device()),
+            });
         }
         Ok(())
     }
@@ -159,7 +161,7 @@ impl<B: CheckpointBackend> Llama<B> {
         targets: Tensor<B, 2, Int>,
         context: &AttentionContext<B::Inner>,
         normalizer: usize,
-    ) -> Result<Tensor<B, 1>, DistributedError>
+    ) -> Result<Tensor<B, 1>, PluginError>
     where
         B: CrossEntropyBackend,
     {

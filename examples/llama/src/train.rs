@@ -22,7 +22,9 @@ use super::schedule::learning_rate;
 use super::TrainingKernels;
 use crate::Error;
 use burn_distflash::layers::AttentionContext;
-use burn_distflash::{shard_sequence, CheckpointBackend, CommError, FlashAttentionOptions};
+use burn_distflash::{
+    shard_sequence, CheckpointBackend, Error as PluginError, FlashAttentionOptions,
+};
 
 /// Optimisation settings (saved with every checkpoint).
 #[derive(Config, Debug)]
@@ -336,7 +338,7 @@ impl<B: TrainBackend> Trainer<B> {
     fn sum_over_group(
         &self,
         t: burn::tensor::ops::FloatTensor<B::InnerBackend>,
-    ) -> Result<burn::tensor::ops::FloatTensor<B::InnerBackend>, CommError> {
+    ) -> Result<burn::tensor::ops::FloatTensor<B::InnerBackend>, PluginError> {
         match &self.context {
             AttentionContext::Local => Ok(t),
             AttentionContext::Sharded { group, .. } => Ok(group.all_reduce_sum(vec![t])?.remove(0)),
@@ -412,7 +414,7 @@ struct ReduceGrads<'a, B: TrainBackend> {
     grads: GradientsParams,
     context: &'a AttentionContext<B::InnerBackend>,
     squared_norm: Vec<Tensor<B::InnerBackend, 1>>,
-    error: Option<CommError>,
+    error: Option<PluginError>,
 }
 
 impl<B: TrainBackend> ModuleVisitor<B> for ReduceGrads<'_, B> {

@@ -27,8 +27,8 @@ use super::hf_config::{read_hf_config, write_hf_config, HfLlamaConfig, HfRopeSca
 use super::model::Llama;
 use super::safetensors::{write_safetensors, Checkpoint, StoredTensor, SINGLE_FILE_NAME};
 use crate::Error;
-use burn_distflash::layers::ConfigError;
 use burn_distflash::CheckpointBackend;
+use burn_distflash::Error as PluginError;
 
 /// File name of the model configuration inside a model directory.
 const CONFIG_FILE_NAME: &str = "config.json";
@@ -82,7 +82,7 @@ struct Spec {
 
 /// Every tensor a model of this shape has, in Hugging Face names and layout (`[out, in]` for
 /// linear layers); `lm_head.weight` only when the output projection is not tied.
-fn tensor_specs(config: &LlamaConfig) -> Result<Vec<Spec>, ConfigError> {
+fn tensor_specs(config: &LlamaConfig) -> Result<Vec<Spec>, PluginError> {
     let (n_kv_heads, head_dim) = config.attention().resolved()?;
     let d = config.d_model;
     let q_out = config.n_heads * head_dim;

@@ -211,15 +211,15 @@ fn a_resumed_run_continues_exactly() {
 fn bad_shapes_are_refused_before_any_work() {
     let bad_heads = LlamaConfig::new(256, 100, 2, 3, 3, 128);
     let e = bad_heads.try_init::<Cpu>(&DEVICE).unwrap_err().to_string();
-    assert!(e.contains("does not divide d_model"), "{e}");
+    assert!(e.contains("expected a divisor of d_model"), "{e}");
     let bad_kv = LlamaConfig::new(256, 64, 2, 4, 3, 128);
     assert!(bad_kv
         .try_init::<Cpu>(&DEVICE)
         .unwrap_err()
         .to_string()
-        .contains("must divide"));
+        .contains("expected a divisor of n_heads"));
     let unknown = LlamaConfig::preset("llama-70b").unwrap_err().to_string();
-    assert!(unknown.contains("presets: tiny"), "{unknown}");
+    assert!(unknown.contains("expected one of tiny"), "{unknown}");
     within(Duration::from_secs(60), || {
         let groups = DeviceGroup::<Inner>::in_process(vec![DEVICE; 3]);
         let errors = on_each_rank(groups, |_, group| {

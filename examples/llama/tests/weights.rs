@@ -533,7 +533,7 @@ fn unbuildable_config_and_inconsistent_model_are_refused() {
     write_checkpoint(tmp.path(), &config, &hf_tensors(false));
     let err = load_err(tmp.path());
     assert!(matches!(err, Error::Config { path: Some(_), .. }), "{err}");
-    assert!(err.to_string().contains("head_dim 10"), "{err}");
+    assert!(err.to_string().contains("head_dim is 10"), "{err}");
 
     // Saving an untied model under a tied config.
     let model = small_config(false).try_init::<Cpu>(&DEVICE).unwrap();

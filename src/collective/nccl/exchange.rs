@@ -1,6 +1,7 @@
 //! Moving bytes: NCCL operations posted in one group on the communication stream, the bounded
 //! wait for them (aborting on timeout or failure), the in-flight exchange, and the all-gather.
 
+use crate::Error;
 use std::ffi::{c_int, c_void};
 use std::time::{Duration, Instant};
 
@@ -16,7 +17,7 @@ use cudarc::nccl::sys as nccl;
 use super::library::{accepted, driver_error, nccl_error};
 use super::wait::{backoff, wait_ready, NotReady};
 use super::{is_float, Cube, CudaTensor, NcclTransport};
-use crate::collective::{CommError, Exchange, Incoming, MessageKind, Received};
+use crate::collective::{Exchange, Incoming, MessageKind, Received};
 
 /// How long an aborted communicator's kernels get to stop before their buffers are leaked
 /// rather than freed under them.
@@ -25,8 +26,8 @@ const ABORT_GRACE: Duration = Duration::from_secs(10);
 const HEALTH_EVERY: Duration = Duration::from_millis(2);
 
 impl<F, I, BT> NcclTransport<F, I, BT> {
-    fn timeout_error(&self, blame: Blame, since: Instant) -> CommError {
-        CommError::Timeout {
+    fn timeout_error(&self, blame: Blame, since: Instant) -> Error {
+        Error::Timeout {
             rank: self.rank,
             peer: blame.0,
             kind: blame.1,
@@ -41,7 +42,7 @@ impl<F, I, BT> NcclTransport<F, I, BT> {
         ops: &[Op],
         blame: Blame,
         posted_at: Instant,
-    ) -> Result<CudaEvent, CommError> {
+    ) -> Result<CudaEvent, Error> {
         let deadline = posted_at + self.timeout;
         let state = self.lock();
         let comm = self.usable(&state)?;
@@ -136,12 +137,7 @@ impl<F, I, BT> NcclTransport<F, I, BT> {
 
     /// Waits for `work` to complete, at most until `posted_at + timeout`; on timeout or failure
     /// the communicator is aborted and the buffers are settled (see [`InFlight`]).
-    fn finish(
-        &self,
-        work: &mut InFlight,
-        blame: Blame,
-        posted_at: Instant,
-    ) -> Result<(), CommError> {
+    fn finish(&self, work: &mut InFlight, blame: Blame, posted_at: Instant) -> Result<(), Error> {
         let deadline = posted_at + self.timeout;
         let started = Instant::now();
         let mut checked = started;
@@ -186,7 +182,7 @@ impl<F, I, BT> NcclTransport<F, I, BT> {
     }
 
     /// All ranks' `bytes` (the same length everywhere), concatenated in rank order.
-    pub(super) fn gather_bytes(&self, bytes: &[u8]) -> Result<Vec<u8>, CommError> {
+    pub(super) fn gather_bytes(&self, bytes: &[u8]) -> Result<Vec<u8>, Error> {
         let posted_at = Instant::now();
         self.check_usable()?;
         let client = CudaRuntime::client(&self.device);
@@ -219,14 +215,14 @@ impl<F, I, BT> NcclTransport<F, I, BT> {
         }
         self.finish(&mut work, blame, posted_at)?;
         let gathered = client.read_one(recv).map_err(|e| {
-            CommError::Nccl(format!(
+            Error::Nccl(format!(
                 "rank {}: reading the gathered values back: {e}",
                 self.rank
             ))
         })?;
         let expected = bytes.len() * self.world_size;
         if gathered.len() < expected {
-            return Err(CommError::Nccl(format!(
+            return Err(Error::Nccl(format!(
                 "rank {}: read {} gathered bytes back, expected {expected}",
                 self.rank,
                 gathered.len()
@@ -236,12 +232,9 @@ impl<F, I, BT> NcclTransport<F, I, BT> {
     }
 
     /// Host-waits for the calling thread's CubeCL stream on this device.
-    pub(super) fn sync_compute(
-        &self,
-        client: &ComputeClient<CudaRuntime>,
-    ) -> Result<(), CommError> {
+    pub(super) fn sync_compute(&self, client: &ComputeClient<CudaRuntime>) -> Result<(), Error> {
         cubecl::future::block_on(client.sync()).map_err(|e| {
-            CommError::Nccl(format!(
+            Error::Nccl(format!(
                 "rank {}: synchronizing the compute stream before NCCL: {e}",
                 self.rank
             ))
@@ -249,15 +242,15 @@ impl<F, I, BT> NcclTransport<F, I, BT> {
     }
 
     /// A tensor to send, contiguous on this rank's device.
-    pub(super) fn prepare_send(&self, tensor: CudaTensor) -> Result<CudaTensor, CommError> {
+    pub(super) fn prepare_send(&self, tensor: CudaTensor) -> Result<CudaTensor, Error> {
         if tensor.device != self.device {
-            return Err(CommError::Setup(format!(
+            return Err(Error::GroupSetup(format!(
                 "rank {}: a tensor to send is on {:?}, but this rank computes on {:?}",
                 self.rank, tensor.device, self.device
             )));
         }
         if tensor.qparams.is_some() || !is_float(tensor.dtype) {
-            return Err(CommError::Setup(format!(
+            return Err(Error::GroupSetup(format!(
                 "rank {}: the NCCL transport sends float tensors, got {:?}",
                 self.rank, tensor.dtype
             )));
@@ -295,13 +288,13 @@ pub(super) fn device_pointer(
     handle: &Handle,
     bytes: usize,
     keep: &mut Vec<Box<dyn Send>>,
-) -> Result<u64, CommError> {
-    let resource = client.get_resource(handle.clone()).map_err(|e| {
-        CommError::Nccl(format!("could not get the device address of a buffer: {e}"))
-    })?;
+) -> Result<u64, Error> {
+    let resource = client
+        .get_resource(handle.clone())
+        .map_err(|e| Error::Nccl(format!("could not get the device address of a buffer: {e}")))?;
     let (pointer, size) = (resource.resource().ptr, resource.resource().size);
     if (size as usize) < bytes {
-        return Err(CommError::Nccl(format!(
+        return Err(Error::Nccl(format!(
             "a buffer holds {size} bytes, fewer than the {bytes} its tensor needs"
         )));
     }
@@ -390,7 +383,7 @@ where
     I: IntElement,
     BT: BoolElement,
 {
-    fn wait(mut self: Box<Self>) -> Result<Vec<Received<Cube<F, I, BT>>>, CommError> {
+    fn wait(mut self: Box<Self>) -> Result<Vec<Received<Cube<F, I, BT>>>, Error> {
         self.transport
             .finish(&mut self.work, self.blame, self.posted_at)?;
         let receives = std::mem::take(&mut self.receives);

@@ -1,6 +1,7 @@
 //! The CUDA driver and NCCL libraries, loaded at run time: probing them (presence, symbols,
-//! version) and turning their failures, panics included, into [`CommError::Nccl`].
+//! version) and turning their failures, panics included, into [`Error::Nccl`].
 
+use crate::Error;
 use std::ffi::{c_char, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::null_mut;
@@ -9,15 +10,13 @@ use std::sync::OnceLock;
 use cudarc::driver::{CudaContext, DriverError};
 use cudarc::nccl::sys as nccl;
 
-use crate::collective::CommError;
-
 /// Oldest NCCL with non-blocking communicators (`ncclCommInitRankConfig`).
 const MIN_NCCL_VERSION: i32 = 21400;
 
 /// Checks that the CUDA driver and NCCL (2.14 or newer) can be loaded, and returns NCCL's
-/// version code (`22803` for 2.28.3). Fails with [`CommError::Nccl`], never a panic.
-pub fn probe() -> Result<i32, CommError> {
-    static RESULT: OnceLock<Result<i32, CommError>> = OnceLock::new();
+/// version code (`22803` for 2.28.3). Fails with [`Error::Nccl`], never a panic.
+pub fn probe() -> Result<i32, Error> {
+    static RESULT: OnceLock<Result<i32, Error>> = OnceLock::new();
     RESULT
         .get_or_init(|| {
             probe_driver()?;
@@ -26,9 +25,9 @@ pub fn probe() -> Result<i32, CommError> {
         .clone()
 }
 
-/// Number of CUDA devices on this machine; [`CommError::Nccl`] (not a panic) when there is no
+/// Number of CUDA devices on this machine; [`Error::Nccl`] (not a panic) when there is no
 /// usable CUDA driver.
-pub fn device_count() -> Result<usize, CommError> {
+pub fn device_count() -> Result<usize, Error> {
     probe_driver()?;
     guarded("counting CUDA devices", CudaContext::device_count)?
         .map(|n| n.max(0) as usize)
@@ -42,24 +41,24 @@ fn version_text(code: i32) -> String {
 
 /// Runs `f`, turning a panic inside cudarc (its answer to a missing library or symbol) into an
 /// error.
-pub(super) fn guarded<T>(doing: &str, f: impl FnOnce() -> T) -> Result<T, CommError> {
+pub(super) fn guarded<T>(doing: &str, f: impl FnOnce() -> T) -> Result<T, Error> {
     catch_unwind(AssertUnwindSafe(f)).map_err(|panic| {
         let why = panic
             .downcast_ref::<String>()
             .cloned()
             .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
             .unwrap_or_else(|| "unknown panic".into());
-        CommError::Nccl(format!("{doing}: {why}"))
+        Error::Nccl(format!("{doing}: {why}"))
     })
 }
 
-fn probe_driver() -> Result<(), CommError> {
-    static RESULT: OnceLock<Result<(), CommError>> = OnceLock::new();
+fn probe_driver() -> Result<(), Error> {
+    static RESULT: OnceLock<Result<(), Error>> = OnceLock::new();
     RESULT
         .get_or_init(|| {
             // SAFETY: only tries to open the library, with cudarc's own list of names.
             if !unsafe { cudarc::driver::sys::is_culib_present() } {
-                return Err(CommError::Nccl(
+                return Err(Error::Nccl(
                     "the CUDA driver library (libcuda.so) could not be loaded: this machine has \
                      no NVIDIA driver, or the library is not on the loader's path \
                      (LD_LIBRARY_PATH)"
@@ -72,10 +71,10 @@ fn probe_driver() -> Result<(), CommError> {
         .clone()
 }
 
-fn probe_nccl() -> Result<i32, CommError> {
+fn probe_nccl() -> Result<i32, Error> {
     // SAFETY: only tries to open the library, with cudarc's own list of names.
     if !unsafe { nccl::is_culib_present() } {
-        return Err(CommError::Nccl(format!(
+        return Err(Error::Nccl(format!(
             "libnccl.so could not be loaded: install NCCL 2.x (2.14 or newer; e.g. the libnccl2 \
              and libnccl-dev packages or NVIDIA's NCCL archive), or put the folder holding it on \
              LD_LIBRARY_PATH; an install that has only libnccl.so.2 needs a libnccl.so link to it \
@@ -112,7 +111,7 @@ fn probe_nccl() -> Result<i32, CommError> {
             .collect()
     })?;
     if !missing.is_empty() {
-        return Err(CommError::Nccl(format!(
+        return Err(Error::Nccl(format!(
             "the loaded libnccl lacks {missing:?}: this transport needs NCCL 2.14 or newer"
         )));
     }
@@ -122,7 +121,7 @@ fn probe_nccl() -> Result<i32, CommError> {
     )?
     .map_err(|e| nccl_error("ncclGetVersion", e.0, null_mut()))?;
     if version < MIN_NCCL_VERSION {
-        return Err(CommError::Nccl(format!(
+        return Err(Error::Nccl(format!(
             "NCCL {} is too old: this transport needs NCCL 2.14 or newer (non-blocking \
              communicators)",
             version_text(version)
@@ -131,8 +130,8 @@ fn probe_nccl() -> Result<i32, CommError> {
     Ok(version)
 }
 
-pub(super) fn driver_error(doing: &str, error: DriverError) -> CommError {
-    CommError::Nccl(format!("{doing}: CUDA error {error:?}"))
+pub(super) fn driver_error(doing: &str, error: DriverError) -> Error {
+    Error::Nccl(format!("{doing}: CUDA error {error:?}"))
 }
 
 /// # Safety
@@ -145,11 +144,7 @@ unsafe fn c_text(text: *const c_char) -> String {
     }
 }
 
-pub(super) fn nccl_error(
-    doing: &str,
-    result: nccl::ncclResult_t,
-    comm: nccl::ncclComm_t,
-) -> CommError {
+pub(super) fn nccl_error(doing: &str, result: nccl::ncclResult_t, comm: nccl::ncclComm_t) -> Error {
     // SAFETY: NCCL returns static strings (or its per-thread last-error buffer); `comm` may be
     // null ("currently unused" per NCCL's documentation).
     let (text, last) = unsafe {
@@ -163,7 +158,7 @@ pub(super) fn nccl_error(
     } else {
         format!("; NCCL says: {last}")
     };
-    CommError::Nccl(format!("{doing}: {text} ({result:?}){last}"))
+    Error::Nccl(format!("{doing}: {text} ({result:?}){last}"))
 }
 
 /// Success and "in progress" (non-blocking communicators) are both fine right after a call.

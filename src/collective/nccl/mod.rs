@@ -23,8 +23,8 @@
 //! Never hanging: communicators are non-blocking (NCCL's `blocking = 0` config), so no NCCL
 //! call blocks the host; every wait (communicator setup, posting, completion) is bounded by the
 //! group's timeout. When it passes, the communicator is aborted (`ncclCommAbort`, which also
-//! stops kernels waiting for a silent peer) and the call fails with [`CommError::Timeout`];
-//! every later call on that rank fails with [`CommError::Nccl`]. Peers' point-to-point
+//! stops kernels waiting for a silent peer) and the call fails with [`Error::Timeout`];
+//! every later call on that rank fails with [`Error::Nccl`]. Peers' point-to-point
 //! connections are set up eagerly at construction (one byte to and from every peer), so a
 //! posted exchange never waits for a peer to connect.
 //!
@@ -34,7 +34,7 @@
 //! nothing from it. Set the variable yourself (before building a group) to decide otherwise.
 //!
 //! libcuda and libnccl are loaded at run time (cudarc's dynamic loading); when either is missing,
-//! constructors return [`CommError::Nccl`] saying so instead of panicking.
+//! constructors return [`Error::Nccl`] saying so instead of panicking.
 
 mod rendezvous;
 
@@ -45,6 +45,7 @@ mod wait;
 
 pub use library::{device_count, probe};
 
+use crate::Error;
 use std::marker::PhantomData;
 use std::ptr::null_mut;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -60,9 +61,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nccl::sys as nccl;
 
 use super::local::DEFAULT_TIMEOUT;
-use super::{
-    CommError, DeviceGroup, Exchange, Incoming, MessageKind, Outgoing, TensorLayout, Transport,
-};
+use super::{DeviceGroup, Exchange, Incoming, MessageKind, Outgoing, TensorLayout, Transport};
 use exchange::{device_pointer, InFlight, NcclExchange, Op};
 use library::nccl_error;
 use rendezvous::EnvConfig;
@@ -116,7 +115,7 @@ impl<F, I, BT> core::fmt::Debug for NcclTransport<F, I, BT> {
 }
 
 impl<F, I, BT> NcclTransport<F, I, BT> {
-    /// How long this rank waits for a peer before failing with [`CommError::Timeout`].
+    /// How long this rank waits for a peer before failing with [`Error::Timeout`].
     pub fn timeout(&self) -> Duration {
         self.timeout
     }
@@ -127,8 +126,8 @@ impl<F, I, BT> NcclTransport<F, I, BT> {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    fn shut_down_error(&self, why: &str) -> CommError {
-        CommError::Nccl(format!(
+    fn shut_down_error(&self, why: &str) -> Error {
+        Error::Nccl(format!(
             "rank {}: the NCCL communicator was shut down after an earlier failure ({why}); \
              build a new group",
             self.rank
@@ -136,14 +135,14 @@ impl<F, I, BT> NcclTransport<F, I, BT> {
     }
 
     /// The communicator, or the error that shut it down.
-    fn usable(&self, state: &CommState) -> Result<nccl::ncclComm_t, CommError> {
+    fn usable(&self, state: &CommState) -> Result<nccl::ncclComm_t, Error> {
         match &state.failure {
             Some(why) => Err(self.shut_down_error(why)),
             None => Ok(state.raw),
         }
     }
 
-    fn check_usable(&self) -> Result<(), CommError> {
+    fn check_usable(&self) -> Result<(), Error> {
         self.usable(&self.lock()).map(|_| ())
     }
 
@@ -161,7 +160,7 @@ impl<F, I, BT> NcclTransport<F, I, BT> {
     }
 
     /// Whether the communicator failed (a peer's error, or an abort by another exchange).
-    fn health(&self) -> Option<CommError> {
+    fn health(&self) -> Option<Error> {
         let state = self.lock();
         if let Some(why) = &state.failure {
             return Some(self.shut_down_error(why));
@@ -176,14 +175,14 @@ impl<F, I, BT> NcclTransport<F, I, BT> {
         }
     }
 
-    fn check_peer(&self, peer: usize) -> Result<(), CommError> {
+    fn check_peer(&self, peer: usize) -> Result<(), Error> {
         if peer >= self.world_size {
-            Err(CommError::Setup(format!(
+            Err(Error::GroupSetup(format!(
                 "rank {} addressed rank {peer}, but the group has {} ranks",
                 self.rank, self.world_size
             )))
         } else if peer == self.rank {
-            Err(CommError::Mismatch {
+            Err(Error::Mismatch {
                 rank: self.rank,
                 peer,
                 detail: "a rank cannot send to or receive from itself".into(),
@@ -238,7 +237,7 @@ where
         &self,
         sends: Vec<Outgoing<Cube<F, I, BT>>>,
         receives: Vec<Incoming>,
-    ) -> Result<Box<dyn Exchange<Cube<F, I, BT>> + '_>, CommError> {
+    ) -> Result<Box<dyn Exchange<Cube<F, I, BT>> + '_>, Error> {
         let posted_at = Instant::now();
         for message in &sends {
             self.check_peer(message.peer)?;
@@ -246,7 +245,7 @@ where
         for incoming in &receives {
             self.check_peer(incoming.peer)?;
             if let Some(layout) = incoming.layouts.iter().find(|l| !is_float(l.dtype)) {
-                return Err(CommError::Setup(format!(
+                return Err(Error::GroupSetup(format!(
                     "rank {}: the NCCL transport receives float tensors, but a {:?} from rank {} \
                      expects {:?}",
                     self.rank, incoming.kind, incoming.peer, layout.dtype
@@ -272,7 +271,7 @@ where
                     .collect::<Result<Vec<_>, _>>()?;
                 Ok((message.peer, message.kind, tensors))
             })
-            .collect::<Result<Vec<_>, CommError>>()?;
+            .collect::<Result<Vec<_>, Error>>()?;
         sends.sort_by_key(|(peer, kind, _)| (*peer, *kind));
 
         // Receive buffers, contiguous (CubeCL's own `empty` may pad rows).
@@ -350,7 +349,7 @@ where
         }))
     }
 
-    fn all_gather_values(&self, values: &[u64]) -> Result<Vec<Vec<u64>>, CommError> {
+    fn all_gather_values(&self, values: &[u64]) -> Result<Vec<Vec<u64>>, Error> {
         if self.world_size == 1 {
             return Ok(vec![values.to_vec()]);
         }
@@ -361,7 +360,7 @@ where
             .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
             .collect();
         if let Some(peer) = lengths.iter().position(|&n| n != values.len() as u64) {
-            return Err(CommError::Mismatch {
+            return Err(Error::Mismatch {
                 rank: self.rank,
                 peer,
                 detail: format!(
@@ -416,12 +415,12 @@ where
     ///
     /// # Errors
     ///
-    /// - [`CommError::Setup`] for an empty list, a repeated device or a device that does not
+    /// - [`Error::GroupSetup`] for an empty list, a repeated device or a device that does not
     ///   exist, or when creating or connecting the communicators does not finish within the
     ///   timeout.
-    /// - [`CommError::Nccl`] when libcuda or libnccl cannot be loaded, or a CUDA or NCCL call
+    /// - [`Error::Nccl`] when libcuda or libnccl cannot be loaded, or a CUDA or NCCL call
     ///   fails.
-    pub fn nccl(devices: &[CudaDevice]) -> Result<Vec<Self>, CommError> {
+    pub fn nccl(devices: &[CudaDevice]) -> Result<Vec<Self>, Error> {
         Self::nccl_with_timeout(devices, DEFAULT_TIMEOUT)
     }
 
@@ -433,7 +432,7 @@ where
     pub fn nccl_with_timeout(
         devices: &[CudaDevice],
         timeout: Duration,
-    ) -> Result<Vec<Self>, CommError> {
+    ) -> Result<Vec<Self>, Error> {
         Ok(NcclTransport::<F, I, BT>::group(devices, timeout)?
             .into_iter()
             .map(DeviceGroup::new)
@@ -450,11 +449,11 @@ where
     ///
     /// # Errors
     ///
-    /// [`CommError::Setup`] naming the variable when `RANK`, `WORLD_SIZE` or `LOCAL_RANK` (and,
+    /// [`Error::GroupSetup`] naming the variable when `RANK`, `WORLD_SIZE` or `LOCAL_RANK` (and,
     /// for more than one process, `MASTER_ADDR` or the port: `DISTFLASH_RENDEZVOUS_PORT` when
     /// set, else `MASTER_PORT`) is missing or malformed; otherwise as
     /// [`DeviceGroup::nccl_with_rendezvous`].
-    pub fn nccl_from_env() -> Result<Self, CommError> {
+    pub fn nccl_from_env() -> Result<Self, Error> {
         Self::nccl_from_env_with_timeout(DEFAULT_TIMEOUT)
     }
 
@@ -463,7 +462,7 @@ where
     /// # Errors
     ///
     /// As [`DeviceGroup::nccl_from_env`].
-    pub fn nccl_from_env_with_timeout(timeout: Duration) -> Result<Self, CommError> {
+    pub fn nccl_from_env_with_timeout(timeout: Duration) -> Result<Self, Error> {
         let env = EnvConfig::from_env()?;
         Self::nccl_with_rendezvous(
             env.rank,
@@ -481,11 +480,11 @@ where
     ///
     /// # Errors
     ///
-    /// - [`CommError::Setup`] when `rank` is not below `world_size`, `device` does not exist,
+    /// - [`Error::GroupSetup`] when `rank` is not below `world_size`, `device` does not exist,
     ///   the rendezvous fails (an address that cannot be resolved or listened on, a rank that
     ///   does not show up in time), or creating or connecting the communicator does not finish
     ///   within `timeout`.
-    /// - [`CommError::Nccl`] when libcuda or libnccl cannot be loaded, or a CUDA or NCCL call
+    /// - [`Error::Nccl`] when libcuda or libnccl cannot be loaded, or a CUDA or NCCL call
     ///   fails.
     pub fn nccl_with_rendezvous(
         rank: usize,
@@ -493,7 +492,7 @@ where
         device: CudaDevice,
         addr: &str,
         timeout: Duration,
-    ) -> Result<Self, CommError> {
+    ) -> Result<Self, Error> {
         NcclTransport::<F, I, BT>::with_rendezvous(rank, world_size, device, addr, timeout)
             .map(DeviceGroup::new)
     }

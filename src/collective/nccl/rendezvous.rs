@@ -11,11 +11,10 @@
 //! version (u32), its rank (u32) and the world size (u32); rank 0 answers one status byte, then
 //! either the id (status 0) or a message (status 1: a u32 length and UTF-8 text).
 
+use crate::Error;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
-
-use crate::collective::CommError;
 
 /// Size of an NCCL unique id in bytes (`NCCL_UNIQUE_ID_BYTES`).
 pub const ID_BYTES: usize = 128;
@@ -53,8 +52,8 @@ pub struct EnvConfig {
 
 impl EnvConfig {
     /// Reads the process environment. Missing or malformed variables give
-    /// [`CommError::Setup`] naming the variable and what it may hold.
-    pub fn from_env() -> Result<Self, CommError> {
+    /// [`Error::GroupSetup`] naming the variable and what it may hold.
+    pub fn from_env() -> Result<Self, Error> {
         Self::from_lookup(|name| {
             std::env::var_os(name).map(|value| value.to_string_lossy().into_owned())
         })
@@ -62,28 +61,28 @@ impl EnvConfig {
 
     /// Reads the variables through `lookup` (name to value) instead of the process environment,
     /// so that the parsing can be tested without touching process-global state.
-    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, CommError> {
-        let get = |name: &str, what: &str| -> Result<String, CommError> {
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, Error> {
+        let get = |name: &str, what: &str| -> Result<String, Error> {
             match lookup(name) {
                 Some(value) if !value.trim().is_empty() => Ok(value.trim().to_string()),
-                Some(_) => Err(CommError::Setup(format!(
+                Some(_) => Err(Error::GroupSetup(format!(
                     "environment variable {name} is empty; expected {what} (torchrun sets it)"
                 ))),
-                None => Err(CommError::Setup(format!(
+                None => Err(Error::GroupSetup(format!(
                     "environment variable {name} is not set; expected {what} (torchrun sets it)"
                 ))),
             }
         };
-        let number = |name: &str, what: &str| -> Result<usize, CommError> {
+        let number = |name: &str, what: &str| -> Result<usize, Error> {
             let value = get(name, what)?;
             value.parse::<usize>().map_err(|_| {
-                CommError::Setup(format!("{name}={value:?} is not valid; expected {what}"))
+                Error::GroupSetup(format!("{name}={value:?} is not valid; expected {what}"))
             })
         };
 
         let world_size = number("WORLD_SIZE", "the number of processes, a positive integer")?;
         if world_size == 0 {
-            return Err(CommError::Setup(
+            return Err(Error::GroupSetup(
                 "WORLD_SIZE=0 is not valid; expected the number of processes, a positive integer"
                     .into(),
             ));
@@ -91,7 +90,7 @@ impl EnvConfig {
         let rank_what = format!("this process's rank, an integer in 0..{world_size}");
         let rank = number("RANK", &rank_what)?;
         if rank >= world_size {
-            return Err(CommError::Setup(format!(
+            return Err(Error::GroupSetup(format!(
                 "RANK={rank} is out of range; expected {rank_what} (WORLD_SIZE={world_size})"
             )));
         }
@@ -123,7 +122,7 @@ impl EnvConfig {
         let port = match port_text.parse::<u16>() {
             Ok(port) if port != 0 => port,
             _ => {
-                return Err(CommError::Setup(format!(
+                return Err(Error::GroupSetup(format!(
                     "{port_var}={port_text:?} is not valid; expected {port_what}"
                 )))
             }
@@ -153,10 +152,10 @@ pub fn share_id(
     world_size: usize,
     addr: &str,
     timeout: Duration,
-    make_id: impl FnOnce() -> Result<UniqueId, CommError>,
-) -> Result<UniqueId, CommError> {
+    make_id: impl FnOnce() -> Result<UniqueId, Error>,
+) -> Result<UniqueId, Error> {
     if world_size == 0 || rank >= world_size {
-        return Err(CommError::Setup(format!(
+        return Err(Error::GroupSetup(format!(
             "rank {rank} is not in a group of {world_size} ranks (expected 0..{world_size})"
         )));
     }
@@ -180,9 +179,9 @@ fn resolve(addr: &str) -> std::io::Result<Vec<SocketAddr>> {
     Ok(addrs)
 }
 
-fn listen(addr: &str) -> Result<TcpListener, CommError> {
+fn listen(addr: &str) -> Result<TcpListener, Error> {
     let resolved = resolve(addr).map_err(|e| {
-        CommError::Setup(format!(
+        Error::GroupSetup(format!(
             "rank 0 could not resolve the rendezvous address {addr:?}: {e} (MASTER_ADDR must \
              name this machine)"
         ))
@@ -208,7 +207,7 @@ fn listen(addr: &str) -> Result<TcpListener, CommError> {
         } else {
             ""
         };
-        CommError::Setup(format!(
+        Error::GroupSetup(format!(
             "rank 0 could not listen on {addr} ({first}): {e}{hint}"
         ))
     })
@@ -251,12 +250,7 @@ fn send_refusal(stream: &mut TcpStream, message: &str) {
 /// Rank 0's side: listens on `addr`, waits (at most `timeout`) until ranks `1..world_size` have
 /// all connected, then sends each of them `id`. On failure, every rank that did connect is told
 /// why, and the error names the ranks that did not show up.
-pub fn serve(
-    addr: &str,
-    world_size: usize,
-    id: &UniqueId,
-    timeout: Duration,
-) -> Result<(), CommError> {
+pub fn serve(addr: &str, world_size: usize, id: &UniqueId, timeout: Duration) -> Result<(), Error> {
     if world_size <= 1 {
         return Ok(());
     }
@@ -264,7 +258,7 @@ pub fn serve(
     let deadline = started + timeout;
     let listener = listen(addr)?;
     listener.set_nonblocking(true).map_err(|e| {
-        CommError::Setup(format!("rank 0 could not poll its rendezvous socket: {e}"))
+        Error::GroupSetup(format!("rank 0 could not poll its rendezvous socket: {e}"))
     })?;
     let mut peers: Vec<Option<TcpStream>> = (0..world_size).map(|_| None).collect();
     let mut joined = 0;
@@ -284,7 +278,7 @@ pub fn serve(
                 started.elapsed().as_secs_f64()
             );
             refuse_all(&mut peers, &message);
-            return Err(CommError::Setup(message));
+            return Err(Error::GroupSetup(message));
         }
         match listener.accept() {
             Ok((mut stream, from)) => {
@@ -320,7 +314,7 @@ pub fn serve(
                     let message = format!("rendezvous at {addr} failed: {problem}");
                     send_refusal(&mut stream, &message);
                     refuse_all(&mut peers, &message);
-                    return Err(CommError::Setup(message));
+                    return Err(Error::GroupSetup(message));
                 }
                 peers[hello.rank] = Some(stream);
                 joined += 1;
@@ -331,7 +325,7 @@ pub fn serve(
             Err(e) => {
                 let message = format!("rendezvous at {addr}: rank 0 could not accept: {e}");
                 refuse_all(&mut peers, &message);
-                return Err(CommError::Setup(message));
+                return Err(Error::GroupSetup(message));
             }
         }
     }
@@ -349,7 +343,7 @@ pub fn serve(
             .and_then(|_| stream.write_all(&reply))
             .and_then(|_| stream.flush());
         if let Err(e) = sent {
-            return Err(CommError::Setup(format!(
+            return Err(Error::GroupSetup(format!(
                 "rendezvous at {addr}: rank {rank} left before it got the NCCL id: {e}"
             )));
         }
@@ -364,7 +358,7 @@ pub fn join(
     rank: usize,
     world_size: usize,
     timeout: Duration,
-) -> Result<UniqueId, CommError> {
+) -> Result<UniqueId, Error> {
     let started = Instant::now();
     let deadline = started + timeout;
     let waited = || started.elapsed().as_secs_f64();
@@ -387,7 +381,7 @@ pub fn join(
             Err(e) => last_error = format!("could not resolve {addr:?}: {e}"),
         }
         if Instant::now() >= deadline {
-            return Err(CommError::Setup(format!(
+            return Err(Error::GroupSetup(format!(
                 "rank {rank}: could not reach rank 0 at {addr} within {:.1} s (last error: \
                  {last_error}); is rank 0 running, and do MASTER_ADDR/MASTER_PORT point at it?",
                 waited()
@@ -400,14 +394,14 @@ pub fn join(
     let io_error = |e: std::io::Error, doing: &str| {
         let timed_out = matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut);
         if timed_out {
-            CommError::Setup(format!(
+            Error::GroupSetup(format!(
                 "rank {rank}: connected to rank 0 at {addr}, but got no NCCL id within {:.1} s \
                  (rank 0 is still waiting for other ranks, or the process listening there is \
                  not rank 0 of this group)",
                 waited()
             ))
         } else {
-            CommError::Setup(format!(
+            Error::GroupSetup(format!(
                 "rank {rank}: rendezvous with rank 0 at {addr} failed while {doing}: {e} (rank 0 \
                  stopped, or the process listening there is not rank 0 of this group)"
             ))
@@ -455,12 +449,12 @@ pub fn join(
             stream
                 .read_exact(&mut message)
                 .map_err(|e| io_error(e, "reading rank 0's refusal"))?;
-            Err(CommError::Setup(format!(
+            Err(Error::GroupSetup(format!(
                 "rank {rank}: rank 0 called the rendezvous off: {}",
                 String::from_utf8_lossy(&message)
             )))
         }
-        other => Err(CommError::Setup(format!(
+        other => Err(Error::GroupSetup(format!(
             "rank {rank}: the process at {addr} answered with status {other}, which is not this \
              rendezvous protocol (is MASTER_PORT taken by another program?)"
         ))),

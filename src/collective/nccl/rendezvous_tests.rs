@@ -1,13 +1,13 @@
 //! Tests of the rendezvous and the environment parsing (no GPU, no process environment
 //! touched): unit tests, as the module is private to the crate.
 
+use crate::Error;
 use std::collections::HashMap;
 use std::io::Write;
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use super::*;
-use crate::collective::CommError;
 
 /// A localhost address with a port that was free a moment ago.
 fn free_addr() -> String {
@@ -24,9 +24,9 @@ fn test_id() -> UniqueId {
     id
 }
 
-fn setup_message(result: Result<UniqueId, CommError>) -> String {
+fn setup_message(result: Result<UniqueId, Error>) -> String {
     match result {
-        Err(CommError::Setup(message)) => message,
+        Err(Error::GroupSetup(message)) => message,
         other => panic!("expected a setup error, got {other:?}"),
     }
 }
@@ -158,7 +158,7 @@ fn rendezvous_ignores_connections_that_are_not_ranks() {
 // Environment parsing (no GPU, no process environment touched)
 // ---------------------------------------------------------------------------------------------
 
-fn parse(vars: &[(&str, &str)]) -> Result<EnvConfig, CommError> {
+fn parse(vars: &[(&str, &str)]) -> Result<EnvConfig, Error> {
     let vars: HashMap<String, String> = vars
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -168,7 +168,7 @@ fn parse(vars: &[(&str, &str)]) -> Result<EnvConfig, CommError> {
 
 fn env_error(vars: &[(&str, &str)]) -> String {
     match parse(vars) {
-        Err(CommError::Setup(message)) => message,
+        Err(Error::GroupSetup(message)) => message,
         other => panic!("expected a setup error for {vars:?}, got {other:?}"),
     }
 }

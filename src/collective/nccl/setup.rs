@@ -1,6 +1,7 @@
 //! Communicator setup: one non-blocking NCCL communicator per rank, created from a shared
 //! unique id and connected to every peer before the first exchange (aborted if setup fails).
 
+use crate::Error;
 use std::ffi::{c_char, c_int, c_void};
 use std::marker::PhantomData;
 use std::ptr::{null, null_mut};
@@ -15,7 +16,6 @@ use super::library::{accepted, device_count, driver_error, guarded, nccl_error, 
 use super::rendezvous::{self, UniqueId, ID_BYTES};
 use super::wait::{backoff, wait_ready, NotReady};
 use super::{CommState, NcclTransport};
-use crate::collective::CommError;
 
 /// `NCCL_VERSION(2, 30, 0)`: the header version cudarc's `ncclConfig_t` layout comes from. An
 /// older library reads the prefix it knows (NCCL copies `min(size, its own size)` bytes).
@@ -60,7 +60,7 @@ fn non_blocking_config() -> nccl::ncclConfig_t {
     }
 }
 
-fn new_unique_id() -> Result<UniqueId, CommError> {
+fn new_unique_id() -> Result<UniqueId, Error> {
     let id = guarded(
         "creating the NCCL unique id",
         cudarc::nccl::result::get_uniqueid,
@@ -79,9 +79,9 @@ struct Member {
 
 /// Retains the device's primary context (the one CubeCL uses, so CubeCL's pointers are valid
 /// here) and creates the rank's communication stream on it.
-fn open_member(rank: usize, device: &CudaDevice, count: usize) -> Result<Member, CommError> {
+fn open_member(rank: usize, device: &CudaDevice, count: usize) -> Result<Member, Error> {
     if device.index >= count {
-        return Err(CommError::Setup(format!(
+        return Err(Error::GroupSetup(format!(
             "rank {rank}: {device:?} does not exist; this machine has {count} CUDA device(s) \
              (ordinals 0..{count})"
         )));
@@ -117,7 +117,7 @@ fn init_comms(
     world_size: usize,
     id: &UniqueId,
     deadline: Instant,
-) -> Result<Vec<nccl::ncclComm_t>, CommError> {
+) -> Result<Vec<nccl::ncclComm_t>, Error> {
     let id = nccl::ncclUniqueId {
         internal: id.map(|b| b as c_char),
     };
@@ -172,7 +172,7 @@ fn init_comms(
         match wait_ready(&comms, deadline) {
             Ok(()) => return Ok(comms),
             Err(NotReady::Timeout(i)) => {
-                failure = Some(CommError::Setup(format!(
+                failure = Some(Error::GroupSetup(format!(
                     "rank {}: NCCL communicator setup did not finish within {:.1} s: another \
                      rank of the group of {world_size} did not join (run with NCCL_DEBUG=INFO \
                      for details)",
@@ -201,7 +201,7 @@ fn connect_peers(
     comms: &[nccl::ncclComm_t],
     world_size: usize,
     deadline: Instant,
-) -> Result<(), CommError> {
+) -> Result<(), Error> {
     if world_size < 2 {
         return Ok(());
     }
@@ -282,7 +282,7 @@ fn connect_peers(
     if failure.is_none() {
         let started = Instant::now();
         let timed_out = |i: usize| {
-            CommError::Setup(format!(
+            Error::GroupSetup(format!(
                 "rank {}: connecting to its peers did not finish within {:.1} s (a rank of the \
                  group of {world_size} stopped after joining)",
                 members[i].rank,
@@ -336,15 +336,15 @@ fn connect_peers(
 impl<F, I, BT> NcclTransport<F, I, BT> {
     /// One transport per device, all in this process (rank `i` computes on `devices[i]`), with
     /// their communicators created and connected now. Devices must be distinct and exist.
-    pub fn group(devices: &[CudaDevice], timeout: Duration) -> Result<Vec<Self>, CommError> {
+    pub fn group(devices: &[CudaDevice], timeout: Duration) -> Result<Vec<Self>, Error> {
         if devices.is_empty() {
-            return Err(CommError::Setup(
+            return Err(Error::GroupSetup(
                 "an NCCL group needs at least one device; none was given".into(),
             ));
         }
         for (i, device) in devices.iter().enumerate() {
             if let Some(j) = devices[..i].iter().position(|d| d == device) {
-                return Err(CommError::Setup(format!(
+                return Err(Error::GroupSetup(format!(
                     "{device:?} is given twice (ranks {j} and {i}): NCCL needs one rank per GPU \
                      per process; use DeviceGroup::in_process to put several ranks on one device"
                 )));
@@ -382,9 +382,9 @@ impl<F, I, BT> NcclTransport<F, I, BT> {
         device: CudaDevice,
         addr: &str,
         timeout: Duration,
-    ) -> Result<Self, CommError> {
+    ) -> Result<Self, Error> {
         if world_size == 0 || rank >= world_size {
-            return Err(CommError::Setup(format!(
+            return Err(Error::GroupSetup(format!(
                 "rank {rank} is not in a group of {world_size} ranks (expected 0..{world_size})"
             )));
         }

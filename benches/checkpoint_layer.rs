@@ -20,8 +20,8 @@ use burn::tensor::{Distribution, Tensor};
 use burn_autodiff::Autodiff;
 use burn_distflash::layers::AttentionContext;
 use burn_distflash::{
-    on_each_rank, CheckpointBackend, CheckpointPlacement, DeviceGroup, DistFlashAttentionConfig,
-    TransformerBlockConfig,
+    on_each_rank, CheckpointPlacement, DeviceGroup, DistFlashAttentionConfig,
+    FlashAttentionBackend, TransformerBlockConfig,
 };
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::Runtime;
@@ -66,7 +66,7 @@ struct Measured {
 
 /// Runs warm-up + `iters` steps of one block on this rank. Memory is read from this thread's
 /// stream, so it is only meaningful without fusion (whose kernels run on its own thread).
-fn run_rank<B: AutodiffBackend<Device = CudaDevice> + CheckpointBackend<Inner = Inner>>(
+fn run_rank<B: AutodiffBackend<Device = CudaDevice> + FlashAttentionBackend<Inner = Inner>>(
     device: CudaDevice,
     context: AttentionContext<Inner>,
     tokens: usize,

@@ -4,15 +4,18 @@
 //! as operations every supported Burn backend implements.
 
 use crate::Error;
-use burn::tensor::backend::Backend;
+use burn::module::{Module, ParamId};
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Device, Tensor, TensorMetadata, TensorPrimitive};
 
 use distflash_kernels::AttentionDims;
 
+use crate::checkpoint::CheckpointPlacement;
 use crate::collective::DeviceGroup;
 use crate::distributed::options::SequenceParallelOptions;
 use crate::layer_ops;
+use crate::layers::AttentionContext;
 use crate::matmul::{product, Transposed};
 use crate::options::FlashAttentionOptions;
 use crate::state::{self, AttentionState, StepMask};
@@ -359,4 +362,99 @@ pub trait FlashAttentionBackend: Backend {
     ) -> FloatTensor<Self> {
         layer_ops::portable::rotary::<Self>(x, cos, sin, transpose)
     }
+
+    /// `segment` applied to `x`, with its activations checkpointed at `placement`: on
+    /// `Autodiff` one node of the graph that keeps only `x` (and, at
+    /// [`CheckpointPlacement::AttentionOutput`], attention's output and lse) and recomputes the
+    /// rest in the backward; on backends without autodiff there is nothing to store and the
+    /// segment simply runs. `x` is not checked first
+    /// ([`TransformerBlock::try_forward`](crate::TransformerBlock::try_forward) checks it, then
+    /// calls this). On `Autodiff`, a failure while the backward pass recomputes the segment (a
+    /// failed peer) panics there, since a backward pass cannot return an error.
+    ///
+    /// # Shapes
+    ///
+    /// - x: `[batch, seq, d_model]`
+    /// - output: `[batch, seq, d_model]`
+    ///
+    /// # Errors
+    ///
+    /// The errors of the segment's forward (for a block, those of its attention).
+    ///
+    /// # Panics
+    ///
+    /// On `Autodiff`, when the segment does not have `PARENTS - 1` float parameters, or when
+    /// its backward returns no gradient for one of them.
+    fn checkpointed<S, const PARENTS: usize>(
+        segment: &S,
+        x: Tensor<Self, 3>,
+        context: &AttentionContext<Self::Inner>,
+        placement: CheckpointPlacement,
+    ) -> Result<Tensor<Self, 3>, Error>
+    where
+        S: CheckpointSegment<Self, PARENTS>,
+    {
+        let _ = placement;
+        segment.forward_stored(x, context)
+    }
+}
+
+/// A part of a model that [`FlashAttentionBackend::checkpointed`] can run as one gradient
+/// checkpoint: on `Autodiff`, one node over the segment's input and its `PARENTS - 1` float
+/// parameters (in the order [`Module::visit`] visits them). The plugin's
+/// [`TransformerBlock`](crate::TransformerBlock) is one; the node is built from the segment's
+/// parameter list, so a segment's layers can change without touching the node.
+pub trait CheckpointSegment<B: FlashAttentionBackend, const PARENTS: usize>:
+    Module<B> + 'static
+{
+    /// The same segment with its parameters on backend `O`.
+    type On<O: FlashAttentionBackend<Inner = B::Inner>>: CheckpointSegment<O, PARENTS>;
+
+    /// The forward through ordinary tensor operations (under autodiff, the graph stores every
+    /// activation).
+    ///
+    /// # Errors
+    ///
+    /// The errors of the segment's attention.
+    fn forward_stored(
+        &self,
+        x: Tensor<B, 3>,
+        context: &AttentionContext<B::Inner>,
+    ) -> Result<Tensor<B, 3>, Error>;
+
+    /// The forward of a checkpoint: the output, and what the backward keeps besides `x` at
+    /// `placement` (attention's output and lse at [`CheckpointPlacement::AttentionOutput`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`forward_stored`](Self::forward_stored).
+    #[allow(clippy::type_complexity)]
+    fn forward_keeping(
+        &self,
+        x: Tensor<B, 3>,
+        context: &AttentionContext<B::Inner>,
+        placement: CheckpointPlacement,
+    ) -> Result<(Tensor<B, 3>, Vec<FloatTensor<B>>), Error>;
+
+    /// The gradients of `x` and of every float parameter (by [`ParamId`]) for the output
+    /// gradient `grad`, recomputing what the forward did not keep from `x` and `kept`.
+    ///
+    /// # Errors
+    ///
+    /// The errors of the recomputed attention (a failed peer).
+    #[allow(clippy::type_complexity)]
+    fn backward(
+        &self,
+        x: Tensor<B, 3>,
+        kept: Vec<FloatTensor<B>>,
+        grad: Tensor<B, 3>,
+        context: &AttentionContext<B::Inner>,
+    ) -> Result<(Tensor<B, 3>, Vec<(ParamId, FloatTensor<B>)>), Error>;
+
+    /// This segment on the backend under autodiff (Burn's `valid`), which the checkpoint node
+    /// runs.
+    fn valid_segment(&self) -> Self::On<B::InnerBackend>
+    where
+        B: AutodiffBackend,
+        B::InnerBackend: FlashAttentionBackend<Inner = B::Inner>;
 }

@@ -25,8 +25,8 @@ mod state;
 mod tensor_ops;
 
 pub use api::{flash_attention, flash_attention_with_lse};
-pub use backend::FlashAttentionBackend;
-pub use checkpoint::{CheckpointBackend, CheckpointPlacement};
+pub use backend::{CheckpointSegment, FlashAttentionBackend};
+pub use checkpoint::CheckpointPlacement;
 pub use collective::{on_each_rank, DeviceGroup};
 pub use distflash_kernels as kernels;
 pub use distributed::{

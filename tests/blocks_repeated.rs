@@ -12,7 +12,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
 use burn_distflash::layers::AttentionContext;
 use burn_distflash::{
-    on_each_rank, shard_sequence, CheckpointBackend, CheckpointPlacement, DeviceGroup,
+    on_each_rank, shard_sequence, CheckpointPlacement, DeviceGroup, FlashAttentionBackend,
     ScheduleKind, TransformerBlock,
 };
 use common::block_case::{
@@ -53,7 +53,7 @@ fn random<B: burn::tensor::backend::Backend>(
 }
 
 /// The blocks' output on `x`, without autodiff.
-fn infer<B: CheckpointBackend>(
+fn infer<B: FlashAttentionBackend>(
     blocks: &[TransformerBlock<B>],
     x: Tensor<B, 3>,
     context: &AttentionContext<B::Inner>,
@@ -65,8 +65,9 @@ fn infer<B: CheckpointBackend>(
 /// Runs [`CALLS`] on `world` ranks of one group, every rank on `device`.
 fn check<B>(world: usize, device: B::Device, tolerance: f64)
 where
-    B: AutodiffBackend + CheckpointBackend,
-    B::InnerBackend: CheckpointBackend<Inner = <B as burn_distflash::FlashAttentionBackend>::Inner>,
+    B: AutodiffBackend + FlashAttentionBackend,
+    B::InnerBackend:
+        FlashAttentionBackend<Inner = <B as burn_distflash::FlashAttentionBackend>::Inner>,
     TransformerBlock<B>: AutodiffModule<B, InnerModule = TransformerBlock<B::InnerBackend>>,
 {
     let (batch, seq, width) = (2, 8 * world, 64);

@@ -5,7 +5,7 @@
 
 use crate::Error;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Device};
+use burn::tensor::{DType, Device, Tensor};
 use burn_autodiff::checkpoint::base::Checkpointer;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
@@ -14,10 +14,12 @@ use burn_autodiff::Autodiff;
 
 use distflash_kernels::AttentionDims;
 
-use super::{layer_nodes, linear_node};
-use crate::backend::{FlashAttentionBackend, Grads};
+use super::{checkpoint_node, layer_nodes, linear_node};
+use crate::backend::{CheckpointSegment, FlashAttentionBackend, Grads};
+use crate::checkpoint::CheckpointPlacement;
 use crate::collective::DeviceGroup;
 use crate::distributed::SequenceParallelOptions;
+use crate::layers::AttentionContext;
 use crate::options::FlashAttentionOptions;
 
 /// The float tensor of `Autodiff<B, C>` (burn-autodiff's `AutodiffTensor`, whose module is private).
@@ -125,6 +127,18 @@ fn constants<B: FlashAttentionBackend, C: CheckpointStrategy>(
 
 impl<B: FlashAttentionBackend, C: CheckpointStrategy> FlashAttentionBackend for Autodiff<B, C> {
     type Inner = B::Inner;
+
+    fn checkpointed<S, const PARENTS: usize>(
+        segment: &S,
+        x: Tensor<Self, 3>,
+        context: &AttentionContext<B::Inner>,
+        placement: CheckpointPlacement,
+    ) -> Result<Tensor<Self, 3>, Error>
+    where
+        S: CheckpointSegment<Self, PARENTS>,
+    {
+        checkpoint_node::checkpointed::<B, C, S, PARENTS>(segment, x, context, placement)
+    }
 
     fn inner_device(device: &B::Device) -> Device<B::Inner> {
         B::inner_device(device)

@@ -43,6 +43,7 @@ macro_rules! computes_itself {
 }
 
 mod autodiff;
+mod checkpoint_node;
 pub mod cube;
 mod fusion;
 mod fusion_group;

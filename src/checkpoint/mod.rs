@@ -1,5 +1,9 @@
-//! Gradient checkpointing of [`TransformerBlock`]s (paper §3.3), built for Burn 0.21, which has
-//! no `checkpoint(closure)` of its own.
+//! Gradient checkpointing of [`TransformerBlock`](crate::TransformerBlock)s (paper §3.3), built
+//! for Burn 0.21, which has no `checkpoint(closure)` of its own: where the checkpoints go
+//! ([`CheckpointPlacement`]); the backends run a
+//! [`CheckpointSegment`](crate::CheckpointSegment) through
+//! [`FlashAttentionBackend::checkpointed`](crate::FlashAttentionBackend::checkpointed), and
+//! `Autodiff`'s node lives with the other nodes in `backends/checkpoint_node.rs`.
 //!
 //! A checkpointed block is one node of the autodiff graph. Its forward runs on the inner backend
 //! (no graph, no stored activations) and keeps only the block input, plus attention's output and
@@ -13,16 +17,7 @@
 //! own backward, written with tensor ops (`layers::*::backward`), and the tests check it against
 //! Burn's autodiff of the same block.
 
-mod autodiff;
-mod plain;
-
-use crate::Error;
 use burn::config::Config;
-use burn::tensor::Tensor;
-
-use crate::backend::FlashAttentionBackend;
-use crate::layers::{AttentionContext, TransformerBlock};
-
 /// Where a model's gradient checkpoints go.
 #[derive(Config, Debug, Copy, PartialEq, Eq)]
 pub enum CheckpointPlacement {
@@ -35,35 +30,4 @@ pub enum CheckpointPlacement {
     /// its lse are kept; the backward recomputes the projections and the feed-forward half and
     /// runs attention's backward from the kept output, so attention's forward runs once.
     AttentionOutput,
-}
-
-/// A backend on which [`TransformerBlock`]s can be checkpointed: on `Autodiff<B>` the block is
-/// one node recomputed in the backward; on backends without autodiff there is nothing to store
-/// and the block simply runs.
-pub trait CheckpointBackend: FlashAttentionBackend {
-    /// `block` applied to `x` with its activations checkpointed at `placement`. `x` is not
-    /// checked first ([`TransformerBlock::try_forward`] checks it, then calls this). On
-    /// `Autodiff`, a failure while the backward pass recomputes the block (a failed peer)
-    /// panics there, since a backward pass cannot return an error.
-    ///
-    /// # Shapes
-    ///
-    /// - x: `[batch, seq, d_model]`
-    /// - output: `[batch, seq, d_model]`
-    ///
-    /// # Errors
-    ///
-    /// The errors of the block's attention on the projected heads (those of
-    /// [`TransformerBlock::try_forward`] after its input check).
-    ///
-    /// # Panics
-    ///
-    /// On most inputs that [`TransformerBlock::try_forward`] would refuse, in Burn's shape
-    /// checks: call this through `try_forward` (or `forward`), which checks `x` first.
-    fn checkpoint_block(
-        block: &TransformerBlock<Self>,
-        x: Tensor<Self, 3>,
-        context: &AttentionContext<Self::Inner>,
-        placement: CheckpointPlacement,
-    ) -> Result<Tensor<Self, 3>, Error>;
 }

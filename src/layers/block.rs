@@ -3,9 +3,10 @@
 
 use crate::Error;
 use burn::config::Config;
-use burn::module::Module;
-use burn::tensor::backend::Backend;
-use burn::tensor::Tensor;
+use burn::module::{AutodiffModule, Module, ParamId};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Tensor, TensorPrimitive};
 
 use super::attention::{merge_heads, DistFlashAttention, DistFlashAttentionConfig};
 use super::attention_backward::{AttentionActivations, AttentionGrads};
@@ -13,8 +14,8 @@ use super::context::AttentionContext;
 use super::feed_forward::{FeedForward, FeedForwardConfig, FeedForwardGrads};
 use super::linear_layer::linear;
 use super::rms_norm::{RmsNorm, RmsNormConfig};
-use crate::backend::FlashAttentionBackend;
-use crate::checkpoint::{CheckpointBackend, CheckpointPlacement};
+use crate::backend::{CheckpointSegment, FlashAttentionBackend};
+use crate::checkpoint::CheckpointPlacement;
 
 /// Configuration of [`TransformerBlock`].
 #[derive(Config, Debug)]
@@ -94,7 +95,7 @@ pub(crate) struct AttentionHalf<B: FlashAttentionBackend> {
     pub h: Tensor<B, 3>,
 }
 
-/// Gradients of a block's input and of its nine weights.
+/// Gradients of a block's input and of its weights.
 pub(crate) struct BlockGrads<B: FlashAttentionBackend> {
     pub input: Tensor<B, 3>,
     pub attention_norm: Tensor<B, 1>,
@@ -103,7 +104,7 @@ pub(crate) struct BlockGrads<B: FlashAttentionBackend> {
     pub ffn: FeedForwardGrads<B>,
 }
 
-impl<B: CheckpointBackend> TransformerBlock<B> {
+impl<B: FlashAttentionBackend> TransformerBlock<B> {
     /// The block applied to `x` (the whole sequence or this rank's shard).
     ///
     /// # Shapes
@@ -139,7 +140,7 @@ impl<B: CheckpointBackend> TransformerBlock<B> {
         self.attention.check_input(&x, context)?;
         match self.checkpoint {
             CheckpointPlacement::None => self.forward_stored(x, context),
-            placement => B::checkpoint_block(self, x, context, placement),
+            placement => B::checkpointed(self, x, context, placement),
         }
     }
 }
@@ -221,5 +222,98 @@ impl<B: FlashAttentionBackend> TransformerBlock<B> {
             ffn_norm,
             ffn,
         }
+    }
+}
+
+/// The block input and its nine weights: the parents of a checkpointed block's node.
+const BLOCK_PARENTS: usize = 10;
+
+impl<B: FlashAttentionBackend> BlockGrads<B> {
+    /// The input's gradient, and the weights' gradients by parameter id: the list a
+    /// checkpointed block's node hands out. A weight added to the block gets its line here (and
+    /// [`BLOCK_PARENTS`] grows by one).
+    #[allow(clippy::type_complexity)]
+    fn by_parameter(
+        self,
+        block: &TransformerBlock<B>,
+    ) -> (Tensor<B, 3>, Vec<(ParamId, FloatTensor<B>)>) {
+        let (a, f) = (&block.attention, &block.ffn);
+        let weights = vec![
+            (
+                block.attention_norm.weight.id,
+                primitive(self.attention_norm),
+            ),
+            (a.query.weight.id, primitive(self.attention.query)),
+            (a.key.weight.id, primitive(self.attention.key)),
+            (a.value.weight.id, primitive(self.attention.value)),
+            (a.output.weight.id, primitive(self.attention.output)),
+            (block.ffn_norm.weight.id, primitive(self.ffn_norm)),
+            (f.gate.weight.id, primitive(self.ffn.gate)),
+            (f.up.weight.id, primitive(self.ffn.up)),
+            (f.down.weight.id, primitive(self.ffn.down)),
+        ];
+        (self.input, weights)
+    }
+}
+
+fn primitive<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
+    t.into_primitive().tensor()
+}
+
+fn tensor<B: Backend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+impl<B: FlashAttentionBackend> CheckpointSegment<B, BLOCK_PARENTS> for TransformerBlock<B> {
+    type On<O: FlashAttentionBackend<Inner = B::Inner>> = TransformerBlock<O>;
+
+    fn forward_stored(
+        &self,
+        x: Tensor<B, 3>,
+        context: &AttentionContext<B::Inner>,
+    ) -> Result<Tensor<B, 3>, Error> {
+        TransformerBlock::forward_stored(self, x, context)
+    }
+
+    fn forward_keeping(
+        &self,
+        x: Tensor<B, 3>,
+        context: &AttentionContext<B::Inner>,
+        placement: CheckpointPlacement,
+    ) -> Result<(Tensor<B, 3>, Vec<FloatTensor<B>>), Error> {
+        let half = self.attention_half(x, context, None)?;
+        let h = half.h;
+        let out = h.clone() + self.ffn.forward(self.ffn_norm.forward(h));
+        let kept = match placement {
+            CheckpointPlacement::AttentionOutput => {
+                vec![primitive(half.attention.out), primitive(half.attention.lse)]
+            }
+            CheckpointPlacement::None | CheckpointPlacement::Layer => Vec::new(),
+        };
+        Ok((out, kept))
+    }
+
+    fn backward(
+        &self,
+        x: Tensor<B, 3>,
+        kept: Vec<FloatTensor<B>>,
+        grad: Tensor<B, 3>,
+        context: &AttentionContext<B::Inner>,
+    ) -> Result<(Tensor<B, 3>, Vec<(ParamId, FloatTensor<B>)>), Error> {
+        let mut kept = kept.into_iter();
+        let attention = match (kept.next(), kept.next()) {
+            (Some(out), Some(lse)) => Some((tensor(out), tensor(lse))),
+            _ => None,
+        };
+        let half = self.attention_half(x, context, attention)?;
+        Ok(TransformerBlock::backward(self, half, grad, context).by_parameter(self))
+    }
+
+    fn valid_segment(&self) -> TransformerBlock<B::InnerBackend>
+    where
+        B: AutodiffBackend,
+        B::InnerBackend: FlashAttentionBackend<Inner = B::Inner>,
+    {
+        self.valid()
     }
 }

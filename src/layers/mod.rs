@@ -16,7 +16,6 @@ mod rms_norm;
 mod rope;
 
 pub use attention::{DistFlashAttention, DistFlashAttentionConfig};
-pub(crate) use block::BlockGrads;
 pub use block::{TransformerBlock, TransformerBlockConfig};
 pub use context::AttentionContext;
 pub use counter::ForwardCounter;

@@ -6,7 +6,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
 use burn_distflash::layers::{AttentionContext, ForwardCounter};
 use burn_distflash::{
-    replicate, CheckpointBackend, CheckpointPlacement, DistFlashAttentionConfig, Layout,
+    replicate, CheckpointPlacement, DistFlashAttentionConfig, FlashAttentionBackend, Layout,
     TransformerBlock, TransformerBlockConfig,
 };
 
@@ -50,7 +50,7 @@ pub fn random_blocks<B>(
     device: &B::Device,
 ) -> Vec<TransformerBlock<B>>
 where
-    B: AutodiffBackend + CheckpointBackend,
+    B: AutodiffBackend + FlashAttentionBackend,
 {
     let mut rng = Rng::new(seed);
     (0..2)
@@ -66,7 +66,7 @@ pub fn lift<B>(
     devices: &[B::Device],
 ) -> Vec<Vec<TransformerBlock<B>>>
 where
-    B: AutodiffBackend + CheckpointBackend,
+    B: AutodiffBackend + FlashAttentionBackend,
 {
     replicate(&blocks.to_vec(), devices)
         .into_iter()
@@ -113,7 +113,7 @@ pub struct StepResult {
 }
 
 /// Runs `x -> blocks -> y`, `loss = sum(y * r)`, backward.
-pub fn step<B: AutodiffBackend + CheckpointBackend>(
+pub fn step<B: AutodiffBackend + FlashAttentionBackend>(
     blocks: &[TransformerBlock<B>],
     x: Tensor<B::InnerBackend, 3>,
     r: Tensor<B::InnerBackend, 3>,

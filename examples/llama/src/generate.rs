@@ -3,7 +3,7 @@
 
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_distflash::layers::AttentionContext;
-use burn_distflash::CheckpointBackend;
+use burn_distflash::FlashAttentionBackend;
 
 use crate::model::Llama;
 use crate::rng::SplitMix64;
@@ -60,7 +60,7 @@ fn pick(logits: &[f32], sampling: Sampling, rng: &mut SplitMix64) -> usize {
 ///
 /// The prompt must be non-empty and its ids inside the model's vocabulary; `context` must be
 /// at least 1, and top-k needs `k >= 1` and a finite temperature above 0.
-pub fn generate<B: CheckpointBackend>(
+pub fn generate<B: FlashAttentionBackend>(
     model: &Llama<B>,
     prompt: &[u32],
     new_tokens: usize,

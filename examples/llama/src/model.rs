@@ -13,7 +13,7 @@ use super::weights::load_param;
 use burn_distflash::layers::{
     linear, AttentionContext, RmsNorm, RmsNormConfig, TransformerBlock, TransformerBlockConfig,
 };
-use burn_distflash::{CheckpointBackend, Error as PluginError, FlashAttentionBackend};
+use burn_distflash::{Error as PluginError, FlashAttentionBackend};
 
 /// A Llama language model.
 #[derive(Module, Debug)]
@@ -110,7 +110,7 @@ impl<B: Backend> ModuleMapper<B> for SeededMatrices<B> {
     }
 }
 
-impl<B: CheckpointBackend> Llama<B> {
+impl<B: FlashAttentionBackend> Llama<B> {
     /// Next-token logits `[batch, seq, vocab]` for `tokens` `[batch, seq]` (the whole sequence,
     /// or this rank's shard with a sharded context).
     pub fn forward(

@@ -23,7 +23,7 @@ use super::TrainingKernels;
 use crate::Error;
 use burn_distflash::layers::AttentionContext;
 use burn_distflash::{
-    shard_sequence, CheckpointBackend, Error as PluginError, FlashAttentionOptions,
+    shard_sequence, Error as PluginError, FlashAttentionBackend, FlashAttentionOptions,
 };
 
 /// Optimisation settings (saved with every checkpoint).
@@ -124,14 +124,14 @@ impl<B: Backend> PhaseClock<B> {
 /// itself, runs the optimizer's passes and the loss (CUDA and wgpu `CubeBackend`, ndarray).
 pub trait TrainBackend:
     AutodiffBackend<InnerBackend: TrainingKernels>
-    + CheckpointBackend<Inner = <Self as AutodiffBackend>::InnerBackend>
+    + FlashAttentionBackend<Inner = <Self as AutodiffBackend>::InnerBackend>
     + CrossEntropyBackend
 {
 }
 
 impl<B> TrainBackend for B where
     B: AutodiffBackend<InnerBackend: TrainingKernels>
-        + CheckpointBackend<Inner = <B as AutodiffBackend>::InnerBackend>
+        + FlashAttentionBackend<Inner = <B as AutodiffBackend>::InnerBackend>
         + CrossEntropyBackend
 {
 }

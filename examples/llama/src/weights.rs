@@ -27,8 +27,8 @@ use super::hf_config::{read_hf_config, write_hf_config, HfLlamaConfig, HfRopeSca
 use super::model::Llama;
 use super::safetensors::{write_safetensors, Checkpoint, StoredTensor, SINGLE_FILE_NAME};
 use crate::Error;
-use burn_distflash::CheckpointBackend;
 use burn_distflash::Error as PluginError;
+use burn_distflash::FlashAttentionBackend;
 
 /// File name of the model configuration inside a model directory.
 const CONFIG_FILE_NAME: &str = "config.json";
@@ -336,7 +336,7 @@ fn assign<B: Backend>(model: &mut Llama<B>, slot: Slot, data: TensorData, device
 /// config describes a model this crate can build, every tensor the config implies is present
 /// with the implied shape, and no other tensors are present (except rotary `inv_freq` buffers,
 /// which are ignored).
-pub fn load_hf_llama<B: CheckpointBackend>(
+pub fn load_hf_llama<B: FlashAttentionBackend>(
     dir: &Path,
     device: &B::Device,
 ) -> Result<(LlamaConfig, Llama<B>), Error> {
@@ -506,7 +506,7 @@ fn head_mismatch(tied: bool) -> Error {
 /// `dir` is created if needed; existing files of the same names are replaced. The model is
 /// checked against `config` (every shape, and `lm_head` present exactly when untied) before
 /// anything is written.
-pub fn save_hf_llama<B: CheckpointBackend>(
+pub fn save_hf_llama<B: FlashAttentionBackend>(
     model: &Llama<B>,
     config: &LlamaConfig,
     dir: &Path,

@@ -51,7 +51,7 @@ fn random_model(config: &LlamaConfig) -> Llama<Cpu> {
     model
 }
 
-fn logits<B: burn_distflash::CheckpointBackend>(model: &Llama<B>) -> Vec<f32> {
+fn logits<B: burn_distflash::FlashAttentionBackend>(model: &Llama<B>) -> Vec<f32> {
     let tokens: Vec<i64> = vec![3, 17, 0, 63, 42, 42, 8, 25, 1, 60];
     let n = tokens.len();
     let tokens =

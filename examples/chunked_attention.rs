@@ -2,8 +2,9 @@
 //! `--chunks` equal shards, as a device group would hold it. Each query shard steps the
 //! stat-carrying forward kernel over the key/value shards it may see (ring order: its own shard
 //! first, then earlier ones), the last shard also builds its state as two merged partials (what
-//! the load-balanced schedule does), and the result is compared with an f64 reference. The
-//! backward of every (query shard, key shard) pair is accumulated the same way and checked too.
+//! the load-balanced schedule does), and the result is compared with the f64 reference of the
+//! test-only `distflash-oracle` crate. The backward of every (query shard, key shard) pair is
+//! accumulated the same way and checked too.
 //!
 //! `cargo run --release --example chunked_attention -- [--seq 512] [--chunks 4] [--heads 4]
 //! [--kv-heads 2] [--head-dim 64]`. Runs on wgpu; on a machine without a GPU that is Mesa's
@@ -11,10 +12,10 @@
 
 use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
 use cubecl::Runtime;
-use distflash_kernels::reference::{self, exact};
 use distflash_kernels::{
     AttentionDims, DeviceTensor, ElemType, GradAccumulators, Mask, SoftmaxState, StepOptions,
 };
+use distflash_oracle::{self as oracle, exact};
 
 fn arg(args: &[String], name: &str, default: usize) -> usize {
     args.iter()
@@ -189,8 +190,8 @@ fn main() {
         ..dims(seq)
     };
     let scale = 1.0 / (d as f64).sqrt();
-    let fwd = reference::forward(&full, &q, &k, &v, &Mask::causal(), scale, exact);
-    let grads = reference::backward(&full, &q, &k, &v, &dout, &Mask::causal(), scale, exact);
+    let fwd = oracle::forward(&full, &q, &k, &v, &Mask::causal(), scale, exact);
+    let grads = oracle::backward(&full, &q, &k, &v, &dout, &Mask::causal(), scale, exact);
     let gather = |parts: Vec<Vec<f32>>, h: usize| -> Vec<f64> {
         let mut full = vec![0.0; h * seq * d];
         for (p, part) in parts.iter().enumerate() {
@@ -216,26 +217,26 @@ fn main() {
     println!("max |error| vs f64 reference:");
     println!(
         "  output (ring order steps)  {:.2e}",
-        reference::max_abs_diff(&out, &fwd.out)
+        oracle::max_abs_diff(&out, &fwd.out)
     );
     println!(
         "  last shard (merged halves) {:.2e}",
-        reference::max_abs_diff(&merged, &merged_ref)
+        oracle::max_abs_diff(&merged, &merged_ref)
     );
     println!(
         "  dq {:.2e}",
-        reference::max_abs_diff(&gather(dq_acc.iter().map(read).collect(), heads), &grads.dq)
+        oracle::max_abs_diff(&gather(dq_acc.iter().map(read).collect(), heads), &grads.dq)
     );
     println!(
         "  dk {:.2e}",
-        reference::max_abs_diff(
+        oracle::max_abs_diff(
             &gather(dk_acc.iter().map(read).collect(), kv_heads),
             &grads.dk
         )
     );
     println!(
         "  dv {:.2e}",
-        reference::max_abs_diff(
+        oracle::max_abs_diff(
             &gather(dv_acc.iter().map(read).collect(), kv_heads),
             &grads.dv
         )

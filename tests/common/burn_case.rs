@@ -6,8 +6,8 @@
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Tensor, TensorData};
 use burn_distflash::{flash_attention, FlashAttentionBackend, FlashAttentionOptions};
-use distflash_kernels::reference::{self, exact};
 use distflash_kernels::{AttentionDims, ElemType, Mask};
+use distflash_oracle::{self as oracle, exact};
 
 use super::{assert_close, naive_rounding, Rng};
 
@@ -92,10 +92,10 @@ impl HostCase {
 
 /// The exact reference and the naive low-precision computation, forward and backward.
 pub struct Expected {
-    pub fwd: reference::ReferenceForward,
-    pub naive_fwd: reference::ReferenceForward,
-    pub grads: reference::ReferenceGrads,
-    pub naive_grads: reference::ReferenceGrads,
+    pub fwd: oracle::ReferenceForward,
+    pub naive_fwd: oracle::ReferenceForward,
+    pub grads: oracle::ReferenceGrads,
+    pub naive_grads: oracle::ReferenceGrads,
 }
 
 /// [`Expected`] for host data `(q, k, v, dO)`.
@@ -108,10 +108,10 @@ pub fn expected(
 ) -> Expected {
     let naive = naive_rounding(elem);
     Expected {
-        fwd: reference::forward(dims, q, k, v, mask, scale, exact),
-        naive_fwd: reference::forward(dims, q, k, v, mask, scale, naive),
-        grads: reference::backward(dims, q, k, v, dout, mask, scale, exact),
-        naive_grads: reference::backward(dims, q, k, v, dout, mask, scale, naive),
+        fwd: oracle::forward(dims, q, k, v, mask, scale, exact),
+        naive_fwd: oracle::forward(dims, q, k, v, mask, scale, naive),
+        grads: oracle::backward(dims, q, k, v, dout, mask, scale, exact),
+        naive_grads: oracle::backward(dims, q, k, v, dout, mask, scale, naive),
     }
 }
 

@@ -1,28 +1,12 @@
-//! Plain-Rust reference attention on the host, forward and backward, in f64.
+//! The f64 attention oracle on the host, forward and backward.
 //!
-//! Every intermediate passes through a rounding function, so the same code gives the exact f64
-//! reference (`identity`) and the "naive computation in low precision" that the tolerance rule
-//! compares against (round every intermediate to f16 or bf16).
+//! Every intermediate passes through a [`Rounding`], so the same code gives the exact f64
+//! reference ([`exact`](crate::exact)) and the "naive computation in low precision" that the
+//! tolerance rule compares against (round every intermediate to f16 or bf16).
 
-use crate::dims::{AttentionDims, Mask};
-use crate::tensor::ElemType;
+use distflash_kernels::{AttentionDims, Mask};
 
-/// Rounding applied after every operation of the reference.
-pub type Rounding = fn(f64) -> f64;
-
-/// No rounding: the f64 reference.
-pub fn exact(x: f64) -> f64 {
-    x
-}
-
-/// The rounding of an element type (f32, f16 or bf16 precision).
-pub fn rounding_of(elem: ElemType) -> Rounding {
-    match elem {
-        ElemType::F32 => |x| x as f32 as f64,
-        ElemType::F16 => |x| half::f16::from_f64(x).to_f64(),
-        ElemType::BF16 => |x| half::bf16::from_f64(x).to_f64(),
-    }
-}
+use crate::rounding::Rounding;
 
 /// Outputs of the reference forward: `out` `[B, Hq, Sq, D]` and `lse` `[B, Hq, Sq]`.
 #[derive(Debug, Clone)]
@@ -184,22 +168,4 @@ pub fn backward(
         g.iter_mut().for_each(|x| *x = round(*x));
     }
     ReferenceGrads { dq, dk, dv }
-}
-
-/// Largest absolute difference between two equally long slices; `inf` where one side is
-/// non-finite and the other is not (so a NaN poisons the comparison instead of hiding).
-pub fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len(), "compared slices differ in length");
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| {
-            if x == y {
-                0.0
-            } else if x.is_finite() && y.is_finite() {
-                (x - y).abs()
-            } else {
-                f64::INFINITY
-            }
-        })
-        .fold(0.0, f64::max)
 }

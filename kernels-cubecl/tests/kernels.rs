@@ -1,19 +1,16 @@
-//! The CubeCL kernels against the f64 reference: forward, backward, masks and offsets, GQA, odd
-//! lengths, every head dim, grids folded past a grid axis, fully-masked rows, chunk-by-chunk
-//! stepping and merging, and bad input.
+//! The CubeCL kernels against the f64 reference (`distflash-oracle`): forward, backward, masks
+//! and offsets, GQA, odd lengths, every head dim, grids folded past a grid axis, fully-masked
+//! rows, chunk-by-chunk stepping and merging, and bad input.
 //!
 //! The suite is generic over the CubeCL runtime. It runs on wgpu (Mesa's software Vulkan in CI)
 //! and, with `--ignored`, on CUDA (the GPU machine), for both kernel variants there.
 
-mod common;
-
-use common::{assert_close, naive_rounding, to_f32, to_f64, Rng};
 use cubecl::prelude::*;
-use distflash_kernels::reference::{self, exact};
 use distflash_kernels::{
     AttentionDims, DeviceTensor, ElemType, GradAccumulators, KernelError, Mask, SoftmaxState,
     StepOptions, Variant,
 };
+use distflash_oracle::{self as oracle, assert_close, exact, naive_rounding, to_f32, to_f64, Rng};
 
 /// One attention problem with its host data.
 struct Case {
@@ -158,7 +155,7 @@ fn check_forward<R: Runtime>(client: &ComputeClient<R>, case: &Case, variant: Va
     let lse = nan_tensor(client, dims.row_shape(), ElemType::F32);
     distflash_kernels::finalize_into(client, &state, &out, &lse).unwrap();
 
-    let exact_fwd = reference::forward(
+    let exact_fwd = oracle::forward(
         dims,
         &case.q,
         &case.k,
@@ -167,7 +164,7 @@ fn check_forward<R: Runtime>(client: &ComputeClient<R>, case: &Case, variant: Va
         case.scale(),
         exact,
     );
-    let naive = reference::forward(
+    let naive = oracle::forward(
         dims,
         &case.q,
         &case.k,
@@ -270,7 +267,7 @@ fn check_backward_mode<R: Runtime>(
     }
 
     let args = (&case.q, &case.k, &case.v, &case.grad_out);
-    let exact_g = reference::backward(
+    let exact_g = oracle::backward(
         dims,
         args.0,
         args.1,
@@ -280,7 +277,7 @@ fn check_backward_mode<R: Runtime>(
         case.scale(),
         exact,
     );
-    let naive = reference::backward(
+    let naive = oracle::backward(
         dims,
         args.0,
         args.1,
@@ -478,8 +475,8 @@ pub fn chunks_step_and_merge_exactly<R: Runtime>(client: &ComputeClient<R>, elem
             let scale = case.scale();
             let args = (&case.q, &case.k, &case.v);
             let exact_fwd =
-                reference::forward(&dims, args.0, args.1, args.2, &case.mask, scale, exact);
-            let naive = reference::forward(
+                oracle::forward(&dims, args.0, args.1, args.2, &case.mask, scale, exact);
+            let naive = oracle::forward(
                 &dims,
                 args.0,
                 args.1,

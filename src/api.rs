@@ -79,7 +79,10 @@ pub(crate) fn check_inputs<B: FlashAttentionBackend>(
 ///
 /// # Errors
 ///
-/// - [`Error::Kernel`] when [`check_shapes`] refuses the shapes; when
+/// - [`Error::Kernel`] when the shapes are refused (q, k or v not 4-D, k's batch or head_dim
+///   not q's, v's shape not k's, `q_heads` not a multiple of `kv_heads`, a head dim outside
+///   [`SUPPORTED_HEAD_DIMS`](crate::kernels::SUPPORTED_HEAD_DIMS), an empty or too long
+///   sequence: the [`KernelError`](crate::kernels::KernelError) says which); when
 ///   `options.scale` is not finite in f32
 ///   ([`KernelError::BadOption`](crate::kernels::KernelError::BadOption)); on the CubeCL
 ///   backends, when the call exceeds the device's limits

@@ -297,7 +297,7 @@ pub trait FlashAttentionBackend: Backend {
     /// - gate, up: `[batch, seq, d_ff]`
     /// - output: `[batch, seq, d_ff]`
     fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
-        layer_ops::portable::swiglu::<Self>(gate, up)
+        layer_ops::tensor_ops::swiglu::<Self>(gate, up)
     }
 
     /// `(hidden, dgate, dup)` of [`swiglu`](Self::swiglu) for the hidden gradient `dhidden`:
@@ -313,7 +313,7 @@ pub trait FlashAttentionBackend: Backend {
         up: FloatTensor<Self>,
         dhidden: FloatTensor<Self>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        layer_ops::portable::swiglu_backward::<Self>(gate, up, dhidden)
+        layer_ops::tensor_ops::swiglu_backward::<Self>(gate, up, dhidden)
     }
 
     /// `x / sqrt(mean(x^2) + eps) * weight` over the last dimension of `x`, statistics in f32,
@@ -325,7 +325,7 @@ pub trait FlashAttentionBackend: Backend {
     /// - weight: `[d]`
     /// - output: `[batch, seq, d]`
     fn rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
-        layer_ops::portable::rms_norm::<Self>(x, weight, eps)
+        layer_ops::tensor_ops::rms_norm::<Self>(x, weight, eps)
     }
 
     /// `(dx, dweight)` of [`rms_norm`](Self::rms_norm) at `x` for the output gradient `grad`.
@@ -341,7 +341,7 @@ pub trait FlashAttentionBackend: Backend {
         grad: FloatTensor<Self>,
         eps: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        layer_ops::portable::rms_norm_backward::<Self>(x, weight, grad, eps)
+        layer_ops::tensor_ops::rms_norm_backward::<Self>(x, weight, grad, eps)
     }
 
     /// The rotary embedding of `x` with tables `cos`, `sin`: `x cos + rotate_half(x) sin`,
@@ -360,7 +360,7 @@ pub trait FlashAttentionBackend: Backend {
         sin: FloatTensor<Self>,
         transpose: bool,
     ) -> FloatTensor<Self> {
-        layer_ops::portable::rotary::<Self>(x, cos, sin, transpose)
+        layer_ops::tensor_ops::rotary::<Self>(x, cos, sin, transpose)
     }
 
     /// `segment` applied to `x`, with its activations checkpointed at `placement`: on

@@ -11,10 +11,11 @@
 mod api;
 mod backend;
 mod backends;
-pub mod checkpoint;
+mod checkpoint;
 pub mod collective;
+#[doc(hidden)]
 pub mod cube_support;
-pub mod distributed;
+mod distributed;
 mod error;
 mod layer_ops;
 pub mod layers;
@@ -38,6 +39,6 @@ pub use layers::{
     replicate, AttentionContext, DistFlashAttention, DistFlashAttentionConfig, TransformerBlock,
     TransformerBlockConfig,
 };
-pub use options::{check_shapes, FlashAttentionOptions, Mask};
+pub use options::{FlashAttentionOptions, Mask};
 pub use schedule::{Layout, ScheduleKind};
 pub use state::{AttentionState, StepMask};

@@ -84,6 +84,6 @@ impl FlashAttentionOptions {
 ///   [`SUPPORTED_HEAD_DIMS`](crate::kernels::SUPPORTED_HEAD_DIMS);
 /// - [`KernelError::BadLength`] when `batch`, `seq_q` or `seq_kv` is zero, or
 ///   `batch * q_heads * max(seq_q, seq_kv) * head_dim` exceeds `i32::MAX` (32-bit indexing).
-pub fn check_shapes(q: &[usize], k: &[usize], v: &[usize]) -> Result<AttentionDims, Error> {
+pub(crate) fn check_shapes(q: &[usize], k: &[usize], v: &[usize]) -> Result<AttentionDims, Error> {
     Ok(AttentionDims::from_qkv(q, k, v)?)
 }

@@ -349,7 +349,7 @@ where
     fn swiglu(gate: CubeTensor<R>, up: CubeTensor<R>) -> CubeTensor<R> {
         match layer_ops::cube::swiglu(gate.clone(), up.clone()) {
             Some(hidden) => hidden,
-            None => layer_ops::portable::swiglu::<Self>(gate, up),
+            None => layer_ops::tensor_ops::swiglu::<Self>(gate, up),
         }
     }
 
@@ -360,14 +360,14 @@ where
     ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
         match layer_ops::cube::swiglu_backward(gate.clone(), up.clone(), dhidden.clone()) {
             Some([hidden, dgate, dup]) => (hidden, dgate, dup),
-            None => layer_ops::portable::swiglu_backward::<Self>(gate, up, dhidden),
+            None => layer_ops::tensor_ops::swiglu_backward::<Self>(gate, up, dhidden),
         }
     }
 
     fn rms_norm(x: CubeTensor<R>, weight: CubeTensor<R>, eps: f64) -> CubeTensor<R> {
         match layer_ops::cube::rms_norm(x.clone(), weight.clone(), eps) {
             Some(out) => out,
-            None => layer_ops::portable::rms_norm::<Self>(x, weight, eps),
+            None => layer_ops::tensor_ops::rms_norm::<Self>(x, weight, eps),
         }
     }
 
@@ -379,7 +379,7 @@ where
     ) -> (CubeTensor<R>, CubeTensor<R>) {
         match layer_ops::cube::rms_norm_backward(x.clone(), weight.clone(), grad.clone(), eps) {
             Some([dx, dweight]) => (dx, dweight),
-            None => layer_ops::portable::rms_norm_backward::<Self>(x, weight, grad, eps),
+            None => layer_ops::tensor_ops::rms_norm_backward::<Self>(x, weight, grad, eps),
         }
     }
 
@@ -391,7 +391,7 @@ where
     ) -> CubeTensor<R> {
         match layer_ops::cube::rotary(x.clone(), cos.clone(), sin.clone(), transpose) {
             Some(out) => out,
-            None => layer_ops::portable::rotary::<Self>(x, cos, sin, transpose),
+            None => layer_ops::tensor_ops::rotary::<Self>(x, cos, sin, transpose),
         }
     }
 }

@@ -132,7 +132,7 @@ mod tests {
     use burn_ndarray::NdArray;
 
     use crate::backend::FlashAttentionBackend;
-    use crate::layer_ops::portable;
+    use crate::layer_ops::tensor_ops;
 
     type Train = Autodiff<NdArray<f32>>;
     type Prim = burn::tensor::ops::FloatTensor<Train>;
@@ -183,7 +183,7 @@ mod tests {
         assert_same_gradients(
             [leaf([2, 5, 12]), leaf([2, 5, 12])],
             |[g, u]| Train::swiglu(g, u),
-            |[g, u]| portable::swiglu::<Train>(g, u),
+            |[g, u]| tensor_ops::swiglu::<Train>(g, u),
         );
     }
 
@@ -197,7 +197,7 @@ mod tests {
             let y = if ours {
                 Train::rms_norm(prim(&x), prim(&weight), 1e-5)
             } else {
-                portable::rms_norm::<Train>(prim(&x), prim(&weight), 1e-5)
+                tensor_ops::rms_norm::<Train>(prim(&x), prim(&weight), 1e-5)
             };
             let y = Tensor::<Train, 3>::from_primitive(TensorPrimitive::Float(y));
             let grads = (y.clone() * r.clone()).sum().backward();
@@ -223,7 +223,7 @@ mod tests {
             assert_same_gradients(
                 [leaf([2, 3, 5, 8])],
                 move |[x]| Train::rotary(x, prim(&c), prim(&s), transpose),
-                move |[x]| portable::rotary::<Train>(x, prim(&c2), prim(&s2), transpose),
+                move |[x]| tensor_ops::rotary::<Train>(x, prim(&c2), prim(&s2), transpose),
             );
         }
     }

@@ -1,13 +1,13 @@
 //! The element-wise parts of a Llama block (SwiGLU, RMS norm, the rotary embedding), forward and
 //! backward, as the [`FlashAttentionBackend`](crate::FlashAttentionBackend) operations the layers
-//! call: Burn tensor operations on every backend (`portable`), one CubeCL pass each on
+//! call: Burn tensor operations on every backend (`tensor_ops`), one CubeCL pass each on
 //! `CubeBackend` (`cube`, `kernels`, `norm_kernels`), where Burn's operations take 3 to 12 passes
 //! (its sigmoid alone takes seven, in f32).
 
 pub(crate) mod cube;
 mod kernels;
 mod norm_kernels;
-pub(crate) mod portable;
+pub(crate) mod tensor_ops;
 
 use std::sync::OnceLock;
 

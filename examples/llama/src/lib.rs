@@ -13,13 +13,13 @@ mod error;
 pub mod generate;
 pub mod hf_config;
 pub mod loss;
+pub mod lr_schedule;
 pub mod metrics;
 pub mod model;
 pub mod optimizer;
 pub mod progress;
 mod rng;
 pub mod safetensors;
-pub mod schedule;
 #[cfg(test)]
 mod temp_dir;
 pub mod tokenizer;

@@ -14,7 +14,7 @@
 //! - devices: `--backend ndarray|wgpu|cuda`, `--gpus N` (CUDA, one process driving N GPUs, the
 //!   sequence split across them), `--env` (one process per GPU from RANK/WORLD_SIZE/LOCAL_RANK/
 //!   MASTER_ADDR/MASTER_PORT, e.g. under torchrun), `--dtype bf16|f32` (GPU), `--schedule
-//!   auto|ring|balanced`;
+//!   auto|ring|balanced|zigzag`;
 //! - optimisation: `--steps`, `--batch`, `--seq-len` (whole sequence), `--lr`, `--warmup`,
 //!   `--grad-clip`, `--seed`;
 //! - validation: `--val-fraction F` (the last fraction of the corpus is held out, default 0.05),
@@ -150,8 +150,9 @@ fn parse() -> Args {
         "auto" => ScheduleKind::Auto,
         "ring" => ScheduleKind::Ring,
         "balanced" => ScheduleKind::Balanced,
+        "zigzag" => ScheduleKind::Zigzag,
         other => fail(format!(
-            "--schedule takes auto, ring or balanced, got {other}"
+            "--schedule takes auto, ring, balanced or zigzag, got {other}"
         )),
     };
     let options = TrainOptions::new(

@@ -16,9 +16,9 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 
 use super::loss::CrossEntropyBackend;
+use super::lr_schedule::learning_rate;
 use super::model::Llama;
 use super::optimizer::FusedAdamW;
-use super::schedule::learning_rate;
 use super::TrainingKernels;
 use crate::Error;
 use burn_distflash::layers::AttentionContext;

@@ -84,6 +84,17 @@ fn sync(client: &ComputeClient<CudaRuntime>) {
     cubecl::future::block_on(client.sync()).expect("sync");
 }
 
+/// Waits for the device on CubeCL's device-runner thread instead of the calling thread. A
+/// diagnostic for the single-call rows: CubeCL 0.10's runner, idle while the host waits, falls
+/// back to sleeping in 150 us steps, so the next call's launch waits for it to wake up. Waiting
+/// on the runner keeps it busy; the difference between the two rows is that wake-up.
+fn sync_on_runner(client: &ComputeClient<CudaRuntime>) {
+    client
+        .exclusive(|| cubecl::future::block_on(client.sync()))
+        .expect("runner")
+        .expect("sync");
+}
+
 type BurnCuda = burn_cuda::Cuda<half::f16, i32>;
 type BurnAutodiff = burn_autodiff::Autodiff<BurnCuda>;
 
@@ -337,6 +348,17 @@ fn main() {
             sync(&client);
         });
         row("distflash (bf16)", "fwd", seq, secs, flops);
+        let secs = median_seconds(iters, || {
+            let _ = distflash_kernels::attention(&client, &q, &k, &v, &options).unwrap();
+            sync_on_runner(&client);
+        });
+        row(
+            "distflash (bf16), waited on the runner",
+            "fwd",
+            seq,
+            secs,
+            flops,
+        );
         // The same calls queued back to back, one wait for all of them: what a training loop
         // sees, without the host's launch-and-wait latency of a single call.
         let secs = median_seconds(iters, || {
@@ -361,6 +383,17 @@ fn main() {
                 sync(&client);
             });
             row("distflash (bf16)", "fwd+bwd", seq, secs, 3.5 * flops);
+            let secs = median_seconds(iters.min(3), || {
+                forward_backward(&options);
+                sync_on_runner(&client);
+            });
+            row(
+                "distflash (bf16), waited on the runner",
+                "fwd+bwd",
+                seq,
+                secs,
+                3.5 * flops,
+            );
             // Queued back to back as in a training loop: GPU time without the host's
             // launch-and-wait latency of each call (the anchor times with CUDA events).
             let secs = median_seconds(iters.min(3), || {

@@ -219,7 +219,7 @@ fn single_gpu(seq: usize, iters: usize) -> (f64, f64) {
     );
     let options = FlashAttentionOptions::causal();
     let one = Barrier::new(1);
-    let forward = || Bf16::flash_attention(q.clone(), k.clone(), v.clone(), options);
+    let forward = || Bf16::flash_attention(q.clone(), k.clone(), v.clone(), options.clone());
     let median = |mut t: Vec<f64>| {
         t.sort_by(|a, b| a.total_cmp(b));
         t[t.len() / 2]
@@ -236,7 +236,7 @@ fn single_gpu(seq: usize, iters: usize) -> (f64, f64) {
             out,
             lse,
             dout.clone(),
-            options,
+            options.clone(),
         );
     }));
     (fwd, fwd_bwd)

@@ -171,10 +171,7 @@ impl Chunks {
 
     fn options(&self, i: usize, j: usize) -> StepOptions {
         StepOptions {
-            mask: Mask::Causal {
-                q_offset: (i * self.len) as i64,
-                kv_offset: (j * self.len) as i64,
-            },
+            mask: Mask::causal().at((i * self.len) as i64, (j * self.len) as i64),
             scale: None,
             variant: Variant::Auto,
             deterministic: false,
@@ -410,7 +407,7 @@ fn main() {
             // The deterministic backward (dQ in its own kernel, no atomics).
             let exact = StepOptions {
                 deterministic: true,
-                ..options
+                ..options.clone()
             };
             let secs = median_seconds(iters.min(3), || {
                 forward_backward(&exact);

@@ -98,10 +98,7 @@ fn main() {
         })
         .collect();
     let pair_options = |qp: usize, kp: usize| StepOptions {
-        mask: Mask::Causal {
-            q_offset: (qp * shard) as i64,
-            kv_offset: (kp * shard) as i64,
-        },
+        mask: Mask::causal().at((qp * shard) as i64, (kp * shard) as i64),
         ..StepOptions::default()
     };
 

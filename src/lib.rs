@@ -39,6 +39,6 @@ pub use layers::{
     replicate, AttentionContext, DistFlashAttention, DistFlashAttentionConfig, TransformerBlock,
     TransformerBlockConfig,
 };
-pub use options::{FlashAttentionOptions, Mask};
+pub use options::{Documents, FlashAttentionOptions, Mask, SlidingWindow};
 pub use schedule::{Layout, ScheduleKind};
 pub use state::{AttentionState, StepMask};

@@ -2,15 +2,25 @@
 
 use crate::Error;
 
-pub use distflash_kernels::Mask;
 use distflash_kernels::{AttentionDims, KernelError};
+pub use distflash_kernels::{Documents, Mask, SlidingWindow};
 use serde::{Deserialize, Serialize};
 
 /// Options of [`crate::flash_attention`], like Burn's `AttentionModuleOptions`.
-#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+///
+/// The masks combine: a query sees a key only where every mask that is set allows it.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct FlashAttentionOptions {
     /// Causal masking (query `i` sees keys `j <= i`, aligned at the start of both sequences).
     pub causal: bool,
+    /// A sliding window around each query (see [`SlidingWindow`]; with `causal`, only the keys
+    /// before the query count). Key tiles outside every query's window are skipped, not masked.
+    #[serde(default)]
+    pub window: Option<SlidingWindow>,
+    /// Document boundaries of packed sequences (see [`Documents`]): a query sees only keys of
+    /// its own document. Per call data, not configuration: never serialized.
+    #[serde(skip)]
+    pub documents: Option<Documents>,
     /// Score scale; `None` means `1 / sqrt(head_dim)`.
     pub scale: Option<f64>,
     /// Bitwise reproducible gradients. Off by default: on CUDA the backward then adds dQ with
@@ -30,12 +40,29 @@ impl FlashAttentionOptions {
         }
     }
 
-    /// The kernel-level mask these options mean.
+    /// These options with a sliding window.
+    pub fn with_window(self, window: SlidingWindow) -> Self {
+        Self {
+            window: Some(window),
+            ..self
+        }
+    }
+
+    /// These options with document boundaries.
+    pub fn with_documents(self, documents: Documents) -> Self {
+        Self {
+            documents: Some(documents),
+            ..self
+        }
+    }
+
+    /// The kernel-level mask these options mean (offsets 0).
     pub fn mask(&self) -> Mask {
-        if self.causal {
-            Mask::causal()
-        } else {
-            Mask::None
+        Mask {
+            causal: self.causal,
+            window: self.window,
+            documents: self.documents.clone(),
+            ..Mask::none()
         }
     }
 

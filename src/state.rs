@@ -21,7 +21,7 @@ pub struct AttentionState<B: Backend> {
 }
 
 /// One attention step's mask and scale (the mask carries the chunks' absolute offsets).
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct StepMask {
     /// Which keys each query sees.
     pub mask: Mask,

@@ -50,13 +50,10 @@ fn hidden_pairs<B: Backend>(
     kv_len: usize,
     device: &B::Device,
 ) -> Option<Tensor<B, 2, Bool>> {
-    let Mask::Causal {
-        q_offset,
-        kv_offset,
-    } = mask
-    else {
+    if !mask.causal {
         return None;
-    };
+    }
+    let (q_offset, kv_offset) = (mask.q_offset, mask.kv_offset);
     let rows = Tensor::<B, 1, Int>::arange(0..q_len as i64, device)
         .add_scalar(q_offset)
         .reshape([q_len, 1])

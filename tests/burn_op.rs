@@ -95,17 +95,32 @@ fn bad_input_is_refused() {
     let device = Default::default();
     let t = |shape: [usize; 4]| Tensor::<NdArray<f32>, 4>::zeros(shape, &device);
     let opts = FlashAttentionOptions::default();
-    let err =
-        flash_attention(t([1, 3, 8, 64]), t([1, 2, 8, 64]), t([1, 2, 8, 64]), opts).unwrap_err();
+    let err = flash_attention(
+        t([1, 3, 8, 64]),
+        t([1, 2, 8, 64]),
+        t([1, 2, 8, 64]),
+        opts.clone(),
+    )
+    .unwrap_err();
     assert!(
         err.to_string().contains("multiple of key/value heads"),
         "{err}"
     );
-    let err =
-        flash_attention(t([1, 2, 8, 64]), t([1, 2, 8, 64]), t([1, 2, 9, 64]), opts).unwrap_err();
+    let err = flash_attention(
+        t([1, 2, 8, 64]),
+        t([1, 2, 8, 64]),
+        t([1, 2, 9, 64]),
+        opts.clone(),
+    )
+    .unwrap_err();
     assert!(err.to_string().contains("v against k"), "{err}");
-    let err =
-        flash_attention(t([1, 2, 8, 40]), t([1, 2, 8, 40]), t([1, 2, 8, 40]), opts).unwrap_err();
+    let err = flash_attention(
+        t([1, 2, 8, 40]),
+        t([1, 2, 8, 40]),
+        t([1, 2, 8, 40]),
+        opts.clone(),
+    )
+    .unwrap_err();
     assert!(
         err.to_string()
             .contains("head dimension 40 is not supported"),
@@ -118,7 +133,7 @@ fn bad_input_is_refused() {
         typed(DType::F64),
         typed(DType::F64),
         typed(DType::F64),
-        opts,
+        opts.clone(),
     )
     .unwrap_err();
     assert!(
@@ -130,7 +145,7 @@ fn bad_input_is_refused() {
         typed(DType::F32),
         typed(DType::F64),
         typed(DType::F32),
-        opts,
+        opts.clone(),
     )
     .unwrap_err();
     assert!(

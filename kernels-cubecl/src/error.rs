@@ -53,6 +53,12 @@ pub enum KernelError {
         /// What was wrong, in words.
         what: String,
     },
+    /// A mask cannot be applied (document boundaries that do not increase, do not end at the
+    /// sequence length, or do not cover the call's positions).
+    BadMask {
+        /// What was wrong, in words.
+        what: String,
+    },
     /// The call needs more than the device allows one launch (grid size, shared memory, units
     /// per cube); refused before anything was launched.
     DeviceLimit {
@@ -96,6 +102,7 @@ impl fmt::Display for KernelError {
             KernelError::DType { what } => write!(f, "dtype error: {what}"),
             KernelError::BadLength { what } => write!(f, "bad length: {what}"),
             KernelError::BadOption { what } => write!(f, "bad option: {what}"),
+            KernelError::BadMask { what } => write!(f, "bad mask: {what}"),
             KernelError::DeviceLimit { what } => write!(f, "device limit: {what}"),
             KernelError::Launch { what } => write!(f, "kernel launch failed: {what}"),
         }

@@ -18,6 +18,11 @@ use crate::tensor::{with_elem_type, DeviceTensor, ElemType};
 use crate::tensor_core::dq_fragments;
 use crate::tensor_core::{DqTarget, ForwardTarget, KeyGrads};
 
+/// The causal kernels' diagonal shift (`q_offset - kv_offset`, clamped), `None` when not causal.
+fn causal_shift(mask: &crate::mask::Mask, dims: &AttentionDims) -> Option<i32> {
+    mask.causal.then(|| mask.bounds(dims).shift)
+}
+
 fn check_qkv(
     q: &DeviceTensor,
     k: &DeviceTensor,
@@ -70,7 +75,7 @@ fn enqueue_forward<R: Runtime>(
     options: &StepOptions,
 ) {
     let scale = options.resolved_scale(dims.head_dim);
-    let shift = options.mask.diagonal_shift(dims);
+    let shift = causal_shift(&options.mask, dims);
     let portable = match plan {
         LaunchPlan::TensorCore(grids) => {
             let target = ForwardTarget::Step(state);
@@ -241,7 +246,7 @@ fn enqueue_tensor_core_forward<R: Runtime>(
         dims,
         grids,
         options.resolved_scale(dims.head_dim),
-        options.mask.diagonal_shift(dims),
+        causal_shift(&options.mask, dims),
     );
 }
 
@@ -395,7 +400,7 @@ fn enqueue_backward<R: Runtime>(
     options: &StepOptions,
 ) -> Result<(), KernelError> {
     let scale = options.resolved_scale(dims.head_dim);
-    let shift = options.mask.diagonal_shift(dims);
+    let shift = causal_shift(&options.mask, dims);
     let portable = match plan {
         LaunchPlan::TensorCore(grids) => {
             let key_grads = KeyGrads {
@@ -560,7 +565,7 @@ fn enqueue_finished_backward<R: Runtime>(
             dims,
             grids,
             scale,
-            options.mask.diagonal_shift(dims),
+            causal_shift(&options.mask, dims),
         )
     };
     let dq = if options.deterministic {

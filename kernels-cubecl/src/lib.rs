@@ -21,6 +21,7 @@ mod geometry;
 mod grid;
 mod launch;
 mod limits;
+mod mask;
 mod options;
 mod plan;
 mod portable;
@@ -32,7 +33,7 @@ mod tensor;
 #[doc(hidden)]
 pub mod tensor_core;
 
-pub use dims::{AttentionDims, Mask};
+pub use dims::AttentionDims;
 pub use error::{KernelError, SUPPORTED_HEAD_DIMS};
 pub use launch::{
     attention, attention_backward, backward_delta, backward_step, cast_f32, fill, finalize,
@@ -42,5 +43,6 @@ pub use launch::{
 #[doc(hidden)]
 pub use limits::scalar_fragment_stores;
 pub use limits::DeviceLimits;
+pub use mask::{Documents, Mask, SlidingWindow};
 pub use plan::check_launch;
 pub use tensor::{DeviceTensor, ElemType};

@@ -1,8 +1,8 @@
 //! The options of one attention step: which kernels run it, the mask, the scale, and whether
 //! the backward may use atomics.
 
-use crate::dims::Mask;
 use crate::error::KernelError;
+use crate::mask::Mask;
 
 /// Which implementation runs a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -17,7 +17,7 @@ pub enum Variant {
 }
 
 /// Options of one attention step.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct StepOptions {
     /// Which keys each query sees.
     pub mask: Mask,

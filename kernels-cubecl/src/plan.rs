@@ -115,6 +115,13 @@ impl LaunchPlan {
         options: &StepOptions,
     ) -> Result<(DeviceLimits, Self), KernelError> {
         options.check()?;
+        options.mask.check(dims)?;
+        if options.mask.window.is_some() || options.mask.documents.is_some() {
+            // Foundation of issue 18: the kernels learn these masks next.
+            return Err(KernelError::BadMask {
+                what: "sliding windows and documents are not yet supported by the kernels".into(),
+            });
+        }
         let limits = DeviceLimits::of(client);
         // The tensor-core kernels take the row max of raw scores and scale it once, which needs
         // a positive scale; other scales run on the portable kernels.

@@ -128,7 +128,7 @@ fn configurations<R: Runtime>(
 
 fn options(case: &Case, variant: Variant) -> StepOptions {
     StepOptions {
-        mask: case.mask,
+        mask: case.mask.clone(),
         scale: None,
         variant,
         deterministic: false,
@@ -355,15 +355,9 @@ fn check_backward_mode<R: Runtime>(
 /// nothing at all).
 fn masks(q_len: usize, kv_len: usize) -> Vec<Mask> {
     vec![
-        Mask::None,
-        Mask::Causal {
-            q_offset: kv_len as i64 - q_len as i64,
-            kv_offset: 0,
-        },
-        Mask::Causal {
-            q_offset: 0,
-            kv_offset: 40,
-        },
+        Mask::none(),
+        Mask::causal().at(kv_len as i64 - q_len as i64, 0),
+        Mask::causal().at(0, 40),
     ]
 }
 
@@ -415,16 +409,9 @@ fn key_chunk<R: Runtime>(
 }
 
 fn chunk_mask(case: &Case, start: usize) -> Mask {
-    match case.mask {
-        Mask::None => Mask::None,
-        Mask::Causal {
-            q_offset,
-            kv_offset,
-        } => Mask::Causal {
-            q_offset,
-            kv_offset: kv_offset + start as i64,
-        },
-    }
+    case.mask
+        .clone()
+        .at(case.mask.q_offset, case.mask.kv_offset + start as i64)
 }
 
 /// Attention over the concatenation of key/value chunks equals stepping chunk by chunk (from an
@@ -432,12 +419,9 @@ fn chunk_mask(case: &Case, start: usize) -> Mask {
 /// independent partials; the backward summed over chunks equals the whole backward.
 pub fn chunks_step_and_merge_exactly<R: Runtime>(client: &ComputeClient<R>, elem: ElemType) {
     for (elem, variant) in configurations(client, elem) {
-        let causal = Mask::Causal {
-            q_offset: 150,
-            kv_offset: 0,
-        };
-        for mask in [Mask::None, causal] {
-            let case = Case::new(31, (1, 4, 2), (77, 227, 64), mask, elem);
+        let causal = Mask::causal().at(150, 0);
+        for mask in [Mask::none(), causal] {
+            let case = Case::new(31, (1, 4, 2), (77, 227, 64), mask.clone(), elem);
             let dims = case.dims;
             let (q, k, v) = case.qkv(client);
             let opts = options(&case, variant);
@@ -598,10 +582,7 @@ pub fn chunks_step_and_merge_exactly<R: Runtime>(client: &ComputeClient<R>, elem
 pub fn fully_masked_rows_are_zero<R: Runtime>(client: &ComputeClient<R>, elem: ElemType) {
     for (elem, variant) in configurations(client, elem) {
         // Keys start at position 50: query rows 0..50 see nothing.
-        let mask = Mask::Causal {
-            q_offset: 0,
-            kv_offset: 50,
-        };
+        let mask = Mask::causal().at(0, 50);
         let case = Case::new(5, (1, 2, 2), (80, 64, 64), mask, elem);
         let (q, k, v) = case.qkv(client);
         let opts = options(&case, variant);
@@ -702,7 +683,7 @@ pub fn bad_input_is_refused<R: Runtime>(client: &ComputeClient<R>) {
 
     let nan_scale = StepOptions {
         scale: Some(f32::NAN),
-        ..opts
+        ..opts.clone()
     };
     let msg = err(distflash_kernels::attention(client, &q, &k, &k, &nan_scale));
     assert!(msg.contains("scale must be finite"), "{msg}");
@@ -742,7 +723,7 @@ pub fn head_dim_matches_reference<R: Runtime>(
             continue;
         }
         for heads in [(2, 2, 2), (1, 4, 2), (1, 3, 1)] {
-            for mask in [Mask::None, masks(9, 19)[1]] {
+            for mask in [Mask::none(), masks(9, 19)[1].clone()] {
                 let case = Case::new(head_dim as u64, heads, (9, 19, head_dim), mask, elem);
                 check_forward(client, &case, variant);
                 check_backward(client, &case, variant);
@@ -850,16 +831,13 @@ suite!(
 /// a later query chunk against a longer key chunk (`q_offset` 300, not a multiple of any tile), so
 /// the kernels' unmasked interior tiles, diagonal tiles and partial last tiles all run.
 pub fn larger_shapes_match_reference<R: Runtime>(client: &ComputeClient<R>, elem: ElemType) {
-    let later_chunk = Mask::Causal {
-        q_offset: 300,
-        kv_offset: 0,
-    };
+    let later_chunk = Mask::causal().at(300, 0);
     for (elem, variant) in configurations(client, elem) {
         for (heads, lens, mask) in [
             ((1, 5, 5), (1023, 1023, 128), Mask::causal()),
             ((1, 32, 8), (257, 257, 64), Mask::causal()),
-            ((1, 4, 2), (700, 1100, 128), later_chunk),
-            ((2, 2, 1), (515, 1100, 64), later_chunk),
+            ((1, 4, 2), (700, 1100, 128), later_chunk.clone()),
+            ((2, 2, 1), (515, 1100, 64), later_chunk.clone()),
         ] {
             let case = Case::new(41, heads, lens, mask, elem);
             check_forward(client, &case, variant);

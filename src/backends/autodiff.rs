@@ -163,7 +163,7 @@ impl<B: FlashAttentionBackend, C: CheckpointStrategy> FlashAttentionBackend for 
         options: FlashAttentionOptions,
     ) -> (AutodiffTensor<B, C>, AutodiffTensor<B, C>) {
         let [qi, ki, vi] = inner::<B, C, 3>([q.clone(), k.clone(), v.clone()]);
-        let result = B::flash_attention(qi, ki, vi, options);
+        let result = B::flash_attention(qi, ki, vi, options.clone());
         track::<B, C>([q, k, v], result, Scope::Local(options))
     }
 
@@ -191,7 +191,7 @@ impl<B: FlashAttentionBackend, C: CheckpointStrategy> FlashAttentionBackend for 
     ) -> Result<(AutodiffTensor<B, C>, AutodiffTensor<B, C>), Error> {
         let [qi, ki, vi] = inner::<B, C, 3>([q.clone(), k.clone(), v.clone()]);
         let result = B::sequence_parallel_attention(qi, ki, vi, group, options)?;
-        let scope = Scope::Sharded(group.clone(), *options);
+        let scope = Scope::Sharded(group.clone(), options.clone());
         Ok(track::<B, C>([q, k, v], result, scope))
     }
 

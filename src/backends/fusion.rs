@@ -37,7 +37,7 @@ impl<B: FusionBackend + FlashAttentionBackend> Operation<B::FusionRuntime> for F
             handles.get_float_tensor::<B>(q),
             handles.get_float_tensor::<B>(k),
             handles.get_float_tensor::<B>(v),
-            self.options,
+            self.options.clone(),
         );
         handles.register_float_tensor::<B>(&out.id, o);
         handles.register_float_tensor::<B>(&lse.id, l);
@@ -63,7 +63,7 @@ impl<B: FusionBackend + FlashAttentionBackend> Operation<B::FusionRuntime> for B
             get(handles, out),
             get(handles, lse),
             get(handles, grad_out),
-            self.options,
+            self.options.clone(),
         );
         handles.register_float_tensor::<B>(&dq.id, gq);
         handles.register_float_tensor::<B>(&dk.id, gk);
@@ -124,7 +124,7 @@ impl<B: FusionBackend + FlashAttentionBackend> Operation<B::FusionRuntime> for S
             Step::Forward(step) => {
                 let (q, k, v) = (take(inputs), take(inputs), take(inputs));
                 let state = take_state(inputs);
-                state_tensors(B::attention_forward_step(q, k, v, state, *step))
+                state_tensors(B::attention_forward_step(q, k, v, state, step.clone()))
             }
             Step::Merge => {
                 let a = take_state(inputs);
@@ -142,7 +142,8 @@ impl<B: FusionBackend + FlashAttentionBackend> Operation<B::FusionRuntime> for S
             Step::Backward(step) => {
                 let (q, k, v) = (take(inputs), take(inputs), take(inputs));
                 let (grad_out, lse, delta) = (take(inputs), take(inputs), take(inputs));
-                let (dq, dk, dv) = B::attention_backward_step(q, k, v, grad_out, lse, delta, *step);
+                let (dq, dk, dv) =
+                    B::attention_backward_step(q, k, v, grad_out, lse, delta, step.clone());
                 vec![dq, dk, dv]
             }
         };

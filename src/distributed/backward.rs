@@ -143,7 +143,7 @@ pub(crate) fn run<B: FlashAttentionBackend>(
         query: [q, grad_out, lse, delta],
         schedule: schedule.clone(),
         chunks,
-        options: *options,
+        options: options.clone(),
     };
     pipeline::run(group, schedule, &mut pass, options.overlap)?;
     Ok((

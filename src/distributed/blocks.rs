@@ -81,7 +81,7 @@ fn block_step(block: &Block, options: &SequenceParallelOptions) -> StepMask {
         mask: if block.causal {
             Mask::causal()
         } else {
-            Mask::None
+            Mask::none()
         },
         scale: options.attention.scale,
         deterministic: options.attention.deterministic,

@@ -55,7 +55,7 @@ impl<B: FlashAttentionBackend> Pass<B> for ForwardPass<B> {
         let [k, v]: [FloatTensor<B>; 2] = kv.try_into().expect("k, v");
         let [q]: [FloatTensor<B>; 1] = query.try_into().expect("q");
         let blocks = self.schedule.blocks(pair);
-        let (chunks, options) = (self.chunks, self.options);
+        let (chunks, options) = (self.chunks, self.options.clone());
         let fold = |state| forward_pair([&q, &k, &v], state, &blocks, chunks, &options);
         if pair.query == self.rank {
             self.state = Some(fold(self.state.take()));
@@ -119,7 +119,7 @@ pub(crate) fn run<B: FlashAttentionBackend>(
         state_layouts,
         schedule: schedule.clone(),
         chunks,
-        options: *options,
+        options: options.clone(),
     };
     pipeline::run(group, schedule, &mut pass, options.overlap)?;
     // Every schedule folds each rank's diagonal, so the state exists; a world that folded

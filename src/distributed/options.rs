@@ -6,7 +6,7 @@ use crate::options::FlashAttentionOptions;
 use crate::schedule::{Layout, Schedule, ScheduleKind};
 
 /// Options of [`crate::sequence_parallel_attention`].
-#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct SequenceParallelOptions {
     /// Causal masking (over the whole sequence) and score scale.
     pub attention: FlashAttentionOptions,

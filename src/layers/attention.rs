@@ -300,6 +300,7 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
             causal: self.causal,
             scale: None,
             deterministic: self.deterministic,
+            ..FlashAttentionOptions::default()
         }
     }
 

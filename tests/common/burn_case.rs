@@ -143,7 +143,7 @@ pub fn check_case<B: AutodiffBackend + FlashAttentionBackend>(
     let loss = (out.clone() * typed_tensor::<B>(&case.dout, q_shape, device, dtype)).sum();
     let grads = loss.backward();
 
-    let mask = if causal { Mask::causal() } else { Mask::None };
+    let mask = if causal { Mask::causal() } else { Mask::none() };
     let Expected {
         fwd,
         naive_fwd,
@@ -190,10 +190,7 @@ pub fn check_backend<B: AutodiffBackend + FlashAttentionBackend>(
 /// the f64 reference, with keys split into chunks at absolute offsets and a causal mask whose
 /// queries start at position 100.
 pub fn check_steps<B: FlashAttentionBackend>(device: &B::Device, elem: ElemType) {
-    let mask = Mask::Causal {
-        q_offset: 100,
-        kv_offset: 0,
-    };
+    let mask = Mask::causal().at(100, 0);
     check_steps_case::<B>(device, elem, (1, 4, 2), (77, 150, 64), mask);
 }
 
@@ -230,13 +227,7 @@ pub fn check_steps_case<B: FlashAttentionBackend>(
         t.clone().slice([0..batch, 0..kv_heads, a..b, 0..head_dim])
     };
     let step = |a: usize| StepMask {
-        mask: match mask {
-            Mask::None => Mask::None,
-            Mask::Causal { q_offset, .. } => Mask::Causal {
-                q_offset,
-                kv_offset: a as i64,
-            },
-        },
+        mask: mask.clone().at(mask.q_offset, a as i64),
         scale: None,
         deterministic: false,
     };

@@ -233,7 +233,11 @@ impl CaseData {
             kv_len: seq,
             head_dim: c.head_dim,
         };
-        let mask = if c.causal { Mask::causal() } else { Mask::None };
+        let mask = if c.causal {
+            Mask::causal()
+        } else {
+            Mask::none()
+        };
         let scale = 1.0 / (c.head_dim as f64).sqrt();
         let data = (&self.q[..], &self.k[..], &self.v[..], &self.dout[..]);
         expected(&dims, data, &mask, scale, self.elem)

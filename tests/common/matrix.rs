@@ -71,12 +71,9 @@ where
                     let heads = (batch, q_heads, kv_heads);
                     let lens = (q_len, kv_len, head_dim);
                     let stepped_mask = if causal {
-                        Mask::Causal {
-                            q_offset: (kv_len - q_len) as i64,
-                            kv_offset: 0,
-                        }
+                        Mask::causal().at((kv_len - q_len) as i64, 0)
                     } else {
-                        Mask::None
+                        Mask::none()
                     };
                     let cells = if supported {
                         [

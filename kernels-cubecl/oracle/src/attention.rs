@@ -45,16 +45,6 @@ impl Indexer {
     }
 }
 
-fn visible(mask: &Mask, i: usize, j: usize) -> bool {
-    match *mask {
-        Mask::None => true,
-        Mask::Causal {
-            q_offset,
-            kv_offset,
-        } => j as i64 + kv_offset <= i as i64 + q_offset,
-    }
-}
-
 fn dot(a: &[f64], b: &[f64], round: Rounding) -> f64 {
     round(a.iter().zip(b).map(|(x, y)| x * y).sum())
 }
@@ -73,7 +63,8 @@ fn row_probabilities(
     let qi = &q[x.q(b, h, i)..][..d];
     let scores: Vec<Option<f64>> = (0..x.dims.kv_len)
         .map(|j| {
-            visible(mask, i, j).then(|| round(dot(qi, &k[x.kv(b, h, j)..][..d], round) * scale))
+            mask.visible(b, i, j)
+                .then(|| round(dot(qi, &k[x.kv(b, h, j)..][..d], round) * scale))
         })
         .collect();
     let max = scores

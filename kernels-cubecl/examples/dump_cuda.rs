@@ -25,6 +25,7 @@ use cubecl_cpp::DialectWmmaCompiler;
 use cubecl_cuda::CudaCompiler;
 use cubecl_runtime::compiler::Compiler;
 use distflash_kernels::tensor_core::{backward, dkdv, fast_exp2, forward, KERNEL_ADDRESS};
+use distflash_kernels::MaskKind;
 use half::{bf16, f16};
 
 /// What an H200 reports to cubecl-cuda 0.10, as far as code generation depends on it.
@@ -139,16 +140,20 @@ fn scalar<E: LaunchArg<CompilationArg = ()>>(b: &mut KernelBuilder) -> <E as Cub
 /// CUDA sources of the kernels for element type `E`: the forward step, the whole-attention
 /// forward, the first and last forward steps, dQ, dK/dV (deterministic) and the fused dK/dV kernel that also adds dQ, as a step
 /// and for a whole attention.
-pub fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, String); 8] {
+pub fn kernels<E: Float>(head_dim: usize, mask: MaskKind) -> [(&'static str, String); 8] {
     let units = forward::UNITS as u32;
     let forward = |reads_state: bool, finishes: bool| {
         compile("forward_step_mma", units, KERNEL_ADDRESS, |b| {
             let (q, k, v) = (input::<E>(b), input::<E>(b), input::<E>(b));
             let (o, m, l) = (output::<f32>(b), output::<f32>(b), output::<f32>(b));
             let (out, lse) = (output::<E>(b), output::<f32>(b));
+            let docs = input::<u32>(b);
             let (scale, shift) = (scalar::<f32>(b), scalar::<i32>(b));
             let (q_len, kv_len) = (scalar::<u32>(b), scalar::<u32>(b));
             let (heads, group) = (scalar::<u32>(b), scalar::<u32>(b));
+            let (before, after) = (scalar::<i32>(b), scalar::<i32>(b));
+            let (q_pos0, kv_pos0) = (scalar::<u32>(b), scalar::<u32>(b));
+            let (doc_stride, doc_count) = (scalar::<u32>(b), scalar::<u32>(b));
             forward::forward_step_mma::expand::<E>(
                 &mut b.scope,
                 q,
@@ -159,14 +164,21 @@ pub fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, Strin
                 l,
                 out,
                 lse,
+                docs,
                 scale,
                 shift,
                 q_len,
                 kv_len,
                 heads,
                 group,
+                before,
+                after,
+                q_pos0,
+                kv_pos0,
+                doc_stride,
+                doc_count,
                 head_dim,
-                causal,
+                mask,
                 reads_state,
                 finishes,
             );
@@ -176,9 +188,13 @@ pub fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, Strin
         let (q, k, v, grad_out) = (input::<E>(b), input::<E>(b), input::<E>(b), input::<E>(b));
         let (lse, delta) = (input::<f32>(b), input::<f32>(b));
         let dq = output::<f32>(b);
+        let docs = input::<u32>(b);
         let (scale, shift) = (scalar::<f32>(b), scalar::<i32>(b));
         let (q_len, kv_len) = (scalar::<u32>(b), scalar::<u32>(b));
         let (heads, group) = (scalar::<u32>(b), scalar::<u32>(b));
+        let (before, after) = (scalar::<i32>(b), scalar::<i32>(b));
+        let (q_pos0, kv_pos0) = (scalar::<u32>(b), scalar::<u32>(b));
+        let (doc_stride, doc_count) = (scalar::<u32>(b), scalar::<u32>(b));
         backward::backward_dq_mma::expand::<E>(
             &mut b.scope,
             q,
@@ -188,14 +204,21 @@ pub fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, Strin
             lse,
             delta,
             dq,
+            docs,
             scale,
             shift,
             q_len,
             kv_len,
             heads,
             group,
+            before,
+            after,
+            q_pos0,
+            kv_pos0,
+            doc_stride,
+            doc_count,
             head_dim,
-            causal,
+            mask,
         );
     });
     let dkdv = |fuse_dq: bool, one_shot: bool| {
@@ -210,9 +233,13 @@ pub fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, Strin
                 let (dk, dv) = (output::<f32>(b), output::<f32>(b));
                 let dq = output::<Atomic<f32>>(b);
                 let (dk_out, dv_out) = (output::<E>(b), output::<E>(b));
+                let docs = input::<u32>(b);
                 let (scale, shift) = (scalar::<f32>(b), scalar::<i32>(b));
                 let (q_len, kv_len) = (scalar::<u32>(b), scalar::<u32>(b));
                 let (heads, group) = (scalar::<u32>(b), scalar::<u32>(b));
+                let (before, after) = (scalar::<i32>(b), scalar::<i32>(b));
+                let (q_pos0, kv_pos0) = (scalar::<u32>(b), scalar::<u32>(b));
+                let (doc_stride, doc_count) = (scalar::<u32>(b), scalar::<u32>(b));
                 dkdv::backward_dkdv_mma::expand::<E>(
                     &mut b.scope,
                     q,
@@ -226,14 +253,21 @@ pub fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, Strin
                     dq,
                     dk_out,
                     dv_out,
+                    docs,
                     scale,
                     shift,
                     q_len,
                     kv_len,
                     heads,
                     group,
+                    before,
+                    after,
+                    q_pos0,
+                    kv_pos0,
+                    doc_stride,
+                    doc_count,
                     head_dim,
-                    causal,
+                    mask,
                     fuse_dq,
                     one_shot,
                     true,
@@ -253,21 +287,37 @@ pub fn kernels<E: Float>(head_dim: usize, causal: bool) -> [(&'static str, Strin
     ]
 }
 
+/// The compile-time mask shapes the kernels are built for, by name: no mask, causal, a causal
+/// sliding window, causal documents, and all three.
+pub fn mask_kinds() -> [(&'static str, MaskKind); 5] {
+    let kind = |upper, lower, documents| MaskKind {
+        upper,
+        lower,
+        documents,
+    };
+    [
+        ("full", kind(false, false, false)),
+        ("causal", kind(true, false, false)),
+        ("window", kind(true, true, false)),
+        ("documents", kind(true, false, true)),
+        ("window_documents", kind(true, true, true)),
+    ]
+}
+
 fn main() {
     let mut args = std::env::args().skip(1);
     let out = PathBuf::from(args.next().unwrap_or_else(|| "kernels-cuda".into()));
     let elem = args.next().unwrap_or_else(|| "bf16".into());
     std::fs::create_dir_all(&out).expect("the output folder can be created");
     for head_dim in distflash_kernels::tensor_core::HEAD_DIMS {
-        for causal in [true, false] {
+        for (mask_name, mask) in mask_kinds() {
             let sources = match elem.as_str() {
-                "bf16" => kernels::<bf16>(head_dim, causal),
-                "f16" => kernels::<f16>(head_dim, causal),
+                "bf16" => kernels::<bf16>(head_dim, mask),
+                "f16" => kernels::<f16>(head_dim, mask),
                 other => panic!("element type must be bf16 or f16, not {other}"),
             };
             for (name, source) in sources {
-                let mask = if causal { "causal" } else { "full" };
-                let path = out.join(format!("{name}_{mask}_d{head_dim}.cu"));
+                let path = out.join(format!("{name}_{mask_name}_d{head_dim}.cu"));
                 std::fs::write(&path, source).expect("the source can be written");
                 println!("{}", path.display());
             }

@@ -8,6 +8,8 @@ use crate::grid::cube_slice;
 /// q_heads spread over grid y and z (see [`crate::grid`]).
 #[derive(CubeType)]
 pub struct QueryBlock {
+    /// Batch row of the block.
+    pub batch: u32,
     /// Element offset of this (batch, kv head)'s key/value rows.
     pub kv_base: usize,
     /// Row offset of this (batch, q head)'s query rows (multiply by `head_dim` for elements).
@@ -67,6 +69,7 @@ pub fn query_block_at(
     let start = index * rows as u32;
     let block_last = min(start + rows as u32, q_len) - 1;
     QueryBlock {
+        batch,
         kv_base: ((batch * kv_heads + kv_head) * kv_len) as usize * head_dim,
         row_base: (bh * q_len) as usize,
         start,
@@ -95,14 +98,4 @@ pub fn visible_key_end(
 #[cube]
 pub fn row_key_limit(row: u32, limit: u32, shift: i32) -> u32 {
     min(max(row as i32 + shift + 1, 0i32) as u32, limit)
-}
-
-/// Whether query row `row` sees key `key` (`key` is already known to be `< kv_len`).
-#[cube]
-pub fn key_visible(row: u32, key: u32, shift: i32, #[comptime] causal: bool) -> bool {
-    let mut visible = true;
-    if causal {
-        visible = key as i32 <= row as i32 + shift;
-    }
-    visible
 }

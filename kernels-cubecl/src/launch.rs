@@ -11,17 +11,13 @@ use crate::dims::AttentionDims;
 use crate::error::{launch_result, KernelError};
 use crate::grid;
 use crate::limits::DeviceLimits;
+use crate::mask::DocumentTable;
 use crate::plan::LaunchPlan;
 use crate::portable::{self, ROWS_PER_CUBE};
 use crate::state_kernels::{self, ELEMENT_UNITS, ROW_LANES, ROW_UNITS};
 use crate::tensor::{with_elem_type, DeviceTensor, ElemType};
 use crate::tensor_core::dq_fragments;
 use crate::tensor_core::{DqTarget, ForwardTarget, KeyGrads};
-
-/// The causal kernels' diagonal shift (`q_offset - kv_offset`, clamped), `None` when not causal.
-fn causal_shift(mask: &crate::mask::Mask, dims: &AttentionDims) -> Option<i32> {
-    mask.causal.then(|| mask.bounds(dims).shift)
-}
 
 fn check_qkv(
     q: &DeviceTensor,
@@ -75,7 +71,6 @@ fn enqueue_forward<R: Runtime>(
     options: &StepOptions,
 ) {
     let scale = options.resolved_scale(dims.head_dim);
-    let shift = causal_shift(&options.mask, dims);
     let portable = match plan {
         LaunchPlan::TensorCore(grids) => {
             let target = ForwardTarget::Step(state);
@@ -83,6 +78,8 @@ fn enqueue_forward<R: Runtime>(
         }
         LaunchPlan::Portable(portable) => portable,
     };
+    let bounds = options.mask.bounds(dims);
+    let docs = DocumentTable::of(client, &options.mask, &q.handle);
     for (key_begin, key_end) in portable_ranges(dims.kv_len, dims.head_dim) {
         with_elem_type!(q.elem, E => portable::forward::forward_step_portable::launch::<E, R>(
             client,
@@ -94,16 +91,23 @@ fn enqueue_forward<R: Runtime>(
             state.o.array_arg(),
             state.m.array_arg(),
             state.l.array_arg(),
+            docs.array_arg(),
             scale,
-            shift.unwrap_or(0),
+            bounds.shift,
             dims.q_len as u32,
             dims.kv_len as u32,
             dims.q_heads as u32,
             dims.group_size() as u32,
+            bounds.before,
+            bounds.after,
+            bounds.q_pos0,
+            bounds.kv_pos0,
+            bounds.doc_stride,
+            bounds.doc_count,
             key_begin,
             key_end,
             dims.head_dim,
-            shift.is_some(),
+            options.mask.kind(),
         ));
     }
 }
@@ -246,7 +250,7 @@ fn enqueue_tensor_core_forward<R: Runtime>(
         dims,
         grids,
         options.resolved_scale(dims.head_dim),
-        causal_shift(&options.mask, dims),
+        &options.mask,
     );
 }
 
@@ -400,7 +404,6 @@ fn enqueue_backward<R: Runtime>(
     options: &StepOptions,
 ) -> Result<(), KernelError> {
     let scale = options.resolved_scale(dims.head_dim);
-    let shift = causal_shift(&options.mask, dims);
     let portable = match plan {
         LaunchPlan::TensorCore(grids) => {
             let key_grads = KeyGrads {
@@ -420,7 +423,7 @@ fn enqueue_backward<R: Runtime>(
                     dims,
                     grids,
                     scale,
-                    shift,
+                    &options.mask,
                 )
             };
             if options.deterministic {
@@ -434,6 +437,8 @@ fn enqueue_backward<R: Runtime>(
         }
         LaunchPlan::Portable(portable) => portable,
     };
+    let bounds = options.mask.bounds(dims);
+    let docs = DocumentTable::of(client, &options.mask, &q.handle);
     for (key_begin, key_end) in portable_ranges(dims.kv_len, dims.head_dim) {
         with_elem_type!(q.elem, E => portable::backward::backward_dq_portable::launch::<E, R>(
             client,
@@ -446,17 +451,24 @@ fn enqueue_backward<R: Runtime>(
             lse.array_arg(),
             delta.array_arg(),
             grads.dq.array_arg(),
+            docs.array_arg(),
             scale,
-            shift.unwrap_or(0),
+            bounds.shift,
             dims.q_len as u32,
             dims.kv_len as u32,
             dims.q_heads as u32,
             dims.group_size() as u32,
+            bounds.before,
+            bounds.after,
+            bounds.q_pos0,
+            bounds.kv_pos0,
+            bounds.doc_stride,
+            bounds.doc_count,
             key_begin,
             key_end,
             dims.head_dim,
             portable.dq_tile_rows,
-            shift.is_some(),
+            options.mask.kind(),
         ));
     }
     for (query_begin, query_end) in portable_ranges(dims.q_len, dims.head_dim * dims.group_size()) {
@@ -472,17 +484,24 @@ fn enqueue_backward<R: Runtime>(
             delta.array_arg(),
             grads.dk.array_arg(),
             grads.dv.array_arg(),
+            docs.array_arg(),
             scale,
-            shift.unwrap_or(0),
+            bounds.shift,
             dims.q_len as u32,
             dims.kv_len as u32,
             dims.kv_heads as u32,
             dims.group_size() as u32,
+            bounds.before,
+            bounds.after,
+            bounds.q_pos0,
+            bounds.kv_pos0,
+            bounds.doc_stride,
+            bounds.doc_count,
             query_begin,
             query_end,
             dims.head_dim,
             portable.dkdv_tile_rows,
-            shift.is_some(),
+            options.mask.kind(),
         ));
     }
     Ok(())
@@ -565,7 +584,7 @@ fn enqueue_finished_backward<R: Runtime>(
             dims,
             grids,
             scale,
-            causal_shift(&options.mask, dims),
+            &options.mask,
         )
     };
     let dq = if options.deterministic {

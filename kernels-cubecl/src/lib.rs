@@ -44,5 +44,8 @@ pub use launch::{
 pub use limits::scalar_fragment_stores;
 pub use limits::DeviceLimits;
 pub use mask::{Documents, Mask, SlidingWindow};
+// The kernels' compile-time mask shape: public for the `dump_cuda` example, like `tensor_core`.
+#[doc(hidden)]
+pub use mask::MaskKind;
 pub use plan::check_launch;
 pub use tensor::{DeviceTensor, ElemType};

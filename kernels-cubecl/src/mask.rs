@@ -389,7 +389,7 @@ impl Mask {
 
 /// Which parts of a [`Mask`] a kernel is compiled with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub(crate) struct MaskKind {
+pub struct MaskKind {
     /// Each query row's keys end at `i + shift + after + 1` (causal, or a window).
     pub upper: bool,
     /// Each query row's keys start at `i + shift - before` (a window).

@@ -11,9 +11,9 @@ use half::{bf16, f16};
 
 fn check<E: cubecl::prelude::Float>(elem: &str) {
     for head_dim in distflash_kernels::tensor_core::HEAD_DIMS {
-        for causal in [true, false] {
-            for (name, source) in dump_cuda::kernels::<E>(head_dim, causal) {
-                let at = format!("{name} ({elem}, head dim {head_dim}, causal {causal})");
+        for (mask_name, mask) in dump_cuda::mask_kinds() {
+            for (name, source) in dump_cuda::kernels::<E>(head_dim, mask) {
+                let at = format!("{name} ({elem}, head dim {head_dim}, mask {mask_name})");
                 assert!(
                     !source.contains("__powf("),
                     "{at}: an exp2 is still printed as __powf"

@@ -7,8 +7,8 @@
 
 use cubecl::prelude::*;
 use distflash_kernels::{
-    AttentionDims, DeviceTensor, ElemType, GradAccumulators, KernelError, Mask, SoftmaxState,
-    StepOptions, Variant,
+    AttentionDims, DeviceTensor, Documents, ElemType, GradAccumulators, KernelError, Mask,
+    SlidingWindow, SoftmaxState, StepOptions, Variant,
 };
 use distflash_oracle::{self as oracle, assert_close, exact, naive_rounding, to_f32, to_f64, Rng};
 
@@ -361,6 +361,63 @@ fn masks(q_len: usize, kv_len: usize) -> Vec<Mask> {
     ]
 }
 
+/// Cumulative lengths of documents of the given lengths, repeated and cut to end at `len`.
+fn packed(lengths: &[usize], len: usize) -> Vec<usize> {
+    let mut cu = vec![0];
+    for &l in lengths.iter().cycle() {
+        let end = (cu[cu.len() - 1] + l).min(len);
+        cu.push(end);
+        if end == len {
+            return cu;
+        }
+    }
+    unreachable!("cycle never ends")
+}
+
+/// Sliding windows and packed documents for a `batch` x `q_len` x `kv_len` call whose query and
+/// key chunks both end at the sequence's last position: windows of 1, 37 and longer than the
+/// sequence, a two-sided window without causality, documents of lengths 1, odd and longer than a
+/// tile (shared, and one list per batch row), bidirectional documents, documents with a window.
+fn band_masks(batch: usize, q_len: usize, kv_len: usize) -> Vec<Mask> {
+    let total = q_len.max(kv_len);
+    let at = |m: Mask| m.at((total - q_len) as i64, (total - kv_len) as i64);
+    let docs = Documents::from_cu_seqlens(&packed(&[1, 7, 64, 3, 130, 33], total)).unwrap();
+    let rows: Vec<Vec<usize>> = (0..batch)
+        .map(|b| packed(&[5 + 40 * b, 1, 71, 2], total))
+        .collect();
+    let per_row = Documents::per_batch_row(&rows).unwrap();
+    vec![
+        at(Mask::causal().with_window(SlidingWindow::causal(1))),
+        at(Mask::causal().with_window(SlidingWindow::causal(37))),
+        at(Mask::causal().with_window(SlidingWindow::causal(10 * total))),
+        at(Mask::none().with_window(SlidingWindow::two_sided(19, 45))),
+        at(Mask::causal().with_documents(docs.clone())),
+        at(Mask::causal().with_documents(per_row)),
+        at(Mask::none().with_documents(docs.clone())),
+        at(Mask::causal()
+            .with_documents(docs)
+            .with_window(SlidingWindow::causal(50))),
+    ]
+}
+
+/// Sliding windows and documents (see [`band_masks`]), forward and backward, against the
+/// reference: shapes with several key tiles and query blocks, GQA and two batch rows.
+pub fn band_masks_match_reference<R: Runtime>(client: &ComputeClient<R>, elem: ElemType) {
+    for (elem, variant) in configurations(client, elem) {
+        for (heads, lens) in [
+            ((1, 4, 2), (131, 197, 64)),
+            ((2, 3, 3), (96, 96, 128)),
+            ((1, 2, 1), (300, 300, 64)),
+        ] {
+            for mask in band_masks(heads.0, lens.0, lens.1) {
+                let case = Case::new(53, heads, lens, mask, elem);
+                check_forward(client, &case, variant);
+                check_backward(client, &case, variant);
+            }
+        }
+    }
+}
+
 pub fn forward_matches_reference<R: Runtime>(client: &ComputeClient<R>, elem: ElemType) {
     for (elem, variant) in configurations(client, elem) {
         for (heads, lens) in [
@@ -420,7 +477,12 @@ fn chunk_mask(case: &Case, start: usize) -> Mask {
 pub fn chunks_step_and_merge_exactly<R: Runtime>(client: &ComputeClient<R>, elem: ElemType) {
     for (elem, variant) in configurations(client, elem) {
         let causal = Mask::causal().at(150, 0);
-        for mask in [Mask::none(), causal] {
+        let documents = Documents::from_cu_seqlens(&packed(&[9, 61, 2, 100], 227)).unwrap();
+        let banded = Mask::causal()
+            .with_documents(documents)
+            .with_window(SlidingWindow::causal(70))
+            .at(150, 0);
+        for mask in [Mask::none(), causal, banded] {
             let case = Case::new(31, (1, 4, 2), (77, 227, 64), mask.clone(), elem);
             let dims = case.dims;
             let (q, k, v) = case.qkv(client);
@@ -687,6 +749,52 @@ pub fn bad_input_is_refused<R: Runtime>(client: &ComputeClient<R>) {
     };
     let msg = err(distflash_kernels::attention(client, &q, &k, &k, &nan_scale));
     assert!(msg.contains("scale must be finite"), "{msg}");
+
+    // Document boundaries: refused at construction, or when they do not fit the call.
+    let bad = |r: Result<Documents, KernelError>| r.unwrap_err().to_string();
+    let msg = bad(Documents::from_cu_seqlens(&[0, 5, 5, 8]));
+    assert!(msg.contains("strictly increase"), "{msg}");
+    let msg = bad(Documents::from_cu_seqlens(&[1, 8]));
+    assert!(msg.contains("start at 0"), "{msg}");
+    let msg = bad(Documents::per_batch_row(&[vec![0, 8], vec![0, 3, 9]]));
+    assert!(msg.contains("must end at the sequence length"), "{msg}");
+    let with_documents = |cu: &[usize], q_offset: i64| StepOptions {
+        mask: Mask::causal()
+            .with_documents(Documents::from_cu_seqlens(cu).unwrap())
+            .at(q_offset, 0),
+        ..opts.clone()
+    };
+    let msg = err(distflash_kernels::attention(
+        client,
+        &q,
+        &k,
+        &k,
+        &with_documents(&[0, 3, 6], 0),
+    ));
+    assert!(msg.contains("the documents cover 0..6"), "{msg}");
+    let msg = err(distflash_kernels::attention(
+        client,
+        &q,
+        &k,
+        &k,
+        &with_documents(&[0, 3, 8], -1),
+    ));
+    assert!(msg.contains("positions -1..7"), "{msg}");
+    let two_rows = Documents::per_batch_row(&[vec![0, 8], vec![0, 4, 8]]).unwrap();
+    let msg = err(distflash_kernels::attention(
+        client,
+        &q,
+        &k,
+        &k,
+        &StepOptions {
+            mask: Mask::causal().with_documents(two_rows),
+            ..opts.clone()
+        },
+    ));
+    assert!(
+        msg.contains("given for 2 batch rows, the call has 1"),
+        "{msg}"
+    );
     if !supports(client, ElemType::BF16) {
         let bf16 = |shape: Vec<usize>| {
             DeviceTensor::from_f32(
@@ -781,6 +889,7 @@ macro_rules! suite {
             suite!(@per_elem backward, backward_matches_reference, $client $(, #[$attr])?);
             suite!(@per_elem chunks, chunks_step_and_merge_exactly, $client $(, #[$attr])?);
             suite!(@per_elem fully_masked, fully_masked_rows_are_zero, $client $(, #[$attr])?);
+            suite!(@per_elem band_masks, band_masks_match_reference, $client $(, #[$attr])?);
             suite!(@per_elem folded_grid, folded_grid_matches_reference, $client $(, #[$attr])?);
             #[test] $(#[$attr])? fn bad_input() { bad_input_is_refused(&$client) }
             #[test] $(#[$attr])? fn linear_grid() { linear_grid_folds(&$client) }

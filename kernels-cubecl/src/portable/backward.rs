@@ -5,8 +5,9 @@
 use cubecl::prelude::*;
 
 use super::ROWS_PER_CUBE;
-use crate::geometry::{key_visible, query_block};
+use crate::geometry::query_block;
 use crate::grid::cube_slice;
+use crate::mask::{key_query_range, row_key_range, MaskBounds, MaskKind};
 use crate::stats::probability_from_lse;
 
 /// Shared memory of [`backward_dq_portable`] with tiles of `tile_rows` keys: the K and V tiles.
@@ -32,33 +33,55 @@ pub fn backward_dq_portable<E: Float>(
     lse: &Array<f32>,
     delta: &Array<f32>,
     dq: &mut Array<f32>,
+    docs: &Array<u32>,
     scale: f32,
     shift: i32,
     q_len: u32,
     kv_len: u32,
     q_heads: u32,
     group_size: u32,
+    before: i32,
+    after: i32,
+    q_pos0: u32,
+    kv_pos0: u32,
+    doc_stride: u32,
+    doc_count: u32,
     key_begin: u32,
     key_end: u32,
     #[comptime] head_dim: usize,
     #[comptime] tile_rows: usize,
-    #[comptime] causal: bool,
+    #[comptime] mask: MaskKind,
 ) {
+    let bounds = MaskBounds {
+        shift,
+        before,
+        after,
+        q_pos0,
+        kv_pos0,
+        doc_stride,
+        doc_count,
+    };
     let block = query_block(
         q_len,
         kv_len,
         q_heads,
         group_size,
-        shift,
+        0i32,
         ROWS_PER_CUBE,
         head_dim,
-        causal,
+        false,
     );
     let kv_base = block.kv_base;
-    let kv_end = block.kv_end;
     let row = block.start + UNIT_POS;
     let active = row < q_len;
     let row_index = block.row_base + row as usize;
+    // Each row's visible keys, and the cube's: from its first row's first key to its last row's
+    // last (both ends never decrease with the row).
+    let last_row = min(block.start + ROWS_PER_CUBE as u32, q_len) - 1;
+    let (cube_begin, _) = row_key_range(docs, &bounds, block.batch, block.start, kv_len, mask);
+    let (_, cube_end) = row_key_range(docs, &bounds, block.batch, last_row, kv_len, mask);
+    let (row_begin, row_end) =
+        row_key_range(docs, &bounds, block.batch, min(row, last_row), kv_len, mask);
 
     let mut q_row = Array::<f32>::new(head_dim);
     let mut do_row = Array::<f32>::new(head_dim);
@@ -79,15 +102,16 @@ pub fn backward_dq_portable<E: Float>(
     let mut k_tile = SharedMemory::<f32>::new(tile_rows * head_dim);
     let mut v_tile = SharedMemory::<f32>::new(tile_rows * head_dim);
     // The host bounds `[key_begin, key_end)` per launch (see `launch::portable_span`).
-    let key_stop = min(kv_end, key_end);
+    let key_first = max(cube_begin, key_begin);
+    let key_stop = min(cube_end, key_end);
     let mut num_tiles = 0u32;
-    if key_begin < key_stop {
-        num_tiles = (key_stop - key_begin).div_ceil(tile_rows as u32);
+    if key_first < key_stop {
+        num_tiles = (key_stop - key_first).div_ceil(tile_rows as u32);
     }
     let loads_per_unit = comptime!(tile_rows * head_dim / ROWS_PER_CUBE);
 
     for tile in 0..num_tiles {
-        let tile_start = key_begin + tile * tile_rows as u32;
+        let tile_start = key_first + tile * tile_rows as u32;
         sync_cube();
         for r in 0..loads_per_unit {
             let idx = r * ROWS_PER_CUBE + UNIT_POS as usize;
@@ -107,7 +131,7 @@ pub fn backward_dq_portable<E: Float>(
         if active {
             for j in 0..tile_rows {
                 let key = tile_start + j as u32;
-                if key < key_stop && key_visible(row, key, shift, causal) {
+                if key < key_stop && key >= row_begin && key < row_end {
                     let mut score = 0.0f32;
                     let mut dp = 0.0f32;
                     for d in 0..head_dim {
@@ -145,18 +169,34 @@ pub fn backward_dkdv_portable<E: Float>(
     delta: &Array<f32>,
     dk: &mut Array<f32>,
     dv: &mut Array<f32>,
+    docs: &Array<u32>,
     scale: f32,
     shift: i32,
     q_len: u32,
     kv_len: u32,
     kv_heads: u32,
     group_size: u32,
+    before: i32,
+    after: i32,
+    q_pos0: u32,
+    kv_pos0: u32,
+    doc_stride: u32,
+    doc_count: u32,
     query_begin: u32,
     query_end: u32,
     #[comptime] head_dim: usize,
     #[comptime] tile_rows: usize,
-    #[comptime] causal: bool,
+    #[comptime] mask: MaskKind,
 ) {
+    let bounds = MaskBounds {
+        shift,
+        before,
+        after,
+        q_pos0,
+        kv_pos0,
+        doc_stride,
+        doc_count,
+    };
     let bkv = cube_slice();
     let batch = bkv / kv_heads;
     let kv_head = bkv % kv_heads;
@@ -167,12 +207,13 @@ pub fn backward_dkdv_portable<E: Float>(
     let active = key < kv_len;
     let key_index = (bkv * kv_len + key) as usize;
 
-    // First query row that can see the first key of this block.
-    let mut q_begin = 0u32;
-    if causal {
-        q_begin = max(block_start as i32 - shift, 0i32) as u32;
-        q_begin = min(q_begin, q_len);
-    }
+    // The queries that see each key, and the cube's: from its first key's first query to its
+    // last key's last (both ends never decrease with the key).
+    let last_key = min(block_start + ROWS_PER_CUBE as u32, kv_len) - 1;
+    let (q_begin, _) = key_query_range(docs, &bounds, batch, block_start, q_len, mask);
+    let (_, q_end) = key_query_range(docs, &bounds, batch, last_key, q_len, mask);
+    let (key_q_begin, key_q_end) =
+        key_query_range(docs, &bounds, batch, min(key, last_key), q_len, mask);
 
     let mut k_row = Array::<f32>::new(head_dim);
     let mut v_row = Array::<f32>::new(head_dim);
@@ -195,7 +236,7 @@ pub fn backward_dkdv_portable<E: Float>(
     let loads_per_unit = comptime!(tile_rows * head_dim / ROWS_PER_CUBE);
     // The host bounds `[query_begin, query_end)` per launch (see `launch::portable_span`).
     let q_first = max(q_begin, query_begin);
-    let q_stop = min(q_len, query_end);
+    let q_stop = min(q_end, query_end);
     let mut num_tiles = 0u32;
     if q_first < q_stop {
         num_tiles = (q_stop - q_first).div_ceil(tile_rows as u32);
@@ -236,7 +277,7 @@ pub fn backward_dkdv_portable<E: Float>(
             if active {
                 for i in 0..tile_rows {
                     let qrow = tile_start + i as u32;
-                    if qrow < q_stop && key_visible(qrow, key, shift, causal) {
+                    if qrow < q_stop && qrow >= key_q_begin && qrow < key_q_end {
                         let mut score = 0.0f32;
                         let mut dp = 0.0f32;
                         for d in 0..head_dim {

@@ -3,11 +3,13 @@
 use cubecl::prelude::*;
 
 use super::{ROWS_PER_CUBE, TILE_ROWS};
-use crate::geometry::{key_visible, query_block};
+use crate::geometry::query_block;
+use crate::mask::{row_key_range, MaskBounds, MaskKind};
 use crate::stats::{rescale_factor, unnormalised_weight};
 
 /// One cube = `ROWS_PER_CUBE` query rows of one (batch, query head); slices = batch * q_heads
-/// (see [`crate::grid`]).
+/// (see [`crate::grid`]). Each row walks only its visible keys, one contiguous range under every
+/// mask (see [`crate::mask`]): no key is compared against the mask.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn forward_step_portable<E: Float>(
@@ -17,32 +19,54 @@ pub fn forward_step_portable<E: Float>(
     o: &mut Array<f32>,
     m: &mut Array<f32>,
     l: &mut Array<f32>,
+    docs: &Array<u32>,
     scale: f32,
     shift: i32,
     q_len: u32,
     kv_len: u32,
     q_heads: u32,
     group_size: u32,
+    before: i32,
+    after: i32,
+    q_pos0: u32,
+    kv_pos0: u32,
+    doc_stride: u32,
+    doc_count: u32,
     key_begin: u32,
     key_end: u32,
     #[comptime] head_dim: usize,
-    #[comptime] causal: bool,
+    #[comptime] mask: MaskKind,
 ) {
+    let bounds = MaskBounds {
+        shift,
+        before,
+        after,
+        q_pos0,
+        kv_pos0,
+        doc_stride,
+        doc_count,
+    };
     let block = query_block(
         q_len,
         kv_len,
         q_heads,
         group_size,
-        shift,
+        0i32,
         ROWS_PER_CUBE,
         head_dim,
-        causal,
+        false,
     );
     let kv_base = block.kv_base;
-    let kv_end = block.kv_end;
     let row = block.start + UNIT_POS;
     let active = row < q_len;
     let row_index = block.row_base + row as usize;
+    let mut visible_begin = 0u32;
+    let mut visible_end = 0u32;
+    if active {
+        let (lo, hi) = row_key_range(docs, &bounds, block.batch, row, kv_len, mask);
+        visible_begin = lo;
+        visible_end = hi;
+    }
 
     let mut q_row = Array::<f32>::new(head_dim);
     let mut acc = Array::<f32>::new(head_dim);
@@ -60,11 +84,12 @@ pub fn forward_step_portable<E: Float>(
 
     // Keys are read straight from global memory (cached); this variant exists for portability,
     // not speed. The host bounds `[key_begin, key_end)` per launch (see `launch::portable_span`).
-    let key_stop = min(kv_end, key_end);
-    if active && key_begin < key_stop {
-        let num_tiles = (key_stop - key_begin).div_ceil(TILE_ROWS as u32);
+    let key_first = max(visible_begin, key_begin);
+    let key_stop = min(visible_end, key_end);
+    if active && key_first < key_stop {
+        let num_tiles = (key_stop - key_first).div_ceil(TILE_ROWS as u32);
         for tile in 0..num_tiles {
-            let tile_start = key_begin + tile * TILE_ROWS as u32;
+            let tile_start = key_first + tile * TILE_ROWS as u32;
             // Runtime-bounded key loops: with a compile-time bound of 16, llvmpipe unrolls them
             // around the head_dim loops and compiles for half a minute at head dim 32.
             let tile_len = min(key_stop - tile_start, TILE_ROWS as u32);
@@ -76,9 +101,7 @@ pub fn forward_step_portable<E: Float>(
                 for d in 0..head_dim {
                     dot += q_row[d] * f32::cast_from(k[at + d]);
                 }
-                if key_visible(row, key, shift, causal) {
-                    tile_max = max(tile_max, dot);
-                }
+                tile_max = max(tile_max, dot);
                 scores[j as usize] = dot;
             }
             let alpha = rescale_factor(m_i, tile_max);
@@ -88,13 +111,11 @@ pub fn forward_step_portable<E: Float>(
             }
             for j in 0..tile_len {
                 let key = tile_start + j;
-                if key_visible(row, key, shift, causal) {
-                    let p = unnormalised_weight(scores[j as usize], tile_max);
-                    l_i += p;
-                    let at = kv_base + key as usize * head_dim;
-                    for d in 0..head_dim {
-                        acc[d] += p * f32::cast_from(v[at + d]);
-                    }
+                let p = unnormalised_weight(scores[j as usize], tile_max);
+                l_i += p;
+                let at = kv_base + key as usize * head_dim;
+                for d in 0..head_dim {
+                    acc[d] += p * f32::cast_from(v[at + d]);
                 }
             }
             m_i = tile_max;

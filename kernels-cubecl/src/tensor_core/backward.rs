@@ -23,6 +23,7 @@ use super::warp_tile::{
     zero_accumulator,
 };
 use crate::geometry::{query_block_at, row_key_limit, visible_key_end};
+use crate::mask::{MaskBounds, MaskKind};
 use crate::stats::{lse_log2, weight_log2, LOG2_E};
 
 /// Query rows per dQ cube (16 per plane), and per query tile of the dK/dV kernel.
@@ -44,15 +45,33 @@ pub fn backward_dq_mma<E: Float>(
     lse: &Array<f32>,
     delta: &Array<f32>,
     dq: &mut Array<f32>,
+    docs: &Array<u32>,
     scale: f32,
     shift: i32,
     q_len: u32,
     kv_len: u32,
     q_heads: u32,
     group_size: u32,
+    before: i32,
+    after: i32,
+    q_pos0: u32,
+    kv_pos0: u32,
+    doc_stride: u32,
+    doc_count: u32,
     #[comptime] head_dim: usize,
-    #[comptime] causal: bool,
+    #[comptime] mask: MaskKind,
 ) {
+    let causal = comptime!(mask.upper);
+    let _bounds = MaskBounds {
+        shift,
+        before,
+        after,
+        q_pos0,
+        kv_pos0,
+        doc_stride,
+        doc_count,
+    };
+    let _docs_len = docs.len();
     let def = mma_definition::<E>();
     let size!(NA) = def.vector_size(MatrixIdent::A);
     let size!(NB) = def.vector_size(MatrixIdent::B);

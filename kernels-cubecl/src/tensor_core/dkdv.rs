@@ -33,6 +33,7 @@ use super::warp_tile::{
     store_accumulator_columns, store_to_tile, zero_accumulator,
 };
 use crate::grid::paired_slice_block;
+use crate::mask::{MaskBounds, MaskKind};
 use crate::stats::{lse_log2, weight_log2, LOG2_E};
 
 /// Planes (warps) of a dK/dV cube.
@@ -94,18 +95,36 @@ pub fn backward_dkdv_mma<E: Float>(
     dq: &mut Array<Atomic<f32>>,
     dk_out: &mut Array<E>,
     dv_out: &mut Array<E>,
+    docs: &Array<u32>,
     scale: f32,
     shift: i32,
     q_len: u32,
     kv_len: u32,
     kv_heads: u32,
     group_size: u32,
+    before: i32,
+    after: i32,
+    q_pos0: u32,
+    kv_pos0: u32,
+    doc_stride: u32,
+    doc_count: u32,
     #[comptime] head_dim: usize,
-    #[comptime] causal: bool,
+    #[comptime] mask: MaskKind,
     #[comptime] fuse_dq: bool,
     #[comptime] one_shot: bool,
     #[comptime] stmatrix: bool,
 ) {
+    let causal = comptime!(mask.upper);
+    let _bounds = MaskBounds {
+        shift,
+        before,
+        after,
+        q_pos0,
+        kv_pos0,
+        doc_stride,
+        doc_count,
+    };
+    let _docs_len = docs.len();
     let def = mma_definition::<E>();
     let size!(NA) = def.vector_size(MatrixIdent::A);
     let size!(NB) = def.vector_size(MatrixIdent::B);

@@ -128,6 +128,18 @@ impl LaunchArguments {
         ArrayCompilationArg { inplace: None }
     }
 
+    /// Registers a document table as the next array parameter (`u32` entries).
+    pub(crate) fn table(&mut self, table: &crate::mask::DocumentTable) -> ArrayCompilationArg {
+        let binding = table.handle.clone().binding();
+        self.info.metadata.register_array(
+            binding.size_in_used() / 4,
+            table.len as u64,
+            self.address_type,
+        );
+        self.buffers.push(binding);
+        ArrayCompilationArg { inplace: None }
+    }
+
     /// Registers `value` as the next scalar parameter (the kernel's definition takes `()` for
     /// it: scalars are compiled by type alone). Scalars are kept apart from the arrays, so only
     /// their order among themselves matters.

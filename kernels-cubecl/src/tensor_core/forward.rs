@@ -30,6 +30,7 @@ use super::warp_tile::{
     update_rows, zero_accumulator,
 };
 use crate::geometry::{query_block_at, row_key_limit, visible_key_end};
+use crate::mask::{MaskBounds, MaskKind};
 use crate::stats::{
     log_sum_exp, negative_infinity, output_normaliser, rescale_factor_log2, weight_log2, LN_2,
     LOG2_E,
@@ -83,17 +84,35 @@ pub fn forward_step_mma<E: Float>(
     l: &mut Array<f32>,
     out: &mut Array<E>,
     lse: &mut Array<f32>,
+    docs: &Array<u32>,
     scale: f32,
     shift: i32,
     q_len: u32,
     kv_len: u32,
     q_heads: u32,
     group_size: u32,
+    before: i32,
+    after: i32,
+    q_pos0: u32,
+    kv_pos0: u32,
+    doc_stride: u32,
+    doc_count: u32,
     #[comptime] head_dim: usize,
-    #[comptime] causal: bool,
+    #[comptime] mask: MaskKind,
     #[comptime] reads_state: bool,
     #[comptime] finishes: bool,
 ) {
+    let causal = comptime!(mask.upper);
+    let _bounds = MaskBounds {
+        shift,
+        before,
+        after,
+        q_pos0,
+        kv_pos0,
+        doc_stride,
+        doc_count,
+    };
+    let _docs_len = docs.len();
     let def = mma_definition::<E>();
     let size!(NA) = def.vector_size(MatrixIdent::A);
     let size!(NB) = def.vector_size(MatrixIdent::B);

@@ -19,6 +19,7 @@ use crate::dims::AttentionDims;
 use crate::error::KernelError;
 use crate::grid::{self, Rows};
 use crate::limits::DeviceLimits;
+use crate::mask::{DocumentTable, Mask};
 use crate::tensor::{DeviceTensor, ElemType};
 use backward::{KEY_ROWS, QUERY_ROWS};
 use dkdv::{DKDV_KEYS, DKDV_UNITS};
@@ -205,7 +206,7 @@ pub(crate) fn forward<R: Runtime>(
     dims: &AttentionDims,
     grids: &Grids,
     scale: f32,
-    shift: Option<i32>,
+    mask: &Mask,
 ) {
     let ForwardArguments {
         state: [o, m, l],
@@ -213,8 +214,10 @@ pub(crate) fn forward<R: Runtime>(
         reads_state,
         finishes,
     } = target.arguments(client, q.elem);
+    let docs = DocumentTable::of(client, mask, &q.handle);
     let mut args = LaunchArguments::new(KERNEL_ADDRESS);
-    let [s0, s1, s2, s3, s4, s5] = register_scalars(&mut args, scale, shift, dims, dims.q_heads);
+    let scalars = register_scalars(&mut args, scale, mask, dims, dims.q_heads);
+    let [s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11] = scalars;
     crate::tensor::with_elem_type!(q.elem, E => {
         let kernel = forward::forward_step_mma::ForwardStepMma::<E, R>::new(
             settings(UNITS),
@@ -227,14 +230,21 @@ pub(crate) fn forward<R: Runtime>(
             args.array(&l),
             args.array(&out),
             args.array(&lse),
+            args.table(&docs),
             s0,
             s1,
             s2,
             s3,
             s4,
             s5,
+            s6,
+            s7,
+            s8,
+            s9,
+            s10,
+            s11,
             dims.head_dim,
-            shift.is_some(),
+            mask.kind(),
             reads_state,
             finishes,
         );
@@ -282,13 +292,14 @@ pub(crate) fn backward_step<R: Runtime>(
     dims: &AttentionDims,
     grids: &Grids,
     scale: f32,
-    shift: Option<i32>,
+    mask: &Mask,
 ) {
+    let docs = DocumentTable::of(client, mask, &q.handle);
     let (dq, fuse_dq) = match dq {
         DqTarget::Rows(rows) => {
             let mut args = LaunchArguments::new(KERNEL_ADDRESS);
-            let [s0, s1, s2, s3, s4, s5] =
-                register_scalars(&mut args, scale, shift, dims, dims.q_heads);
+            let scalars = register_scalars(&mut args, scale, mask, dims, dims.q_heads);
+            let [s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11] = scalars;
             crate::tensor::with_elem_type!(q.elem, E => {
                 let kernel = backward::backward_dq_mma::BackwardDqMma::<E, R>::new(
                     settings(UNITS),
@@ -300,14 +311,21 @@ pub(crate) fn backward_step<R: Runtime>(
                     args.array(lse),
                     args.array(delta),
                     args.array(rows),
+                    args.table(&docs),
                     s0,
                     s1,
                     s2,
                     s3,
                     s4,
                     s5,
+                    s6,
+                    s7,
+                    s8,
+                    s9,
+                    s10,
+                    s11,
                     dims.head_dim,
-                    shift.is_some(),
+                    mask.kind(),
                 );
                 // SAFETY: shapes were validated by the caller; the kernel guards every global
                 // access against `q_len`/`kv_len`, and the arguments follow its parameters.
@@ -334,7 +352,8 @@ pub(crate) fn backward_step<R: Runtime>(
         )
     };
     let mut args = LaunchArguments::new(KERNEL_ADDRESS);
-    let [s0, s1, s2, s3, s4, s5] = register_scalars(&mut args, scale, shift, dims, dims.kv_heads);
+    let scalars = register_scalars(&mut args, scale, mask, dims, dims.kv_heads);
+    let [s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11] = scalars;
     crate::tensor::with_elem_type!(q.elem, E => {
         let kernel = dkdv::backward_dkdv_mma::BackwardDkdvMma::<E, R>::new(
             settings(DKDV_UNITS),
@@ -350,14 +369,21 @@ pub(crate) fn backward_step<R: Runtime>(
             args.array(dq),
             args.array(&dk_out),
             args.array(&dv_out),
+            args.table(&docs),
             s0,
             s1,
             s2,
             s3,
             s4,
             s5,
+            s6,
+            s7,
+            s8,
+            s9,
+            s10,
+            s11,
             dims.head_dim,
-            shift.is_some(),
+            mask.kind(),
             fuse_dq,
             key_grads.finished,
             grids.stmatrix,
@@ -367,25 +393,34 @@ pub(crate) fn backward_step<R: Runtime>(
     });
 }
 
-/// Registers the six scalars every tensor-core kernel takes after its arrays, in their order:
-/// the score scale, the causal diagonal shift (0 without a mask), `q_len`, `kv_len`, the heads
-/// the grid walks (`heads`) and the query heads per key/value head. Returns their compilation
-/// arguments (`()` each), for the kernel's constructor. Scalars and arrays are registered in
-/// separate lists, so registering the scalars first keeps both in parameter order.
+/// Registers the twelve scalars every tensor-core kernel takes after its arrays, in their order:
+/// the score scale, the mask's diagonal shift, `q_len`, `kv_len`, the heads the grid walks
+/// (`heads`), the query heads per key/value head, then the rest of the mask's
+/// [`MaskBounds`](crate::mask::MaskBounds) (`before`, `after`, `q_pos0`, `kv_pos0`, `doc_stride`,
+/// `doc_count`). Returns their compilation arguments (`()` each), for the kernel's constructor.
+/// Scalars and arrays are registered in separate lists, so registering the scalars first keeps
+/// both in parameter order.
 fn register_scalars(
     args: &mut LaunchArguments,
     scale: f32,
-    shift: Option<i32>,
+    mask: &Mask,
     dims: &AttentionDims,
     heads: usize,
-) -> [(); 6] {
+) -> [(); 12] {
+    let bounds = mask.bounds(dims);
     args.scalar(scale);
-    args.scalar(shift.unwrap_or(0));
+    args.scalar(bounds.shift);
     args.scalar(dims.q_len as u32);
     args.scalar(dims.kv_len as u32);
     args.scalar(heads as u32);
     args.scalar(dims.group_size() as u32);
-    [(); 6]
+    args.scalar(bounds.before);
+    args.scalar(bounds.after);
+    args.scalar(bounds.q_pos0);
+    args.scalar(bounds.kv_pos0);
+    args.scalar(bounds.doc_stride);
+    args.scalar(bounds.doc_count);
+    [(); 12]
 }
 
 /// Settings of a tensor-core kernel launched with cubes of `units` units.

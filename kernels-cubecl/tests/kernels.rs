@@ -938,15 +938,33 @@ suite!(
 /// Larger and odd shapes, checked on the GPU only (the f64 host reference takes seconds here):
 /// 5 heads at 1023 tokens with head dim 128, GQA with 32 query heads over 8 key/value heads, and
 /// a later query chunk against a longer key chunk (`q_offset` 300, not a multiple of any tile), so
-/// the kernels' unmasked interior tiles, diagonal tiles and partial last tiles all run.
+/// the kernels' unmasked interior tiles, diagonal tiles and partial last tiles all run; a sliding
+/// window and packed documents over many tiles, so skipped tiles and masked leading tiles run.
 pub fn larger_shapes_match_reference<R: Runtime>(client: &ComputeClient<R>, elem: ElemType) {
     let later_chunk = Mask::causal().at(300, 0);
+    // A window over several key tiles, not a multiple of any; documents from 1 to 700 tokens
+    // crossing tiles and blocks (one list per batch row), with and without a window.
+    let long_window = Mask::causal().with_window(SlidingWindow::causal(333));
+    let rows = vec![
+        packed(&[700, 1, 3, 129, 64, 203], 1100),
+        packed(&[17, 250, 90], 1100),
+    ];
+    let long_documents = Mask::causal()
+        .with_documents(Documents::per_batch_row(&rows).unwrap())
+        .at(400, 0);
+    let windowed_documents = Mask::causal()
+        .with_documents(Documents::from_cu_seqlens(&rows[1]).unwrap())
+        .with_window(SlidingWindow::causal(100))
+        .at(400, 0);
     for (elem, variant) in configurations(client, elem) {
         for (heads, lens, mask) in [
             ((1, 5, 5), (1023, 1023, 128), Mask::causal()),
             ((1, 32, 8), (257, 257, 64), Mask::causal()),
             ((1, 4, 2), (700, 1100, 128), later_chunk.clone()),
             ((2, 2, 1), (515, 1100, 64), later_chunk.clone()),
+            ((1, 4, 2), (1023, 1023, 128), long_window.clone()),
+            ((2, 4, 1), (700, 1100, 64), long_documents.clone()),
+            ((1, 2, 2), (700, 1100, 128), windowed_documents.clone()),
         ] {
             let case = Case::new(41, heads, lens, mask, elem);
             check_forward(client, &case, variant);

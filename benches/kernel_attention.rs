@@ -4,13 +4,17 @@
 //! forward+backward 3.5x that).
 //!
 //! `cargo bench --bench kernel_attention -- [--seqs 8192,16384,32768] [--bwd-seqs 8192]
-//! [--burn-seqs 8192,16384] [--iters 5] [--head-dim 128] [--kv-heads 32] [--chunks 4]`.
+//! [--burn-seqs 8192,16384] [--iters 5] [--head-dim 128] [--kv-heads 32] [--chunks 4]
+//! [--mask-seqs 32768] [--window 4096]`.
 //! `--chunks C` adds rows where the sequence is cut into C chunks and run pair by pair through
 //! `forward_step` / `backward_step` with causal offsets, as the distributed pass does, and a
 //! forward row where each query chunk's first and last key chunks go through
 //! `forward_first_step` / `forward_last_step` (no fill or finalise kernels). The
 //! forward+backward rows run the default backward (dQ added with atomics) and the deterministic
-//! one. Prints a markdown table.
+//! one. `--mask-seqs 32768` adds the masks long-context training uses, both causal: a sliding
+//! window of `--window` keys (4096) and packed documents of 2K-8K tokens (the lengths of
+//! [`DOCUMENT_LENGTHS`], repeated and cut at the sequence's end), with TFLOP/s counted on the
+//! visible (query, key) pairs only (forward `4 * pairs * H * D`). Prints a markdown table.
 
 use std::time::Instant;
 
@@ -20,7 +24,8 @@ use burn::tensor::{Distribution, Tensor};
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::prelude::*;
 use distflash_kernels::{
-    DeviceTensor, ElemType, GradAccumulators, Mask, SoftmaxState, StepOptions, Variant,
+    DeviceTensor, Documents, ElemType, GradAccumulators, Mask, SlidingWindow, SoftmaxState,
+    StepOptions, Variant,
 };
 
 const HEADS: usize = 32;
@@ -42,6 +47,30 @@ struct Shape {
 
 fn causal_forward_flops(seq: usize, shape: Shape) -> f64 {
     4.0 * (seq as f64).powi(2) * HEADS as f64 * shape.head_dim as f64 / 2.0
+}
+
+/// Lengths of the packed documents of the mask rows, in order, repeated and cut at the
+/// sequence's end (`benches/mask_anchor.py` packs the same).
+const DOCUMENT_LENGTHS: [usize; 6] = [3000, 7000, 2048, 5500, 8000, 4100];
+
+/// Cumulative lengths of [`DOCUMENT_LENGTHS`] packed into `seq` positions.
+fn packed_documents(seq: usize) -> Vec<usize> {
+    let mut cu = vec![0];
+    for &len in DOCUMENT_LENGTHS.iter().cycle() {
+        let end = (cu[cu.len() - 1] + len).min(seq);
+        cu.push(end);
+        if end == seq {
+            return cu;
+        }
+    }
+    unreachable!("the cycle never ends")
+}
+
+/// Forward FLOPs of the (query, key) pairs `mask` leaves visible over `seq` positions:
+/// `4 * pairs * H * D`.
+fn visible_forward_flops(mask: &Mask, seq: usize, shape: Shape) -> f64 {
+    let pairs: usize = (0..seq).map(|i| mask.visible_keys(0, i, seq).len()).sum();
+    4.0 * pairs as f64 * HEADS as f64 * shape.head_dim as f64
 }
 
 /// Calls per timed run in the queued rows.
@@ -444,6 +473,73 @@ fn main() {
                 });
                 row(&name, "fwd+bwd", seq, secs, 3.5 * flops);
             }
+        }
+    }
+    let window = arg_list(&args, "--window", &[4096])[0];
+    for &seq in &arg_list(&args, "--mask-seqs", &[]) {
+        let documents = Documents::from_cu_seqlens(&packed_documents(seq)).expect("documents");
+        let masks = [
+            (
+                format!("window {window}"),
+                Mask::causal().with_window(SlidingWindow::causal(window)),
+            ),
+            (
+                "documents 2K-8K".to_string(),
+                Mask::causal().with_documents(documents),
+            ),
+        ];
+        let q_dims = (HEADS, seq, shape.head_dim);
+        let kv_dims = (shape.kv_heads, seq, shape.head_dim);
+        let (q, k, v, grad_out) = (
+            random_tensor(&client, q_dims, 1, elem),
+            random_tensor(&client, kv_dims, 2, elem),
+            random_tensor(&client, kv_dims, 3, elem),
+            random_tensor(&client, q_dims, 4, elem),
+        );
+        for (name, mask) in masks {
+            let flops = visible_forward_flops(&mask, seq, shape);
+            let options = StepOptions {
+                mask,
+                variant: Variant::TensorCore,
+                ..options.clone()
+            };
+            let name = format!("distflash (bf16), {name}");
+            let secs = median_seconds(iters, || {
+                let _ = distflash_kernels::attention(&client, &q, &k, &v, &options).unwrap();
+                sync(&client);
+            });
+            row(&name, "fwd", seq, secs, flops);
+            let secs = median_seconds(iters, || {
+                for _ in 0..QUEUED {
+                    let _ = distflash_kernels::attention(&client, &q, &k, &v, &options).unwrap();
+                }
+                sync(&client);
+            }) / QUEUED as f64;
+            row(&format!("{name}, queued"), "fwd", seq, secs, flops);
+            let forward_backward = || {
+                let (out, lse) =
+                    distflash_kernels::attention(&client, &q, &k, &v, &options).unwrap();
+                let _ = distflash_kernels::attention_backward(
+                    &client, &q, &k, &v, &out, &lse, &grad_out, &options,
+                )
+                .unwrap();
+            };
+            let secs = median_seconds(iters.min(3), || {
+                forward_backward();
+                sync(&client);
+            });
+            row(&name, "fwd+bwd", seq, secs, 3.5 * flops);
+            let secs = median_seconds(iters.min(3), || {
+                (0..QUEUED).for_each(|_| forward_backward());
+                sync(&client);
+            }) / QUEUED as f64;
+            row(
+                &format!("{name}, queued"),
+                "fwd+bwd",
+                seq,
+                secs,
+                3.5 * flops,
+            );
         }
     }
     for &seq in &burn_seqs {

@@ -61,6 +61,16 @@ pub(crate) fn check_inputs<B: FlashAttentionBackend>(
     let dims = check_shapes(&q.dims(), &k.dims(), &v.dims())?;
     check_types_and_devices(q, k, v)?;
     options.check()?;
+    if options.window.is_some() || options.documents.is_some() {
+        // The kernels apply windows and documents (issue 18); the op's other paths (the
+        // tensor-op fallback, the sequence-parallel pass) do not yet: refused, never ignored.
+        return Err(Error::Kernel(distflash_kernels::KernelError::BadMask {
+            what: "sliding windows and documents are not yet available through the Burn op or \
+                   the sequence-parallel pass; the kernels' own entry points \
+                   (distflash_kernels::attention and the steps, with a Mask) apply them"
+                .into(),
+        }));
+    }
     B::check_attention_limits(&dims, q.dtype(), &q.device())?;
     Ok(dims)
 }

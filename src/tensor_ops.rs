@@ -50,6 +50,11 @@ fn hidden_pairs<B: Backend>(
     kv_len: usize,
     device: &B::Device,
 ) -> Option<Tensor<B, 2, Bool>> {
+    assert!(
+        mask.window.is_none() && mask.documents.is_none(),
+        "the tensor-op attention path applies causal masks only; sliding windows and documents \
+         run on the kernels (distflash_kernels), not here yet"
+    );
     if !mask.causal {
         return None;
     }

@@ -99,3 +99,76 @@ pub fn visible_key_end(
 pub fn row_key_limit(row: u32, limit: u32, shift: i32) -> u32 {
     min(max(row as i32 + shift + 1, 0i32) as u32, limit)
 }
+
+// Tile spans under a band mask (the tensor-core backward's dQ and dK/dV walks).
+
+/// The tiles a block walks under a band mask (see [`crate::mask`]): each row of the block sees
+/// one contiguous range of the walked dimension, and both ends never decrease from row to row.
+/// Tiles `[first, end)` hold every pair the block may see; of those, `[first, lead_end)` (the
+/// leading edge, cut by the last row's start) and `[trail_start, end)` (the trailing edge, cut by
+/// the first row's end) run masked, and the interior `[lead_end, trail_start)` is seen whole by
+/// every row of the block. `first <= lead_end <= trail_start <= end`.
+#[derive(CubeType)]
+pub struct BandTiles {
+    /// First tile any row of the block sees.
+    pub first: u32,
+    /// End of the leading edge's masked tiles.
+    pub lead_end: u32,
+    /// First tile of the trailing edge's masked tiles.
+    pub trail_start: u32,
+    /// End of the tiles any row of the block sees.
+    pub end: u32,
+}
+
+/// The [`BandTiles`] of a block whose first valid row sees `[first_lo, first_hi)` and whose last
+/// valid row sees `[last_lo, last_hi)` (ranges of a band: `first_lo <= last_lo`, `first_hi <=
+/// last_hi`), in tiles of `tile` rows of the walked dimension. A block that sees nothing walks no
+/// tile.
+#[cube]
+pub fn band_tiles(
+    first_lo: u32,
+    first_hi: u32,
+    last_lo: u32,
+    last_hi: u32,
+    #[comptime] tile: usize,
+) -> BandTiles {
+    let tile = tile as u32;
+    let first = first_lo / tile;
+    // Every row's range lies in [first_lo, last_hi): none is seen when that is empty.
+    let end = select(last_hi > first_lo, last_hi.div_ceil(tile), first);
+    let lead_end = min(last_lo.div_ceil(tile), end);
+    BandTiles {
+        first,
+        lead_end,
+        trail_start: max(first_hi / tile, lead_end),
+        end,
+    }
+}
+
+// The tensor-core forward's walk: the interior first, then every masked tile in one loop.
+
+#[cube]
+impl BandTiles {
+    /// The end of a walk over the band's tiles that starts with the interior (positions
+    /// `lead_end..walk_end()`, one per tile; see [`BandTiles::tile_at`]).
+    pub fn walk_end(&self) -> u32 {
+        self.lead_end + (self.end - self.first)
+    }
+
+    /// The tile at position `position` (`lead_end..walk_end()`) of a walk that takes the interior,
+    /// then the trailing edge, then the leading edge: positions before `end` are their own tile,
+    /// later ones wrap around to the leading edge (`first..lead_end`), so that every masked tile
+    /// comes after the interior. Without `wraps` the position is the tile: only for a band with no
+    /// leading edge (`first == lead_end`), whose positions all lie before `end`.
+    pub fn tile_at(&self, position: u32, #[comptime] wraps: bool) -> u32 {
+        let mut tile = position;
+        if wraps {
+            tile = select(
+                position < self.end,
+                position,
+                position - (self.end - self.first),
+            );
+        }
+        tile
+    }
+}

@@ -116,7 +116,6 @@ impl LaunchPlan {
     ) -> Result<(DeviceLimits, Self), KernelError> {
         options.check()?;
         options.mask.check(dims)?;
-        let masked_tensor_cores = options.mask.window.is_some() || options.mask.documents.is_some();
         let limits = DeviceLimits::of(client);
         // The tensor-core kernels take the row max of raw scores and scale it once, which needs
         // a positive scale; other scales run on the portable kernels.
@@ -130,17 +129,7 @@ impl LaunchPlan {
                 ),
             });
         }
-        if masked_tensor_cores && options.variant == Variant::TensorCore {
-            // The tensor-core kernels learn windows and documents next (issue 18).
-            return Err(KernelError::BadMask {
-                what: "sliding windows and documents run on the portable kernels only, for now \
-                       (Variant::Auto picks them)"
-                    .into(),
-            });
-        }
-        let tensor_cores = positive_scale
-            && !masked_tensor_cores
-            && tensor_core::supports(client, elem, dims.head_dim);
+        let tensor_cores = positive_scale && tensor_core::supports(client, elem, dims.head_dim);
         let plan = Self::new(&limits, tensor_cores, dims, elem, options.variant)?;
         Ok((limits, plan))
     }

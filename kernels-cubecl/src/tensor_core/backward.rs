@@ -6,10 +6,16 @@
 //! recomputing S and dP: seven GEMMs, bitwise reproducible. All use the stored log-sum-exp and
 //! `delta = rowsum(dO * O)`; the forward is never recomputed.
 //!
-//! As in the forward, tiles that every row of the block sees whole run with no mask and
-//! unchecked staging, and probabilities are one FMA and one `exp2` from a base-2 log-sum-exp.
-//! The walked tiles are double-buffered: the copies of tile `t + 1` are issued before tile `t` is
-//! waited on, so they land while tile `t` computes.
+//! Masks: every mask is a band (see [`crate::mask`]), so a block walks only the tiles between
+//! its first row's first visible column and its last row's last ([`BandTiles`]); tiles outside
+//! are skipped, not masked. Of the walked tiles, those every row of the block sees whole (the
+//! interior) run with no mask and unchecked staging; the tiles at the two edges of the band run
+//! masked, each lane comparing against its rows' visible range (under causal masks and none only
+//! the range's end, computed as before masks existed; windows and documents add its start). Rows
+//! that see nothing (lse = -inf) get P = 0 everywhere. Probabilities are one FMA and one `exp2`
+//! from a base-2 log-sum-exp. The walked tiles are double-buffered from the first walked tile on
+//! (buffer `(t - first) % 2`): the copies of tile `t + 1` are issued before tile `t` is waited on,
+//! so they land while tile `t` computes.
 
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::barrier::Barrier;
@@ -22,8 +28,8 @@ use super::warp_tile::{
     accumulator_to_fragments, multiply_by_rows, multiply_by_rows_transposed, store_accumulator,
     zero_accumulator,
 };
-use crate::geometry::{query_block_at, row_key_limit, visible_key_end};
-use crate::mask::{MaskBounds, MaskKind};
+use crate::geometry::{band_tiles, query_block_at, row_key_limit, visible_key_end, BandTiles};
+use crate::mask::{row_key_range, MaskBounds, MaskKind};
 use crate::stats::{lse_log2, weight_log2, LOG2_E};
 
 /// Query rows per dQ cube (16 per plane), and per query tile of the dK/dV kernel.
@@ -61,8 +67,7 @@ pub fn backward_dq_mma<E: Float>(
     #[comptime] head_dim: usize,
     #[comptime] mask: MaskKind,
 ) {
-    let causal = comptime!(mask.upper);
-    let _bounds = MaskBounds {
+    let bounds = MaskBounds {
         shift,
         before,
         after,
@@ -71,7 +76,10 @@ pub fn backward_dq_mma<E: Float>(
         doc_stride,
         doc_count,
     };
-    let _docs_len = docs.len();
+    // Windows and documents bound each row's keys on both sides (the band form, `row_key_range`);
+    // causal and unmasked calls keep the causal bounds alone, compiled exactly as before masks.
+    let banded = comptime!(mask.lower || mask.documents);
+    let causal = comptime!(mask.upper);
     let def = mma_definition::<E>();
     let size!(NA) = def.vector_size(MatrixIdent::A);
     let size!(NB) = def.vector_size(MatrixIdent::B);
@@ -94,20 +102,25 @@ pub fn backward_dq_mma<E: Float>(
         head_dim,
         causal,
     );
-    let (kv_base, row_base, block_start, kv_end) =
-        (block.kv_base, block.row_base, block.start, block.kv_end);
+    let (batch, kv_base, row_base, block_start, kv_end) = (
+        block.batch,
+        block.kv_base,
+        block.row_base,
+        block.start,
+        block.kv_end,
+    );
     let plane_row0 = (warp as usize) * WARP_ROWS;
     let plane_start = block_start + plane_row0 as u32;
 
     let mut q_tile = SharedMemory::<E>::new_aligned(comptime!(QUERY_ROWS * stride), 16usize);
     let mut do_tile = SharedMemory::<E>::new_aligned(comptime!(QUERY_ROWS * stride), 16usize);
-    // Two buffers of K and V tiles: key tile `t` in rows `(t % 2) * KEY_ROWS..`.
+    // Two buffers of K and V tiles: key tile `t` in rows `((t - first) % 2) * KEY_ROWS..`.
     let mut k_tiles = SharedMemory::<E>::new_aligned(comptime!(2 * KEY_ROWS * stride), 16usize);
     let mut v_tiles = SharedMemory::<E>::new_aligned(comptime!(2 * KEY_ROWS * stride), 16usize);
     let ready_even = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let ready_odd = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     sync_cube();
-    // The block's Q and dO and the first key tile arrive on the even barrier.
+    // The block's Q and dO and its first key tile arrive on the even barrier.
     stage_rows_async::<E>(
         q,
         row_base * head_dim,
@@ -132,13 +145,26 @@ pub fn backward_dq_mma<E: Float>(
         UNITS,
         true,
     );
-    let num_tiles = kv_end.div_ceil(KEY_ROWS as u32);
-    if num_tiles > 0 {
+    // The key tiles the block walks: from its first row's first key to its last row's last.
+    let tiles = if banded {
+        let block_last = min(block_start + QUERY_ROWS as u32, q_len) - 1;
+        let (first_lo, first_hi) = row_key_range(docs, &bounds, batch, block_start, kv_len, mask);
+        let (last_lo, last_hi) = row_key_range(docs, &bounds, batch, block_last, kv_len, mask);
+        band_tiles(first_lo, first_hi, last_lo, last_hi, KEY_ROWS)
+    } else {
+        BandTiles {
+            first: 0u32,
+            lead_end: 0u32,
+            trail_start: visible_key_end(block_start, kv_len, shift, causal) / KEY_ROWS as u32,
+            end: kv_end.div_ceil(KEY_ROWS as u32),
+        }
+    };
+    if tiles.first < tiles.end {
         stage_key_tile::<E>(
             k,
             v,
             kv_base,
-            0u32,
+            tiles.first * KEY_ROWS as u32,
             kv_len,
             &mut k_tiles,
             &mut v_tiles,
@@ -148,32 +174,71 @@ pub fn backward_dq_mma<E: Float>(
     }
     ready_even.commit_copy_async();
 
+    // Each of the lane's rows' keys `[key_lo, key_hi)`; rows past the chunk see none.
     let mut lse_row = Array::<f32>::new(ROW_SLOTS);
     let mut delta_row = Array::<f32>::new(ROW_SLOTS);
-    let mut key_limit = Array::<u32>::new(ROW_SLOTS);
+    let mut key_lo = Array::<u32>::new(ROW_SLOTS);
+    let mut key_hi = Array::<u32>::new(ROW_SLOTS);
     #[unroll]
     for slot in 0..ROW_SLOTS {
         let row = plane_start + slot_row(lane, slot);
         let mut lv = 0.0f32;
         let mut dv = 0.0f32;
-        let mut limit = 0u32;
+        let mut lo = 0u32;
+        let mut hi = 0u32;
         if row < q_len {
             lv = lse[row_base + row as usize];
             dv = delta[row_base + row as usize];
-            limit = kv_end;
-            if causal {
-                limit = row_key_limit(row, kv_end, shift);
+            if banded {
+                let (row_lo, row_hi) = row_key_range(docs, &bounds, batch, row, kv_len, mask);
+                lo = row_lo;
+                hi = row_hi;
+            } else {
+                hi = kv_end;
+                if causal {
+                    hi = row_key_limit(row, kv_end, shift);
+                }
             }
         }
         lse_row[slot] = lse_log2(lv);
         delta_row[slot] = dv;
-        key_limit[slot] = limit;
+        key_lo[slot] = lo;
+        key_hi[slot] = hi;
     }
 
     let scale_log2 = scale * LOG2_E;
     let mut dq_acc = zero_accumulator::<E, NC>(&def, out_frags);
-    let whole_tiles = visible_key_end(block_start, kv_len, shift, causal) / KEY_ROWS as u32;
-    for tile in 0..whole_tiles {
+    // Leading edge (masked), interior (whole tiles, unmasked), trailing edge (masked).
+    if banded {
+        for tile in tiles.first..tiles.lead_end {
+            dq_tile::<E, NA, NB, NC>(
+                &def,
+                k,
+                v,
+                kv_base,
+                kv_len,
+                &q_tile,
+                &do_tile,
+                &mut k_tiles,
+                &mut v_tiles,
+                &ready_even,
+                &ready_odd,
+                tile,
+                &tiles,
+                plane_row0,
+                &mut dq_acc,
+                &lse_row,
+                &delta_row,
+                &key_lo,
+                &key_hi,
+                scale_log2,
+                head_dim,
+                true,
+                banded,
+            );
+        }
+    }
+    for tile in tiles.lead_end..tiles.trail_start {
         dq_tile::<E, NA, NB, NC>(
             &def,
             k,
@@ -187,18 +252,20 @@ pub fn backward_dq_mma<E: Float>(
             &ready_even,
             &ready_odd,
             tile,
-            num_tiles,
+            &tiles,
             plane_row0,
             &mut dq_acc,
             &lse_row,
             &delta_row,
-            &key_limit,
+            &key_lo,
+            &key_hi,
             scale_log2,
             head_dim,
             false,
+            banded,
         );
     }
-    for tile in whole_tiles..num_tiles {
+    for tile in tiles.trail_start..tiles.end {
         dq_tile::<E, NA, NB, NC>(
             &def,
             k,
@@ -212,20 +279,22 @@ pub fn backward_dq_mma<E: Float>(
             &ready_even,
             &ready_odd,
             tile,
-            num_tiles,
+            &tiles,
             plane_row0,
             &mut dq_acc,
             &lse_row,
             &delta_row,
-            &key_limit,
+            &key_lo,
+            &key_hi,
             scale_log2,
             head_dim,
             true,
+            banded,
         );
     }
     // A block that sees no key never waited for its Q and dO copies: no cube exits with copies
     // in flight.
-    if num_tiles == 0 {
+    if tiles.first == tiles.end {
         ready_even.arrive_and_wait();
     }
 
@@ -287,9 +356,11 @@ pub(super) fn wait_for_buffer(ready_even: &Barrier, ready_odd: &Barrier, buffer:
     }
 }
 
-/// One key tile of the dQ kernel: issue the next tile's K and V into the other buffer, wait for
-/// this tile's (the block's Q and dO arrive with the first), then S = Q K^T, dP = dO V^T,
-/// dS = P (dP - delta), dQ += dS K. With `masked`, keys a row may not see get P = 0.
+/// One key tile of the dQ kernel, in buffer `(tile - tiles.first) % 2`: issue the next tile's K
+/// and V into the other buffer, wait for this tile's (the block's Q and dO arrive with the
+/// first), then S = Q K^T, dP = dO V^T, dS = P (dP - delta), dQ += dS K. With `masked`, keys
+/// outside a row's `[key_lo, key_hi)` get P = 0 (the lower bound is read only when `banded`:
+/// without, `tiles.first` is 0 and every row's keys start at 0).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn dq_tile<E: Float, NA: Size, NB: Size, NC: Size>(
@@ -305,27 +376,33 @@ fn dq_tile<E: Float, NA: Size, NB: Size, NC: Size>(
     ready_even: &Barrier,
     ready_odd: &Barrier,
     tile: u32,
-    num_tiles: u32,
+    tiles: &BandTiles,
     plane_row0: usize,
     dq_acc: &mut Array<Vector<f32, NC>>,
     lse_row: &Array<f32>,
     delta_row: &Array<f32>,
-    key_limit: &Array<u32>,
+    key_lo: &Array<u32>,
+    key_hi: &Array<u32>,
     scale_log2: f32,
     #[comptime] head_dim: usize,
     #[comptime] masked: bool,
+    #[comptime] banded: bool,
 ) {
     let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
     let sc = def.vector_size(MatrixIdent::Accumulator);
     let key_frags = comptime!(KEY_ROWS / FRAG_COLS);
     let lane = UNIT_POS_PLANE;
     let key_start = tile * KEY_ROWS as u32;
-    let buffer = tile % 2;
+    let buffer = if banded {
+        (tile - tiles.first) % 2
+    } else {
+        tile % 2
+    };
     let row0 = buffer as usize * KEY_ROWS;
 
     // Every plane is done with tile - 1: its buffer takes tile + 1.
     sync_cube();
-    if tile + 1 < num_tiles {
+    if tile + 1 < tiles.end {
         stage_key_tile::<E>(
             k,
             v,
@@ -372,7 +449,11 @@ fn dq_tile<E: Float, NA: Size, NB: Size, NC: Size>(
                 let mut p = weight_log2(s_reg[e], scale_log2, lse_row[slot]);
                 if masked {
                     let key = key_start + (nt * FRAG_COLS) as u32 + accumulator_col(lane, n);
-                    p = select(key < key_limit[slot], p, 0.0f32);
+                    let mut visible = key < key_hi[slot];
+                    if banded {
+                        visible = visible && key >= key_lo[slot];
+                    }
+                    p = select(visible, p, 0.0f32);
                 }
                 dp_reg[e] = p * (dp_reg[e] - delta_row[slot]);
             }

@@ -16,8 +16,16 @@
 //! step before, one between storing P^T and dS^T and reading them back. The query tiles are
 //! double-buffered as in the dQ kernel, and their rows' log-sum-exp and delta arrive with them
 //! (4-byte asynchronous copies on the same barrier: no register holds them across a step); the
-//! walk over (query head, query tile) advances by one step without a division. Diagonal and
-//! partial tiles run masked, the others not.
+//! walk over (query head, query tile) advances by one step without a division.
+//!
+//! Masks: each key sees one contiguous range of queries (`key_query_range`), both ends never
+//! decreasing with the key, so a block walks only the query tiles from its first key's first
+//! query to its last key's last ([`BandTiles`]), skipping the rest. The tiles at the band's two
+//! edges (a causal diagonal, a window's far end, a document boundary) and the chunk's partial
+//! last tile run masked against each key's range; the interior, seen whole by every key of the
+//! block, runs unmasked (under windows and documents, a partial last block runs every tile
+//! masked: its zero-filled keys past the chunk see nothing). Keys no query sees get zero
+//! gradients.
 
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::barrier::{copy_async_checked, Barrier};
@@ -32,8 +40,9 @@ use super::warp_tile::{
     load_fragments, multiply_by_row_columns, multiply_by_rows_transposed,
     store_accumulator_columns, store_to_tile, zero_accumulator,
 };
+use crate::geometry::{band_tiles, BandTiles};
 use crate::grid::paired_slice_block;
-use crate::mask::{MaskBounds, MaskKind};
+use crate::mask::{key_query_range, MaskBounds, MaskKind};
 use crate::stats::{lse_log2, weight_log2, LOG2_E};
 
 /// Planes (warps) of a dK/dV cube.
@@ -114,8 +123,7 @@ pub fn backward_dkdv_mma<E: Float>(
     #[comptime] one_shot: bool,
     #[comptime] stmatrix: bool,
 ) {
-    let causal = comptime!(mask.upper);
-    let _bounds = MaskBounds {
+    let bounds = MaskBounds {
         shift,
         before,
         after,
@@ -124,7 +132,11 @@ pub fn backward_dkdv_mma<E: Float>(
         doc_stride,
         doc_count,
     };
-    let _docs_len = docs.len();
+    // Windows and documents bound each key's queries on both sides (the band form,
+    // `key_query_range`); causal and unmasked calls keep the causal bounds alone, compiled exactly
+    // as before masks.
+    let banded = comptime!(mask.lower || mask.documents);
+    let causal = comptime!(mask.upper);
     let def = mma_definition::<E>();
     let size!(NA) = def.vector_size(MatrixIdent::A);
     let size!(NB) = def.vector_size(MatrixIdent::B);
@@ -187,47 +199,73 @@ pub fn backward_dkdv_mma<E: Float>(
         true,
     );
 
-    // First query each of the lane's key rows in the plane's S^T is seen by (query i sees key j
-    // iff j <= i + shift); keys past the chunk see nothing.
-    let mut query_floor = Array::<u32>::new(KEY_SLOTS);
+    // The queries `[query_lo, query_hi)` that see each of the lane's key rows in the plane's
+    // S^T (without `banded`, `query_hi` is the chunk's end and not stored); keys past the chunk
+    // see none (`query_lo = q_len`).
+    let block_last = min(block_start + DKDV_KEYS as u32, kv_len) - 1;
+    let mut query_lo = Array::<u32>::new(KEY_SLOTS);
+    let mut query_hi = Array::<u32>::new(KEY_SLOTS);
     #[unroll]
     for mt in 0..PLANE_TILES {
         #[unroll]
         for slot in 0..ROW_SLOTS {
             let key =
                 block_start + (shares.key_row0 + mt * WARP_ROWS) as u32 + slot_row(lane, slot);
-            let mut floor = 0u32;
-            if causal {
-                floor = max(key as i32 - shift, 0i32) as u32;
+            let mut lo = 0u32;
+            if banded {
+                let (key_lo, key_hi) =
+                    key_query_range(docs, &bounds, batch, min(key, block_last), q_len, mask);
+                lo = key_lo;
+                query_hi[mt * ROW_SLOTS + slot] = key_hi;
+            } else if causal {
+                // Query i sees key j iff j <= i + shift.
+                lo = max(key as i32 - shift, 0i32) as u32;
             }
-            query_floor[mt * ROW_SLOTS + slot] = select(key < kv_len, floor, q_len);
+            query_lo[mt * ROW_SLOTS + slot] = select(key < kv_len, lo, q_len);
         }
     }
-    // Query tiles of each query head of the group: [first, whole_from) on the causal diagonal
-    // (masked), [whole_from, whole_end) seen whole by every key of the block, [whole_end,
-    // num_tiles) the chunk's partial last tile. The walk visits `tiles` of them per head,
-    // head after head.
-    let num_tiles = q_len.div_ceil(QUERY_ROWS as u32);
-    let whole_end = q_len / QUERY_ROWS as u32;
-    let mut first = 0u32;
-    let mut whole_from = 0u32;
-    if causal {
-        let block_last = block_start + DKDV_KEYS as u32 - 1;
-        first = min(max(block_start as i32 - shift, 0i32) as u32, q_len) / QUERY_ROWS as u32;
-        whole_from =
-            min(max(block_last as i32 - shift, 0i32) as u32, q_len).div_ceil(QUERY_ROWS as u32);
-    }
-    whole_from = min(whole_from, whole_end);
-    first = min(first, num_tiles);
-    let tiles = num_tiles - first;
-    let steps = group_size * tiles;
+    // Query tiles of each query head of the group (see `BandTiles`): [first, end) hold every
+    // query a key of the block sees, [lead_end, trail_start) are seen whole by every key of the
+    // block, the others run masked (the leading edge, where the block's last key starts seeing
+    // queries; the trailing edge, where its first key stops, or the chunk's partial last tile).
+    // The walk visits the `end - first` tiles per head, head after head.
+    let tiles = if banded {
+        let (first_lo, first_hi) = key_query_range(docs, &bounds, batch, block_start, q_len, mask);
+        let (last_lo, last_hi) = key_query_range(docs, &bounds, batch, block_last, q_len, mask);
+        // The zero-filled keys past the chunk of a partial last block see no query, so none of
+        // its tiles is seen whole: run unmasked, such a key would get P = 2^-lse, which can
+        // overflow `E` and turn the fused dQ's dS K into NaN.
+        let partial = block_start + DKDV_KEYS as u32 > kv_len;
+        let last_lo = select(partial, q_len, last_lo);
+        band_tiles(first_lo, first_hi, last_lo, last_hi, QUERY_ROWS)
+    } else {
+        let num_tiles = q_len.div_ceil(QUERY_ROWS as u32);
+        let whole_end = q_len / QUERY_ROWS as u32;
+        let mut first = 0u32;
+        let mut whole_from = 0u32;
+        if causal {
+            let last = block_start + DKDV_KEYS as u32 - 1;
+            first = min(max(block_start as i32 - shift, 0i32) as u32, q_len) / QUERY_ROWS as u32;
+            whole_from =
+                min(max(last as i32 - shift, 0i32) as u32, q_len).div_ceil(QUERY_ROWS as u32);
+        }
+        BandTiles {
+            first: min(first, num_tiles),
+            lead_end: min(whole_from, whole_end),
+            trail_start: whole_end,
+            end: num_tiles,
+        }
+    };
+    let (first, lead_end, trail_start, end) =
+        (tiles.first, tiles.lead_end, tiles.trail_start, tiles.end);
+    let steps = group_size * (end - first);
     // The walk's position, advanced one step at a time (no division per step): this step's
     // (batch, query head) slice and query tile, and the next step's.
     let mut slice = batch * q_heads + kv_head * group_size;
     let mut tile = first;
     let mut next_slice = slice;
     let mut next_tile = tile + 1;
-    if next_tile == num_tiles {
+    if next_tile == end {
         next_tile = first;
         next_slice += 1;
     }
@@ -256,7 +294,7 @@ pub fn backward_dkdv_mma<E: Float>(
     let mut dk_acc = zero_accumulator::<E, NC>(&def, grad_frags);
     let mut dv_acc = zero_accumulator::<E, NC>(&def, grad_frags);
     for step in 0..steps {
-        let masked = tile < whole_from || tile >= whole_end;
+        let masked = tile < lead_end || tile >= trail_start;
         sync_cube();
         wait_for_buffer(&ready_even, &ready_odd, step % 2);
         let step_tile = StepTile {
@@ -276,11 +314,13 @@ pub fn backward_dkdv_mma<E: Float>(
                 &mut ds_tile,
                 &shares,
                 &step_tile,
-                &query_floor,
+                &query_lo,
+                &query_hi,
                 q_len,
                 scale_log2,
                 head_dim,
                 true,
+                banded,
                 stmatrix,
             );
         } else {
@@ -296,11 +336,13 @@ pub fn backward_dkdv_mma<E: Float>(
                 &mut ds_tile,
                 &shares,
                 &step_tile,
-                &query_floor,
+                &query_lo,
+                &query_hi,
                 q_len,
                 scale_log2,
                 head_dim,
                 false,
+                banded,
                 stmatrix,
             );
         }
@@ -362,7 +404,7 @@ pub fn backward_dkdv_mma<E: Float>(
         slice = next_slice;
         tile = next_tile;
         next_tile += 1;
-        if next_tile == num_tiles {
+        if next_tile == end {
             next_tile = first;
             next_slice += 1;
         }
@@ -447,11 +489,13 @@ fn store_probabilities<E: Float, NA: Size, NB: Size, NC: Size>(
     ds_tile: &mut SharedMemory<E>,
     shares: &PlaneShares,
     step_tile: &StepTile,
-    query_floor: &Array<u32>,
+    query_lo: &Array<u32>,
+    query_hi: &Array<u32>,
     q_len: u32,
     scale_log2: f32,
     #[comptime] head_dim: usize,
     #[comptime] masked: bool,
+    #[comptime] banded: bool,
     #[comptime] stmatrix: bool,
 ) {
     let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
@@ -510,8 +554,12 @@ fn store_probabilities<E: Float, NA: Size, NB: Size, NC: Size>(
                         let col =
                             shares.query_col0 + nt * FRAG_COLS + accumulator_col(lane, n) as usize;
                         let query = step_tile.q_start + col as u32;
-                        let floor = query_floor[mt * ROW_SLOTS + n / 2];
-                        p = select(query >= floor && query < q_len, p, 0.0f32);
+                        let key_slot = mt * ROW_SLOTS + n / 2;
+                        let mut query_end = q_len;
+                        if banded {
+                            query_end = query_hi[key_slot];
+                        }
+                        p = select(query >= query_lo[key_slot] && query < query_end, p, 0.0f32);
                     }
                     s_reg[e] = p;
                     dp_reg[e] = p * (dp_reg[e] - delta_cols[n % 2]);

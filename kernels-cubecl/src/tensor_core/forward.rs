@@ -10,9 +10,19 @@
 //! finished output and log-sum-exp: no kernel finalises it after) and a whole attention (write
 //! the finished output from this call's keys alone).
 //!
+//! Masks: every row sees one contiguous range of keys `[lo, hi)` whose ends never decrease with
+//! the row (a band, see [`crate::mask`]), so the block walks only the key tiles from its first
+//! row's `lo` to its last row's `hi` and skips the others (see [`BandTiles`]): first the interior
+//! (tiles every row of the block sees whole), then the edge tiles in one loop (the trailing edge,
+//! then the leading one). Each lane holds its rows' ranges, computed once per cube. Causal and
+//! unmasked blocks start at tile 0 and bound their rows from above only; windows and documents
+//! (`MaskKind::lower`, `MaskKind::documents`) also bound them from below, and their ranges come
+//! from [`row_key_range`] (one document search per lane, shared over the plane by shuffles).
+//!
 //! Cost structure, as in FlashAttention-2:
-//! - key tiles every row of the block sees whole run a loop with no mask and unchecked staging;
-//!   only the tiles on the causal diagonal (or past the chunk's end) compare keys;
+//! - key tiles every row of the block sees whole (the band's interior) run a loop with no mask;
+//!   only the tiles at the band's two edges (the causal diagonal, a window's start, a document's
+//!   bounds, the chunk's end) compare keys;
 //! - the row max is taken over raw scores `q . k` and scaled once (the host sends only positive
 //!   scales here), and kept in base-2 units, so a probability is one FMA and one `exp2`;
 //! - under a causal mask the grid runs the heaviest query blocks (most keys) first.
@@ -29,8 +39,8 @@ use super::warp_tile::{
     accumulator_to_fragments, multiply_by_rows, multiply_by_rows_transposed, store_accumulator,
     update_rows, zero_accumulator,
 };
-use crate::geometry::{query_block_at, row_key_limit, visible_key_end};
-use crate::mask::{MaskBounds, MaskKind};
+use crate::geometry::{band_tiles, query_block_at, row_key_limit, visible_key_end, BandTiles};
+use crate::mask::{row_key_range, MaskBounds, MaskKind};
 use crate::stats::{
     log_sum_exp, negative_infinity, output_normaliser, rescale_factor_log2, weight_log2, LN_2,
     LOG2_E,
@@ -64,6 +74,115 @@ fn lane_row(lane: u32, #[comptime] r: usize) -> u32 {
     (comptime!(r / ROW_SLOTS) * WARP_ROWS) as u32 + slot_row(lane, comptime!(r % ROW_SLOTS))
 }
 
+/// Whether a mask bounds rows' keys from below (a window's start, a document's): the block's
+/// tiles then start past tile 0, and edge tiles compare keys against both ends.
+fn has_lower_bound(mask: MaskKind) -> bool {
+    mask.lower || mask.documents
+}
+
+/// The key tiles of [`BLOCK_KEYS`] keys that the block of rows `block_start..=block_last` walks
+/// (see [`BandTiles`]), from its first and last rows' visible keys. Causal and unmasked blocks
+/// (no lower bound) start at tile 0 and have no leading edge; with documents this is two
+/// document searches.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn block_key_tiles(
+    docs: &Array<u32>,
+    bounds: &MaskBounds,
+    batch: u32,
+    block_start: u32,
+    block_last: u32,
+    kv_len: u32,
+    #[comptime] mask: MaskKind,
+) -> BandTiles {
+    if comptime!(has_lower_bound(mask)) {
+        let (first_lo, first_hi) = row_key_range(docs, bounds, batch, block_start, kv_len, mask);
+        let (last_lo, last_hi) = row_key_range(docs, bounds, batch, block_last, kv_len, mask);
+        band_tiles(first_lo, first_hi, last_lo, last_hi, BLOCK_KEYS)
+    } else {
+        let causal = comptime!(mask.upper);
+        let keys = BLOCK_KEYS as u32;
+        BandTiles {
+            first: 0u32,
+            lead_end: 0u32,
+            trail_start: visible_key_end(block_start, kv_len, bounds.shift, causal) / keys,
+            end: visible_key_end(block_last, kv_len, bounds.shift, causal).div_ceil(keys),
+        }
+    }
+}
+
+/// The keys `[lo, hi)` that row `row` of the block ending at `block_last` sees in the edge tiles
+/// compares; a row past `block_last` (past `q_len`) takes its range. Without a lower bound `lo`
+/// is 0 and `hi` the causal limit (`key <= row + shift`) clamped to the block's last row's, or the
+/// chunk's end; with one, the row's range ([`row_key_range`]: one document search under
+/// `mask.documents`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn block_row_keys(
+    docs: &Array<u32>,
+    bounds: &MaskBounds,
+    batch: u32,
+    row: u32,
+    block_last: u32,
+    kv_len: u32,
+    #[comptime] mask: MaskKind,
+) -> (u32, u32) {
+    if comptime!(has_lower_bound(mask)) {
+        row_key_range(docs, bounds, batch, min(row, block_last), kv_len, mask)
+    } else {
+        let causal = comptime!(mask.upper);
+        let kv_end = visible_key_end(block_last, kv_len, bounds.shift, causal);
+        let mut limit = kv_end;
+        if causal {
+            limit = row_key_limit(row, kv_end, bounds.shift);
+        }
+        (0u32, limit)
+    }
+}
+
+/// Fills `[key_lo[r], key_hi[r])` with [`block_row_keys`] of the lane's statistics rows `r` (see
+/// [`lane_row`]) of the plane whose first row is `plane_start`. Without a lower bound only
+/// `key_hi` is written (arithmetic per row); with one, each lane finds the range of one row (the
+/// plane's row `lane`) and the plane shares them by shuffles, one document search per lane.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn lane_key_ranges(
+    docs: &Array<u32>,
+    bounds: &MaskBounds,
+    batch: u32,
+    plane_start: u32,
+    block_last: u32,
+    kv_len: u32,
+    key_lo: &mut Array<u32>,
+    key_hi: &mut Array<u32>,
+    #[comptime] mask: MaskKind,
+) {
+    let lane = UNIT_POS_PLANE;
+    if comptime!(has_lower_bound(mask)) {
+        let (lo, hi) = block_row_keys(
+            docs,
+            bounds,
+            batch,
+            plane_start + lane,
+            block_last,
+            kv_len,
+            mask,
+        );
+        #[unroll]
+        for r in 0..LANE_ROWS {
+            key_lo[r] = plane_shuffle(lo, lane_row(lane, r));
+            key_hi[r] = plane_shuffle(hi, lane_row(lane, r));
+        }
+    } else {
+        #[unroll]
+        for r in 0..LANE_ROWS {
+            let row = plane_start + lane_row(lane, r);
+            let (_lo, hi) = block_row_keys(docs, bounds, batch, row, block_last, kv_len, mask);
+            key_hi[r] = hi;
+        }
+    }
+}
+
 /// Grid: slice-major (`grid::slice_major`), x = batch * q_heads, y = query blocks of
 /// [`BLOCK_ROWS`], taken last block first (the heaviest under a causal mask); cube = [`UNITS`]
 /// units. With `reads_state` the keys are merged with the stored state `(o, m, l)`; without, they
@@ -74,7 +193,7 @@ fn lane_row(lane: u32, #[comptime] r: usize) -> u32 {
 /// (rows past `q_len` or `kv_len` are skipped or zero-filled) and shared-memory indices are in
 /// range by construction. Indices are 64-bit ([`super::KERNEL_ADDRESS`]).
 #[cube(launch_unchecked, address_type = "u64", fast_math = FastMath::all())]
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 pub fn forward_step_mma<E: Float>(
     q: &Array<E>,
     k: &Array<E>,
@@ -102,8 +221,8 @@ pub fn forward_step_mma<E: Float>(
     #[comptime] reads_state: bool,
     #[comptime] finishes: bool,
 ) {
-    let causal = comptime!(mask.upper);
-    let _bounds = MaskBounds {
+    let lower_bound = comptime!(has_lower_bound(mask));
+    let bounds = MaskBounds {
         shift,
         before,
         after,
@@ -112,7 +231,6 @@ pub fn forward_step_mma<E: Float>(
         doc_stride,
         doc_count,
     };
-    let _docs_len = docs.len();
     let def = mma_definition::<E>();
     let size!(NA) = def.vector_size(MatrixIdent::A);
     let size!(NB) = def.vector_size(MatrixIdent::B);
@@ -133,10 +251,10 @@ pub fn forward_step_mma<E: Float>(
         shift,
         BLOCK_ROWS,
         head_dim,
-        causal,
+        false,
     );
-    let (kv_base, row_base, block_start, kv_end) =
-        (block.kv_base, block.row_base, block.start, block.kv_end);
+    let (kv_base, row_base, block_start) = (block.kv_base, block.row_base, block.start);
+    let block_last = min(block_start + BLOCK_ROWS as u32, q_len) - 1;
     let plane_row0 = (warp as usize) * PLANE_TILES * WARP_ROWS;
     let plane_start = block_start + plane_row0 as u32;
 
@@ -147,8 +265,8 @@ pub fn forward_step_mma<E: Float>(
     let v_ready = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     sync_cube();
 
-    // The block's queries and the first key tile arrive on one barrier.
-    let num_tiles = kv_end.div_ceil(BLOCK_KEYS as u32);
+    // The block's queries and its first key tile arrive on one barrier; the queries' copies are
+    // issued before the band is found (a document search under `mask.documents`).
     stage_rows_async::<E>(
         q,
         row_base * head_dim,
@@ -161,11 +279,20 @@ pub fn forward_step_mma<E: Float>(
         UNITS,
         true,
     );
-    if num_tiles > 0 {
+    let tiles = block_key_tiles(
+        docs,
+        &bounds,
+        block.batch,
+        block_start,
+        block_last,
+        kv_len,
+        mask,
+    );
+    if tiles.first < tiles.end {
         stage_tile_async::<E>(
             k,
             kv_base,
-            0,
+            tiles.tile_at(tiles.lead_end, lower_bound) * BLOCK_KEYS as u32,
             kv_len,
             &mut k_tile,
             0usize,
@@ -185,22 +312,36 @@ pub fn forward_step_mma<E: Float>(
     let mut o_acc = zero_accumulator::<E, NC>(&def, comptime!(PLANE_TILES * out_frags));
     let mut m_row = Array::<f32>::new(LANE_ROWS);
     let mut l_row = Array::<f32>::new(LANE_ROWS);
-    // Exclusive bound on the keys each row sees (used on diagonal tiles only).
-    let mut key_limit = Array::<u32>::new(LANE_ROWS);
     #[unroll]
     for r in 0..LANE_ROWS {
         m_row[r] = negative_infinity();
         l_row[r] = 0.0f32;
-        let mut limit = kv_end;
-        if causal {
-            limit = row_key_limit(plane_start + lane_row(lane, r), kv_end, shift);
-        }
-        key_limit[r] = limit;
+    }
+    // The keys each row sees, `[key_lo[r], key_hi[r])`, used on the band's edge tiles only
+    // (`key_lo` only with a lower bound). Causal and unmasked blocks find them before the
+    // interior (as cheap as holding them); with a lower bound they are found after it, so that
+    // nothing of them is held across the interior.
+    let mut key_lo = Array::<u32>::new(LANE_ROWS);
+    let mut key_hi = Array::<u32>::new(LANE_ROWS);
+    if !lower_bound {
+        lane_key_ranges(
+            docs,
+            &bounds,
+            block.batch,
+            plane_start,
+            block_last,
+            kv_len,
+            &mut key_lo,
+            &mut key_hi,
+            mask,
+        );
     }
 
+    // The interior first, then every edge tile in one loop: the trailing edge (the causal
+    // diagonal, a window's or a document's end, the chunk's end), then the leading edge (a
+    // window's or a document's start), see `BandTiles::tile_at`.
     let scale_log2 = scale * LOG2_E;
-    let whole_tiles = visible_key_end(block_start, kv_len, shift, causal) / BLOCK_KEYS as u32;
-    for tile in 0..whole_tiles {
+    for position in tiles.lead_end..tiles.trail_start {
         attend_tile::<E, NA, NB, NC>(
             &def,
             k,
@@ -212,19 +353,37 @@ pub fn forward_step_mma<E: Float>(
             &mut v_tile,
             &k_ready,
             &v_ready,
-            tile,
-            num_tiles,
+            position,
+            &tiles,
             plane_row0,
             &mut o_acc,
             &mut m_row,
             &mut l_row,
-            &key_limit,
+            &key_lo,
+            &key_hi,
             scale_log2,
             head_dim,
             false,
+            lower_bound,
         );
     }
-    for tile in whole_tiles..num_tiles {
+    let walk_end = tiles.walk_end();
+    if lower_bound {
+        if tiles.trail_start < walk_end {
+            lane_key_ranges(
+                docs,
+                &bounds,
+                block.batch,
+                plane_start,
+                block_last,
+                kv_len,
+                &mut key_lo,
+                &mut key_hi,
+                mask,
+            );
+        }
+    }
+    for position in tiles.trail_start..walk_end {
         attend_tile::<E, NA, NB, NC>(
             &def,
             k,
@@ -236,22 +395,24 @@ pub fn forward_step_mma<E: Float>(
             &mut v_tile,
             &k_ready,
             &v_ready,
-            tile,
-            num_tiles,
+            position,
+            &tiles,
             plane_row0,
             &mut o_acc,
             &mut m_row,
             &mut l_row,
-            &key_limit,
+            &key_lo,
+            &key_hi,
             scale_log2,
             head_dim,
             true,
+            lower_bound,
         );
     }
 
     // A block that sees no key never waited for its queries: no cube exits with copies in
     // flight.
-    if num_tiles == 0 {
+    if tiles.first >= tiles.end {
         k_ready.arrive_and_wait();
     }
 
@@ -417,7 +578,10 @@ fn fold_stored_rows<E: Float, NC: Size>(
 /// One key tile of the software pipeline (two mbarriers, one per operand):
 ///   wait K(t) | issue V(t) | S = Q K(t)^T | sync | issue K(t+1) | softmax | wait V(t) | O += P V
 /// so the copy of V overlaps the score matmul and the copy of the next K the softmax and P V.
-/// With `masked`, scores of keys a row may not see are dropped (diagonal and last tiles only).
+/// The tile is the one at walk `position` of the block's `tiles` (see [`BandTiles::tile_at`]; with
+/// `lower_bound` the walk may wrap), and the next one is prefetched unless the walk ends.
+/// With `masked`, scores of keys a row may not see are dropped (the band's edge tiles only): those
+/// at or past `key_hi[r]`, and with `lower_bound` those before `key_lo[r]`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn attend_tile<E: Float, NA: Size, NB: Size, NC: Size>(
@@ -431,23 +595,25 @@ fn attend_tile<E: Float, NA: Size, NB: Size, NC: Size>(
     v_tile: &mut SharedMemory<E>,
     k_ready: &Barrier,
     v_ready: &Barrier,
-    tile: u32,
-    num_tiles: u32,
+    position: u32,
+    tiles: &BandTiles,
     plane_row0: usize,
     o_acc: &mut Array<Vector<f32, NC>>,
     m_row: &mut Array<f32>,
     l_row: &mut Array<f32>,
-    key_limit: &Array<u32>,
+    key_lo: &Array<u32>,
+    key_hi: &Array<u32>,
     scale_log2: f32,
     #[comptime] head_dim: usize,
     #[comptime] masked: bool,
+    #[comptime] lower_bound: bool,
 ) {
     let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
     let sc = def.vector_size(MatrixIdent::Accumulator);
     let key_frags = comptime!(BLOCK_KEYS / FRAG_COLS);
     let out_frags = comptime!(head_dim / FRAG_COLS);
     let lane = UNIT_POS_PLANE;
-    let key_start = tile * BLOCK_KEYS as u32;
+    let key_start = tiles.tile_at(position, lower_bound) * BLOCK_KEYS as u32;
 
     // Every unit arrives here after its P V of the previous tile: V's buffer is free.
     k_ready.arrive_and_wait();
@@ -471,30 +637,32 @@ fn attend_tile<E: Float, NA: Size, NB: Size, NC: Size>(
 
     // Every plane is done reading K(t): prefetch K(t + 1) while the softmax and P V run.
     sync_cube();
-    if tile + 1 < num_tiles {
+    if position + 1 < tiles.walk_end() {
+        // The next tile; with `lower_bound` the walk may wrap to the leading edge.
+        let mut next_start = key_start + BLOCK_KEYS as u32;
+        if lower_bound {
+            next_start = tiles.tile_at(position + 1, true) * BLOCK_KEYS as u32;
+        }
         stage_tile_async::<E>(
-            k,
-            kv_base,
-            key_start + BLOCK_KEYS as u32,
-            kv_len,
-            k_tile,
-            0usize,
-            BLOCK_KEYS,
-            head_dim,
-            UNITS,
+            k, kv_base, next_start, kv_len, k_tile, 0usize, BLOCK_KEYS, head_dim, UNITS,
         );
         k_ready.commit_copy_async();
     }
 
-    // On a diagonal or last tile, scores of keys a row may not see become `NO_SCORE` once: one
-    // compare against a compile-time column per score. `visible[r]` is how many of the tile's
-    // columns, counted from this lane's first one, row `r` sees (negative when none).
+    // On an edge tile, scores of keys a row may not see become `NO_SCORE` once: one compare
+    // (two with `lower_bound`) against a compile-time column per score. Counted from this lane's
+    // first column of the tile, row `r` sees the columns before `visible[r]` (none when
+    // negative), and with `lower_bound` only those from `visible_from[r]` on.
     if masked {
         let mut visible = Array::<i32>::new(LANE_ROWS);
+        let mut visible_from = Array::<i32>::new(LANE_ROWS);
         #[unroll]
         for r in 0..LANE_ROWS {
-            visible[r] =
-                key_limit[r] as i32 - key_start as i32 - accumulator_col(lane, 0usize) as i32;
+            visible[r] = key_hi[r] as i32 - key_start as i32 - accumulator_col(lane, 0usize) as i32;
+            if lower_bound {
+                visible_from[r] =
+                    key_lo[r] as i32 - key_start as i32 - accumulator_col(lane, 0usize) as i32;
+            }
         }
         #[unroll]
         for mt in 0..PLANE_TILES {
@@ -508,7 +676,11 @@ fn attend_tile<E: Float, NA: Size, NB: Size, NC: Size>(
                         let n = i * sc + e;
                         let r = mt * ROW_SLOTS + n / 2;
                         let col = (nt * FRAG_COLS + n % 2) as i32;
-                        reg[e] = select(col < visible[r], reg[e], NO_SCORE);
+                        let mut seen = col < visible[r];
+                        if lower_bound {
+                            seen = seen && col >= visible_from[r];
+                        }
+                        reg[e] = select(seen, reg[e], NO_SCORE);
                     }
                     s_acc[(mt * key_frags + nt) * vc + i] = reg;
                 }

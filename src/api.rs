@@ -49,8 +49,9 @@ fn check_types_and_devices<B: FlashAttentionBackend>(
 }
 
 /// Checks everything about one attention call before any work: shapes, float types (and that
-/// the device supports them), devices, options, and the backend's limits on the device for the
-/// forward and the backward (grid, shared memory; see
+/// the device supports them), devices, options (the mask as for rows that may be chunks of a
+/// longer sequence, see [`FlashAttentionOptions::check_mask`]), and the backend's limits on the
+/// device for the forward and the backward (grid, shared memory; see
 /// [`FlashAttentionBackend::check_attention_limits`]).
 pub(crate) fn check_inputs<B: FlashAttentionBackend>(
     q: &Tensor<B, 4>,
@@ -61,24 +62,32 @@ pub(crate) fn check_inputs<B: FlashAttentionBackend>(
     let dims = check_shapes(&q.dims(), &k.dims(), &v.dims())?;
     check_types_and_devices(q, k, v)?;
     options.check()?;
-    if options.window.is_some() || options.documents.is_some() {
-        // The kernels apply windows and documents (issue 18); the op's other paths (the
-        // tensor-op fallback, the sequence-parallel pass) do not yet: refused, never ignored.
-        return Err(Error::Kernel(distflash_kernels::KernelError::BadMask {
-            what: "sliding windows and documents are not yet available through the Burn op or \
-                   the sequence-parallel pass; the kernels' own entry points \
-                   (distflash_kernels::attention and the steps, with a Mask) apply them"
-                .into(),
-        }));
-    }
-    B::check_attention_limits(&dims, q.dtype(), &q.device())?;
+    options.check_mask(&dims)?;
+    B::check_attention_limits(&dims, q.dtype(), &q.device(), options)?;
     Ok(dims)
+}
+
+/// [`check_inputs`] for a one-shot call, whose q and k rows are the whole sequence: the mask's
+/// documents must then span exactly that sequence
+/// ([`FlashAttentionOptions::check_one_shot_mask`]), checked before the rest.
+fn check_one_shot_inputs<B: FlashAttentionBackend>(
+    q: &Tensor<B, 4>,
+    k: &Tensor<B, 4>,
+    v: &Tensor<B, 4>,
+    options: &FlashAttentionOptions,
+) -> Result<AttentionDims, Error> {
+    options.check_one_shot_mask(&check_shapes(&q.dims(), &k.dims(), &v.dims())?)?;
+    check_inputs(q, k, v, options)
 }
 
 /// Exact softmax attention of `q` against `k` and `v`, with `q_heads` a multiple of `kv_heads`
 /// (GQA/MQA without repeating k and v). Differentiable under `Autodiff`, with a fused backward.
 /// Every input is checked before any work: bad shapes, float types, devices or options, or a
 /// call beyond the device's limits, are errors, never panics.
+///
+/// `options` may mask keys (causal, a [`SlidingWindow`](crate::SlidingWindow), packed
+/// [`Documents`](crate::Documents); they combine). A query row that sees no key gets an output
+/// of 0 and an lse of `-inf` (never NaN), and passes no gradient.
 ///
 /// # Shapes
 ///
@@ -94,7 +103,10 @@ pub(crate) fn check_inputs<B: FlashAttentionBackend>(
 ///   [`SUPPORTED_HEAD_DIMS`](crate::kernels::SUPPORTED_HEAD_DIMS), an empty or too long
 ///   sequence: the [`KernelError`](crate::kernels::KernelError) says which); when
 ///   `options.scale` is not finite in f32
-///   ([`KernelError::BadOption`](crate::kernels::KernelError::BadOption)); on the CubeCL
+///   ([`KernelError::BadOption`](crate::kernels::KernelError::BadOption)); when
+///   `options.documents` is set and `seq_q != seq_kv`, the documents do not end at the sequence
+///   length, or they have neither one list nor one per batch row
+///   ([`KernelError::BadMask`](crate::kernels::KernelError::BadMask)); on the CubeCL
 ///   backends, when the call exceeds the device's limits
 ///   ([`KernelError::DeviceLimit`](crate::kernels::KernelError::DeviceLimit)) or the device runs
 ///   no kernels on q's float type ([`KernelError::DType`](crate::kernels::KernelError::DType)).
@@ -140,7 +152,7 @@ pub fn flash_attention_with_lse<B: FlashAttentionBackend>(
     v: Tensor<B, 4>,
     options: FlashAttentionOptions,
 ) -> Result<(Tensor<B, 4>, Tensor<B, 3>), Error> {
-    check_inputs(&q, &k, &v, &options)?;
+    check_one_shot_inputs(&q, &k, &v, &options)?;
     let (out, lse) = B::flash_attention(
         q.into_primitive().tensor(),
         k.into_primitive().tensor(),

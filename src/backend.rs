@@ -17,7 +17,7 @@ use crate::distributed::options::SequenceParallelOptions;
 use crate::layer_ops;
 use crate::layers::AttentionContext;
 use crate::matmul::{product, Transposed};
-use crate::options::FlashAttentionOptions;
+use crate::options::{Documents, FlashAttentionOptions};
 use crate::state::{self, AttentionState, StepMask};
 
 /// Gradients of q, k and v.
@@ -55,8 +55,9 @@ pub trait FlashAttentionBackend: Backend {
     }
 
     /// Checks, before any work, that attention of these (valid) dimensions in float type
-    /// `dtype` can run on `device`, forward and backward, one-shot or in steps: the kernel
-    /// backends check the device's limits (grid, cubes, shared memory, element types). The
+    /// `dtype` with `options` (whose mask and scale pick the kernels) can run on `device`,
+    /// forward and backward, one-shot or in steps: the kernel backends check the device's limits
+    /// (grid, cubes, shared memory, element types) and that their kernels apply the mask. The
     /// default (tensor-op backends) accepts everything.
     ///
     /// # Errors
@@ -67,13 +68,16 @@ pub trait FlashAttentionBackend: Backend {
     ///   [`KernelError::DType`](crate::kernels::KernelError::DType) when the device runs no
     ///   kernels on `dtype`, or with
     ///   [`KernelError::DeviceLimit`](crate::kernels::KernelError::DeviceLimit) when a kernel of
-    ///   the call needs more cubes, units per cube or shared memory than the device allows.
+    ///   the call needs more cubes, units per cube or shared memory than the device allows, or
+    ///   with [`KernelError::BadMask`](crate::kernels::KernelError::BadMask) when the mask does
+    ///   not fit the call (documents of another batch size, or not covering its positions).
     fn check_attention_limits(
         dims: &AttentionDims,
         dtype: DType,
         device: &Self::Device,
+        options: &FlashAttentionOptions,
     ) -> Result<(), Error> {
-        let _ = (dims, dtype, device);
+        let _ = (dims, dtype, device, options);
         Ok(())
     }
 
@@ -366,8 +370,9 @@ pub trait FlashAttentionBackend: Backend {
     /// `segment` applied to `x`, with its activations checkpointed at `placement`: on
     /// `Autodiff` one node of the graph that keeps only `x` (and, at
     /// [`CheckpointPlacement::AttentionOutput`], attention's output and lse) and recomputes the
-    /// rest in the backward; on backends without autodiff there is nothing to store and the
-    /// segment simply runs. `x` is not checked first
+    /// rest in the backward, with the same `documents` (the call's packed-document boundaries,
+    /// if any); on backends without autodiff there is nothing to store and the segment simply
+    /// runs. `x` is not checked first
     /// ([`TransformerBlock::try_forward`](crate::TransformerBlock::try_forward) checks it, then
     /// calls this). On `Autodiff`, a failure while the backward pass recomputes the segment (a
     /// failed peer) panics there, since a backward pass cannot return an error.
@@ -389,13 +394,14 @@ pub trait FlashAttentionBackend: Backend {
         segment: &S,
         x: Tensor<Self, 3>,
         context: &AttentionContext<Self::Inner>,
+        documents: Option<&Documents>,
         placement: CheckpointPlacement,
     ) -> Result<Tensor<Self, 3>, Error>
     where
         S: CheckpointSegment<Self, PARENTS>,
     {
         let _ = placement;
-        segment.forward_stored(x, context)
+        segment.forward_stored(x, context, documents)
     }
 }
 
@@ -403,7 +409,9 @@ pub trait FlashAttentionBackend: Backend {
 /// checkpoint: on `Autodiff`, one node over the segment's input and its `PARENTS - 1` float
 /// parameters (in the order [`Module::visit`] visits them). The plugin's
 /// [`TransformerBlock`](crate::TransformerBlock) is one; the node is built from the segment's
-/// parameter list, so a segment's layers can change without touching the node.
+/// parameter list, so a segment's layers can change without touching the node. Each method
+/// gets the call's `documents` (packed-document boundaries, or `None`), the same in the
+/// forward and in the backward that recomputes it.
 pub trait CheckpointSegment<B: FlashAttentionBackend, const PARENTS: usize>:
     Module<B> + 'static
 {
@@ -420,6 +428,7 @@ pub trait CheckpointSegment<B: FlashAttentionBackend, const PARENTS: usize>:
         &self,
         x: Tensor<B, 3>,
         context: &AttentionContext<B::Inner>,
+        documents: Option<&Documents>,
     ) -> Result<Tensor<B, 3>, Error>;
 
     /// The forward of a checkpoint: the output, and what the backward keeps besides `x` at
@@ -433,6 +442,7 @@ pub trait CheckpointSegment<B: FlashAttentionBackend, const PARENTS: usize>:
         &self,
         x: Tensor<B, 3>,
         context: &AttentionContext<B::Inner>,
+        documents: Option<&Documents>,
         placement: CheckpointPlacement,
     ) -> Result<(Tensor<B, 3>, Vec<FloatTensor<B>>), Error>;
 
@@ -449,6 +459,7 @@ pub trait CheckpointSegment<B: FlashAttentionBackend, const PARENTS: usize>:
         kept: Vec<FloatTensor<B>>,
         grad: Tensor<B, 3>,
         context: &AttentionContext<B::Inner>,
+        documents: Option<&Documents>,
     ) -> Result<(Tensor<B, 3>, Vec<(ParamId, FloatTensor<B>)>), Error>;
 
     /// This segment on the backend under autodiff (Burn's `valid`), which the checkpoint node

@@ -13,12 +13,16 @@ use serde::{Deserialize, Serialize};
 pub struct FlashAttentionOptions {
     /// Causal masking (query `i` sees keys `j <= i`, aligned at the start of both sequences).
     pub causal: bool,
-    /// A sliding window around each query (see [`SlidingWindow`]; with `causal`, only the keys
-    /// before the query count). Key tiles outside every query's window are skipped, not masked.
+    /// A sliding window around each query (see [`SlidingWindow`]). With `causal` only the keys
+    /// before the query count: a window's `after` is then ignored (allowed, not an error), so
+    /// `SlidingWindow::causal(size)` and `SlidingWindow::two_sided(size - 1, n)` mean the same.
+    /// Key tiles outside every query's window are skipped, not masked.
     #[serde(default)]
     pub window: Option<SlidingWindow>,
     /// Document boundaries of packed sequences (see [`Documents`]): a query sees only keys of
-    /// its own document. Per call data, not configuration: never serialized.
+    /// its own document. A one-shot call needs `seq_q == seq_kv ==` [`Documents::len`] and one
+    /// list for every batch row or one per batch row. Per call data, not configuration: never
+    /// serialized.
     #[serde(skip)]
     pub documents: Option<Documents>,
     /// Score scale; `None` means `1 / sqrt(head_dim)`.
@@ -88,6 +92,50 @@ impl FlashAttentionOptions {
             }
             _ => Ok(()),
         }
+    }
+
+    /// Errors unless the mask applies to a call of `dims` whose rows may be chunks of a longer
+    /// sequence (a rank's shards): documents must have one list for every batch row or one per
+    /// batch row, and cover the call's positions (offsets 0).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Kernel`] with [`KernelError::BadMask`] naming what was wrong.
+    pub(crate) fn check_mask(&self, dims: &AttentionDims) -> Result<(), Error> {
+        Ok(self.mask().check(dims)?)
+    }
+
+    /// Errors unless the mask applies to a one-shot call of `dims`, whose query and key rows are
+    /// the whole sequence: with documents, `seq_q == seq_kv ==` [`Documents::len`], and the
+    /// checks of [`check_mask`](Self::check_mask).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Kernel`] with [`KernelError::BadMask`] when documents are given and `seq_q`
+    /// differs from `seq_kv`, when they end at another length than the sequence's, or when
+    /// their batch rows are neither 1 nor the call's `batch`.
+    pub(crate) fn check_one_shot_mask(&self, dims: &AttentionDims) -> Result<(), Error> {
+        if let Some(documents) = &self.documents {
+            let bad = |what: String| Err(Error::Kernel(KernelError::BadMask { what }));
+            if dims.q_len != dims.kv_len {
+                return bad(format!(
+                    "documents split one packed sequence attending to itself: a one-shot call \
+                     with documents needs seq_q == seq_kv, got seq_q {} and seq_kv {} (for \
+                     chunks of a sequence, use the step operations with the mask at the \
+                     chunks' offsets, Mask::at)",
+                    dims.q_len, dims.kv_len
+                ));
+            }
+            if documents.len() != dims.q_len {
+                return bad(format!(
+                    "the documents end at position {}, the sequence has {} positions (the last \
+                     cumulative length must be the sequence length)",
+                    documents.len(),
+                    dims.q_len
+                ));
+            }
+        }
+        self.check_mask(dims)
     }
 }
 

@@ -4,7 +4,7 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Bool, Int, Tensor, TensorMetadata, TensorPrimitive};
+use burn::tensor::{Bool, Int, Tensor, TensorData, TensorMetadata, TensorPrimitive};
 
 use crate::options::{FlashAttentionOptions, Mask};
 use crate::state::{self, AttentionState, StepMask};
@@ -42,32 +42,50 @@ fn sum_heads<B: Backend>(t: Tensor<B, 4>, group: usize) -> Tensor<B, 4> {
         .reshape([b, h / group, s, d])
 }
 
-/// `[Sq, Skv]` mask of the pairs a causal mask hides (query `i` sees key `j` iff
-/// `j + kv_offset <= i + q_offset`), or `None`.
+/// `[rows, Sq, Skv]` mask of the (query, key) pairs `mask` hides in a `batch`-row call, or
+/// `None` when it hides none. `rows` is `batch` when the documents differ per batch row, 1
+/// otherwise (broadcast over the batch). Each query row's visible keys are one contiguous range
+/// (see [`Mask::visible_keys`]), so the host computes two bounds per row and the device compares
+/// key indices against them: `O(rows * Sq)` host work, whatever the mask's parts.
 fn hidden_pairs<B: Backend>(
-    mask: Mask,
+    mask: &Mask,
+    batch: usize,
     q_len: usize,
     kv_len: usize,
     device: &B::Device,
-) -> Option<Tensor<B, 2, Bool>> {
-    assert!(
-        mask.window.is_none() && mask.documents.is_none(),
-        "the tensor-op attention path applies causal masks only; sliding windows and documents \
-         run on the kernels (distflash_kernels), not here yet"
-    );
-    if !mask.causal {
+) -> Option<Tensor<B, 3, Bool>> {
+    if !mask.is_masked() {
         return None;
     }
-    let (q_offset, kv_offset) = (mask.q_offset, mask.kv_offset);
-    let rows = Tensor::<B, 1, Int>::arange(0..q_len as i64, device)
-        .add_scalar(q_offset)
-        .reshape([q_len, 1])
-        .expand([q_len, kv_len]);
-    let cols = Tensor::<B, 1, Int>::arange(0..kv_len as i64, device)
-        .add_scalar(kv_offset)
-        .reshape([1, kv_len])
-        .expand([q_len, kv_len]);
-    Some(cols.greater(rows))
+    let rows = match &mask.documents {
+        Some(documents) if documents.batch_rows() > 1 => batch,
+        _ => 1,
+    };
+    let (mut starts, mut ends) = (
+        Vec::with_capacity(rows * q_len),
+        Vec::with_capacity(rows * q_len),
+    );
+    for b in 0..rows {
+        for i in 0..q_len {
+            let visible = mask.visible_keys(b, i, kv_len);
+            starts.push(visible.start as i64);
+            ends.push(visible.end as i64);
+        }
+    }
+    if starts.iter().all(|&s| s == 0) && ends.iter().all(|&e| e == kv_len as i64) {
+        return None;
+    }
+    let shape = [rows, q_len, kv_len];
+    let bound = |values: Vec<i64>| {
+        Tensor::<B, 3, Int>::from_data(TensorData::new(values, [rows, q_len, 1]), device)
+            .expand(shape)
+    };
+    let keys = Tensor::<B, 1, Int>::arange(0..kv_len as i64, device)
+        .reshape([1, 1, kv_len])
+        .expand(shape);
+    let before = keys.clone().lower(bound(starts));
+    let after = keys.greater_equal(bound(ends));
+    Some(before.bool_or(after))
 }
 
 /// Masked, scaled scores `[B, Hq, Sq, Skv]`, the expanded k, v and the group size.
@@ -75,7 +93,7 @@ fn scores<B: Backend>(
     q: &Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
-    mask: Mask,
+    mask: &Mask,
     scale: Option<f64>,
 ) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>, usize) {
     let [b, hq, sq, d] = q.dims();
@@ -87,20 +105,20 @@ fn scores<B: Backend>(
         .clone()
         .matmul(k.clone().swap_dims(2, 3))
         .mul_scalar(scale);
-    if let Some(hidden) = hidden_pairs::<B>(mask, sq, skv, &q.device()) {
-        let hidden = hidden.unsqueeze::<4>().expand([b, hq, sq, skv]);
+    if let Some(hidden) = hidden_pairs::<B>(mask, b, sq, skv, &q.device()) {
+        let hidden = hidden.unsqueeze_dim::<4>(1).expand([b, hq, sq, skv]);
         s = s.mask_fill(hidden, f64::NEG_INFINITY);
     }
     (s, k, v, group)
 }
 
 /// The partial state `(m, l, o)` of q against one key/value chunk: running max (`-inf` for rows
-/// that see no key of the chunk), running sum and unnormalised output.
+/// that see no key of the chunk), running sum (0 for those rows) and unnormalised output (0).
 pub fn partial<B: Backend>(
     q: FloatTensor<B>,
     k: FloatTensor<B>,
     v: FloatTensor<B>,
-    mask: Mask,
+    mask: &Mask,
     scale: Option<f64>,
 ) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
     let q = tensor::<B>(q);
@@ -125,7 +143,7 @@ pub fn forward_step<B: Backend>(
     state: AttentionState<B>,
     step: StepMask,
 ) -> AttentionState<B> {
-    let (m, l, o) = partial::<B>(q, k, v, step.mask, step.scale);
+    let (m, l, o) = partial::<B>(q, k, v, &step.mask, step.scale);
     state::merge(state, AttentionState { o, m, l })
 }
 
@@ -137,7 +155,7 @@ pub fn forward<B: Backend>(
     options: FlashAttentionOptions,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
     let dtype = q.dtype();
-    let (m, l, o) = partial::<B>(q, k, v, options.mask(), options.scale);
+    let (m, l, o) = partial::<B>(q, k, v, &options.mask(), options.scale);
     state::finalize::<B>(AttentionState { o, m, l }, dtype)
 }
 
@@ -152,10 +170,10 @@ pub fn gradients<B: Backend>(
     delta: FloatTensor<B>,
     step: StepMask,
 ) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
-    let (mask, scale) = (step.mask, step.scale);
+    let scale = step.scale;
     let q = tensor::<B>(q);
     let resolved = scale.unwrap_or(1.0 / (q.dims()[3] as f64).sqrt());
-    let (s, k, v, group) = scores(&q, tensor::<B>(k), tensor::<B>(v), mask, scale);
+    let (s, k, v, group) = scores(&q, tensor::<B>(k), tensor::<B>(v), &step.mask, scale);
     let lse = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(lse))
         .clamp_min(FLOOR)
         .unsqueeze_dim::<4>(3);

@@ -9,9 +9,7 @@ mod common;
 
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::{DType, Tensor};
-use burn_distflash::{
-    flash_attention, flash_attention_with_lse, FlashAttentionOptions, SlidingWindow,
-};
+use burn_distflash::{flash_attention, flash_attention_with_lse, FlashAttentionOptions};
 use common::burn_case::{check_backend, check_case, check_steps, to_host};
 use common::matrix::check_matrix;
 use distflash_kernels::ElemType;
@@ -106,20 +104,6 @@ fn bad_input_is_refused() {
     .unwrap_err();
     assert!(
         err.to_string().contains("multiple of key/value heads"),
-        "{err}"
-    );
-    // Windows and documents: applied by the kernels, not yet by the op: refused, never ignored.
-    let windowed = FlashAttentionOptions::causal().with_window(SlidingWindow::causal(4));
-    let err = flash_attention(
-        t([1, 2, 8, 64]),
-        t([1, 2, 8, 64]),
-        t([1, 2, 8, 64]),
-        windowed,
-    )
-    .unwrap_err();
-    assert!(
-        err.to_string()
-            .contains("not yet available through the Burn op"),
         "{err}"
     );
     let err = flash_attention(

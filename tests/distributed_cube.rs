@@ -1,6 +1,7 @@
 //! Sequence-parallel attention on the CubeCL backends (this project's kernels for every step),
-//! in-process transport: wgpu on the CPU in CI; CUDA on the GPU machine (`--ignored`). Tensors
-//! on a device other than their rank's (or their module's) are refused before any work.
+//! in-process transport: wgpu on the CPU in CI; CUDA on the GPU machine (`--ignored`); windows
+//! and documents through the kernels' masks. Tensors on a device other than their rank's (or
+//! their module's) are refused before any work.
 
 mod common;
 
@@ -8,6 +9,7 @@ use std::time::Duration;
 
 use burn::backend::Autodiff;
 use burn_distflash::schedule::ScheduleKind;
+use burn_distflash::SlidingWindow;
 use common::distributed_case::{check, Case};
 use common::within::within;
 use distflash_kernels::ElemType;
@@ -34,6 +36,34 @@ fn cases(head_dim: usize) -> [Case; 3] {
 fn wgpu_kernels_across_ranks() {
     within(LIMIT, || {
         for case in cases(32) {
+            let devices = vec![cubecl::wgpu::WgpuDevice::Cpu; case.world];
+            check::<Autodiff<WgpuF32>>(devices, case, ElemType::F32);
+        }
+    });
+}
+
+/// A window, documents, and both with per-row documents and no causal order, over the
+/// contiguous and zigzag layouts: each step's mask at its blocks' positions.
+#[test]
+fn wgpu_kernels_across_ranks_under_windows_and_documents() {
+    within(LIMIT, || {
+        for case in [
+            Case {
+                window: Some(SlidingWindow::causal(5)),
+                ..Case::new(3, 8, ScheduleKind::Ring)
+            },
+            Case {
+                documents: Some(&[&[3, 7]]),
+                ..Case::new(4, 6, ScheduleKind::Zigzag)
+            },
+            Case {
+                batch: 2,
+                causal: false,
+                window: Some(SlidingWindow::two_sided(2, 3)),
+                documents: Some(&[&[9], &[4, 5]]),
+                ..Case::new(2, 10, ScheduleKind::Balanced)
+            },
+        ] {
             let devices = vec![cubecl::wgpu::WgpuDevice::Cpu; case.world];
             check::<Autodiff<WgpuF32>>(devices, case, ElemType::F32);
         }

@@ -420,7 +420,6 @@ pub(crate) struct MaskBounds {
 
 /// A [`Documents`]' bounds on the device, as the kernels read them (`u32`, `doc_count` per
 /// batch row).
-#[allow(dead_code)] // launched with by the masked kernels (issue 18, next commits)
 #[derive(Debug, Clone)]
 pub(crate) struct DocumentTable {
     /// The device memory.
@@ -429,7 +428,6 @@ pub(crate) struct DocumentTable {
     pub len: usize,
 }
 
-#[allow(dead_code)]
 impl DocumentTable {
     /// Uploads `documents`' bounds.
     pub(crate) fn upload<R: Runtime>(client: &ComputeClient<R>, documents: &Documents) -> Self {

@@ -418,6 +418,43 @@ pub fn band_masks_match_reference<R: Runtime>(client: &ComputeClient<R>, elem: E
     }
 }
 
+/// Band masks at their edges, forward and backward, against the reference: keys that lie ahead of
+/// every query (a window sees a few, a two-sided window none), a window wider before than after,
+/// the diagonal alone, documents that start inside the key chunk or end inside the query chunk,
+/// and runs of one-token documents with and without a window.
+pub fn band_mask_edges_match_reference<R: Runtime>(client: &ComputeClient<R>, elem: ElemType) {
+    let window = |before, after| Mask::none().with_window(SlidingWindow::two_sided(before, after));
+    let split = Documents::from_cu_seqlens(&[0, 250, 350, 600]).unwrap();
+    let tiny = Documents::from_cu_seqlens(&packed(&[1, 1, 2, 1, 150, 1, 3], 300)).unwrap();
+    let cases: Vec<((usize, usize), Mask)> = vec![
+        (
+            (300, 300),
+            Mask::causal()
+                .with_window(SlidingWindow::causal(10))
+                .at(0, 200),
+        ),
+        ((300, 300), window(5, 3).at(500, 0)),
+        ((200, 517), window(70, 130).at(100, 0)),
+        ((300, 300), window(0, 0)),
+        ((300, 300), Mask::causal().with_documents(split.clone()).at(0, 300)),
+        ((300, 300), Mask::causal().with_documents(split).at(300, 0)),
+        ((300, 300), Mask::causal().with_documents(tiny.clone())),
+        (
+            (300, 300),
+            Mask::causal()
+                .with_documents(tiny)
+                .with_window(SlidingWindow::causal(2)),
+        ),
+    ];
+    for (elem, variant) in configurations(client, elem) {
+        for ((q_len, kv_len), mask) in &cases {
+            let case = Case::new(61, (1, 2, 1), (*q_len, *kv_len, 64), mask.clone(), elem);
+            check_forward(client, &case, variant);
+            check_backward(client, &case, variant);
+        }
+    }
+}
+
 pub fn forward_matches_reference<R: Runtime>(client: &ComputeClient<R>, elem: ElemType) {
     for (elem, variant) in configurations(client, elem) {
         for (heads, lens) in [
@@ -890,6 +927,7 @@ macro_rules! suite {
             suite!(@per_elem chunks, chunks_step_and_merge_exactly, $client $(, #[$attr])?);
             suite!(@per_elem fully_masked, fully_masked_rows_are_zero, $client $(, #[$attr])?);
             suite!(@per_elem band_masks, band_masks_match_reference, $client $(, #[$attr])?);
+            suite!(@per_elem band_mask_edges, band_mask_edges_match_reference, $client $(, #[$attr])?);
             suite!(@per_elem folded_grid, folded_grid_matches_reference, $client $(, #[$attr])?);
             #[test] $(#[$attr])? fn bad_input() { bad_input_is_refused(&$client) }
             #[test] $(#[$attr])? fn linear_grid() { linear_grid_folds(&$client) }

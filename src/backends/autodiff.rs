@@ -20,7 +20,7 @@ use crate::checkpoint::CheckpointPlacement;
 use crate::collective::DeviceGroup;
 use crate::distributed::SequenceParallelOptions;
 use crate::layers::AttentionContext;
-use crate::options::FlashAttentionOptions;
+use crate::options::{Documents, FlashAttentionOptions};
 
 /// The float tensor of `Autodiff<B, C>` (burn-autodiff's `AutodiffTensor`, whose module is private).
 type AutodiffTensor<B, C> = FloatTensor<Autodiff<B, C>>;
@@ -132,12 +132,13 @@ impl<B: FlashAttentionBackend, C: CheckpointStrategy> FlashAttentionBackend for 
         segment: &S,
         x: Tensor<Self, 3>,
         context: &AttentionContext<B::Inner>,
+        documents: Option<&Documents>,
         placement: CheckpointPlacement,
     ) -> Result<Tensor<Self, 3>, Error>
     where
         S: CheckpointSegment<Self, PARENTS>,
     {
-        checkpoint_node::checkpointed::<B, C, S, PARENTS>(segment, x, context, placement)
+        checkpoint_node::checkpointed::<B, C, S, PARENTS>(segment, x, context, documents, placement)
     }
 
     fn inner_device(device: &B::Device) -> Device<B::Inner> {
@@ -152,8 +153,9 @@ impl<B: FlashAttentionBackend, C: CheckpointStrategy> FlashAttentionBackend for 
         dims: &AttentionDims,
         dtype: DType,
         device: &B::Device,
+        options: &FlashAttentionOptions,
     ) -> Result<(), Error> {
-        B::check_attention_limits(dims, dtype, device)
+        B::check_attention_limits(dims, dtype, device, options)
     }
 
     fn flash_attention(

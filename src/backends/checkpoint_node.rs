@@ -19,6 +19,7 @@ use burn_autodiff::Autodiff;
 use crate::backend::{CheckpointSegment, FlashAttentionBackend};
 use crate::checkpoint::CheckpointPlacement;
 use crate::layers::AttentionContext;
+use crate::options::Documents;
 use crate::Error;
 
 /// The backward node of one checkpointed segment of type `S` (on the inner backend).
@@ -26,13 +27,15 @@ use crate::Error;
 struct SegmentNode<S>(PhantomData<S>);
 
 /// What the backward keeps: the segment (its weights shared, not copied), its input, what its
-/// forward kept, and the ids of the parameters in parent order.
+/// forward kept, the call's context and documents, and the ids of the parameters in parent
+/// order.
 #[derive(Debug, Clone)]
 struct Kept<B: FlashAttentionBackend, S> {
     segment: S,
     input: FloatTensor<B>,
     kept: Vec<FloatTensor<B>>,
     context: AttentionContext<B::Inner>,
+    documents: Option<Documents>,
     parameters: Vec<ParamId>,
 }
 
@@ -57,7 +60,13 @@ where
         let kept = ops.state;
         let (dx, parameter_grads) = kept
             .segment
-            .backward(wrap(kept.input), kept.kept, wrap(grad), &kept.context)
+            .backward(
+                wrap(kept.input),
+                kept.kept,
+                wrap(grad),
+                &kept.context,
+                kept.documents.as_ref(),
+            )
             // A backward pass cannot return an error: a failed peer ends the step here.
             .unwrap_or_else(|e| panic!("recomputing a checkpointed segment: {e}"));
         let mut by_id: HashMap<ParamId, FloatTensor<B>> = parameter_grads.into_iter().collect();
@@ -102,6 +111,7 @@ pub(crate) fn checkpointed<B, C, S, const PARENTS: usize>(
     segment: &S,
     x: Tensor<Autodiff<B, C>, 3>,
     context: &AttentionContext<B::Inner>,
+    documents: Option<&Documents>,
     placement: CheckpointPlacement,
 ) -> Result<Tensor<Autodiff<B, C>, 3>, Error>
 where
@@ -110,11 +120,11 @@ where
     S: CheckpointSegment<Autodiff<B, C>, PARENTS>,
 {
     if placement == CheckpointPlacement::None {
-        return segment.forward_stored(x, context);
+        return segment.forward_stored(x, context, documents);
     }
     let inner = segment.valid_segment();
     let input = x.clone().inner();
-    let (out, kept) = inner.forward_keeping(input.clone(), context, placement)?;
+    let (out, kept) = inner.forward_keeping(input.clone(), context, documents, placement)?;
     let mut visited = Parents::<B, C> {
         tensors: vec![x.into_primitive().tensor()],
         ids: Vec::with_capacity(PARENTS),
@@ -142,6 +152,7 @@ where
                 input: input.into_primitive().tensor(),
                 kept,
                 context: context.clone(),
+                documents: documents.cloned(),
                 parameters,
             },
             out,

@@ -163,17 +163,14 @@ where
         dims: &AttentionDims,
         dtype: DType,
         device: &R::Device,
+        options: &FlashAttentionOptions,
     ) -> Result<(), Error> {
         let elem = elem_type(dtype).ok_or_else(|| Error::DType {
             tensor: "q".into(),
             expected: "f16, bf16 or f32, the float types the kernels run".into(),
             got: format!("{dtype:?}"),
         })?;
-        let options = StepOptions {
-            variant: Variant::Auto,
-            ..StepOptions::default()
-        };
-        distflash_kernels::check_launch(&R::client(device), dims, elem, &options)?;
+        distflash_kernels::check_launch(&R::client(device), dims, elem, &step_options(options))?;
         Ok(())
     }
 

@@ -237,8 +237,9 @@ where
         dims: &AttentionDims,
         dtype: DType,
         device: &B::Device,
+        options: &FlashAttentionOptions,
     ) -> Result<(), Error> {
-        B::check_attention_limits(dims, dtype, device)
+        B::check_attention_limits(dims, dtype, device, options)
     }
 
     fn flash_attention(

@@ -128,11 +128,9 @@ pub(crate) fn run<B: FlashAttentionBackend>(
     options: &SequenceParallelOptions,
 ) -> Result<Grads<B>, Error> {
     let dtype = q.dtype();
-    let schedule = &options.schedule_for(group.world_size());
-    let chunks = Chunks::new(
-        schedule.layout().chunks_per_rank(),
-        q.shape().dims::<4>()[2],
-    );
+    let shard_len = q.shape().dims::<4>()[2];
+    let schedule = &options.schedule_for(group.world_size(), shard_len)?;
+    let chunks = Chunks::new(schedule.layout().chunks_per_rank(), shard_len);
     let delta = B::attention_delta(out, grad_out.clone());
     let mut pass = BackwardPass {
         rank: group.rank(),

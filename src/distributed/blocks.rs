@@ -6,7 +6,6 @@ use burn::tensor::{DType, FloatDType, Slice, TensorMetadata};
 
 use super::SequenceParallelOptions;
 use crate::backend::{FlashAttentionBackend, Grads};
-use crate::options::Mask;
 use crate::schedule::Block;
 use crate::state::{AttentionState, StepMask};
 
@@ -75,14 +74,10 @@ impl Chunks {
     }
 }
 
-/// The mask and scale of one block: causal over its local rows (offsets 0) or none.
+/// The mask and scale of one block (its mask at its rows' positions, or none).
 fn block_step(block: &Block, options: &SequenceParallelOptions) -> StepMask {
     StepMask {
-        mask: if block.causal {
-            Mask::causal()
-        } else {
-            Mask::none()
-        },
+        mask: block.mask.clone(),
         scale: options.attention.scale,
         deterministic: options.attention.deterministic,
     }

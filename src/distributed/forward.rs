@@ -104,11 +104,9 @@ pub(crate) fn run<B: FlashAttentionBackend>(
     options: &SequenceParallelOptions,
 ) -> Result<(FloatTensor<B>, FloatTensor<B>), Error> {
     let dtype: DType = q.dtype();
-    let schedule = &options.schedule_for(group.world_size());
-    let chunks = Chunks::new(
-        schedule.layout().chunks_per_rank(),
-        q.shape().dims::<4>()[2],
-    );
+    let shard_len = q.shape().dims::<4>()[2];
+    let schedule = &options.schedule_for(group.world_size(), shard_len)?;
+    let chunks = Chunks::new(schedule.layout().chunks_per_rank(), shard_len);
     let state_layouts = ForwardPass::<B>::state_layouts(&q);
     let mut pass = ForwardPass {
         rank: group.rank(),

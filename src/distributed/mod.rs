@@ -20,6 +20,8 @@ pub(crate) use forward::run as forward_pass;
 
 use crate::Error;
 
+use std::hash::{DefaultHasher, Hash, Hasher};
+
 use burn::tensor::{DType, Tensor, TensorPrimitive};
 
 pub use options::SequenceParallelOptions;
@@ -28,6 +30,8 @@ pub use sharding::{gather_sequence, shard_sequence};
 use crate::api::check_inputs;
 use crate::backend::FlashAttentionBackend;
 use crate::collective::DeviceGroup;
+use crate::options::{Documents, SlidingWindow};
+use crate::schedule::visibility::check_sequence_mask;
 
 fn dtype_code(dtype: DType) -> u64 {
     match dtype {
@@ -37,8 +41,26 @@ fn dtype_code(dtype: DType) -> u64 {
     }
 }
 
+/// A sliding window's two reaches as agreed values (`u64::MAX` twice without a window).
+fn window_code(window: Option<SlidingWindow>) -> [u64; 2] {
+    window.map_or([u64::MAX; 2], |w| [w.before as u64, w.after as u64])
+}
+
+/// A fingerprint of the documents every rank must hold alike (0 without documents): a hash of
+/// each batch row's boundaries, the same in every process of one build.
+fn documents_fingerprint(documents: Option<&Documents>) -> u64 {
+    documents.map_or(0, |d| {
+        let mut hasher = DefaultHasher::new();
+        d.batch_rows().hash(&mut hasher);
+        for row in 0..d.batch_rows() {
+            d.cu_seqlens(row).hash(&mut hasher);
+        }
+        hasher.finish()
+    })
+}
+
 /// How many values each rank contributes to the agreement check of [`validate`].
-const AGREED_VALUES: usize = 11;
+const AGREED_VALUES: usize = 14;
 
 /// What a rank that refused its own input contributes instead (no real first value, a batch
 /// size, comes near it).
@@ -89,10 +111,13 @@ fn local_values<B: FlashAttentionBackend>(
             got: format!("{kd:?}"),
         });
     }
-    let schedule = (options.schedule).resolve(group.world_size(), options.attention.causal);
-    (schedule.layout()).check_shard_len(group.world_size(), qd[2])?;
+    let world = group.world_size();
+    let schedule = (options.schedule).resolve(world, options.attention.causal);
+    (schedule.layout()).check_shard_len(world, qd[2])?;
+    check_sequence_mask(&options.attention.mask(), world * qd[2])?;
     let schedule = schedule as u64;
     let scale = options.attention.scale.map_or(u64::MAX, f64::to_bits);
+    let [before, after] = window_code(options.attention.window);
     Ok([
         qd[0] as u64,
         qd[1] as u64,
@@ -105,6 +130,9 @@ fn local_values<B: FlashAttentionBackend>(
         scale,
         schedule,
         options.overlap as u64,
+        before,
+        after,
+        documents_fingerprint(options.attention.documents.as_ref()),
     ])
 }
 
@@ -136,10 +164,14 @@ fn validate<B: FlashAttentionBackend>(
         });
     }
     let describe = |m: &[u64]| {
+        let window = match (m[11], m[12]) {
+            (u64::MAX, u64::MAX) => "none".to_string(),
+            (before, after) => format!("{before} before, {after} after"),
+        };
         format!(
             "q [{}, {}, {}, {}], k/v [{}, {}, {}, {}], dtype code {}, causal {}, scale bits {:#x}, \
-             schedule {}, overlap {}",
-            m[0], m[1], m[3], m[5], m[0], m[2], m[4], m[5], m[6], m[7], m[8], m[9], m[10]
+             schedule {}, overlap {}, window {window}, documents fingerprint {:#x}",
+            m[0], m[1], m[3], m[5], m[0], m[2], m[4], m[5], m[6], m[7], m[8], m[9], m[10], m[13]
         )
     };
     if let Some((other, theirs)) = all.iter().enumerate().find(|(_, m)| m[..] != mine[..]) {
@@ -160,7 +192,13 @@ fn validate<B: FlashAttentionBackend>(
 /// rank `r` holds `r * shard_len .. (r + 1) * shard_len` under the contiguous layout;
 /// [`crate::shard_sequence`] cuts a whole sequence for any layout). Every rank must call this
 /// with shards of one shape (checked; zigzag needs an even `shard_len`). Returns O for the
-/// rank's positions. Differentiable under `Autodiff`: the backward is distributed too, so every
+/// rank's positions.
+///
+/// The mask is `options.attention`'s over the whole sequence: causal order, a sliding window
+/// and documents at absolute positions (`0..P * shard_len`). Every rank passes the same
+/// options, documents included (each rank holds the documents of the whole sequence, not its
+/// shard's; checked): from them every rank derives the same schedule, in which a pair of
+/// shards with no visible score is neither computed nor exchanged. Differentiable under `Autodiff`: the backward is distributed too, so every
 /// rank must run its backward (where a communication failure panics, since a backward pass
 /// cannot return an error).
 ///
@@ -184,6 +222,9 @@ fn validate<B: FlashAttentionBackend>(
 ///   shapes, float type or options.
 /// - [`Error::Layout`] when `shard_len` does not fit the schedule's layout (zigzag:
 ///   an odd length).
+/// - [`Error::Kernel`] with [`KernelError::BadMask`](crate::kernels::KernelError::BadMask)
+///   when the documents do not cover exactly the `P * shard_len` positions of the sequence;
+///   [`Error::RanksDisagree`] when ranks pass different windows or documents.
 /// - The collective layer's errors ([`Error::is_collective`]: a timeout, a mismatch, a
 ///   departed peer, a broken group, NCCL) when the ranks' agreement check or the exchange of
 ///   chunks between the ranks fails.

@@ -4,11 +4,16 @@ use serde::{Deserialize, Serialize};
 
 use crate::options::FlashAttentionOptions;
 use crate::schedule::{Layout, Schedule, ScheduleKind};
+use crate::Error;
 
 /// Options of [`crate::sequence_parallel_attention`].
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct SequenceParallelOptions {
-    /// Causal masking (over the whole sequence) and score scale.
+    /// The mask over the whole sequence (causal order, a sliding window, documents at absolute
+    /// positions `0..world * shard_len`) and the score scale. Every rank passes the same
+    /// options, documents included: each rank holds the documents of the whole sequence, from
+    /// which every rank derives the same schedule (pairs of shards with no visible score are
+    /// neither computed nor exchanged).
     pub attention: FlashAttentionOptions,
     /// Which schedule, and so which [`Layout`] the shards must have (see
     /// [`SequenceParallelOptions::layout`]); `Auto` picks by world size and mask.
@@ -39,13 +44,15 @@ impl SequenceParallelOptions {
         Self { overlap, ..self }
     }
 
-    /// The schedule these options mean on `world` ranks.
+    /// The schedule these options mean on `world` ranks holding shards of `shard_len` tokens
+    /// (see [`Schedule::for_mask`]).
     ///
-    /// # Panics
+    /// # Errors
     ///
-    /// When `world` is zero.
-    pub fn schedule_for(&self, world: usize) -> Schedule {
-        Schedule::new(self.schedule, world, self.attention.causal)
+    /// As [`Schedule::for_mask`]: a zero `world` or `shard_len`, an odd `shard_len` under
+    /// zigzag, or documents that do not cover exactly the `world * shard_len` positions.
+    pub fn schedule_for(&self, world: usize, shard_len: usize) -> Result<Schedule, Error> {
+        Schedule::for_mask(self.schedule, world, shard_len, &self.attention.mask())
     }
 
     /// Where each rank's shard must come from on `world` ranks: shard the sequence with

@@ -17,7 +17,7 @@ use crate::backend::FlashAttentionBackend;
 use crate::distributed::{announce_refusal, sequence_parallel_attention_with_lse};
 use crate::flash_attention_with_lse;
 use crate::kernels::SUPPORTED_HEAD_DIMS;
-use crate::options::FlashAttentionOptions;
+use crate::options::{Documents, FlashAttentionOptions, SlidingWindow};
 
 /// Configuration of [`DistFlashAttention`].
 #[derive(Config, Debug)]
@@ -35,6 +35,10 @@ pub struct DistFlashAttentionConfig {
     /// Causal masking over the whole sequence.
     #[config(default = true)]
     pub causal: bool,
+    /// A sliding window around each query (see [`SlidingWindow`]; with `causal`, its `after` is
+    /// ignored), over absolute positions: sharded, it spans the ranks. Default: none.
+    #[config(default = "None")]
+    pub window: Option<SlidingWindow>,
     /// Bitwise reproducible attention gradients (slower backward on CUDA; see
     /// [`crate::FlashAttentionOptions::deterministic`]). Default: off.
     #[config(default = false)]
@@ -123,6 +127,7 @@ impl DistFlashAttentionConfig {
             n_kv_heads,
             head_dim,
             causal: self.causal,
+            window: self.window,
             deterministic: self.deterministic,
             rope: self.rope.clone(),
             counter: ForwardCounter::default(),
@@ -141,6 +146,11 @@ impl DistFlashAttentionConfig {
 
 /// Multi-head self-attention over `[batch, seq, d_model]` computed by this project's
 /// memory-efficient kernels, locally or sequence-parallel (see [`AttentionContext`]).
+///
+/// Its mask is configuration (causal, a sliding window) plus, per call, optional packed
+/// documents ([`forward_with_documents`](Self::forward_with_documents)). Rotary positions
+/// stay global across packed documents (they do not restart at each document): attention
+/// scores depend only on the distance between positions, which is the same either way.
 #[derive(Module, Debug)]
 pub struct DistFlashAttention<B: Backend> {
     /// Query projection `[d_model, n_heads * head_dim]`.
@@ -159,6 +169,9 @@ pub struct DistFlashAttention<B: Backend> {
     pub head_dim: usize,
     /// Causal masking.
     pub causal: bool,
+    /// Sliding window (see [`DistFlashAttentionConfig::window`]).
+    #[module(skip)]
+    pub window: Option<SlidingWindow>,
     /// Bitwise reproducible gradients (see [`DistFlashAttentionConfig::deterministic`]).
     pub deterministic: bool,
     /// Rotary embedding.
@@ -194,6 +207,56 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
             .unwrap_or_else(|e| panic!("{e}"))
     }
 
+    /// Attention of `x`, a batch of packed sequences, where each token sees only the tokens of
+    /// its own document (on top of the configured causal mask and window).
+    ///
+    /// Documents are per-call data, like `x` (each batch brings its own boundaries), so they
+    /// are an argument here rather than part of the configuration or of the
+    /// [`AttentionContext`] (which says where attention runs, and is the same for every batch);
+    /// [`forward`](Self::forward) is this call without documents.
+    ///
+    /// # Shapes
+    ///
+    /// - x: `[batch, seq, d_model]`
+    /// - documents: boundaries of the whole sequence (`seq` positions locally;
+    ///   `world_size * seq` when sharded), one list for every batch row or one per batch row
+    /// - output: `[batch, seq, d_model]`
+    ///
+    /// # Panics
+    ///
+    /// With a clear message where
+    /// [`try_forward_with_documents`](Self::try_forward_with_documents) returns an error.
+    pub fn forward_with_documents(
+        &self,
+        x: Tensor<B, 3>,
+        context: &AttentionContext<B::Inner>,
+        documents: &Documents,
+    ) -> Tensor<B, 3> {
+        self.try_forward_with_documents(x, context, documents)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`forward_with_documents`](Self::forward_with_documents), or why it cannot run.
+    ///
+    /// # Shapes
+    ///
+    /// As [`forward_with_documents`](Self::forward_with_documents).
+    ///
+    /// # Errors
+    ///
+    /// Those of [`try_forward`](Self::try_forward), and [`Error::Kernel`] with
+    /// [`KernelError::BadMask`](crate::kernels::KernelError::BadMask) when the documents do not
+    /// end at the sequence's length (`seq`, or `world_size * seq` sharded) or have neither one
+    /// list nor one per batch row.
+    pub fn try_forward_with_documents(
+        &self,
+        x: Tensor<B, 3>,
+        context: &AttentionContext<B::Inner>,
+        documents: &Documents,
+    ) -> Result<Tensor<B, 3>, Error> {
+        self.try_forward_masked(x, context, Some(documents))
+    }
+
     /// Attention of `x` (the whole sequence, or this rank's shard), or why it cannot run. When
     /// sharded and this rank refuses `x`, the other ranks are told, so their attention fails at
     /// once too.
@@ -223,22 +286,34 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
         x: Tensor<B, 3>,
         context: &AttentionContext<B::Inner>,
     ) -> Result<Tensor<B, 3>, Error> {
-        self.check_input(&x, context)?;
-        let projected = self.project(x, context);
-        let (out, _) = self.attend(&projected, context)?;
+        self.try_forward_masked(x, context, None)
+    }
+
+    /// [`try_forward`](Self::try_forward) with the call's documents, if any.
+    fn try_forward_masked(
+        &self,
+        x: Tensor<B, 3>,
+        context: &AttentionContext<B::Inner>,
+        documents: Option<&Documents>,
+    ) -> Result<Tensor<B, 3>, Error> {
+        self.check_input(&x, context, documents)?;
+        let projected = self.project(x, context, documents);
+        let (out, _) = self.attend(&projected, context, documents)?;
         Ok(linear(&self.output, merge_heads(out)))
     }
 
     /// Refuses, before any work, an input that is not `[batch > 0, seq > 0, d_model]` of the
     /// weights' float type on the weights' device, not on the device of `context`'s group, or of a
-    /// length the sharded layout cannot split (zigzag: odd).
+    /// length the sharded layout cannot split (zigzag: odd), and documents that do not split the
+    /// whole sequence of this batch.
     /// Sharded, the other ranks are told, so that their attention fails at once too.
     pub(crate) fn check_input(
         &self,
         x: &Tensor<B, 3>,
         context: &AttentionContext<B::Inner>,
+        documents: Option<&Documents>,
     ) -> Result<(), Error> {
-        let refused = self.input_problem(x, context);
+        let refused = self.input_problem(x, context, documents);
         if let (Err(_), AttentionContext::Sharded { group, .. }) = (&refused, context) {
             announce_refusal(group);
         }
@@ -249,6 +324,7 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
         &self,
         x: &Tensor<B, 3>,
         context: &AttentionContext<B::Inner>,
+        documents: Option<&Documents>,
     ) -> Result<(), Error> {
         let weight = self.query.weight.val();
         let d_model = weight.dims()[0];
@@ -277,7 +353,10 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
                 got: format!("{:?}", x.device()),
             });
         }
-        context.positions(dims[1], self.options())?;
+        context.positions(dims[1], self.options_with(documents))?;
+        if let Some(documents) = documents {
+            self.documents_problem(dims, context, documents)?;
+        }
         if let AttentionContext::Sharded { group, .. } = context {
             if B::inner_device(&x.device()) != *group.device() {
                 return Err(Error::Device {
@@ -294,25 +373,58 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
         Ok(())
     }
 
-    /// The options of this module's attention.
+    /// Errors unless `documents` split the whole sequence of an input of `[batch, seq, _]`
+    /// (`seq` positions locally, `world_size * seq` sharded) into documents given once or per
+    /// batch row: the checks of a one-shot call over the whole sequence.
+    fn documents_problem(
+        &self,
+        [batch, seq, _]: [usize; 3],
+        context: &AttentionContext<B::Inner>,
+        documents: &Documents,
+    ) -> Result<(), Error> {
+        let whole = match context {
+            AttentionContext::Local => seq,
+            AttentionContext::Sharded { group, .. } => group.world_size() * seq,
+        };
+        let q = [batch, self.n_heads, whole, self.head_dim];
+        let kv = [batch, self.n_kv_heads, whole, self.head_dim];
+        let dims = crate::options::check_shapes(&q, &kv, &kv)?;
+        self.options_with(Some(documents))
+            .check_one_shot_mask(&dims)
+    }
+
+    /// The options of this module's attention (no documents: see
+    /// [`forward_with_documents`](Self::forward_with_documents)).
     pub fn options(&self) -> FlashAttentionOptions {
         FlashAttentionOptions {
             causal: self.causal,
+            window: self.window,
+            documents: None,
             scale: None,
             deterministic: self.deterministic,
-            ..FlashAttentionOptions::default()
         }
     }
 
-    /// Projects `x` to rotated queries and keys and to values.
+    /// The options of one call of this module's attention, with that call's documents.
+    pub(crate) fn options_with(&self, documents: Option<&Documents>) -> FlashAttentionOptions {
+        FlashAttentionOptions {
+            documents: documents.cloned(),
+            ..self.options()
+        }
+    }
+
+    /// Projects `x` to rotated queries and keys and to values, rotated at the positions of the
+    /// layout attention with `documents` runs in (global positions, not restarted per document).
     pub(crate) fn project(
         &self,
         x: Tensor<B, 3>,
         context: &AttentionContext<B::Inner>,
+        documents: Option<&Documents>,
     ) -> Projected<B> {
         let [_, seq, _] = x.dims();
+        let options = self.options_with(documents);
         // A length the layout cannot split is refused by `check_input` before this runs.
-        let positions = (context.positions(seq, self.options())).unwrap_or_default();
+        let positions = (context.positions(seq, options)).unwrap_or_default();
         let rope = RotaryTables::at_positions(
             &self.rope,
             self.head_dim,
@@ -331,16 +443,19 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
         }
     }
 
-    /// `(O, lse)` of the projected heads; counts one forward computation.
+    /// `(O, lse)` of the projected heads, within `documents` when given; counts one forward
+    /// computation.
     pub(crate) fn attend(
         &self,
         p: &Projected<B>,
         context: &AttentionContext<B::Inner>,
+        documents: Option<&Documents>,
     ) -> Result<(Tensor<B, 4>, Tensor<B, 3>), Error> {
         self.counter.record();
         let (q, k, v) = (p.q.clone(), p.k.clone(), p.v.clone());
-        match context.sequence_parallel_options(self.options()) {
-            None => Ok(flash_attention_with_lse(q, k, v, self.options())?),
+        let options = self.options_with(documents);
+        match context.sequence_parallel_options(options.clone()) {
+            None => Ok(flash_attention_with_lse(q, k, v, options)?),
             Some((group, options)) => {
                 sequence_parallel_attention_with_lse(q, k, v, group, &options)
             }

@@ -7,6 +7,7 @@ use super::attention::{merge_heads, split_heads, DistFlashAttention, Projected};
 use super::context::AttentionContext;
 use super::linear_grad::linear_backward;
 use crate::backend::FlashAttentionBackend;
+use crate::options::Documents;
 
 /// Gradients of the four projection weights of a [`DistFlashAttention`].
 pub(crate) struct AttentionGrads<B: FlashAttentionBackend> {
@@ -26,12 +27,14 @@ pub(crate) struct AttentionActivations<B: FlashAttentionBackend> {
 
 impl<B: FlashAttentionBackend> DistFlashAttention<B> {
     /// `(dx, weight gradients)` for the gradient `grad` of the module's output. Runs the
-    /// attention backward (distributed in a sharded context) from the saved O and lse.
+    /// attention backward (distributed in a sharded context) from the saved O and lse, with the
+    /// forward's mask (the same `documents`).
     pub(crate) fn backward(
         &self,
         acts: AttentionActivations<B>,
         grad: Tensor<B, 3>,
         context: &AttentionContext<B::Inner>,
+        documents: Option<&Documents>,
     ) -> (Tensor<B, 3>, AttentionGrads<B>) {
         let merged = merge_heads(acts.out.clone());
         let from_output = linear_backward(&self.output, merged, grad);
@@ -44,8 +47,9 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
             acts.lse.into_primitive().tensor(),
             prim(grad_out),
         );
-        let (dq, dk, dv) = match context.sequence_parallel_options(self.options()) {
-            None => B::flash_attention_backward(q, k, v, out, lse, grad_out, self.options()),
+        let options = self.options_with(documents);
+        let (dq, dk, dv) = match context.sequence_parallel_options(options.clone()) {
+            None => B::flash_attention_backward(q, k, v, out, lse, grad_out, options),
             Some((group, options)) => {
                 B::sequence_parallel_backward(q, k, v, out, lse, grad_out, group, &options)
                     // A backward pass cannot return an error: a failed peer ends the step here.

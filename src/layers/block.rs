@@ -16,6 +16,7 @@ use super::linear_layer::linear;
 use super::rms_norm::{RmsNorm, RmsNormConfig};
 use crate::backend::{CheckpointSegment, FlashAttentionBackend};
 use crate::checkpoint::CheckpointPlacement;
+use crate::options::Documents;
 
 /// Configuration of [`TransformerBlock`].
 #[derive(Config, Debug)]
@@ -120,6 +121,50 @@ impl<B: FlashAttentionBackend> TransformerBlock<B> {
             .unwrap_or_else(|e| panic!("{e}"))
     }
 
+    /// The block applied to `x`, a batch of packed sequences whose tokens attend only within
+    /// their own document (see [`DistFlashAttention::forward_with_documents`], which says why
+    /// documents are a per-call argument). A checkpointed block recomputes its attention with
+    /// the same documents.
+    ///
+    /// # Shapes
+    ///
+    /// - x: `[batch, seq, d_model]`
+    /// - documents: boundaries of the whole sequence (`seq` positions locally;
+    ///   `world_size * seq` when sharded), one list for every batch row or one per batch row
+    /// - output: `[batch, seq, d_model]`
+    ///
+    /// # Panics
+    ///
+    /// With a clear message where
+    /// [`try_forward_with_documents`](Self::try_forward_with_documents) errs.
+    pub fn forward_with_documents(
+        &self,
+        x: Tensor<B, 3>,
+        context: &AttentionContext<B::Inner>,
+        documents: &Documents,
+    ) -> Tensor<B, 3> {
+        self.try_forward_with_documents(x, context, documents)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`forward_with_documents`](Self::forward_with_documents), or why it cannot run.
+    ///
+    /// # Shapes
+    ///
+    /// As [`forward_with_documents`](Self::forward_with_documents).
+    ///
+    /// # Errors
+    ///
+    /// As [`DistFlashAttention::try_forward_with_documents`] of the block's attention.
+    pub fn try_forward_with_documents(
+        &self,
+        x: Tensor<B, 3>,
+        context: &AttentionContext<B::Inner>,
+        documents: &Documents,
+    ) -> Result<Tensor<B, 3>, Error> {
+        self.try_forward_masked(x, context, Some(documents))
+    }
+
     /// The block applied to `x` (the whole sequence or this rank's shard), checkpointed as
     /// [`checkpoint`](Self::checkpoint) says. `x` is checked before any work.
     ///
@@ -137,10 +182,20 @@ impl<B: FlashAttentionBackend> TransformerBlock<B> {
         x: Tensor<B, 3>,
         context: &AttentionContext<B::Inner>,
     ) -> Result<Tensor<B, 3>, Error> {
-        self.attention.check_input(&x, context)?;
+        self.try_forward_masked(x, context, None)
+    }
+
+    /// [`try_forward`](Self::try_forward) with the call's documents, if any.
+    fn try_forward_masked(
+        &self,
+        x: Tensor<B, 3>,
+        context: &AttentionContext<B::Inner>,
+        documents: Option<&Documents>,
+    ) -> Result<Tensor<B, 3>, Error> {
+        self.attention.check_input(&x, context, documents)?;
         match self.checkpoint {
-            CheckpointPlacement::None => self.forward_stored(x, context),
-            placement => B::checkpointed(self, x, context, placement),
+            CheckpointPlacement::None => self.forward_stored(x, context, documents),
+            placement => B::checkpointed(self, x, context, documents, placement),
         }
     }
 }
@@ -169,23 +224,26 @@ impl<B: FlashAttentionBackend> TransformerBlock<B> {
         &self,
         x: Tensor<B, 3>,
         context: &AttentionContext<B::Inner>,
+        documents: Option<&Documents>,
     ) -> Result<Tensor<B, 3>, Error> {
-        let half = self.attention_half(x, context, None)?;
+        let half = self.attention_half(x, context, documents, None)?;
         Ok(half.h.clone() + self.ffn.forward(self.ffn_norm.forward(half.h)))
     }
 
-    /// Runs the attention half; with `saved` `(O, lse)` attention itself is not recomputed.
+    /// Runs the attention half (within `documents` when given); with `saved` `(O, lse)`
+    /// attention itself is not recomputed.
     pub(crate) fn attention_half(
         &self,
         x: Tensor<B, 3>,
         context: &AttentionContext<B::Inner>,
+        documents: Option<&Documents>,
         saved: Option<(Tensor<B, 4>, Tensor<B, 3>)>,
     ) -> Result<AttentionHalf<B>, Error> {
         let input = self.attention_norm.forward(x.clone());
-        let projected = self.attention.project(input.clone(), context);
+        let projected = (self.attention).project(input.clone(), context, documents);
         let (out, lse) = match saved {
             Some(saved) => saved,
-            None => self.attention.attend(&projected, context)?,
+            None => self.attention.attend(&projected, context, documents)?,
         };
         let h = x.clone() + linear(&self.attention.output, merge_heads(out.clone()));
         Ok(AttentionHalf {
@@ -201,19 +259,21 @@ impl<B: FlashAttentionBackend> TransformerBlock<B> {
     }
 
     /// Gradients of the input and weights for the output gradient `grad`, from the attention
-    /// half of the forward (the feed-forward half is recomputed from `h`).
+    /// half of the forward (the feed-forward half is recomputed from `h`), whose `documents`
+    /// the attention backward masks with again.
     pub(crate) fn backward(
         &self,
         half: AttentionHalf<B>,
         grad: Tensor<B, 3>,
         context: &AttentionContext<B::Inner>,
+        documents: Option<&Documents>,
     ) -> BlockGrads<B> {
         let ffn_input = self.ffn_norm.forward(half.h.clone());
         let (dffn_input, ffn) = self.ffn.backward(ffn_input, grad.clone());
         let (dh_norm, ffn_norm) = self.ffn_norm.backward(half.h, dffn_input);
         let dh = grad + dh_norm;
         let (dattention_input, attention) =
-            self.attention.backward(half.attention, dh.clone(), context);
+            (self.attention).backward(half.attention, dh.clone(), context, documents);
         let (dx_norm, attention_norm) = self.attention_norm.backward(half.x, dattention_input);
         BlockGrads {
             input: dh + dx_norm,
@@ -271,17 +331,19 @@ impl<B: FlashAttentionBackend> CheckpointSegment<B, BLOCK_PARENTS> for Transform
         &self,
         x: Tensor<B, 3>,
         context: &AttentionContext<B::Inner>,
+        documents: Option<&Documents>,
     ) -> Result<Tensor<B, 3>, Error> {
-        TransformerBlock::forward_stored(self, x, context)
+        TransformerBlock::forward_stored(self, x, context, documents)
     }
 
     fn forward_keeping(
         &self,
         x: Tensor<B, 3>,
         context: &AttentionContext<B::Inner>,
+        documents: Option<&Documents>,
         placement: CheckpointPlacement,
     ) -> Result<(Tensor<B, 3>, Vec<FloatTensor<B>>), Error> {
-        let half = self.attention_half(x, context, None)?;
+        let half = self.attention_half(x, context, documents, None)?;
         let h = half.h;
         let out = h.clone() + self.ffn.forward(self.ffn_norm.forward(h));
         let kept = match placement {
@@ -299,14 +361,15 @@ impl<B: FlashAttentionBackend> CheckpointSegment<B, BLOCK_PARENTS> for Transform
         kept: Vec<FloatTensor<B>>,
         grad: Tensor<B, 3>,
         context: &AttentionContext<B::Inner>,
+        documents: Option<&Documents>,
     ) -> Result<(Tensor<B, 3>, Vec<(ParamId, FloatTensor<B>)>), Error> {
         let mut kept = kept.into_iter();
         let attention = match (kept.next(), kept.next()) {
             (Some(out), Some(lse)) => Some((tensor(out), tensor(lse))),
             _ => None,
         };
-        let half = self.attention_half(x, context, attention)?;
-        Ok(TransformerBlock::backward(self, half, grad, context).by_parameter(self))
+        let half = self.attention_half(x, context, documents, attention)?;
+        Ok(TransformerBlock::backward(self, half, grad, context, documents).by_parameter(self))
     }
 
     fn valid_segment(&self) -> TransformerBlock<B::InnerBackend>

@@ -2,24 +2,36 @@
 //!
 //! `P` ranks each own one shard of the sequence (its query, key and value rows); the
 //! [`Layout`] says which positions a shard holds (one contiguous chunk, or two zigzag chunks).
-//! Causal attention needs every pair (query shard `i`, key/value shard `j`) that has a visible
-//! score; [`blocks`] splits a pair into step calls (diagonal chunks causally masked, the others
-//! fully visible, invisible ones skipped). A schedule says, for every rank and step, which pair
-//! that rank computes; [`RankStep`] derives what it must then send and receive. Each schedule is
-//! one file implementing [`ScheduleRule`]: [`ring`] (the paper's Algorithm 1), [`balanced`]
-//! (Algorithm 2, helper workers), both over the contiguous layout, and [`zigzag`] (the ring over
-//! the zigzag layout).
+//! Attention needs every pair (query shard `i`, key/value shard `j`) that has a visible score;
+//! [`blocks`] splits a pair into step calls (chunk pairs partly visible stepped with the mask,
+//! wholly visible ones with none, invisible ones skipped). A schedule says, for every rank and
+//! step, which pair that rank computes; [`RankStep`] derives what it must then send and
+//! receive. Each schedule is one file implementing [`ScheduleRule`]: [`ring`] (the paper's
+//! Algorithm 1), [`balanced`] (Algorithm 2, helper workers), both over the contiguous layout,
+//! and [`zigzag`] (the ring over the zigzag layout).
+//!
+//! Under a sliding window or documents ([`Schedule::for_mask`]) the rule's pairs that hold no
+//! visible score ([`visibility`], an exact count from the band and the document ranges) are
+//! dropped, and so are steps left with no pair: no step call, no key/value chunk sent, no
+//! partial or gradient returned. A causal window shorter than a shard, for instance, leaves
+//! each rank its own shard and its predecessor's (two steps of the ring instead of `P`).
 
 pub mod balanced;
 pub mod blocks;
 pub mod layout;
 mod plan;
 pub mod ring;
+pub mod visibility;
 pub mod zigzag;
+
+use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::options::Mask;
+use crate::Error;
 pub use blocks::Block;
+use blocks::Visibility;
 pub use layout::Layout;
 pub use plan::RankStep;
 
@@ -76,6 +88,13 @@ impl ScheduleKind {
     /// [`Schedule::time`], the earlier one on a tie. Causal, zigzag takes `P/2` pair-times and
     /// balanced `floor(P/2) + 1/2`: zigzag wins at even `P`; at odd `P` (and `P = 1`) they tie
     /// and balanced, with half the steps and the contiguous layout, is kept.
+    ///
+    /// A window or documents do not enter the choice: the choice fixes the [`Layout`], which
+    /// callers need before the call to cut the sequence (token shards, rotary positions), from
+    /// the world size and causality alone, and documents change from batch to batch while a
+    /// run keeps one layout. Pick a schedule yourself to use the sparsity: under a causal
+    /// window shorter than a shard the contiguous schedules need one neighbour's keys per
+    /// rank, zigzag two (its late chunk's neighbour is another rank's).
     pub fn resolve(self, world: usize, causal: bool) -> ScheduleKind {
         if self != ScheduleKind::Auto {
             return self;
@@ -104,22 +123,79 @@ impl ScheduleKind {
     }
 }
 
-/// A materialised schedule: the pair of every rank at every step.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A materialised schedule: the pair of every rank at every step, and each pair's step calls.
+#[derive(Debug, Clone, PartialEq)]
 pub struct Schedule {
     kind: ScheduleKind,
     layout: Layout,
     world: usize,
-    causal: bool,
+    visibility: Visibility,
     /// `pairs[step][rank]`.
     pairs: Vec<Vec<Option<Pair>>>,
+    /// The step calls of every scheduled pair.
+    blocks: BTreeMap<Pair, Vec<Block>>,
 }
 
 impl Schedule {
-    /// The schedule `kind` for `world >= 1` ranks.
+    /// The schedule `kind` for `world >= 1` ranks, causal or with no mask. Work is counted in
+    /// the long-shard limit (a chunk against itself is half a chunk pair), so the schedule
+    /// needs no shard length; [`Schedule::for_mask`] gives the same for such masks.
+    ///
+    /// # Panics
+    ///
+    /// When `world` is zero ([`Schedule::for_mask`] returns that as an error).
     pub fn new(kind: ScheduleKind, world: usize, causal: bool) -> Self {
         assert!(world >= 1, "a schedule needs at least one rank");
+        Self::build(kind, world, Visibility::Chunks { causal })
+    }
+
+    /// The schedule `kind` for `world` ranks holding shards of `shard_len` tokens, under
+    /// `mask`: the whole sequence's mask, at offsets 0 (as
+    /// [`FlashAttentionOptions::mask`](crate::FlashAttentionOptions::mask) gives it). Pairs
+    /// of shards with no visible score are not scheduled, and steps left empty are dropped.
+    /// Every rank derives the same schedule from the same mask, so each must hold the
+    /// documents of the whole sequence, not of its shard. Without a window or documents this
+    /// is [`Schedule::new`] (causal order is decided per chunk).
+    ///
+    /// Work under a window or documents is the exact count of visible scores (see
+    /// [`visibility`]), in units of one full pair of shards, averaged over the documents'
+    /// batch rows; a pair is visible when any batch row sees a score of it.
+    ///
+    /// # Errors
+    ///
+    /// - [`Error::Layout`] when `world` or `shard_len` is zero, or `shard_len` is odd under
+    ///   the zigzag layout.
+    /// - [`Error::Kernel`] with [`KernelError::BadMask`](crate::kernels::KernelError::BadMask)
+    ///   when the mask's offsets are not 0, or its documents do not cover exactly the
+    ///   `world * shard_len` positions of the sequence.
+    pub fn for_mask(
+        kind: ScheduleKind,
+        world: usize,
+        shard_len: usize,
+        mask: &Mask,
+    ) -> Result<Self, Error> {
+        let layout = kind.resolve(world, mask.causal).layout();
+        layout.check_shard_len(world, shard_len)?;
+        visibility::check_sequence_mask(mask, world * shard_len)?;
+        let visibility = if mask.window.is_none() && mask.documents.is_none() {
+            Visibility::Chunks {
+                causal: mask.causal,
+            }
+        } else {
+            Visibility::Positions {
+                mask: mask.clone(),
+                chunk: shard_len / layout.chunks_per_rank(),
+            }
+        };
+        Ok(Self::build(kind, world, visibility))
+    }
+
+    /// The rule's table with the pairs that hold no visible score, and then empty steps,
+    /// removed.
+    fn build(kind: ScheduleKind, world: usize, visibility: Visibility) -> Self {
+        let causal = visibility.causal();
         let kind = kind.resolve(world, causal);
+        let layout = kind.layout();
         let (steps, pair): (usize, PairFn) = match kind {
             ScheduleKind::Balanced => (
                 balanced::Balanced::num_steps(world, causal),
@@ -131,19 +207,31 @@ impl Schedule {
             ),
             _ => (ring::Ring::num_steps(world, causal), ring::Ring::pair),
         };
-        let pairs = (0..steps)
-            .map(|step| {
-                (0..world)
-                    .map(|rank| pair(world, causal, rank, step))
-                    .collect()
-            })
-            .collect();
+        let mut blocks = BTreeMap::new();
+        let mut pairs = Vec::with_capacity(steps);
+        for step in 0..steps {
+            let row: Vec<Option<Pair>> = (0..world)
+                .map(|rank| {
+                    let p = pair(world, causal, rank, step)?;
+                    let calls = blocks::blocks(layout, world, &visibility, p);
+                    if calls.is_empty() {
+                        return None;
+                    }
+                    blocks.insert(p, calls);
+                    Some(p)
+                })
+                .collect();
+            if row.iter().any(Option::is_some) {
+                pairs.push(row);
+            }
+        }
         Self {
             kind,
-            layout: kind.layout(),
+            layout,
             world,
-            causal,
+            visibility,
             pairs,
+            blocks,
         }
     }
 
@@ -152,15 +240,18 @@ impl Schedule {
         self.layout
     }
 
-    /// The step calls computing `pair` (see [`blocks`]).
+    /// The step calls computing `pair` (see [`blocks`]); none when no score of it is visible.
     pub fn blocks(&self, pair: Pair) -> Vec<Block> {
-        blocks::blocks(self.layout, self.world, self.causal, pair)
+        match self.blocks.get(&pair) {
+            Some(calls) => calls.clone(),
+            None => blocks::blocks(self.layout, self.world, &self.visibility, pair),
+        }
     }
 
     /// Work of `pair` in units of one full pair of shards.
     pub fn pair_cost(&self, pair: Pair) -> f64 {
         let per_rank = self.layout.chunks_per_rank() as f64;
-        let chunk_pairs: f64 = self.blocks(pair).iter().map(Block::cost).sum();
+        let chunk_pairs: f64 = self.blocks(pair).iter().map(|b| b.cost).sum();
         chunk_pairs / (per_rank * per_rank)
     }
 
@@ -176,10 +267,10 @@ impl Schedule {
 
     /// Whether the attention is causal.
     pub fn causal(&self) -> bool {
-        self.causal
+        self.visibility.causal()
     }
 
-    /// Number of steps.
+    /// Number of steps (those of the rule that compute something).
     pub fn num_steps(&self) -> usize {
         self.pairs.len()
     }
@@ -222,7 +313,8 @@ impl Schedule {
 
     /// Idle (rank, step) slots over `P²`, the paper's normalisation (`P²` is the ring's slot
     /// count): `(P² - P) / 2P²` for the causal ring, `1 / 2P` for the balanced schedule with
-    /// even `P` and 0 for odd `P`, 0 for zigzag.
+    /// even `P` and 0 for odd `P`, 0 for zigzag. Under a window or documents, the idle slots of
+    /// the steps left.
     pub fn idle_fraction(&self) -> f64 {
         let idle = self.pairs.iter().flatten().filter(|p| p.is_none()).count();
         idle as f64 / (self.world * self.world) as f64

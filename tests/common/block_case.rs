@@ -6,8 +6,8 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
 use burn_distflash::layers::{AttentionContext, ForwardCounter};
 use burn_distflash::{
-    replicate, CheckpointPlacement, DistFlashAttentionConfig, FlashAttentionBackend, Layout,
-    TransformerBlock, TransformerBlockConfig,
+    replicate, CheckpointPlacement, DistFlashAttentionConfig, Documents, FlashAttentionBackend,
+    Layout, TransformerBlock, TransformerBlockConfig,
 };
 
 use super::Rng;
@@ -119,13 +119,27 @@ pub fn step<B: AutodiffBackend + FlashAttentionBackend>(
     r: Tensor<B::InnerBackend, 3>,
     context: &AttentionContext<<B as burn_distflash::FlashAttentionBackend>::Inner>,
 ) -> StepResult {
+    step_with_documents(blocks, x, r, context, None)
+}
+
+/// [`step`] over packed sequences: every block attends within `documents` when given.
+pub fn step_with_documents<B: AutodiffBackend + FlashAttentionBackend>(
+    blocks: &[TransformerBlock<B>],
+    x: Tensor<B::InnerBackend, 3>,
+    r: Tensor<B::InnerBackend, 3>,
+    context: &AttentionContext<<B as burn_distflash::FlashAttentionBackend>::Inner>,
+    documents: Option<&Documents>,
+) -> StepResult {
     for block in blocks {
         block.attention.counter.reset();
     }
     let x = Tensor::<B, 3>::from_inner(x).require_grad();
     let mut y = x.clone();
     for block in blocks {
-        y = block.forward(y, context);
+        y = match documents {
+            Some(documents) => block.forward_with_documents(y, context, documents),
+            None => block.forward(y, context),
+        };
     }
     let output = y
         .clone()

@@ -5,7 +5,7 @@
 
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Tensor, TensorData};
-use burn_distflash::{flash_attention, FlashAttentionBackend, FlashAttentionOptions};
+use burn_distflash::{flash_attention_with_lse, FlashAttentionBackend, FlashAttentionOptions};
 use distflash_kernels::{AttentionDims, ElemType, Mask};
 use distflash_oracle::{self as oracle, exact};
 
@@ -119,9 +119,25 @@ pub fn expected(
 pub fn check_case<B: AutodiffBackend + FlashAttentionBackend>(
     device: &B::Device,
     elem: ElemType,
+    heads: (usize, usize, usize),
+    lens: (usize, usize, usize),
+    causal: bool,
+) {
+    let options = FlashAttentionOptions {
+        causal,
+        ..FlashAttentionOptions::default()
+    };
+    check_options_case::<B>(device, elem, heads, lens, &options);
+}
+
+/// Forward output, lse and gradients of `sum(O * dO)` against the reference, for one shape and
+/// any options (the reference applies `options.mask()`).
+pub fn check_options_case<B: AutodiffBackend + FlashAttentionBackend>(
+    device: &B::Device,
+    elem: ElemType,
     (batch, q_heads, kv_heads): (usize, usize, usize),
     (q_len, kv_len, head_dim): (usize, usize, usize),
-    causal: bool,
+    options: &FlashAttentionOptions,
 ) {
     let case = HostCase::new(
         q_len as u64 * 31 + kv_len as u64,
@@ -134,28 +150,32 @@ pub fn check_case<B: AutodiffBackend + FlashAttentionBackend>(
     let q = typed_tensor::<B>(&case.q, q_shape, device, dtype).require_grad();
     let k = typed_tensor::<B>(&case.k, kv_shape, device, dtype).require_grad();
     let v = typed_tensor::<B>(&case.v, kv_shape, device, dtype).require_grad();
-    let options = FlashAttentionOptions {
-        causal,
-        ..FlashAttentionOptions::default()
-    };
-    let out = flash_attention(q.clone(), k.clone(), v.clone(), options).unwrap();
+    let (out, lse) =
+        flash_attention_with_lse(q.clone(), k.clone(), v.clone(), options.clone()).unwrap();
     assert_eq!(out.dtype(), dtype, "output type");
     let loss = (out.clone() * typed_tensor::<B>(&case.dout, q_shape, device, dtype)).sum();
     let grads = loss.backward();
 
-    let mask = if causal { Mask::causal() } else { Mask::none() };
+    let mask = options.mask();
     let Expected {
         fwd,
         naive_fwd,
         grads: g,
         naive_grads: naive_g,
     } = case.expected(&mask, elem);
-    let what = format!("{} {dims:?} causal={causal}", std::any::type_name::<B>());
+    let what = format!("{} {dims:?} {options:?}", std::any::type_name::<B>());
     assert_close(
         &format!("{what}: O"),
         &to_host(out),
         &fwd.out,
         &naive_fwd.out,
+        elem,
+    );
+    assert_close(
+        &format!("{what}: lse"),
+        &to_host(lse),
+        &fwd.lse,
+        &naive_fwd.lse,
         elem,
     );
     for (name, t, exact_g, naive_g) in [

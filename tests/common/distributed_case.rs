@@ -8,10 +8,10 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::Tensor;
 use burn_distflash::schedule::{Layout, Schedule, ScheduleKind};
 use burn_distflash::{
-    on_each_rank, sequence_parallel_attention, DeviceGroup, FlashAttentionBackend,
-    FlashAttentionOptions, SequenceParallelOptions,
+    on_each_rank, sequence_parallel_attention, DeviceGroup, Documents, FlashAttentionBackend,
+    FlashAttentionOptions, SequenceParallelOptions, SlidingWindow,
 };
-use distflash_kernels::{AttentionDims, ElemType, Mask};
+use distflash_kernels::{AttentionDims, ElemType};
 
 use super::burn_case::{expected, to_host, to_tensor, Expected};
 use super::{assert_close, Rng};
@@ -26,12 +26,17 @@ pub struct Case {
     pub kv_heads: usize,
     pub head_dim: usize,
     pub causal: bool,
+    pub window: Option<SlidingWindow>,
+    /// Document lengths per batch row (one list: shared by every row), each list repeated
+    /// until the sequence is covered (the last document cut at its end); see
+    /// [`documents_of`].
+    pub documents: Option<&'static [&'static [usize]]>,
     pub schedule: ScheduleKind,
     pub overlap: bool,
 }
 
 impl Case {
-    /// Causal, GQA 4/2, head dim 16, overlap on.
+    /// Causal, GQA 4/2, head dim 16, no window or documents, overlap on.
     pub fn new(world: usize, shard: usize, schedule: ScheduleKind) -> Self {
         Self {
             world,
@@ -41,6 +46,8 @@ impl Case {
             kv_heads: 2,
             head_dim: 16,
             causal: true,
+            window: None,
+            documents: None,
             schedule,
             overlap: true,
         }
@@ -51,17 +58,44 @@ impl Case {
         self.options().layout(self.world)
     }
 
-    /// The options every rank passes.
+    /// The options every rank passes (the documents of the whole sequence).
     pub fn options(&self) -> SequenceParallelOptions {
         SequenceParallelOptions {
             attention: FlashAttentionOptions {
                 causal: self.causal,
+                window: self.window,
+                documents: (self.documents)
+                    .map(|lengths| documents_of(lengths, self.world * self.shard)),
                 ..FlashAttentionOptions::default()
             },
             schedule: self.schedule,
             overlap: self.overlap,
         }
     }
+
+    /// The schedule every rank derives.
+    pub fn schedule(&self) -> Schedule {
+        (self.options().schedule_for(self.world, self.shard)).expect("a valid case")
+    }
+}
+
+/// Documents over `len` positions: per batch row, its document lengths repeated until `len`
+/// is covered, the last document cut at `len`.
+pub fn documents_of(lengths: &[&[usize]], len: usize) -> Documents {
+    let rows: Vec<Vec<usize>> = (lengths.iter())
+        .map(|row| {
+            let mut cu = vec![0];
+            for &l in row.iter().cycle() {
+                let end = (cu[cu.len() - 1] + l).min(len);
+                cu.push(end);
+                if end == len {
+                    break;
+                }
+            }
+            cu
+        })
+        .collect();
+    Documents::per_batch_row(&rows).expect("document lengths are positive")
 }
 
 /// Rank `rank`'s rows of a host tensor `[B, H, world*shard, D]` under `layout` (written out
@@ -233,11 +267,7 @@ impl CaseData {
             kv_len: seq,
             head_dim: c.head_dim,
         };
-        let mask = if c.causal {
-            Mask::causal()
-        } else {
-            Mask::none()
-        };
+        let mask = c.options().attention.mask();
         let scale = 1.0 / (c.head_dim as f64).sqrt();
         let data = (&self.q[..], &self.k[..], &self.v[..], &self.dout[..]);
         expected(&dims, data, &mask, scale, self.elem)
@@ -390,7 +420,7 @@ pub fn with_devices<D>(data: &CaseData, devices: Vec<D>) -> Vec<(RankInputs, D)>
 
 /// Asserts that every rank sent, per exchange, the messages its schedule predicts.
 pub fn assert_messages(case: &Case, results: &[RankResult]) {
-    let schedule = case.options().schedule_for(case.world);
+    let schedule = case.schedule();
     for (rank, r) in results.iter().enumerate() {
         assert_eq!(
             r.forward_messages,

@@ -72,7 +72,7 @@ pub fn check_repeated<B>(
     let mut per_rank: Vec<_> = per_rank.into_iter().map(Vec::into_iter).collect();
 
     let expected = data.expected();
-    let schedule = options.schedule_for(case.world);
+    let schedule = case.schedule();
     for (i, call) in calls.iter().enumerate() {
         let what = format!(
             "{} {case:?}, call {} of {} ({call:?})",

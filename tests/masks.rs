@@ -35,10 +35,11 @@ use common::Rng;
 use distflash_oracle::max_abs_diff;
 
 type WgpuF32 = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>;
+type CudaF32 = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
 
 /// Every test of this file for one backend (`$inner`, and `Autodiff` of it for gradients).
 macro_rules! mask_suite {
-    ($name:ident, $inner:ty, $device:expr) => {
+    ($name:ident, $inner:ty, $device:expr $(, #[$attr:meta])?) => {
         mod $name {
             type Inner = $inner;
             type Train = burn::backend::Autodiff<$inner>;
@@ -48,56 +49,67 @@ macro_rules! mask_suite {
             }
 
             #[test]
+            $(#[$attr])?
             fn documents_match_reference() {
                 super::documents_match_reference::<Train>(&device());
             }
 
             #[test]
+            $(#[$attr])?
             fn windows_match_reference() {
                 super::windows_match_reference::<Train>(&device());
             }
 
             #[test]
+            $(#[$attr])?
             fn combined_masks_match_reference() {
                 super::combined_masks_match_reference::<Train>(&device());
             }
 
             #[test]
+            $(#[$attr])?
             fn per_batch_row_documents_match_reference() {
                 super::per_batch_row_documents_match_reference::<Train>(&device());
             }
 
             #[test]
+            $(#[$attr])?
             fn grouped_heads_match_reference() {
                 super::grouped_heads_match_reference::<Train>(&device());
             }
 
             #[test]
+            $(#[$attr])?
             fn rows_that_see_no_key_give_zero() {
                 super::rows_that_see_no_key_give_zero::<Train>(&device());
             }
 
             #[test]
+            $(#[$attr])?
             fn steps_at_offsets_match_one_shot() {
                 super::steps_at_offsets_match_one_shot::<Inner>(&device());
             }
 
             #[test]
+            $(#[$attr])?
             fn bad_masks_are_refused() {
                 super::bad_masks_are_refused::<Inner>(&device());
             }
 
             #[test]
+            $(#[$attr])?
             fn attention_module_packs_documents() {
                 super::attention_module_packs_documents::<Train>(&device());
             }
 
             #[test]
+            $(#[$attr])?
             fn attention_module_window_sees_its_slice() {
                 super::attention_module_window_sees_its_slice::<Inner>(&device());
             }
 
             #[test]
+            $(#[$attr])?
             fn checkpointed_blocks_keep_the_mask() {
                 super::checkpointed_blocks_keep_the_mask::<Train>(&device());
             }
@@ -115,6 +127,12 @@ mask_suite!(
     fused_wgpu,
     burn_fusion::Fusion<super::WgpuF32>,
     cubecl::wgpu::WgpuDevice::Cpu
+);
+mask_suite!(
+    cuda,
+    super::CudaF32,
+    cubecl::cuda::CudaDevice::new(0),
+    #[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
 );
 
 const F32: ElemType = ElemType::F32;

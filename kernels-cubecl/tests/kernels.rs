@@ -436,7 +436,10 @@ pub fn band_mask_edges_match_reference<R: Runtime>(client: &ComputeClient<R>, el
         ((300, 300), window(5, 3).at(500, 0)),
         ((200, 517), window(70, 130).at(100, 0)),
         ((300, 300), window(0, 0)),
-        ((300, 300), Mask::causal().with_documents(split.clone()).at(0, 300)),
+        (
+            (300, 300),
+            Mask::causal().with_documents(split.clone()).at(0, 300),
+        ),
         ((300, 300), Mask::causal().with_documents(split).at(300, 0)),
         ((300, 300), Mask::causal().with_documents(tiny.clone())),
         (

@@ -373,17 +373,17 @@ fn train_rank<B: TrainBackend>(
             config.checkpoint
         );
         if let Some(packing) = args.packing {
-            let documents = packing.count(data.tokens());
-            eprintln!(
-                "packed: {documents} document(s) in the training text, each ended by token id {}; \
-                 no token attends across one{}",
-                packing.eot(),
-                if documents > 1 {
-                    ""
-                } else {
-                    " (one document: --pack changes nothing)"
-                }
-            );
+            let (documents, eot) = (packing.count(data.tokens()), packing.eot());
+            match documents {
+                0 | 1 => eprintln!(
+                    "packed: the training text holds no end-of-text token (id {eot}) before its \
+                     end, so it is one document and --pack changes nothing"
+                ),
+                _ => eprintln!(
+                    "packed: {documents} documents in the training text, each ended by token id \
+                     {eot}; no token attends across one"
+                ),
+            }
         }
         if let Some(window) = config.window {
             eprintln!(

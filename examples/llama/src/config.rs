@@ -7,7 +7,7 @@ use burn::config::Config;
 
 use super::hf_config::HfLlamaConfig;
 use burn_distflash::layers::{DistFlashAttentionConfig, Llama3RopeScaling, RopeConfig};
-use burn_distflash::{CheckpointPlacement, Error as PluginError};
+use burn_distflash::{CheckpointPlacement, Error as PluginError, SlidingWindow};
 
 /// The shape of a Llama model (`LlamaConfig::load("config.json")` / `config.save(..)`).
 #[derive(Config, Debug)]
@@ -39,6 +39,13 @@ pub struct LlamaConfig {
     /// Where gradient checkpoints go in training.
     #[config(default = "CheckpointPlacement::AttentionOutput")]
     pub checkpoint: CheckpointPlacement,
+    /// Mistral-style sliding-window attention in every block: the token at position `i` sees
+    /// the `window` tokens `i + 1 - window ..= i` (itself included, see
+    /// [`SlidingWindow::causal`]), at absolute positions, also across the ranks of a group.
+    /// `None` (the default, and what configs written before this field load as): full causal
+    /// attention. Must be at least 1.
+    #[config(default = "None")]
+    pub window: Option<usize>,
 }
 
 impl LlamaConfig {
@@ -120,6 +127,7 @@ impl LlamaConfig {
             .with_n_kv_heads(Some(self.n_kv_heads))
             .with_head_dim(self.head_dim)
             .with_rope(self.rope.clone())
+            .with_window(self.window.map(SlidingWindow::causal))
     }
 
     /// Checks the shape before anything is allocated.
@@ -133,6 +141,13 @@ impl LlamaConfig {
             if value == 0 {
                 return Err(PluginError::config(name, "positive", value));
             }
+        }
+        if self.window == Some(0) {
+            return Err(PluginError::config(
+                "window",
+                "at least 1 (the keys each token sees, itself included) or none",
+                0,
+            ));
         }
         self.attention().resolved().map(|_| ())
     }

@@ -1,4 +1,5 @@
-//! A tokenized text corpus that serves deterministic random training batches.
+//! A tokenized text corpus that serves deterministic random training batches, and the document
+//! boundaries of packed batches ([`Packing`]).
 //!
 //! Batches are windows of `seq_len + 1` consecutive tokens at positions drawn from a splitmix64
 //! generator seeded with `(seed, step)` alone, so a run resumed from a checkpoint at step `k`
@@ -6,6 +7,8 @@
 
 use std::fs;
 use std::path::Path;
+
+use burn_distflash::Documents;
 
 use super::rng::SplitMix64;
 use super::tokenizer::Tokenizer;
@@ -151,6 +154,93 @@ impl TokenDataset {
     }
 }
 
+/// Packed training: the corpus is a stream of documents, each ended by one end-of-text token
+/// (EOT, see [`Tokenizer::end_of_text`] for the defaults), and a training row, a window of the
+/// stream, holds the ends and starts of several. [`documents`](Self::documents) gives the
+/// attention the boundaries of a batch's rows so that no token sees another document's.
+///
+/// The rule: an EOT is the last token of the document it ends, and the token after it starts
+/// the next one. A row's first token starts its first document (usually the middle of one), so
+/// a row of `n` positions holding `k` EOTs before its last position has `k + 1` documents, of
+/// any length from 1 up; an EOT at the row's last position ends the row's last document.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Packing {
+    eot: u32,
+}
+
+impl Packing {
+    /// Documents ended by the token `eot`, for a model of `vocab_size` tokens.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Invalid`] when `eot` is not an id of that vocabulary (`0..vocab_size`).
+    pub fn new(eot: u32, vocab_size: usize) -> Result<Self, Error> {
+        if eot as usize >= vocab_size {
+            return Err(Error::invalid(
+                "the end-of-text token id",
+                format!(
+                    "an id of the model's vocabulary of {vocab_size} tokens (ids 0..{vocab_size})"
+                ),
+                eot,
+            ));
+        }
+        Ok(Self { eot })
+    }
+
+    /// The end-of-text token id.
+    pub fn eot(&self) -> u32 {
+        self.eot
+    }
+
+    /// Cumulative document lengths `[0, ..., row.len()]` of one row of input tokens: a bound
+    /// after every EOT but one at the row's last position (`[0]` for an empty row).
+    pub fn cu_seqlens(&self, row: &[u32]) -> Vec<usize> {
+        let mut cu = vec![0];
+        cu.extend((1..row.len()).filter(|&p| row[p - 1] == self.eot));
+        if !row.is_empty() {
+            cu.push(row.len());
+        }
+        cu
+    }
+
+    /// The documents of a row-major `[batch, seq_len]` batch of input tokens (the `inputs` of
+    /// [`TokenDataset::batch`]), one list per row, positions `0..seq_len` of the whole
+    /// sequence: under sequence parallelism every rank passes these same documents.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Invalid`] when `seq_len` is 0, `inputs` is empty or not whole rows of
+    /// `seq_len` tokens, or `seq_len` exceeds 32-bit positions.
+    pub fn documents(&self, inputs: &[u32], seq_len: usize) -> Result<Documents, Error> {
+        if seq_len == 0 || inputs.is_empty() || !inputs.len().is_multiple_of(seq_len) {
+            return Err(Error::invalid(
+                "the tokens of a packed batch",
+                format!(
+                    "one or more whole rows of seq_len = {seq_len} tokens (seq_len at least 1)"
+                ),
+                format!("{} tokens", inputs.len()),
+            ));
+        }
+        let rows: Vec<Vec<usize>> = inputs
+            .chunks(seq_len)
+            .map(|row| self.cu_seqlens(row))
+            .collect();
+        Documents::per_batch_row(&rows).map_err(|e| {
+            Error::invalid(
+                "the documents of a packed batch",
+                "boundaries attention takes",
+                e,
+            )
+        })
+    }
+
+    /// How many documents `tokens` holds: one more than its EOTs not at its end (0 when
+    /// empty).
+    pub fn count(&self, tokens: &[u32]) -> usize {
+        self.cu_seqlens(tokens).len() - 1
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -274,5 +364,67 @@ mod tests {
         fs::write(&path, "abcde").unwrap();
         assert_eq!(TokenDataset::from_file(&path, &tok, 4).unwrap().len(), 5);
         let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn documents_end_after_each_end_of_text_token() {
+        const E: u32 = 3;
+        let packing = Packing::new(E, 256).unwrap();
+        // No EOT: the row is one document.
+        assert_eq!(packing.cu_seqlens(&[5, 6, 7]), [0, 3]);
+        // An EOT at the row's first position: a one-token document at the window's edge.
+        assert_eq!(packing.cu_seqlens(&[E, 6, 7]), [0, 1, 3]);
+        // Consecutive EOTs: documents of one token.
+        assert_eq!(packing.cu_seqlens(&[5, E, E, E, 7]), [0, 2, 3, 4, 5]);
+        // An EOT at the last position ends the last document, and starts none in this row.
+        assert_eq!(packing.cu_seqlens(&[5, 6, E]), [0, 3]);
+        assert_eq!(packing.cu_seqlens(&[E]), [0, 1]);
+        assert_eq!(packing.cu_seqlens(&[]), [0]);
+        assert_eq!((packing.count(&[]), packing.count(&[5, E, 6, E])), (0, 2));
+
+        // A batch: one list per row, all ending at seq_len.
+        let inputs = [
+            5, E, 6, 7, /* row 1 */ E, E, 8, E, /* row 2 */ 9, 9, 9, 9,
+        ];
+        let documents = packing.documents(&inputs, 4).unwrap();
+        assert_eq!((documents.len(), documents.batch_rows()), (4, 3));
+        assert_eq!(documents.cu_seqlens(0), [0, 2, 4]);
+        assert_eq!(documents.cu_seqlens(1), [0, 1, 2, 4]);
+        assert_eq!(documents.cu_seqlens(2), [0, 4]);
+        assert_eq!(documents.document(1, 3), 2..4);
+    }
+
+    #[test]
+    fn documents_of_a_drawn_batch_follow_its_rows() {
+        // The corpus' EOTs are where the drawn rows' boundaries are.
+        let tokens: Vec<u32> = (0..500u32)
+            .map(|i| if i % 7 == 6 { 3 } else { 10 + i % 5 })
+            .collect();
+        let data = TokenDataset::from_tokens(tokens);
+        let packing = Packing::new(3, 256).unwrap();
+        let (inputs, _) = data.batch(4, 1, 6, 20).unwrap();
+        let documents = packing.documents(&inputs, 20).unwrap();
+        for (r, row) in inputs.chunks(20).enumerate() {
+            for p in 1..20 {
+                let starts = documents.document(r, p).start == p;
+                assert_eq!(starts, row[p - 1] == 3, "row {r}, position {p}");
+            }
+        }
+    }
+
+    #[test]
+    fn bad_packing_arguments() {
+        let e = Packing::new(256, 256).unwrap_err();
+        assert!(
+            matches!(e, Error::Invalid { ref got, ref expected, .. }
+                if got == "256" && expected.contains("ids 0..256")),
+            "{e}"
+        );
+        let packing = Packing::new(255, 256).unwrap();
+        assert_eq!(packing.eot(), 255);
+        for (len, seq_len) in [(0, 4), (6, 4), (4, 0)] {
+            let e = packing.documents(&vec![1; len], seq_len).unwrap_err();
+            assert!(e.to_string().contains("whole rows"), "{e}");
+        }
     }
 }

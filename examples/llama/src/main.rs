@@ -9,8 +9,14 @@
 //! - model: `--config tiny|llama-7b|llama-gqa|llama-33h|llama-16h|llama-8h|llama-4h|llama-2h|
 //!   llama3-8b|FILE.json`, `--layers N` (override the layer count), `--weights HF_DIR` (load a
 //!   Hugging Face Llama: config.json + safetensors; overrides --config),
-//!   `--checkpoint none|layer|attention-output`, `--save-config FILE.json`;
-//! - data: `--data FILE.txt`, `--tokenizer tokenizer.json` (byte-level otherwise);
+//!   `--checkpoint none|layer|attention-output`, `--window N` (sliding-window attention: each
+//!   token sees itself and the N - 1 before it; overrides the config's `window`),
+//!   `--save-config FILE.json`;
+//! - data: `--data FILE.txt`, `--tokenizer tokenizer.json` (byte-level otherwise), `--pack`
+//!   (the text is documents each ended by an end-of-text token, and no token attends across
+//!   one: see `distflash_llama::data::Packing`), `--eot ID|TOKEN` (that token, by id or by
+//!   name; default: byte 3, ASCII "end of text", for the byte tokenizer, else the tokenizer's
+//!   `<|end_of_text|>`, `<|endoftext|>`, `</s>` or `<eos>`);
 //! - devices: `--backend ndarray|wgpu|cuda`, `--gpus N` (CUDA, one process driving N GPUs, the
 //!   sequence split across them), `--env` (one process per GPU from RANK/WORLD_SIZE/LOCAL_RANK/
 //!   MASTER_ADDR/MASTER_PORT, e.g. under torchrun), `--dtype bf16|f32` (GPU), `--schedule
@@ -33,12 +39,12 @@ use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::Backend;
 use burn_distflash::layers::AttentionContext;
 use burn_distflash::schedule::ScheduleKind;
-use burn_distflash::{on_each_rank, replicate, CheckpointPlacement, DeviceGroup};
-use distflash_llama::data::TokenDataset;
+use burn_distflash::{on_each_rank, replicate, CheckpointPlacement, DeviceGroup, Documents};
+use distflash_llama::data::{Packing, TokenDataset};
 use distflash_llama::generate::{generate, Sampling};
 use distflash_llama::metrics::{read_metrics, write_loss_plot_svg, Curve, MetricsLog, StepMetrics};
 use distflash_llama::progress::ProgressBar;
-use distflash_llama::tokenizer::Tokenizer;
+use distflash_llama::tokenizer::{Tokenizer, END_OF_TEXT_NAMES};
 use distflash_llama::train::{TrainBackend, TrainOptions, Trainer};
 use distflash_llama::weights::load_hf_llama;
 use distflash_llama::{Error, Llama, LlamaConfig};
@@ -50,9 +56,14 @@ struct Args {
     layers: Option<usize>,
     weights: Option<PathBuf>,
     checkpoint: Option<CheckpointPlacement>,
+    window: Option<usize>,
     save_config: Option<PathBuf>,
     data: PathBuf,
     tokenizer: Option<PathBuf>,
+    pack: bool,
+    eot: Option<String>,
+    /// What `--pack` and `--eot` resolve to with the tokenizer and the model (set by `main`).
+    packing: Option<Packing>,
     backend: String,
     gpus: usize,
     env: bool,
@@ -104,9 +115,12 @@ fn parse() -> Args {
         "--layers",
         "--weights",
         "--checkpoint",
+        "--window",
         "--save-config",
         "--data",
         "--tokenizer",
+        "--pack",
+        "--eot",
         "--backend",
         "--gpus",
         "--env",
@@ -173,12 +187,16 @@ fn parse() -> Args {
         layers: value("--layers").map(|_| number("--layers", 0.0) as usize),
         weights: value("--weights").map(PathBuf::from),
         checkpoint,
+        window: value("--window").map(|_| number("--window", 0.0) as usize),
         save_config: value("--save-config").map(PathBuf::from),
         data: value("--data").map_or_else(
             || Path::new(env!("CARGO_MANIFEST_DIR")).join("data/tiny_shakespeare.txt"),
             PathBuf::from,
         ),
         tokenizer: value("--tokenizer").map(PathBuf::from),
+        pack: raw.iter().any(|a| a == "--pack"),
+        eot: value("--eot"),
+        packing: None,
         backend: value("--backend").unwrap_or_else(|| "ndarray".into()),
         gpus: number("--gpus", 1.0) as usize,
         env: raw.iter().any(|a| a == "--env"),
@@ -211,6 +229,9 @@ fn model_config(args: &Args, tokenizer: &Tokenizer) -> LlamaConfig {
     if let Some(placement) = args.checkpoint {
         config.checkpoint = placement;
     }
+    if let Some(window) = args.window {
+        config.window = Some(window);
+    }
     config.validate().unwrap_or_else(|e| fail(e));
     if tokenizer.vocab_size() > config.vocab_size {
         fail(format!(
@@ -226,6 +247,42 @@ fn model_config(args: &Args, tokenizer: &Tokenizer) -> LlamaConfig {
             .unwrap_or_else(|e| fail(format!("writing {}: {e}", path.display())));
     }
     config
+}
+
+/// What `--pack` and `--eot` ask for: documents ended by the named token or the tokenizer's
+/// default end-of-text token, checked against the model's vocabulary.
+fn packing(args: &Args, tokenizer: &Tokenizer, config: &LlamaConfig) -> Option<Packing> {
+    if !args.pack {
+        if args.eot.is_some() {
+            fail("--eot names the token that ends documents under --pack; add --pack");
+        }
+        return None;
+    }
+    let eot = match &args.eot {
+        Some(eot) => eot
+            .parse()
+            .ok()
+            .or_else(|| tokenizer.token_id(eot))
+            .unwrap_or_else(|| {
+                fail(format!(
+                    "--eot takes a token id or a named token of the tokenizer, got {eot:?}"
+                ))
+            }),
+        None => tokenizer.end_of_text().unwrap_or_else(|| {
+            fail(format!(
+                "--pack: the tokenizer has none of the end-of-text tokens {END_OF_TEXT_NAMES:?}; \
+                 name the one that ends documents with --eot ID|TOKEN"
+            ))
+        }),
+    };
+    Some(Packing::new(eot, config.vocab_size).unwrap_or_else(|e| fail(format!("--eot: {e}"))))
+}
+
+/// The documents of a batch's `inputs` under `--pack`; `None` without it.
+fn documents(args: &Args, inputs: &[u32], seq_len: usize) -> Result<Option<Documents>, Error> {
+    args.packing
+        .map(|packing| packing.documents(inputs, seq_len))
+        .transpose()
 }
 
 /// Initial weights as bytes, from a seeded CPU initialisation or a Hugging Face directory, so
@@ -315,6 +372,25 @@ fn train_rank<B: TrainBackend>(
             o.seq_len,
             config.checkpoint
         );
+        if let Some(packing) = args.packing {
+            let (documents, eot) = (packing.count(data.tokens()), packing.eot());
+            match documents {
+                0 | 1 => eprintln!(
+                    "packed: the training text holds no end-of-text token (id {eot}) before its \
+                     end, so it is one document and --pack changes nothing"
+                ),
+                _ => eprintln!(
+                    "packed: {documents} documents in the training text, each ended by token id \
+                     {eot}; no token attends across one"
+                ),
+            }
+        }
+        if let Some(window) = config.window {
+            eprintln!(
+                "sliding window: each token sees itself and the {} before it",
+                window - 1
+            );
+        }
     }
     let mut bar =
         leader.then(|| ProgressBar::new(o.steps, args.log_every).resumed_from(trainer.step));
@@ -324,12 +400,14 @@ fn train_rank<B: TrainBackend>(
         let (x, y) = data
             .batch(trainer.step, o.seed, o.batch, o.seq_len)
             .unwrap_or_else(|e| fail(e));
-        let stats = trainer.train_step(&x, &y).unwrap_or_else(|e| fail(e));
+        let documents = documents(args, &x, o.seq_len).unwrap_or_else(|e| fail(e));
+        let stats =
+            (trainer.train_step_packed(&x, &y, documents.as_ref())).unwrap_or_else(|e| fail(e));
         let tokens_per_s = (o.batch * o.seq_len) as f64 / step_start.elapsed().as_secs_f64();
         let last = trainer.step == o.steps;
         let validate = args.val_every > 0 && (last || trainer.step % args.val_every == 0);
         let val_loss = validate.then(|| {
-            validation_loss(&trainer, &validation)
+            validation_loss(args, &trainer, &validation)
                 .unwrap_or_else(|e| fail(format!("validation loss: {e}")))
         });
         if let (Some(bar), Some(log)) = (bar.as_mut(), log.as_mut()) {
@@ -385,6 +463,7 @@ fn train_rank<B: TrainBackend>(
 /// Mean loss over the same [`VALIDATION_BATCHES`] batches of the held-out slice (every rank of a
 /// group takes part).
 fn validation_loss<B: TrainBackend>(
+    args: &Args,
     trainer: &Trainer<B>,
     validation: &TokenDataset,
 ) -> Result<f64, Error> {
@@ -392,7 +471,8 @@ fn validation_loss<B: TrainBackend>(
     let mut total = 0.0;
     for i in 0..VALIDATION_BATCHES {
         let (x, y) = validation.batch(i, o.seed ^ VALIDATION_SEED, o.batch, o.seq_len)?;
-        total += trainer.evaluate(&x, &y)?;
+        let documents = documents(args, &x, o.seq_len)?;
+        total += trainer.evaluate_packed(&x, &y, documents.as_ref())?;
     }
     Ok(total / VALIDATION_BATCHES as f64)
 }
@@ -470,9 +550,10 @@ where
 }
 
 fn main() {
-    let args = parse();
+    let mut args = parse();
     let tokenizer = tokenizer(&args);
     let config = model_config(&args, &tokenizer);
+    args.packing = packing(&args, &tokenizer, &config);
     if args.resume && !args.out.join("checkpoint").join("trainer.json").exists() {
         fail(format!(
             "--resume: no checkpoint in {}",

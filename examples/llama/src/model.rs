@@ -13,7 +13,7 @@ use super::weights::load_param;
 use burn_distflash::layers::{
     linear, AttentionContext, RmsNorm, RmsNormConfig, TransformerBlock, TransformerBlockConfig,
 };
-use burn_distflash::{Error as PluginError, FlashAttentionBackend};
+use burn_distflash::{Documents, Error as PluginError, FlashAttentionBackend};
 
 /// A Llama language model.
 #[derive(Module, Debug)]
@@ -118,10 +118,46 @@ impl<B: FlashAttentionBackend> Llama<B> {
         tokens: Tensor<B, 2, Int>,
         context: &AttentionContext<B::Inner>,
     ) -> Result<Tensor<B, 3>, PluginError> {
+        self.forward_masked(tokens, context, None)
+    }
+
+    /// [`forward`](Self::forward) of rows that pack several documents: every block's attention
+    /// lets a token see only the earlier tokens of its own document (and of the configured
+    /// window), so each document's logits are those it would get alone (rotary positions stay
+    /// global; attention depends only on distances, which packing does not change).
+    ///
+    /// `documents` are the boundaries of the whole sequence (`world_size * seq` positions when
+    /// `tokens` is this rank's shard), once for every batch row or once per row (see
+    /// [`Documents`] and [`crate::data::Packing`]).
+    ///
+    /// # Errors
+    ///
+    /// Those of [`forward`](Self::forward), and the plugin's `BadMask` kernel error when the
+    /// documents do not end at the whole sequence's length or have neither one list nor one
+    /// per batch row.
+    pub fn forward_with_documents(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        context: &AttentionContext<B::Inner>,
+        documents: &Documents,
+    ) -> Result<Tensor<B, 3>, PluginError> {
+        self.forward_masked(tokens, context, Some(documents))
+    }
+
+    /// The logits, within `documents` when given.
+    fn forward_masked(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        context: &AttentionContext<B::Inner>,
+        documents: Option<&Documents>,
+    ) -> Result<Tensor<B, 3>, PluginError> {
         self.check_tokens(&tokens)?;
         let mut x = self.embedding.forward(tokens);
         for block in &self.blocks {
-            x = block.try_forward(x, context)?;
+            x = match documents {
+                Some(documents) => block.try_forward_with_documents(x, context, documents)?,
+                None => block.try_forward(x, context)?,
+            };
         }
         let x = self.norm.forward(x);
         Ok(match &self.lm_head {
@@ -165,7 +201,45 @@ impl<B: FlashAttentionBackend> Llama<B> {
     where
         B: CrossEntropyBackend,
     {
-        let logits = self.forward(tokens, context)?;
+        self.loss_masked(tokens, targets, context, None, normalizer)
+    }
+
+    /// [`loss`](Self::loss) of packed rows, through
+    /// [`forward_with_documents`](Self::forward_with_documents). Every target counts, the one
+    /// after a document's last token included: that token (an end-of-text token, see
+    /// [`crate::data::Packing`]) sees only its own document, so the model learns how
+    /// documents begin, as in unpacked training on the same text.
+    ///
+    /// # Errors
+    ///
+    /// Those of [`forward_with_documents`](Self::forward_with_documents).
+    pub fn loss_with_documents(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        targets: Tensor<B, 2, Int>,
+        context: &AttentionContext<B::Inner>,
+        documents: &Documents,
+        normalizer: usize,
+    ) -> Result<Tensor<B, 1>, PluginError>
+    where
+        B: CrossEntropyBackend,
+    {
+        self.loss_masked(tokens, targets, context, Some(documents), normalizer)
+    }
+
+    /// The loss, within `documents` when given.
+    pub(crate) fn loss_masked(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        targets: Tensor<B, 2, Int>,
+        context: &AttentionContext<B::Inner>,
+        documents: Option<&Documents>,
+        normalizer: usize,
+    ) -> Result<Tensor<B, 1>, PluginError>
+    where
+        B: CrossEntropyBackend,
+    {
+        let logits = self.forward_masked(tokens, context, documents)?;
         let [batch, seq, vocab] = logits.dims();
         let rows = batch * seq;
         let sum = B::cross_entropy_sum(logits.reshape([rows, vocab]), targets.reshape([rows]));

@@ -12,6 +12,14 @@ use crate::Error;
 /// Vocabulary size of [`Tokenizer::Bytes`].
 pub const BYTE_VOCAB_SIZE: usize = 256;
 
+/// The byte [`Tokenizer::end_of_text`] gives: ASCII 3, "end of text" (ETX), a control character
+/// that ordinary text does not contain.
+pub const BYTE_END_OF_TEXT: u32 = 0x03;
+
+/// The named tokens [`Tokenizer::end_of_text`] looks for in a Hugging Face tokenizer, in this
+/// order: Llama 3's, GPT-2's (and many BPE models'), Llama 2's and SentencePiece models'.
+pub const END_OF_TEXT_NAMES: [&str; 4] = ["<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>"];
+
 /// The text the byte tokenizer decodes an id above 255 to, and invalid UTF-8 to.
 const REPLACEMENT: &str = "\u{FFFD}";
 
@@ -111,6 +119,18 @@ impl Tokenizer {
             Tokenizer::HuggingFace(t) => t.token_to_id(token),
         }
     }
+
+    /// The token that ends a document in a packed corpus (see [`crate::data::Packing`]) unless
+    /// the caller names one: [`BYTE_END_OF_TEXT`] for [`Tokenizer::Bytes`]; for a Hugging Face
+    /// tokenizer the first of [`END_OF_TEXT_NAMES`] it knows, or `None` when it knows none.
+    pub fn end_of_text(&self) -> Option<u32> {
+        match self {
+            Tokenizer::Bytes => Some(BYTE_END_OF_TEXT),
+            Tokenizer::HuggingFace(_) => END_OF_TEXT_NAMES
+                .iter()
+                .find_map(|name| self.token_id(name)),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -145,5 +165,24 @@ mod tests {
                 .starts_with("the text is not a tokenizer.json that the `tokenizers` library"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn end_of_text_defaults() {
+        assert_eq!(Tokenizer::bytes().end_of_text(), Some(BYTE_END_OF_TEXT));
+        let word_level = |vocab: &str| {
+            Tokenizer::from_json(&format!(
+                r#"{{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+                    "normalizer": null, "pre_tokenizer": null, "post_processor": null,
+                    "decoder": null,
+                    "model": {{"type": "WordLevel", "vocab": {vocab}, "unk_token": "a"}}}}"#
+            ))
+            .unwrap()
+        };
+        let llama2 = word_level(r#"{"a": 0, "</s>": 1, "<eos>": 2}"#);
+        assert_eq!(llama2.end_of_text(), Some(1));
+        let gpt2 = word_level(r#"{"a": 0, "</s>": 1, "<|endoftext|>": 2}"#);
+        assert_eq!(gpt2.end_of_text(), Some(2));
+        assert_eq!(word_level(r#"{"a": 0}"#).end_of_text(), None);
     }
 }

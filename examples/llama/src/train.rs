@@ -23,7 +23,7 @@ use super::TrainingKernels;
 use crate::Error;
 use burn_distflash::layers::AttentionContext;
 use burn_distflash::{
-    shard_sequence, Error as PluginError, FlashAttentionBackend, FlashAttentionOptions,
+    shard_sequence, Documents, Error as PluginError, FlashAttentionBackend, FlashAttentionOptions,
 };
 
 /// Optimisation settings (saved with every checkpoint).
@@ -221,7 +221,27 @@ impl<B: TrainBackend> Trainer<B> {
     /// One optimizer step on `inputs` and next-token `targets` (row-major `[batch, seq_len]`,
     /// the same whole batch on every rank).
     pub fn train_step(&mut self, inputs: &[u32], targets: &[u32]) -> Result<StepStats, Error> {
-        self.step_with(inputs, targets, None)
+        self.step_with(inputs, targets, None, None)
+    }
+
+    /// [`train_step`](Self::train_step) on packed rows when `documents` is given: each token
+    /// attends only within its document ([`Llama::loss_with_documents`], which says why every
+    /// target still counts). `documents` are those of the whole batch
+    /// ([`Packing::documents`](crate::data::Packing::documents) of `inputs`), the same on
+    /// every rank: each rank's attention takes its part. `None` is
+    /// [`train_step`](Self::train_step).
+    ///
+    /// # Errors
+    ///
+    /// Those of [`train_step`](Self::train_step), and [`Error::Attention`] when the documents
+    /// do not cover `seq_len` positions in one list or one per batch row.
+    pub fn train_step_packed(
+        &mut self,
+        inputs: &[u32],
+        targets: &[u32],
+        documents: Option<&Documents>,
+    ) -> Result<StepStats, Error> {
+        self.step_with(inputs, targets, documents, None)
     }
 
     /// [`train_step`](Self::train_step) with the device synchronised after each phase, and the
@@ -232,7 +252,7 @@ impl<B: TrainBackend> Trainer<B> {
         targets: &[u32],
     ) -> Result<(StepStats, PhaseTimes), Error> {
         let mut clock = PhaseClock::start(self.device());
-        let stats = self.step_with(inputs, targets, Some(&mut clock))?;
+        let stats = self.step_with(inputs, targets, None, Some(&mut clock))?;
         Ok((stats, clock.times))
     }
 
@@ -240,6 +260,7 @@ impl<B: TrainBackend> Trainer<B> {
         &mut self,
         inputs: &[u32],
         targets: &[u32],
+        documents: Option<&Documents>,
         mut clock: Option<&mut PhaseClock<B>>,
     ) -> Result<StepStats, Error> {
         let mut lap = |phase: fn(&mut PhaseTimes) -> &mut f64| {
@@ -247,15 +268,7 @@ impl<B: TrainBackend> Trainer<B> {
                 clock.lap(phase);
             }
         };
-        let (tokens, targets) = (self.shard(inputs)?, self.shard(targets)?);
-        let normalizer = self.options.batch * self.options.seq_len;
-        let loss = self
-            .model
-            .loss(tokens, targets, &self.context, normalizer)
-            .map_err(|source| Error::Attention {
-                during: "training step",
-                source,
-            })?;
+        let loss = self.loss(inputs, targets, documents, "training step")?;
         lap(|t| &mut t.forward);
         let grads = GradientsParams::from_grads(loss.backward(), &self.model);
         lap(|t| &mut t.backward);
@@ -306,16 +319,35 @@ impl<B: TrainBackend> Trainer<B> {
     /// whole batch on every rank) under the current weights, changing nothing: no gradient, no
     /// step. Every rank of a group must call it, like [`train_step`](Self::train_step).
     pub fn evaluate(&self, inputs: &[u32], targets: &[u32]) -> Result<f64, Error> {
+        self.evaluate_packed(inputs, targets, None)
+    }
+
+    /// [`evaluate`](Self::evaluate) on packed rows when `documents` is given (as in
+    /// [`train_step_packed`](Self::train_step_packed)); `None` is
+    /// [`evaluate`](Self::evaluate).
+    pub fn evaluate_packed(
+        &self,
+        inputs: &[u32],
+        targets: &[u32],
+        documents: Option<&Documents>,
+    ) -> Result<f64, Error> {
+        let loss = self.loss(inputs, targets, documents, "evaluation")?;
+        self.group_loss(loss)
+    }
+
+    /// This rank's share of the batch's mean loss, within `documents` when given.
+    fn loss(
+        &self,
+        inputs: &[u32],
+        targets: &[u32],
+        documents: Option<&Documents>,
+        during: &'static str,
+    ) -> Result<Tensor<B, 1>, Error> {
         let (tokens, targets) = (self.shard(inputs)?, self.shard(targets)?);
         let normalizer = self.options.batch * self.options.seq_len;
-        let loss = self
-            .model
-            .loss(tokens, targets, &self.context, normalizer)
-            .map_err(|source| Error::Attention {
-                during: "evaluation",
-                source,
-            })?;
-        self.group_loss(loss)
+        (self.model)
+            .loss_masked(tokens, targets, &self.context, documents, normalizer)
+            .map_err(|source| Error::Attention { during, source })
     }
 
     /// This rank's share of a loss, summed over the group, as a number.

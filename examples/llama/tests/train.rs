@@ -1,7 +1,9 @@
 //! Training a small Llama on the CPU: the loss falls; one step on an in-process group of 4
 //! equals one step on one device, and the ranks' copies of a freshly initialised model hold the
 //! same weights before and after it; evaluation changes nothing; a run saved and resumed
-//! continues identically; bad shapes and tokens are refused before any work.
+//! continues identically; bad shapes and tokens are refused before any work; a packed step
+//! (documents ended by newlines) on a group of 2 equals one on one device, and one document per
+//! row is the plain step.
 
 mod common;
 
@@ -11,11 +13,11 @@ use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::{Int, Tensor};
 use burn_distflash::layers::AttentionContext;
-use burn_distflash::{on_each_rank, replicate, CheckpointPlacement, DeviceGroup};
+use burn_distflash::{on_each_rank, replicate, CheckpointPlacement, DeviceGroup, Documents};
 use common::modules::{float_params, require_grad_flags, ParamValues};
 use common::temp_dir::TempDir;
 use common::within::within;
-use distflash_llama::data::TokenDataset;
+use distflash_llama::data::{Packing, TokenDataset};
 use distflash_llama::tokenizer::Tokenizer;
 use distflash_llama::train::{StepStats, TrainOptions, Trainer};
 use distflash_llama::{Error, Llama, LlamaConfig};
@@ -291,4 +293,86 @@ fn every_preset_is_a_valid_shape() {
         (eight - 8.03).abs() < 0.01,
         "Llama-3-8B has {eight:.3}B parameters"
     );
+}
+
+/// Asserts that two steps' losses and gradient norms agree up to f32 rounding.
+fn assert_same_stats(got: &StepStats, want: &StepStats, what: &str) {
+    assert!(
+        (got.loss - want.loss).abs() < 1e-5,
+        "{what}: loss {got:?} vs {want:?}"
+    );
+    assert!(
+        (got.grad_norm - want.grad_norm).abs() < 1e-4 * want.grad_norm,
+        "{what}: gradient norm {got:?} vs {want:?}"
+    );
+}
+
+#[test]
+fn a_packed_step_with_one_document_per_row_is_the_plain_step() {
+    let data = dataset();
+    let (x, y) = data.batch(0, 0, 4, 32).unwrap();
+    let [a, b]: [Llama<Cpu>; 2] = copies(2, CheckpointPlacement::AttentionOutput)
+        .try_into()
+        .unwrap();
+    let mut plain = Trainer::new(a, AttentionContext::Local, options(2));
+    let mut packed = Trainer::new(b, AttentionContext::Local, options(2));
+    let whole = Documents::from_cu_seqlens(&[0, 32]).unwrap();
+    for _ in 0..2 {
+        let want = plain.train_step(&x, &y).unwrap();
+        let got = packed.train_step_packed(&x, &y, Some(&whole)).unwrap();
+        assert_same_stats(&got, &want, "one document per row");
+    }
+}
+
+#[test]
+fn a_packed_step_on_a_group_of_two_equals_one_step_on_one_device() {
+    within(Duration::from_secs(300), || {
+        let mut models = copies(3, CheckpointPlacement::AttentionOutput);
+        let data = dataset();
+        let (x, y) = data.batch(0, 0, 4, 32).unwrap();
+        // Shakespeare's lines are the documents: a newline ends each.
+        let documents = Packing::new(u32::from(b'\n'), 256)
+            .unwrap()
+            .documents(&x, 32)
+            .unwrap();
+        assert!(
+            (0..4).any(|row| documents.cu_seqlens(row).len() > 2),
+            "no row of the batch packs two documents"
+        );
+        let mut single = Trainer::new(models.remove(0), AttentionContext::Local, options(10));
+        let unpacked = single.evaluate(&x, &y).unwrap();
+        assert_eq!(
+            single.evaluate_packed(&x, &y, None).unwrap(),
+            unpacked,
+            "no documents"
+        );
+        let expected = single.train_step_packed(&x, &y, Some(&documents)).unwrap();
+        assert!(
+            (expected.loss - unpacked).abs() > 1e-3,
+            "packing changed nothing: {} vs {unpacked}",
+            expected.loss
+        );
+        let groups = DeviceGroup::<Inner>::in_process(vec![DEVICE; 2]);
+        let per_rank = groups.into_iter().zip(models).collect();
+        let ranks = on_each_rank(per_rank, |_, (group, model)| {
+            let mut trainer = Trainer::new(model, AttentionContext::sharded(group), options(10));
+            trainer.train_step_packed(&x, &y, Some(&documents)).unwrap()
+        });
+        for (rank, stats) in ranks.iter().enumerate() {
+            assert_same_stats(stats, &expected, &format!("rank {rank}"));
+        }
+    });
+}
+
+#[test]
+fn documents_of_another_length_are_refused() {
+    let data = dataset();
+    let (x, y) = data.batch(0, 0, 4, 32).unwrap();
+    let model = small().try_init::<Cpu>(&DEVICE).unwrap();
+    let mut trainer = Trainer::new(model, AttentionContext::Local, options(1));
+    let short = Documents::from_cu_seqlens(&[0, 10, 31]).unwrap();
+    let e = trainer.train_step_packed(&x, &y, Some(&short)).unwrap_err();
+    assert!(matches!(e, Error::Attention { .. }), "{e:?}");
+    assert!(e.to_string().contains("31"), "{e}");
+    assert_eq!(trainer.step, 0);
 }

@@ -394,7 +394,7 @@ pub struct MaskKind {
     pub upper: bool,
     /// Each query row's keys start at `i + shift - before` (a window).
     pub lower: bool,
-    /// Each query row's keys lie in its document (a [`DocumentTable`] argument).
+    /// Each query row's keys lie in its document (a document-table argument).
     pub documents: bool,
 }
 

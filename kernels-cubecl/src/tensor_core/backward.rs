@@ -6,8 +6,8 @@
 //! recomputing S and dP: seven GEMMs, bitwise reproducible. All use the stored log-sum-exp and
 //! `delta = rowsum(dO * O)`; the forward is never recomputed.
 //!
-//! Masks: every mask is a band (see [`crate::mask`]), so a block walks only the tiles between
-//! its first row's first visible column and its last row's last ([`BandTiles`]); tiles outside
+//! Masks: every mask is a band (see `Mask`), so a block walks only the tiles between
+//! its first row's first visible column and its last row's last (`geometry::BandTiles`); tiles outside
 //! are skipped, not masked. Of the walked tiles, those every row of the block sees whole (the
 //! interior) run with no mask and unchecked staging; the tiles at the two edges of the band run
 //! masked, each lane comparing against its rows' visible range (under causal masks and none only

@@ -20,7 +20,7 @@
 //!
 //! Masks: each key sees one contiguous range of queries (`key_query_range`), both ends never
 //! decreasing with the key, so a block walks only the query tiles from its first key's first
-//! query to its last key's last ([`BandTiles`]), skipping the rest. The tiles at the band's two
+//! query to its last key's last (`geometry::BandTiles`), skipping the rest. The tiles at the band's two
 //! edges (a causal diagonal, a window's far end, a document boundary) and the chunk's partial
 //! last tile run masked against each key's range; the interior, seen whole by every key of the
 //! block, runs unmasked (under windows and documents, a partial last block runs every tile

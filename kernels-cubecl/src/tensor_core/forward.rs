@@ -11,13 +11,13 @@
 //! the finished output from this call's keys alone).
 //!
 //! Masks: every row sees one contiguous range of keys `[lo, hi)` whose ends never decrease with
-//! the row (a band, see [`crate::mask`]), so the block walks only the key tiles from its first
-//! row's `lo` to its last row's `hi` and skips the others (see [`BandTiles`]): first the interior
+//! the row (a band, see `Mask`), so the block walks only the key tiles from its first
+//! row's `lo` to its last row's `hi` and skips the others (see `geometry::BandTiles`): first the interior
 //! (tiles every row of the block sees whole), then the edge tiles in one loop (the trailing edge,
 //! then the leading one). Each lane holds its rows' ranges, computed once per cube. Causal and
 //! unmasked blocks start at tile 0 and bound their rows from above only; windows and documents
 //! (`MaskKind::lower`, `MaskKind::documents`) also bound them from below, and their ranges come
-//! from [`row_key_range`] (one document search per lane, shared over the plane by shuffles).
+//! from `mask::row_key_range` (one document search per lane, shared over the plane by shuffles).
 //!
 //! Cost structure, as in FlashAttention-2:
 //! - key tiles every row of the block sees whole (the band's interior) run a loop with no mask;

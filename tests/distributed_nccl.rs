@@ -10,7 +10,7 @@ use std::time::Duration;
 use burn::backend::Autodiff;
 use burn_distflash::collective::nccl;
 use burn_distflash::schedule::ScheduleKind;
-use burn_distflash::DeviceGroup;
+use burn_distflash::{DeviceGroup, SlidingWindow};
 use common::distributed_case::{check_groups, Case};
 use common::repeated_case::{check_repeated, MIXED};
 use common::within::within;
@@ -38,6 +38,11 @@ fn nccl_groups_match_single_device_attention() {
                     q_heads: 8,
                     kv_heads: 2,
                     ..Case::new(world, 77, ScheduleKind::Balanced)
+                },
+                Case {
+                    window: Some(SlidingWindow::causal(9)),
+                    documents: Some(&[&[1, 40, 23]]),
+                    ..Case::new(world, 64, ScheduleKind::Auto)
                 },
             ] {
                 let devices: Vec<CudaDevice> = (0..world).map(CudaDevice::new).collect();

@@ -1,5 +1,6 @@
 //! Sequence-parallel attention over NCCL in bf16 (its own binary: Burn 0.21 fixes one default
-//! float type per device and process). Run with `--ignored` on a machine with several GPUs.
+//! float type per device and process), sliding windows and documents included. Run with
+//! `--ignored` on a machine with several GPUs.
 
 mod common;
 
@@ -8,7 +9,7 @@ use std::time::Duration;
 use burn::backend::Autodiff;
 use burn_distflash::collective::nccl;
 use burn_distflash::schedule::ScheduleKind;
-use burn_distflash::DeviceGroup;
+use burn_distflash::{DeviceGroup, SlidingWindow};
 use common::distributed_case::{check_groups, Case};
 use common::within::within;
 use cubecl::cuda::CudaDevice;
@@ -35,6 +36,28 @@ fn nccl_groups_in_bf16_match_f64_attention() {
                 },
                 Case {
                     head_dim: 64,
+                    ..Case::new(world, 130, ScheduleKind::Ring)
+                },
+                // A window shorter than a zigzag chunk: only neighbours' keys are exchanged.
+                Case {
+                    head_dim: 128,
+                    q_heads: 8,
+                    kv_heads: 2,
+                    window: Some(SlidingWindow::causal(40)),
+                    ..Case::new(world, 96, ScheduleKind::Zigzag)
+                },
+                // Documents of odd lengths, across shard boundaries and longer than a shard.
+                Case {
+                    head_dim: 64,
+                    documents: Some(&[&[37, 150, 5, 200]]),
+                    ..Case::new(world, 130, ScheduleKind::Balanced)
+                },
+                // A two-sided window inside documents, without causal order.
+                Case {
+                    head_dim: 64,
+                    causal: false,
+                    window: Some(SlidingWindow::two_sided(20, 70)),
+                    documents: Some(&[&[300, 11]]),
                     ..Case::new(world, 130, ScheduleKind::Ring)
                 },
             ] {

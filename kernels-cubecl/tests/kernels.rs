@@ -458,6 +458,29 @@ pub fn band_mask_edges_match_reference<R: Runtime>(client: &ComputeClient<R>, el
     }
 }
 
+/// Scores far below zero (every `q . k` near -900) beside a key chunk that ends inside a key
+/// block: the block's zero-filled keys past the chunk score 0, far above every real key, so the
+/// backward must keep them masked (unmasked, their probability `exp(0 - lse)` overflows f32 and
+/// reaches dQ as NaN). Unmasked and causal at an offset where every row sees every key.
+pub fn extreme_scores_beside_a_partial_key_block<R: Runtime>(
+    client: &ComputeClient<R>,
+    elem: ElemType,
+) {
+    for (elem, variant) in configurations(client, elem) {
+        for mask in [Mask::none(), Mask::causal().at(200, 0)] {
+            let mut case = Case::new(67, (1, 2, 1), (64, 100, 64), mask, elem);
+            let mut rng = Rng::new(68);
+            // Exactly representable in f16 and bf16: 4, and -4 plus multiples of 1/32 below 1.
+            case.q = vec![4.0; case.q.len()];
+            case.k = (0..case.k.len())
+                .map(|_| -4.0 + (rng.uniform().abs() * 32.0).floor().min(31.0) / 32.0)
+                .collect();
+            check_forward(client, &case, variant);
+            check_backward(client, &case, variant);
+        }
+    }
+}
+
 pub fn forward_matches_reference<R: Runtime>(client: &ComputeClient<R>, elem: ElemType) {
     for (elem, variant) in configurations(client, elem) {
         for (heads, lens) in [
@@ -931,6 +954,7 @@ macro_rules! suite {
             suite!(@per_elem fully_masked, fully_masked_rows_are_zero, $client $(, #[$attr])?);
             suite!(@per_elem band_masks, band_masks_match_reference, $client $(, #[$attr])?);
             suite!(@per_elem band_mask_edges, band_mask_edges_match_reference, $client $(, #[$attr])?);
+            suite!(@per_elem extreme_scores, extreme_scores_beside_a_partial_key_block, $client $(, #[$attr])?);
             suite!(@per_elem folded_grid, folded_grid_matches_reference, $client $(, #[$attr])?);
             #[test] $(#[$attr])? fn bad_input() { bad_input_is_refused(&$client) }
             #[test] $(#[$attr])? fn linear_grid() { linear_grid_folds(&$client) }

@@ -249,9 +249,12 @@ pub fn backward_dkdv_mma<E: Float>(
             whole_from =
                 min(max(last as i32 - shift, 0i32) as u32, q_len).div_ceil(QUERY_ROWS as u32);
         }
+        // As under a band: a partial last block has no interior (its zero-filled keys see no
+        // query; unmasked, their P = 2^-lse can overflow and reach the fused dQ as NaN).
+        let partial = block_start + DKDV_KEYS as u32 > kv_len;
         BandTiles {
             first: min(first, num_tiles),
-            lead_end: min(whole_from, whole_end),
+            lead_end: select(partial, whole_end, min(whole_from, whole_end)),
             trail_start: whole_end,
             end: num_tiles,
         }

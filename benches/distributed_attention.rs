@@ -1,7 +1,7 @@
 //! Sequence-parallel attention over NCCL, one process driving P GPUs (one thread per GPU).
 //!
 //! `cargo bench --bench distributed_attention -- [--worlds 2,4] [--tokens 8192,16384,32768]
-//!  [--iters 3] [--no-single]`
+//!  [--iters 3] [--no-single] [--window 4096]`
 //!
 //! Causal bf16, batch 1, 32 heads, head dim 128, `tokens` per GPU. For each world size and
 //! length: ring, balanced and zigzag schedules with overlap on and off, and the same schedules with
@@ -9,6 +9,10 @@
 //! single-GPU attention on the whole sequence. Per-GPU TFLOP/s with FlashAttention's convention
 //! over the whole causal sequence (4 N² H D / 2 forward, x3.5 forward+backward, divided by P).
 //! An iteration's time is the slowest rank's; the median over iterations is reported.
+//! `--window W` runs every row under a causal sliding window of `W` keys instead (the single GPU
+//! too), with TFLOP/s counted on the visible (query, key) pairs only, and `steps` the number of
+//! exchanges the schedule keeps (pairs of shards with nothing visible are neither computed nor
+//! exchanged).
 
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
@@ -21,7 +25,7 @@ use burn_distflash::schedule::{Schedule, ScheduleKind};
 use burn_distflash::Error;
 use burn_distflash::{
     on_each_rank, DeviceGroup, FlashAttentionBackend, FlashAttentionOptions,
-    SequenceParallelOptions,
+    SequenceParallelOptions, SlidingWindow,
 };
 use cubecl::cuda::CudaDevice;
 
@@ -149,6 +153,7 @@ fn rank_main(
     group: DeviceGroup<Bf16>,
     tokens: usize,
     iters: usize,
+    attention: &FlashAttentionOptions,
     barrier: Arc<Barrier>,
 ) -> RankTimes {
     let device = group.device().clone();
@@ -167,9 +172,7 @@ fn rank_main(
     configs()
         .into_iter()
         .map(|config| {
-            let options = SequenceParallelOptions::causal()
-                .with_schedule(config.schedule)
-                .with_overlap(config.overlap);
+            let options = sequence_parallel_options(attention, config);
             let g = if config.communicate { &group } else { &local };
             let forward = || {
                 Bf16::sequence_parallel_attention(q.clone(), k.clone(), v.clone(), g, &options)
@@ -197,6 +200,32 @@ fn rank_main(
         .collect()
 }
 
+/// The sequence-parallel options of `config` with the attention options `attention`.
+fn sequence_parallel_options(
+    attention: &FlashAttentionOptions,
+    config: Config,
+) -> SequenceParallelOptions {
+    SequenceParallelOptions {
+        attention: attention.clone(),
+        ..SequenceParallelOptions::causal()
+            .with_schedule(config.schedule)
+            .with_overlap(config.overlap)
+    }
+}
+
+/// Forward FLOPs of causal attention over `n` tokens (FlashAttention's `4 n^2 H D / 2`), or,
+/// under a window of `w` keys, `4 H D` per visible (query, key) pair.
+fn forward_flops(n: usize, window: Option<usize>) -> f64 {
+    let width = (HEADS * HEAD_DIM) as f64;
+    match window {
+        None => 4.0 * (n as f64) * (n as f64) * width / 2.0,
+        Some(w) => {
+            let pairs: usize = (0..n).map(|i| (i + 1).min(w)).sum();
+            4.0 * pairs as f64 * width
+        }
+    }
+}
+
 /// Median over iterations of the slowest rank's time.
 fn slowest_median(per_rank: &[&Vec<f64>]) -> f64 {
     let iters = per_rank[0].len();
@@ -208,7 +237,7 @@ fn slowest_median(per_rank: &[&Vec<f64>]) -> f64 {
 }
 
 /// Seconds of this project's single-GPU attention over `seq` tokens: (forward, forward+backward).
-fn single_gpu(seq: usize, iters: usize) -> (f64, f64) {
+fn single_gpu(seq: usize, iters: usize, options: &FlashAttentionOptions) -> (f64, f64) {
     let device = CudaDevice::new(0);
     let shape = [1, HEADS, seq, HEAD_DIM];
     let (q, k, v, dout) = (
@@ -217,7 +246,6 @@ fn single_gpu(seq: usize, iters: usize) -> (f64, f64) {
         random(shape, &device),
         random(shape, &device),
     );
-    let options = FlashAttentionOptions::causal();
     let one = Barrier::new(1);
     let forward = || Bf16::flash_attention(q.clone(), k.clone(), v.clone(), options.clone());
     let median = |mut t: Vec<f64>| {
@@ -250,11 +278,22 @@ fn main() {
     let tokens_list = arg_list(&args, "--tokens", &[8192, 16384, 32768]);
     let iters = arg_list(&args, "--iters", &[3])[0];
     let single = !args.iter().any(|a| a == "--no-single");
+    let window = args
+        .iter()
+        .any(|a| a == "--window")
+        .then(|| arg_list(&args, "--window", &[])[0]);
+    let attention = match window {
+        Some(w) => FlashAttentionOptions::causal().with_window(SlidingWindow::causal(w)),
+        None => FlashAttentionOptions::causal(),
+    };
+    if let Some(w) = window {
+        println!("causal sliding window of {w} keys; TFLOP/s on the visible pairs\n");
+    }
     println!(
-        "| P | tokens/GPU | schedule | overlap | comm | fwd ms | fwd TFLOP/s/GPU | fwd+bwd ms | \
-         fwd+bwd TFLOP/s/GPU |"
+        "| P | tokens/GPU | schedule | overlap | comm | steps | fwd ms | fwd TFLOP/s/GPU | \
+         fwd+bwd ms | fwd+bwd TFLOP/s/GPU |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     let mut summary = Vec::new();
     for &world in &worlds {
         assert!(
@@ -267,11 +306,13 @@ fn main() {
             let barrier = Arc::new(Barrier::new(world));
             let mut per_rank: Vec<(usize, RankTimes)> = on_each_rank(groups.clone(), |_, group| {
                 let rank = group.rank();
-                (rank, rank_main(group, tokens, iters, barrier.clone()))
+                (
+                    rank,
+                    rank_main(group, tokens, iters, &attention, barrier.clone()),
+                )
             });
             per_rank.sort_by_key(|(r, _)| *r);
-            let n = (world * tokens) as f64;
-            let flops = 4.0 * n * n * (HEADS * HEAD_DIM) as f64 / 2.0;
+            let flops = forward_flops(world * tokens, window);
             let per_gpu = |secs: f64, factor: f64| factor * flops / world as f64 / secs / 1e12;
             let mut rows = Vec::new();
             for (i, config) in configs().into_iter().enumerate() {
@@ -279,8 +320,12 @@ fn main() {
                     slowest_median(&per_rank.iter().map(|(_, t)| &t[i].1).collect::<Vec<_>>());
                 let both =
                     slowest_median(&per_rank.iter().map(|(_, t)| &t[i].2).collect::<Vec<_>>());
+                let steps = sequence_parallel_options(&attention, config)
+                    .schedule_for(world, tokens)
+                    .expect("schedule")
+                    .num_steps();
                 println!(
-                    "| {world} | {tokens} | {:?} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} |",
+                    "| {world} | {tokens} | {:?} | {} | {} | {steps} | {:.1} | {:.1} | {:.1} | {:.1} |",
                     config.schedule,
                     if config.overlap { "on" } else { "off" },
                     if config.communicate { "NCCL" } else { "none" },
@@ -291,10 +336,10 @@ fn main() {
                 );
                 rows.push((config, fwd, both));
             }
-            let single_times = single.then(|| single_gpu(world * tokens, iters));
+            let single_times = single.then(|| single_gpu(world * tokens, iters, &attention));
             if let Some((fwd, both)) = single_times {
                 println!(
-                    "| 1 | {} | single GPU | - | - | {:.1} | {:.1} | {:.1} | {:.1} |",
+                    "| 1 | {} | single GPU | - | - | - | {:.1} | {:.1} | {:.1} | {:.1} |",
                     world * tokens,
                     fwd * 1e3,
                     flops / fwd / 1e12,
@@ -328,8 +373,21 @@ fn main() {
         let balanced = find(ScheduleKind::Balanced, true, true);
         let ideal = find(ScheduleKind::Balanced, true, false);
         let off = find(ScheduleKind::Balanced, false, true);
-        let theory = Schedule::new(ScheduleKind::Ring, world, true).time()
-            / Schedule::new(ScheduleKind::Balanced, world, true).time();
+        let model = |kind| match window {
+            None => Schedule::new(kind, world, true).time(),
+            Some(_) => sequence_parallel_options(
+                &attention,
+                Config {
+                    schedule: kind,
+                    overlap: true,
+                    communicate: true,
+                },
+            )
+            .schedule_for(world, tokens)
+            .expect("schedule")
+            .time(),
+        };
+        let theory = model(ScheduleKind::Ring) / model(ScheduleKind::Balanced);
         let (speedup, efficiency) = match single_times {
             Some((_, one)) => (
                 format!("{:.2}x", one / balanced),

@@ -14,7 +14,9 @@ and two passes:
   * fwd+bwd  forward, then backward from a fixed random dO (gradients reset before each run)
 
 Timing: CUDA events around each iteration, 3 warm-up iterations, then the median of 10
-(`--wall-clock` adds FlashAttention-2 timed on the host clock, one synchronised call at a time).
+(`--wall-clock` adds FlashAttention-2 timed on the host clock, one synchronised call at a time;
+`--queued` adds it timed as 8 calls back to back and one wait on the host clock, per call, the
+method of the Rust bench's queued rows).
 Throughput follows FlashAttention's convention: forward FLOPs = 4 * S^2 * H * D / 2 for causal
 attention (= 2 * S^2 * H * D, times the batch), forward+backward = 3.5 x forward FLOPs.
 
@@ -109,14 +111,21 @@ def run_chunked(pass_name: str, chunks: int, q, k, v, grad_out) -> None:
                 out.backward(grad_out[:, :, rows])
 
 
+QUEUED = 8
+
+
 def time_ms(
-    backend, pass_name: str, q, k, v, grad_out, chunks: int = 1, wall: bool = False
+    backend, pass_name: str, q, k, v, grad_out, chunks: int = 1, wall: bool = False,
+    queued: bool = False,
 ) -> float:
     """Median milliseconds of ITERS iterations after WARMUP, timed with CUDA events; with
     `chunks` > 1, of [`run_chunked`]. With `wall`, timed on the host clock from before the call
     to after `torch.cuda.synchronize()`, the way `benches/kernel_attention.rs` times a single
-    call (launch and wait latency included)."""
+    call (launch and wait latency included). With `queued`, each iteration is QUEUED calls back
+    to back and one wait, on the host clock, divided by QUEUED (the Rust bench's queued rows)."""
     times = []
+    calls = QUEUED if queued else 1
+    wall = wall or queued
     with sdpa_kernel(backend):
         for i in range(WARMUP + ITERS):
             for t in (q, k, v):
@@ -128,13 +137,17 @@ def time_ms(
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)
                 start.record()
-            if chunks > 1:
-                run_chunked(pass_name, chunks, q, k, v, grad_out)
-            else:
-                run_once(pass_name, q, k, v, grad_out)
+            for _ in range(calls):
+                if calls > 1:
+                    for t in (q, k, v):
+                        t.grad = None
+                if chunks > 1:
+                    run_chunked(pass_name, chunks, q, k, v, grad_out)
+                else:
+                    run_once(pass_name, q, k, v, grad_out)
             if wall:
                 torch.cuda.synchronize()
-                elapsed = (time.perf_counter() - begin) * 1e3
+                elapsed = (time.perf_counter() - begin) * 1e3 / calls
             else:
                 end.record()
                 torch.cuda.synchronize()
@@ -175,6 +188,12 @@ def main() -> int:
         help="also time FlashAttention-2 on the host clock, one synchronised call at a time "
         "(the method of the Rust bench's single-call rows)",
     )
+    parser.add_argument(
+        "--queued",
+        action="store_true",
+        help=f"also time FlashAttention-2 as {QUEUED} calls back to back and one wait, on the "
+        "host clock (the method of the Rust bench's queued rows)",
+    )
     args = parser.parse_args()
     HEAD_DIM, KV_HEADS = args.head_dim, args.kv_heads
     seqs = [int(s) for s in args.seqs.split(",") if s.strip()]
@@ -205,6 +224,8 @@ def main() -> int:
         backends.append((f"torch_sdpa_flash, {args.chunks} chunks", SDPBackend.FLASH_ATTENTION))
     if args.wall_clock:
         backends.append(("torch_sdpa_flash, wall clock", SDPBackend.FLASH_ATTENTION))
+    if args.queued:
+        backends.append(("torch_sdpa_flash, queued", SDPBackend.FLASH_ATTENTION))
 
     torch.manual_seed(0)
     records = []
@@ -214,9 +235,10 @@ def main() -> int:
         for impl, backend in backends:
             chunks = args.chunks if impl.endswith("chunks") else 1
             wall = impl.endswith("wall clock")
+            queued = impl.endswith("queued")
             for pass_name in PASSES:
                 try:
-                    ms = time_ms(backend, pass_name, q, k, v, grad_out, chunks, wall)
+                    ms = time_ms(backend, pass_name, q, k, v, grad_out, chunks, wall, queued)
                     tflops = pass_flops(pass_name, seq) / (ms * 1e-3) / 1e12
                     results[(impl, pass_name, seq)] = (tflops, ms)
                     records.append(

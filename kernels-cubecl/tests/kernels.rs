@@ -481,6 +481,36 @@ pub fn extreme_scores_beside_a_partial_key_block<R: Runtime>(
     }
 }
 
+/// Scores that rise from key tile to key tile, by about 8.7 (base 2) a tile in some 32-row
+/// groups of queries and by a half or a quarter of that in others: the tensor-core forward
+/// keeps a stale row max until one of a plane's rows passes it by more than its slack, so some
+/// planes rescale the running output on every tile, others every second or fourth tile, and in
+/// between weigh against a max up to 8 below the true one. Unmasked and causal, forward and
+/// backward.
+pub fn rising_scores<R: Runtime>(client: &ComputeClient<R>, elem: ElemType) {
+    for (elem, variant) in configurations(client, elem) {
+        for mask in [Mask::none(), Mask::causal().at(40, 0)] {
+            let mut case = Case::new(71, (1, 2, 1), (130, 340, 64), mask, elem);
+            let d = case.dims;
+            let mut rng = Rng::new(72);
+            // Every value is a multiple of 1/32 with at most 7 significant bits, exact in f16
+            // and bf16. Each 32 query rows scale the rise by 1, 1/2 or 1/4; each key holds its
+            // tile's level (0.75 a tile) plus a little noise.
+            case.q = (0..case.q.len())
+                .map(|i| [1.0, 0.5, 0.25][(i / d.head_dim % d.q_len / 32) % 3])
+                .collect();
+            case.k = (0..case.k.len())
+                .map(|i| {
+                    let key = (i / d.head_dim) % d.kv_len;
+                    0.75 * (key / 64) as f64 + (rng.uniform().abs() * 8.0).floor() / 32.0
+                })
+                .collect();
+            check_forward(client, &case, variant);
+            check_backward(client, &case, variant);
+        }
+    }
+}
+
 pub fn forward_matches_reference<R: Runtime>(client: &ComputeClient<R>, elem: ElemType) {
     for (elem, variant) in configurations(client, elem) {
         for (heads, lens) in [
@@ -955,6 +985,7 @@ macro_rules! suite {
             suite!(@per_elem band_masks, band_masks_match_reference, $client $(, #[$attr])?);
             suite!(@per_elem band_mask_edges, band_mask_edges_match_reference, $client $(, #[$attr])?);
             suite!(@per_elem extreme_scores, extreme_scores_beside_a_partial_key_block, $client $(, #[$attr])?);
+            suite!(@per_elem rising_scores, rising_scores, $client $(, #[$attr])?);
             suite!(@per_elem folded_grid, folded_grid_matches_reference, $client $(, #[$attr])?);
             #[test] $(#[$attr])? fn bad_input() { bad_input_is_refused(&$client) }
             #[test] $(#[$attr])? fn linear_grid() { linear_grid_folds(&$client) }

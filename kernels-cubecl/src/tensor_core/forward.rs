@@ -60,6 +60,10 @@ pub const UNITS: usize = PLANES * 32;
 const LANE_ROWS: usize = PLANE_TILES * ROW_SLOTS;
 /// Below every finite score: the running max of a row that has seen no key yet in a tile.
 const NO_SCORE: f32 = -f32::MAX;
+/// How far (base 2) a row's max may pass the stale reference of a finishing forward before the
+/// plane rescales: weights stay below 2^8 = 256, exact in f32 sums and bf16/f16 fragments alike.
+/// Steps that store a state keep the exact max (it is part of the state's contract).
+const LAZY_MAX_SLACK: f32 = 8.0;
 
 /// Row `slot` (0 or 1) of the accumulator rows a lane holds, relative to its 16-row tile.
 #[cube]
@@ -365,6 +369,7 @@ pub fn forward_step_mma<E: Float>(
             head_dim,
             false,
             lower_bound,
+            finishes,
         );
     }
     let walk_end = tiles.walk_end();
@@ -407,6 +412,7 @@ pub fn forward_step_mma<E: Float>(
             head_dim,
             true,
             lower_bound,
+            finishes,
         );
     }
 
@@ -607,6 +613,7 @@ fn attend_tile<E: Float, NA: Size, NB: Size, NC: Size>(
     #[comptime] head_dim: usize,
     #[comptime] masked: bool,
     #[comptime] lower_bound: bool,
+    #[comptime] lazy_max: bool,
 ) {
     let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
     let sc = def.vector_size(MatrixIdent::Accumulator);
@@ -711,23 +718,40 @@ fn attend_tile<E: Float, NA: Size, NB: Size, NC: Size>(
     }
     let mut alpha = Array::<f32>::new(LANE_ROWS);
     let mut max_moved = false;
-    #[unroll]
-    for r in 0..LANE_ROWS {
-        let reduced = quad_max(tile_max[r]);
-        let mut m_new = max(m_row[r], reduced * scale_log2);
-        if masked {
-            // A row that sees no key of this tile keeps its max (-inf if it has seen none).
-            m_new = select(reduced > NO_SCORE, m_new, m_row[r]);
+    if lazy_max {
+        // The rows keep a stale reference max until one of the plane's rows passes it by more
+        // than `LAZY_MAX_SLACK` (weights then stay at most 2^LAZY_MAX_SLACK, far from any
+        // overflow): after the first tiles the plane almost never rescales. Every row of a
+        // plane that does moves to its exact max.
+        let mut m_next = Array::<f32>::new(LANE_ROWS);
+        #[unroll]
+        for r in 0..LANE_ROWS {
+            m_next[r] = tile_row_max(m_row[r], tile_max[r], scale_log2, masked);
+            max_moved = max_moved || m_next[r] > m_row[r] + LAZY_MAX_SLACK;
         }
-        max_moved = max_moved || m_new != m_row[r];
-        alpha[r] = rescale_factor_log2(m_row[r], m_new);
-        l_row[r] *= alpha[r];
-        m_row[r] = m_new;
-    }
-    // Past the first tiles a row's max rarely moves: when no row of the plane moved, every
-    // factor is exactly 1 and the plane skips the accumulator's rescale (a uniform branch).
-    if plane_any(max_moved) {
-        scale_rows::<E, NC>(def, o_acc, &alpha, out_frags);
+        if plane_any(max_moved) {
+            #[unroll]
+            for r in 0..LANE_ROWS {
+                alpha[r] = rescale_factor_log2(m_row[r], m_next[r]);
+                l_row[r] *= alpha[r];
+                m_row[r] = m_next[r];
+            }
+            scale_rows::<E, NC>(def, o_acc, &alpha, out_frags);
+        }
+    } else {
+        #[unroll]
+        for r in 0..LANE_ROWS {
+            let m_new = tile_row_max(m_row[r], tile_max[r], scale_log2, masked);
+            max_moved = max_moved || m_new != m_row[r];
+            alpha[r] = rescale_factor_log2(m_row[r], m_new);
+            l_row[r] *= alpha[r];
+            m_row[r] = m_new;
+        }
+        // Past the first tiles a row's max rarely moves: when no row of the plane moved, every
+        // factor is exactly 1 and the plane skips the accumulator's rescale (a uniform branch).
+        if plane_any(max_moved) {
+            scale_rows::<E, NC>(def, o_acc, &alpha, out_frags);
+        }
     }
 
     // Probabilities in place of the scores, then into A fragments. A masked score is `NO_SCORE`
@@ -772,6 +796,19 @@ fn attend_tile<E: Float, NA: Size, NB: Size, NC: Size>(
         BLOCK_KEYS,
         head_dim,
     );
+}
+
+/// A row's running max (base 2) after a tile whose lane-partial max of raw scores is
+/// `tile_max`: the quad's max, scaled, against `m_row`. With `masked`, a row that sees no key of
+/// the tile keeps its max (`-inf` if it has seen none).
+#[cube]
+fn tile_row_max(m_row: f32, tile_max: f32, scale_log2: f32, #[comptime] masked: bool) -> f32 {
+    let reduced = quad_max(tile_max);
+    let mut m_new = max(m_row, reduced * scale_log2);
+    if masked {
+        m_new = select(reduced > NO_SCORE, m_new, m_row);
+    }
+    m_new
 }
 
 /// Multiplies each accumulator row the lane holds (of [`PLANE_TILES`] tiles of `frags` 8-column

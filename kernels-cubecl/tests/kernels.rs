@@ -490,7 +490,7 @@ pub fn extreme_scores_beside_a_partial_key_block<R: Runtime>(
 pub fn rising_scores<R: Runtime>(client: &ComputeClient<R>, elem: ElemType) {
     for (elem, variant) in configurations(client, elem) {
         for mask in [Mask::none(), Mask::causal().at(40, 0)] {
-            let mut case = Case::new(71, (1, 2, 1), (130, 340, 64), mask, elem);
+            let mut case = Case::new(71, (1, 2, 1), (130, 340, 64), mask.clone(), elem);
             let d = case.dims;
             let mut rng = Rng::new(72);
             // Every value is a multiple of 1/32 with at most 7 significant bits, exact in f16
@@ -507,6 +507,33 @@ pub fn rising_scores<R: Runtime>(client: &ComputeClient<R>, elem: ElemType) {
                 .collect();
             check_forward(client, &case, variant);
             check_backward(client, &case, variant);
+
+            // A stored state holds each row's exact max, though its tiles weighed against a
+            // stale one.
+            let (q, k, v) = case.qkv(client);
+            let state =
+                distflash_kernels::forward_first_step(client, &q, &k, &v, &options(&case, variant))
+                    .unwrap();
+            let m = read(client, &state.m);
+            let group = d.q_heads / d.kv_heads;
+            for (row, &got) in m.iter().enumerate() {
+                let (bh, i) = (row / d.q_len, row % d.q_len);
+                let (b, h) = (bh / d.q_heads, bh % d.q_heads);
+                let q_row = &case.q[row * d.head_dim..(row + 1) * d.head_dim];
+                let expected = (0..d.kv_len)
+                    .filter(|&j| case.mask.visible(b, i, j))
+                    .map(|j| {
+                        let at = ((b * d.kv_heads + h / group) * d.kv_len + j) * d.head_dim;
+                        let k_row = &case.k[at..at + d.head_dim];
+                        case.scale() * q_row.iter().zip(k_row).map(|(x, y)| x * y).sum::<f64>()
+                    })
+                    .fold(f64::NEG_INFINITY, f64::max);
+                assert!(
+                    (got - expected).abs() <= 1e-4 * expected.abs().max(1.0),
+                    "rising scores {mask:?} {elem:?} {variant:?}: state max of row {row} is {got}, \
+                     expected {expected}"
+                );
+            }
         }
     }
 }

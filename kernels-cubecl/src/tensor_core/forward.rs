@@ -60,9 +60,10 @@ pub const UNITS: usize = PLANES * 32;
 const LANE_ROWS: usize = PLANE_TILES * ROW_SLOTS;
 /// Below every finite score: the running max of a row that has seen no key yet in a tile.
 const NO_SCORE: f32 = -f32::MAX;
-/// How far (base 2) a row's max may pass the stale reference of a finishing forward before the
-/// plane rescales: weights stay below 2^8 = 256, exact in f32 sums and bf16/f16 fragments alike.
-/// Steps that store a state keep the exact max (it is part of the state's contract).
+/// How far (base 2) a row's max may pass its stale reference before the plane rescales its
+/// running output (FlashAttention-4's conditional rescale): weights stay below 2^8 = 256, far
+/// from overflow in f32 sums and in bf16/f16 fragments alike. A stored state still gets each
+/// row's exact max (it is part of the state's contract).
 const LAZY_MAX_SLACK: f32 = 8.0;
 
 /// Row `slot` (0 or 1) of the accumulator rows a lane holds, relative to its 16-row tile.
@@ -315,10 +316,12 @@ pub fn forward_step_mma<E: Float>(
     let first_in_quad = lane % 4 == 0;
     let mut o_acc = zero_accumulator::<E, NC>(&def, comptime!(PLANE_TILES * out_frags));
     let mut m_row = Array::<f32>::new(LANE_ROWS);
+    let mut m_exact = Array::<f32>::new(LANE_ROWS);
     let mut l_row = Array::<f32>::new(LANE_ROWS);
     #[unroll]
     for r in 0..LANE_ROWS {
         m_row[r] = negative_infinity();
+        m_exact[r] = negative_infinity();
         l_row[r] = 0.0f32;
     }
     // The keys each row sees, `[key_lo[r], key_hi[r])`, used on the band's edge tiles only
@@ -362,6 +365,7 @@ pub fn forward_step_mma<E: Float>(
             plane_row0,
             &mut o_acc,
             &mut m_row,
+            &mut m_exact,
             &mut l_row,
             &key_lo,
             &key_hi,
@@ -369,7 +373,7 @@ pub fn forward_step_mma<E: Float>(
             head_dim,
             false,
             lower_bound,
-            finishes,
+            !finishes,
         );
     }
     let walk_end = tiles.walk_end();
@@ -405,6 +409,7 @@ pub fn forward_step_mma<E: Float>(
             plane_row0,
             &mut o_acc,
             &mut m_row,
+            &mut m_exact,
             &mut l_row,
             &key_lo,
             &key_hi,
@@ -412,7 +417,7 @@ pub fn forward_step_mma<E: Float>(
             head_dim,
             true,
             lower_bound,
-            finishes,
+            !finishes,
         );
     }
 
@@ -426,6 +431,22 @@ pub fn forward_step_mma<E: Float>(
     #[unroll]
     for r in 0..LANE_ROWS {
         totals[r] = quad_sum(l_row[r]);
+    }
+    // A state holds each row's exact max: the tiles weighed against a stale reference (see
+    // `LAZY_MAX_SLACK`), so the sums and the output move to the exact max once, here.
+    if !finishes {
+        let mut to_exact = Array::<f32>::new(LANE_ROWS);
+        let mut stale = false;
+        #[unroll]
+        for r in 0..LANE_ROWS {
+            stale = stale || m_exact[r] != m_row[r];
+            to_exact[r] = rescale_factor_log2(m_row[r], m_exact[r]);
+            totals[r] *= to_exact[r];
+            m_row[r] = m_exact[r];
+        }
+        if plane_any(stale) {
+            scale_rows::<E, NC>(&def, &mut o_acc, &to_exact, out_frags);
+        }
     }
     // With a stored state: merge, `o = o_old 2^(m_old - m) + o_new 2^(m_new - m)` with
     // `m = max(m_old, m_new)` (base 2); `totals` and `m_row` become the merged rows'.
@@ -606,6 +627,7 @@ fn attend_tile<E: Float, NA: Size, NB: Size, NC: Size>(
     plane_row0: usize,
     o_acc: &mut Array<Vector<f32, NC>>,
     m_row: &mut Array<f32>,
+    m_exact: &mut Array<f32>,
     l_row: &mut Array<f32>,
     key_lo: &Array<u32>,
     key_hi: &Array<u32>,
@@ -613,7 +635,7 @@ fn attend_tile<E: Float, NA: Size, NB: Size, NC: Size>(
     #[comptime] head_dim: usize,
     #[comptime] masked: bool,
     #[comptime] lower_bound: bool,
-    #[comptime] lazy_max: bool,
+    #[comptime] tracks_exact: bool,
 ) {
     let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
     let sc = def.vector_size(MatrixIdent::Accumulator);
@@ -716,42 +738,30 @@ fn attend_tile<E: Float, NA: Size, NB: Size, NC: Size>(
             }
         }
     }
-    let mut alpha = Array::<f32>::new(LANE_ROWS);
+    // The rows keep a stale reference max (`m_row`) until one of the plane's rows passes it by
+    // more than `LAZY_MAX_SLACK` (weights then stay below 2^LAZY_MAX_SLACK, far from any
+    // overflow): past the first tiles a plane almost never rescales its output. When one does,
+    // every row of the plane moves to its exact max. With `tracks_exact`, `m_exact` follows each
+    // row's exact max for the state.
+    let mut m_next = Array::<f32>::new(LANE_ROWS);
     let mut max_moved = false;
-    if lazy_max {
-        // The rows keep a stale reference max until one of the plane's rows passes it by more
-        // than `LAZY_MAX_SLACK` (weights then stay at most 2^LAZY_MAX_SLACK, far from any
-        // overflow): after the first tiles the plane almost never rescales. Every row of a
-        // plane that does moves to its exact max.
-        let mut m_next = Array::<f32>::new(LANE_ROWS);
+    #[unroll]
+    for r in 0..LANE_ROWS {
+        m_next[r] = tile_row_max(m_row[r], tile_max[r], scale_log2, masked);
+        max_moved = max_moved || m_next[r] > m_row[r] + LAZY_MAX_SLACK;
+        if tracks_exact {
+            m_exact[r] = max(m_exact[r], m_next[r]);
+        }
+    }
+    if plane_any(max_moved) {
+        let mut alpha = Array::<f32>::new(LANE_ROWS);
         #[unroll]
         for r in 0..LANE_ROWS {
-            m_next[r] = tile_row_max(m_row[r], tile_max[r], scale_log2, masked);
-            max_moved = max_moved || m_next[r] > m_row[r] + LAZY_MAX_SLACK;
-        }
-        if plane_any(max_moved) {
-            #[unroll]
-            for r in 0..LANE_ROWS {
-                alpha[r] = rescale_factor_log2(m_row[r], m_next[r]);
-                l_row[r] *= alpha[r];
-                m_row[r] = m_next[r];
-            }
-            scale_rows::<E, NC>(def, o_acc, &alpha, out_frags);
-        }
-    } else {
-        #[unroll]
-        for r in 0..LANE_ROWS {
-            let m_new = tile_row_max(m_row[r], tile_max[r], scale_log2, masked);
-            max_moved = max_moved || m_new != m_row[r];
-            alpha[r] = rescale_factor_log2(m_row[r], m_new);
+            alpha[r] = rescale_factor_log2(m_row[r], m_next[r]);
             l_row[r] *= alpha[r];
-            m_row[r] = m_new;
+            m_row[r] = m_next[r];
         }
-        // Past the first tiles a row's max rarely moves: when no row of the plane moved, every
-        // factor is exactly 1 and the plane skips the accumulator's rescale (a uniform branch).
-        if plane_any(max_moved) {
-            scale_rows::<E, NC>(def, o_acc, &alpha, out_frags);
-        }
+        scale_rows::<E, NC>(def, o_acc, &alpha, out_frags);
     }
 
     // Probabilities in place of the scores, then into A fragments. A masked score is `NO_SCORE`

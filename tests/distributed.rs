@@ -10,10 +10,10 @@ use std::time::Duration;
 use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::{DType, Tensor};
+use burn_distflash::collective::on_each_rank;
 use burn_distflash::schedule::ScheduleKind;
-use burn_distflash::{
-    on_each_rank, sequence_parallel_attention, DeviceGroup, Error, SequenceParallelOptions,
-};
+use burn_distflash::sequence_parallel::{sequence_parallel_attention, SequenceParallelOptions};
+use burn_distflash::{DeviceGroup, Error};
 use common::distributed_case::{check, Case};
 use common::within::within;
 use distflash_kernels::{ElemType, KernelError};

@@ -12,12 +12,11 @@ use std::time::Duration;
 use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::Tensor;
+use burn_distflash::collective::on_each_rank;
 use burn_distflash::kernels::KernelError;
 use burn_distflash::schedule::ScheduleKind;
-use burn_distflash::{
-    on_each_rank, sequence_parallel_attention, DeviceGroup, Documents, Error,
-    SequenceParallelOptions, SlidingWindow,
-};
+use burn_distflash::sequence_parallel::{sequence_parallel_attention, SequenceParallelOptions};
+use burn_distflash::{DeviceGroup, Documents, Error, SlidingWindow};
 use common::distributed_case::{
     assert_messages, check, in_process_groups, train_on_rank, with_devices, Case, CaseData,
 };

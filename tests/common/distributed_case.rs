@@ -6,10 +6,11 @@ use std::time::Duration;
 
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::Tensor;
+use burn_distflash::collective::on_each_rank;
 use burn_distflash::schedule::{Layout, Schedule, ScheduleKind};
+use burn_distflash::sequence_parallel::{sequence_parallel_attention, SequenceParallelOptions};
 use burn_distflash::{
-    on_each_rank, sequence_parallel_attention, DeviceGroup, Documents, FlashAttentionBackend,
-    FlashAttentionOptions, SequenceParallelOptions, SlidingWindow,
+    DeviceGroup, Documents, FlashAttentionBackend, FlashAttentionOptions, SlidingWindow,
 };
 use distflash_kernels::{AttentionDims, ElemType};
 

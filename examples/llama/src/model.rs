@@ -11,9 +11,9 @@ use super::loss::CrossEntropyBackend;
 use super::rng::SplitMix64;
 use super::weights::load_param;
 use burn_distflash::layers::{
-    linear, AttentionContext, RmsNorm, RmsNormConfig, TransformerBlock, TransformerBlockConfig,
+    linear, RmsNorm, RmsNormConfig, TransformerBlock, TransformerBlockConfig,
 };
-use burn_distflash::{Documents, Error as PluginError, FlashAttentionBackend};
+use burn_distflash::{AttentionContext, Documents, Error as PluginError, FlashAttentionBackend};
 
 /// A Llama language model.
 #[derive(Module, Debug)]

@@ -10,7 +10,7 @@ use burn_distflash::collective::on_each_rank;
 use burn_distflash::schedule::{Layout, Schedule, ScheduleKind};
 use burn_distflash::sequence_parallel::{sequence_parallel_attention, SequenceParallelOptions};
 use burn_distflash::{
-    DeviceGroup, Documents, FlashAttentionBackend, FlashAttentionOptions, SlidingWindow,
+    DeviceGroup, Documents, Error, FlashAttentionBackend, FlashAttentionOptions, SlidingWindow,
 };
 use distflash_kernels::{AttentionDims, ElemType};
 
@@ -434,4 +434,15 @@ pub fn assert_messages(case: &Case, results: &[RankResult]) {
             "{case:?}: rank {rank} backward messages per exchange"
         );
     }
+}
+
+/// The text (`mine / theirs`) of the `RanksDisagree` error every rank gets; panics on any other
+/// result.
+pub fn disagreements(results: Vec<Result<(), Error>>) -> Vec<String> {
+    (results.into_iter())
+        .map(|result| match result {
+            Err(Error::RanksDisagree { mine, theirs, .. }) => format!("{mine} / {theirs}"),
+            other => panic!("expected the ranks to disagree, got {other:?}"),
+        })
+        .collect()
 }

@@ -8,6 +8,8 @@ pub mod burn_case;
 pub mod distributed_case;
 pub mod matrix;
 pub mod modules;
+#[cfg(feature = "nccl")]
+pub mod nccl_case;
 pub mod repeated_case;
 pub mod schedules;
 pub mod within;

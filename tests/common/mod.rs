@@ -6,6 +6,7 @@
 pub mod block_case;
 pub mod burn_case;
 pub mod distributed_case;
+pub mod host_values;
 pub mod matrix;
 pub mod modules;
 #[cfg(feature = "nccl")]

@@ -189,12 +189,11 @@ fn validate<B: FlashAttentionBackend>(
 
 /// This rank's shard of exact attention over the whole sequence split across `group`.
 ///
-/// Each of the `P` ranks holds `shard_len` positions of a sequence of `P * shard_len` tokens, which
-/// ones given by the schedule's [`Layout`] ([`SequenceParallelOptions::layout`]: rank `r` holds `r
-/// * shard_len .. (r + 1) * shard_len` under the contiguous layout;
-/// [`crate::sequence_parallel::shard_sequence`] cuts a whole sequence for any layout). Every rank
-/// must call this with shards of one shape (checked; zigzag needs an even `shard_len`). Returns O
-/// for the rank's positions.
+/// Each of the `P` ranks holds `shard_len` positions of a sequence of `P * shard_len` tokens,
+/// which ones given by the schedule's [`Layout`] ([`SequenceParallelOptions::layout`]: rank `r`
+/// holds `r * shard_len .. (r + 1) * shard_len` under the contiguous layout; [`shard_sequence`]
+/// cuts a whole sequence for any layout). Every rank must call this with shards of one shape
+/// (checked; zigzag needs an even `shard_len`). Returns O for the rank's positions.
 ///
 /// The mask is `options.attention`'s over the whole sequence: causal order, a sliding window and
 /// documents at absolute positions (`0..P * shard_len`). Every rank passes the same options,

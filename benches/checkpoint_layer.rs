@@ -18,10 +18,10 @@ use std::time::Instant;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Distribution, Tensor};
 use burn_autodiff::Autodiff;
-use burn_distflash::layers::AttentionContext;
+use burn_distflash::collective::on_each_rank;
+use burn_distflash::layers::{CheckpointPlacement, TransformerBlockConfig};
 use burn_distflash::{
-    on_each_rank, CheckpointPlacement, DeviceGroup, DistFlashAttentionConfig,
-    FlashAttentionBackend, TransformerBlockConfig,
+    AttentionContext, DeviceGroup, DistFlashAttentionConfig, FlashAttentionBackend,
 };
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::Runtime;

@@ -20,12 +20,12 @@ use std::time::Instant;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Distribution, FloatDType, Shape};
+use burn_distflash::collective::on_each_rank;
 use burn_distflash::collective::{Exchange, Incoming, Outgoing, Received, Transport};
 use burn_distflash::schedule::{Schedule, ScheduleKind};
-use burn_distflash::Error;
+use burn_distflash::sequence_parallel::SequenceParallelOptions;
 use burn_distflash::{
-    on_each_rank, DeviceGroup, FlashAttentionBackend, FlashAttentionOptions,
-    SequenceParallelOptions, SlidingWindow,
+    DeviceGroup, Error, FlashAttentionBackend, FlashAttentionOptions, SlidingWindow,
 };
 use cubecl::cuda::CudaDevice;
 

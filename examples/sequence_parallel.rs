@@ -13,10 +13,11 @@
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Distribution, ElementConversion, Tensor, TensorData};
-use burn_distflash::{
-    flash_attention, on_each_rank, sequence_parallel_attention, shard_sequence, DeviceGroup,
-    FlashAttentionBackend, FlashAttentionOptions, SequenceParallelOptions,
+use burn_distflash::collective::on_each_rank;
+use burn_distflash::sequence_parallel::{
+    sequence_parallel_attention, shard_sequence, SequenceParallelOptions,
 };
+use burn_distflash::{flash_attention, DeviceGroup, FlashAttentionBackend, FlashAttentionOptions};
 
 type Cuda = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
 

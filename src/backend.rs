@@ -13,12 +13,12 @@ use distflash_kernels::AttentionDims;
 
 use crate::checkpoint::CheckpointPlacement;
 use crate::collective::DeviceGroup;
-use crate::distributed::options::SequenceParallelOptions;
+use crate::context::AttentionContext;
 use crate::layer_ops;
-use crate::layers::AttentionContext;
 use crate::matmul::{product, Transposed};
+use crate::options::SequenceParallelOptions;
 use crate::options::{Documents, FlashAttentionOptions};
-use crate::state::{self, AttentionState, StepMask};
+use crate::step::{self, AttentionState, StepMask};
 
 /// Gradients of q, k and v.
 pub(crate) type Grads<B> = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
@@ -129,7 +129,7 @@ pub trait FlashAttentionBackend: Backend {
         input: DType,
         device: &Self::Device,
     ) -> AttentionState<Self> {
-        state::empty::<Self>(shape, input, device)
+        step::empty::<Self>(shape, input, device)
     }
 
     /// Folds one key/value chunk into the running state of the query rows `q`.
@@ -176,7 +176,7 @@ pub trait FlashAttentionBackend: Backend {
     ///
     /// - a, b and result: o `[batch, heads, seq, head_dim]`; m, l `[batch, heads, seq]`
     fn attention_merge(a: AttentionState<Self>, b: AttentionState<Self>) -> AttentionState<Self> {
-        state::merge::<Self>(a, b)
+        step::merge::<Self>(a, b)
     }
 
     /// `(O, lse)` of a finished state, O in float type `output`.
@@ -190,7 +190,7 @@ pub trait FlashAttentionBackend: Backend {
         state: AttentionState<Self>,
         output: DType,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        state::finalize::<Self>(state, output)
+        step::finalize::<Self>(state, output)
     }
 
     /// `delta = rowsum(dO * O)`, the backward's preprocessing.
@@ -200,7 +200,7 @@ pub trait FlashAttentionBackend: Backend {
     /// - out, grad_out: `[batch, heads, seq, head_dim]`
     /// - delta: `[batch, heads, seq]`
     fn attention_delta(out: FloatTensor<Self>, grad_out: FloatTensor<Self>) -> FloatTensor<Self> {
-        state::delta::<Self>(out, grad_out)
+        step::delta::<Self>(out, grad_out)
     }
 
     /// One (query chunk, key chunk) pair's `(dq, dk, dv)` from the full rows' lse and delta
@@ -367,14 +367,13 @@ pub trait FlashAttentionBackend: Backend {
         layer_ops::tensor_ops::rotary::<Self>(x, cos, sin, transpose)
     }
 
-    /// `segment` applied to `x`, with its activations checkpointed at `placement`: on
-    /// `Autodiff` one node of the graph that keeps only `x` (and, at
-    /// [`CheckpointPlacement::AttentionOutput`], attention's output and lse) and recomputes the
-    /// rest in the backward, with the same `documents` (the call's packed-document boundaries,
-    /// if any); on backends without autodiff there is nothing to store and the segment simply
-    /// runs. `x` is not checked first
-    /// ([`TransformerBlock::try_forward`](crate::TransformerBlock::try_forward) checks it, then
-    /// calls this). On `Autodiff`, a failure while the backward pass recomputes the segment (a
+    /// `segment` applied to `x`, with its activations checkpointed at `placement`: on `Autodiff`
+    /// one node of the graph that keeps only `x` (and, at [`CheckpointPlacement::AttentionOutput`],
+    /// attention's output and lse) and recomputes the rest in the backward, with the same
+    /// `documents` (the call's packed-document boundaries, if any); on backends without autodiff
+    /// there is nothing to store and the segment simply runs. `x` is not checked first
+    /// ([`TransformerBlock::try_forward`](crate::layers::TransformerBlock::try_forward) checks it,
+    /// then calls this). On `Autodiff`, a failure while the backward pass recomputes the segment (a
     /// failed peer) panics there, since a backward pass cannot return an error.
     ///
     /// # Shapes
@@ -408,9 +407,9 @@ pub trait FlashAttentionBackend: Backend {
 /// A part of a model that [`FlashAttentionBackend::checkpointed`] can run as one gradient
 /// checkpoint: on `Autodiff`, one node over the segment's input and its `PARENTS - 1` float
 /// parameters (in the order [`Module::visit`] visits them). The plugin's
-/// [`TransformerBlock`](crate::TransformerBlock) is one; the node is built from the segment's
-/// parameter list, so a segment's layers can change without touching the node. Each method
-/// gets the call's `documents` (packed-document boundaries, or `None`), the same in the
+/// [`TransformerBlock`](crate::layers::TransformerBlock) is one; the node is built from the
+/// segment's parameter list, so a segment's layers can change without touching the node. Each
+/// method gets the call's `documents` (packed-document boundaries, or `None`), the same in the
 /// forward and in the backward that recomputes it.
 pub trait CheckpointSegment<B: FlashAttentionBackend, const PARENTS: usize>:
     Module<B> + 'static

@@ -1,11 +1,26 @@
 //! burn-distflash: exact, memory-efficient attention for Burn, with the softmax statistics that
 //! sequence parallelism needs.
 //!
+//! The root holds what most users need:
+//!
 //! - [`flash_attention`] / [`flash_attention_with_lse`]: the op Burn users call, on any backend
 //!   implementing [`FlashAttentionBackend`]: the CubeCL backends (CUDA, wgpu) run this project's
-//!   kernels, ndarray runs an implementation from Burn tensor operations (`tensor_ops`), and `Autodiff<B>` of either adds a
-//!   fused backward.
+//!   kernels, ndarray runs an implementation from Burn tensor operations, and `Autodiff<B>` of
+//!   either adds a fused backward. [`FlashAttentionOptions`] (with [`Mask`], [`SlidingWindow`]
+//!   and [`Documents`]) says what the call computes; every failure is an [`Error`].
+//! - [`DistFlashAttention`] / [`DistFlashAttentionConfig`]: a drop-in multi-head attention
+//!   module, run locally or sequence-parallel over a [`DeviceGroup`] as its
+//!   [`AttentionContext`] says.
 //! - [`kernels`]: the CubeCL kernels themselves (`distflash-kernels`), step by step.
+//!
+//! The rest is in modules named for what they are for:
+//!
+//! - [`sequence_parallel`]: attention over one sequence split across the ranks of a group, and
+//!   cutting and joining the shards;
+//! - [`layers`]: the transformer block, its parts and gradient checkpointing;
+//! - [`collective`]: device groups and the transports that move tensors between ranks;
+//! - [`schedule`]: which rank computes which part of sequence-parallel attention, step by step;
+//! - [`step`]: the running softmax state of the extension trait's step-by-step methods.
 
 #![warn(missing_docs)]
 mod api;
@@ -13,32 +28,25 @@ mod backend;
 mod backends;
 mod checkpoint;
 pub mod collective;
+mod context;
 #[doc(hidden)]
 pub mod cube_support;
-mod distributed;
 mod error;
+mod inputs;
 mod layer_ops;
 pub mod layers;
 mod matmul;
 mod options;
 pub mod schedule;
-mod state;
+pub mod sequence_parallel;
+pub mod step;
 mod tensor_ops;
 
 pub use api::{flash_attention, flash_attention_with_lse};
-pub use backend::{CheckpointSegment, FlashAttentionBackend};
-pub use checkpoint::CheckpointPlacement;
-pub use collective::{on_each_rank, DeviceGroup};
+pub use backend::FlashAttentionBackend;
+pub use collective::DeviceGroup;
+pub use context::AttentionContext;
 pub use distflash_kernels as kernels;
-pub use distributed::{
-    gather_sequence, sequence_parallel_attention, sequence_parallel_attention_with_lse,
-    shard_sequence, SequenceParallelOptions,
-};
 pub use error::Error;
-pub use layers::{
-    replicate, AttentionContext, DistFlashAttention, DistFlashAttentionConfig, TransformerBlock,
-    TransformerBlockConfig,
-};
+pub use layers::{DistFlashAttention, DistFlashAttentionConfig};
 pub use options::{Documents, FlashAttentionOptions, Mask, SlidingWindow};
-pub use schedule::{Layout, ScheduleKind};
-pub use state::{AttentionState, StepMask};

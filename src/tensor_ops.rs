@@ -7,7 +7,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Bool, Int, Tensor, TensorData, TensorMetadata, TensorPrimitive};
 
 use crate::options::{FlashAttentionOptions, Mask};
-use crate::state::{self, AttentionState, StepMask};
+use crate::step::{self, AttentionState, StepMask};
 
 /// Large negative finite value standing in for `-inf` where `-inf - -inf` would give NaN.
 const FLOOR: f64 = -1e30;
@@ -144,7 +144,7 @@ pub fn forward_step<B: Backend>(
     step: StepMask,
 ) -> AttentionState<B> {
     let (m, l, o) = partial::<B>(q, k, v, &step.mask, step.scale);
-    state::merge(state, AttentionState { o, m, l })
+    step::merge(state, AttentionState { o, m, l })
 }
 
 /// `(O, lse)`; a row that sees no key gets `O = 0`, `lse = -inf`.
@@ -156,7 +156,7 @@ pub fn forward<B: Backend>(
 ) -> (FloatTensor<B>, FloatTensor<B>) {
     let dtype = q.dtype();
     let (m, l, o) = partial::<B>(q, k, v, &options.mask(), options.scale);
-    state::finalize::<B>(AttentionState { o, m, l }, dtype)
+    step::finalize::<B>(AttentionState { o, m, l }, dtype)
 }
 
 /// One (query chunk, key chunk) pair's `(dq, dk, dv)` from the full rows' lse and delta.
@@ -203,7 +203,7 @@ pub fn backward<B: Backend>(
     grad_out: FloatTensor<B>,
     options: FlashAttentionOptions,
 ) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
-    let delta = state::delta::<B>(out, grad_out.clone());
+    let delta = step::delta::<B>(out, grad_out.clone());
     gradients::<B>(
         q,
         k,

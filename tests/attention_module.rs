@@ -12,11 +12,10 @@ use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::NdArray;
 use burn::tensor::activation::softmax;
 use burn::tensor::{DType, Tensor, TensorData};
-use burn_distflash::layers::{AttentionContext, Llama3RopeScaling, RopeConfig, RotaryTables};
-use burn_distflash::{
-    gather_sequence, on_each_rank, shard_sequence, DeviceGroup, DistFlashAttention,
-    DistFlashAttentionConfig, ScheduleKind,
-};
+use burn_distflash::collective::on_each_rank;
+use burn_distflash::layers::{Llama3RopeScaling, RopeConfig, RotaryTables};
+use burn_distflash::sequence_parallel::{gather_sequence, shard_sequence, ScheduleKind};
+use burn_distflash::{AttentionContext, DeviceGroup, DistFlashAttention, DistFlashAttentionConfig};
 use common::block_case::relative_error;
 use common::within::within;
 use common::Rng;

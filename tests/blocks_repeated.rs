@@ -10,11 +10,10 @@ use std::time::Duration;
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
-use burn_distflash::layers::AttentionContext;
-use burn_distflash::{
-    on_each_rank, shard_sequence, CheckpointPlacement, DeviceGroup, FlashAttentionBackend,
-    ScheduleKind, TransformerBlock,
-};
+use burn_distflash::collective::on_each_rank;
+use burn_distflash::layers::{CheckpointPlacement, TransformerBlock};
+use burn_distflash::sequence_parallel::{shard_sequence, ScheduleKind};
+use burn_distflash::{AttentionContext, DeviceGroup, FlashAttentionBackend};
 use common::block_case::{
     assert_same_step, combine, lift, random_blocks, relative_error, small_config, step, StepResult,
 };

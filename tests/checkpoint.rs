@@ -9,9 +9,11 @@ use std::time::Duration;
 use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::{Tensor, TensorData};
-use burn_distflash::layers::AttentionContext;
+use burn_distflash::collective::on_each_rank;
+use burn_distflash::layers::CheckpointPlacement;
 use burn_distflash::schedule::ScheduleKind;
-use burn_distflash::{on_each_rank, shard_sequence, CheckpointPlacement, DeviceGroup};
+use burn_distflash::sequence_parallel::shard_sequence;
+use burn_distflash::{AttentionContext, DeviceGroup};
 use common::block_case::{
     assert_same_step, combine, lift, random_blocks, relative_error, small_config, step, StepResult,
 };

@@ -5,10 +5,10 @@ mod common;
 
 use burn::tensor::{Tensor, TensorData};
 use burn_autodiff::Autodiff;
-use burn_distflash::layers::AttentionContext;
-use burn_distflash::{
-    on_each_rank, shard_sequence, CheckpointPlacement, DeviceGroup, ScheduleKind,
-};
+use burn_distflash::collective::on_each_rank;
+use burn_distflash::layers::CheckpointPlacement;
+use burn_distflash::sequence_parallel::{shard_sequence, ScheduleKind};
+use burn_distflash::{AttentionContext, DeviceGroup};
 use common::block_case::{assert_same_step, lift, random_blocks, small_config, step, StepResult};
 use common::Rng;
 use cubecl::cuda::{CudaDevice, CudaRuntime};

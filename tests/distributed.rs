@@ -10,11 +10,11 @@ use std::time::Duration;
 use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::{DType, Tensor};
+use burn_distflash::collective::on_each_rank;
 use burn_distflash::schedule::ScheduleKind;
-use burn_distflash::{
-    on_each_rank, sequence_parallel_attention, DeviceGroup, Error, SequenceParallelOptions,
-};
-use common::distributed_case::{check, Case};
+use burn_distflash::sequence_parallel::{sequence_parallel_attention, SequenceParallelOptions};
+use burn_distflash::{DeviceGroup, Error};
+use common::distributed_case::{check, disagreements, Case};
 use common::within::within;
 use distflash_kernels::{ElemType, KernelError};
 
@@ -126,20 +126,14 @@ fn shard_errors(
     len: fn(usize) -> usize,
     options: fn(usize) -> SequenceParallelOptions,
 ) -> Vec<String> {
-    let results = within(LIMIT, move || {
+    disagreements(within(LIMIT, move || {
         let groups = DeviceGroup::<NdArray<f32>>::in_process(cpu(2));
         on_each_rank(groups, move |rank, group| {
             let n = len(rank);
             sequence_parallel_attention(shard(n), shard(n), shard(n), &group, &options(rank))
                 .map(|_| ())
         })
-    });
-    (results.into_iter())
-        .map(|result| match result {
-            Err(Error::RanksDisagree { mine, theirs, .. }) => format!("{mine} / {theirs}"),
-            other => panic!("expected the ranks to disagree, got {other:?}"),
-        })
-        .collect()
+    }))
 }
 
 #[test]

@@ -102,11 +102,9 @@ fn other_device() -> cubecl::wgpu::WgpuDevice {
 #[test]
 fn tensors_on_another_device_are_refused_before_any_work() {
     use burn::tensor::Tensor;
-    use burn_distflash::layers::AttentionContext;
-    use burn_distflash::{
-        sequence_parallel_attention, DeviceGroup, DistFlashAttentionConfig, Error,
-        SequenceParallelOptions,
-    };
+    use burn_distflash::sequence_parallel::{sequence_parallel_attention, SequenceParallelOptions};
+    use burn_distflash::AttentionContext;
+    use burn_distflash::{DeviceGroup, DistFlashAttentionConfig, Error};
     let here = cubecl::wgpu::WgpuDevice::Cpu;
     let group = DeviceGroup::<WgpuF32>::in_process(vec![here.clone()]).remove(0);
     let shard = |device| Tensor::<WgpuF32, 4>::ones([1, 2, 8, 16], device);

@@ -12,14 +12,14 @@ use std::time::Duration;
 use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::Tensor;
+use burn_distflash::collective::on_each_rank;
 use burn_distflash::kernels::KernelError;
 use burn_distflash::schedule::ScheduleKind;
-use burn_distflash::{
-    on_each_rank, sequence_parallel_attention, DeviceGroup, Documents, Error,
-    SequenceParallelOptions, SlidingWindow,
-};
+use burn_distflash::sequence_parallel::{sequence_parallel_attention, SequenceParallelOptions};
+use burn_distflash::{DeviceGroup, Documents, Error, SlidingWindow};
 use common::distributed_case::{
-    assert_messages, check, in_process_groups, train_on_rank, with_devices, Case, CaseData,
+    assert_messages, check, disagreements, in_process_groups, train_on_rank, with_devices, Case,
+    CaseData,
 };
 use common::within::within;
 use distflash_kernels::ElemType;
@@ -227,16 +227,6 @@ fn documents_that_do_not_cover_the_sequence_are_refused_on_every_rank() {
             }
         }
     }
-}
-
-/// The text of the `RanksDisagree` error every rank gets.
-fn disagreements(results: Vec<Result<(), Error>>) -> Vec<String> {
-    (results.into_iter())
-        .map(|result| match result {
-            Err(Error::RanksDisagree { mine, theirs, .. }) => format!("{mine} / {theirs}"),
-            other => panic!("expected the ranks to disagree, got {other:?}"),
-        })
-        .collect()
 }
 
 #[test]

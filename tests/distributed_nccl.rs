@@ -11,25 +11,21 @@ use burn::backend::Autodiff;
 use burn_distflash::collective::nccl;
 use burn_distflash::schedule::ScheduleKind;
 use burn_distflash::{DeviceGroup, SlidingWindow};
-use common::distributed_case::{check_groups, Case};
+use common::distributed_case::Case;
+use common::nccl_case::{check_nccl_worlds, Cuda};
 use common::repeated_case::{check_repeated, MIXED};
 use common::within::within;
 use cubecl::cuda::CudaDevice;
 use distflash_kernels::ElemType;
 
-type CudaF32 = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+type CudaF32 = Cuda<f32>;
 
 #[test]
 #[ignore = "needs 2 or more CUDA GPUs and NCCL"]
 fn nccl_groups_match_single_device_attention() {
-    let available = nccl::device_count().expect("CUDA driver");
-    within(Duration::from_secs(900), move || {
-        for world in [2, 4] {
-            if available < world {
-                eprintln!("skipping world size {world}: {available} GPUs");
-                continue;
-            }
-            for case in [
+    within(Duration::from_secs(900), || {
+        check_nccl_worlds::<f32>(&[2, 4], ElemType::F32, |world| {
+            vec![
                 Case::new(world, 100, ScheduleKind::Balanced),
                 Case::new(world, 64, ScheduleKind::Ring),
                 Case {
@@ -44,13 +40,8 @@ fn nccl_groups_match_single_device_attention() {
                     documents: Some(&[&[1, 40, 23]]),
                     ..Case::new(world, 64, ScheduleKind::Auto)
                 },
-            ] {
-                let devices: Vec<CudaDevice> = (0..world).map(CudaDevice::new).collect();
-                let groups = DeviceGroup::<CudaF32>::nccl(&devices).expect("NCCL group");
-                check_groups::<Autodiff<CudaF32>>(devices, groups, case, ElemType::F32);
-                eprintln!("ok: {case:?}");
-            }
-        }
+            ]
+        });
     });
 }
 

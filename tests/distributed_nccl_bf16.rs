@@ -6,28 +6,19 @@ mod common;
 
 use std::time::Duration;
 
-use burn::backend::Autodiff;
-use burn_distflash::collective::nccl;
 use burn_distflash::schedule::ScheduleKind;
-use burn_distflash::{DeviceGroup, SlidingWindow};
-use common::distributed_case::{check_groups, Case};
+use burn_distflash::SlidingWindow;
+use common::distributed_case::Case;
+use common::nccl_case::check_nccl_worlds;
 use common::within::within;
-use cubecl::cuda::CudaDevice;
 use distflash_kernels::ElemType;
-
-type CudaBf16 = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, half::bf16, i32, u8>;
 
 #[test]
 #[ignore = "needs 2 or more CUDA GPUs and NCCL"]
 fn nccl_groups_in_bf16_match_f64_attention() {
-    let available = nccl::device_count().expect("CUDA driver");
-    within(Duration::from_secs(900), move || {
-        for world in [2, 4] {
-            if available < world {
-                eprintln!("skipping world size {world}: {available} GPUs");
-                continue;
-            }
-            for case in [
+    within(Duration::from_secs(900), || {
+        check_nccl_worlds::<half::bf16>(&[2, 4], ElemType::BF16, |world| {
+            vec![
                 Case {
                     head_dim: 128,
                     q_heads: 8,
@@ -60,12 +51,7 @@ fn nccl_groups_in_bf16_match_f64_attention() {
                     documents: Some(&[&[300, 11]]),
                     ..Case::new(world, 130, ScheduleKind::Ring)
                 },
-            ] {
-                let devices: Vec<CudaDevice> = (0..world).map(CudaDevice::new).collect();
-                let groups = DeviceGroup::<CudaBf16>::nccl(&devices).expect("NCCL group");
-                check_groups::<Autodiff<CudaBf16>>(devices, groups, case, ElemType::BF16);
-                eprintln!("ok: {case:?}");
-            }
-        }
+            ]
+        });
     });
 }

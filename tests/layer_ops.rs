@@ -4,9 +4,12 @@
 //! the tensor-operation versions on ndarray. Odd row counts, widths that take every vector width,
 //! norm rows spanning several weight-gradient chunks, and rotary inputs given as strided views.
 
+mod common;
+
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{DType, Tensor, TensorPrimitive};
 use burn_distflash::FlashAttentionBackend;
+use common::host_values::{host, upload};
 
 type WgpuF32 = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>;
 type CudaF32 = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
@@ -25,28 +28,6 @@ fn values(len: usize, seed: u64, scale: f64) -> Vec<f64> {
             scale * (2.0 * ((state >> 11) as f64 / (1u64 << 53) as f64) - 1.0)
         })
         .collect()
-}
-
-/// A tensor of `dtype` holding `data`; returns it and the values it holds (after rounding).
-fn upload<B: Backend, const D: usize>(
-    data: Vec<f64>,
-    shape: [usize; D],
-    dtype: DType,
-    device: &B::Device,
-) -> (Tensor<B, D>, Vec<f64>) {
-    let t = Tensor::<B, D>::from_data(TensorData::new(data, shape), device)
-        .cast(DType::F32)
-        .cast(dtype);
-    let held = host(t.clone());
-    (t, held)
-}
-
-fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f64> {
-    t.cast(DType::F32)
-        .into_data()
-        .convert::<f64>()
-        .to_vec::<f64>()
-        .expect("f64 data")
 }
 
 fn prim<B: Backend, const D: usize>(t: Tensor<B, D>) -> burn::tensor::ops::FloatTensor<B> {

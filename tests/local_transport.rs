@@ -13,8 +13,9 @@ use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::NdArray;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
+use burn_distflash::collective::on_each_rank;
 use burn_distflash::collective::{Incoming, MessageKind, Outgoing, TensorLayout};
-use burn_distflash::{on_each_rank, DeviceGroup, Error};
+use burn_distflash::{DeviceGroup, Error};
 use common::within::within;
 
 type Cpu = NdArray<f32>;

@@ -20,11 +20,12 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 use burn_distflash::kernels::{ElemType, KernelError};
-use burn_distflash::layers::AttentionContext;
+use burn_distflash::layers::CheckpointPlacement;
+use burn_distflash::step::StepMask;
 use burn_distflash::{
-    flash_attention, flash_attention_with_lse, CheckpointPlacement, DistFlashAttention,
+    flash_attention, flash_attention_with_lse, AttentionContext, DistFlashAttention,
     DistFlashAttentionConfig, Documents, Error, FlashAttentionBackend, FlashAttentionOptions,
-    SlidingWindow, StepMask,
+    SlidingWindow,
 };
 use common::block_case::{
     assert_same_step, lift, random_blocks, relative_error, small_config, step, step_with_documents,

@@ -13,7 +13,7 @@ use burn::tensor::{DType, TensorData};
 use burn_cubecl::CubeBackend;
 use burn_distflash::collective::nccl::{self, NcclTransport};
 use burn_distflash::collective::{
-    DeviceGroup, Incoming, MessageKind, Outgoing, TensorLayout, Transport,
+    on_each_rank, DeviceGroup, Incoming, MessageKind, Outgoing, TensorLayout, Transport,
 };
 use burn_distflash::Error;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
@@ -113,24 +113,14 @@ fn devices(n: usize) -> Vec<CudaDevice> {
     (0..n).map(CudaDevice::new).collect()
 }
 
-/// Runs `body(group)` for every rank on its own thread and returns the results by rank.
-fn on_each_rank<T: Send>(
-    groups: Vec<DeviceGroup<B>>,
-    body: impl Fn(DeviceGroup<B>) -> T + Sync,
-) -> Vec<T> {
-    std::thread::scope(|s| {
-        let handles: Vec<_> = groups
-            .into_iter()
-            .map(|group| {
-                let body = &body;
-                s.spawn(move || body(group))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("rank thread panicked"))
-            .collect()
-    })
+/// Runs `body(group)` for both ranks of an NCCL group over two GPUs with `timeout`, each rank
+/// on its own thread; returns at once where the machine has no two GPUs and NCCL.
+fn on_two_gpus(timeout: Duration, body: impl Fn(DeviceGroup<B>) + Sync) {
+    if !have_gpus(2) {
+        return;
+    }
+    let groups = DeviceGroup::<B>::nccl_with_timeout(&devices(2), timeout).expect("NCCL group");
+    on_each_rank(groups, |_, group| body(group));
 }
 
 /// Small integers: exact in bf16 and f32. Different per rank, message and tensor.
@@ -257,12 +247,7 @@ fn check_received(
 #[test]
 #[ignore = "needs 2 CUDA GPUs and NCCL: run with --ignored on the GPU machine"]
 fn f32_and_bf16_messages_cross_both_ways() {
-    if !have_gpus(2) {
-        return;
-    }
-    let groups = DeviceGroup::<B>::nccl_with_timeout(&devices(2), Duration::from_secs(60))
-        .expect("NCCL group");
-    on_each_rank(groups, |group| {
+    on_two_gpus(Duration::from_secs(60), |group| {
         let (rank, peer) = (group.rank(), 1 - group.rank());
         let device = group.device().clone();
         let incoming = receives(rank, peer);
@@ -295,12 +280,7 @@ fn f32_and_bf16_messages_cross_both_ways() {
 #[test]
 #[ignore = "needs 2 CUDA GPUs and NCCL: run with --ignored on the GPU machine"]
 fn exchanges_posted_before_waiting_complete_in_order() {
-    if !have_gpus(2) {
-        return;
-    }
-    let groups = DeviceGroup::<B>::nccl_with_timeout(&devices(2), Duration::from_secs(60))
-        .expect("NCCL group");
-    on_each_rank(groups, |group| {
+    on_two_gpus(Duration::from_secs(60), |group| {
         let (rank, peer) = (group.rank(), 1 - group.rank());
         let device = group.device().clone();
         let step = |salt: usize| {
@@ -340,12 +320,7 @@ fn exchanges_posted_before_waiting_complete_in_order() {
 #[test]
 #[ignore = "needs 2 CUDA GPUs and NCCL: run with --ignored on the GPU machine"]
 fn all_gather_values_returns_every_rank() {
-    if !have_gpus(2) {
-        return;
-    }
-    let groups = DeviceGroup::<B>::nccl_with_timeout(&devices(2), Duration::from_secs(60))
-        .expect("NCCL group");
-    on_each_rank(groups, |group| {
+    on_two_gpus(Duration::from_secs(60), |group| {
         let rank = group.rank() as u64;
         let gathered = group
             .all_gather_values(&[rank, 10 + rank, u64::MAX - rank])
@@ -370,12 +345,8 @@ fn all_gather_values_returns_every_rank() {
 #[test]
 #[ignore = "needs 2 CUDA GPUs and NCCL: run with --ignored on the GPU machine"]
 fn a_silent_peer_gives_a_timeout() {
-    if !have_gpus(2) {
-        return;
-    }
     let timeout = Duration::from_secs(3);
-    let groups = DeviceGroup::<B>::nccl_with_timeout(&devices(2), timeout).expect("NCCL group");
-    on_each_rank(groups, |group| {
+    on_two_gpus(timeout, |group| {
         let (rank, peer) = (group.rank(), 1 - group.rank());
         // Each rank expects a message the other never sends.
         let kind = if rank == 0 {
@@ -445,7 +416,7 @@ fn rendezvous_groups_exchange_tensors() {
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    on_each_rank(groups, |group| {
+    on_each_rank(groups, |_, group| {
         let (rank, peer) = (group.rank(), 1 - group.rank());
         let device = group.device().clone();
         let incoming = receives(rank, peer);

@@ -8,8 +8,8 @@ use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::{Autodiff, NdArray};
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{Distribution, Tensor};
-use burn_distflash::layers::AttentionContext;
-use burn_distflash::{replicate, DistFlashAttentionConfig, TransformerBlockConfig};
+use burn_distflash::layers::{replicate, TransformerBlockConfig};
+use burn_distflash::{AttentionContext, DistFlashAttentionConfig};
 use common::modules::{float_params, require_grad_flags};
 
 type Cpu = Autodiff<NdArray<f32>>;

@@ -18,9 +18,9 @@ use super::{checkpoint_node, layer_nodes, linear_node};
 use crate::backend::{CheckpointSegment, FlashAttentionBackend, Grads};
 use crate::checkpoint::CheckpointPlacement;
 use crate::collective::DeviceGroup;
-use crate::distributed::SequenceParallelOptions;
-use crate::layers::AttentionContext;
+use crate::context::AttentionContext;
 use crate::options::{Documents, FlashAttentionOptions};
+use crate::sequence_parallel::SequenceParallelOptions;
 
 /// The float tensor of `Autodiff<B, C>` (burn-autodiff's `AutodiffTensor`, whose module is private).
 type AutodiffTensor<B, C> = FloatTensor<Autodiff<B, C>>;

@@ -18,7 +18,7 @@ use burn_autodiff::Autodiff;
 
 use crate::backend::{CheckpointSegment, FlashAttentionBackend};
 use crate::checkpoint::CheckpointPlacement;
-use crate::layers::AttentionContext;
+use crate::context::AttentionContext;
 use crate::options::Documents;
 use crate::Error;
 

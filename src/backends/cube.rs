@@ -12,7 +12,7 @@ use distflash_kernels::{
 use crate::backend::FlashAttentionBackend;
 use crate::layer_ops;
 use crate::options::FlashAttentionOptions;
-use crate::state::{AttentionState, StepMask};
+use crate::step::{AttentionState, StepMask};
 
 /// The kernel element type of a Burn float dtype.
 pub fn elem_type(dtype: DType) -> Option<ElemType> {

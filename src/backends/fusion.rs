@@ -18,9 +18,9 @@ use distflash_kernels::AttentionDims;
 use super::fusion_group;
 use crate::backend::{FlashAttentionBackend, Grads};
 use crate::collective::DeviceGroup;
-use crate::distributed::SequenceParallelOptions;
 use crate::options::FlashAttentionOptions;
-use crate::state::{AttentionState, StepMask};
+use crate::sequence_parallel::SequenceParallelOptions;
+use crate::step::{AttentionState, StepMask};
 
 /// Forward: inputs q, k, v; outputs O, lse.
 #[derive(Debug)]

@@ -11,7 +11,7 @@ use burn_ir::{InitOperationIr, OperationIr};
 
 use crate::backend::{FlashAttentionBackend, Grads};
 use crate::collective::DeviceGroup;
-use crate::distributed::SequenceParallelOptions;
+use crate::sequence_parallel::SequenceParallelOptions;
 
 /// A fused tensor's value as a tensor of the backend under fusion (runs what is queued).
 fn unfused<B: FusionBackend>(tensor: FusionTensor<B::FusionRuntime>) -> FloatTensor<B> {

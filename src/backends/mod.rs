@@ -16,7 +16,7 @@ macro_rules! computes_itself {
             k: burn::tensor::ops::FloatTensor<Self>,
             v: burn::tensor::ops::FloatTensor<Self>,
             group: &crate::collective::DeviceGroup<Self>,
-            options: &crate::distributed::SequenceParallelOptions,
+            options: &crate::sequence_parallel::SequenceParallelOptions,
         ) -> Result<
             (
                 burn::tensor::ops::FloatTensor<Self>,
@@ -24,7 +24,7 @@ macro_rules! computes_itself {
             ),
             crate::Error,
         > {
-            crate::distributed::forward_pass::<Self>(q, k, v, group, options)
+            crate::sequence_parallel::forward_pass::<Self>(q, k, v, group, options)
         }
 
         fn sequence_parallel_backward(
@@ -35,9 +35,11 @@ macro_rules! computes_itself {
             lse: burn::tensor::ops::FloatTensor<Self>,
             grad_out: burn::tensor::ops::FloatTensor<Self>,
             group: &crate::collective::DeviceGroup<Self>,
-            options: &crate::distributed::SequenceParallelOptions,
+            options: &crate::sequence_parallel::SequenceParallelOptions,
         ) -> Result<crate::backend::Grads<Self>, crate::Error> {
-            crate::distributed::backward_pass::<Self>(q, k, v, out, lse, grad_out, group, options)
+            crate::sequence_parallel::backward_pass::<Self>(
+                q, k, v, out, lse, grad_out, group, options,
+            )
         }
     };
 }

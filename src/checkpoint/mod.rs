@@ -1,7 +1,7 @@
-//! Gradient checkpointing of [`TransformerBlock`](crate::TransformerBlock)s (paper §3.3), built
-//! for Burn 0.21, which has no `checkpoint(closure)` of its own: where the checkpoints go
+//! Gradient checkpointing of [`TransformerBlock`](crate::layers::TransformerBlock)s (paper §3.3),
+//! built for Burn 0.21, which has no `checkpoint(closure)` of its own: where the checkpoints go
 //! ([`CheckpointPlacement`]); the backends run a
-//! [`CheckpointSegment`](crate::CheckpointSegment) through
+//! [`CheckpointSegment`](crate::layers::CheckpointSegment) through
 //! [`FlashAttentionBackend::checkpointed`](crate::FlashAttentionBackend::checkpointed), and
 //! `Autodiff`'s node lives with the other nodes in `backends/checkpoint_node.rs`.
 //!

@@ -9,15 +9,15 @@ use burn::nn::{Initializer, Linear, LinearConfig};
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
-use super::context::AttentionContext;
 use super::counter::ForwardCounter;
 use super::linear_layer::linear;
 use super::rope::{RopeConfig, RotaryTables};
 use crate::backend::FlashAttentionBackend;
-use crate::distributed::{announce_refusal, sequence_parallel_attention_with_lse};
+use crate::context::AttentionContext;
 use crate::flash_attention_with_lse;
 use crate::kernels::SUPPORTED_HEAD_DIMS;
 use crate::options::{Documents, FlashAttentionOptions, SlidingWindow};
+use crate::sequence_parallel::{announce_refusal, sequence_parallel_attention_with_lse};
 
 /// Configuration of [`DistFlashAttention`].
 #[derive(Config, Debug)]
@@ -277,7 +277,7 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
     /// - [`Error::Kernel`] or [`Error::DType`] when attention refuses the projected heads (see
     ///   [`crate::flash_attention`]: a float type it does not run, or a call beyond the
     ///   device's limits).
-    /// - Sharded, the other errors of [`crate::sequence_parallel_attention`]:
+    /// - Sharded, the other errors of [`crate::sequence_parallel::sequence_parallel_attention`]:
     ///   [`Error::RanksDisagree`] or [`Error::PeerRefused`] when the ranks disagree or another
     ///   rank refused its input, and the collective layer's errors
     ///   ([`Error::is_collective`]) when moving tensors between the ranks fails.

@@ -4,9 +4,9 @@
 use burn::tensor::{Tensor, TensorPrimitive};
 
 use super::attention::{merge_heads, split_heads, DistFlashAttention, Projected};
-use super::context::AttentionContext;
 use super::linear_grad::linear_backward;
 use crate::backend::FlashAttentionBackend;
+use crate::context::AttentionContext;
 use crate::options::Documents;
 
 /// Gradients of the four projection weights of a [`DistFlashAttention`].

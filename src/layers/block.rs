@@ -10,12 +10,12 @@ use burn::tensor::{Tensor, TensorPrimitive};
 
 use super::attention::{merge_heads, DistFlashAttention, DistFlashAttentionConfig};
 use super::attention_backward::{AttentionActivations, AttentionGrads};
-use super::context::AttentionContext;
 use super::feed_forward::{FeedForward, FeedForwardConfig, FeedForwardGrads};
 use super::linear_layer::linear;
 use super::rms_norm::{RmsNorm, RmsNormConfig};
 use crate::backend::{CheckpointSegment, FlashAttentionBackend};
 use crate::checkpoint::CheckpointPlacement;
+use crate::context::AttentionContext;
 use crate::options::Documents;
 
 /// Configuration of [`TransformerBlock`].
@@ -213,7 +213,7 @@ impl<B: FlashAttentionBackend> TransformerBlock<B> {
     ///
     /// The errors of the block's attention on the projected heads:
     /// [`Error::Kernel`] or [`Error::DType`] locally; sharded, those of
-    /// [`crate::sequence_parallel_attention`].
+    /// [`crate::sequence_parallel::sequence_parallel_attention`].
     ///
     /// # Panics
     ///

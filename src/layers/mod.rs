@@ -1,12 +1,12 @@
 //! Burn modules built on this project's attention: [`DistFlashAttention`] (drop-in multi-head
 //! attention, local or sequence-parallel) and [`TransformerBlock`] (a Llama decoder layer with a
-//! choice of gradient-checkpoint placement), the pieces they are made of, and [`replicate`] for
-//! giving every rank its own trainable copy of a model.
+//! choice of gradient-checkpoint placement, [`CheckpointPlacement`]), the pieces they are made
+//! of, [`CheckpointSegment`] for running a model part of your own as one gradient checkpoint,
+//! and [`replicate`] for giving every rank its own trainable copy of a model.
 
 mod attention;
 mod attention_backward;
 mod block;
-mod context;
 mod counter;
 mod feed_forward;
 mod linear_grad;
@@ -15,9 +15,10 @@ mod replicate;
 mod rms_norm;
 mod rope;
 
+pub use crate::backend::CheckpointSegment;
+pub use crate::checkpoint::CheckpointPlacement;
 pub use attention::{DistFlashAttention, DistFlashAttentionConfig};
 pub use block::{TransformerBlock, TransformerBlockConfig};
-pub use context::AttentionContext;
 pub use counter::ForwardCounter;
 pub use feed_forward::{FeedForward, FeedForwardConfig};
 pub use linear_layer::linear;

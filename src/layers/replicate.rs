@@ -18,7 +18,8 @@ use burn::tensor::Tensor;
 ///
 /// ```
 /// # use burn::backend::{Autodiff, NdArray};
-/// use burn_distflash::{replicate, DistFlashAttentionConfig};
+/// use burn_distflash::layers::replicate;
+/// use burn_distflash::DistFlashAttentionConfig;
 ///
 /// type B = Autodiff<NdArray<f32>>;
 /// let device = Default::default();

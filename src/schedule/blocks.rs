@@ -29,7 +29,7 @@ use core::ops::Range;
 use super::layout::Layout;
 use super::visibility::visible_scores;
 use super::Pair;
-use crate::options::Mask;
+use distflash_kernels::Mask;
 
 /// One step call: local query chunks `query` against local key/value chunks `kv` of a pair's
 /// shards.

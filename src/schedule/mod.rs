@@ -28,10 +28,10 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::options::Mask;
 use crate::Error;
 pub use blocks::Block;
 use blocks::Visibility;
+use distflash_kernels::Mask;
 pub use layout::Layout;
 pub use plan::RankStep;
 

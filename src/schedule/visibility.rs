@@ -18,9 +18,9 @@
 
 use core::ops::Range;
 
-use crate::options::Mask;
 use crate::Error;
 use distflash_kernels::KernelError;
+use distflash_kernels::Mask;
 
 /// A distance beyond any two positions' (positions fit 64 bits): the reach of a mask without a
 /// window.
@@ -134,7 +134,7 @@ pub(crate) fn check_sequence_mask(mask: &Mask, seq_len: usize) -> Result<(), Err
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::options::{Documents, SlidingWindow};
+    use distflash_kernels::{Documents, SlidingWindow};
 
     /// A small deterministic generator (SplitMix64).
     struct Rng(u64);

@@ -4,10 +4,12 @@
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
-use burn_distflash::layers::{AttentionContext, ForwardCounter};
+use burn_distflash::layers::{
+    replicate, CheckpointPlacement, ForwardCounter, TransformerBlock, TransformerBlockConfig,
+};
+use burn_distflash::sequence_parallel::Layout;
 use burn_distflash::{
-    replicate, CheckpointPlacement, DistFlashAttentionConfig, Documents, FlashAttentionBackend,
-    Layout, TransformerBlock, TransformerBlockConfig,
+    AttentionContext, DistFlashAttentionConfig, Documents, FlashAttentionBackend,
 };
 
 use super::Rng;

@@ -225,7 +225,7 @@ pub fn check_steps_case<B: FlashAttentionBackend>(
     mask: Mask,
 ) {
     use burn::tensor::TensorPrimitive;
-    use burn_distflash::StepMask;
+    use burn_distflash::step::StepMask;
     let case = HostCase::new(
         99 + q_len as u64 * 7 + head_dim as u64,
         elem,

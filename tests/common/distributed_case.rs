@@ -6,10 +6,11 @@ use std::time::Duration;
 
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::Tensor;
+use burn_distflash::collective::on_each_rank;
 use burn_distflash::schedule::{Layout, Schedule, ScheduleKind};
+use burn_distflash::sequence_parallel::{sequence_parallel_attention, SequenceParallelOptions};
 use burn_distflash::{
-    on_each_rank, sequence_parallel_attention, DeviceGroup, Documents, FlashAttentionBackend,
-    FlashAttentionOptions, SequenceParallelOptions, SlidingWindow,
+    DeviceGroup, Documents, Error, FlashAttentionBackend, FlashAttentionOptions, SlidingWindow,
 };
 use distflash_kernels::{AttentionDims, ElemType};
 
@@ -433,4 +434,15 @@ pub fn assert_messages(case: &Case, results: &[RankResult]) {
             "{case:?}: rank {rank} backward messages per exchange"
         );
     }
+}
+
+/// The text (`mine / theirs`) of the `RanksDisagree` error every rank gets; panics on any other
+/// result.
+pub fn disagreements(results: Vec<Result<(), Error>>) -> Vec<String> {
+    (results.into_iter())
+        .map(|result| match result {
+            Err(Error::RanksDisagree { mine, theirs, .. }) => format!("{mine} / {theirs}"),
+            other => panic!("expected the ranks to disagree, got {other:?}"),
+        })
+        .collect()
 }

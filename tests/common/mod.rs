@@ -6,8 +6,11 @@
 pub mod block_case;
 pub mod burn_case;
 pub mod distributed_case;
+pub mod host_values;
 pub mod matrix;
 pub mod modules;
+#[cfg(feature = "nccl")]
+pub mod nccl_case;
 pub mod repeated_case;
 pub mod schedules;
 pub mod within;

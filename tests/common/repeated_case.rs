@@ -4,7 +4,8 @@
 #![allow(dead_code)]
 
 use burn::tensor::backend::AutodiffBackend;
-use burn_distflash::{on_each_rank, DeviceGroup, FlashAttentionBackend};
+use burn_distflash::collective::on_each_rank;
+use burn_distflash::{DeviceGroup, FlashAttentionBackend};
 use distflash_kernels::ElemType;
 
 use super::distributed_case::{

@@ -24,8 +24,9 @@ use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
 use burn::tensor::backend::Backend;
-use burn_distflash::layers::AttentionContext;
-use burn_distflash::{on_each_rank, replicate, CheckpointPlacement, DeviceGroup};
+use burn_distflash::collective::on_each_rank;
+use burn_distflash::layers::{replicate, CheckpointPlacement};
+use burn_distflash::{AttentionContext, DeviceGroup};
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::Runtime;
 use distflash_llama::train::{PhaseTimes, TrainOptions, Trainer};

@@ -6,8 +6,10 @@ use std::path::Path;
 use burn::config::Config;
 
 use super::hf_config::HfLlamaConfig;
-use burn_distflash::layers::{DistFlashAttentionConfig, Llama3RopeScaling, RopeConfig};
-use burn_distflash::{CheckpointPlacement, Error as PluginError, SlidingWindow};
+use burn_distflash::layers::{
+    CheckpointPlacement, DistFlashAttentionConfig, Llama3RopeScaling, RopeConfig,
+};
+use burn_distflash::{Error as PluginError, SlidingWindow};
 
 /// The shape of a Llama model (`LlamaConfig::load("config.json")` / `config.save(..)`).
 #[derive(Config, Debug)]

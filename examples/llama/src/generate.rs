@@ -2,8 +2,7 @@
 //! time from the last `context` tokens (no key/value cache: a short sample after training).
 
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_distflash::layers::AttentionContext;
-use burn_distflash::FlashAttentionBackend;
+use burn_distflash::{AttentionContext, FlashAttentionBackend};
 
 use crate::model::Llama;
 use crate::rng::SplitMix64;

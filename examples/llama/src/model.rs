@@ -9,11 +9,10 @@ use burn::tensor::{Int, Tensor, TensorData};
 use super::config::LlamaConfig;
 use super::loss::CrossEntropyBackend;
 use super::rng::SplitMix64;
-use super::weights::load_param;
 use burn_distflash::layers::{
-    linear, AttentionContext, RmsNorm, RmsNormConfig, TransformerBlock, TransformerBlockConfig,
+    linear, RmsNorm, RmsNormConfig, TransformerBlock, TransformerBlockConfig,
 };
-use burn_distflash::{Documents, Error as PluginError, FlashAttentionBackend};
+use burn_distflash::{AttentionContext, Documents, Error as PluginError, FlashAttentionBackend};
 
 /// A Llama language model.
 #[derive(Module, Debug)]
@@ -108,6 +107,21 @@ impl<B: Backend> ModuleMapper<B> for SeededMatrices<B> {
             .collect();
         load_param(param, TensorData::new(values, shape), &self.device)
     }
+}
+
+/// `param` with its value replaced by `data` (converted to the device's float type as it is
+/// placed), keeping its id, device and parameter mapper, and requiring gradients so the loaded
+/// model can be fine-tuned (meaningful on autodiff backends; a no-op elsewhere).
+pub(crate) fn load_param<B: Backend, const D: usize>(
+    param: Param<Tensor<B, D>>,
+    data: TensorData,
+    device: &B::Device,
+) -> Param<Tensor<B, D>> {
+    let tensor = B::memory_persistent_allocations(device, data, |data| {
+        Tensor::<B, D>::from_data(data, device)
+    });
+    let id = param.id;
+    param.transform_for_load(tensor, id).set_require_grad(true)
 }
 
 impl<B: FlashAttentionBackend> Llama<B> {

@@ -21,9 +21,9 @@ use super::model::Llama;
 use super::optimizer::FusedAdamW;
 use super::TrainingKernels;
 use crate::Error;
-use burn_distflash::layers::AttentionContext;
+use burn_distflash::sequence_parallel::shard_sequence;
 use burn_distflash::{
-    shard_sequence, Documents, Error as PluginError, FlashAttentionBackend, FlashAttentionOptions,
+    AttentionContext, Documents, Error as PluginError, FlashAttentionBackend, FlashAttentionOptions,
 };
 
 /// Optimisation settings (saved with every checkpoint).

@@ -24,7 +24,7 @@ use burn::tensor::{DType, Tensor, TensorData};
 
 use super::config::LlamaConfig;
 use super::hf_config::{read_hf_config, write_hf_config, HfLlamaConfig, HfRopeScaling};
-use super::model::Llama;
+use super::model::{load_param, Llama};
 use super::safetensors::{write_safetensors, Checkpoint, StoredTensor, SINGLE_FILE_NAME};
 use crate::Error;
 use burn_distflash::Error as PluginError;
@@ -272,21 +272,6 @@ fn placement_data(tensor: StoredTensor<'_>, slot: Slot) -> TensorData {
         true => transposed(&data),
         false => data,
     }
-}
-
-/// `param` with its value replaced by `data` (converted to the device's float type as it is
-/// placed), keeping its id, device and parameter mapper, and requiring gradients so the loaded
-/// model can be fine-tuned (meaningful on autodiff backends; a no-op elsewhere).
-pub(crate) fn load_param<B: Backend, const D: usize>(
-    param: Param<Tensor<B, D>>,
-    data: TensorData,
-    device: &B::Device,
-) -> Param<Tensor<B, D>> {
-    let tensor = B::memory_persistent_allocations(device, data, |data| {
-        Tensor::<B, D>::from_data(data, device)
-    });
-    let id = param.id;
-    param.transform_for_load(tensor, id).set_require_grad(true)
 }
 
 /// Puts one checked checkpoint tensor into its place in `model`.

@@ -3,7 +3,7 @@
 
 use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::{Autodiff, NdArray};
-use burn_distflash::layers::AttentionContext;
+use burn_distflash::AttentionContext;
 use distflash_llama::data::TokenDataset;
 use distflash_llama::generate::{generate, Sampling};
 use distflash_llama::tokenizer::Tokenizer;

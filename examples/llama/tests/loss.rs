@@ -3,9 +3,12 @@
 //! ndarray (Burn's log-softmax) and, with `--ignored` on the GPU machine, on CUDA in f32, f16 and
 //! bf16; vocabularies that take every vector width, and a target in the first and last column.
 
+mod common;
+
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_autodiff::Autodiff;
+use common::host_values::host;
 use distflash_llama::loss::CrossEntropyBackend;
 
 type WgpuF32 = Autodiff<burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>>;
@@ -26,14 +29,6 @@ fn values(len: usize, seed: u64, scale: f64) -> Vec<f64> {
             scale * (2.0 * ((state >> 11) as f64 / (1u64 << 53) as f64) - 1.0)
         })
         .collect()
-}
-
-fn host<B: burn::tensor::backend::Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f64> {
-    t.cast(DType::F32)
-        .into_data()
-        .convert::<f64>()
-        .to_vec::<f64>()
-        .expect("f64 data")
 }
 
 fn check<B: AutodiffBackend + CrossEntropyBackend>(device: &B::Device, dtype: DType, tol: f64) {

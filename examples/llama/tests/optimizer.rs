@@ -3,9 +3,12 @@
 //! f32, f16 and bf16; lengths that take every vector width; and the whole `FusedAdamW` over
 //! three steps against Burn's `AdamW` (the first step is Burn's own, the next two fused).
 
+mod common;
+
 use burn::optim::{AdamWConfig, AdamWState, SimpleOptimizer};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
+use common::host_values::{host, upload};
 use distflash_llama::optimizer::{AdamWStep, FusedAdamW};
 use distflash_llama::TrainingKernels;
 
@@ -29,23 +32,6 @@ fn values(len: usize, seed: u64, lo: f64, hi: f64) -> Vec<f64> {
             lo + (hi - lo) * ((state >> 11) as f64 / (1u64 << 53) as f64)
         })
         .collect()
-}
-
-/// `data` as a 1-D tensor of `dtype`, and the values it actually holds (rounded to `dtype`).
-fn tensor<B: Backend>(data: &[f64], dtype: DType, device: &B::Device) -> (Tensor<B, 1>, Vec<f64>) {
-    let t = Tensor::<B, 1>::from_data(TensorData::new(data.to_vec(), [data.len()]), device)
-        .cast(DType::F32)
-        .cast(dtype);
-    let held = host(t.clone());
-    (t, held)
-}
-
-fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f64> {
-    t.cast(DType::F32)
-        .into_data()
-        .convert::<f64>()
-        .to_vec::<f64>()
-        .expect("f64 data")
 }
 
 fn primitive<B: Backend>(t: Tensor<B, 1>) -> burn::tensor::ops::FloatTensor<B> {
@@ -86,10 +72,10 @@ fn check_adamw<B: TrainingKernels>(device: &B::Device, dtype: DType) {
     };
     for (i, &len) in LENGTHS.iter().enumerate() {
         let seed = 10 * i as u64;
-        let (p, p0) = tensor::<B>(&values(len, seed, -1.0, 1.0), dtype, device);
-        let (g, g0) = tensor::<B>(&values(len, seed + 1, -0.1, 0.1), dtype, device);
-        let (m, m0) = tensor::<B>(&values(len, seed + 2, -0.05, 0.05), dtype, device);
-        let (v, v0) = tensor::<B>(&values(len, seed + 3, 1e-6, 1e-2), dtype, device);
+        let (p, p0) = upload::<B, 1>(values(len, seed, -1.0, 1.0), [len], dtype, device);
+        let (g, g0) = upload::<B, 1>(values(len, seed + 1, -0.1, 0.1), [len], dtype, device);
+        let (m, m0) = upload::<B, 1>(values(len, seed + 2, -0.05, 0.05), [len], dtype, device);
+        let (v, v0) = upload::<B, 1>(values(len, seed + 3, 1e-6, 1e-2), [len], dtype, device);
         let (p1, m1, v1) = B::fused_adamw(
             primitive(p),
             primitive(g),
@@ -125,7 +111,7 @@ fn check_adamw<B: TrainingKernels>(device: &B::Device, dtype: DType) {
 
 fn check_squared_norm<B: TrainingKernels>(device: &B::Device, dtype: DType) {
     for (i, &len) in LENGTHS.iter().chain(&[1_000_003]).enumerate() {
-        let (t, held) = tensor::<B>(&values(len, 7 + i as u64, -2.0, 2.0), dtype, device);
+        let (t, held) = upload::<B, 1>(values(len, 7 + i as u64, -2.0, 2.0), [len], dtype, device);
         let got = host(B::squared_norm(t.reshape([len, 1])))[0];
         let expected: f64 = held.iter().map(|x| x * x).sum();
         let err = (got - expected).abs() / expected;

@@ -7,8 +7,7 @@
 use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::NdArray;
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_distflash::layers::AttentionContext;
-use burn_distflash::Documents;
+use burn_distflash::{AttentionContext, Documents};
 use distflash_llama::data::Packing;
 use distflash_llama::{Error, Llama, LlamaConfig};
 

@@ -3,6 +3,8 @@
 //! the scratch directory is the one this crate's unit tests use.
 #![allow(dead_code)]
 
+#[path = "../../../../tests/common/host_values.rs"]
+pub mod host_values;
 #[path = "../../../../tests/common/modules.rs"]
 pub mod modules;
 #[path = "../../src/temp_dir.rs"]

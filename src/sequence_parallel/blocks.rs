@@ -4,10 +4,10 @@
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, Slice, TensorMetadata};
 
-use super::SequenceParallelOptions;
 use crate::backend::{FlashAttentionBackend, Grads};
+use crate::options::SequenceParallelOptions;
 use crate::schedule::Block;
-use crate::state::{AttentionState, StepMask};
+use crate::step::{AttentionState, StepMask};
 
 /// Where a pair's blocks cut its shards: `per_rank` chunks of `chunk` rows each.
 #[derive(Debug, Clone, Copy)]

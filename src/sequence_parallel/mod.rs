@@ -2,16 +2,17 @@
 //! [`DeviceGroup`], attention computed exactly (DistFlashAttn, paper §3.1-3.2).
 //!
 //! Rank `r` of `P` holds a shard of the queries, keys and values, all shards of one length,
-//! at the positions the schedule's [`crate::Layout`] gives it (the `r`-th contiguous shard, or two
-//! zigzag chunks; [`shard_sequence`] and [`gather_sequence`] cut and join whole sequences). [`sequence_parallel_attention`] returns the rank's shard of the output;
-//! under `Autodiff` its backward runs the distributed backward, returning `dk, dv` of every
-//! chunk to its owner. The [`crate::schedule::Schedule`] decides who computes which (query chunk, key chunk)
+//! at the positions the schedule's [`Layout`] gives it (the `r`-th contiguous shard, or two
+//! zigzag chunks; [`shard_sequence`] and [`gather_sequence`] cut and join whole sequences).
+//! [`sequence_parallel_attention`] returns the rank's shard of the output; under `Autodiff` its
+//! backward runs the distributed backward, returning `dk, dv` of every chunk to its owner.
+//! [`SequenceParallelOptions`] picks the mask and the schedule ([`ScheduleKind`]); the
+//! [`Schedule`](crate::schedule::Schedule) decides who computes which (query chunk, key chunk)
 //! pair; partial states and gradients stay f32 across hops.
 
 mod backward;
 mod blocks;
 mod forward;
-pub(crate) mod options;
 mod pipeline;
 mod sharding;
 
@@ -24,12 +25,13 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 
 use burn::tensor::{DType, Tensor, TensorPrimitive};
 
-pub use options::SequenceParallelOptions;
+pub use crate::options::SequenceParallelOptions;
+pub use crate::schedule::{Layout, ScheduleKind};
 pub use sharding::{gather_sequence, shard_sequence};
 
-use crate::api::check_inputs;
 use crate::backend::FlashAttentionBackend;
 use crate::collective::DeviceGroup;
+use crate::inputs::check_inputs;
 use crate::options::{Documents, SlidingWindow};
 use crate::schedule::visibility::check_sequence_mask;
 
@@ -188,19 +190,18 @@ fn validate<B: FlashAttentionBackend>(
 /// This rank's shard of exact attention over the whole sequence split across `group`.
 ///
 /// Each of the `P` ranks holds `shard_len` positions of a sequence of `P * shard_len` tokens,
-/// which ones given by the schedule's [`crate::Layout`] ([`SequenceParallelOptions::layout`]:
-/// rank `r` holds `r * shard_len .. (r + 1) * shard_len` under the contiguous layout;
-/// [`crate::shard_sequence`] cuts a whole sequence for any layout). Every rank must call this
-/// with shards of one shape (checked; zigzag needs an even `shard_len`). Returns O for the
-/// rank's positions.
+/// which ones given by the schedule's [`Layout`] ([`SequenceParallelOptions::layout`]: rank `r`
+/// holds `r * shard_len .. (r + 1) * shard_len` under the contiguous layout; [`shard_sequence`]
+/// cuts a whole sequence for any layout). Every rank must call this with shards of one shape
+/// (checked; zigzag needs an even `shard_len`). Returns O for the rank's positions.
 ///
-/// The mask is `options.attention`'s over the whole sequence: causal order, a sliding window
-/// and documents at absolute positions (`0..P * shard_len`). Every rank passes the same
-/// options, documents included (each rank holds the documents of the whole sequence, not its
-/// shard's; checked): from them every rank derives the same schedule, in which a pair of
-/// shards with no visible score is neither computed nor exchanged. Differentiable under `Autodiff`: the backward is distributed too, so every
-/// rank must run its backward (where a communication failure panics, since a backward pass
-/// cannot return an error).
+/// The mask is `options.attention`'s over the whole sequence: causal order, a sliding window and
+/// documents at absolute positions (`0..P * shard_len`). Every rank passes the same options,
+/// documents included (each rank holds the documents of the whole sequence, not its shard's;
+/// checked): from them every rank derives the same schedule, in which a pair of shards with no
+/// visible score is neither computed nor exchanged. Differentiable under `Autodiff`: the backward
+/// is distributed too, so every rank must run its backward (where a communication failure panics,
+/// since a backward pass cannot return an error).
 ///
 /// # Shapes
 ///

@@ -1,6 +1,11 @@
-//! The running softmax state at the Burn level and its operations from tensor operations
-//! (empty, merge, finalize, delta: every backend gets these; the CubeCL backends override them
-//! with the kernels). The tensor-op forward step is in [`crate::tensor_ops`].
+//! Step-by-step attention: the running softmax state ([`AttentionState`]) and one step's mask
+//! ([`StepMask`]) that [`FlashAttentionBackend`](crate::FlashAttentionBackend)'s step methods
+//! (`attention_state_empty`, `attention_forward_step`, `attention_merge`, `attention_finalize`,
+//! `attention_backward_step`) take and return; sequence-parallel attention is built from them.
+//!
+//! The state's operations from tensor operations (empty, merge, finalize, delta) are the
+//! trait's defaults, which every backend gets; the CubeCL backends override them with the
+//! kernels. The tensor-op forward step is in the crate's `tensor_ops` module.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;

@@ -5,9 +5,8 @@ use crate::Error;
 use burn::tensor::backend::Backend;
 
 use crate::collective::DeviceGroup;
-use crate::options::FlashAttentionOptions;
+use crate::options::{FlashAttentionOptions, SequenceParallelOptions};
 use crate::schedule::{Layout, ScheduleKind};
-use crate::SequenceParallelOptions;
 
 /// How attention sees the sequence. Pass the same context to every layer of a forward pass.
 #[derive(Debug, Clone)]
@@ -16,9 +15,9 @@ pub enum AttentionContext<I: Backend> {
     Local,
     /// The tensors hold rank `group.rank()`'s shard of a sequence of `world_size * shard_len`
     /// tokens, at the positions the schedule's layout gives it (see
-    /// [`AttentionContext::positions`]; cut whole sequences with [`crate::shard_sequence`]):
-    /// rotary embeddings use those positions and attention runs sequence-parallel over the
-    /// group (every rank must run the same layers).
+    /// [`AttentionContext::positions`]; cut whole sequences with
+    /// [`crate::sequence_parallel::shard_sequence`]): rotary embeddings use those positions and
+    /// attention runs sequence-parallel over the group (every rank must run the same layers).
     Sharded {
         /// This rank's handle on the group.
         group: DeviceGroup<I>,
@@ -53,7 +52,7 @@ impl<I: Backend> AttentionContext<I> {
 
     /// Where each rank's tokens are under attention with `attention`'s mask: contiguous
     /// locally, the schedule's layout when sharded (cut whole sequences with
-    /// [`crate::shard_sequence`] for it).
+    /// [`crate::sequence_parallel::shard_sequence`] for it).
     pub fn layout(&self, attention: FlashAttentionOptions) -> Layout {
         match self.sequence_parallel_options(attention) {
             None => Layout::Contiguous,

@@ -7,11 +7,11 @@ use burn::tensor::{DType, TensorMetadata};
 
 use super::blocks::{forward_pair, Chunks};
 use super::pipeline::{self, input_messages, outgoing, step_operands, Pass};
-use super::SequenceParallelOptions;
 use crate::backend::FlashAttentionBackend;
 use crate::collective::{DeviceGroup, Incoming, MessageKind, Outgoing, Received, TensorLayout};
+use crate::options::SequenceParallelOptions;
 use crate::schedule::{RankStep, Schedule};
-use crate::state::AttentionState;
+use crate::step::AttentionState;
 
 /// One rank's forward: its own chunks and its running state.
 struct ForwardPass<B: FlashAttentionBackend> {

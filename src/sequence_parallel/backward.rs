@@ -8,9 +8,9 @@ use burn::tensor::{DType, FloatDType, TensorMetadata};
 
 use super::blocks::{backward_pair, Chunks};
 use super::pipeline::{self, incoming, input_messages, outgoing, step_operands, Pass};
-use super::SequenceParallelOptions;
 use crate::backend::{FlashAttentionBackend, Grads};
 use crate::collective::{DeviceGroup, Incoming, MessageKind, Outgoing, Received};
+use crate::options::SequenceParallelOptions;
 use crate::schedule::{RankStep, Schedule};
 
 /// One rank's backward: its chunks, the query-side bundle, and f32 gradient accumulators.

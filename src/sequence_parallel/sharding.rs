@@ -26,9 +26,9 @@ fn check_dim<const D: usize>(layout: Layout, world: usize, dim: usize) -> Result
 }
 
 /// Rank `rank`'s shard of `full`, a whole-sequence tensor whose dimension `dim` is the sequence
-/// (`2` for q, k, v, `1` for tokens; float, int or bool), for `world` ranks under `layout` (the
-/// one [`crate::SequenceParallelOptions::layout`] gives). The chunks are concatenated in the
-/// layout's local order.
+/// (`2` for q, k, v, `1` for tokens; float, int or bool), for `world` ranks under `layout` (the one
+/// [`crate::sequence_parallel::SequenceParallelOptions::layout`] gives). The chunks are
+/// concatenated in the layout's local order.
 ///
 /// # Shapes
 ///

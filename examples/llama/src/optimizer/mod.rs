@@ -5,11 +5,7 @@
 //! `DISTFLASH_UNFUSED_OPTIMIZER=1`) Burn's own `AdamW` runs. The state is Burn's `AdamWState`,
 //! so checkpoints of either are the same records.
 
-pub(crate) mod cube;
-mod kernels;
-
-pub use cube::{unfused_optimizer_forced, AdamWTensors};
-pub use kernels::AdamWStep;
+pub use crate::training_kernels::{unfused_optimizer_forced, AdamWStep, AdamWTensors};
 
 use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;
@@ -20,13 +16,6 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Tensor, TensorPrimitive};
 
 use crate::TrainingKernels;
-
-/// `sum(x^2)` with Burn tensor operations: an f32 copy, its square, its sum.
-pub(crate) fn squared_norm_portable<B: Backend, const D: usize>(
-    tensor: Tensor<B, D>,
-) -> Tensor<B, 1> {
-    tensor.cast(DType::F32).square().sum().cast(DType::F32)
-}
 
 /// AdamW (decoupled weight decay, no AMSGrad) whose update runs as one fused pass per parameter
 /// on backends that have one.

@@ -13,8 +13,15 @@ use burn_ndarray::{
     FloatNdArrayElement, IntNdArrayElement, NdArray, NdArrayTensor, QuantElement, SharedArray,
 };
 
-use crate::loss::{self, CrossEntropyRows};
-use crate::optimizer::{self, AdamWStep, AdamWTensors};
+mod adamw_cube;
+mod adamw_kernels;
+mod loss_cube;
+mod loss_kernels;
+mod portable;
+
+pub use adamw_cube::{unfused_optimizer_forced, AdamWTensors};
+pub use adamw_kernels::AdamWStep;
+pub use loss_cube::{unfused_loss_forced, CrossEntropyRows};
 
 /// Backends that may run the training step's loss and optimizer passes fused. Under `Autodiff`,
 /// the inner backend's implementation is the one used (see
@@ -23,7 +30,7 @@ use crate::optimizer::{self, AdamWStep, AdamWTensors};
 pub trait TrainingKernels: Backend {
     /// `sum(x^2)` over every element of `tensor`, computed in f32, as a one-element f32 tensor.
     fn squared_norm<const D: usize>(tensor: Tensor<Self, D>) -> Tensor<Self, 1> {
-        optimizer::squared_norm_portable(tensor)
+        portable::squared_norm_portable(tensor)
     }
 
     /// One AdamW update of `param` from `grad` and the moments `(moment_1, moment_2)` in one
@@ -57,7 +64,7 @@ pub trait TrainingKernels: Backend {
         lse: FloatTensor<Self>,
         grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        loss::cross_entropy_backward_portable::<Self>(logits, targets, lse, grad)
+        portable::cross_entropy_backward_portable::<Self>(logits, targets, lse, grad)
     }
 }
 
@@ -72,7 +79,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> TrainingKe
     for CubeBackend<R, F, I, BT>
 {
     fn squared_norm<const D: usize>(tensor: Tensor<Self, D>) -> Tensor<Self, 1> {
-        optimizer::cube::squared_norm(tensor)
+        adamw_cube::squared_norm(tensor)
     }
 
     fn fused_adamw(
@@ -81,14 +88,14 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> TrainingKe
         moments: (CubeTensor<R>, CubeTensor<R>),
         step: &AdamWStep,
     ) -> Option<AdamWTensors<Self>> {
-        optimizer::cube::fused_adamw(param, grad, moments, step)
+        adamw_cube::fused_adamw(param, grad, moments, step)
     }
 
     fn cross_entropy_forward(
         logits: CubeTensor<R>,
         targets: CubeTensor<R>,
     ) -> Option<CrossEntropyRows<Self>> {
-        loss::cube::cross_entropy_forward::<R, I>(logits, targets)
+        loss_cube::cross_entropy_forward::<R, I>(logits, targets)
     }
 
     fn cross_entropy_backward(
@@ -97,6 +104,6 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> TrainingKe
         lse: CubeTensor<R>,
         grad: CubeTensor<R>,
     ) -> CubeTensor<R> {
-        loss::cube::cross_entropy_backward::<R, I>(logits, targets, lse, grad)
+        loss_cube::cross_entropy_backward::<R, I>(logits, targets, lse, grad)
     }
 }

@@ -11,7 +11,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeRuntime, IntElement};
 use cubecl::prelude::*;
 
-use super::kernels::{cross_entropy_grad, cross_entropy_rows, cross_entropy_target_grad};
+use super::loss_kernels::{cross_entropy_grad, cross_entropy_rows, cross_entropy_target_grad};
 use burn_distflash::cube_support::CUBE_UNITS;
 use burn_distflash::cube_support::{
     array, contiguous, empty_like, is_kernel_float, vector_size, with_float_type,

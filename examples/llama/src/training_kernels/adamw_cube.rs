@@ -10,8 +10,8 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 
-use super::kernels::{adamw_update, sum_of_squares, AdamWStep};
-use super::squared_norm_portable;
+use super::adamw_kernels::{adamw_update, sum_of_squares, AdamWStep};
+use super::portable::squared_norm_portable;
 use burn_distflash::cube_support::CUBE_UNITS;
 use burn_distflash::cube_support::{
     array, contiguous, empty_like, is_kernel_float, vector_size, with_float_type,

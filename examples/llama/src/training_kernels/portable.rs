@@ -1,0 +1,37 @@
+//! The training kernels' defaults from Burn tensor operations, for backends without fused ones.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::{DType, Int, Tensor, TensorPrimitive};
+
+/// `sum(x^2)` with Burn tensor operations: an f32 copy, its square, its sum.
+pub(crate) fn squared_norm_portable<B: Backend, const D: usize>(
+    tensor: Tensor<B, D>,
+) -> Tensor<B, 1> {
+    tensor.cast(DType::F32).square().sum().cast(DType::F32)
+}
+
+/// `dlogits = grad[row] (exp(logits - lse[row]) - onehot(target))` in the logits' element type,
+/// from the forward's `lse` and the rows' loss gradient `grad` (f32 `[rows]`), with Burn tensor
+/// operations.
+pub(crate) fn cross_entropy_backward_portable<B: Backend>(
+    logits: FloatTensor<B>,
+    targets: IntTensor<B>,
+    lse: FloatTensor<B>,
+    grad: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let logits = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(logits));
+    let [_, vocab] = logits.dims();
+    let dtype = logits.dtype();
+    let lse = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(lse));
+    let grad = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(grad));
+    let onehot = Tensor::<B, 1, Int>::from_primitive(targets)
+        .one_hot::<2>(vocab)
+        .float()
+        .cast(DType::F32);
+    let softmax = (logits.cast(DType::F32) - lse.unsqueeze_dim(1)).exp();
+    ((softmax - onehot) * grad.unsqueeze_dim(1))
+        .cast(dtype)
+        .into_primitive()
+        .tensor()
+}

@@ -12,8 +12,8 @@ use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{
     AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, LearningRate, SimpleOptimizer,
 };
-use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{DType, Tensor, TensorPrimitive};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Tensor, TensorPrimitive};
 
 use crate::TrainingKernels;
 

@@ -532,7 +532,10 @@ fn enqueue_unpack_dq_scratch<R: Runtime>(
     accumulate: bool,
 ) -> Result<(), KernelError> {
     let len = dq.len();
-    let (count, dim) = grid::linear_launch("the dQ scratch unpacking", len, ELEMENT_UNITS, limits)?;
+    // One warp per row (see `unpack_fragment_scratch`).
+    let units = len / dims.head_dim * dq_fragments::UNPACK_COLS;
+    let (count, dim) =
+        grid::linear_launch("the dQ scratch unpacking", units, ELEMENT_UNITS, limits)?;
     with_elem_type!(dq.elem, T => dq_fragments::unpack_fragment_scratch::launch::<T, R>(
         client,
         count,

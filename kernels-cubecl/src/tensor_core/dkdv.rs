@@ -12,8 +12,9 @@
 //!   [`DKDV_KEYS`] keys, and adds it to the fragment-order scratch with f32 atomics (half the
 //!   atomics per FLOP of a 64-key block).
 //!
-//! Two barriers per step: one before the next step's copies are issued into the buffers of the
-//! step before, one between storing P^T and dS^T and reading them back. The query tiles are
+//! Two barriers per step: the wait for the step's query tile (every unit arrives on it, so it
+//! also keeps the next step's copies out of buffers the step before still reads), and one
+//! between storing P^T and dS^T and reading them back. The query tiles are
 //! double-buffered as in the dQ kernel, and their rows' log-sum-exp and delta arrive with them
 //! (4-byte asynchronous copies on the same barrier: no register holds them across a step); the
 //! walk over (query head, query tile) advances by one step without a division.
@@ -298,7 +299,10 @@ pub fn backward_dkdv_mma<E: Float>(
     let mut dv_acc = zero_accumulator::<E, NC>(&def, grad_frags);
     for step in 0..steps {
         let masked = tile < lead_end || tile >= trail_start;
-        sync_cube();
+        // Every unit arrives on the buffer's barrier (`arrive_and_wait`) and its phase completes
+        // only once all have: passing it, every plane is done with step - 1, so this step may
+        // overwrite P^T and dS^T and issue step + 1's copies into step - 1's buffers. It is the
+        // step's first barrier; a `sync_cube` before it would only repeat it.
         wait_for_buffer(&ready_even, &ready_odd, step % 2);
         let step_tile = StepTile {
             row0: (step % 2) as usize * QUERY_ROWS,

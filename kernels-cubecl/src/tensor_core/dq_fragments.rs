@@ -12,7 +12,7 @@
 
 use cubecl::prelude::*;
 
-use super::fragments::{FRAG_COLS, WARP_ROWS};
+use super::fragments::WARP_ROWS;
 
 /// Rows of each slice of the scratch are a multiple of this: a multiple of the query tile of
 /// every kernel that adds into it, so a tile reaching past the chunk stays inside its slice.
@@ -38,10 +38,16 @@ pub fn tile_row_base(
     (slice * rows + row) as usize * head_dim + lane as usize
 }
 
+/// Columns one warp of the unpacking kernel covers per store: 32 consecutive elements of a row.
+pub const UNPACK_COLS: usize = 32;
+
 /// `dq += scale * scratch` (with `accumulate`) or `dq = scale * scratch` converted to `T`, for
-/// a row-major `[slices, q_len, head_dim]` dQ of `len` elements; one unit per element of dQ.
-/// The fused kernel adds unscaled `dS K` (one multiply fewer per atomic); `scale` is the
-/// softmax scale.
+/// a row-major `[slices, q_len, head_dim]` dQ of `len` elements. One warp per row: unit `i`
+/// takes columns `i`, `i + 32`, ..., so each store of the warp covers 32 consecutive elements,
+/// the slice and row are decoded once per `head_dim / 32` values, and every value is loaded
+/// before the first store (the compiler may not move a load of `scratch` past a store to `dq`).
+/// The fused kernel adds unscaled `dS K` (one multiply fewer per atomic); `scale` is the softmax
+/// scale.
 #[cube(launch)]
 pub fn unpack_fragment_scratch<T: Float>(
     scratch: &Array<f32>,
@@ -52,22 +58,40 @@ pub fn unpack_fragment_scratch<T: Float>(
     #[comptime] head_dim: usize,
     #[comptime] accumulate: bool,
 ) {
-    let at = ABSOLUTE_POS;
-    if at < len as usize {
-        let col = (at % head_dim) as u32;
-        let slice_row = (at / head_dim) as u32;
+    let groups = comptime!(head_dim / UNPACK_COLS);
+    let unit = ABSOLUTE_POS as u32;
+    let slice_row = unit / UNPACK_COLS as u32;
+    if slice_row < len / head_dim as u32 {
+        let i = unit % UNPACK_COLS as u32;
         let (slice, row) = (slice_row / q_len, slice_row % q_len);
         let r = row % WARP_ROWS as u32;
-        // The lane and value holding (r, col) in the accumulator layout.
-        let lane = (r % 8) * 4 + (col % FRAG_COLS as u32) / 2;
-        let n = (r / 8) * 2 + col % 2;
+        // Column `c = 32k + i` of row `r` is value `(r / 8) * 2 + c % 2` of lane
+        // `(r % 8) * 4 + (c % 8) / 2` in column tile `c / 8` (see the module docs): `k` adds a
+        // compile-time `4 * 128` per group.
+        let lane = (r % 8) * 4 + (i % 8) / 2;
         let from = tile_row_base(slice, row - r, q_len, lane, head_dim)
-            + (((col / FRAG_COLS as u32) * 4 + n) * 32) as usize;
-        let value = T::cast_from(scratch[from] * scale);
+            + ((i / 8) * 128 + ((r / 8) * 2 + i % 2) * 32) as usize;
+        let to = slice_row as usize * head_dim + i as usize;
+        let mut values = Array::<f32>::new(groups);
+        #[unroll]
+        for k in 0..groups {
+            values[k] = scratch[from + comptime!(k * 4 * 128)] * scale;
+        }
         if accumulate {
-            dq[at] += value;
+            let mut sums = Array::<T>::new(groups);
+            #[unroll]
+            for k in 0..groups {
+                sums[k] = dq[to + comptime!(k * UNPACK_COLS)] + T::cast_from(values[k]);
+            }
+            #[unroll]
+            for k in 0..groups {
+                dq[to + comptime!(k * UNPACK_COLS)] = sums[k];
+            }
         } else {
-            dq[at] = value;
+            #[unroll]
+            for k in 0..groups {
+                dq[to + comptime!(k * UNPACK_COLS)] = T::cast_from(values[k]);
+            }
         }
     }
 }

@@ -28,7 +28,6 @@ mod backend;
 mod backends;
 mod checkpoint;
 pub mod collective;
-mod context;
 #[doc(hidden)]
 pub mod cube_support;
 mod error;
@@ -43,9 +42,8 @@ pub mod step;
 mod tensor_ops;
 
 pub use api::{flash_attention, flash_attention_with_lse};
-pub use backend::FlashAttentionBackend;
+pub use backend::{AttentionContext, FlashAttentionBackend};
 pub use collective::DeviceGroup;
-pub use context::AttentionContext;
 pub use distflash_kernels as kernels;
 pub use error::Error;
 pub use layers::{DistFlashAttention, DistFlashAttentionConfig};

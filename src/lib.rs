@@ -35,9 +35,11 @@ mod inputs;
 mod layer_ops;
 pub mod layers;
 mod matmul;
+mod message_kind;
 mod options;
 pub mod schedule;
 pub mod sequence_parallel;
+mod shard_layout;
 pub mod step;
 mod tensor_ops;
 

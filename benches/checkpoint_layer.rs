@@ -68,7 +68,7 @@ struct Measured {
 /// stream, so it is only meaningful without fusion (whose kernels run on its own thread).
 fn run_rank<B: AutodiffBackend<Device = CudaDevice> + FlashAttentionBackend<Inner = Inner>>(
     device: CudaDevice,
-    context: AttentionContext<Inner>,
+    context: AttentionContext<B>,
     tokens: usize,
     placement: CheckpointPlacement,
     iters: usize,
@@ -141,7 +141,7 @@ fn main() {
         for &tokens in &tokens_list {
             for &placement in &placements {
                 let devices: Vec<CudaDevice> = (0..world).map(CudaDevice::new).collect();
-                let contexts: Vec<AttentionContext<Inner>> = if world == 1 {
+                let contexts: Vec<AttentionContext<Train>> = if world == 1 {
                     vec![AttentionContext::Local]
                 } else {
                     DeviceGroup::<Inner>::nccl(&devices)
@@ -155,7 +155,14 @@ fn main() {
                 let ranks: Vec<Measured> = on_each_rank(per_rank, |_, (device, context)| {
                     let barrier = barrier.clone();
                     if fused {
-                        run_rank::<FusedTrain>(device, context, tokens, placement, iters, barrier)
+                        run_rank::<FusedTrain>(
+                            device,
+                            context.for_backend(),
+                            tokens,
+                            placement,
+                            iters,
+                            barrier,
+                        )
                     } else {
                         run_rank::<Train>(device, context, tokens, placement, iters, barrier)
                     }

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use distflash_kernels::KernelError;
 
-use crate::collective::MessageKind;
-use crate::schedule::Layout;
+use crate::message_kind::MessageKind;
+use crate::shard_layout::Layout;
 
 /// Everything the plugin can refuse or fail at: bad input to the op, the module or the
 /// sequence-parallel pass, a configuration that cannot be built, and the collective layer's

@@ -28,7 +28,6 @@ mod backend;
 mod backends;
 mod checkpoint;
 pub mod collective;
-mod context;
 #[doc(hidden)]
 pub mod cube_support;
 mod error;
@@ -36,16 +35,17 @@ mod inputs;
 mod layer_ops;
 pub mod layers;
 mod matmul;
+mod message_kind;
 mod options;
 pub mod schedule;
 pub mod sequence_parallel;
+mod shard_layout;
 pub mod step;
 mod tensor_ops;
 
 pub use api::{flash_attention, flash_attention_with_lse};
-pub use backend::FlashAttentionBackend;
+pub use backend::{AttentionContext, FlashAttentionBackend};
 pub use collective::DeviceGroup;
-pub use context::AttentionContext;
 pub use distflash_kernels as kernels;
 pub use error::Error;
 pub use layers::{DistFlashAttention, DistFlashAttentionConfig};

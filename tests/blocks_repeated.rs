@@ -55,7 +55,7 @@ fn random<B: burn::tensor::backend::Backend>(
 fn infer<B: FlashAttentionBackend>(
     blocks: &[TransformerBlock<B>],
     x: Tensor<B, 3>,
-    context: &AttentionContext<B::Inner>,
+    context: &AttentionContext<B>,
 ) -> Vec<f32> {
     let y = blocks.iter().fold(x, |y, block| block.forward(y, context));
     y.into_data().convert::<f32>().to_vec().unwrap()
@@ -117,7 +117,7 @@ where
                 None => {
                     let inner: Vec<_> = blocks.iter().map(|b| b.valid()).collect();
                     StepResult {
-                        output: infer(&inner, x.clone(), &context),
+                        output: infer(&inner, x.clone(), &context.for_backend()),
                         input_grad: Vec::new(),
                         weight_grads: Vec::new(),
                         attention_forwards: Vec::new(),

@@ -15,10 +15,9 @@ use burn_autodiff::Autodiff;
 use distflash_kernels::AttentionDims;
 
 use super::{checkpoint_node, layer_nodes, linear_node};
-use crate::backend::{CheckpointSegment, FlashAttentionBackend, Grads};
+use crate::backend::{AttentionContext, CheckpointSegment, FlashAttentionBackend, Grads};
 use crate::checkpoint::CheckpointPlacement;
 use crate::collective::DeviceGroup;
-use crate::context::AttentionContext;
 use crate::options::{Documents, FlashAttentionOptions};
 use crate::sequence_parallel::SequenceParallelOptions;
 
@@ -131,7 +130,7 @@ impl<B: FlashAttentionBackend, C: CheckpointStrategy> FlashAttentionBackend for 
     fn checkpointed<S, const PARENTS: usize>(
         segment: &S,
         x: Tensor<Self, 3>,
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<Self>,
         documents: Option<&Documents>,
         placement: CheckpointPlacement,
     ) -> Result<Tensor<Self, 3>, Error>

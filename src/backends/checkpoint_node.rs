@@ -16,9 +16,8 @@ use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
 use burn_autodiff::Autodiff;
 
-use crate::backend::{CheckpointSegment, FlashAttentionBackend};
+use crate::backend::{AttentionContext, CheckpointSegment, FlashAttentionBackend};
 use crate::checkpoint::CheckpointPlacement;
-use crate::context::AttentionContext;
 use crate::options::Documents;
 use crate::Error;
 
@@ -34,7 +33,7 @@ struct Kept<B: FlashAttentionBackend, S> {
     segment: S,
     input: FloatTensor<B>,
     kept: Vec<FloatTensor<B>>,
-    context: AttentionContext<B::Inner>,
+    context: AttentionContext<B>,
     documents: Option<Documents>,
     parameters: Vec<ParamId>,
 }
@@ -110,7 +109,7 @@ impl<B: FlashAttentionBackend, C: CheckpointStrategy> ModuleVisitor<Autodiff<B, 
 pub(crate) fn checkpointed<B, C, S, const PARENTS: usize>(
     segment: &S,
     x: Tensor<Autodiff<B, C>, 3>,
-    context: &AttentionContext<B::Inner>,
+    context: &AttentionContext<Autodiff<B, C>>,
     documents: Option<&Documents>,
     placement: CheckpointPlacement,
 ) -> Result<Tensor<Autodiff<B, C>, 3>, Error>
@@ -123,8 +122,9 @@ where
         return segment.forward_stored(x, context, documents);
     }
     let inner = segment.valid_segment();
+    let inner_context = context.for_backend::<B>();
     let input = x.clone().inner();
-    let (out, kept) = inner.forward_keeping(input.clone(), context, documents, placement)?;
+    let (out, kept) = inner.forward_keeping(input.clone(), &inner_context, documents, placement)?;
     let mut visited = Parents::<B, C> {
         tensors: vec![x.into_primitive().tensor()],
         ids: Vec::with_capacity(PARENTS),
@@ -151,7 +151,7 @@ where
                 segment: inner,
                 input: input.into_primitive().tensor(),
                 kept,
-                context: context.clone(),
+                context: inner_context,
                 documents: documents.cloned(),
                 parameters,
             },

@@ -18,29 +18,9 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::DType;
 
+pub use crate::message_kind::MessageKind;
 pub use group::{DeviceGroup, Traffic};
 pub use ranks::on_each_rank;
-
-/// What a message carries; a receiver checks that it gets the kind it expects.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum MessageKind {
-    /// A key/value chunk: `[k, v]`.
-    KeyValue,
-    /// A query chunk for a helper's forward: `[q]`.
-    Query,
-    /// A helper's partial forward result, f32: `[o, m, l]`.
-    PartialState,
-    /// A query chunk for a backward step: `[q, dO, lse, delta]`.
-    QueryBundle,
-    /// Query gradient computed elsewhere, f32: `[dq]`.
-    QueryGrad,
-    /// Key/value gradients computed elsewhere, f32: `[dk, dv]`.
-    KeyValueGrad,
-    /// Small host values of [`Transport::all_gather_values`].
-    Values,
-    /// Tensors summed over the group ([`DeviceGroup::all_reduce_sum`]).
-    Reduction,
-}
 
 /// Shape and float type of one tensor of a message (what a receiver allocates).
 #[derive(Debug, Clone, PartialEq, Eq)]

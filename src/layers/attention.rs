@@ -12,8 +12,8 @@ use burn::tensor::Tensor;
 use super::counter::ForwardCounter;
 use super::linear_layer::linear;
 use super::rope::{RopeConfig, RotaryTables};
+use crate::backend::AttentionContext;
 use crate::backend::FlashAttentionBackend;
-use crate::context::AttentionContext;
 use crate::flash_attention_with_lse;
 use crate::kernels::SUPPORTED_HEAD_DIMS;
 use crate::options::{Documents, FlashAttentionOptions, SlidingWindow};
@@ -202,7 +202,7 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
     /// # Panics
     ///
     /// With a clear message where [`try_forward`](Self::try_forward) returns an error.
-    pub fn forward(&self, x: Tensor<B, 3>, context: &AttentionContext<B::Inner>) -> Tensor<B, 3> {
+    pub fn forward(&self, x: Tensor<B, 3>, context: &AttentionContext<B>) -> Tensor<B, 3> {
         self.try_forward(x, context)
             .unwrap_or_else(|e| panic!("{e}"))
     }
@@ -229,7 +229,7 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
     pub fn forward_with_documents(
         &self,
         x: Tensor<B, 3>,
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<B>,
         documents: &Documents,
     ) -> Tensor<B, 3> {
         self.try_forward_with_documents(x, context, documents)
@@ -251,7 +251,7 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
     pub fn try_forward_with_documents(
         &self,
         x: Tensor<B, 3>,
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<B>,
         documents: &Documents,
     ) -> Result<Tensor<B, 3>, Error> {
         self.try_forward_masked(x, context, Some(documents))
@@ -284,7 +284,7 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
     pub fn try_forward(
         &self,
         x: Tensor<B, 3>,
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<B>,
     ) -> Result<Tensor<B, 3>, Error> {
         self.try_forward_masked(x, context, None)
     }
@@ -293,7 +293,7 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
     fn try_forward_masked(
         &self,
         x: Tensor<B, 3>,
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<B>,
         documents: Option<&Documents>,
     ) -> Result<Tensor<B, 3>, Error> {
         self.check_input(&x, context, documents)?;
@@ -310,7 +310,7 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
     pub(crate) fn check_input(
         &self,
         x: &Tensor<B, 3>,
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<B>,
         documents: Option<&Documents>,
     ) -> Result<(), Error> {
         let refused = self.input_problem(x, context, documents);
@@ -323,7 +323,7 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
     fn input_problem(
         &self,
         x: &Tensor<B, 3>,
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<B>,
         documents: Option<&Documents>,
     ) -> Result<(), Error> {
         let weight = self.query.weight.val();
@@ -379,7 +379,7 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
     fn documents_problem(
         &self,
         [batch, seq, _]: [usize; 3],
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<B>,
         documents: &Documents,
     ) -> Result<(), Error> {
         let whole = match context {
@@ -418,7 +418,7 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
     pub(crate) fn project(
         &self,
         x: Tensor<B, 3>,
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<B>,
         documents: Option<&Documents>,
     ) -> Projected<B> {
         let [_, seq, _] = x.dims();
@@ -448,7 +448,7 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
     pub(crate) fn attend(
         &self,
         p: &Projected<B>,
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<B>,
         documents: Option<&Documents>,
     ) -> Result<(Tensor<B, 4>, Tensor<B, 3>), Error> {
         self.counter.record();

@@ -5,8 +5,8 @@ use burn::tensor::{Tensor, TensorPrimitive};
 
 use super::attention::{merge_heads, split_heads, DistFlashAttention, Projected};
 use super::linear_grad::linear_backward;
+use crate::backend::AttentionContext;
 use crate::backend::FlashAttentionBackend;
-use crate::context::AttentionContext;
 use crate::options::Documents;
 
 /// Gradients of the four projection weights of a [`DistFlashAttention`].
@@ -33,7 +33,7 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
         &self,
         acts: AttentionActivations<B>,
         grad: Tensor<B, 3>,
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<B>,
         documents: Option<&Documents>,
     ) -> (Tensor<B, 3>, AttentionGrads<B>) {
         let merged = merge_heads(acts.out.clone());

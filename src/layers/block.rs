@@ -13,9 +13,9 @@ use super::attention_backward::{AttentionActivations, AttentionGrads};
 use super::feed_forward::{FeedForward, FeedForwardConfig, FeedForwardGrads};
 use super::linear_layer::linear;
 use super::rms_norm::{RmsNorm, RmsNormConfig};
+use crate::backend::AttentionContext;
 use crate::backend::{CheckpointSegment, FlashAttentionBackend};
 use crate::checkpoint::CheckpointPlacement;
-use crate::context::AttentionContext;
 use crate::options::Documents;
 
 /// Configuration of [`TransformerBlock`].
@@ -116,7 +116,7 @@ impl<B: FlashAttentionBackend> TransformerBlock<B> {
     /// # Panics
     ///
     /// With a clear message where [`try_forward`](Self::try_forward) errs.
-    pub fn forward(&self, x: Tensor<B, 3>, context: &AttentionContext<B::Inner>) -> Tensor<B, 3> {
+    pub fn forward(&self, x: Tensor<B, 3>, context: &AttentionContext<B>) -> Tensor<B, 3> {
         self.try_forward(x, context)
             .unwrap_or_else(|e| panic!("{e}"))
     }
@@ -140,7 +140,7 @@ impl<B: FlashAttentionBackend> TransformerBlock<B> {
     pub fn forward_with_documents(
         &self,
         x: Tensor<B, 3>,
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<B>,
         documents: &Documents,
     ) -> Tensor<B, 3> {
         self.try_forward_with_documents(x, context, documents)
@@ -159,7 +159,7 @@ impl<B: FlashAttentionBackend> TransformerBlock<B> {
     pub fn try_forward_with_documents(
         &self,
         x: Tensor<B, 3>,
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<B>,
         documents: &Documents,
     ) -> Result<Tensor<B, 3>, Error> {
         self.try_forward_masked(x, context, Some(documents))
@@ -180,7 +180,7 @@ impl<B: FlashAttentionBackend> TransformerBlock<B> {
     pub fn try_forward(
         &self,
         x: Tensor<B, 3>,
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<B>,
     ) -> Result<Tensor<B, 3>, Error> {
         self.try_forward_masked(x, context, None)
     }
@@ -189,7 +189,7 @@ impl<B: FlashAttentionBackend> TransformerBlock<B> {
     fn try_forward_masked(
         &self,
         x: Tensor<B, 3>,
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<B>,
         documents: Option<&Documents>,
     ) -> Result<Tensor<B, 3>, Error> {
         self.attention.check_input(&x, context, documents)?;
@@ -223,7 +223,7 @@ impl<B: FlashAttentionBackend> TransformerBlock<B> {
     pub(crate) fn forward_stored(
         &self,
         x: Tensor<B, 3>,
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<B>,
         documents: Option<&Documents>,
     ) -> Result<Tensor<B, 3>, Error> {
         let half = self.attention_half(x, context, documents, None)?;
@@ -235,7 +235,7 @@ impl<B: FlashAttentionBackend> TransformerBlock<B> {
     pub(crate) fn attention_half(
         &self,
         x: Tensor<B, 3>,
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<B>,
         documents: Option<&Documents>,
         saved: Option<(Tensor<B, 4>, Tensor<B, 3>)>,
     ) -> Result<AttentionHalf<B>, Error> {
@@ -265,7 +265,7 @@ impl<B: FlashAttentionBackend> TransformerBlock<B> {
         &self,
         half: AttentionHalf<B>,
         grad: Tensor<B, 3>,
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<B>,
         documents: Option<&Documents>,
     ) -> BlockGrads<B> {
         let ffn_input = self.ffn_norm.forward(half.h.clone());
@@ -330,7 +330,7 @@ impl<B: FlashAttentionBackend> CheckpointSegment<B, BLOCK_PARENTS> for Transform
     fn forward_stored(
         &self,
         x: Tensor<B, 3>,
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<B>,
         documents: Option<&Documents>,
     ) -> Result<Tensor<B, 3>, Error> {
         TransformerBlock::forward_stored(self, x, context, documents)
@@ -339,7 +339,7 @@ impl<B: FlashAttentionBackend> CheckpointSegment<B, BLOCK_PARENTS> for Transform
     fn forward_keeping(
         &self,
         x: Tensor<B, 3>,
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<B>,
         documents: Option<&Documents>,
         placement: CheckpointPlacement,
     ) -> Result<(Tensor<B, 3>, Vec<FloatTensor<B>>), Error> {
@@ -360,7 +360,7 @@ impl<B: FlashAttentionBackend> CheckpointSegment<B, BLOCK_PARENTS> for Transform
         x: Tensor<B, 3>,
         kept: Vec<FloatTensor<B>>,
         grad: Tensor<B, 3>,
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<B>,
         documents: Option<&Documents>,
     ) -> Result<(Tensor<B, 3>, Vec<(ParamId, FloatTensor<B>)>), Error> {
         let mut kept = kept.into_iter();

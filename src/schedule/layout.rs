@@ -22,18 +22,9 @@
 use crate::Error;
 use core::ops::Range;
 
-use serde::{Deserialize, Serialize};
+pub use crate::shard_layout::Layout;
 
-/// Which positions of the sequence each rank holds (see the module docs for pictures).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
-pub enum Layout {
-    /// Rank `r` of `P` holds positions `r*S .. (r+1)*S`.
-    #[default]
-    Contiguous,
-    /// The sequence cut into `2P` chunks; rank `r` holds chunks `r` and `2P-1-r`, in that order.
-    Zigzag,
-}
-
+// The type is defined in a leaf module (so that `Error` can carry it); its methods are here.
 impl Layout {
     /// Chunks each rank holds: 1 (contiguous) or 2 (zigzag).
     pub fn chunks_per_rank(self) -> usize {

@@ -119,7 +119,7 @@ pub fn step<B: AutodiffBackend + FlashAttentionBackend>(
     blocks: &[TransformerBlock<B>],
     x: Tensor<B::InnerBackend, 3>,
     r: Tensor<B::InnerBackend, 3>,
-    context: &AttentionContext<<B as burn_distflash::FlashAttentionBackend>::Inner>,
+    context: &AttentionContext<B>,
 ) -> StepResult {
     step_with_documents(blocks, x, r, context, None)
 }
@@ -129,7 +129,7 @@ pub fn step_with_documents<B: AutodiffBackend + FlashAttentionBackend>(
     blocks: &[TransformerBlock<B>],
     x: Tensor<B::InnerBackend, 3>,
     r: Tensor<B::InnerBackend, 3>,
-    context: &AttentionContext<<B as burn_distflash::FlashAttentionBackend>::Inner>,
+    context: &AttentionContext<B>,
     documents: Option<&Documents>,
 ) -> StepResult {
     for block in blocks {

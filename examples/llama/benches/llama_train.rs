@@ -91,7 +91,7 @@ fn main() {
         num("--batch", 1),
     );
     let devices: Vec<CudaDevice> = (0..gpus).map(CudaDevice::new).collect();
-    let contexts: Vec<AttentionContext<Inner>> = if gpus == 1 {
+    let contexts: Vec<AttentionContext<Train>> = if gpus == 1 {
         vec![AttentionContext::Local]
     } else {
         DeviceGroup::<Inner>::nccl(&devices)

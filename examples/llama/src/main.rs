@@ -325,7 +325,7 @@ fn train_rank<B: TrainBackend>(
     args: &Args,
     config: &LlamaConfig,
     model: Llama<B>,
-    context: AttentionContext<B::InnerBackend>,
+    context: AttentionContext<B>,
 ) {
     let mut trainer = Trainer::new(model, context, args.options.clone());
     let (rank, world) = trainer.rank();
@@ -406,7 +406,7 @@ fn train_rank<B: TrainBackend>(
             (trainer.train_step_packed(&x, &y, documents.as_ref())).unwrap_or_else(|e| fail(e));
         let tokens_per_s = (o.batch * o.seq_len) as f64 / step_start.elapsed().as_secs_f64();
         let last = trainer.step == o.steps;
-        let validate = args.val_every > 0 && (last || trainer.step % args.val_every == 0);
+        let validate = args.val_every > 0 && (last || trainer.step.is_multiple_of(args.val_every));
         let val_loss = validate.then(|| {
             validation_loss(args, &trainer, &validation)
                 .unwrap_or_else(|e| fail(format!("validation loss: {e}")))
@@ -424,7 +424,8 @@ fn train_rank<B: TrainBackend>(
             })
             .unwrap_or_else(|e| fail(e));
         }
-        if leader && (last || (args.save_every > 0 && trainer.step % args.save_every == 0)) {
+        if leader && (last || (args.save_every > 0 && trainer.step.is_multiple_of(args.save_every)))
+        {
             trainer.save(&checkpoint_dir).unwrap_or_else(|e| fail(e));
         }
     }

@@ -130,7 +130,7 @@ impl<B: FlashAttentionBackend> Llama<B> {
     pub fn forward(
         &self,
         tokens: Tensor<B, 2, Int>,
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<B>,
     ) -> Result<Tensor<B, 3>, PluginError> {
         self.forward_masked(tokens, context, None)
     }
@@ -152,7 +152,7 @@ impl<B: FlashAttentionBackend> Llama<B> {
     pub fn forward_with_documents(
         &self,
         tokens: Tensor<B, 2, Int>,
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<B>,
         documents: &Documents,
     ) -> Result<Tensor<B, 3>, PluginError> {
         self.forward_masked(tokens, context, Some(documents))
@@ -162,7 +162,7 @@ impl<B: FlashAttentionBackend> Llama<B> {
     fn forward_masked(
         &self,
         tokens: Tensor<B, 2, Int>,
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<B>,
         documents: Option<&Documents>,
     ) -> Result<Tensor<B, 3>, PluginError> {
         self.check_tokens(&tokens)?;
@@ -209,7 +209,7 @@ impl<B: FlashAttentionBackend> Llama<B> {
         &self,
         tokens: Tensor<B, 2, Int>,
         targets: Tensor<B, 2, Int>,
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<B>,
         normalizer: usize,
     ) -> Result<Tensor<B, 1>, PluginError>
     where
@@ -231,7 +231,7 @@ impl<B: FlashAttentionBackend> Llama<B> {
         &self,
         tokens: Tensor<B, 2, Int>,
         targets: Tensor<B, 2, Int>,
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<B>,
         documents: &Documents,
         normalizer: usize,
     ) -> Result<Tensor<B, 1>, PluginError>
@@ -246,7 +246,7 @@ impl<B: FlashAttentionBackend> Llama<B> {
         &self,
         tokens: Tensor<B, 2, Int>,
         targets: Tensor<B, 2, Int>,
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<B>,
         documents: Option<&Documents>,
         normalizer: usize,
     ) -> Result<Tensor<B, 1>, PluginError>

@@ -144,18 +144,14 @@ pub struct Trainer<B: TrainBackend> {
     /// Steps done.
     pub step: u64,
     /// Where attention runs (a sharded context for a group).
-    pub context: AttentionContext<B::InnerBackend>,
+    pub context: AttentionContext<B>,
     /// Optimisation settings.
     pub options: TrainOptions,
 }
 
 impl<B: TrainBackend> Trainer<B> {
     /// A trainer at step 0.
-    pub fn new(
-        model: Llama<B>,
-        context: AttentionContext<B::InnerBackend>,
-        options: TrainOptions,
-    ) -> Self {
+    pub fn new(model: Llama<B>, context: AttentionContext<B>, options: TrainOptions) -> Self {
         let optim = FusedAdamW::new(
             options.beta_1 as f32,
             options.beta_2 as f32,
@@ -444,7 +440,7 @@ pub struct TrainerState {
 /// Sums each gradient over the group and accumulates its squared norm.
 struct ReduceGrads<'a, B: TrainBackend> {
     grads: GradientsParams,
-    context: &'a AttentionContext<B::InnerBackend>,
+    context: &'a AttentionContext<B>,
     squared_norm: Vec<Tensor<B::InnerBackend, 1>>,
     error: Option<PluginError>,
 }

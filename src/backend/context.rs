@@ -1,16 +1,20 @@
 //! Where a layer's attention runs: over the whole sequence on one device, or over this rank's
-//! shard of a sequence split across a [`DeviceGroup`].
+//! shard of a sequence split across a [`DeviceGroup`]. A child of `backend` because the two name
+//! each other: the context holds a group of the backend's [`FlashAttentionBackend::Inner`], and
+//! the trait's checkpointed segments take a context.
 
 use crate::Error;
-use burn::tensor::backend::Backend;
 
+use super::FlashAttentionBackend;
 use crate::collective::DeviceGroup;
 use crate::options::{FlashAttentionOptions, SequenceParallelOptions};
 use crate::schedule::{Layout, ScheduleKind};
 
-/// How attention sees the sequence. Pass the same context to every layer of a forward pass.
+/// How attention sees the sequence, for a model on backend `B` (the backend you use:
+/// `Autodiff<Cuda>` when training, for example). Pass the same context to every layer of a
+/// forward pass.
 #[derive(Debug, Clone)]
-pub enum AttentionContext<I: Backend> {
+pub enum AttentionContext<B: FlashAttentionBackend> {
     /// The tensors hold the whole sequence, on one device.
     Local,
     /// The tensors hold rank `group.rank()`'s shard of a sequence of `world_size * shard_len`
@@ -19,8 +23,10 @@ pub enum AttentionContext<I: Backend> {
     /// [`crate::sequence_parallel::shard_sequence`]): rotary embeddings use those positions and
     /// attention runs sequence-parallel over the group (every rank must run the same layers).
     Sharded {
-        /// This rank's handle on the group.
-        group: DeviceGroup<I>,
+        /// This rank's handle on the group, over the backend that computes and communicates
+        /// ([`FlashAttentionBackend::Inner`]: the CubeCL or ndarray backend under `Autodiff`
+        /// and `Fusion`).
+        group: DeviceGroup<B::Inner>,
         /// Which schedule, and so which layout (`Auto`: see [`ScheduleKind::resolve`]).
         schedule: ScheduleKind,
         /// Prefetch the next chunk while computing (off only to measure what it saves).
@@ -28,9 +34,9 @@ pub enum AttentionContext<I: Backend> {
     },
 }
 
-impl<I: Backend> AttentionContext<I> {
+impl<B: FlashAttentionBackend> AttentionContext<B> {
     /// This rank's shard of a sequence split across `group`, `Auto` schedule, overlap on.
-    pub fn sharded(group: DeviceGroup<I>) -> Self {
+    pub fn sharded(group: DeviceGroup<B::Inner>) -> Self {
         Self::Sharded {
             group,
             schedule: ScheduleKind::Auto,
@@ -47,6 +53,27 @@ impl<I: Backend> AttentionContext<I> {
                 overlap,
             },
             local => local,
+        }
+    }
+
+    /// The same context for a model on backend `O`, which computes on the same inner backend:
+    /// for example the context of an `Autodiff<B>` model for its `valid()` copy on `B`, which
+    /// evaluates on the same group. The group is shared, not copied.
+    pub fn for_backend<O>(&self) -> AttentionContext<O>
+    where
+        O: FlashAttentionBackend<Inner = B::Inner>,
+    {
+        match self {
+            Self::Local => AttentionContext::Local,
+            Self::Sharded {
+                group,
+                schedule,
+                overlap,
+            } => AttentionContext::Sharded {
+                group: group.clone(),
+                schedule: *schedule,
+                overlap: *overlap,
+            },
         }
     }
 
@@ -85,7 +112,7 @@ impl<I: Backend> AttentionContext<I> {
     pub(crate) fn sequence_parallel_options(
         &self,
         attention: FlashAttentionOptions,
-    ) -> Option<(&DeviceGroup<I>, SequenceParallelOptions)> {
+    ) -> Option<(&DeviceGroup<B::Inner>, SequenceParallelOptions)> {
         match self {
             Self::Local => None,
             Self::Sharded {

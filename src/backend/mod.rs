@@ -13,12 +13,14 @@ use distflash_kernels::AttentionDims;
 
 use crate::checkpoint::CheckpointPlacement;
 use crate::collective::DeviceGroup;
-use crate::context::AttentionContext;
 use crate::layer_ops;
 use crate::matmul::{product, Transposed};
 use crate::options::SequenceParallelOptions;
 use crate::options::{Documents, FlashAttentionOptions};
 use crate::step::{self, AttentionState, StepMask};
+
+mod context;
+pub use context::AttentionContext;
 
 /// Gradients of q, k and v.
 pub(crate) type Grads<B> = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
@@ -392,7 +394,7 @@ pub trait FlashAttentionBackend: Backend {
     fn checkpointed<S, const PARENTS: usize>(
         segment: &S,
         x: Tensor<Self, 3>,
-        context: &AttentionContext<Self::Inner>,
+        context: &AttentionContext<Self>,
         documents: Option<&Documents>,
         placement: CheckpointPlacement,
     ) -> Result<Tensor<Self, 3>, Error>
@@ -426,7 +428,7 @@ pub trait CheckpointSegment<B: FlashAttentionBackend, const PARENTS: usize>:
     fn forward_stored(
         &self,
         x: Tensor<B, 3>,
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<B>,
         documents: Option<&Documents>,
     ) -> Result<Tensor<B, 3>, Error>;
 
@@ -440,7 +442,7 @@ pub trait CheckpointSegment<B: FlashAttentionBackend, const PARENTS: usize>:
     fn forward_keeping(
         &self,
         x: Tensor<B, 3>,
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<B>,
         documents: Option<&Documents>,
         placement: CheckpointPlacement,
     ) -> Result<(Tensor<B, 3>, Vec<FloatTensor<B>>), Error>;
@@ -457,7 +459,7 @@ pub trait CheckpointSegment<B: FlashAttentionBackend, const PARENTS: usize>:
         x: Tensor<B, 3>,
         kept: Vec<FloatTensor<B>>,
         grad: Tensor<B, 3>,
-        context: &AttentionContext<B::Inner>,
+        context: &AttentionContext<B>,
         documents: Option<&Documents>,
     ) -> Result<(Tensor<B, 3>, Vec<(ParamId, FloatTensor<B>)>), Error>;
 

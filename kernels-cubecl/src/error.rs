@@ -7,6 +7,7 @@ use cubecl::prelude::*;
 
 /// Why a kernel call was refused, or failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum KernelError {
     /// A tensor does not have the rank the operation expects.
     Rank {

@@ -158,12 +158,7 @@ fn rank_main(
 ) -> RankTimes {
     let device = group.device().clone();
     let shape = [1, HEADS, tokens, HEAD_DIM];
-    let (q, k, v, dout) = (
-        random(shape, &device),
-        random(shape, &device),
-        random(shape, &device),
-        random(shape, &device),
-    );
+    let [q, k, v, dout] = [(); 4].map(|()| random(shape, &device));
     let local = DeviceGroup::<Bf16>::new(NoComm {
         rank: group.rank(),
         world: group.world_size(),
@@ -240,12 +235,7 @@ fn slowest_median(per_rank: &[&Vec<f64>]) -> f64 {
 fn single_gpu(seq: usize, iters: usize, options: &FlashAttentionOptions) -> (f64, f64) {
     let device = CudaDevice::new(0);
     let shape = [1, HEADS, seq, HEAD_DIM];
-    let (q, k, v, dout) = (
-        random(shape, &device),
-        random(shape, &device),
-        random(shape, &device),
-        random(shape, &device),
-    );
+    let [q, k, v, dout] = [(); 4].map(|()| random(shape, &device));
     let one = Barrier::new(1);
     let forward = || Bf16::flash_attention(q.clone(), k.clone(), v.clone(), options.clone());
     let median = |mut t: Vec<f64>| {

@@ -146,6 +146,22 @@ fn time_iters(iters: usize, barrier: &Barrier, device: &CudaDevice, run: impl Fn
         .collect()
 }
 
+/// Seconds of each iteration of `forward` alone, then of `forward` followed by `backward` of
+/// its result (both timed as [`time_iters`] says).
+fn time_forward_backward<T>(
+    iters: usize,
+    barrier: &Barrier,
+    device: &CudaDevice,
+    forward: impl Fn() -> T,
+    backward: impl Fn(T),
+) -> (Vec<f64>, Vec<f64>) {
+    let fwd = time_iters(iters, barrier, device, || {
+        forward();
+    });
+    let fwd_bwd = time_iters(iters, barrier, device, || backward(forward()));
+    (fwd, fwd_bwd)
+}
+
 /// Per-rank timings of every configuration, forward and forward+backward.
 type RankTimes = Vec<(Config, Vec<f64>, Vec<f64>)>;
 
@@ -158,12 +174,7 @@ fn rank_main(
 ) -> RankTimes {
     let device = group.device().clone();
     let shape = [1, HEADS, tokens, HEAD_DIM];
-    let (q, k, v, dout) = (
-        random(shape, &device),
-        random(shape, &device),
-        random(shape, &device),
-        random(shape, &device),
-    );
+    let [q, k, v, dout] = [(); 4].map(|()| random(shape, &device));
     let local = DeviceGroup::<Bf16>::new(NoComm {
         rank: group.rank(),
         world: group.world_size(),
@@ -178,11 +189,7 @@ fn rank_main(
                 Bf16::sequence_parallel_attention(q.clone(), k.clone(), v.clone(), g, &options)
                     .expect("forward")
             };
-            let fwd = time_iters(iters, &barrier, &device, || {
-                forward();
-            });
-            let fwd_bwd = time_iters(iters, &barrier, &device, || {
-                let (out, lse) = forward();
+            let backward = |(out, lse)| {
                 Bf16::sequence_parallel_backward(
                     q.clone(),
                     k.clone(),
@@ -194,7 +201,8 @@ fn rank_main(
                     &options,
                 )
                 .expect("backward");
-            });
+            };
+            let (fwd, fwd_bwd) = time_forward_backward(iters, &barrier, &device, forward, backward);
             (config, fwd, fwd_bwd)
         })
         .collect()
@@ -240,23 +248,14 @@ fn slowest_median(per_rank: &[&Vec<f64>]) -> f64 {
 fn single_gpu(seq: usize, iters: usize, options: &FlashAttentionOptions) -> (f64, f64) {
     let device = CudaDevice::new(0);
     let shape = [1, HEADS, seq, HEAD_DIM];
-    let (q, k, v, dout) = (
-        random(shape, &device),
-        random(shape, &device),
-        random(shape, &device),
-        random(shape, &device),
-    );
+    let [q, k, v, dout] = [(); 4].map(|()| random(shape, &device));
     let one = Barrier::new(1);
     let forward = || Bf16::flash_attention(q.clone(), k.clone(), v.clone(), options.clone());
     let median = |mut t: Vec<f64>| {
         t.sort_by(|a, b| a.total_cmp(b));
         t[t.len() / 2]
     };
-    let fwd = median(time_iters(iters, &one, &device, || {
-        forward();
-    }));
-    let fwd_bwd = median(time_iters(iters, &one, &device, || {
-        let (out, lse) = forward();
+    let backward = |(out, lse)| {
         Bf16::flash_attention_backward(
             q.clone(),
             k.clone(),
@@ -266,8 +265,9 @@ fn single_gpu(seq: usize, iters: usize, options: &FlashAttentionOptions) -> (f64
             dout.clone(),
             options.clone(),
         );
-    }));
-    (fwd, fwd_bwd)
+    };
+    let (fwd, fwd_bwd) = time_forward_backward(iters, &one, &device, forward, backward);
+    (median(fwd), median(fwd_bwd))
 }
 
 fn main() {

@@ -1,14 +1,17 @@
 //! Text generation after training: a small Llama trained on a repeating pattern continues it
 //! greedily; top-k sampling is reproducible from its seed; bad prompts and settings are refused.
 
+mod common;
+
 use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::{Autodiff, NdArray};
 use burn_distflash::AttentionContext;
+use common::input_error;
 use distflash_llama::data::TokenDataset;
 use distflash_llama::generate::{generate, Sampling};
 use distflash_llama::tokenizer::Tokenizer;
 use distflash_llama::train::{TrainOptions, Trainer};
-use distflash_llama::{Error, Llama, LlamaConfig};
+use distflash_llama::{Llama, LlamaConfig};
 
 type Cpu = Autodiff<NdArray<f32>>;
 const DEVICE: NdArrayDevice = NdArrayDevice::Cpu;
@@ -61,16 +64,6 @@ fn bad_prompts_and_settings_are_refused() {
     let model = LlamaConfig::new(256, 64, 1, 4, 2, 128)
         .try_init::<Cpu>(&DEVICE)
         .unwrap();
-    // The value, what is allowed and what was given, of an input error.
-    let input_error = |r: Result<Vec<u32>, Error>| match r {
-        Err(Error::Invalid {
-            what,
-            expected,
-            got,
-            ..
-        }) => (what, expected, got),
-        other => panic!("expected an input error, got {other:?}"),
-    };
     let (what, _, got) = input_error(generate(&model, &[], 5, 8, Sampling::Greedy));
     assert_eq!((what.as_str(), got.as_str()), ("the prompt", "empty"));
     let (what, expected, got) = input_error(generate(&model, &[1, 256], 5, 8, Sampling::Greedy));

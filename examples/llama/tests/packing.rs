@@ -4,12 +4,15 @@
 //! configs written before the `window` field still load, and a window of 0 or an end-of-text id
 //! outside the vocabulary is refused.
 
+mod common;
+
 use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::NdArray;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_distflash::{AttentionContext, Documents};
+use common::input_error;
 use distflash_llama::data::Packing;
-use distflash_llama::{Error, Llama, LlamaConfig};
+use distflash_llama::{Llama, LlamaConfig};
 
 type Cpu = NdArray<f32>;
 const DEVICE: NdArrayDevice = NdArrayDevice::Cpu;
@@ -200,21 +203,12 @@ fn a_window_of_zero_and_an_eot_outside_the_vocabulary_are_refused() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("window") && e.contains("at least 1"), "{e}");
-    match Packing::new(VOCAB as u32, VOCAB) {
-        Err(Error::Invalid {
-            what,
-            expected,
-            got,
-            ..
-        }) => {
-            assert_eq!(
-                (what.as_str(), got.as_str()),
-                ("the end-of-text token id", "64")
-            );
-            assert!(expected.contains("vocabulary of 64 tokens"), "{expected}");
-        }
-        other => panic!("expected an input error, got {other:?}"),
-    }
+    let (what, expected, got) = input_error(Packing::new(VOCAB as u32, VOCAB));
+    assert_eq!(
+        (what.as_str(), got.as_str()),
+        ("the end-of-text token id", "64")
+    );
+    assert!(expected.contains("vocabulary of 64 tokens"), "{expected}");
     // Documents of another length than the sequence are the plugin's error.
     let rows = packed_rows();
     let short = Documents::from_cu_seqlens(&[0, 5, 23]).unwrap();

@@ -15,6 +15,7 @@ use burn::tensor::{Int, Tensor};
 use burn_distflash::collective::on_each_rank;
 use burn_distflash::layers::{replicate, CheckpointPlacement};
 use burn_distflash::{AttentionContext, DeviceGroup, Documents};
+use common::input_error;
 use common::modules::{float_params, require_grad_flags, ParamValues};
 use common::temp_dir::TempDir;
 use common::within::within;
@@ -229,15 +230,7 @@ fn bad_shapes_are_refused_before_any_work() {
             let model = small().try_init::<Cpu>(&DEVICE).unwrap();
             let mut t = Trainer::new(model, AttentionContext::sharded(group), options(1));
             let tokens = vec![1u32; 4 * 32];
-            match t.train_step(&tokens, &tokens) {
-                Err(Error::Invalid {
-                    what,
-                    expected,
-                    got,
-                    ..
-                }) => (what, expected, got),
-                other => panic!("expected an input error, got {other:?}"),
-            }
+            input_error(t.train_step(&tokens, &tokens))
         });
         for (what, expected, got) in errors {
             assert_eq!((what.as_str(), got.as_str()), ("seq_len", "32"));
@@ -256,18 +249,9 @@ fn tokens_the_model_cannot_take_are_refused_before_any_work() {
     let mut trainer = Trainer::new(model, AttentionContext::Local, options(1));
     let mut tokens = vec![1u32; 4 * 32];
     tokens[5] = 256;
-    match trainer.train_step(&tokens, &tokens) {
-        Err(Error::Invalid {
-            what,
-            expected,
-            got,
-            ..
-        }) => {
-            assert_eq!((what.as_str(), got.as_str()), ("a token id", "256"));
-            assert!(expected.contains("vocabulary of 256 tokens"), "{expected}")
-        }
-        other => panic!("expected an input error, got {other:?}"),
-    }
+    let (what, expected, got) = input_error(trainer.train_step(&tokens, &tokens));
+    assert_eq!((what.as_str(), got.as_str()), ("a token id", "256"));
+    assert!(expected.contains("vocabulary of 256 tokens"), "{expected}");
     assert_eq!(trainer.step, 0);
     let empty = Tensor::<Cpu, 2, Int>::zeros([2, 0], &DEVICE);
     let e = trainer

@@ -11,3 +11,19 @@ pub mod modules;
 pub mod temp_dir;
 #[path = "../../../../tests/common/within.rs"]
 pub mod within;
+
+/// What was checked, what is allowed and what was given, of an input error
+/// ([`Error::Invalid`](distflash_llama::Error::Invalid)); panics on any other result.
+pub fn input_error<T: std::fmt::Debug>(
+    result: Result<T, distflash_llama::Error>,
+) -> (String, String, String) {
+    match result {
+        Err(distflash_llama::Error::Invalid {
+            what,
+            expected,
+            got,
+            ..
+        }) => (what, expected, got),
+        other => panic!("expected an input error, got {other:?}"),
+    }
+}

@@ -17,7 +17,8 @@
 //! between storing P^T and dS^T and reading them back. The query tiles are
 //! double-buffered as in the dQ kernel, and their rows' log-sum-exp and delta arrive with them
 //! (4-byte asynchronous copies on the same barrier: no register holds them across a step); the
-//! walk over (query head, query tile) advances by one step without a division.
+//! walk over (query head, query tile) advances by one step without a division, each head's tiles
+//! from the last to the first (FlashAttention-2's order).
 //!
 //! Masks: each key sees one contiguous range of queries (`key_query_range`), both ends never
 //! decreasing with the key, so a block walks only the query tiles from its first key's first
@@ -265,14 +266,17 @@ pub fn backward_dkdv_mma<E: Float>(
     let steps = group_size * (end - first);
     // The walk's position, advanced one step at a time (no division per step): this step's
     // (batch, query head) slice and query tile, and the next step's.
+    // FlashAttention-2's order: each head's tiles from the last to the first, so the cubes under
+    // way on one head read the same query tiles at about the same time.
     let mut slice = batch * q_heads + kv_head * group_size;
-    let mut tile = first;
+    let mut tile = select(steps > 0, end - 1, 0u32);
     let mut next_slice = slice;
-    let mut next_tile = tile + 1;
-    if next_tile == end {
-        next_tile = first;
+    let mut next_tile = tile;
+    if next_tile == first {
+        next_tile = end;
         next_slice += 1;
     }
+    next_tile -= 1;
 
     // The block's K and V and the first query tile arrive on the even barrier.
     if steps > 0 {
@@ -410,11 +414,11 @@ pub fn backward_dkdv_mma<E: Float>(
         );
         slice = next_slice;
         tile = next_tile;
-        next_tile += 1;
-        if next_tile == end {
-            next_tile = first;
+        if next_tile == first {
+            next_tile = end;
             next_slice += 1;
         }
+        next_tile -= 1;
     }
     // Keys no query sees never waited for their K and V copies: no cube exits with copies in
     // flight.

@@ -145,6 +145,32 @@ pub fn band_tiles(
     }
 }
 
+// The tensor-core dK/dV walk: each (batch, query head) slice's tiles from the last to the first,
+// slice after slice.
+
+/// One position of a walk over several slices' band tiles: a slice and one of its tiles.
+#[derive(CubeType)]
+pub struct WalkPosition {
+    /// The (batch, query head) slice.
+    pub slice: u32,
+    /// The tile of the slice, in `[first, end)` of its [`BandTiles`].
+    pub tile: u32,
+}
+
+#[cube]
+impl BandTiles {
+    /// The position after `(slice, tile)` in a walk that takes each slice's tiles from the last
+    /// (`end - 1`) down to `first`, slice after slice: one tile back, or, from a slice's `first`
+    /// tile, the next slice's last tile.
+    pub fn step_back(&self, slice: u32, tile: u32) -> WalkPosition {
+        let wraps = tile == self.first;
+        WalkPosition {
+            slice: slice + select(wraps, 1u32, 0u32),
+            tile: select(wraps, self.end, tile) - 1,
+        }
+    }
+}
+
 // The tensor-core forward's walk: the interior first, then every masked tile in one loop.
 
 #[cube]

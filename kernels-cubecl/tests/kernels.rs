@@ -374,23 +374,37 @@ fn packed(lengths: &[usize], len: usize) -> Vec<usize> {
     unreachable!("cycle never ends")
 }
 
-/// Sliding windows and packed documents for a `batch` x `q_len` x `kv_len` call whose query and
-/// key chunks both end at the sequence's last position: windows of 1, 37 and longer than the
-/// sequence, a two-sided window without causality, documents of lengths 1, odd and longer than a
-/// tile (shared, and one list per batch row), bidirectional documents, documents with a window.
-fn band_masks(batch: usize, q_len: usize, kv_len: usize) -> Vec<Mask> {
+/// Which of [`band_masks`] a test takes: each group compiles its own kernel variants, so the two
+/// are separate tests a runner can spread over processes.
+#[derive(Clone, Copy, PartialEq)]
+enum BandGroup {
+    /// Sliding windows alone.
+    Windows,
+    /// Packed documents, with and without a window.
+    Documents,
+}
+
+/// Sliding windows or packed documents for a `batch` x `q_len` x `kv_len` call whose query and
+/// key chunks both end at the sequence's last position. Windows: 1, 37 and longer than the
+/// sequence, and a two-sided window without causality. Documents: lengths 1, odd and longer than
+/// a tile (shared, and one list per batch row), bidirectional documents, documents with a window.
+fn band_masks(group: BandGroup, batch: usize, q_len: usize, kv_len: usize) -> Vec<Mask> {
     let total = q_len.max(kv_len);
     let at = |m: Mask| m.at((total - q_len) as i64, (total - kv_len) as i64);
+    if group == BandGroup::Windows {
+        return vec![
+            at(Mask::causal().with_window(SlidingWindow::causal(1))),
+            at(Mask::causal().with_window(SlidingWindow::causal(37))),
+            at(Mask::causal().with_window(SlidingWindow::causal(10 * total))),
+            at(Mask::none().with_window(SlidingWindow::two_sided(19, 45))),
+        ];
+    }
     let docs = Documents::from_cu_seqlens(&packed(&[1, 7, 64, 3, 130, 33], total)).unwrap();
     let rows: Vec<Vec<usize>> = (0..batch)
         .map(|b| packed(&[5 + 40 * b, 1, 71, 2], total))
         .collect();
     let per_row = Documents::per_batch_row(&rows).unwrap();
     vec![
-        at(Mask::causal().with_window(SlidingWindow::causal(1))),
-        at(Mask::causal().with_window(SlidingWindow::causal(37))),
-        at(Mask::causal().with_window(SlidingWindow::causal(10 * total))),
-        at(Mask::none().with_window(SlidingWindow::two_sided(19, 45))),
         at(Mask::causal().with_documents(docs.clone())),
         at(Mask::causal().with_documents(per_row)),
         at(Mask::none().with_documents(docs.clone())),
@@ -400,16 +414,30 @@ fn band_masks(batch: usize, q_len: usize, kv_len: usize) -> Vec<Mask> {
     ]
 }
 
-/// Sliding windows and documents (see [`band_masks`]), forward and backward, against the
-/// reference: shapes with several key tiles and query blocks, GQA and two batch rows.
-pub fn band_masks_match_reference<R: Runtime>(client: &ComputeClient<R>, elem: ElemType) {
+/// Sliding windows (see [`band_masks`]), forward and backward, against the reference.
+pub fn band_windows_match_reference<R: Runtime>(client: &ComputeClient<R>, elem: ElemType) {
+    band_masks_match_reference(client, elem, BandGroup::Windows)
+}
+
+/// Packed documents (see [`band_masks`]), forward and backward, against the reference.
+pub fn band_documents_match_reference<R: Runtime>(client: &ComputeClient<R>, elem: ElemType) {
+    band_masks_match_reference(client, elem, BandGroup::Documents)
+}
+
+/// One group of [`band_masks`], forward and backward, against the reference: shapes with several
+/// key tiles and query blocks, GQA and two batch rows.
+fn band_masks_match_reference<R: Runtime>(
+    client: &ComputeClient<R>,
+    elem: ElemType,
+    group: BandGroup,
+) {
     for (elem, variant) in configurations(client, elem) {
         for (heads, lens) in [
             ((1, 4, 2), (131, 197, 64)),
             ((2, 3, 3), (96, 96, 128)),
             ((1, 2, 1), (300, 300, 64)),
         ] {
-            for mask in band_masks(heads.0, lens.0, lens.1) {
+            for mask in band_masks(group, heads.0, lens.0, lens.1) {
                 let case = Case::new(53, heads, lens, mask, elem);
                 check_forward(client, &case, variant);
                 check_backward(client, &case, variant);
@@ -1009,7 +1037,8 @@ macro_rules! suite {
             suite!(@per_elem backward, backward_matches_reference, $client $(, #[$attr])?);
             suite!(@per_elem chunks, chunks_step_and_merge_exactly, $client $(, #[$attr])?);
             suite!(@per_elem fully_masked, fully_masked_rows_are_zero, $client $(, #[$attr])?);
-            suite!(@per_elem band_masks, band_masks_match_reference, $client $(, #[$attr])?);
+            suite!(@per_elem band_windows, band_windows_match_reference, $client $(, #[$attr])?);
+            suite!(@per_elem band_documents, band_documents_match_reference, $client $(, #[$attr])?);
             suite!(@per_elem band_mask_edges, band_mask_edges_match_reference, $client $(, #[$attr])?);
             suite!(@per_elem extreme_scores, extreme_scores_beside_a_partial_key_block, $client $(, #[$attr])?);
             suite!(@per_elem rising_scores, rising_scores, $client $(, #[$attr])?);

@@ -264,19 +264,15 @@ pub fn backward_dkdv_mma<E: Float>(
     let (first, lead_end, trail_start, end) =
         (tiles.first, tiles.lead_end, tiles.trail_start, tiles.end);
     let steps = group_size * (end - first);
-    // The walk's position, advanced one step at a time (no division per step): this step's
-    // (batch, query head) slice and query tile, and the next step's.
+    // The walk's position, advanced one step at a time by `BandTiles::step_back` (no division
+    // per step): this step's (batch, query head) slice and query tile, and the next step's.
     // FlashAttention-2's order: each head's tiles from the last to the first, so the cubes under
     // way on one head read the same query tiles at about the same time.
     let mut slice = batch * q_heads + kv_head * group_size;
     let mut tile = select(steps > 0, end - 1, 0u32);
-    let mut next_slice = slice;
-    let mut next_tile = tile;
-    if next_tile == first {
-        next_tile = end;
-        next_slice += 1;
-    }
-    next_tile -= 1;
+    let after = tiles.step_back(slice, tile);
+    let mut next_slice = after.slice;
+    let mut next_tile = after.tile;
 
     // The block's K and V and the first query tile arrive on the even barrier.
     if steps > 0 {
@@ -414,11 +410,9 @@ pub fn backward_dkdv_mma<E: Float>(
         );
         slice = next_slice;
         tile = next_tile;
-        if next_tile == first {
-            next_tile = end;
-            next_slice += 1;
-        }
-        next_tile -= 1;
+        let after = tiles.step_back(slice, tile);
+        next_slice = after.slice;
+        next_tile = after.tile;
     }
     // Keys no query sees never waited for their K and V copies: no cube exits with copies in
     // flight.

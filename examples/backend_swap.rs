@@ -8,6 +8,7 @@
 
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Distribution, Tensor};
+use burn_distflash::layers::project;
 use burn_distflash::{flash_attention, FlashAttentionBackend, FlashAttentionOptions};
 
 const MODEL: usize = 256;
@@ -40,9 +41,10 @@ impl<B: AutodiffBackend + FlashAttentionBackend> AttentionBlock<B> {
     /// `x` is `[batch, seq, MODEL]`.
     fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let [batch, seq, _] = x.dims();
+        // `project` rather than Burn's autodiff matmul: its gradient products never hand Burn's
+        // matmul a transposed view (wrong on wgpu in Burn 0.21 for some shapes).
         let heads = |w: &Tensor<B, 2>, n: usize| {
-            x.clone()
-                .matmul(w.clone().unsqueeze())
+            project(x.clone(), w.clone())
                 .reshape([batch, seq, n, HEAD_DIM])
                 .swap_dims(1, 2)
         };
@@ -52,9 +54,11 @@ impl<B: AutodiffBackend + FlashAttentionBackend> AttentionBlock<B> {
             heads(&self.wv, KV_HEADS),
         );
         let out = flash_attention(q, k, v, FlashAttentionOptions::causal()).expect("valid shapes");
-        out.swap_dims(1, 2)
-            .reshape([batch, seq, Q_HEADS * HEAD_DIM])
-            .matmul(self.wo.clone().unsqueeze())
+        project(
+            out.swap_dims(1, 2)
+                .reshape([batch, seq, Q_HEADS * HEAD_DIM]),
+            self.wo.clone(),
+        )
     }
 
     /// One SGD step on `loss = mean((block(x) - x)^2)`; returns the loss.

@@ -6,6 +6,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Bool, Int, Tensor, TensorData, TensorMetadata, TensorPrimitive};
 
+use crate::matmul::matmul;
 use crate::options::{FlashAttentionOptions, Mask};
 use crate::step::{self, AttentionState, StepMask};
 
@@ -101,10 +102,7 @@ fn scores<B: Backend>(
     let group = hq / hkv;
     let (k, v) = (expand_heads(k, group), expand_heads(v, group));
     let scale = scale.unwrap_or(1.0 / (d as f64).sqrt());
-    let mut s = q
-        .clone()
-        .matmul(k.clone().swap_dims(2, 3))
-        .mul_scalar(scale);
+    let mut s = matmul(q.clone(), k.clone().swap_dims(2, 3)).mul_scalar(scale);
     if let Some(hidden) = hidden_pairs::<B>(mask, b, sq, skv, &q.device()) {
         let hidden = hidden.unsqueeze_dim::<4>(1).expand([b, hq, sq, skv]);
         s = s.mask_fill(hidden, f64::NEG_INFINITY);
@@ -126,7 +124,7 @@ pub fn partial<B: Backend>(
     let max = s.clone().max_dim(3);
     let p = (s - max.clone().clamp_min(FLOOR)).exp();
     let sum = p.clone().sum_dim(3);
-    let out = p.matmul(v);
+    let out = matmul(p, v);
     (
         primitive(max.squeeze_dim::<3>(3)),
         primitive(sum.squeeze_dim::<3>(3)),
@@ -180,11 +178,11 @@ pub fn gradients<B: Backend>(
     let delta = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(delta)).unsqueeze_dim::<4>(3);
     let p = (s - lse).exp();
     let grad_out = tensor::<B>(grad_out);
-    let dv = p.clone().swap_dims(2, 3).matmul(grad_out.clone());
-    let dp = grad_out.matmul(v.swap_dims(2, 3));
+    let dv = matmul(p.clone().swap_dims(2, 3), grad_out.clone());
+    let dp = matmul(grad_out, v.swap_dims(2, 3));
     let ds = p * (dp - delta);
-    let dq = ds.clone().matmul(k).mul_scalar(resolved);
-    let dk = ds.swap_dims(2, 3).matmul(q).mul_scalar(resolved);
+    let dq = matmul(ds.clone(), k).mul_scalar(resolved);
+    let dk = matmul(ds.swap_dims(2, 3), q).mul_scalar(resolved);
     (
         primitive(dq),
         primitive(sum_heads(dk, group)),

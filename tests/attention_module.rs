@@ -1,7 +1,9 @@
 //! `DistFlashAttention` against a plain multi-head attention written with Burn tensor ops (the
 //! rotary embedding from its textbook formula in f64), for irregular and few heads, GQA and MQA,
-//! on one device and sharded over a group; configuration and input errors; the rotary embedding
-//! itself.
+//! on one device and sharded over a group; its output and every gradient (input and the four
+//! weights) on wgpu against the same attention differentiated in f64, for short sequences, odd
+//! head counts, GQA ratios and every head dim; configuration and input errors; the rotary
+//! embedding itself.
 
 mod common;
 
@@ -9,8 +11,9 @@ use std::f64::consts::PI;
 use std::time::Duration;
 
 use burn::backend::ndarray::NdArrayDevice;
-use burn::backend::NdArray;
+use burn::backend::{Autodiff, NdArray};
 use burn::tensor::activation::softmax;
+use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
 use burn_distflash::collective::on_each_rank;
 use burn_distflash::layers::{Llama3RopeScaling, RopeConfig, RotaryTables};
@@ -308,4 +311,185 @@ fn rotary_tables_of_a_shard_are_rows_of_the_whole_sequence_and_the_transpose_is_
         (lhs - rhs).abs() < 1e-4 * lhs.abs().max(1.0),
         "{lhs} vs {rhs}"
     );
+}
+
+/// The f64 reference of the gradient tests: Burn's own autodiff over plain tensor operations.
+type F64 = Autodiff<NdArray<f64>>;
+type WgpuF32 = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>;
+
+fn host_values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f64> {
+    t.into_data().convert::<f64>().to_vec::<f64>().unwrap()
+}
+
+/// Plain multi-head attention in f64 over the values of `weights` (`[d_in, d_out]` each: query,
+/// key, value, output) with a differentiable rotary embedding (pairs `(i, i + d/2)`, angles
+/// `p * theta^(-2i/d)` in f64): the output and the gradients of `x` and of the four weights for
+/// the output gradient `grad`.
+#[allow(clippy::too_many_arguments)]
+fn f64_reference(
+    x: &[f64],
+    weights: [&[f64]; 4],
+    grad: &[f64],
+    [b, s, d_model]: [usize; 3],
+    (h, kvh, d): (usize, usize, usize),
+    causal: bool,
+) -> Vec<Vec<f64>> {
+    let dev = NdArrayDevice::Cpu;
+    let tensor = |v: &[f64], shape: [usize; 2]| {
+        Tensor::<F64, 2>::from_data(TensorData::new(v.to_vec(), shape), &dev).require_grad()
+    };
+    let xt = Tensor::<F64, 3>::from_data(TensorData::new(x.to_vec(), [b, s, d_model]), &dev)
+        .require_grad();
+    let widths = [h * d, kvh * d, kvh * d];
+    let [wq, wk, wv] = [0, 1, 2].map(|i| tensor(weights[i], [d_model, widths[i]]));
+    let wo = tensor(weights[3], [h * d, d_model]);
+    let (mut cos, mut sin) = (vec![0.0; s * d], vec![0.0; s * d]);
+    for p in 0..s {
+        for i in 0..d / 2 {
+            let angle = p as f64 * 10000f64.powf(-2.0 * i as f64 / d as f64);
+            for c in [i, i + d / 2] {
+                cos[p * d + c] = angle.cos();
+                sin[p * d + c] = angle.sin();
+            }
+        }
+    }
+    let table = |v: Vec<f64>| {
+        Tensor::<F64, 2>::from_data(TensorData::new(v, [s, d]), &dev).reshape([1, 1, s, d])
+    };
+    let (cos, sin) = (table(cos), table(sin));
+    let rope = |t: Tensor<F64, 4>| {
+        let half = d / 2;
+        let [bb, hh, ss, _] = t.dims();
+        let first = t.clone().slice([0..bb, 0..hh, 0..ss, 0..half]);
+        let second = t.clone().slice([0..bb, 0..hh, 0..ss, half..d]);
+        let rotated = Tensor::cat(vec![second.neg(), first], 3);
+        t * cos.clone() + rotated * sin.clone()
+    };
+    let heads = |w: Tensor<F64, 2>, n: usize| {
+        xt.clone()
+            .matmul(w.unsqueeze())
+            .reshape([b, s, n, d])
+            .swap_dims(1, 2)
+    };
+    let q = rope(heads(wq.clone(), h));
+    let k = rope(heads(wk.clone(), kvh));
+    let v = heads(wv.clone(), kvh);
+    let repeat = |t: Tensor<F64, 4>| {
+        t.reshape([b, kvh, 1, s, d])
+            .repeat_dim(2, h / kvh)
+            .reshape([b, h, s, d])
+    };
+    let mut scores = q
+        .matmul(repeat(k).swap_dims(2, 3))
+        .div_scalar((d as f64).sqrt());
+    if causal {
+        let mask = Tensor::<F64, 2, burn::tensor::Bool>::tril_mask([s, s], 0, &dev);
+        scores = scores.mask_fill(mask.unsqueeze::<4>(), f64::NEG_INFINITY);
+    }
+    let merged = softmax(scores, 3)
+        .matmul(repeat(v))
+        .swap_dims(1, 2)
+        .reshape([b, s, h * d]);
+    let out = merged.matmul(wo.clone().unsqueeze());
+    let g = Tensor::<F64, 3>::from_data(TensorData::new(grad.to_vec(), [b, s, d_model]), &dev);
+    let grads = (out.clone() * g).sum().backward();
+    let mut results = vec![host_values(out), host_values(xt.grad(&grads).unwrap())];
+    for w in [wq, wk, wv, wo] {
+        results.push(host_values(w.grad(&grads).unwrap()));
+    }
+    results
+}
+
+/// The module on `Autodiff<B>`: output and the gradients of the input and of the query, key,
+/// value and output weights, each within 1e-4 (relative to its largest value) of
+/// [`f64_reference`] over the values the module holds.
+fn check_gradients<B: burn_distflash::FlashAttentionBackend>(
+    device: &B::Device,
+    (d_model, h, kvh, d): (usize, usize, usize, usize),
+    [batch, seq]: [usize; 2],
+    causal: bool,
+    seed: u64,
+) {
+    let config = DistFlashAttentionConfig::new(d_model, h)
+        .with_n_kv_heads(Some(kvh))
+        .with_head_dim(Some(d))
+        .with_causal(causal)
+        .with_initializer(burn::nn::Initializer::Normal {
+            mean: 0.0,
+            std: 0.3,
+        });
+    let module = config.init::<Autodiff<B>>(device);
+    let mut rng = Rng::new(seed);
+    let mut uniform =
+        |n: usize| -> Vec<f64> { (0..n).map(|_| rng.uniform() as f32 as f64).collect() };
+    let shape = [batch, seq, d_model];
+    let (x, grad) = (
+        uniform(batch * seq * d_model),
+        uniform(batch * seq * d_model),
+    );
+    let upload =
+        |v: &[f64]| Tensor::<Autodiff<B>, 3>::from_data(TensorData::new(v.to_vec(), shape), device);
+    let xt = upload(&x).require_grad();
+    let out = module.forward(xt.clone(), &AttentionContext::Local);
+    let grads = (out.clone() * upload(&grad)).sum().backward();
+    let linears = [&module.query, &module.key, &module.value, &module.output];
+    let weights = linears.map(|l| host_values(l.weight.val()));
+    let mut got = vec![host_values(out), host_values(xt.grad(&grads).unwrap())];
+    for l in linears {
+        got.push(host_values(
+            l.weight.grad(&grads).expect("every weight has a gradient"),
+        ));
+    }
+    let expected = f64_reference(
+        &x,
+        [&weights[0], &weights[1], &weights[2], &weights[3]],
+        &grad,
+        shape,
+        (h, kvh, d),
+        causal,
+    );
+    let names = ["output", "dx", "dWq", "dWk", "dWv", "dWo"];
+    for ((name, got), expected) in names.iter().zip(&got).zip(&expected) {
+        let scale = expected.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
+        let err = got.iter().zip(expected).fold(0f64, |m, (g, e)| {
+            if g.is_finite() {
+                m.max((g - e).abs())
+            } else {
+                f64::INFINITY
+            }
+        });
+        assert!(
+            err <= 1e-4 * scale,
+            "{name} of d_model {d_model}, {h}/{kvh} heads of {d}, {batch} x {seq} tokens, causal \
+             {causal}: off by {err:e} at values up to {scale:e}"
+        );
+    }
+}
+
+/// Short sequences (fewer rows than a matmul tile), odd head counts, GQA ratios and every head
+/// dim the kernels take, on wgpu: the products of the projections' gradients once went wrong
+/// there for 8 and 16 rows (Burn's matmul of a transposed view).
+#[test]
+fn every_gradient_on_wgpu_matches_f64_for_short_sequences_and_odd_heads() {
+    let device = cubecl::wgpu::WgpuDevice::Cpu;
+    let cases = [
+        ((40, 33, 3, 16), [1, 8], false),
+        ((40, 33, 3, 16), [2, 19], true),
+        ((40, 33, 11, 16), [1, 16], true),
+        ((24, 4, 2, 32), [1, 1], true),
+        ((36, 6, 3, 64), [1, 5], false),
+        ((20, 3, 1, 96), [3, 3], true),
+        ((48, 2, 2, 128), [1, 17], true),
+        ((16, 1, 1, 256), [1, 9], false),
+    ];
+    for (case, (heads, tokens, causal)) in cases.into_iter().enumerate() {
+        check_gradients::<WgpuF32>(&device, heads, tokens, causal, 40 + case as u64);
+    }
+}
+
+/// The same check on ndarray, the backend whose matmul takes views as they are.
+#[test]
+fn every_gradient_on_ndarray_matches_f64_for_short_sequences_and_odd_heads() {
+    check_gradients::<Cpu>(&DEVICE, (40, 33, 3, 16), [1, 8], false, 60);
+    check_gradients::<Cpu>(&DEVICE, (36, 6, 3, 64), [2, 7], true, 61);
 }

@@ -3,9 +3,13 @@
 //! software Vulkan in CI) and, with `--ignored` on the GPU machine, on CUDA in f32, f16 and bf16;
 //! the tensor-operation versions on ndarray. Odd row counts, widths that take every vector width,
 //! norm rows spanning several weight-gradient chunks, and rotary inputs given as strided views.
+//! The linear layers' product and its two gradient products (`dx = dy W^T`, `dW = x^T dy`, the
+//! transposed operands of every backend's matmul) for every row count from 1 to 64 and widths
+//! around every vector width and tile, under `Autodiff`.
 
 mod common;
 
+use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorPrimitive};
 use burn_distflash::FlashAttentionBackend;
@@ -15,6 +19,7 @@ type WgpuF32 = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32
 type CudaF32 = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
 type CudaBf16 = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, half::bf16, i32, u8>;
 type Cpu = burn::backend::NdArray<f32>;
+type FusedWgpuF32 = burn_fusion::Fusion<WgpuF32>;
 
 const EPS: f64 = 1e-5;
 
@@ -212,6 +217,112 @@ fn check_rotary<B: FlashAttentionBackend>(device: &B::Device, dtype: DType, tol:
     }
 }
 
+/// Widths `(d_in, d_out)` of the linear-product cases: both projections of a 33-head, head-dim-16
+/// attention over a 40-wide model (the output projection's input gradient, `[rows, 40]` times
+/// the transpose of `[528, 40]`, is where Burn 0.21's matmul of a transposed view went wrong on
+/// wgpu), widths of 1, odd widths, every vector width, and head dims 16 to 256 of odd and GQA
+/// head counts.
+const LINEAR_WIDTHS: [(usize, usize); 10] = [
+    (528, 40),
+    (40, 528),
+    (1, 7),
+    (3, 5),
+    (40, 48),
+    (48, 40),
+    (24, 80),
+    (256, 33),
+    (64, 3 * 256),
+    (130, 9),
+];
+
+/// `(rows, d_in, d_out)` of the linear-product cases: row counts around each vector width and
+/// tile (every count from 1 to 64, and 65 and 129, when `exhaustive`) at every width of
+/// [`LINEAR_WIDTHS`] (only the first two when not exhaustive, with the rest at fewer rows).
+fn linear_cases(exhaustive: bool) -> Vec<(usize, usize, usize)> {
+    let all_rows: Vec<usize> = (1..=64).chain([65, 129]).collect();
+    let around_tiles = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65];
+    let mut cases = Vec::new();
+    for (i, &(d_in, d_out)) in LINEAR_WIDTHS.iter().enumerate() {
+        let rows: &[usize] = match (exhaustive, i) {
+            (true, _) => &all_rows,
+            (false, 0 | 1) => &around_tiles,
+            (false, _) => &[1, 8, 17],
+        };
+        cases.extend(rows.iter().map(|&r| (r, d_in, d_out)));
+    }
+    cases
+}
+
+/// `y = x W` through [`FlashAttentionBackend::linear_product`] on `Autodiff<B>` and its
+/// gradients for the output gradient `g`, against f64 products of the values the tensors hold.
+fn check_linear<B: FlashAttentionBackend>(
+    device: &B::Device,
+    dtype: DType,
+    tol: f64,
+    exhaustive: bool,
+) {
+    type Ad<B> = Autodiff<B>;
+    for (case, (rows, d_in, d_out)) in linear_cases(exhaustive).into_iter().enumerate() {
+        let seed = 1000 + 3 * case as u64;
+        let (x_t, x) =
+            upload::<Ad<B>, 2>(values(rows * d_in, seed, 2.0), [rows, d_in], dtype, device);
+        let (w_t, w) = upload::<Ad<B>, 2>(
+            values(d_in * d_out, seed + 1, 1.0),
+            [d_in, d_out],
+            dtype,
+            device,
+        );
+        let (g_t, g) = upload::<Ad<B>, 2>(
+            values(rows * d_out, seed + 2, 3.0),
+            [rows, d_out],
+            dtype,
+            device,
+        );
+        let (x_t, w_t) = (x_t.require_grad(), w_t.require_grad());
+        let y = Tensor::<Ad<B>, 2>::from_primitive(TensorPrimitive::Float(
+            <Ad<B> as FlashAttentionBackend>::linear_product(prim(x_t.clone()), prim(w_t.clone())),
+        ));
+        let grads = (y.clone() * g_t).sum().backward();
+        let product =
+            |a: &dyn Fn(usize, usize) -> f64, b: &dyn Fn(usize, usize) -> f64, m, k, n| {
+                let mut out = vec![0.0; m * n];
+                for i in 0..m {
+                    for j in 0..n {
+                        out[i * n + j] = (0..k).map(|l| a(i, l) * b(l, j)).sum();
+                    }
+                }
+                out
+            };
+        let what = |name: &str| format!("linear {name}, {rows} rows, {d_in} -> {d_out}");
+        let expected_y = product(
+            &|i, l| x[i * d_in + l],
+            &|l, j| w[l * d_out + j],
+            rows,
+            d_in,
+            d_out,
+        );
+        assert_near(&what("y"), &host(y), &expected_y, tol);
+        let expected_dx = product(
+            &|i, l| g[i * d_out + l],
+            &|l, j| w[j * d_out + l],
+            rows,
+            d_out,
+            d_in,
+        );
+        let dx = host(x_t.grad(&grads).expect("x takes part in the loss"));
+        assert_near(&what("dx = dy W^T"), &dx, &expected_dx, tol);
+        let expected_dw = product(
+            &|i, l| x[l * d_in + i],
+            &|l, j| g[l * d_out + j],
+            d_in,
+            rows,
+            d_out,
+        );
+        let dw = host(w_t.grad(&grads).expect("W takes part in the loss"));
+        assert_near(&what("dW = x^T dy"), &dw, &expected_dw, tol);
+    }
+}
+
 fn check_all<B: FlashAttentionBackend>(device: &B::Device, dtype: DType, tol: f64) {
     check_swiglu::<B>(device, dtype, tol);
     check_rms_norm::<B>(device, dtype, tol);
@@ -226,6 +337,44 @@ fn fused_kernels_on_wgpu_match_f64() {
 #[test]
 fn tensor_operations_on_ndarray_match_f64() {
     check_all::<Cpu>(&Default::default(), DType::F32, 1e-5);
+}
+
+#[test]
+fn linear_products_and_gradients_on_wgpu_match_f64() {
+    check_linear::<WgpuF32>(&cubecl::wgpu::WgpuDevice::Cpu, DType::F32, 1e-5, false);
+}
+
+#[test]
+fn linear_products_and_gradients_on_fused_wgpu_match_f64() {
+    check_linear::<FusedWgpuF32>(&cubecl::wgpu::WgpuDevice::Cpu, DType::F32, 1e-5, false);
+}
+
+#[test]
+fn linear_products_and_gradients_on_ndarray_match_f64() {
+    check_linear::<Cpu>(&Default::default(), DType::F32, 1e-5, true);
+}
+
+/// Every row count from 1 to 64 at every width: about ten minutes on Mesa's software Vulkan
+/// with a cold autotune cache (each new shape class tunes Burn's matmul), so not in CI.
+#[test]
+#[ignore = "the exhaustive sweep on wgpu (minutes on a CPU): run with --ignored"]
+fn linear_products_and_gradients_on_wgpu_match_f64_at_every_row_count() {
+    let device = cubecl::wgpu::WgpuDevice::Cpu;
+    check_linear::<WgpuF32>(&device, DType::F32, 1e-5, true);
+    check_linear::<FusedWgpuF32>(&device, DType::F32, 1e-5, true);
+}
+
+/// cuBLAS where it takes the operands (CUDA `CubeBackend`), Burn's matmul elsewhere (under
+/// `Fusion`), at every row count from 1 to 64.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
+fn linear_products_and_gradients_on_cuda_match_f64() {
+    let device = burn_cuda::CudaDevice::new(0);
+    check_linear::<CudaF32>(&device, DType::F32, 1e-5, true);
+    check_linear::<CudaBf16>(&device, DType::BF16, 2.0 / 128.0, true);
+    // Burn's matmul may take f32 through TF32 tensor cores on CUDA.
+    check_linear::<burn_fusion::Fusion<CudaF32>>(&device, DType::F32, 2e-3, true);
+    check_linear::<burn_fusion::Fusion<CudaBf16>>(&device, DType::BF16, 2.0 / 128.0, true);
 }
 
 #[test]

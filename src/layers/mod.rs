@@ -21,7 +21,7 @@ pub use attention::{DistFlashAttention, DistFlashAttentionConfig};
 pub use block::{TransformerBlock, TransformerBlockConfig};
 pub use counter::ForwardCounter;
 pub use feed_forward::{FeedForward, FeedForwardConfig};
-pub use linear_layer::linear;
+pub use linear_layer::{linear, project};
 pub use replicate::replicate;
 pub use rms_norm::{RmsNorm, RmsNormConfig};
 pub use rope::{Llama3RopeScaling, RopeConfig, RotaryTables};

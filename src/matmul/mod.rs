@@ -2,6 +2,11 @@
 //! `cublas`, see `cublas.rs`), Burn's `matmul` on every other backend and whenever cuBLAS cannot
 //! take the operands. Used by the backends' `linear_product` and by the checkpointed blocks'
 //! hand-written backward.
+//!
+//! Burn's matmul is only ever handed row-major operands ([`matmul`]): Burn 0.21's CubeCL matmul
+//! can return wrong values for a transposed view (seen on wgpu: `a [16, 40]` times the transpose
+//! of `b [528, 40]` off by up to 3.9, exact on a row-major copy), so a transposed, permuted or
+//! broadcast operand is copied to row-major memory first. cuBLAS takes transposes natively.
 
 #[cfg(feature = "cublas")]
 mod cublas;
@@ -25,10 +30,28 @@ pub(crate) fn product<B: Backend>(
         return out;
     }
     match transposed {
-        Transposed::Neither => lhs.matmul(rhs),
-        Transposed::Lhs => lhs.transpose().matmul(rhs),
-        Transposed::Rhs => lhs.matmul(rhs.transpose()),
+        Transposed::Neither => matmul(lhs, rhs),
+        Transposed::Lhs => matmul(lhs.transpose(), rhs),
+        Transposed::Rhs => matmul(lhs, rhs.transpose()),
     }
+}
+
+/// Burn's `lhs.matmul(rhs)` on row-major copies of operands that are views (transposed,
+/// permuted, broadcast); row-major operands go in as they are. Every Burn matmul of this crate
+/// goes through here (see the module docs for why).
+pub(crate) fn matmul<B: Backend, const D: usize>(
+    lhs: Tensor<B, D>,
+    rhs: Tensor<B, D>,
+) -> Tensor<B, D> {
+    row_major(lhs).matmul(row_major(rhs))
+}
+
+/// `t` in row-major memory: flattening a view that strides cannot describe makes every backend
+/// copy it (CubeCL's and ndarray's reshape), and the second reshape only sets strides. A
+/// row-major tensor comes back as it is, without a copy.
+fn row_major<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
+    let dims = t.dims();
+    t.reshape([dims.iter().product::<usize>()]).reshape(dims)
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use super::config::LlamaConfig;
 use super::loss::CrossEntropyBackend;
 use super::rng::SplitMix64;
 use burn_distflash::layers::{
-    linear, RmsNorm, RmsNormConfig, TransformerBlock, TransformerBlockConfig,
+    linear, project, RmsNorm, RmsNormConfig, TransformerBlock, TransformerBlockConfig,
 };
 use burn_distflash::{AttentionContext, Documents, Error as PluginError, FlashAttentionBackend};
 
@@ -42,10 +42,12 @@ impl LlamaConfig {
             mean: 0.0,
             std: INIT_STD,
         };
-        let block =
-            TransformerBlockConfig::new(self.attention().with_initializer(init.clone()), self.d_ff)
-                .with_norm_eps(self.norm_eps)
-                .with_checkpoint(self.checkpoint);
+        let block = TransformerBlockConfig::new(
+            self.attention()?.with_initializer(init.clone()),
+            self.d_ff,
+        )
+        .with_norm_eps(self.norm_eps)
+        .with_checkpoint(self.checkpoint);
         let blocks = (0..self.n_layers)
             .map(|_| block.try_init(device))
             .collect::<Result<_, _>>()?;
@@ -176,7 +178,7 @@ impl<B: FlashAttentionBackend> Llama<B> {
         let x = self.norm.forward(x);
         Ok(match &self.lm_head {
             Some(head) => linear(head, x),
-            None => x.matmul(self.embedding.weight.val().transpose().unsqueeze()),
+            None => project(x, self.embedding.weight.val().transpose()),
         })
     }
 

@@ -283,7 +283,8 @@ fn main() {
         .any(|a| a == "--window")
         .then(|| arg_list(&args, "--window", &[])[0]);
     let attention = match window {
-        Some(w) => FlashAttentionOptions::causal().with_window(SlidingWindow::causal(w)),
+        Some(w) => FlashAttentionOptions::causal()
+            .with_window(SlidingWindow::causal(w).expect("--window takes a size of at least 1")),
         None => FlashAttentionOptions::causal(),
     };
     if let Some(w) = window {

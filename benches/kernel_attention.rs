@@ -481,7 +481,9 @@ fn main() {
         let masks = [
             (
                 format!("window {window}"),
-                Mask::causal().with_window(SlidingWindow::causal(window)),
+                Mask::causal().with_window(
+                    SlidingWindow::causal(window).expect("--window takes a size of at least 1"),
+                ),
             ),
             (
                 "documents 2K-8K".to_string(),

@@ -49,7 +49,7 @@ fn wgpu_kernels_across_ranks_under_windows_and_documents() {
     within(LIMIT, || {
         for case in [
             Case {
-                window: Some(SlidingWindow::causal(5)),
+                window: Some(SlidingWindow::causal(5).unwrap()),
                 ..Case::new(3, 8, ScheduleKind::Ring)
             },
             Case {

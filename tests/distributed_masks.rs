@@ -58,7 +58,7 @@ fn everywhere(case: impl Fn(Case) -> Case) {
 fn causal_windows_of_one_key_shorter_than_a_chunk_between_a_chunk_and_a_shard() {
     for size in [1, 2, 5] {
         everywhere(|case| Case {
-            window: Some(SlidingWindow::causal(size)),
+            window: Some(SlidingWindow::causal(size).unwrap()),
             ..case
         });
     }
@@ -67,7 +67,7 @@ fn causal_windows_of_one_key_shorter_than_a_chunk_between_a_chunk_and_a_shard() 
 #[test]
 fn a_causal_window_longer_than_a_shard() {
     everywhere(|case| Case {
-        window: Some(SlidingWindow::causal(2 * SHARD - 3)),
+        window: Some(SlidingWindow::causal(2 * SHARD - 3).unwrap()),
         ..case
     });
 }
@@ -110,7 +110,7 @@ fn documents_per_batch_row_with_a_window_and_without_causal_order() {
         ..case
     });
     everywhere(|case| Case {
-        window: Some(SlidingWindow::causal(4)),
+        window: Some(SlidingWindow::causal(4).unwrap()),
         documents: Some(&[&[7, 2]]),
         ..case
     });
@@ -127,7 +127,7 @@ fn overlap_off_gives_the_same_results_under_masks() {
         for (world, schedule) in [(3, ScheduleKind::Balanced), (4, ScheduleKind::Zigzag)] {
             let case = Case {
                 overlap: false,
-                window: Some(SlidingWindow::causal(4)),
+                window: Some(SlidingWindow::causal(4).unwrap()),
                 documents: Some(&[&[5, 8]]),
                 ..Case::new(world, SHARD, schedule)
             };
@@ -167,7 +167,7 @@ fn messages_sent(case: Case) -> (Vec<usize>, Vec<usize>) {
 #[test]
 fn a_short_window_moves_only_the_neighbours_chunks() {
     let window = |schedule| Case {
-        window: Some(SlidingWindow::causal(3)),
+        window: Some(SlidingWindow::causal(3).unwrap()),
         ..Case::new(4, SHARD, schedule)
     };
     // Contiguous: rank r sends its keys and values to r + 1, which returns dk, dv.
@@ -233,7 +233,7 @@ fn documents_that_do_not_cover_the_sequence_are_refused_on_every_rank() {
 fn ranks_with_different_windows_or_documents_are_refused() {
     let windows = |rank: usize| {
         let mut options = SequenceParallelOptions::causal();
-        options.attention.window = Some(SlidingWindow::causal(2 + rank));
+        options.attention.window = Some(SlidingWindow::causal(2 + rank).unwrap());
         options
     };
     for msg in disagreements(two_ranks(windows)) {

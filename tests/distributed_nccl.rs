@@ -36,7 +36,7 @@ fn nccl_groups_match_single_device_attention() {
                     ..Case::new(world, 77, ScheduleKind::Balanced)
                 },
                 Case {
-                    window: Some(SlidingWindow::causal(9)),
+                    window: Some(SlidingWindow::causal(9).unwrap()),
                     documents: Some(&[&[1, 40, 23]]),
                     ..Case::new(world, 64, ScheduleKind::Auto)
                 },

@@ -34,7 +34,7 @@ fn nccl_groups_in_bf16_match_f64_attention() {
                     head_dim: 128,
                     q_heads: 8,
                     kv_heads: 2,
-                    window: Some(SlidingWindow::causal(40)),
+                    window: Some(SlidingWindow::causal(40).unwrap()),
                     ..Case::new(world, 96, ScheduleKind::Zigzag)
                 },
                 // Documents of odd lengths, across shard boundaries and longer than a shard.

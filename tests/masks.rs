@@ -182,9 +182,9 @@ fn documents_match_reference<B: AutodiffBackend + FlashAttentionBackend>(device:
 /// key).
 fn windows_match_reference<B: AutodiffBackend + FlashAttentionBackend>(device: &B::Device) {
     let cases = [
-        (true, SlidingWindow::causal(1)),
-        (true, SlidingWindow::causal(6)),
-        (true, SlidingWindow::causal(100)),
+        (true, SlidingWindow::causal(1).unwrap()),
+        (true, SlidingWindow::causal(6).unwrap()),
+        (true, SlidingWindow::causal(100).unwrap()),
         (true, SlidingWindow::two_sided(4, 7)),
         (false, SlidingWindow::two_sided(0, 0)),
         (false, SlidingWindow::two_sided(3, 5)),
@@ -202,7 +202,7 @@ fn windows_match_reference<B: AutodiffBackend + FlashAttentionBackend>(device: &
 fn combined_masks_match_reference<B: AutodiffBackend + FlashAttentionBackend>(device: &B::Device) {
     let docs = documents(&[0, 7, 8, 20, 33]);
     for (causal, window) in [
-        (true, SlidingWindow::causal(4)),
+        (true, SlidingWindow::causal(4).unwrap()),
         (false, SlidingWindow::two_sided(2, 3)),
     ] {
         let options = options(causal, Some(&docs), Some(window));
@@ -231,7 +231,7 @@ fn per_batch_row_documents_match_reference<B: AutodiffBackend + FlashAttentionBa
 /// GQA and MQA with documents and a causal window.
 fn grouped_heads_match_reference<B: AutodiffBackend + FlashAttentionBackend>(device: &B::Device) {
     let docs = documents(&[0, 9, 16, 31]);
-    let options = options(true, Some(&docs), Some(SlidingWindow::causal(5)));
+    let options = options(true, Some(&docs), Some(SlidingWindow::causal(5).unwrap()));
     for heads in [(2, 6, 2), (1, 3, 1)] {
         check_options_case::<B>(device, F32, heads, (31, 31, HEAD_DIM), &options);
     }
@@ -311,9 +311,13 @@ fn steps_at_offsets_match_one_shot<B: FlashAttentionBackend>(device: &B::Device)
     let per_row = Documents::per_batch_row(&[vec![0, 11, 12, 40], vec![0, 25, 40]]).unwrap();
     let shared = documents(&[0, 3, 19, 40]);
     let cases = [
-        options(true, None, Some(SlidingWindow::causal(7))),
+        options(true, None, Some(SlidingWindow::causal(7).unwrap())),
         options(false, Some(&shared), None),
-        options(true, Some(&per_row), Some(SlidingWindow::causal(9))),
+        options(
+            true,
+            Some(&per_row),
+            Some(SlidingWindow::causal(9).unwrap()),
+        ),
         options(false, Some(&shared), Some(SlidingWindow::two_sided(4, 6))),
     ];
     for options in &cases {
@@ -605,7 +609,7 @@ fn checkpointed_blocks_keep_the_mask<B: AutodiffBackend + FlashAttentionBackend>
     device: &B::Device,
 ) {
     let mut config = small_config();
-    config.attention.window = Some(SlidingWindow::causal(5));
+    config.attention.window = Some(SlidingWindow::causal(5).unwrap());
     let blocks = random_blocks::<B>(&config, 21, device);
     let (batch, seq, d_model) = (2, 14, 64);
     let cu = [vec![0, 4, 14], vec![0, 9, 10, 14]];
@@ -663,9 +667,13 @@ fn checkpointed_blocks_keep_the_mask<B: AutodiffBackend + FlashAttentionBackend>
 /// with a window keeps it.
 #[test]
 fn attention_config_window_defaults_to_none() {
-    let windowed = DistFlashAttentionConfig::new(64, 4).with_window(Some(SlidingWindow::causal(8)));
+    let windowed =
+        DistFlashAttentionConfig::new(64, 4).with_window(Some(SlidingWindow::causal(8).unwrap()));
     let loaded = DistFlashAttentionConfig::load_binary(config_to_json(&windowed).as_bytes());
-    assert_eq!(loaded.unwrap().window, Some(SlidingWindow::causal(8)));
+    assert_eq!(
+        loaded.unwrap().window,
+        Some(SlidingWindow::causal(8).unwrap())
+    );
 
     let json = config_to_json(&DistFlashAttentionConfig::new(64, 4));
     let without: String = (json.lines())
@@ -677,4 +685,23 @@ fn attention_config_window_defaults_to_none() {
     assert_eq!(loaded.window, None);
     let module = loaded.init::<Autodiff<NdArray<f32>>>(&NdArrayDevice::Cpu);
     assert_eq!(module.options().window, None);
+}
+
+/// A causal window of no key is refused where it is built, with the crate's mask error; the
+/// smallest window, 1, is each query seeing itself.
+#[test]
+fn a_causal_window_of_zero_keys_is_an_error() {
+    let error = SlidingWindow::causal(0).expect_err("a window of 0 keys must be refused");
+    assert!(
+        matches!(error, KernelError::BadMask { ref what } if what.contains("0 keys")),
+        "{error}"
+    );
+    assert_eq!(
+        SlidingWindow::causal(1).unwrap(),
+        SlidingWindow::two_sided(0, 0)
+    );
+    assert_eq!(
+        SlidingWindow::causal(usize::MAX).unwrap().before,
+        usize::MAX - 1
+    );
 }

@@ -29,17 +29,17 @@ fn masks(len: usize) -> Vec<Mask> {
     let docs = |lengths: &[&[usize]]| documents_of(lengths, len);
     let causal = Mask::causal;
     vec![
-        causal().with_window(SlidingWindow::causal(1)),
-        causal().with_window(SlidingWindow::causal(2)),
-        causal().with_window(SlidingWindow::causal(5)),
-        causal().with_window(SlidingWindow::causal(14)),
+        causal().with_window(SlidingWindow::causal(1).unwrap()),
+        causal().with_window(SlidingWindow::causal(2).unwrap()),
+        causal().with_window(SlidingWindow::causal(5).unwrap()),
+        causal().with_window(SlidingWindow::causal(14).unwrap()),
         Mask::none().with_window(SlidingWindow::two_sided(1, 2)),
         Mask::none().with_window(SlidingWindow::two_sided(4, 7)),
         causal().with_documents(docs(&[&[1]])),
         causal().with_documents(docs(&[&[5]])),
         causal().with_documents(docs(&[&[1, 4, 7]])),
         Mask::none().with_documents(docs(&[&[3, 8]])),
-        (causal().with_window(SlidingWindow::causal(4))).with_documents(docs(&[&[7, 2]])),
+        (causal().with_window(SlidingWindow::causal(4).unwrap())).with_documents(docs(&[&[7, 2]])),
         causal().with_documents(docs(&[&[5], &[2, 9]])),
         causal().with_documents(docs(&[&[len]])),
     ]
@@ -139,14 +139,14 @@ fn kv_messages(s: &Schedule) -> Vec<(usize, usize)> {
 fn a_window_shorter_than_a_chunk_needs_only_the_neighbours_keys() {
     for world in 2..=8 {
         // A window of one key is each query itself: every rank computes alone.
-        let itself = Mask::causal().with_window(SlidingWindow::causal(1));
+        let itself = Mask::causal().with_window(SlidingWindow::causal(1).unwrap());
         for kind in KINDS {
             let s = Schedule::for_mask(kind, world, SHARD, &itself).unwrap();
             assert_eq!(s.num_steps(), 1, "{s:?}");
             assert!(kv_messages(&s).is_empty(), "{s:?}");
         }
         for size in [2, 3] {
-            let mask = Mask::causal().with_window(SlidingWindow::causal(size));
+            let mask = Mask::causal().with_window(SlidingWindow::causal(size).unwrap());
             // Contiguous: rank r needs rank r - 1's keys, in one step after its own.
             let previous: Vec<(usize, usize)> = (1..world).map(|r| (r - 1, r)).collect();
             for kind in [ScheduleKind::Ring, ScheduleKind::Balanced] {
@@ -183,7 +183,7 @@ fn the_time_model_counts_the_window_s_scores() {
     // speedup of P - (w - 1) / 2S over one device.
     for world in 1..=8 {
         for w in [1, 2, 4, 6] {
-            let mask = Mask::causal().with_window(SlidingWindow::causal(w));
+            let mask = Mask::causal().with_window(SlidingWindow::causal(w).unwrap());
             let s = Schedule::for_mask(ScheduleKind::Ring, world, SHARD, &mask).unwrap();
             let (p, wf, sf) = (world as f64, w as f64, SHARD as f64);
             let itself = (sf * wf - wf * (wf - 1.0) / 2.0) / (sf * sf);
@@ -243,7 +243,7 @@ fn one_document_over_the_sequence_or_a_long_window_keeps_the_causal_schedule() {
         let len = world * SHARD;
         for mask in [
             Mask::causal().with_documents(Documents::from_cu_seqlens(&[0, len]).unwrap()),
-            Mask::causal().with_window(SlidingWindow::causal(len)),
+            Mask::causal().with_window(SlidingWindow::causal(len).unwrap()),
         ] {
             for kind in KINDS {
                 let masked = Schedule::for_mask(kind, world, SHARD, &mask).unwrap();
@@ -294,7 +294,7 @@ fn masks_that_do_not_fit_the_sequence_are_refused_with_what_is_allowed() {
         &Mask::causal().at(6, 0),
     ));
     assert!(what.contains("offsets 0"), "{what}");
-    let window = Mask::causal().with_window(SlidingWindow::causal(2));
+    let window = Mask::causal().with_window(SlidingWindow::causal(2).unwrap());
     for (world, shard) in [(0, SHARD), (4, 0)] {
         let e = Schedule::for_mask(ScheduleKind::Ring, world, shard, &window).unwrap_err();
         assert!(matches!(e, Error::Layout { .. }), "{e}");

@@ -31,10 +31,20 @@ pub struct SlidingWindow {
 impl SlidingWindow {
     /// The causal window of `size` keys, Mistral-style: the query at position `i` sees keys
     /// `(i - size, i]` (itself and the `size - 1` keys before it). Use with a causal mask.
-    pub fn causal(size: usize) -> Self {
-        Self {
-            before: size.saturating_sub(1),
-            after: 0,
+    ///
+    /// # Errors
+    ///
+    /// [`KernelError::BadMask`] when `size` is 0: a window of no key would hide every key from
+    /// every query, which is a configuration mistake, not a window (the smallest window, 1,
+    /// lets each query see itself).
+    pub fn causal(size: usize) -> Result<Self, KernelError> {
+        match size.checked_sub(1) {
+            Some(before) => Ok(Self { before, after: 0 }),
+            None => Err(KernelError::BadMask {
+                what: "a causal sliding window of 0 keys: the size counts the keys each query \
+                       sees, itself included, so it must be at least 1"
+                    .into(),
+            }),
         }
     }
 

@@ -393,9 +393,9 @@ fn band_masks(group: BandGroup, batch: usize, q_len: usize, kv_len: usize) -> Ve
     let at = |m: Mask| m.at((total - q_len) as i64, (total - kv_len) as i64);
     if group == BandGroup::Windows {
         return vec![
-            at(Mask::causal().with_window(SlidingWindow::causal(1))),
-            at(Mask::causal().with_window(SlidingWindow::causal(37))),
-            at(Mask::causal().with_window(SlidingWindow::causal(10 * total))),
+            at(Mask::causal().with_window(SlidingWindow::causal(1).unwrap())),
+            at(Mask::causal().with_window(SlidingWindow::causal(37).unwrap())),
+            at(Mask::causal().with_window(SlidingWindow::causal(10 * total).unwrap())),
             at(Mask::none().with_window(SlidingWindow::two_sided(19, 45))),
         ];
     }
@@ -410,7 +410,7 @@ fn band_masks(group: BandGroup, batch: usize, q_len: usize, kv_len: usize) -> Ve
         at(Mask::none().with_documents(docs.clone())),
         at(Mask::causal()
             .with_documents(docs)
-            .with_window(SlidingWindow::causal(50))),
+            .with_window(SlidingWindow::causal(50).unwrap())),
     ]
 }
 
@@ -458,7 +458,7 @@ pub fn band_mask_edges_match_reference<R: Runtime>(client: &ComputeClient<R>, el
         (
             (300, 300),
             Mask::causal()
-                .with_window(SlidingWindow::causal(10))
+                .with_window(SlidingWindow::causal(10).unwrap())
                 .at(0, 200),
         ),
         ((300, 300), window(5, 3).at(500, 0)),
@@ -474,7 +474,7 @@ pub fn band_mask_edges_match_reference<R: Runtime>(client: &ComputeClient<R>, el
             (300, 300),
             Mask::causal()
                 .with_documents(tiny)
-                .with_window(SlidingWindow::causal(2)),
+                .with_window(SlidingWindow::causal(2).unwrap()),
         ),
     ];
     for (elem, variant) in configurations(client, elem) {
@@ -628,7 +628,7 @@ pub fn chunks_step_and_merge_exactly<R: Runtime>(client: &ComputeClient<R>, elem
         let documents = Documents::from_cu_seqlens(&packed(&[9, 61, 2, 100], 227)).unwrap();
         let banded = Mask::causal()
             .with_documents(documents)
-            .with_window(SlidingWindow::causal(70))
+            .with_window(SlidingWindow::causal(70).unwrap())
             .at(150, 0);
         for mask in [Mask::none(), causal, banded] {
             let case = Case::new(31, (1, 4, 2), (77, 227, 64), mask.clone(), elem);
@@ -1096,7 +1096,7 @@ pub fn larger_shapes_match_reference<R: Runtime>(client: &ComputeClient<R>, elem
     let later_chunk = Mask::causal().at(300, 0);
     // A window over several key tiles, not a multiple of any; documents from 1 to 700 tokens
     // crossing tiles and blocks (one list per batch row), with and without a window.
-    let long_window = Mask::causal().with_window(SlidingWindow::causal(333));
+    let long_window = Mask::causal().with_window(SlidingWindow::causal(333).unwrap());
     let rows = vec![
         packed(&[700, 1, 3, 129, 64, 203], 1100),
         packed(&[17, 250, 90], 1100),
@@ -1106,7 +1106,7 @@ pub fn larger_shapes_match_reference<R: Runtime>(client: &ComputeClient<R>, elem
         .at(400, 0);
     let windowed_documents = Mask::causal()
         .with_documents(Documents::from_cu_seqlens(&rows[1]).unwrap())
-        .with_window(SlidingWindow::causal(100))
+        .with_window(SlidingWindow::causal(100).unwrap())
         .at(400, 0);
     for (elem, variant) in configurations(client, elem) {
         for (heads, lens, mask) in [

@@ -220,7 +220,7 @@ mod tests {
             n * n
         );
         // A causal window of 8: 8 keys per query but the first 7.
-        let window = Mask::causal().with_window(SlidingWindow::causal(8));
+        let window = Mask::causal().with_window(SlidingWindow::causal(8).unwrap());
         assert_eq!(visible_scores(&window, all.clone(), all), 8 * n - 28);
     }
 

@@ -124,12 +124,28 @@ impl LlamaConfig {
     }
 
     /// The attention configuration of every block.
-    pub fn attention(&self) -> DistFlashAttentionConfig {
-        DistFlashAttentionConfig::new(self.d_model, self.n_heads)
+    ///
+    /// # Errors
+    ///
+    /// [`PluginError::Config`] for a `window` of 0 keys.
+    pub fn attention(&self) -> Result<DistFlashAttentionConfig, PluginError> {
+        let window = self
+            .window
+            .map(|size| {
+                SlidingWindow::causal(size).map_err(|_| {
+                    PluginError::config(
+                        "window",
+                        "at least 1 (the keys each token sees, itself included) or none",
+                        size,
+                    )
+                })
+            })
+            .transpose()?;
+        Ok(DistFlashAttentionConfig::new(self.d_model, self.n_heads)
             .with_n_kv_heads(Some(self.n_kv_heads))
             .with_head_dim(self.head_dim)
             .with_rope(self.rope.clone())
-            .with_window(self.window.map(SlidingWindow::causal))
+            .with_window(window))
     }
 
     /// Checks the shape before anything is allocated.
@@ -144,19 +160,15 @@ impl LlamaConfig {
                 return Err(PluginError::config(name, "positive", value));
             }
         }
-        if self.window == Some(0) {
-            return Err(PluginError::config(
-                "window",
-                "at least 1 (the keys each token sees, itself included) or none",
-                0,
-            ));
-        }
-        self.attention().resolved().map(|_| ())
+        self.attention()?.resolved().map(|_| ())
     }
 
     /// Parameters of the model (embedding, blocks, final norm, output projection if untied).
     pub fn num_params(&self) -> usize {
-        let (n_kv, head_dim) = self.attention().resolved().unwrap_or((self.n_kv_heads, 0));
+        let (n_kv, head_dim) = self
+            .attention()
+            .and_then(|attention| attention.resolved())
+            .unwrap_or((self.n_kv_heads, 0));
         let attention = self.d_model * head_dim * (2 * self.n_heads + 2 * n_kv);
         let block = attention + 3 * self.d_model * self.d_ff + 2 * self.d_model;
         let head = if self.tie_embeddings { 0 } else { 1 };

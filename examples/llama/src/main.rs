@@ -106,10 +106,25 @@ fn parse() -> Args {
         })
     };
     let number = |name: &str, default: f64| -> f64 {
-        value(name).map_or(default, |v| {
-            v.parse()
-                .unwrap_or_else(|_| fail(format!("{name} takes a number, got {v:?}")))
+        value(name).map_or(default, |v| match v.parse::<f64>() {
+            Ok(x) if x.is_finite() => x,
+            _ => fail(format!("{name} takes a finite number, got {v:?}")),
         })
+    };
+    // Counts and sizes: a whole number, never a fraction or a negative value cut to fit.
+    let count = |name: &str, default: u64| -> u64 {
+        value(name).map_or(default, |v| {
+            v.parse().unwrap_or_else(|_| {
+                fail(format!(
+                    "{name} takes a whole number from 0 to {}, got {v:?}",
+                    u64::MAX
+                ))
+            })
+        })
+    };
+    let size = |name: &str, default: u64| -> usize {
+        usize::try_from(count(name, default))
+            .unwrap_or_else(|_| fail(format!("{name} does not fit this machine's sizes")))
     };
     let known = [
         "--config",
@@ -171,24 +186,24 @@ fn parse() -> Args {
         )),
     };
     let options = TrainOptions::new(
-        number("--steps", 600.0) as u64,
-        number("--batch", 8.0) as usize,
-        number("--seq-len", 128.0) as usize,
+        count("--steps", 600),
+        size("--batch", 8),
+        size("--seq-len", 128),
     )
     .with_lr(number("--lr", 2e-3))
-    .with_warmup(number("--warmup", 20.0) as u64)
+    .with_warmup(count("--warmup", 20))
     .with_grad_clip(number("--grad-clip", 1.0))
-    .with_seed(number("--seed", 0.0) as u64);
+    .with_seed(count("--seed", 0));
     Args {
         out: value("--out").map_or_else(
             || PathBuf::from(format!("runs/llama-{config}")),
             PathBuf::from,
         ),
         config,
-        layers: value("--layers").map(|_| number("--layers", 0.0) as usize),
+        layers: value("--layers").map(|_| size("--layers", 0)),
         weights: value("--weights").map(PathBuf::from),
         checkpoint,
-        window: value("--window").map(|_| number("--window", 0.0) as usize),
+        window: value("--window").map(|_| size("--window", 0)),
         save_config: value("--save-config").map(PathBuf::from),
         data: value("--data").map_or_else(
             || Path::new(env!("CARGO_MANIFEST_DIR")).join("data/tiny_shakespeare.txt"),
@@ -199,18 +214,18 @@ fn parse() -> Args {
         eot: value("--eot"),
         packing: None,
         backend: value("--backend").unwrap_or_else(|| "ndarray".into()),
-        gpus: number("--gpus", 1.0) as usize,
+        gpus: size("--gpus", 1),
         env: raw.iter().any(|a| a == "--env"),
         dtype: value("--dtype").unwrap_or_else(|| "bf16".into()),
         schedule,
         options,
-        save_every: number("--save-every", 100.0) as u64,
+        save_every: count("--save-every", 100),
         resume: raw.iter().any(|a| a == "--resume"),
-        log_every: number("--log-every", 10.0) as u64,
+        log_every: count("--log-every", 10),
         val_fraction: number("--val-fraction", 0.05),
-        val_every: number("--val-every", 50.0) as u64,
+        val_every: count("--val-every", 50),
         prompt: value("--prompt").unwrap_or_else(|| "ROMEO:".into()),
-        sample_tokens: number("--sample-tokens", 200.0) as usize,
+        sample_tokens: size("--sample-tokens", 200),
     }
 }
 

@@ -83,7 +83,7 @@ struct Spec {
 /// Every tensor a model of this shape has, in Hugging Face names and layout (`[out, in]` for
 /// linear layers); `lm_head.weight` only when the output projection is not tied.
 fn tensor_specs(config: &LlamaConfig) -> Result<Vec<Spec>, PluginError> {
-    let (n_kv_heads, head_dim) = config.attention().resolved()?;
+    let (n_kv_heads, head_dim) = config.attention()?.resolved()?;
     let d = config.d_model;
     let q_out = config.n_heads * head_dim;
     let kv_out = n_kv_heads * head_dim;

@@ -147,8 +147,8 @@ fn a_window_changes_only_the_positions_beyond_it() {
     let full = logits(&model(&config()), &rows, None).remove(0);
     let windowed = config().with_window(Some(WINDOW));
     assert_eq!(
-        windowed.attention().window,
-        Some(burn_distflash::SlidingWindow::causal(WINDOW))
+        windowed.attention().unwrap().window,
+        Some(burn_distflash::SlidingWindow::causal(WINDOW).unwrap())
     );
     let windowed = logits(&model(&windowed), &rows, None).remove(0);
     // Position i sees i + 1 - WINDOW ..= i: all of 0..=i while i < WINDOW.
@@ -187,7 +187,7 @@ fn configs_without_a_window_still_load() {
     assert_eq!(fields.remove("window"), Some(serde_json::Value::Null));
     let old: LlamaConfig = serde_json::from_value(json).unwrap();
     assert_eq!(old.window, None);
-    assert_eq!(old.attention().window, None);
+    assert_eq!(old.attention().unwrap().window, None);
     let with: LlamaConfig = serde_json::from_str(
         &serde_json::to_string(&LlamaConfig::tiny().with_window(Some(64))).unwrap(),
     )

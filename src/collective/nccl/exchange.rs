@@ -321,7 +321,7 @@ impl<F, I, BT> NcclTransport<F, I, BT> {
 }
 
 /// Who a timeout blames: the peer and the kind of message expected from it.
-pub(super) type Blame = (usize, MessageKind);
+type Blame = (usize, MessageKind);
 
 /// One NCCL operation of a group, on device addresses; counts are in elements of `datatype`.
 #[derive(Debug, Clone, Copy)]

@@ -2,12 +2,12 @@
 //!
 //! A [`DeviceGroup`] is one rank's handle on a group. It moves tensors through a [`Transport`]:
 //! [`local::LocalTransport`] (threads of one process, any Burn backend: tests and non-CUDA users)
-//! or [`nccl`] (NCCL point-to-point on CUDA, in one process or one process per GPU). A step's
+//! or [`nccl`] (NCCL on CUDA, in one process or one process per GPU). A step's
 //! sends and receives are posted together with [`Transport::exchange`] and completed later with
 //! [`Exchange::wait`], so the next step's data travels while the current step computes.
 //! Collectives ([`Transport::all_reduce`], [`Transport::reduce_scatter`],
-//! [`Transport::all_gather`]) run on NCCL's own kernels over NCCL, and on exchanges elsewhere
-//! (`collectives`), with rank-ordered sums that are bitwise the same on every rank.
+//! [`Transport::all_gather`]) run on NCCL's own kernels over NCCL, and elsewhere on exchanges
+//! (`collectives`: rank-ordered sums, bitwise the same on every rank).
 
 mod collectives;
 mod group;

@@ -21,7 +21,12 @@ pub enum MessageKind {
     /// Small host values of
     /// [`Transport::all_gather_values`](crate::collective::Transport::all_gather_values).
     Values,
-    /// Tensors summed over the group
-    /// ([`DeviceGroup::all_reduce_sum`](crate::collective::DeviceGroup::all_reduce_sum)).
+    /// A chunk of a tensor summed over the group
+    /// ([`Transport::all_reduce`](crate::collective::Transport::all_reduce),
+    /// [`Transport::reduce_scatter`](crate::collective::Transport::reduce_scatter)).
     Reduction,
+    /// A rank's share of a tensor gathered by every rank
+    /// ([`Transport::all_gather`](crate::collective::Transport::all_gather), and the second half
+    /// of an all-reduce).
+    Gathered,
 }

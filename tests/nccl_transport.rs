@@ -2,8 +2,12 @@
 //! anywhere (CI; the rendezvous and the environment parsing have unit tests beside them in
 //! `src/collective/nccl/`); the exchanges need two CUDA GPUs with NCCL and are `#[ignore]`d: run
 //! them with `cargo test --release --test nccl_transport -- --ignored` on the GPU machine (they
-//! skip with a message when fewer than two GPUs, or no NCCL, are there).
+//! skip with a message when fewer than two GPUs, or no NCCL, are there). The collectives run on
+//! NCCL groups of two GPUs and, in bf16, on in-process groups of one GPU (no CPU backend holds
+//! bf16).
 #![cfg(feature = "nccl")]
+
+mod common;
 
 use std::net::TcpListener;
 use std::time::{Duration, Instant};
@@ -16,6 +20,7 @@ use burn_distflash::collective::{
     on_each_rank, DeviceGroup, Incoming, MessageKind, Outgoing, TensorLayout, Transport,
 };
 use burn_distflash::Error;
+use common::collective_case::check_collectives;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use half::bf16;
 
@@ -426,5 +431,101 @@ fn rendezvous_groups_exchange_tensors() {
             .wait()
             .expect("wait");
         check_received(rank, peer, &incoming, got);
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Collectives (ignored: run on the GPU machine)
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs and NCCL: run with --ignored on the GPU machine"]
+fn nccl_collectives_in_f32_and_bf16_equal_a_host_sum() {
+    if !have_gpus(2) {
+        return;
+    }
+    for dtype in [DType::F32, DType::BF16] {
+        let groups = DeviceGroup::<B>::nccl_with_timeout(&devices(2), Duration::from_secs(60))
+            .expect("NCCL group");
+        check_collectives(groups, dtype);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
+fn in_process_collectives_in_bf16_and_f32_on_one_gpu_equal_a_rank_ordered_host_sum() {
+    if !have_gpus(1) {
+        return;
+    }
+    for dtype in [DType::BF16, DType::F32] {
+        for world in 1..=8 {
+            let groups = DeviceGroup::<B>::in_process(vec![CudaDevice::new(0); world]);
+            check_collectives(groups, dtype);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs and NCCL: run with --ignored on the GPU machine"]
+fn nccl_all_reduce_leaves_a_shared_input_alone_and_bad_calls_are_refused() {
+    on_two_gpus(Duration::from_secs(60), |group| {
+        let (rank, device) = (group.rank(), group.device().clone());
+        let want: Vec<f32> = (0..12)
+            .map(|i| values(0, 9, 12)[i] + values(1, 9, 12)[i])
+            .collect();
+        // The caller keeps a handle: the sum goes to a buffer of its own.
+        let input = f32_tensor(&device, &[4, 3], values(rank, 9, 12));
+        let kept = input.clone();
+        let sum = group.all_reduce(input).expect("all_reduce");
+        assert_eq!(host(kept), (DType::F32, vec![4, 3], values(rank, 9, 12)));
+        assert_eq!(host(sum), (DType::F32, vec![4, 3], want.clone()));
+        // The only handle: summed in place.
+        let input = f32_tensor(&device, &[4, 3], values(rank, 9, 12));
+        let sum = group.all_reduce(input).expect("in-place all_reduce");
+        assert_eq!(host(sum), (DType::F32, vec![4, 3], want));
+        // Refused on every rank before anything moves; the group goes on.
+        let odd = f32_tensor(&device, &[3], values(rank, 1, 3));
+        match group.reduce_scatter(odd) {
+            Err(Error::Shape { expected, .. }) => {
+                assert!(
+                    expected.contains("divisible by the group's 2 ranks"),
+                    "{expected}"
+                )
+            }
+            other => panic!("rank {rank}: expected a shape error, got {other:?}"),
+        }
+        let gathered = group
+            .all_gather(bf16_tensor(&device, &[1, 2], values(rank, 2, 2)))
+            .expect("all_gather");
+        let want: Vec<f32> = [values(0, 2, 2), values(1, 2, 2)].concat();
+        assert_eq!(host(gathered), (DType::BF16, vec![2, 2], want));
+    });
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs and NCCL: run with --ignored on the GPU machine"]
+fn a_rank_that_skips_a_collective_times_it_out() {
+    let timeout = Duration::from_secs(3);
+    on_two_gpus(timeout, |group| {
+        let (rank, device) = (group.rank(), group.device().clone());
+        if rank == 1 {
+            // Still in the group while rank 0 waits in vain.
+            std::thread::sleep(3 * timeout);
+            return;
+        }
+        let started = Instant::now();
+        match group.all_reduce(f32_tensor(&device, &[64], values(rank, 1, 64))) {
+            Err(Error::Timeout {
+                rank: 0,
+                peer: 1,
+                kind: MessageKind::Reduction,
+                waited,
+            }) => assert!(waited >= timeout, "waited {waited:?}"),
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+        assert!(started.elapsed() < timeout + Duration::from_secs(12));
+        // The communicator is gone: later calls fail at once instead of hanging.
+        let again = group.all_gather(f32_tensor(&device, &[2], values(rank, 1, 2)));
+        assert!(matches!(again, Err(Error::Nccl(_))), "{:?}", again.err());
     });
 }

@@ -4,11 +4,12 @@ use crate::Error;
 use std::sync::{Arc, Mutex};
 
 use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
 
 use super::{Exchange, Incoming, Outgoing, TensorLayout, Transport};
 
 /// Messages and bytes one rank sent, one entry per exchange (step) since the last
-/// [`DeviceGroup::take_traffic`].
+/// [`DeviceGroup::take_traffic`]. Collectives are not logged.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Traffic {
     /// Messages sent, per exchange.
@@ -128,6 +129,68 @@ impl<B: Backend> DeviceGroup<B> {
     ///   has broken the group; [`Error::Nccl`] also when an NCCL or CUDA call fails.
     pub fn all_gather_values(&self, values: &[u64]) -> Result<Vec<Vec<u64>>, Error> {
         self.transport.all_gather_values(values)
+    }
+
+    /// The element-wise sum of `tensor` over all ranks, on every rank (see
+    /// [`Transport::all_reduce`]: in-process, added in rank order and bitwise the same on every
+    /// rank; over NCCL, NCCL's sum, in place when the caller held the only handle). Sum is the
+    /// only reduction. Not logged in [`take_traffic`](Self::take_traffic).
+    ///
+    /// # Shapes
+    ///
+    /// - tensor: any shape, the same on every rank
+    /// - output: the sum, of the same shape
+    ///
+    /// # Errors
+    ///
+    /// See [`all_gather`](Self::all_gather).
+    pub fn all_reduce(&self, tensor: FloatTensor<B>) -> Result<FloatTensor<B>, Error> {
+        self.transport.all_reduce(tensor)
+    }
+
+    /// This rank's share of the element-wise sum of `tensor` over all ranks: rank `r` gets rows
+    /// `r * n .. (r + 1) * n` (see [`Transport::reduce_scatter`]).
+    ///
+    /// # Shapes
+    ///
+    /// - tensor: `[P * n, ...]`, the same on every rank (`P` the world size)
+    /// - output: `[n, ...]`
+    ///
+    /// # Errors
+    ///
+    /// See [`all_gather`](Self::all_gather), and [`Error::Shape`] when `P` does not divide the
+    /// first dimension.
+    pub fn reduce_scatter(&self, tensor: FloatTensor<B>) -> Result<FloatTensor<B>, Error> {
+        self.transport.reduce_scatter(tensor)
+    }
+
+    /// Every rank's `tensor`, concatenated along the first dimension in rank order (see
+    /// [`Transport::all_gather`]).
+    ///
+    /// # Shapes
+    ///
+    /// - tensor: `[n, ...]`, the same on every rank
+    /// - output: `[P * n, ...]`
+    ///
+    /// # Errors
+    ///
+    /// Those of every collective:
+    ///
+    /// - [`Error::DType`] for a float type outside
+    ///   [`COLLECTIVE_DTYPES`](super::COLLECTIVE_DTYPES) (F32, BF16, F16, F64), [`Error::Shape`]
+    ///   for a tensor without dimensions (reduce-scatter and all-gather); every rank refuses
+    ///   before anything moves.
+    /// - In-process, [`Error::RanksDisagree`] when the ranks' calls differ (collective, shape or
+    ///   float type), on every rank, before anything moves (the group stays usable). NCCL does
+    ///   not compare calls: ranks that disagree fail with [`Error::Timeout`] or a wrong result.
+    /// - [`Error::Timeout`] when a peer does not take part within the group's timeout (over NCCL
+    ///   it names the next rank, since NCCL does not say which peer is silent), then
+    ///   [`Error::Broken`] (in-process) or [`Error::Nccl`] (NCCL) for every later call, as
+    ///   after a failed [`exchange`](Self::exchange); [`Error::Disconnected`] (in-process) when
+    ///   a peer's end is gone; over NCCL, [`Error::GroupSetup`] for a tensor on another device
+    ///   and [`Error::Nccl`] when an NCCL or CUDA call fails.
+    pub fn all_gather(&self, tensor: FloatTensor<B>) -> Result<FloatTensor<B>, Error> {
+        self.transport.all_gather(tensor)
     }
 
     /// What this rank sent since the last call, and resets the log.

@@ -5,6 +5,7 @@
 
 pub mod block_case;
 pub mod burn_case;
+pub mod collective_case;
 pub mod distributed_case;
 pub mod host_values;
 pub mod matrix;

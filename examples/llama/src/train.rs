@@ -3,17 +3,19 @@
 //! group (every rank holds the whole model), clipped by their global norm, AdamW with the
 //! learning-rate schedule. Checkpoints save and restore everything a step depends on.
 
+use std::collections::HashMap;
 use std::fs;
 use std::path::Path;
 use std::time::Instant;
 
 use burn::config::Config;
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{GradientsParams, Optimizer};
 use burn::record::{BinFileRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{ElementConversion, Int, Tensor, TensorData, TensorPrimitive};
 
 use super::loss::CrossEntropyBackend;
 use super::lr_schedule::learning_rate;
@@ -269,26 +271,8 @@ impl<B: TrainBackend> Trainer<B> {
         let grads = GradientsParams::from_grads(loss.backward(), &self.model);
         lap(|t| &mut t.backward);
         let loss = self.group_loss(loss)?;
-        let mut reduce = ReduceGrads::<B> {
-            grads,
-            context: &self.context,
-            squared_norm: Vec::new(),
-            error: None,
-        };
-        self.model.visit(&mut reduce);
-        if let Some(source) = reduce.error {
-            return Err(Error::Comm {
-                what: "the gradients",
-                source,
-            });
-        }
-        let squared: f64 = reduce
-            .squared_norm
-            .into_iter()
-            .reduce(|a, b| a + b)
-            .map_or(0.0, |t| t.into_scalar().elem::<f64>());
+        let (mut grads, squared) = self.sum_gradients(grads)?;
         let grad_norm = squared.sqrt();
-        let mut grads = reduce.grads;
         lap(|t| &mut t.gradients);
         if self.options.grad_clip > 0.0 && grad_norm > self.options.grad_clip {
             let mut scale = ScaleGrads {
@@ -349,27 +333,55 @@ impl<B: TrainBackend> Trainer<B> {
     /// This rank's share of a loss, summed over the group, as a number.
     fn group_loss(&self, loss: Tensor<B, 1>) -> Result<f64, Error> {
         let loss = self
-            .sum_over_group(loss.inner().into_primitive().tensor())
+            .sum_over_group(vec![loss.inner().into_primitive().tensor()])
             .map_err(|source| Error::Comm {
                 what: "the loss",
                 source,
             })?;
+        let loss = loss.into_iter().next().expect("one sum per tensor");
         Ok(
-            Tensor::<B::InnerBackend, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(
-                loss,
-            ))
-            .into_scalar()
-            .elem::<f64>(),
+            Tensor::<B::InnerBackend, 1>::from_primitive(TensorPrimitive::Float(loss))
+                .into_scalar()
+                .elem::<f64>(),
         )
     }
 
+    /// Every parameter's gradient summed over the group, and the squared global L2 norm of the
+    /// sums. The gradients travel in flat buckets ([`DeviceGroup::all_reduce_sum`]): a few
+    /// all-reduces per step, not one per parameter.
+    ///
+    /// [`DeviceGroup::all_reduce_sum`]: burn_distflash::DeviceGroup::all_reduce_sum
+    fn sum_gradients(&self, mut grads: GradientsParams) -> Result<(GradientsParams, f64), Error> {
+        let mut take = TakeGrads::<B::InnerBackend> {
+            grads: &mut grads,
+            taken: Vec::new(),
+        };
+        self.model.visit(&mut take);
+        let (ids, tensors): (Vec<ParamId>, Vec<_>) = take.taken.into_iter().unzip();
+        let sums = self.sum_over_group(tensors).map_err(|source| Error::Comm {
+            what: "the gradients",
+            source,
+        })?;
+        let mut put = PutGrads::<B::InnerBackend> {
+            grads,
+            sums: ids.into_iter().zip(sums).collect(),
+            squared_norm: Vec::new(),
+        };
+        self.model.visit(&mut put);
+        let squared = (put.squared_norm.into_iter())
+            .reduce(|a, b| a + b)
+            .map_or(0.0, |t| t.into_scalar().elem::<f64>());
+        Ok((put.grads, squared))
+    }
+
+    /// `tensors` summed over the group (as they are on one device).
     fn sum_over_group(
         &self,
-        t: burn::tensor::ops::FloatTensor<B::InnerBackend>,
-    ) -> Result<burn::tensor::ops::FloatTensor<B::InnerBackend>, PluginError> {
+        tensors: Vec<FloatTensor<B::InnerBackend>>,
+    ) -> Result<Vec<FloatTensor<B::InnerBackend>>, PluginError> {
         match &self.context {
-            AttentionContext::Local => Ok(t),
-            AttentionContext::Sharded { group, .. } => Ok(group.all_reduce_sum(vec![t])?.remove(0)),
+            AttentionContext::Local => Ok(tensors),
+            AttentionContext::Sharded { group, .. } => group.all_reduce_sum(tensors),
         }
     }
 
@@ -437,37 +449,36 @@ pub struct TrainerState {
     pub options: TrainOptions,
 }
 
-/// Sums each gradient over the group and accumulates its squared norm.
-struct ReduceGrads<'a, B: TrainBackend> {
-    grads: GradientsParams,
-    context: &'a AttentionContext<B>,
-    squared_norm: Vec<Tensor<B::InnerBackend, 1>>,
-    error: Option<PluginError>,
+/// Takes every parameter's gradient out of `grads`, in the model's visiting order (the same on
+/// every rank).
+struct TakeGrads<'a, I: Backend> {
+    grads: &'a mut GradientsParams,
+    taken: Vec<(ParamId, FloatTensor<I>)>,
 }
 
-impl<B: TrainBackend> ModuleVisitor<B> for ReduceGrads<'_, B> {
+impl<B: TrainBackend> ModuleVisitor<B> for TakeGrads<'_, B::InnerBackend> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let Some(grad) = self.grads.remove::<B::InnerBackend, D>(param.id) else {
-            return;
-        };
-        let grad = match (self.context, &self.error) {
-            (AttentionContext::Sharded { group, .. }, None) => {
-                match group.all_reduce_sum(vec![grad.into_primitive().tensor()]) {
-                    Ok(mut sum) => {
-                        Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(sum.remove(0)))
-                    }
-                    Err(e) => {
-                        self.error = Some(e);
-                        return;
-                    }
-                }
-            }
-            (_, Some(_)) => return,
-            (AttentionContext::Local, None) => grad,
-        };
-        self.squared_norm
-            .push(B::InnerBackend::squared_norm(grad.clone()));
-        self.grads.register(param.id, grad);
+        if let Some(grad) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+            self.taken.push((param.id, grad.into_primitive().tensor()));
+        }
+    }
+}
+
+/// Puts the summed gradients back and accumulates their squared norms.
+struct PutGrads<I: Backend> {
+    grads: GradientsParams,
+    sums: HashMap<ParamId, FloatTensor<I>>,
+    squared_norm: Vec<Tensor<I, 1>>,
+}
+
+impl<B: TrainBackend> ModuleVisitor<B> for PutGrads<B::InnerBackend> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(sum) = self.sums.remove(&param.id) {
+            let grad = Tensor::<B::InnerBackend, D>::from_primitive(TensorPrimitive::Float(sum));
+            self.squared_norm
+                .push(B::InnerBackend::squared_norm(grad.clone()));
+            self.grads.register(param.id, grad);
+        }
     }
 }
 

@@ -1,5 +1,6 @@
 //! Moving bytes: NCCL operations posted in one group on the communication stream, the bounded
-//! wait for them (aborting on timeout or failure), the in-flight exchange, and the all-gather.
+//! wait for them (aborting on timeout or failure), the in-flight exchange, and the all-gather of
+//! host values.
 
 use crate::Error;
 use std::ffi::{c_int, c_void};
@@ -83,11 +84,44 @@ impl<F, I, BT> NcclTransport<F, I, BT> {
                         comm,
                         stream,
                     ),
-                    Op::AllGather { send, recv, bytes } => nccl::ncclAllGather(
+                    Op::AllGather {
+                        send,
+                        recv,
+                        count,
+                        datatype,
+                    } => nccl::ncclAllGather(
                         send as *const c_void,
                         recv as *mut c_void,
-                        bytes,
-                        nccl::ncclDataType_t::ncclUint8,
+                        count,
+                        datatype,
+                        comm,
+                        stream,
+                    ),
+                    Op::AllReduce {
+                        send,
+                        recv,
+                        count,
+                        datatype,
+                    } => nccl::ncclAllReduce(
+                        send as *const c_void,
+                        recv as *mut c_void,
+                        count,
+                        datatype,
+                        nccl::ncclRedOp_t::ncclSum,
+                        comm,
+                        stream,
+                    ),
+                    Op::ReduceScatter {
+                        send,
+                        recv,
+                        count,
+                        datatype,
+                    } => nccl::ncclReduceScatter(
+                        send as *const c_void,
+                        recv as *mut c_void,
+                        count,
+                        datatype,
+                        nccl::ncclRedOp_t::ncclSum,
                         comm,
                         stream,
                     ),
@@ -133,6 +167,40 @@ impl<F, I, BT> NcclTransport<F, I, BT> {
         };
         drop(state);
         recorded.inspect_err(|error| self.abort(error.to_string()))
+    }
+
+    /// Posts `ops` for `work` (see [`post`](Self::post)); on failure the buffers are settled
+    /// (see [`InFlight`]).
+    pub(super) fn launch(
+        &self,
+        ops: &[Op],
+        work: &mut InFlight,
+        blame: Blame,
+        posted_at: Instant,
+    ) -> Result<(), Error> {
+        work.pending = true;
+        match self.post(ops, blame, posted_at) {
+            Ok(event) => {
+                work.event = Some(event);
+                Ok(())
+            }
+            Err(error) => {
+                work.settle_after_abort(&self.stream);
+                Err(error)
+            }
+        }
+    }
+
+    /// [`launch`](Self::launch), then [`finish`](Self::finish): `ops` are done when it returns.
+    pub(super) fn run(
+        &self,
+        ops: &[Op],
+        work: &mut InFlight,
+        blame: Blame,
+        posted_at: Instant,
+    ) -> Result<(), Error> {
+        self.launch(ops, work, blame, posted_at)?;
+        self.finish(work, blame, posted_at)
     }
 
     /// Waits for `work` to complete, at most until `posted_at + timeout`; on timeout or failure
@@ -203,17 +271,10 @@ impl<F, I, BT> NcclTransport<F, I, BT> {
         let op = Op::AllGather {
             send: send_pointer,
             recv: recv_pointer,
-            bytes: bytes.len(),
+            count: bytes.len(),
+            datatype: nccl::ncclDataType_t::ncclUint8,
         };
-        work.pending = true;
-        match self.post(&[op], blame, posted_at) {
-            Ok(event) => work.event = Some(event),
-            Err(error) => {
-                work.settle_after_abort(&self.stream);
-                return Err(error);
-            }
-        }
-        self.finish(&mut work, blame, posted_at)?;
+        self.run(&[op], &mut work, blame, posted_at)?;
         let gathered = client.read_one(recv).map_err(|e| {
             Error::Nccl(format!(
                 "rank {}: reading the gathered values back: {e}",
@@ -262,7 +323,7 @@ impl<F, I, BT> NcclTransport<F, I, BT> {
 /// Who a timeout blames: the peer and the kind of message expected from it.
 type Blame = (usize, MessageKind);
 
-/// One NCCL operation of a group, on device addresses.
+/// One NCCL operation of a group, on device addresses; counts are in elements of `datatype`.
 #[derive(Debug, Clone, Copy)]
 pub(super) enum Op {
     Send {
@@ -275,10 +336,26 @@ pub(super) enum Op {
         pointer: u64,
         bytes: usize,
     },
+    /// Every rank's `count` elements, concatenated in rank order into `recv`.
     AllGather {
         send: u64,
         recv: u64,
-        bytes: usize,
+        count: usize,
+        datatype: nccl::ncclDataType_t,
+    },
+    /// The sum over the ranks of `count` elements (`send == recv`: in place).
+    AllReduce {
+        send: u64,
+        recv: u64,
+        count: usize,
+        datatype: nccl::ncclDataType_t,
+    },
+    /// This rank's `count` elements of the sum over the ranks of `count * P` elements.
+    ReduceScatter {
+        send: u64,
+        recv: u64,
+        count: usize,
+        datatype: nccl::ncclDataType_t,
     },
 }
 

@@ -1,4 +1,4 @@
-//! NCCL point-to-point transport for CUDA device groups: [`NcclTransport`], built through
+//! NCCL transport for CUDA device groups: [`NcclTransport`], built through
 //! [`DeviceGroup::nccl`] (one process, one rank per GPU, one host thread per rank) or
 //! [`DeviceGroup::nccl_from_env`] / [`DeviceGroup::nccl_with_rendezvous`] (one process per GPU,
 //! on one or many hosts, torchrun-style).
@@ -15,6 +15,9 @@
 //! 4. [`Exchange::wait`] polls that event. Kernels that read received tensors are launched after
 //!    the wait returns, so they see the data.
 //!
+//! Collectives (`all_reduce`, `reduce_scatter`, `all_gather`: NCCL's own kernels) run the same
+//! way, one operation per call, waited for before the call returns (see `collective`).
+//!
 //! Messages to or from the same peer are posted in `(peer, kind)` order on both sides, so a
 //! sender and a receiver that list the same messages in different orders still match.
 //! NCCL moves bytes only: unlike the in-process transport, layouts are not checked on the wire
@@ -30,14 +33,15 @@
 //!
 //! `NCCL_NVLS_ENABLE` is set to `0` when unset, before the first communicator is created: NVLink
 //! multicast (NVLS) reserves NVSwitch multicast resources and extra memory per communicator, which
-//! the shared GPU machines this crate runs on must not use, and point-to-point traffic gains
-//! nothing from it. Set the variable yourself (before building a group) to decide otherwise.
+//! the shared GPU machines this crate runs on must not use; point-to-point traffic gains nothing
+//! from it (collectives run on NCCL's other algorithms). Set the variable yourself (before building a group) to decide otherwise.
 //!
 //! libcuda and libnccl are loaded at run time (cudarc's dynamic loading); when either is missing,
 //! constructors return [`Error::Nccl`] saying so instead of panicking.
 
 mod rendezvous;
 
+mod collective;
 mod exchange;
 mod library;
 mod setup;
@@ -60,6 +64,7 @@ use cubecl::Runtime;
 use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nccl::sys as nccl;
 
+use super::collectives::Collective;
 use super::local::DEFAULT_TIMEOUT;
 use super::{DeviceGroup, Exchange, Incoming, MessageKind, Outgoing, TensorLayout, Transport};
 use exchange::{device_pointer, InFlight, NcclExchange, Op};
@@ -83,7 +88,7 @@ struct CommState {
 // around `CommState` serializes the calls.
 unsafe impl Send for CommState {}
 
-/// One rank of a group whose tensors travel through NCCL point-to-point operations, for the
+/// One rank of a group whose tensors travel through NCCL (point-to-point and collectives), for the
 /// CubeCL CUDA backend `CubeBackend<CudaRuntime, F, I, BT>`. Build a group with
 /// [`DeviceGroup::nccl`], [`DeviceGroup::nccl_from_env`] or [`DeviceGroup::nccl_with_rendezvous`]
 /// (or [`NcclTransport::group`] / [`NcclTransport::with_rendezvous`] for the bare transports).
@@ -330,14 +335,7 @@ where
             // Every kernel that wrote a sent tensor, or last used a receive buffer's memory, is
             // done (an exchange that moves no bytes needs no ordering, and skips the host wait).
             self.sync_compute(&client)?;
-            work.pending = true;
-            match self.post(&ops, blame, posted_at) {
-                Ok(event) => work.event = Some(event),
-                Err(error) => {
-                    work.settle_after_abort(&self.stream);
-                    return Err(error);
-                }
-            }
+            self.launch(&ops, &mut work, blame, posted_at)?;
         }
         Ok(Box::new(NcclExchange {
             transport: self,
@@ -384,6 +382,18 @@ where
                     .collect()
             })
             .collect())
+    }
+
+    fn all_reduce(&self, tensor: CudaTensor) -> Result<CudaTensor, Error> {
+        self.collective(Collective::AllReduce, tensor)
+    }
+
+    fn reduce_scatter(&self, tensor: CudaTensor) -> Result<CudaTensor, Error> {
+        self.collective(Collective::ReduceScatter, tensor)
+    }
+
+    fn all_gather(&self, tensor: CudaTensor) -> Result<CudaTensor, Error> {
+        self.collective(Collective::AllGather, tensor)
     }
 }
 

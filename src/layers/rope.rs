@@ -102,16 +102,20 @@ impl<B: Backend> RotaryTables<B> {
         device: &B::Device,
     ) -> Self {
         let len = positions.len();
-        // Angles on the host in f64, each rounded once to f32: a device matmul of positions by
-        // frequencies could run in TF32 on CUDA, where positions past 2048 lose their last bits.
-        let freqs = config.inverse_frequencies(head_dim);
-        let half = freqs.len();
-        let angles: Vec<f32> = positions
-            .iter()
-            .flat_map(|&p| freqs.iter().map(move |&f| (p as f64 * f) as f32))
+        let freqs: Vec<f32> = config
+            .inverse_frequencies(head_dim)
+            .into_iter()
+            .map(|f| f as f32)
             .collect();
-        let angles =
-            Tensor::<B, 2>::from_data(TensorData::new(angles, [len, half]), (device, DType::F32));
+        let half = freqs.len();
+        let f32_on_device = (device, DType::F32);
+        let freqs = Tensor::<B, 2>::from_data(TensorData::new(freqs, [1, half]), f32_on_device);
+        let positions: Vec<f32> = positions.iter().map(|&p| p as f32).collect();
+        let positions =
+            Tensor::<B, 2>::from_data(TensorData::new(positions, [len, 1]), f32_on_device);
+        // An element-wise product in f32, not a matmul: Burn's matmul may run f32 in TF32 on
+        // CUDA, where positions past 2048 would lose their last bits.
+        let angles = positions * freqs;
         let angles = Tensor::cat(vec![angles.clone(), angles], 1).reshape([1, 1, len, head_dim]);
         Self {
             cos: angles.clone().cos().cast(dtype),

@@ -204,11 +204,11 @@ impl<B: AutodiffBackend> ModuleMapper<B> for WriteBack<B::InnerBackend> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let (id, old, mapper) = param.consume();
         let (shape, dtype) = (old.shape(), old.dtype());
-        let end = self.offset + shape.num_elements();
-        let value = (self.flat.clone().slice([self.offset..end]))
+        let len = shape.num_elements();
+        let value = (self.flat.clone().narrow(0, self.offset, len))
             .reshape(shape)
             .cast(dtype);
-        self.offset = end;
+        self.offset += len;
         let mut new = Tensor::<B, D>::from_inner(value);
         if old.is_require_grad() {
             new = new.require_grad();

@@ -138,7 +138,7 @@ impl<B: AutodiffBackend> ShardedAdamW<B> {
                 collective(group.reduce_scatter(primitive(flat)), "the gradients")?
             }
             (Some(group), _) => collective(group.all_reduce(primitive(flat)), "the gradients")?
-                .slice([rank * n..(rank + 1) * n]),
+                .narrow(0, rank * n, n),
         };
         let squared = grad.clone().square().sum();
         let squared = match &self.group {
@@ -213,9 +213,7 @@ impl<B: AutodiffBackend> ShardedAdamW<B> {
     fn first_shard<M: AutodiffModule<B>>(&self, model: &M, layout: FlatLayout) -> Shard<B> {
         let (rank, _) = self.rank();
         let n = layout.shard_len();
-        let master = layout
-            .weights::<B, M>(model)
-            .slice([rank * n..(rank + 1) * n]);
+        let master = layout.weights::<B, M>(model).narrow(0, rank * n, n);
         let zeros = master.zeros_like();
         Shard {
             layout,

@@ -22,7 +22,9 @@
 //!   MASTER_ADDR/MASTER_PORT, e.g. under torchrun), `--dtype bf16|f32` (GPU), `--schedule
 //!   auto|ring|balanced|zigzag`;
 //! - optimisation: `--steps`, `--batch`, `--seq-len` (whole sequence), `--lr`, `--warmup`,
-//!   `--grad-clip`, `--seed`;
+//!   `--grad-clip`, `--seed`, `--zero 0|1|2` (the optimizer: 0 replicated, 1 f32 master weights
+//!   and moments sharded over the group, 2 also the gradients reduce-scattered; default 2 on
+//!   several ranks, 0 on one; checkpoints of 1 and 2 hold the model but cannot be resumed yet);
 //! - validation: `--val-fraction F` (the last fraction of the corpus is held out, default 0.05),
 //!   `--val-every N` (validation loss every N steps and at the end, in metrics.jsonl and on the
 //!   plot; 0 turns it off);
@@ -44,6 +46,7 @@ use burn_distflash::{AttentionContext, DeviceGroup, Documents};
 use distflash_llama::data::{Packing, TokenDataset};
 use distflash_llama::generate::{generate, Sampling};
 use distflash_llama::metrics::{read_metrics, write_loss_plot_svg, Curve, MetricsLog, StepMetrics};
+use distflash_llama::optimizer::ZeroStage;
 use distflash_llama::progress::ProgressBar;
 use distflash_llama::tokenizer::{Tokenizer, END_OF_TEXT_NAMES};
 use distflash_llama::train::{TrainBackend, TrainOptions, Trainer};
@@ -71,6 +74,8 @@ struct Args {
     dtype: String,
     schedule: ScheduleKind,
     options: TrainOptions,
+    /// `--zero`, or `None` for the default of the group's size.
+    zero: Option<ZeroStage>,
     out: PathBuf,
     save_every: u64,
     resume: bool,
@@ -149,6 +154,7 @@ fn parse() -> Args {
         "--warmup",
         "--grad-clip",
         "--seed",
+        "--zero",
         "--out",
         "--save-every",
         "--resume",
@@ -219,6 +225,7 @@ fn parse() -> Args {
         dtype: value("--dtype").unwrap_or_else(|| "bf16".into()),
         schedule,
         options,
+        zero: value("--zero").map(|z| z.parse().unwrap_or_else(|e| fail(format!("--zero: {e}")))),
         save_every: count("--save-every", 100),
         resume: raw.iter().any(|a| a == "--resume"),
         log_every: count("--log-every", 10),
@@ -342,7 +349,18 @@ fn train_rank<B: TrainBackend>(
     model: Llama<B>,
     context: AttentionContext<B>,
 ) {
-    let mut trainer = Trainer::new(model, context, args.options.clone());
+    let world = match &context {
+        AttentionContext::Local => 1,
+        AttentionContext::Sharded { group, .. } => group.world_size(),
+    };
+    // Several ranks shard the optimizer (f32 master weights, 1/P of the memory each); one rank
+    // keeps the replicated optimizer, whose checkpoints resume.
+    let zero = args.zero.unwrap_or(match world {
+        1 => ZeroStage::Replicated,
+        _ => ZeroStage::Gradients,
+    });
+    let options = args.options.clone().with_zero(zero);
+    let mut trainer = Trainer::new(model, context, options);
     let (rank, world) = trainer.rank();
     let leader = rank == 0;
     let checkpoint_dir = args.out.join("checkpoint");
@@ -377,7 +395,7 @@ fn train_rank<B: TrainBackend>(
     if leader {
         eprintln!(
             "training {} params ({} layers, d_model {}, {} heads / {} kv) on {world} {} rank(s), \
-             {} x {} tokens per step, checkpoint {:?}",
+             {} x {} tokens per step, checkpoint {:?}, ZeRO stage {}",
             config.num_params(),
             config.n_layers,
             config.d_model,
@@ -386,7 +404,8 @@ fn train_rank<B: TrainBackend>(
             args.backend,
             o.batch,
             o.seq_len,
-            config.checkpoint
+            config.checkpoint,
+            trainer.options.zero
         );
         if let Some(packing) = args.packing {
             let (documents, eot) = (packing.count(data.tokens()), packing.eot());

@@ -1,7 +1,10 @@
 //! [`Trainer`]: one rank's training loop state (model, AdamW, step) and one training step:
 //! forward and loss on this rank's shard of every sequence, backward, gradients summed over the
 //! group (every rank holds the whole model), clipped by their global norm, AdamW with the
-//! learning-rate schedule. Checkpoints save and restore everything a step depends on.
+//! learning-rate schedule. The optimizer is replicated ([`ZeroStage::Replicated`]) or sharded
+//! over the group with f32 master weights ([`ShardedAdamW`], ZeRO stages 1 and 2, chosen by
+//! [`TrainOptions::zero`]). Checkpoints save and restore everything a step of the replicated
+//! optimizer depends on; the sharded optimizer's state is not saved yet.
 
 use std::collections::HashMap;
 use std::fs;
@@ -20,7 +23,7 @@ use burn::tensor::{ElementConversion, Int, Tensor, TensorData, TensorPrimitive};
 use super::loss::CrossEntropyBackend;
 use super::lr_schedule::learning_rate;
 use super::model::Llama;
-use super::optimizer::FusedAdamW;
+use super::optimizer::{AdamWSettings, FusedAdamW, ShardedAdamW, ZeroStage};
 use super::TrainingKernels;
 use crate::Error;
 use burn_distflash::sequence_parallel::shard_sequence;
@@ -61,6 +64,11 @@ pub struct TrainOptions {
     /// Seed of the data order.
     #[config(default = 0)]
     pub seed: u64,
+    /// How the optimizer is split over the group: 0 replicated (AdamW state in the weights'
+    /// type on every rank), 1 or 2 sharded with f32 master weights and moments
+    /// ([`ZeroStage`]). Checkpoints written before this option existed mean stage 0.
+    #[config(default = "ZeroStage::Replicated")]
+    pub zero: ZeroStage,
 }
 
 /// What one step measured.
@@ -82,11 +90,14 @@ pub struct PhaseTimes {
     pub forward: f64,
     /// Backward pass (checkpoint recomputation included).
     pub backward: f64,
-    /// Loss and gradient sums over the group, the gradients' global norm.
+    /// Loss and gradient sums over the group, the gradients' global norm (the loss only, under
+    /// a sharded optimizer).
     pub gradients: f64,
-    /// Scaling the gradients down to the clipping norm (zero when they are not clipped).
+    /// Scaling the gradients down to the clipping norm (zero when they are not clipped, and
+    /// under a sharded optimizer).
     pub clip: f64,
-    /// The AdamW update of every parameter.
+    /// The AdamW update of every parameter (under a sharded optimizer, the whole optimizer
+    /// step: gradient sums, norm, clipping, update and the weights' all-gather).
     pub optimizer: f64,
 }
 
@@ -138,11 +149,52 @@ impl<B> TrainBackend for B where
 {
 }
 
+/// The optimizer a [`Trainer`] steps with.
+enum StepOptimizer<B: TrainBackend> {
+    /// Stage 0: every rank holds the whole state and applies the whole update.
+    Replicated(OptimizerAdaptor<FusedAdamW, Llama<B>, B>),
+    /// Stages 1 and 2: f32 master weights and moments split over the group.
+    Sharded(ShardedAdamW<B>),
+}
+
+impl<B: TrainBackend> StepOptimizer<B> {
+    /// The optimizer `options` ask for, over `context`'s group.
+    fn new(options: &TrainOptions, context: &AttentionContext<B>) -> Self {
+        if !options.zero.is_sharded() {
+            return Self::Replicated(replicated_adamw(options));
+        }
+        let group = match context {
+            AttentionContext::Local => None,
+            AttentionContext::Sharded { group, .. } => Some(group.clone()),
+        };
+        let sharded = ShardedAdamW::new(options.zero, adamw_settings(options), group);
+        Self::Sharded(sharded.expect("a sharded ZeRO stage"))
+    }
+}
+
+/// The AdamW settings of `options`.
+fn adamw_settings(options: &TrainOptions) -> AdamWSettings {
+    AdamWSettings {
+        beta_1: options.beta_1 as f32,
+        beta_2: options.beta_2 as f32,
+        epsilon: 1e-8,
+        weight_decay: options.weight_decay as f32,
+    }
+}
+
+/// The replicated AdamW of `options` (stage 0), without state.
+fn replicated_adamw<B: TrainBackend>(
+    options: &TrainOptions,
+) -> OptimizerAdaptor<FusedAdamW, Llama<B>, B> {
+    let s = adamw_settings(options);
+    FusedAdamW::new(s.beta_1, s.beta_2, s.epsilon, s.weight_decay).into_optimizer()
+}
+
 /// One rank's training state.
 pub struct Trainer<B: TrainBackend> {
     /// The model (identical on every rank after every step).
     pub model: Llama<B>,
-    optim: OptimizerAdaptor<FusedAdamW, Llama<B>, B>,
+    optim: StepOptimizer<B>,
     /// Steps done.
     pub step: u64,
     /// Where attention runs (a sharded context for a group).
@@ -152,15 +204,10 @@ pub struct Trainer<B: TrainBackend> {
 }
 
 impl<B: TrainBackend> Trainer<B> {
-    /// A trainer at step 0.
+    /// A trainer at step 0, with the optimizer of `options.zero` (a sharded one creates its
+    /// state at the first step, from the weights then).
     pub fn new(model: Llama<B>, context: AttentionContext<B>, options: TrainOptions) -> Self {
-        let optim = FusedAdamW::new(
-            options.beta_1 as f32,
-            options.beta_2 as f32,
-            1e-8,
-            options.weight_decay as f32,
-        )
-        .into_optimizer();
+        let optim = StepOptimizer::new(&options, &context);
         Self {
             model,
             optim,
@@ -271,21 +318,35 @@ impl<B: TrainBackend> Trainer<B> {
         let grads = GradientsParams::from_grads(loss.backward(), &self.model);
         lap(|t| &mut t.backward);
         let loss = self.group_loss(loss)?;
-        let (mut grads, squared) = self.sum_gradients(grads)?;
-        let grad_norm = squared.sqrt();
-        lap(|t| &mut t.gradients);
-        if self.options.grad_clip > 0.0 && grad_norm > self.options.grad_clip {
-            let mut scale = ScaleGrads {
-                grads,
-                factor: self.options.grad_clip / grad_norm,
-            };
-            self.model.visit(&mut scale);
-            grads = scale.grads;
-        }
-        lap(|t| &mut t.clip);
         let o = &self.options;
         let lr = learning_rate(self.step, o.steps, o.warmup, o.lr, o.min_lr_ratio);
-        self.model = self.optim.step(lr, self.model.clone(), grads);
+        let clip = o.grad_clip;
+        let grad_norm = match &mut self.optim {
+            StepOptimizer::Sharded(optim) => {
+                lap(|t| &mut t.gradients);
+                let (model, grad_norm) = optim.step(lr, clip, self.model.clone(), grads)?;
+                self.model = model;
+                grad_norm
+            }
+            StepOptimizer::Replicated(_) => {
+                let (mut grads, squared) = self.sum_gradients(grads)?;
+                let grad_norm = squared.sqrt();
+                lap(|t| &mut t.gradients);
+                if clip > 0.0 && grad_norm > clip {
+                    let mut scale = ScaleGrads {
+                        grads,
+                        factor: clip / grad_norm,
+                    };
+                    self.model.visit(&mut scale);
+                    grads = scale.grads;
+                }
+                lap(|t| &mut t.clip);
+                if let StepOptimizer::Replicated(optim) = &mut self.optim {
+                    self.model = optim.step(lr, self.model.clone(), grads);
+                }
+                grad_norm
+            }
+        };
         lap(|t| &mut t.optimizer);
         self.step += 1;
         Ok(StepStats {
@@ -386,7 +447,9 @@ impl<B: TrainBackend> Trainer<B> {
     }
 
     /// Writes the model, the optimizer state and the step to `dir` (rank 0 of a group is
-    /// enough: every rank holds the same state).
+    /// enough: every rank holds the same state). Under a sharded optimizer (ZeRO stage 1 or 2)
+    /// the optimizer state is not written: the model and the step are, for inference and
+    /// inspection, but [`resume`](Self::resume) refuses the checkpoint.
     pub fn save(&self, dir: &Path) -> Result<(), Error> {
         fs::create_dir_all(dir).map_err(Error::io("create the checkpoint directory", dir))?;
         let recorder = BinFileRecorder::<FullPrecisionSettings>::new();
@@ -394,9 +457,11 @@ impl<B: TrainBackend> Trainer<B> {
             .clone()
             .save_file(dir.join("model"), &recorder)
             .map_err(checkpoint_error("write the model", dir))?;
-        recorder
-            .record(self.optim.to_record(), dir.join("optimizer"))
-            .map_err(checkpoint_error("write the optimizer state", dir))?;
+        if let StepOptimizer::Replicated(optim) = &self.optim {
+            recorder
+                .record(optim.to_record(), dir.join("optimizer"))
+                .map_err(checkpoint_error("write the optimizer state", dir))?;
+        }
         let state = TrainerState {
             step: self.step,
             options: self.options.clone(),
@@ -408,10 +473,26 @@ impl<B: TrainBackend> Trainer<B> {
     }
 
     /// Restores a checkpoint written by [`save`](Self::save) into this trainer (built with the
-    /// same model configuration); training then continues exactly where it stopped.
+    /// same model configuration); training then continues exactly where it stopped, with the
+    /// checkpoint's options (its ZeRO stage included).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unsupported`] for a checkpoint of a sharded optimizer (ZeRO stage 1 or 2),
+    /// whose state is not saved yet; [`Error::Checkpoint`] when a file cannot be read.
     pub fn resume(mut self, dir: &Path) -> Result<Self, Error> {
         let state = TrainerState::load(dir.join("trainer.json"))
             .map_err(checkpoint_error("read trainer.json", dir))?;
+        if state.options.zero.is_sharded() {
+            return Err(Error::Unsupported {
+                path: Some(dir.to_path_buf()),
+                what: "resuming the optimizer of the checkpoint".into(),
+                expected: "a checkpoint of the replicated optimizer (ZeRO stage 0): the sharded \
+                           optimizer's state (stages 1 and 2) is not saved yet"
+                    .into(),
+                got: format!("ZeRO stage {}", state.options.zero),
+            });
+        }
         let recorder = BinFileRecorder::<FullPrecisionSettings>::new();
         let device = self.device();
         self.model = self
@@ -421,7 +502,8 @@ impl<B: TrainBackend> Trainer<B> {
         let record = recorder
             .load(dir.join("optimizer"), &device)
             .map_err(checkpoint_error("read the optimizer state", dir))?;
-        self.optim = self.optim.load_record(record);
+        let optim = replicated_adamw(&state.options).load_record(record);
+        self.optim = StepOptimizer::Replicated(optim);
         self.step = state.step;
         self.options = state.options;
         Ok(self)

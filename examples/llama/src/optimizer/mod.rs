@@ -4,8 +4,18 @@
 //! writes the three results once; elsewhere (and on the first step, and under
 //! `DISTFLASH_UNFUSED_OPTIMIZER=1`) Burn's own `AdamW` runs. The state is Burn's `AdamWState`,
 //! so checkpoints of either are the same records.
+//!
+//! [`ShardedAdamW`] is the mixed-precision alternative for groups: f32 master weights and
+//! moments split over the ranks ([`ZeroStage`] 1 and 2).
+
+mod flat;
+mod sharded;
+mod zero_stage;
 
 pub use crate::training_kernels::{unfused_optimizer_forced, AdamWStep, AdamWTensors};
+pub use flat::FlatLayout;
+pub use sharded::{AdamWSettings, ShardedAdamW};
+pub use zero_stage::ZeroStage;
 
 use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;

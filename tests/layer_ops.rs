@@ -365,16 +365,17 @@ fn linear_products_and_gradients_on_wgpu_match_f64_at_every_row_count() {
 }
 
 /// cuBLAS where it takes the operands (CUDA `CubeBackend`), Burn's matmul elsewhere (under
-/// `Fusion`), at every row count from 1 to 64.
+/// `Fusion`), at the row counts around each tile (the exhaustive sweep autotunes Burn's matmul
+/// for every shape class and ran past 7 minutes on an H200).
 #[test]
 #[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
 fn linear_products_and_gradients_on_cuda_match_f64() {
     let device = burn_cuda::CudaDevice::new(0);
-    check_linear::<CudaF32>(&device, DType::F32, 1e-5, true);
-    check_linear::<CudaBf16>(&device, DType::BF16, 2.0 / 128.0, true);
+    check_linear::<CudaF32>(&device, DType::F32, 1e-5, false);
+    check_linear::<CudaBf16>(&device, DType::BF16, 2.0 / 128.0, false);
     // Burn's matmul may take f32 through TF32 tensor cores on CUDA.
-    check_linear::<burn_fusion::Fusion<CudaF32>>(&device, DType::F32, 2e-3, true);
-    check_linear::<burn_fusion::Fusion<CudaBf16>>(&device, DType::BF16, 2.0 / 128.0, true);
+    check_linear::<burn_fusion::Fusion<CudaF32>>(&device, DType::F32, 2e-3, false);
+    check_linear::<burn_fusion::Fusion<CudaBf16>>(&device, DType::BF16, 2.0 / 128.0, false);
 }
 
 #[test]

@@ -1,0 +1,38 @@
+//! The CUDA source CubeCL generates for the tensor-core kernels, checked without a GPU: every
+//! kernel's `exp2` reaches NVRTC as the one-instruction flush-to-zero helper of
+//! `tensor_core::fast_exp2`. A CubeCL upgrade that prints `exp2` differently fails here instead
+//! of silently bringing back the denormal fix-up around every exponential.
+
+#[allow(dead_code)]
+#[path = "../../examples/dump_cuda.rs"]
+mod dump_cuda;
+
+use half::{bf16, f16};
+
+fn check<E: cubecl::prelude::Float>(elem: &str) {
+    for head_dim in distflash_kernels::tensor_core::HEAD_DIMS {
+        for (mask_name, mask) in dump_cuda::mask_kinds() {
+            for (name, source) in dump_cuda::kernels::<E>(head_dim, mask) {
+                let at = format!("{name} ({elem}, head dim {head_dim}, mask {mask_name})");
+                assert!(
+                    !source.contains("__powf("),
+                    "{at}: an exp2 is still printed as __powf"
+                );
+                assert!(
+                    source.contains("distflash_ex2_ftz(") && source.contains("ex2.approx.ftz.f32"),
+                    "{at}: no exp2 goes through the flush-to-zero helper"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn every_tensor_core_kernel_computes_exp2_with_flush_to_zero_bf16() {
+    check::<bf16>("bf16");
+}
+
+#[test]
+fn every_tensor_core_kernel_computes_exp2_with_flush_to_zero_f16() {
+    check::<f16>("f16");
+}

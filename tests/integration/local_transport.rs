@@ -3,7 +3,8 @@
 //! bad peers and uneven all-gathers are refused with the group still usable; a failure while
 //! messages move breaks the group, and later calls say so at once. Its collectives equal a
 //! rank-ordered host sum for 1 to 8 ranks (f32 on ndarray here; f16 on wgpu in the
-//! `half_precision` test binary, bf16 on CUDA in `nccl_transport`), and refuse bad or mismatched calls on every rank.
+//! `half_precision` test binary, bf16 on CUDA in `nccl_transport`), and refuse bad or mismatched
+//! calls on every rank.
 
 use std::sync::{Arc, Barrier};
 use std::thread;

@@ -12,12 +12,13 @@ use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorPrimitive};
 use burn_distflash::FlashAttentionBackend;
+use burn_fusion::Fusion;
 
 type WgpuF32 = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>;
 type CudaF32 = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
 type CudaBf16 = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, half::bf16, i32, u8>;
 type Cpu = burn::backend::NdArray<f32>;
-type FusedWgpuF32 = burn_fusion::Fusion<WgpuF32>;
+type FusedWgpuF32 = Fusion<WgpuF32>;
 
 const EPS: f64 = 1e-5;
 
@@ -233,18 +234,32 @@ const LINEAR_WIDTHS: [(usize, usize); 10] = [
     (130, 9),
 ];
 
-/// `(rows, d_in, d_out)` of the linear-product cases: row counts around each vector width and
-/// tile (every count from 1 to 64, and 65 and 129, when `exhaustive`) at every width of
-/// [`LINEAR_WIDTHS`] (only the first two when not exhaustive, with the rest at fewer rows).
-fn linear_cases(exhaustive: bool) -> Vec<(usize, usize, usize)> {
+/// Which linear-product cases a test runs.
+#[derive(Clone, Copy)]
+enum LinearCases {
+    /// Every row count from 1 to 64, and 65 and 129, at every width of [`LINEAR_WIDTHS`].
+    Exhaustive,
+    /// The row counts around each vector width and tile at the first two widths, and three row
+    /// counts at the others.
+    Standard,
+    /// The first half of `Standard`: the row counts around each tile at the first two widths.
+    TileRows,
+    /// The second half of `Standard`: three row counts at the other widths.
+    OtherWidths,
+}
+
+/// `(rows, d_in, d_out)` of the linear-product cases `which`.
+fn linear_cases(which: LinearCases) -> Vec<(usize, usize, usize)> {
     let all_rows: Vec<usize> = (1..=64).chain([65, 129]).collect();
     let around_tiles = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65];
     let mut cases = Vec::new();
     for (i, &(d_in, d_out)) in LINEAR_WIDTHS.iter().enumerate() {
-        let rows: &[usize] = match (exhaustive, i) {
-            (true, _) => &all_rows,
-            (false, 0 | 1) => &around_tiles,
-            (false, _) => &[1, 8, 17],
+        let first_two = i < 2;
+        let rows: &[usize] = match which {
+            LinearCases::Exhaustive => &all_rows,
+            LinearCases::Standard | LinearCases::TileRows if first_two => &around_tiles,
+            LinearCases::Standard | LinearCases::OtherWidths if !first_two => &[1, 8, 17],
+            _ => &[],
         };
         cases.extend(rows.iter().map(|&r| (r, d_in, d_out)));
     }
@@ -257,10 +272,10 @@ fn check_linear<B: FlashAttentionBackend>(
     device: &B::Device,
     dtype: DType,
     tol: f64,
-    exhaustive: bool,
+    which: LinearCases,
 ) {
     type Ad<B> = Autodiff<B>;
-    for (case, (rows, d_in, d_out)) in linear_cases(exhaustive).into_iter().enumerate() {
+    for (case, (rows, d_in, d_out)) in linear_cases(which).into_iter().enumerate() {
         let seed = 1000 + 3 * case as u64;
         let (x_t, x) =
             upload::<Ad<B>, 2>(values(rows * d_in, seed, 2.0), [rows, d_in], dtype, device);
@@ -339,17 +354,24 @@ fn tensor_operations_on_ndarray_match_f64() {
 
 #[test]
 fn linear_products_and_gradients_on_wgpu_match_f64() {
-    check_linear::<WgpuF32>(&cubecl::wgpu::WgpuDevice::Cpu, DType::F32, 1e-5, false);
+    let device = cubecl::wgpu::WgpuDevice::Cpu;
+    check_linear::<WgpuF32>(&device, DType::F32, 1e-5, LinearCases::Standard);
 }
 
 #[test]
 fn linear_products_and_gradients_on_fused_wgpu_match_f64() {
-    check_linear::<FusedWgpuF32>(&cubecl::wgpu::WgpuDevice::Cpu, DType::F32, 1e-5, false);
+    let device = cubecl::wgpu::WgpuDevice::Cpu;
+    check_linear::<FusedWgpuF32>(&device, DType::F32, 1e-5, LinearCases::Standard);
 }
 
 #[test]
 fn linear_products_and_gradients_on_ndarray_match_f64() {
-    check_linear::<Cpu>(&Default::default(), DType::F32, 1e-5, true);
+    check_linear::<Cpu>(
+        &Default::default(),
+        DType::F32,
+        1e-5,
+        LinearCases::Exhaustive,
+    );
 }
 
 /// Every row count from 1 to 64 at every width: about ten minutes on Mesa's software Vulkan
@@ -358,22 +380,62 @@ fn linear_products_and_gradients_on_ndarray_match_f64() {
 #[ignore = "the exhaustive sweep on wgpu (minutes on a CPU): run with --ignored"]
 fn linear_products_and_gradients_on_wgpu_match_f64_at_every_row_count() {
     let device = cubecl::wgpu::WgpuDevice::Cpu;
-    check_linear::<WgpuF32>(&device, DType::F32, 1e-5, true);
-    check_linear::<FusedWgpuF32>(&device, DType::F32, 1e-5, true);
+    check_linear::<WgpuF32>(&device, DType::F32, 1e-5, LinearCases::Exhaustive);
+    check_linear::<FusedWgpuF32>(&device, DType::F32, 1e-5, LinearCases::Exhaustive);
 }
 
-/// cuBLAS where it takes the operands (CUDA `CubeBackend`), Burn's matmul elsewhere (under
-/// `Fusion`), at the row counts around each tile (the exhaustive sweep autotunes Burn's matmul
-/// for every shape class and ran past 7 minutes on an H200).
+/// cuBLAS where it takes the operands (CUDA `CubeBackend`), at the row counts around each tile
+/// (the exhaustive sweep autotunes Burn's matmul for every shape class and ran past 7 minutes on
+/// an H200).
 #[test]
 #[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
-fn linear_products_and_gradients_on_cuda_match_f64() {
+fn linear_products_and_gradients_on_cuda_f32_match_f64() {
     let device = burn_cuda::CudaDevice::new(0);
-    check_linear::<CudaF32>(&device, DType::F32, 1e-5, false);
-    check_linear::<CudaBf16>(&device, DType::BF16, 2.0 / 128.0, false);
-    // Burn's matmul may take f32 through TF32 tensor cores on CUDA.
-    check_linear::<burn_fusion::Fusion<CudaF32>>(&device, DType::F32, 2e-3, false);
-    check_linear::<burn_fusion::Fusion<CudaBf16>>(&device, DType::BF16, 2.0 / 128.0, false);
+    check_linear::<CudaF32>(&device, DType::F32, 1e-5, LinearCases::Standard);
+}
+
+/// As above, in bf16.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
+fn linear_products_and_gradients_on_cuda_bf16_match_f64() {
+    let device = burn_cuda::CudaDevice::new(0);
+    check_linear::<CudaBf16>(&device, DType::BF16, 2.0 / 128.0, LinearCases::Standard);
+}
+
+/// Burn's matmul under `Fusion` on CUDA (which may take f32 through TF32 tensor cores), at the
+/// row counts around each tile. It autotunes every shape class (about five minutes on an H200 for
+/// each half of the standard cases), so the cases are split over two tests per dtype that the
+/// GPU runner runs in parallel.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
+fn linear_products_and_gradients_on_fused_cuda_f32_match_f64_at_tile_rows() {
+    let device = burn_cuda::CudaDevice::new(0);
+    check_linear::<Fusion<CudaF32>>(&device, DType::F32, 2e-3, LinearCases::TileRows);
+}
+
+/// The other half of the fused CUDA f32 cases.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
+fn linear_products_and_gradients_on_fused_cuda_f32_match_f64_at_other_widths() {
+    let device = burn_cuda::CudaDevice::new(0);
+    check_linear::<Fusion<CudaF32>>(&device, DType::F32, 2e-3, LinearCases::OtherWidths);
+}
+
+/// The fused CUDA cases in bf16, first half.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
+fn linear_products_and_gradients_on_fused_cuda_bf16_match_f64_at_tile_rows() {
+    let device = burn_cuda::CudaDevice::new(0);
+    check_linear::<Fusion<CudaBf16>>(&device, DType::BF16, 2.0 / 128.0, LinearCases::TileRows);
+}
+
+/// The fused CUDA cases in bf16, second half.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
+fn linear_products_and_gradients_on_fused_cuda_bf16_match_f64_at_other_widths() {
+    let device = burn_cuda::CudaDevice::new(0);
+    let which = LinearCases::OtherWidths;
+    check_linear::<Fusion<CudaBf16>>(&device, DType::BF16, 2.0 / 128.0, which);
 }
 
 #[test]

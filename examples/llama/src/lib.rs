@@ -9,6 +9,7 @@
 #![warn(missing_docs)]
 pub mod config;
 pub mod data;
+mod device_memory;
 mod error;
 pub mod generate;
 pub mod hf_config;
@@ -20,6 +21,7 @@ pub mod optimizer;
 pub mod progress;
 mod rng;
 pub mod safetensors;
+mod staged_dir;
 #[cfg(test)]
 mod temp_dir;
 pub mod tokenizer;

@@ -24,13 +24,15 @@
 //! - optimisation: `--steps`, `--batch`, `--seq-len` (whole sequence), `--lr`, `--warmup`,
 //!   `--grad-clip`, `--seed`, `--zero 0|1|2` (the optimizer: 0 replicated, 1 f32 master weights
 //!   and moments sharded over the group, 2 also the gradients reduce-scattered; default 2 on
-//!   several ranks, 0 on one; checkpoints of 1 and 2 hold the model but cannot be resumed yet);
+//!   several ranks, 0 on one; the memory each rank holds is printed after the first step);
 //! - validation: `--val-fraction F` (the last fraction of the corpus is held out, default 0.05),
 //!   `--val-every N` (validation loss every N steps and at the end, in metrics.jsonl and on the
 //!   plot; 0 turns it off);
 //! - sample: `--prompt TEXT`, `--sample-tokens N` (0 turns the sample off);
-//! - output: `--out DIR`, `--save-every N`, `--resume` (continue from DIR/checkpoint),
-//!   `--log-every N`.
+//! - output: `--out DIR`, `--save-every N`, `--resume` (continue from DIR/checkpoint, at the
+//!   same or another number of ranks), `--log-every N`, `--export-weights HF_DIR` (at the end,
+//!   the final checkpoint's weights as a Hugging Face model that `--weights` loads: the f32
+//!   master weights under `--zero 1|2`).
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -49,7 +51,7 @@ use distflash_llama::metrics::{read_metrics, write_loss_plot_svg, Curve, Metrics
 use distflash_llama::optimizer::ZeroStage;
 use distflash_llama::progress::ProgressBar;
 use distflash_llama::tokenizer::{Tokenizer, END_OF_TEXT_NAMES};
-use distflash_llama::train::{TrainBackend, TrainOptions, Trainer};
+use distflash_llama::train::{export_weights, TrainBackend, TrainOptions, Trainer};
 use distflash_llama::weights::load_hf_llama;
 use distflash_llama::{Error, Llama, LlamaConfig};
 
@@ -79,6 +81,7 @@ struct Args {
     out: PathBuf,
     save_every: u64,
     resume: bool,
+    export_weights: Option<PathBuf>,
     log_every: u64,
     val_fraction: f64,
     val_every: u64,
@@ -158,6 +161,7 @@ fn parse() -> Args {
         "--out",
         "--save-every",
         "--resume",
+        "--export-weights",
         "--log-every",
         "--val-fraction",
         "--val-every",
@@ -228,6 +232,7 @@ fn parse() -> Args {
         zero: value("--zero").map(|z| z.parse().unwrap_or_else(|e| fail(format!("--zero: {e}")))),
         save_every: count("--save-every", 100),
         resume: raw.iter().any(|a| a == "--resume"),
+        export_weights: value("--export-weights").map(PathBuf::from),
         log_every: count("--log-every", 10),
         val_fraction: number("--val-fraction", 0.05),
         val_every: count("--val-every", 50),
@@ -354,7 +359,7 @@ fn train_rank<B: TrainBackend>(
         AttentionContext::Sharded { group, .. } => group.world_size(),
     };
     // Several ranks shard the optimizer (f32 master weights, 1/P of the memory each); one rank
-    // keeps the replicated optimizer, whose checkpoints resume.
+    // keeps the replicated optimizer.
     let zero = args.zero.unwrap_or(match world {
         1 => ZeroStage::Replicated,
         _ => ZeroStage::Gradients,
@@ -430,6 +435,8 @@ fn train_rank<B: TrainBackend>(
     let mut bar =
         leader.then(|| ProgressBar::new(o.steps, args.log_every).resumed_from(trainer.step));
     let start = Instant::now();
+    // The step of this run's last checkpoint (none yet), and its first step.
+    let (mut saved_at, first_step) = (None, trainer.step);
     while trainer.step < o.steps {
         let step_start = Instant::now();
         let (x, y) = data
@@ -439,6 +446,10 @@ fn train_rank<B: TrainBackend>(
         let stats =
             (trainer.train_step_packed(&x, &y, documents.as_ref())).unwrap_or_else(|e| fail(e));
         let tokens_per_s = (o.batch * o.seq_len) as f64 / step_start.elapsed().as_secs_f64();
+        if leader && trainer.step == first_step + 1 {
+            // After the first step, so that the device's count includes the optimizer's state.
+            eprintln!("{}", trainer.memory_report());
+        }
         let last = trainer.step == o.steps;
         let validate = args.val_every > 0 && (last || trainer.step.is_multiple_of(args.val_every));
         let val_loss = validate.then(|| {
@@ -458,9 +469,19 @@ fn train_rank<B: TrainBackend>(
             })
             .unwrap_or_else(|e| fail(e));
         }
-        if leader && (last || (args.save_every > 0 && trainer.step.is_multiple_of(args.save_every)))
-        {
+        if last || (args.save_every > 0 && trainer.step.is_multiple_of(args.save_every)) {
             trainer.save(&checkpoint_dir).unwrap_or_else(|e| fail(e));
+            saved_at = Some(trainer.step);
+        }
+    }
+    if let Some(out) = &args.export_weights {
+        if saved_at != Some(trainer.step) && !args.resume {
+            trainer.save(&checkpoint_dir).unwrap_or_else(|e| fail(e));
+        }
+        if leader {
+            export_weights(&trainer.model, config, &checkpoint_dir, out)
+                .unwrap_or_else(|e| fail(format!("--export-weights: {e}")));
+            eprintln!("weights exported to {}", out.display());
         }
     }
     if let Some(mut bar) = bar {

@@ -306,6 +306,16 @@ impl View for DataView<'_> {
 /// The file is written to a temporary sibling and renamed into place, so an interrupted write
 /// never leaves a partial file under `path`.
 pub fn write_safetensors(path: &Path, tensors: &BTreeMap<String, TensorData>) -> Result<(), Error> {
+    write_safetensors_with_metadata(path, tensors, HashMap::new())
+}
+
+/// [`write_safetensors`] with more `__metadata__` entries besides `format: "pt"` (a
+/// `format` among them replaces it): strings a reader finds with [`Checkpoint::metadata_of`].
+pub fn write_safetensors_with_metadata(
+    path: &Path,
+    tensors: &BTreeMap<String, TensorData>,
+    extra: HashMap<String, String>,
+) -> Result<(), Error> {
     let mut views = Vec::with_capacity(tensors.len());
     for (name, data) in tensors {
         let dtype =
@@ -317,7 +327,8 @@ pub fn write_safetensors(path: &Path, tensors: &BTreeMap<String, TensorData>) ->
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     let tmp_path = path.with_file_name(format!(".{file_name}.tmp"));
-    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let mut metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    metadata.extend(extra);
     let written = safetensors::serialize_to_file(views, Some(metadata), &tmp_path)
         .map_err(|e| match e {
             SafeTensorError::IoError(source) => Error::Io {

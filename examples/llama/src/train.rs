@@ -3,19 +3,28 @@
 //! group (every rank holds the whole model), clipped by their global norm, AdamW with the
 //! learning-rate schedule. The optimizer is replicated ([`ZeroStage::Replicated`]) or sharded
 //! over the group with f32 master weights ([`ShardedAdamW`], ZeRO stages 1 and 2, chosen by
-//! [`TrainOptions::zero`]). Checkpoints save and restore everything a step of the replicated
-//! optimizer depends on; the sharded optimizer's state is not saved yet.
+//! [`TrainOptions::zero`]). Checkpoints ([`Trainer::save`], [`Trainer::resume`], in
+//! `checkpoint`) save and restore everything a step depends on, the sharded optimizer's f32
+//! state as one file per rank, read back at any world size; [`export_weights`] writes a
+//! checkpoint's weights as a Hugging Face model; [`Trainer::memory_report`] counts what a rank
+//! holds.
+
+mod checkpoint;
+mod export;
+mod memory;
+
+pub use crate::device_memory::DeviceMemory;
+pub use checkpoint::TrainerState;
+pub use export::export_weights;
+pub use memory::MemoryReport;
 
 use std::collections::HashMap;
-use std::fs;
-use std::path::Path;
 use std::time::Instant;
 
 use burn::config::Config;
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{GradientsParams, Optimizer};
-use burn::record::{BinFileRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData, TensorPrimitive};
@@ -158,17 +167,31 @@ enum StepOptimizer<B: TrainBackend> {
 }
 
 impl<B: TrainBackend> StepOptimizer<B> {
-    /// The optimizer `options` ask for, over `context`'s group.
+    /// The optimizer `options` ask for, over `context`'s group, without state.
     fn new(options: &TrainOptions, context: &AttentionContext<B>) -> Self {
-        if !options.zero.is_sharded() {
-            return Self::Replicated(replicated_adamw(options));
+        match options.zero.is_sharded() {
+            true => Self::Sharded(sharded_adamw(options, context)),
+            false => Self::Replicated(replicated_adamw(options)),
         }
-        let group = match context {
-            AttentionContext::Local => None,
-            AttentionContext::Sharded { group, .. } => Some(group.clone()),
-        };
-        let sharded = ShardedAdamW::new(options.zero, adamw_settings(options), group);
-        Self::Sharded(sharded.expect("a sharded ZeRO stage"))
+    }
+}
+
+/// The sharded AdamW of `options` (stage 1 or 2) over `context`'s group, without state.
+fn sharded_adamw<B: TrainBackend>(
+    options: &TrainOptions,
+    context: &AttentionContext<B>,
+) -> ShardedAdamW<B> {
+    let sharded = ShardedAdamW::new(options.zero, adamw_settings(options), group_of(context));
+    sharded.expect("a sharded ZeRO stage")
+}
+
+/// `context`'s group, `None` on one device.
+fn group_of<B: TrainBackend>(
+    context: &AttentionContext<B>,
+) -> Option<burn_distflash::DeviceGroup<B::InnerBackend>> {
+    match context {
+        AttentionContext::Local => None,
+        AttentionContext::Sharded { group, .. } => Some(group.clone()),
     }
 }
 
@@ -445,90 +468,6 @@ impl<B: TrainBackend> Trainer<B> {
             AttentionContext::Sharded { group, .. } => group.all_reduce_sum(tensors),
         }
     }
-
-    /// Writes the model, the optimizer state and the step to `dir` (rank 0 of a group is
-    /// enough: every rank holds the same state). Under a sharded optimizer (ZeRO stage 1 or 2)
-    /// the optimizer state is not written: the model and the step are, for inference and
-    /// inspection, but [`resume`](Self::resume) refuses the checkpoint.
-    pub fn save(&self, dir: &Path) -> Result<(), Error> {
-        fs::create_dir_all(dir).map_err(Error::io("create the checkpoint directory", dir))?;
-        let recorder = BinFileRecorder::<FullPrecisionSettings>::new();
-        self.model
-            .clone()
-            .save_file(dir.join("model"), &recorder)
-            .map_err(checkpoint_error("write the model", dir))?;
-        if let StepOptimizer::Replicated(optim) = &self.optim {
-            recorder
-                .record(optim.to_record(), dir.join("optimizer"))
-                .map_err(checkpoint_error("write the optimizer state", dir))?;
-        }
-        let state = TrainerState {
-            step: self.step,
-            options: self.options.clone(),
-        };
-        let state_path = dir.join("trainer.json");
-        state
-            .save(&state_path)
-            .map_err(Error::io("write the trainer state", &state_path))
-    }
-
-    /// Restores a checkpoint written by [`save`](Self::save) into this trainer (built with the
-    /// same model configuration); training then continues exactly where it stopped, with the
-    /// checkpoint's options (its ZeRO stage included).
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Unsupported`] for a checkpoint of a sharded optimizer (ZeRO stage 1 or 2),
-    /// whose state is not saved yet; [`Error::Checkpoint`] when a file cannot be read.
-    pub fn resume(mut self, dir: &Path) -> Result<Self, Error> {
-        let state = TrainerState::load(dir.join("trainer.json"))
-            .map_err(checkpoint_error("read trainer.json", dir))?;
-        if state.options.zero.is_sharded() {
-            return Err(Error::Unsupported {
-                path: Some(dir.to_path_buf()),
-                what: "resuming the optimizer of the checkpoint".into(),
-                expected: "a checkpoint of the replicated optimizer (ZeRO stage 0): the sharded \
-                           optimizer's state (stages 1 and 2) is not saved yet"
-                    .into(),
-                got: format!("ZeRO stage {}", state.options.zero),
-            });
-        }
-        let recorder = BinFileRecorder::<FullPrecisionSettings>::new();
-        let device = self.device();
-        self.model = self
-            .model
-            .load_file(dir.join("model"), &recorder, &device)
-            .map_err(checkpoint_error("read the model", dir))?;
-        let record = recorder
-            .load(dir.join("optimizer"), &device)
-            .map_err(checkpoint_error("read the optimizer state", dir))?;
-        let optim = replicated_adamw(&state.options).load_record(record);
-        self.optim = StepOptimizer::Replicated(optim);
-        self.step = state.step;
-        self.options = state.options;
-        Ok(self)
-    }
-}
-
-/// An [`Error::Checkpoint`] for a failure of Burn's recorder or config files in `dir`.
-fn checkpoint_error<'a, E: std::error::Error + Send + Sync + 'static>(
-    action: &'static str,
-    dir: &'a Path,
-) -> impl FnOnce(E) -> Error + 'a {
-    move |e| Error::Checkpoint {
-        action,
-        dir: dir.to_path_buf(),
-        source: Box::new(e),
-    }
-}
-
-/// What a checkpoint records besides the weights and the optimizer.
-#[derive(Config, Debug)]
-pub struct TrainerState {
-    /// Steps done.
-    pub step: u64,
-    /// The options the run used.
-    pub options: TrainOptions,
 }
 
 /// Takes every parameter's gradient out of `grads`, in the model's visiting order (the same on

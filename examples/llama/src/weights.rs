@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::Path;
 
-use burn::module::Param;
+use burn::module::{Param, ParamId};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
 
@@ -451,17 +451,30 @@ impl<B: Backend> ModelParam<'_, B> {
         }
     }
 
-    /// The values in Hugging Face layout, in `dtype`.
-    fn hf_data(&self, transpose: bool, dtype: DType) -> TensorData {
-        let data = match self {
+    /// The parameter's id.
+    fn id(&self) -> ParamId {
+        match self {
+            ModelParam::Vector(p) => p.id,
+            ModelParam::Matrix(p) => p.id,
+        }
+    }
+
+    /// The values in Burn's layout, in the parameter's float type.
+    fn data(&self) -> TensorData {
+        match self {
             ModelParam::Vector(p) => p.val().into_data(),
             ModelParam::Matrix(p) => p.val().into_data(),
         }
-        .convert_dtype(dtype);
-        match transpose {
-            true => transposed(&data),
-            false => data,
-        }
+    }
+}
+
+/// The error of a tensor of `spec` whose shape (Hugging Face layout) is `got`.
+fn shape_error(spec: &Spec, got: Vec<usize>) -> Error {
+    Error::Shape {
+        path: None,
+        tensor: spec.name.clone(),
+        expected: spec.shape.clone(),
+        got,
     }
 }
 
@@ -496,6 +509,39 @@ pub fn save_hf_llama<B: FlashAttentionBackend>(
     config: &LlamaConfig,
     dir: &Path,
     dtype: DType,
+) -> Result<(), Error> {
+    save_hf_tensors(model, config, dir, dtype, |param| Ok(param.data()))
+}
+
+/// [`save_hf_llama`] with each parameter's values taken from `values(id, shape)` instead of the
+/// model (which then gives only the structure and the parameter ids): the parameter's values
+/// in Burn's layout (`[in, out]` for projections), of that shape, in any float type (they are
+/// converted to `dtype`). A sharded optimizer's f32 master weights are saved this way.
+///
+/// # Errors
+///
+/// Those of [`save_hf_llama`], those `values` returns, and [`Error::Shape`] when it returns
+/// values of another shape.
+pub fn save_hf_llama_values<B: FlashAttentionBackend>(
+    model: &Llama<B>,
+    config: &LlamaConfig,
+    dir: &Path,
+    dtype: DType,
+    mut values: impl FnMut(ParamId, &[usize]) -> Result<TensorData, Error>,
+) -> Result<(), Error> {
+    save_hf_tensors(model, config, dir, dtype, |param| {
+        values(param.id(), &param.hf_shape(false))
+    })
+}
+
+/// [`save_hf_llama`] with each parameter's values in Burn's layout from `data` (checked to have
+/// the parameter's shape).
+fn save_hf_tensors<B: FlashAttentionBackend>(
+    model: &Llama<B>,
+    config: &LlamaConfig,
+    dir: &Path,
+    dtype: DType,
+    mut data: impl FnMut(&ModelParam<'_, B>) -> Result<TensorData, Error>,
 ) -> Result<(), Error> {
     if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
         return Err(Error::Unsupported {
@@ -534,20 +580,22 @@ pub fn save_hf_llama<B: FlashAttentionBackend>(
         };
         let got = param.hf_shape(transposed);
         if got != spec.shape {
-            return Err(Error::Shape {
-                path: None,
-                tensor: spec.name.clone(),
-                expected: spec.shape.clone(),
-                got,
-            });
+            return Err(shape_error(spec, got));
         }
         params.push((spec, param));
     }
 
     let mut tensors = BTreeMap::new();
     for (spec, param) in params {
-        let data = param.hf_data(spec.slot.transposed(), dtype);
-        tensors.insert(spec.name.clone(), data);
+        let values = data(&param)?.convert_dtype(dtype);
+        let values = match spec.slot.transposed() {
+            true => transposed(&values),
+            false => values,
+        };
+        if values.shape.as_slice() != spec.shape.as_slice() {
+            return Err(shape_error(spec, values.shape.to_vec()));
+        }
+        tensors.insert(spec.name.clone(), values);
     }
     fs::create_dir_all(dir).map_err(Error::io("create the model directory", dir))?;
     write_hf_config(&config_path, &hf_config(config))?;

@@ -74,6 +74,29 @@ impl FlatLayout {
         self.padded / self.world
     }
 
+    /// The world size the layout is padded for.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// Bytes of the parameters in their own float types (padding excluded).
+    pub fn weight_bytes(&self) -> usize {
+        self.slots.iter().map(|s| s.len() * s.dtype.size()).sum()
+    }
+
+    /// Where parameter `id` lies in the flat vector: its first element's index and its shape;
+    /// `None` for an id that is not one of the layout's parameters.
+    pub fn place(&self, id: ParamId) -> Option<(usize, &[usize])> {
+        let mut offset = 0;
+        for slot in &self.slots {
+            if slot.id == id {
+                return Some((offset, &slot.shape));
+            }
+            offset += slot.len();
+        }
+        None
+    }
+
     /// The float type the updated weights travel in: the parameters' own type when they all
     /// share one (writing back then casts nothing), f32 otherwise.
     pub fn wire_dtype(&self) -> DType {

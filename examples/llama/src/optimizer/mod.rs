@@ -6,15 +6,20 @@
 //! so checkpoints of either are the same records.
 //!
 //! [`ShardedAdamW`] is the mixed-precision alternative for groups: f32 master weights and
-//! moments split over the ranks ([`ZeroStage`] 1 and 2).
+//! moments split over the ranks ([`ZeroStage`] 1 and 2). Its checkpoints are one file per rank
+//! ([`write_shard_file`], [`ShardFile`]), read back at any world size ([`ShardSet`]).
 
 mod flat;
+mod shard_file;
+mod shard_set;
 mod sharded;
 mod zero_stage;
 
 pub use crate::training_kernels::{unfused_optimizer_forced, AdamWStep, AdamWTensors};
 pub use flat::FlatLayout;
-pub use sharded::{AdamWSettings, ShardedAdamW};
+pub use shard_file::{shard_file_name, write_shard_file, ShardFile, ShardHeader, ShardTensor};
+pub use shard_set::ShardSet;
+pub use sharded::{AdamWSettings, OptimizerShard, ShardedAdamW};
 pub use zero_stage::ZeroStage;
 
 use burn::module::AutodiffModule;

@@ -39,14 +39,21 @@ pub struct AdamWSettings {
     pub weight_decay: f32,
 }
 
-/// This rank's share of the optimizer state, in f32.
-struct Shard<B: AutodiffBackend> {
-    layout: FlatLayout,
-    master: Tensor<B::InnerBackend, 1>,
-    moment_1: Tensor<B::InnerBackend, 1>,
-    moment_2: Tensor<B::InnerBackend, 1>,
-    /// Steps taken.
-    time: i32,
+/// One rank's share of a [`ShardedAdamW`]'s state, in f32: elements
+/// `rank * n .. (rank + 1) * n` of the model's [`FlatLayout`] (`n` its
+/// [`shard_len`](FlatLayout::shard_len)).
+#[derive(Clone)]
+pub struct OptimizerShard<B: AutodiffBackend> {
+    /// The layout of the model's parameters over the group.
+    pub layout: FlatLayout,
+    /// The f32 master weights, `[n]` (zeros where the share covers the padding).
+    pub master: Tensor<B::InnerBackend, 1>,
+    /// AdamW's first moment, `[n]`.
+    pub moment_1: Tensor<B::InnerBackend, 1>,
+    /// AdamW's second moment, `[n]`.
+    pub moment_2: Tensor<B::InnerBackend, 1>,
+    /// Optimizer steps taken.
+    pub time: i32,
 }
 
 /// Mixed-precision AdamW whose f32 master weights and moments are split over a group (see the
@@ -56,7 +63,7 @@ pub struct ShardedAdamW<B: AutodiffBackend> {
     stage: ZeroStage,
     settings: AdamWSettings,
     group: Option<DeviceGroup<B::InnerBackend>>,
-    shard: Option<Shard<B>>,
+    shard: Option<OptimizerShard<B>>,
 }
 
 impl<B: AutodiffBackend> ShardedAdamW<B> {
@@ -102,6 +109,48 @@ impl<B: AutodiffBackend> ShardedAdamW<B> {
     /// This rank's f32 master weights (`None` before the first step).
     pub fn master_weights(&self) -> Option<Tensor<B::InnerBackend, 1>> {
         self.shard.as_ref().map(|s| s.master.clone())
+    }
+
+    /// This rank's share of the state: the one the steps built, or before the first step the
+    /// one the first step would start from (`model`'s weights, zero moments, no step taken).
+    pub fn shard<M: AutodiffModule<B>>(&self, model: &M) -> OptimizerShard<B> {
+        match &self.shard {
+            Some(shard) => shard.clone(),
+            None => self.first_shard(model, FlatLayout::of::<B, M>(model, self.rank().1)),
+        }
+    }
+
+    /// Replaces this rank's share of the state by `shard` (read from a checkpoint); the next
+    /// [`step`](Self::step) continues from it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Invalid`] when the layout is not over this group's world size or a tensor is
+    /// not `[shard_len]`; nothing changes then.
+    pub fn restore(&mut self, shard: OptimizerShard<B>) -> Result<(), Error> {
+        let (n, world) = (shard.layout.shard_len(), self.rank().1);
+        if shard.layout.world() != world {
+            return Err(Error::invalid(
+                "the world size of a restored optimizer shard's layout",
+                format!("this group's, {world}"),
+                shard.layout.world(),
+            ));
+        }
+        for (name, tensor) in [
+            ("master weights", &shard.master),
+            ("first moment", &shard.moment_1),
+            ("second moment", &shard.moment_2),
+        ] {
+            if tensor.dims() != [n] {
+                return Err(Error::invalid(
+                    format!("the shape of a restored optimizer shard's {name}"),
+                    format!("[{n}], this rank's share of the layout"),
+                    format!("{:?}", tensor.dims()),
+                ));
+            }
+        }
+        self.shard = Some(shard);
+        Ok(())
     }
 
     /// One step: `model` updated from its gradients `grads` (this rank's, summed over the group
@@ -210,12 +259,16 @@ impl<B: AutodiffBackend> ShardedAdamW<B> {
     }
 
     /// This rank's share of the model's weights as f32 master weights, with zero moments.
-    fn first_shard<M: AutodiffModule<B>>(&self, model: &M, layout: FlatLayout) -> Shard<B> {
+    fn first_shard<M: AutodiffModule<B>>(
+        &self,
+        model: &M,
+        layout: FlatLayout,
+    ) -> OptimizerShard<B> {
         let (rank, _) = self.rank();
         let n = layout.shard_len();
         let master = layout.weights::<B, M>(model).narrow(0, rank * n, n);
         let zeros = master.zeros_like();
-        Shard {
+        OptimizerShard {
             layout,
             master,
             moment_1: zeros.clone(),
@@ -231,10 +284,10 @@ impl AdamWSettings {
     /// `p = p (1 - lr wd) - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)`.
     fn update<B: AutodiffBackend>(
         &self,
-        shard: Shard<B>,
+        shard: OptimizerShard<B>,
         grad: Tensor<B::InnerBackend, 1>,
         lr: f64,
-    ) -> Shard<B> {
+    ) -> OptimizerShard<B> {
         let time = shard.time + 1;
         let moment_1 =
             shard.moment_1.mul_scalar(self.beta_1) + grad.clone().mul_scalar(1.0 - self.beta_1);
@@ -246,7 +299,7 @@ impl AdamWSettings {
         let decayed = shard
             .master
             .mul_scalar(1.0 - lr * f64::from(self.weight_decay));
-        Shard {
+        OptimizerShard {
             layout: shard.layout,
             master: decayed - delta.mul_scalar(lr),
             moment_1,

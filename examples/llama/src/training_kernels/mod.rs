@@ -1,9 +1,11 @@
 //! [`TrainingKernels`]: the passes of a training step outside the model that a backend may fuse:
 //! the loss (a cross-entropy forward that keeps each row's log-sum-exp, its backward from it) and
-//! the optimizer's (a gradient's squared norm, the AdamW update). Burn tensor operations are the
+//! the optimizer's (a gradient's squared norm, the AdamW update); and the one query of the
+//! device a training run reports, its allocator's byte counts. Burn tensor operations are the
 //! defaults; the CubeCL backends (CUDA, wgpu) run one kernel each. Every backend's implementation
 //! is here, so a Burn upgrade that changes the backends touches this file only.
 
+use crate::device_memory::DeviceMemory;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::Tensor;
@@ -66,6 +68,11 @@ pub trait TrainingKernels: Backend {
     ) -> FloatTensor<Self> {
         portable::cross_entropy_backward_portable::<Self>(logits, targets, lse, grad)
     }
+
+    /// What `device`'s allocator counts now, or `None` where this backend does not say.
+    fn device_memory(_device: &Self::Device) -> Option<DeviceMemory> {
+        None
+    }
 }
 
 impl<E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement> TrainingKernels
@@ -105,5 +112,13 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> TrainingKe
         grad: CubeTensor<R>,
     ) -> CubeTensor<R> {
         loss_cube::cross_entropy_backward::<R, I>(logits, targets, lse, grad)
+    }
+
+    fn device_memory(device: &Self::Device) -> Option<DeviceMemory> {
+        let usage = R::client(device).memory_usage().ok()?;
+        Some(DeviceMemory {
+            in_use: usage.bytes_in_use,
+            reserved: usage.bytes_reserved,
+        })
     }
 }

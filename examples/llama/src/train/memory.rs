@@ -1,0 +1,149 @@
+//! [`MemoryReport`]: the bytes one rank holds for training, by kind and ZeRO stage, computed from
+//! the model's parameters, beside what the device itself counts where the backend can tell.
+//!
+//! With `n` parameter elements whose float types take `w` bytes in all (`w = 2n` in bf16),
+//! `P` ranks and `s = ceil(n / P)` elements per share:
+//!
+//! | stage | weights | gradients (backward) | summed f32 gradient kept | optimizer state |
+//! |---|---|---|---|---|
+//! | 0 | `w` | `w` | 0 (summed in place) | `2w`: both moments in the weights' types |
+//! | 1 | `w` | `w` | `4 P s`: the whole all-reduced vector | `12 s`: f32 master and moments |
+//! | 2 | `w` | `w` | `4 s`: the reduce-scattered share | `12 s` |
+//!
+//! Every rank holds the whole model and Burn's backward yields every parameter's whole gradient
+//! in the weights' types, at every stage. Activations, and the transient f32 copy of the
+//! gradients a sharded step gathers before its collective, are not counted.
+
+use std::fmt;
+
+use super::{TrainBackend, Trainer};
+use crate::device_memory::DeviceMemory;
+use crate::optimizer::{FlatLayout, ZeroStage};
+use crate::TrainingKernels;
+
+/// Bytes of f32.
+const F32_BYTES: u64 = 4;
+
+/// The bytes one rank holds for training (see the module's documentation for the formulas).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryReport {
+    /// The optimizer's ZeRO stage.
+    pub stage: ZeroStage,
+    /// Ranks of the group.
+    pub world: usize,
+    /// Parameter elements.
+    pub parameters: usize,
+    /// The model's weights, in their own float types.
+    pub weights: u64,
+    /// Every parameter's gradient from the backward pass, in the weights' types.
+    pub gradients: u64,
+    /// The f32 sum of the gradients a sharded step keeps for its update (0 at stage 0).
+    pub summed_gradients: u64,
+    /// The optimizer's state: both moments in the weights' types (stage 0), or this rank's
+    /// share of the f32 master weights and moments (stages 1 and 2).
+    pub optimizer: u64,
+    /// What the device counts, `None` where the backend does not say (NdArray).
+    pub device: Option<DeviceMemory>,
+}
+
+impl MemoryReport {
+    /// The bytes a rank holds at `stage` for the parameters of `layout` (over its world size).
+    pub fn estimate(layout: &FlatLayout, stage: ZeroStage) -> Self {
+        let weights = layout.weight_bytes() as u64;
+        let share = layout.shard_len() as u64;
+        let (summed_gradients, optimizer) = match stage {
+            ZeroStage::Replicated => (0, 2 * weights),
+            ZeroStage::OptimizerStates => {
+                (F32_BYTES * layout.padded() as u64, 3 * F32_BYTES * share)
+            }
+            ZeroStage::Gradients => (F32_BYTES * share, 3 * F32_BYTES * share),
+        };
+        Self {
+            stage,
+            world: layout.world(),
+            parameters: layout.len(),
+            weights,
+            gradients: weights,
+            summed_gradients,
+            optimizer,
+            device: None,
+        }
+    }
+
+    /// Weights, gradients, summed gradients and optimizer state together.
+    pub fn total(&self) -> u64 {
+        self.weights + self.gradients + self.summed_gradients + self.optimizer
+    }
+}
+
+/// Bytes in binary units: `"1.50 GiB"`.
+fn bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = n as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    match unit {
+        0 => format!("{n} B"),
+        _ => format!("{value:.2} {}", UNITS[unit]),
+    }
+}
+
+impl fmt::Display for MemoryReport {
+    /// One line: the counts per rank, then the device's.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let optimizer = match self.stage {
+            ZeroStage::Replicated => "replicated moments".to_string(),
+            _ => format!("f32 master + moments, 1/{}", self.world),
+        };
+        write!(
+            f,
+            "memory per rank (ZeRO stage {}, {} rank(s), {} parameters): weights {}, gradients \
+             {}, summed f32 gradients {}, optimizer {} ({optimizer}); total {}; device ",
+            self.stage,
+            self.world,
+            self.parameters,
+            bytes(self.weights),
+            bytes(self.gradients),
+            bytes(self.summed_gradients),
+            bytes(self.optimizer),
+            bytes(self.total()),
+        )?;
+        match self.device {
+            Some(d) => write!(
+                f,
+                "{} in use, {} reserved (now; the backend keeps no peak)",
+                bytes(d.in_use),
+                bytes(d.reserved)
+            ),
+            None => write!(f, "n/a (the backend does not count its memory)"),
+        }
+    }
+}
+
+impl<B: TrainBackend> Trainer<B> {
+    /// What this rank holds for training: the estimate for its model, stage and group, and
+    /// what its device counts now.
+    pub fn memory_report(&self) -> MemoryReport {
+        let layout = FlatLayout::of::<B, _>(&self.model, self.rank().1);
+        MemoryReport {
+            device: <B::InnerBackend as TrainingKernels>::device_memory(&self.device()),
+            ..MemoryReport::estimate(&layout, self.options.zero)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_counts_read_in_binary_units() {
+        assert_eq!(bytes(0), "0 B");
+        assert_eq!(bytes(1023), "1023 B");
+        assert_eq!(bytes(1536), "1.50 KiB");
+        assert_eq!(bytes(3 << 30), "3.00 GiB");
+    }
+}

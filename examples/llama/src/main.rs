@@ -608,6 +608,7 @@ where
 
 fn main() {
     let mut args = parse();
+    args.options.check().unwrap_or_else(|e| fail(e));
     let tokenizer = tokenizer(&args);
     let config = model_config(&args, &tokenizer);
     args.packing = packing(&args, &tokenizer, &config);

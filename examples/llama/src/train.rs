@@ -12,6 +12,7 @@
 mod checkpoint;
 mod export;
 mod memory;
+mod options_check;
 
 pub use crate::device_memory::DeviceMemory;
 pub use checkpoint::TrainerState;
@@ -407,6 +408,7 @@ impl<B: TrainBackend> Trainer<B> {
         documents: Option<&Documents>,
         during: &'static str,
     ) -> Result<Tensor<B, 1>, Error> {
+        self.options.check()?;
         let (tokens, targets) = (self.shard(inputs)?, self.shard(targets)?);
         let normalizer = self.options.batch * self.options.seq_len;
         (self.model)

@@ -247,6 +247,70 @@ fn bad_shapes_are_refused_before_any_work() {
 }
 
 #[test]
+fn training_options_out_of_range_are_refused_naming_the_option() {
+    let base = || options(1);
+    let cases: Vec<(TrainOptions, &str, &str, &str)> = vec![
+        (
+            TrainOptions { batch: 0, ..base() },
+            "`batch`",
+            "at least 1",
+            "0",
+        ),
+        (
+            TrainOptions {
+                seq_len: 0,
+                ..base()
+            },
+            "`seq_len`",
+            "at least 1",
+            "0",
+        ),
+        (base().with_lr(-1e-3), "`lr`", ">= 0", "-0.001"),
+        (base().with_lr(f64::NAN), "`lr`", "finite", "NaN"),
+        (base().with_grad_clip(-1.0), "`grad_clip`", ">= 0", "-1"),
+        (
+            base().with_weight_decay(f64::INFINITY),
+            "`weight_decay`",
+            "finite",
+            "inf",
+        ),
+        (
+            base().with_lr(2.0).with_weight_decay(0.5),
+            "`lr * weight_decay`",
+            "below 1",
+            "1",
+        ),
+        (
+            base().with_min_lr_ratio(1.5),
+            "`min_lr_ratio`",
+            "[0, 1]",
+            "1.5",
+        ),
+        (base().with_beta_1(1.0), "`beta_1`", "[0, 1)", "1"),
+        (base().with_beta_2(-0.1), "`beta_2`", "[0, 1)", "-0.1"),
+    ];
+    for (bad, name, allowed, value) in cases {
+        let (what, expected, got) = input_error(bad.check());
+        assert!(what.contains(name), "{what} should name {name}");
+        assert!(
+            expected.contains(allowed),
+            "{expected} should say {allowed}"
+        );
+        assert_eq!(got, value);
+        // A trainer refuses the step before any work: the weights stay as they were.
+        let model = small().try_init::<Cpu>(&DEVICE).unwrap();
+        let before = float_params(&model);
+        let mut trainer = Trainer::new(model, AttentionContext::Local, bad);
+        let tokens = vec![1u32; 4 * 32];
+        input_error(trainer.train_step(&tokens, &tokens));
+        assert_eq!(float_params(&trainer.model), before);
+    }
+    options(1)
+        .check()
+        .expect("the tests' own options are valid");
+}
+
+#[test]
 fn tokens_the_model_cannot_take_are_refused_before_any_work() {
     let model = small().try_init::<Cpu>(&DEVICE).unwrap();
     let mut trainer = Trainer::new(model, AttentionContext::Local, options(1));

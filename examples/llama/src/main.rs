@@ -30,7 +30,8 @@
 //!   plot; 0 turns it off);
 //! - sample: `--prompt TEXT`, `--sample-tokens N` (0 turns the sample off);
 //! - output: `--out DIR`, `--save-every N`, `--resume` (continue from DIR/checkpoint, at the
-//!   same or another number of ranks), `--log-every N`, `--export-weights HF_DIR` (at the end,
+//!   same or another number of ranks, with the checkpoint's options; `--steps N` beside it sets
+//!   a new total, and the learning-rate schedule's length with it), `--log-every N`, `--export-weights HF_DIR` (at the end,
 //!   the final checkpoint's weights as a Hugging Face model that `--weights` loads: the f32
 //!   master weights under `--zero 1|2`).
 
@@ -81,6 +82,8 @@ struct Args {
     out: PathBuf,
     save_every: u64,
     resume: bool,
+    /// Whether `--steps` was given (with `--resume`, it replaces the checkpoint's total).
+    steps_given: bool,
     export_weights: Option<PathBuf>,
     log_every: u64,
     val_fraction: f64,
@@ -232,6 +235,7 @@ fn parse() -> Args {
         zero: value("--zero").map(|z| z.parse().unwrap_or_else(|e| fail(format!("--zero: {e}")))),
         save_every: count("--save-every", 100),
         resume: raw.iter().any(|a| a == "--resume"),
+        steps_given: raw.iter().any(|a| a == "--steps"),
         export_weights: value("--export-weights").map(PathBuf::from),
         log_every: count("--log-every", 10),
         val_fraction: number("--val-fraction", 0.05),
@@ -371,6 +375,15 @@ fn train_rank<B: TrainBackend>(
     let checkpoint_dir = args.out.join("checkpoint");
     if args.resume {
         trainer = trainer.resume(&checkpoint_dir).unwrap_or_else(|e| fail(e));
+        if args.steps_given {
+            if args.options.steps < trainer.step {
+                fail(format!(
+                    "--steps {} is below the checkpoint's step {}: give a total of at least {}",
+                    args.options.steps, trainer.step, trainer.step
+                ));
+            }
+            trainer.options.steps = args.options.steps;
+        }
     }
     let tokenizer = tokenizer(args);
     let o = trainer.options.clone();
@@ -504,11 +517,13 @@ fn train_rank<B: TrainBackend>(
             },
         ];
         write_loss_plot_svg(&curves, &plot, "loss").unwrap_or_else(|e| fail(e));
+        let validation = val_points
+            .last()
+            .map_or(String::new(), |p| format!(", validation loss {:.3}", p.1));
         eprintln!(
-            "done: {} steps, final loss {:.3}, validation loss {:.3}; {}, {}, {}",
+            "done: {} steps, final loss {:.3}{validation}; {}, {}, {}",
             trainer.step,
             points.last().map_or(f64::NAN, |p| p.1),
-            val_points.last().map_or(f64::NAN, |p| p.1),
             metrics_path.display(),
             plot.display(),
             checkpoint_dir.display()

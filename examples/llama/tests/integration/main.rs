@@ -1,6 +1,6 @@
 //! The Llama example's integration tests, in one executable (each test executable links Burn,
-//! wgpu and CubeCL): generation, the loss and the optimizer's kernels against f64, packing and
-//! windows, the tokenizer, training on one device and on in-process groups, the sharded
+//! wgpu and CubeCL): the command line, generation, the loss and the optimizer's kernels against
+//! f64, packing and windows, the tokenizer, training on one device and on in-process groups, the sharded
 //! optimizer's checkpoints, and the Hugging Face weights. The `#[ignore]`d tests need a CUDA GPU;
 //! run them one process per test (`.ci/gpu-tests`), as Burn 0.21 fixes one default float type
 //! per device and process.
@@ -8,6 +8,7 @@
 mod common;
 
 mod checkpoints;
+mod command_line;
 mod generate;
 mod loss;
 mod optimizer;

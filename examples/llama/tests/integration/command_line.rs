@@ -1,0 +1,88 @@
+//! `llama_train` as a user runs it, on ndarray with a one-layer model: a resumed run takes
+//! `--steps` as its new total (and refuses one below the checkpoint's step), a run without
+//! validation ends without a validation loss, a bad option exits with code 2 naming it.
+
+use std::path::Path;
+use std::process::Output;
+
+use crate::common::temp_dir::TempDir;
+use distflash_llama::metrics::read_metrics;
+
+/// Runs `llama_train` on the bundled text with a small model and batch, writing to `out`.
+fn llama_train(out: &Path, extra: &[&str]) -> Output {
+    let data = concat!(env!("CARGO_MANIFEST_DIR"), "/data/tiny_shakespeare.txt");
+    std::process::Command::new(env!("CARGO_BIN_EXE_llama_train"))
+        .args([
+            "--backend",
+            "ndarray",
+            "--layers",
+            "1",
+            "--batch",
+            "2",
+            "--seq-len",
+            "32",
+        ])
+        .args([
+            "--val-every",
+            "0",
+            "--sample-tokens",
+            "0",
+            "--log-every",
+            "1",
+        ])
+        .args(["--data", data, "--out"])
+        .arg(out)
+        .args(extra)
+        .output()
+        .expect("llama_train starts")
+}
+
+/// The run's standard error, after checking its exit code.
+fn stderr_of(output: &Output, code: i32) -> String {
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert_eq!(output.status.code(), Some(code), "{stderr}");
+    stderr
+}
+
+/// The steps `metrics.jsonl` in `out` records.
+fn steps_logged(out: &Path) -> Vec<u64> {
+    let records = read_metrics(&out.join("metrics.jsonl")).expect("metrics.jsonl");
+    records.iter().map(|m| m.step).collect()
+}
+
+#[test]
+fn a_resumed_run_takes_steps_as_its_new_total() {
+    let dir = TempDir::new("cli-resume");
+    let out = dir.path();
+    let first = stderr_of(&llama_train(out, &["--steps", "2"]), 0);
+    assert!(first.contains("done: 2 steps"), "{first}");
+    assert!(!first.contains("validation loss"), "{first}");
+    assert_eq!(steps_logged(out), [1, 2]);
+
+    let extended = stderr_of(&llama_train(out, &["--resume", "--steps", "4"]), 0);
+    assert!(extended.contains("done: 4 steps"), "{extended}");
+    assert_eq!(steps_logged(out), [1, 2, 3, 4]);
+
+    // Without --steps the checkpoint's total stands: nothing is left to train.
+    let again = stderr_of(&llama_train(out, &["--resume"]), 0);
+    assert!(again.contains("done: 4 steps"), "{again}");
+    assert_eq!(steps_logged(out), [1, 2, 3, 4]);
+
+    let below = stderr_of(&llama_train(out, &["--resume", "--steps", "3"]), 2);
+    assert!(
+        below.contains("--steps 3 is below the checkpoint's step 4"),
+        "{below}"
+    );
+    assert_eq!(steps_logged(out), [1, 2, 3, 4]);
+}
+
+#[test]
+fn a_bad_training_option_exits_with_code_two_naming_it() {
+    let dir = TempDir::new("cli-bad-option");
+    let stderr = stderr_of(&llama_train(dir.path(), &["--lr", "-1"]), 2);
+    assert!(
+        stderr.contains("the training option `lr` is -1"),
+        "{stderr}"
+    );
+    assert!(!dir.path().join("metrics.jsonl").exists());
+}

@@ -21,6 +21,9 @@
 //! - [`collective`]: device groups and the transports that move tensors between ranks;
 //! - [`schedule`]: which rank computes which part of sequence-parallel attention, step by step;
 //! - [`step`]: the running softmax state of the extension trait's step-by-step methods.
+//! - [`cube_support`]: building blocks for CubeCL kernels over Burn's `CubeBackend` tensors
+//!   (kernel arguments, vector widths, float types, a cube-wide reduction), as this crate's
+//!   fused layer operations and the Llama example's training kernels use them.
 
 #![warn(missing_docs)]
 mod api;
@@ -28,7 +31,6 @@ mod backend;
 mod backends;
 mod checkpoint;
 pub mod collective;
-#[doc(hidden)]
 pub mod cube_support;
 mod error;
 mod inputs;

@@ -4,7 +4,7 @@ use crate::Error;
 use burn::tensor::{Tensor, TensorPrimitive};
 use distflash_kernels::AttentionDims;
 
-use crate::backend::FlashAttentionBackend;
+use crate::extension::FlashAttentionBackend;
 use crate::inputs::check_inputs;
 use crate::options::{check_shapes, FlashAttentionOptions};
 

@@ -4,7 +4,7 @@
 use burn::tensor::{DType, Tensor};
 use distflash_kernels::AttentionDims;
 
-use crate::backend::FlashAttentionBackend;
+use crate::extension::FlashAttentionBackend;
 use crate::options::{check_shapes, FlashAttentionOptions};
 use crate::Error;
 

@@ -27,12 +27,13 @@
 
 #![warn(missing_docs)]
 mod api;
-mod backend;
+mod attention_tensor_ops;
 mod backends;
 mod checkpoint;
 pub mod collective;
 pub mod cube_support;
 mod error;
+mod extension;
 mod inputs;
 mod layer_ops;
 pub mod layers;
@@ -43,12 +44,11 @@ pub mod schedule;
 pub mod sequence_parallel;
 mod shard_layout;
 pub mod step;
-mod tensor_ops;
 
 pub use api::{flash_attention, flash_attention_with_lse};
-pub use backend::{AttentionContext, FlashAttentionBackend};
 pub use collective::DeviceGroup;
 pub use distflash_kernels as kernels;
 pub use error::Error;
+pub use extension::{AttentionContext, FlashAttentionBackend};
 pub use layers::{DistFlashAttention, DistFlashAttentionConfig};
 pub use options::{Documents, FlashAttentionOptions, Mask, SlidingWindow};

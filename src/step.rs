@@ -5,7 +5,7 @@
 //!
 //! The state's operations from tensor operations (empty, merge, finalize, delta) are the
 //! trait's defaults, which every backend gets; the CubeCL backends override them with the
-//! kernels. The tensor-op forward step is in the crate's `tensor_ops` module.
+//! kernels. The tensor-op forward step is in the crate's `attention_tensor_ops` module.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;

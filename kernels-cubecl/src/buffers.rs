@@ -4,8 +4,8 @@
 use cubecl::prelude::*;
 
 use crate::dims::AttentionDims;
-use crate::error::{launch_result, KernelError};
 use crate::grid;
+use crate::kernel_error::{launch_result, KernelError};
 use crate::limits::DeviceLimits;
 use crate::state_kernels::{self, ELEMENT_UNITS};
 use crate::tensor::{DeviceTensor, ElemType};

@@ -1,6 +1,6 @@
 //! The dimensions of one attention call, checked once on the host.
 
-use crate::error::{KernelError, SUPPORTED_HEAD_DIMS};
+use crate::kernel_error::{KernelError, SUPPORTED_HEAD_DIMS};
 
 /// Sizes of an attention call: q is `[batch, q_heads, q_len, head_dim]`, k and v are
 /// `[batch, kv_heads, kv_len, head_dim]`, the running state is `[batch, q_heads, q_len]` (+ `head_dim`

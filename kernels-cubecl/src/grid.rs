@@ -20,7 +20,7 @@
 use cubecl::prelude::*;
 
 use crate::dims::AttentionDims;
-use crate::error::KernelError;
+use crate::kernel_error::KernelError;
 use crate::limits::DeviceLimits;
 
 /// The (batch, head) slice of the calling cube in a sliced grid (see the module docs).

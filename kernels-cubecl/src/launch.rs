@@ -4,12 +4,12 @@
 use cubecl::prelude::*;
 
 pub use crate::buffers::{fill, zeros_f32, GradAccumulators, SoftmaxState};
-pub use crate::options::{StepOptions, Variant};
+pub use crate::step_options::{StepOptions, Variant};
 
 use crate::buffers::enqueue_filled;
 use crate::dims::AttentionDims;
-use crate::error::{launch_result, KernelError};
 use crate::grid;
+use crate::kernel_error::{launch_result, KernelError};
 use crate::limits::DeviceLimits;
 use crate::mask::DocumentTable;
 use crate::plan::LaunchPlan;

@@ -16,17 +16,17 @@
 #![warn(missing_docs)]
 mod buffers;
 mod dims;
-mod error;
 mod geometry;
 mod grid;
+mod kernel_error;
 mod launch;
 mod limits;
 mod mask;
-mod options;
 mod plan;
 mod portable;
 mod state_kernels;
 mod stats;
+mod step_options;
 mod tensor;
 // Public for the `dump_cuda` example and kernel work, not part of the documented API: the
 // tensor-core kernels are reached through the entry points above.
@@ -34,7 +34,7 @@ mod tensor;
 pub mod tensor_core;
 
 pub use dims::AttentionDims;
-pub use error::{KernelError, SUPPORTED_HEAD_DIMS};
+pub use kernel_error::{KernelError, SUPPORTED_HEAD_DIMS};
 pub use launch::{
     attention, attention_backward, backward_delta, backward_step, cast_f32, fill, finalize,
     finalize_into, forward_first_step, forward_last_step, forward_step, merge,

@@ -3,7 +3,7 @@
 
 use cubecl::prelude::*;
 
-use crate::error::KernelError;
+use crate::kernel_error::KernelError;
 use crate::tensor::ElemType;
 
 /// The limits of one device that the kernels' launch choices depend on.

@@ -14,7 +14,7 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 
 use crate::dims::AttentionDims;
-use crate::error::KernelError;
+use crate::kernel_error::KernelError;
 
 /// A sliding window around each query, FlashAttention's `window_size = (left, right)`: the query
 /// at absolute position `i` sees keys at positions `i - before ..= i + after`. Combined with a

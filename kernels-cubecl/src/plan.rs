@@ -5,13 +5,13 @@
 use cubecl::prelude::*;
 
 use crate::dims::AttentionDims;
-use crate::error::KernelError;
 use crate::grid::{self, Rows};
+use crate::kernel_error::KernelError;
 use crate::limits::DeviceLimits;
-use crate::options::{StepOptions, Variant};
 use crate::portable::backward::{dkdv_shared_bytes, dq_shared_bytes};
 use crate::portable::{backward_tile_rows, ROWS_PER_CUBE};
 use crate::state_kernels::{ELEMENT_UNITS, ROW_LANES, ROW_UNITS};
+use crate::step_options::{StepOptions, Variant};
 use crate::tensor::ElemType;
 use crate::tensor_core;
 

@@ -3,7 +3,7 @@
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
-use crate::error::KernelError;
+use crate::kernel_error::KernelError;
 
 /// Element types the kernels read and write for q, k, v, O and their gradients. Statistics and
 /// accumulators are always f32.

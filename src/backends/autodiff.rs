@@ -15,9 +15,9 @@ use burn_autodiff::Autodiff;
 use distflash_kernels::AttentionDims;
 
 use super::{checkpoint_node, layer_nodes, linear_node};
-use crate::backend::{AttentionContext, CheckpointSegment, FlashAttentionBackend, Grads};
 use crate::checkpoint::CheckpointPlacement;
 use crate::collective::DeviceGroup;
+use crate::extension::{AttentionContext, CheckpointSegment, FlashAttentionBackend, Grads};
 use crate::options::{Documents, FlashAttentionOptions};
 use crate::sequence_parallel::SequenceParallelOptions;
 

@@ -16,8 +16,8 @@ use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
 use burn_autodiff::Autodiff;
 
-use crate::backend::{AttentionContext, CheckpointSegment, FlashAttentionBackend};
 use crate::checkpoint::CheckpointPlacement;
+use crate::extension::{AttentionContext, CheckpointSegment, FlashAttentionBackend};
 use crate::options::Documents;
 use crate::Error;
 

@@ -9,7 +9,7 @@ use distflash_kernels::{
     AttentionDims, DeviceTensor, ElemType, GradAccumulators, SoftmaxState, StepOptions, Variant,
 };
 
-use crate::backend::FlashAttentionBackend;
+use crate::extension::FlashAttentionBackend;
 use crate::layer_ops;
 use crate::options::FlashAttentionOptions;
 use crate::step::{AttentionState, StepMask};

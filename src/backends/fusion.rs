@@ -16,8 +16,8 @@ use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 use distflash_kernels::AttentionDims;
 
 use super::fusion_group;
-use crate::backend::{FlashAttentionBackend, Grads};
 use crate::collective::DeviceGroup;
+use crate::extension::{FlashAttentionBackend, Grads};
 use crate::options::FlashAttentionOptions;
 use crate::sequence_parallel::SequenceParallelOptions;
 use crate::step::{AttentionState, StepMask};

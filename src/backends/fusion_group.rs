@@ -9,8 +9,8 @@ use burn_fusion::stream::OperationStreams;
 use burn_fusion::{get_client, Fusion, FusionBackend, FusionTensor, NoOp};
 use burn_ir::{InitOperationIr, OperationIr};
 
-use crate::backend::{FlashAttentionBackend, Grads};
 use crate::collective::DeviceGroup;
+use crate::extension::{FlashAttentionBackend, Grads};
 use crate::sequence_parallel::SequenceParallelOptions;
 
 /// A fused tensor's value as a tensor of the backend under fusion (runs what is queued).

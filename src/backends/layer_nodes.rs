@@ -9,7 +9,7 @@ use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
 use burn_autodiff::Autodiff;
 
-use crate::backend::FlashAttentionBackend;
+use crate::extension::FlashAttentionBackend;
 
 type AutodiffTensor<B, C> = FloatTensor<Autodiff<B, C>>;
 
@@ -131,7 +131,7 @@ mod tests {
     use burn_autodiff::Autodiff;
     use burn_ndarray::NdArray;
 
-    use crate::backend::FlashAttentionBackend;
+    use crate::extension::FlashAttentionBackend;
     use crate::layer_ops::tensor_ops;
 
     type Train = Autodiff<NdArray<f32>>;

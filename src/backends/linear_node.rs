@@ -9,7 +9,7 @@ use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
 use burn_autodiff::Autodiff;
 
-use crate::backend::FlashAttentionBackend;
+use crate::extension::FlashAttentionBackend;
 use crate::matmul::{product, Transposed};
 
 /// The backward node of `y = x W`.

@@ -36,7 +36,7 @@ macro_rules! computes_itself {
             grad_out: burn::tensor::ops::FloatTensor<Self>,
             group: &crate::collective::DeviceGroup<Self>,
             options: &crate::sequence_parallel::SequenceParallelOptions,
-        ) -> Result<crate::backend::Grads<Self>, crate::Error> {
+        ) -> Result<crate::extension::Grads<Self>, crate::Error> {
             crate::sequence_parallel::backward_pass::<Self>(
                 q, k, v, out, lse, grad_out, group, options,
             )

@@ -1,13 +1,13 @@
-//! The ndarray backend: the implementation from Burn tensor operations (`tensor_ops`).
+//! The ndarray backend: the implementation from Burn tensor operations (`attention_tensor_ops`).
 
 use burn::tensor::ops::FloatTensor;
 use burn_ndarray::{
     FloatNdArrayElement, IntNdArrayElement, NdArray, NdArrayTensor, QuantElement, SharedArray,
 };
 
-use crate::backend::FlashAttentionBackend;
+use crate::attention_tensor_ops;
+use crate::extension::FlashAttentionBackend;
 use crate::options::FlashAttentionOptions;
-use crate::tensor_ops;
 
 impl<E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement> FlashAttentionBackend
     for NdArray<E, I, Q>
@@ -22,7 +22,7 @@ where
         v: FloatTensor<Self>,
         options: FlashAttentionOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        tensor_ops::forward::<Self>(q, k, v, options)
+        attention_tensor_ops::forward::<Self>(q, k, v, options)
     }
 
     fn flash_attention_backward(
@@ -34,6 +34,6 @@ where
         grad_out: FloatTensor<Self>,
         options: FlashAttentionOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        tensor_ops::backward::<Self>(q, k, v, out, lse, grad_out, options)
+        attention_tensor_ops::backward::<Self>(q, k, v, out, lse, grad_out, options)
     }
 }

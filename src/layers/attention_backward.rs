@@ -5,8 +5,8 @@ use burn::tensor::{Tensor, TensorPrimitive};
 
 use super::attention::{merge_heads, split_heads, DistFlashAttention, Projected};
 use super::linear_grad::linear_backward;
-use crate::backend::AttentionContext;
-use crate::backend::FlashAttentionBackend;
+use crate::extension::AttentionContext;
+use crate::extension::FlashAttentionBackend;
 use crate::options::Documents;
 
 /// Gradients of the four projection weights of a [`DistFlashAttention`].

@@ -8,7 +8,7 @@ use burn::tensor::{Tensor, TensorPrimitive};
 
 use super::linear_grad::{linear_backward, linear_input_grad, linear_weight_grad};
 use super::linear_layer::linear;
-use crate::backend::FlashAttentionBackend;
+use crate::extension::FlashAttentionBackend;
 
 /// Configuration of [`FeedForward`].
 #[derive(Config, Debug)]

@@ -5,7 +5,7 @@
 use burn::nn::Linear;
 use burn::tensor::{Tensor, TensorPrimitive};
 
-use crate::backend::FlashAttentionBackend;
+use crate::extension::FlashAttentionBackend;
 
 /// `x W (+ bias)` of a [`Linear`] layer over `[batch, seq, d_in]` inputs, `[batch, seq, d_out]`,
 /// through [`FlashAttentionBackend::linear_product`]: on CUDA `CubeBackend` (and `Autodiff` of

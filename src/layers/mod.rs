@@ -15,8 +15,8 @@ mod replicate;
 mod rms_norm;
 mod rope;
 
-pub use crate::backend::CheckpointSegment;
 pub use crate::checkpoint::CheckpointPlacement;
+pub use crate::extension::CheckpointSegment;
 pub use attention::{DistFlashAttention, DistFlashAttentionConfig};
 pub use block::{TransformerBlock, TransformerBlockConfig};
 pub use counter::ForwardCounter;

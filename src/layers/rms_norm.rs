@@ -7,7 +7,7 @@ use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorPrimitive};
 
-use crate::backend::FlashAttentionBackend;
+use crate::extension::FlashAttentionBackend;
 
 /// Configuration of [`RmsNorm`].
 #[derive(Config, Debug)]

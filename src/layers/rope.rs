@@ -8,7 +8,7 @@ use burn::config::Config;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 
-use crate::backend::FlashAttentionBackend;
+use crate::extension::FlashAttentionBackend;
 
 /// Llama-3's rescaling of the rotary frequencies for long contexts (`rope_scaling` of type
 /// `llama3` in a Hugging Face config).

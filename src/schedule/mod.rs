@@ -19,8 +19,8 @@
 pub mod balanced;
 pub mod blocks;
 pub mod layout;
-mod plan;
 pub mod ring;
+mod transfers;
 pub mod visibility;
 pub mod zigzag;
 
@@ -33,7 +33,7 @@ pub use blocks::Block;
 use blocks::Visibility;
 use distflash_kernels::Mask;
 pub use layout::Layout;
-pub use plan::RankStep;
+pub use transfers::RankStep;
 
 /// One unit of attention work: the query shard of rank `query` against the key/value shard of
 /// rank `kv` (under the contiguous layout, chunk `query` against chunk `kv`).

@@ -6,10 +6,10 @@ use crate::Error;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, TensorMetadata};
 
-use super::blocks::{backward_pair, Chunks};
+use super::pair_steps::{backward_pair, Chunks};
 use super::pipeline::{self, incoming, input_messages, outgoing, step_operands, Pass};
-use crate::backend::{FlashAttentionBackend, Grads};
 use crate::collective::{DeviceGroup, Incoming, MessageKind, Outgoing, Received};
+use crate::extension::{FlashAttentionBackend, Grads};
 use crate::options::SequenceParallelOptions;
 use crate::schedule::{RankStep, Schedule};
 

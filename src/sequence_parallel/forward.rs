@@ -5,10 +5,10 @@ use crate::Error;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, TensorMetadata};
 
-use super::blocks::{forward_pair, Chunks};
+use super::pair_steps::{forward_pair, Chunks};
 use super::pipeline::{self, input_messages, outgoing, step_operands, Pass};
-use crate::backend::FlashAttentionBackend;
 use crate::collective::{DeviceGroup, Incoming, MessageKind, Outgoing, Received, TensorLayout};
+use crate::extension::FlashAttentionBackend;
 use crate::options::SequenceParallelOptions;
 use crate::schedule::{RankStep, Schedule};
 use crate::step::AttentionState;

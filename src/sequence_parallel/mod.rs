@@ -11,8 +11,8 @@
 //! pair; partial states and gradients stay f32 across hops.
 
 mod backward;
-mod blocks;
 mod forward;
+mod pair_steps;
 mod pipeline;
 mod sharding;
 
@@ -29,8 +29,8 @@ pub use crate::options::SequenceParallelOptions;
 pub use crate::schedule::{Layout, ScheduleKind};
 pub use sharding::{gather_sequence, shard_sequence};
 
-use crate::backend::FlashAttentionBackend;
 use crate::collective::DeviceGroup;
+use crate::extension::FlashAttentionBackend;
 use crate::inputs::check_inputs;
 use crate::options::{Documents, SlidingWindow};
 use crate::schedule::visibility::check_sequence_mask;

@@ -16,8 +16,8 @@ use cubecl::prelude::*;
 
 use crate::buffers::SoftmaxState;
 use crate::dims::AttentionDims;
-use crate::error::KernelError;
 use crate::grid::{self, Rows};
+use crate::kernel_error::KernelError;
 use crate::limits::DeviceLimits;
 use crate::mask::{DocumentTable, Mask};
 use crate::tensor::{DeviceTensor, ElemType};

@@ -1,5 +1,5 @@
 //! Where a layer's attention runs: over the whole sequence on one device, or over this rank's
-//! shard of a sequence split across a [`DeviceGroup`]. A child of `backend` because the two name
+//! shard of a sequence split across a [`DeviceGroup`]. A child of `extension` because the two name
 //! each other: the context holds a group of the backend's [`FlashAttentionBackend::Inner`], and
 //! the trait's checkpointed segments take a context.
 

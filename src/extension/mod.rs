@@ -148,7 +148,7 @@ pub trait FlashAttentionBackend: Backend {
         state: AttentionState<Self>,
         step: StepMask,
     ) -> AttentionState<Self> {
-        crate::tensor_ops::forward_step::<Self>(q, k, v, state, step)
+        crate::attention_tensor_ops::forward_step::<Self>(q, k, v, state, step)
     }
 
     /// A new running state of the query rows `q` with its first key/value chunk folded in:
@@ -224,7 +224,7 @@ pub trait FlashAttentionBackend: Backend {
         delta: FloatTensor<Self>,
         step: StepMask,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        crate::tensor_ops::gradients::<Self>(q, k, v, grad_out, lse, delta, step)
+        crate::attention_tensor_ops::gradients::<Self>(q, k, v, grad_out, lse, delta, step)
     }
 
     /// The backend that computes and communicates in sequence-parallel calls.

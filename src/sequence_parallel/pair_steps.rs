@@ -4,7 +4,7 @@
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, Slice, TensorMetadata};
 
-use crate::backend::{FlashAttentionBackend, Grads};
+use crate::extension::{FlashAttentionBackend, Grads};
 use crate::options::SequenceParallelOptions;
 use crate::schedule::Block;
 use crate::step::{AttentionState, StepMask};

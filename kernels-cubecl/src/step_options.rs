@@ -1,7 +1,7 @@
 //! The options of one attention step: which kernels run it, the mask, the scale, and whether
 //! the backward may use atomics.
 
-use crate::error::KernelError;
+use crate::kernel_error::KernelError;
 use crate::mask::Mask;
 
 /// Which implementation runs a step.

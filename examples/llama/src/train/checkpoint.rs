@@ -19,6 +19,7 @@ use burn::config::Config;
 use burn::module::Module;
 use burn::optim::Optimizer;
 use burn::record::{BinFileRecorder, FullPrecisionSettings, Recorder};
+use burn::tensor::backend::Backend;
 
 use super::{replicated_adamw, sharded_adamw, StepOptimizer, TrainBackend, TrainOptions, Trainer};
 use crate::optimizer::{shard_file_name, write_shard_file, FlatLayout, ShardHeader, ShardSet};
@@ -29,7 +30,7 @@ use crate::Error;
 pub(super) const TRAINER_FILE: &str = "trainer.json";
 
 /// The model's file inside a checkpoint directory (Burn's recorder adds `.bin`).
-pub(super) const MODEL_FILE: &str = "model";
+const MODEL_FILE: &str = "model";
 
 /// The replicated optimizer's file inside a checkpoint directory (Burn's recorder adds `.bin`).
 const OPTIMIZER_FILE: &str = "optimizer";
@@ -232,15 +233,11 @@ impl<B: TrainBackend> Trainer<B> {
             )?),
             false => None,
         };
-        let recorder = BinFileRecorder::<FullPrecisionSettings>::new();
         let device = self.device();
-        self.model = self
-            .model
-            .load_file(dir.join(MODEL_FILE), &recorder, &device)
-            .map_err(checkpoint_error("read the model", dir))?;
+        self.model = read_model(self.model, dir, &device)?;
         self.optim = match shards {
             None => {
-                let record = recorder
+                let record = BinFileRecorder::<FullPrecisionSettings>::new()
                     .load(dir.join(OPTIMIZER_FILE), &device)
                     .map_err(checkpoint_error("read the optimizer state", dir))?;
                 StepOptimizer::Replicated(replicated_adamw(&state.options).load_record(record))
@@ -257,6 +254,26 @@ impl<B: TrainBackend> Trainer<B> {
         self.options = state.options;
         Ok(self)
     }
+}
+
+/// `model` with the weights of the checkpoint in `dir` (its `model.bin`), on `device`.
+///
+/// # Errors
+///
+/// [`Error::Checkpoint`] naming `dir` when Burn's recorder cannot read the file or its
+/// parameters do not fit `model`.
+pub(super) fn read_model<B: Backend, M: Module<B>>(
+    model: M,
+    dir: &Path,
+    device: &B::Device,
+) -> Result<M, Error> {
+    model
+        .load_file(
+            dir.join(MODEL_FILE),
+            &BinFileRecorder::<FullPrecisionSettings>::new(),
+            device,
+        )
+        .map_err(checkpoint_error("read the model", dir))
 }
 
 /// Refuses a staged sharded checkpoint that lacks a rank's shard (a rank whose filesystem is

@@ -9,11 +9,9 @@
 
 use std::path::Path;
 
-use burn::module::Module;
-use burn::record::{BinFileRecorder, FullPrecisionSettings};
 use burn::tensor::{DType, TensorData};
 
-use super::checkpoint::{checkpoint_error, open_shards, read_state, MODEL_FILE};
+use super::checkpoint::{open_shards, read_model, read_state};
 use super::TrainBackend;
 use crate::config::LlamaConfig;
 use crate::model::Llama;
@@ -39,11 +37,8 @@ pub fn export_weights<B: TrainBackend>(
 ) -> Result<(), Error> {
     let state = read_state(checkpoint)?;
     if !state.options.zero.is_sharded() {
-        let recorder = BinFileRecorder::<FullPrecisionSettings>::new();
         let device = model.embedding.weight.val().device();
-        let model = (model.clone())
-            .load_file(checkpoint.join(MODEL_FILE), &recorder, &device)
-            .map_err(checkpoint_error("read the model", checkpoint))?;
+        let model = read_model(model.clone(), checkpoint, &device)?;
         let dtype = FlatLayout::of::<B, _>(&model, 1).wire_dtype();
         return save_hf_llama(&model, config, out, dtype);
     }

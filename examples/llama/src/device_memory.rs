@@ -2,12 +2,15 @@
 //! ([`TrainingKernels::device_memory`](crate::TrainingKernels::device_memory)).
 
 /// What the device's allocator counts, where the backend exposes it (CubeCL's memory pools on
-/// CUDA and wgpu). CubeCL keeps no peak: these are the numbers when the report was made.
+/// CUDA and wgpu). CubeCL 0.10's pools release pages only on an explicit
+/// `Backend::memory_cleanup`, which training never calls, so `reserved` is the peak of what the
+/// pools took from the device since it was first used (PyTorch's `max_memory_reserved`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DeviceMemory {
     /// Bytes of the live allocations.
     pub in_use: u64,
     /// Bytes the pools hold on the device (live allocations, padding and free pages kept for
-    /// reuse): at least the largest use since the pools last released pages.
+    /// reuse): the peak since the device was first used, the pools never releasing pages
+    /// unasked.
     pub reserved: u64,
 }

@@ -114,7 +114,7 @@ impl fmt::Display for MemoryReport {
         match self.device {
             Some(d) => write!(
                 f,
-                "{} in use, {} reserved (now; the backend keeps no peak)",
+                "{} in use now, peak {} reserved by the pools",
                 bytes(d.in_use),
                 bytes(d.reserved)
             ),

@@ -473,4 +473,9 @@ fn cubecl_backends_report_their_device_memory() {
     assert!(memory.in_use >= 4 << 20, "{memory:?}");
     assert!(memory.reserved >= memory.in_use, "{memory:?}");
     drop(tensor);
+    // Dropped, a tensor's bytes leave `in_use` but stay reserved: `reserved` is the peak.
+    let sum = burn::tensor::Tensor::<Wgpu, 1>::ones([1 << 21], &device).sum();
+    let _ = sum.into_scalar();
+    let after = Wgpu::device_memory(&device).expect("CubeCL counts its pools");
+    assert!(after.reserved >= 8 << 20, "the peak was released: {after:?}");
 }

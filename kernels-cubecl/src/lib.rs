@@ -18,6 +18,7 @@ mod buffers;
 mod dims;
 mod geometry;
 mod grid;
+pub mod hopper;
 mod kernel_error;
 mod launch;
 mod limits;

@@ -16,6 +16,7 @@
 #![warn(missing_docs)]
 mod buffers;
 mod dims;
+mod edited_task;
 mod geometry;
 mod grid;
 pub mod hopper;

@@ -1,30 +1,30 @@
 //! Launching hand-written CUDA C++ through CubeCL's CUDA runtime.
 //!
-//! A [`SourceTask`] is a `CubeTask` whose compilation returns a fixed source and entry point: the
-//! runtime compiles it with its NVRTC (for `sm_90a` on Hopper, which `wgmma` and `setmaxnreg`
+//! A [`CudaSource`] is launched as a `CubeTask` whose compilation returns its source and entry
+//! point: the runtime compiles it with its NVRTC (for `sm_90a` on Hopper, which `wgmma` and `setmaxnreg`
 //! need), keeps the module like any other kernel's, and launches it on the calling thread's
 //! CubeCL stream with CubeCL's buffers, so it is ordered with every other kernel and its buffers
 //! are kept alive and synchronised across streams by CubeCL, as theirs are.
 //!
 //! CubeCL reads two more things from a compiled kernel: the cube's size and its shared memory
 //! (the launch's dynamic shared memory), the latter from the kernel's representation in its own
-//! compiler's IR. The task therefore also compiles [`shell`], a CubeCL kernel that does nothing
-//! but declare as much shared memory as the hand-written source uses, and hands CubeCL the
-//! shell's compiled form with the hand-written source and entry point in place of the shell's.
+//! compiler's IR. The task therefore compiles [`shell`], a CubeCL kernel that does nothing but
+//! declare as much shared memory as the hand-written source uses, and hands CubeCL the shell's
+//! compiled form with the hand-written source and entry point in place of the shell's (an
+//! `EditedTask`).
 //!
 //! The kernel's parameters arrive in CubeCL's order ([`SourceArguments`]): each tensor map by
 //! value (`const __grid_constant__` 128-byte `CUtensorMap`, encoded by CubeCL from a
 //! [`TensorMapMeta`]), then each tensor map's buffer, then the plain buffers, then the `u32`
 //! scalars as one struct by value (16 bytes for four).
 
-use std::marker::PhantomData;
-
 use cubecl::prelude::*;
 use cubecl::server::{Binding, KernelArguments, TensorMapBinding, TensorMapMeta};
 use cubecl::zspace::metadata::Metadata;
 use cubecl::zspace::{Shape, Strides};
-use cubecl::{CompilationError, Compiler, CubeTask, InfoBuilder};
+use cubecl::{Compiler, InfoBuilder};
 
+use crate::edited_task::{Edit, EditedTask};
 use crate::tensor::DeviceTensor;
 
 /// Declares `shared_words` words of shared memory, so that its compiled form carries the shared
@@ -62,47 +62,20 @@ impl CudaSource {
     }
 }
 
-/// Compiles as [`shell`] does and returns the hand-written source in its place.
-struct SourceTask<C: Compiler, K: CubeKernel> {
-    shell: KernelTask<C, K>,
-    kernel: CudaSource,
-    _compiler: PhantomData<C>,
-}
-
-impl<C: Compiler, K: CubeKernel> KernelMetadata for SourceTask<C, K> {
-    fn name(&self) -> &'static str {
-        self.kernel.entry_point
+/// The hand-written kernel in place of its shell's compiled source.
+impl<C: Compiler> Edit<C> for CudaSource {
+    fn id(&self) -> u64 {
+        self.fingerprint()
     }
 
-    fn id(&self) -> KernelId {
-        let shell = self.shell.id();
-        KernelId::new::<Self>().cube_dim(shell.cube_dim).info((
-            self.kernel.entry_point,
-            self.kernel.fingerprint(),
-            shell,
-        ))
+    fn name(&self) -> Option<&'static str> {
+        Some(self.entry_point)
     }
 
-    fn address_type(&self) -> StorageType {
-        self.shell.address_type()
-    }
-}
-
-impl<C: Compiler, K: CubeKernel> CubeTask<C> for SourceTask<C, K> {
-    fn compile(
-        &self,
-        compiler: &mut C,
-        compilation_options: &C::CompilationOptions,
-        mode: ExecutionMode,
-        address_type: StorageType,
-    ) -> Result<CompiledKernel<C>, CompilationError> {
-        let mut compiled = self
-            .shell
-            .compile(compiler, compilation_options, mode, address_type)?;
-        compiled.source = self.kernel.source.clone();
-        compiled.entrypoint_name = self.kernel.entry_point.to_string();
-        compiled.debug_name = Some(self.kernel.entry_point);
-        Ok(compiled)
+    fn apply(&self, compiled: &mut CompiledKernel<C>) {
+        compiled.source = self.source.clone();
+        compiled.entrypoint_name = self.entry_point.to_string();
+        compiled.debug_name = Some(self.entry_point);
     }
 }
 
@@ -201,11 +174,7 @@ pub(crate) unsafe fn launch<R: Runtime>(
         ArrayCompilationArg { inplace: None },
         kernel.shared_bytes.div_ceil(4),
     );
-    let task = SourceTask {
-        shell: KernelTask::<R::Compiler, _>::new(shell),
-        kernel,
-        _compiler: PhantomData,
-    };
+    let task = EditedTask::<R::Compiler, _, _>::new(shell, kernel);
     // SAFETY: the caller vouches for the runtime, the arguments and the kernel.
     unsafe { client.launch_unchecked(Box::new(task), count, arguments.finish()) }
 }

@@ -15,7 +15,7 @@ use cubecl::features::Tma;
 use cubecl::prelude::*;
 
 pub use gemm::{gemm, gemm_source};
-pub use gemm_shape::{GemmLayout, GemmShape, SHARED_BYTES, TILE_K, TILE_M, TILE_N, UNITS};
+pub use gemm_shape::{GemmLayout, SHARED_BYTES, TILE_K, TILE_M, TILE_N, UNITS};
 
 /// Whether `client` runs the Hopper kernels: a CUDA device of compute capability 9.0 exactly
 /// (`wgmma` exists on sm_90a only; later GPUs have other instructions). cubecl-cuda 0.10 reports

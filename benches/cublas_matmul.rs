@@ -8,17 +8,27 @@
 //! launches, one wait at the end) and with both waits around every product, and the largest
 //! difference to Burn's result relative to Burn's largest magnitude.
 //!
-//! `cargo bench --bench cublas_matmul -- [--iters 20]` (needs a CUDA GPU and libcublas on the
-//! library path, for example PyTorch's `nvidia/cublas/lib`).
+//! With `--hopper`, the table is instead the Hopper matrix product of the kernels crate
+//! (`distflash_kernels::hopper::gemm`: `wgmma`, TMA, warp specialisation, launched through
+//! CubeCL) beside cuBLAS in the same layout, on 4096^3, 8192^3 and the LLaMA-7B projection and
+//! gate/up shapes, for both layouts of B (`[N, K]`: C = A B^T; `[K, N]`: C = A B); each row also
+//! gives the first call's seconds (NVRTC compile and module load included) and the largest
+//! difference to cuBLAS's result relative to cuBLAS's largest magnitude.
+//!
+//! `cargo bench --bench cublas_matmul -- [--iters 20] [--hopper]` (needs a CUDA GPU, an H100 or
+//! H200 for `--hopper`, and libcublas on the library path, for example PyTorch's
+//! `nvidia/cublas/lib`).
 
 use std::ffi::c_void;
 use std::time::Instant;
 
-use burn::tensor::{Distribution, Tensor, TensorPrimitive};
+use burn::tensor::{Distribution, Tensor, TensorMetadata, TensorPrimitive};
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::Runtime;
 use cudarc::cublas::{result as blas, sys};
 use cudarc::driver::{CudaContext, CudaStream};
+use distflash_kernels::hopper::{self, GemmLayout};
+use distflash_kernels::{DeviceTensor, ElemType};
 use half::bf16;
 
 type Cuda = burn_cubecl::CubeBackend<CudaRuntime, bf16, i32, u8>;
@@ -92,42 +102,73 @@ fn address(tensor: &Tensor<Cuda, 2>) -> u64 {
     resource.resource().ptr
 }
 
-/// Row-major `c = op(a) b` through cuBLAS (column-major: `c^T = b^T op(a)^T`).
+/// One row-major bf16 product `c[m, n] = op(a) op(b)` for cuBLAS: `a` stored `[k, m]` when
+/// `a_transposed` (else `[m, k]`), `b` stored `[n, k]` when `b_transposed` (else `[k, n]`).
+#[derive(Clone, Copy)]
+struct RowMajorGemm {
+    m: usize,
+    n: usize,
+    k: usize,
+    a_transposed: bool,
+    b_transposed: bool,
+}
+
+impl RowMajorGemm {
+    /// Queues the product (column-major: `c^T = op(b)^T op(a)^T`, so B's buffer comes first and
+    /// a row-major matrix is its column-major transpose).
+    ///
+    /// # Safety
+    /// The three addresses hold bf16 matrices of these shapes; nothing else writes them until
+    /// the handle's stream has finished.
+    unsafe fn queue(&self, handle: sys::cublasHandle_t, a: u64, b: u64, c: u64) {
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let op = |t| match t {
+            true => sys::cublasOperation_t::CUBLAS_OP_T,
+            false => sys::cublasOperation_t::CUBLAS_OP_N,
+        };
+        let lda = if self.a_transposed { self.m } else { self.k };
+        let ldb = if self.b_transposed { self.k } else { self.n };
+        unsafe {
+            blas::gemm_ex(
+                handle,
+                op(self.b_transposed),
+                op(self.a_transposed),
+                self.n as i32,
+                self.m as i32,
+                self.k as i32,
+                (&alpha as *const f32).cast::<c_void>(),
+                b as *const c_void,
+                sys::cudaDataType::CUDA_R_16BF,
+                ldb as i32,
+                a as *const c_void,
+                sys::cudaDataType::CUDA_R_16BF,
+                lda as i32,
+                (&beta as *const f32).cast::<c_void>(),
+                c as *mut c_void,
+                sys::cudaDataType::CUDA_R_16BF,
+                self.n as i32,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+            .expect("cublasGemmEx");
+        }
+    }
+}
+
+/// Row-major `c = op(a) b` through cuBLAS.
 ///
 /// # Safety
-/// The three addresses hold bf16 matrices of the product's shape; nothing else writes them
-/// until the stream has finished.
+/// As [`RowMajorGemm::queue`].
 unsafe fn cublas_product(handle: sys::cublasHandle_t, p: &Product, a: u64, b: u64, c: u64) {
-    let (alpha, beta) = (1.0f32, 0.0f32);
-    let (op_a, lda) = if p.transposed_lhs {
-        (sys::cublasOperation_t::CUBLAS_OP_T, p.m)
-    } else {
-        (sys::cublasOperation_t::CUBLAS_OP_N, p.k)
+    let gemm = RowMajorGemm {
+        m: p.m,
+        n: p.n,
+        k: p.k,
+        a_transposed: p.transposed_lhs,
+        b_transposed: false,
     };
-    unsafe {
-        blas::gemm_ex(
-            handle,
-            sys::cublasOperation_t::CUBLAS_OP_N,
-            op_a,
-            p.n as i32,
-            p.m as i32,
-            p.k as i32,
-            (&alpha as *const f32).cast::<c_void>(),
-            b as *const c_void,
-            sys::cudaDataType::CUDA_R_16BF,
-            p.n as i32,
-            a as *const c_void,
-            sys::cudaDataType::CUDA_R_16BF,
-            lda as i32,
-            (&beta as *const f32).cast::<c_void>(),
-            c as *mut c_void,
-            sys::cudaDataType::CUDA_R_16BF,
-            p.n as i32,
-            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
-        .expect("cublasGemmEx");
-    }
+    // SAFETY: as the caller vouches.
+    unsafe { gemm.queue(handle, a, b, c) }
 }
 
 fn seconds_per_call(iters: usize, mut call: impl FnMut(), finish: impl Fn()) -> f64 {
@@ -149,15 +190,40 @@ fn main() {
         .and_then(|i| args.get(i + 1))
         .map_or(20, |v| v.parse().expect("--iters"));
     let device = CudaDevice::new(0);
-    let client = CudaRuntime::client(&device);
     let context = CudaContext::new(0).expect("CUDA context");
     let stream: std::sync::Arc<CudaStream> = context.new_stream().expect("CUDA stream");
     let handle = blas::create_handle().expect("cuBLAS handle (is libcublas on the library path?)");
     // SAFETY: the handle and the stream were just created and outlive every call below.
     unsafe { blas::set_stream(handle, stream.cu_stream() as sys::cudaStream_t) }
         .expect("cuBLAS stream");
+    let blas = Blas { handle, stream };
+    if args.iter().any(|a| a == "--hopper") {
+        hopper_table(iters, &device, &blas);
+    } else {
+        burn_table(iters, &device, &blas);
+    }
+    // SAFETY: the handle is not used after this.
+    unsafe { blas::destroy_handle(handle) }.expect("destroy cuBLAS handle");
+}
+
+/// A cuBLAS handle and the stream it queues on.
+struct Blas {
+    handle: sys::cublasHandle_t,
+    stream: std::sync::Arc<CudaStream>,
+}
+
+impl Blas {
+    fn sync(&self) {
+        self.stream.synchronize().expect("cuBLAS stream sync");
+    }
+}
+
+/// Burn's matmul beside cuBLAS on the LLaMA-7B step's products.
+fn burn_table(iters: usize, device: &CudaDevice, blas: &Blas) {
+    let client = CudaRuntime::client(device);
+    let handle = blas.handle;
     let sync_cube = || cubecl::future::block_on(client.sync()).expect("CubeCL sync");
-    let sync_blas = || stream.synchronize().expect("cuBLAS stream sync");
+    let sync_blas = || blas.sync();
 
     println!("| product | m x k x n | Burn (autotune) ms | TFLOP/s | cuBLAS ms | TFLOP/s | cuBLAS + host waits ms | max diff / max abs |");
     println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
@@ -168,8 +234,8 @@ fn main() {
             [p.m, p.k]
         };
         let normal = Distribution::Normal(0.0, 1.0);
-        let a = Tensor::<Cuda, 2>::random(lhs_dims, normal, &device);
-        let b = Tensor::<Cuda, 2>::random([p.k, p.n], normal, &device);
+        let a = Tensor::<Cuda, 2>::random(lhs_dims, normal, device);
+        let b = Tensor::<Cuda, 2>::random([p.k, p.n], normal, device);
         let op_a = if p.transposed_lhs {
             a.clone().transpose()
         } else {
@@ -182,7 +248,7 @@ fn main() {
         sync_cube();
         let burn_secs = seconds_per_call(iters, || drop(op_a.clone().matmul(b.clone())), sync_cube);
 
-        let out = Tensor::<Cuda, 2>::zeros([p.m, p.n], &device);
+        let out = Tensor::<Cuda, 2>::zeros([p.m, p.n], device);
         sync_cube();
         let (pa, pb, pc) = (address(&a), address(&b), address(&out));
         // SAFETY: CubeCL's queue is drained (sync above) and reads nothing below until the
@@ -228,6 +294,104 @@ fn main() {
             diff / scale,
         );
     }
-    // SAFETY: the handle is not used after this.
-    unsafe { blas::destroy_handle(handle) }.expect("destroy cuBLAS handle");
+}
+
+/// `C[m, n]` shapes of the Hopper table: `(name, m, n, k)`.
+const HOPPER_SHAPES: [(&str, usize, usize, usize); 4] = [
+    ("square", 4096, 4096, 4096),
+    ("square", 8192, 8192, 8192),
+    ("q/k/v/o projection x W", 8192, 4096, 4096),
+    ("gate/up x W", 8192, 11008, 4096),
+];
+
+/// The buffer of a contiguous bf16 Burn tensor as the kernels crate's tensor.
+fn device_tensor(tensor: &Tensor<Cuda, 2>) -> DeviceTensor {
+    let primitive = match tensor.clone().into_primitive() {
+        TensorPrimitive::Float(t) => t,
+        TensorPrimitive::QFloat(_) => panic!("float tensors only"),
+    };
+    assert!(primitive.is_contiguous(), "a contiguous row-major tensor");
+    DeviceTensor {
+        handle: primitive.handle.clone(),
+        shape: primitive.shape().to_vec(),
+        elem: ElemType::BF16,
+    }
+}
+
+/// The Hopper matrix product beside cuBLAS, both layouts of B, bf16 out.
+fn hopper_table(iters: usize, device: &CudaDevice, blas: &Blas) {
+    let client = CudaRuntime::client(device);
+    assert!(
+        hopper::available(&client),
+        "--hopper needs an H100 or H200 (CUDA compute capability 9.0)"
+    );
+    let sync_cube = || cubecl::future::block_on(client.sync()).expect("CubeCL sync");
+    let address = |t: &DeviceTensor| {
+        client
+            .get_resource(t.handle.clone())
+            .expect("device address")
+    };
+    println!("| product | m x n x k | B | first call s | ours ms | TFLOP/s | cuBLAS ms | TFLOP/s | ours / cuBLAS | max diff / max abs |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    for (name, m, n, k) in HOPPER_SHAPES {
+        let normal = Distribution::Normal(0.0, 1.0);
+        let a_burn = Tensor::<Cuda, 2>::random([m, k], normal, device);
+        let flops = 2.0 * (m * n * k) as f64;
+        for layout in [GemmLayout::BTransposed, GemmLayout::BRowMajor] {
+            let (b_dims, b_transposed) = match layout {
+                GemmLayout::BTransposed => ([n, k], true),
+                GemmLayout::BRowMajor => ([k, n], false),
+            };
+            let b_burn = Tensor::<Cuda, 2>::random(b_dims, normal, device);
+            let (a, b) = (device_tensor(&a_burn), device_tensor(&b_burn));
+            let ours = DeviceTensor::empty(&client, vec![m, n], ElemType::BF16);
+            let theirs = DeviceTensor::empty(&client, vec![m, n], ElemType::BF16);
+            sync_cube();
+            let run = || hopper::gemm(&client, &a, &b, &ours, layout).expect("Hopper product");
+            let first = Instant::now();
+            run();
+            sync_cube();
+            let first_secs = first.elapsed().as_secs_f64();
+            let ours_secs = seconds_per_call(iters, run, sync_cube);
+
+            let resources = [address(&a), address(&b), address(&theirs)];
+            let [pa, pb, pc] = resources.each_ref().map(|r| r.resource().ptr);
+            let gemm = RowMajorGemm {
+                m,
+                n,
+                k,
+                a_transposed: false,
+                b_transposed,
+            };
+            // SAFETY: CubeCL's queue is drained (sync above) and touches none of these buffers
+            // until the cuBLAS stream is synchronised.
+            let blas_secs = seconds_per_call(
+                iters,
+                || unsafe { gemm.queue(blas.handle, pa, pb, pc) },
+                || blas.sync(),
+            );
+            drop(resources);
+
+            let reference = theirs.to_f32(&client);
+            let got = ours.to_f32(&client);
+            let scale = reference.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let diff = reference
+                .iter()
+                .zip(&got)
+                .fold(0.0f32, |m, (r, o)| m.max((r - o).abs()));
+            let layout_name = match layout {
+                GemmLayout::BTransposed => "[N, K]",
+                GemmLayout::BRowMajor => "[K, N]",
+            };
+            println!(
+                "| {name} | {m} x {n} x {k} | {layout_name} | {first_secs:.2} | {:.3} | {:.0} | {:.3} | {:.0} | {:.2} | {:.1e} |",
+                ours_secs * 1e3,
+                flops / ours_secs / 1e12,
+                blas_secs * 1e3,
+                flops / blas_secs / 1e12,
+                blas_secs / ours_secs,
+                diff / scale,
+            );
+        }
+    }
 }

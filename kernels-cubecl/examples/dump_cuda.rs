@@ -6,7 +6,9 @@
 //! `cargo run --release -p distflash-kernels --example dump_cuda -- OUT_DIR [bf16|f16]`
 //! writes `OUT_DIR/{forward,attention,forward_first,forward_last,dq,dkdv,fused,fused_whole}_{causal,full}_d{64,128}.cu`
 //! (`attention`: the whole-attention forward; `fused`: the dK/dV kernel that also adds dQ with
-//! atomics, `fused_whole` its whole-attention form). Read them with a CUDA
+//! atomics, `fused_whole` its whole-attention form), and the Hopper matrix product's variants
+//! `hopper_gemm_{bt,rm}_{bf16,f32}.cu` (B `[N, K]` or `[K, N]`; C's type), hand-written and
+//! handed to NVRTC as they are. Read them with a CUDA
 //! compiler's resource report (registers, spills) and the SASS of their loops.
 
 use std::path::PathBuf;
@@ -24,8 +26,10 @@ use cubecl_cpp::shared::{register_mma_features, CompilationOptions, CppSupported
 use cubecl_cpp::DialectWmmaCompiler;
 use cubecl_cuda::CudaCompiler;
 use cubecl_runtime::compiler::Compiler;
+use distflash_kernels::hopper::source_task::shell;
+use distflash_kernels::hopper::{self, GemmLayout};
 use distflash_kernels::tensor_core::{backward, dkdv, fast_exp2, forward, KERNEL_ADDRESS};
-use distflash_kernels::MaskKind;
+use distflash_kernels::{ElemType, MaskKind};
 use half::{bf16, f16};
 
 /// What an H200 reports to cubecl-cuda 0.10, as far as code generation depends on it.
@@ -78,14 +82,14 @@ fn h200_properties() -> DeviceProperties {
     p
 }
 
-/// The CUDA source of one kernel, indexed with `address` (the width its `#[cube]` attribute
-/// declares).
-fn compile(
+/// One kernel as CubeCL's CUDA compiler represents it, indexed with `address` (the width its
+/// `#[cube]` attribute declares).
+fn compile_representation(
     name: &str,
     units: u32,
     address: AddressType,
     expand: impl FnOnce(&mut KernelBuilder),
-) -> String {
+) -> <CudaCompiler as Compiler>::Representation {
     let properties = h200_properties();
     let mut builder = KernelBuilder::default();
     builder.runtime_properties(<cubecl_cuda::CudaRuntime as Runtime>::target_properties());
@@ -112,7 +116,7 @@ fn compile(
             elect_sync: true,
         },
     };
-    let source = CudaCompiler::default()
+    CudaCompiler::default()
         .compile(
             definition,
             &options,
@@ -120,9 +124,44 @@ fn compile(
             address.unsigned_type(),
         )
         .expect("the kernel compiles")
-        .to_string();
-    // What the tensor-core launches hand to NVRTC (see `tensor_core::fast_exp2`).
+}
+
+/// The CUDA source of one tensor-core kernel as its launches hand it to NVRTC (with `exp2`
+/// rewritten, see `tensor_core::fast_exp2`).
+fn compile(
+    name: &str,
+    units: u32,
+    address: AddressType,
+    expand: impl FnOnce(&mut KernelBuilder),
+) -> String {
+    let source = compile_representation(name, units, address, expand).to_string();
     fast_exp2::with_fast_exp2(&source).0
+}
+
+/// Dynamic shared memory, in bytes, that cubecl-cuda gives a hand-written Hopper kernel asking
+/// for `bytes`: what the compiled form of `hopper::source_task::shell` declares.
+pub fn hopper_shell_shared_bytes(bytes: usize) -> usize {
+    let units = distflash_kernels::hopper::UNITS as u32;
+    compile_representation("shell", units, AddressType::U32, |b| {
+        let out = output::<u32>(b);
+        shell::expand(&mut b.scope, out, bytes.div_ceil(4));
+    })
+    .shared_memory_size()
+}
+
+/// The CUDA sources of the Hopper matrix product's variants, by name.
+pub fn hopper_sources() -> Vec<(String, String)> {
+    let mut sources = Vec::new();
+    for (layout_name, layout) in [
+        ("bt", GemmLayout::BTransposed),
+        ("rm", GemmLayout::BRowMajor),
+    ] {
+        for (out_name, out) in [("bf16", ElemType::BF16), ("f32", ElemType::F32)] {
+            let name = format!("hopper_gemm_{layout_name}_{out_name}");
+            sources.push((name, hopper::gemm_source(layout, out)));
+        }
+    }
+    sources
 }
 
 fn input<E: CubePrimitive>(b: &mut KernelBuilder) -> <Array<E> as CubeType>::ExpandType {
@@ -322,5 +361,10 @@ fn main() {
                 println!("{}", path.display());
             }
         }
+    }
+    for (name, source) in hopper_sources() {
+        let path = out.join(format!("{name}.cu"));
+        std::fs::write(&path, source).expect("the source can be written");
+        println!("{}", path.display());
     }
 }

@@ -9,6 +9,8 @@
 //! every CubeCL runtime (wgpu on a CPU included), and [`tensor_core`] kernels using `mma.sync`
 //! on CUDA. `launch` validates inputs, and `plan` picks a variant and its launch shapes
 //! within the device's `limits`; a launch the runtime reports as failed is an error too.
+//! [`hopper`] holds kernels for Hopper GPUs written as CUDA C++ with inline PTX (warpgroup MMA,
+//! bulk tensor copies) and launched through CubeCL's CUDA runtime; so far a bf16 matrix product.
 //!
 //! The crate's integration tests check the kernels against an f64 host reference that lives in
 //! the workspace's unpublished `distflash-oracle` crate, a dev-dependency, not shipped here.
@@ -16,8 +18,10 @@
 #![warn(missing_docs)]
 mod buffers;
 mod dims;
+mod edited_task;
 mod geometry;
 mod grid;
+pub mod hopper;
 mod kernel_error;
 mod launch;
 mod limits;

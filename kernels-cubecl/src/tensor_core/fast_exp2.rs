@@ -5,7 +5,7 @@
 //! NVRTC no flush-to-zero option, so every exponential becomes `ex2.approx.f32` with its denormal
 //! fix-up: a compare and two predicated multiplies around the `MUFU.EX2` (192 of the forward
 //! loop's 1136 instructions per tile). CubeCL has no inline assembly and no compiler option for
-//! it, so on CUDA the kernels are launched through `FastExp2Task`, which compiles the kernel
+//! it, so on CUDA the kernels are launched through an `EditedTask` that compiles the kernel
 //! exactly as CubeCL does and then calls a one-instruction `ex2.approx.ftz.f32` helper in place
 //! of each `__powf(float(2.0), x)` of the generated source ([`with_fast_exp2`]).
 //!
@@ -18,12 +18,11 @@
 //! registers arrays and scalars (whose bindings it does not hand out), in the kernel's parameter
 //! order.
 
-use std::marker::PhantomData;
-
 use cubecl::prelude::*;
 use cubecl::server::{Binding, KernelArguments};
-use cubecl::{CompilationError, Compiler, CubeTask, InfoBuilder, ScalarArgType};
+use cubecl::{Compiler, CubeTask, InfoBuilder, ScalarArgType};
 
+use crate::edited_task::{Edit, EditedTask};
 use crate::tensor::DeviceTensor;
 
 /// How CubeCL 0.10 prints `exp2` (`f32::powf(2.0, x)`) under fast math, up to the argument.
@@ -56,42 +55,16 @@ pub fn with_fast_exp2(source: &str) -> (String, usize) {
     (rewritten, count)
 }
 
-/// A kernel compiled like CubeCL's own `KernelTask`, with [`with_fast_exp2`] applied to its
-/// source. Its id differs from the plain kernel's, so neither compiled form (in memory or in
-/// CubeCL's PTX cache) stands in for the other.
-struct FastExp2Task<C: Compiler, K: CubeKernel> {
-    task: KernelTask<C, K>,
-    _compiler: PhantomData<C>,
-}
+/// The edit that applies [`with_fast_exp2`] to a compiled kernel's source.
+struct FastExp2;
 
-impl<C: Compiler, K: CubeKernel> KernelMetadata for FastExp2Task<C, K> {
-    fn name(&self) -> &'static str {
-        self.task.name()
+impl<C: Compiler> Edit<C> for FastExp2 {
+    fn id(&self) -> u64 {
+        0
     }
 
-    fn id(&self) -> KernelId {
-        let inner = self.task.id();
-        KernelId::new::<Self>().cube_dim(inner.cube_dim).info(inner)
-    }
-
-    fn address_type(&self) -> StorageType {
-        self.task.address_type()
-    }
-}
-
-impl<C: Compiler, K: CubeKernel> CubeTask<C> for FastExp2Task<C, K> {
-    fn compile(
-        &self,
-        compiler: &mut C,
-        compilation_options: &C::CompilationOptions,
-        mode: ExecutionMode,
-        address_type: StorageType,
-    ) -> Result<CompiledKernel<C>, CompilationError> {
-        let mut compiled = self
-            .task
-            .compile(compiler, compilation_options, mode, address_type)?;
+    fn apply(&self, compiled: &mut CompiledKernel<C>) {
         compiled.source = with_fast_exp2(&compiled.source).0;
-        Ok(compiled)
     }
 }
 
@@ -155,8 +128,8 @@ impl LaunchArguments {
     }
 }
 
-/// Launches `kernel` over `count` cubes with `arguments`, unchecked; on CUDA through
-/// [`FastExp2Task`].
+/// Launches `kernel` over `count` cubes with `arguments`, unchecked; on CUDA with the
+/// [`FastExp2`] edit.
 ///
 /// # Safety
 /// As CubeCL's `launch_unchecked`: the kernel must stay in bounds and terminate, and
@@ -169,10 +142,7 @@ pub(crate) unsafe fn launch_unchecked<R: Runtime, K: CubeKernel>(
     arguments: LaunchArguments,
 ) {
     let task: Box<dyn CubeTask<R::Compiler>> = if R::name(client) == "cuda" {
-        Box::new(FastExp2Task {
-            task: KernelTask::<R::Compiler, K>::new(kernel),
-            _compiler: PhantomData,
-        })
+        Box::new(EditedTask::<R::Compiler, K, _>::new(kernel, FastExp2))
     } else {
         Box::new(KernelTask::<R::Compiler, K>::new(kernel))
     };

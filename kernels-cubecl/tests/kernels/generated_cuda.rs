@@ -1,7 +1,8 @@
 //! The CUDA source CubeCL generates for the tensor-core kernels, checked without a GPU: every
 //! kernel's `exp2` reaches NVRTC as the one-instruction flush-to-zero helper of
 //! `tensor_core::fast_exp2`. A CubeCL upgrade that prints `exp2` differently fails here instead
-//! of silently bringing back the denormal fix-up around every exponential.
+//! of silently bringing back the denormal fix-up around every exponential. The hand-written
+//! Hopper kernels get the shared memory they ask for through their CubeCL shell.
 
 #[allow(dead_code)]
 #[path = "../../examples/dump_cuda.rs"]
@@ -35,4 +36,33 @@ fn every_tensor_core_kernel_computes_exp2_with_flush_to_zero_bf16() {
 #[test]
 fn every_tensor_core_kernel_computes_exp2_with_flush_to_zero_f16() {
     check::<f16>("f16");
+}
+
+#[test]
+fn the_hopper_shell_gives_hand_written_kernels_the_shared_memory_they_ask_for() {
+    // cubecl-cuda launches a hand-written kernel with the dynamic shared memory of its shell's
+    // compiled form (`hopper::source_task`): at least what the source uses.
+    for bytes in [4, 1000, distflash_kernels::hopper::SHARED_BYTES] {
+        let given = dump_cuda::hopper_shell_shared_bytes(bytes);
+        assert!(
+            given >= bytes && given < bytes + 64,
+            "asked {bytes}, given {given}"
+        );
+    }
+}
+
+#[test]
+fn every_hopper_source_has_no_include_and_one_entry_point() {
+    for (name, source) in dump_cuda::hopper_sources() {
+        assert!(!source.contains("#include"), "{name}");
+        assert_eq!(
+            source.matches("extern \"C\" __global__").count(),
+            1,
+            "{name}"
+        );
+        assert!(
+            source.contains("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"),
+            "{name}"
+        );
+    }
 }

@@ -7,6 +7,7 @@
 //! source CubeCL generates is checked without a GPU in `generated_cuda`.
 
 mod generated_cuda;
+mod hopper_gemm;
 
 use cubecl::prelude::*;
 use distflash_kernels::{

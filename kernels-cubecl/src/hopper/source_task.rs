@@ -1,0 +1,214 @@
+//! Launching hand-written CUDA C++ through CubeCL's CUDA runtime.
+//!
+//! A [`CudaSource`] is launched as a `CubeTask` whose compilation returns its source and entry
+//! point: the runtime compiles it with its NVRTC (for `sm_90a` on Hopper, which `wgmma` and `setmaxnreg`
+//! need), keeps the module like any other kernel's, and launches it on the calling thread's
+//! CubeCL stream with CubeCL's buffers, so it is ordered with every other kernel and its buffers
+//! are kept alive and synchronised across streams by CubeCL, as theirs are.
+//!
+//! CubeCL reads two more things from a compiled kernel: the cube's size and its shared memory
+//! (the launch's dynamic shared memory), the latter from the kernel's representation in its own
+//! compiler's IR. The task therefore compiles [`shell`], a CubeCL kernel that does nothing but
+//! declare as much shared memory as the hand-written source uses, and hands CubeCL the shell's
+//! compiled form with the hand-written source and entry point in place of the shell's (an
+//! `EditedTask`).
+//!
+//! The kernel's parameters arrive in CubeCL's order ([`SourceArguments`]): each tensor map by
+//! value (`const __grid_constant__` 128-byte `CUtensorMap`, encoded by CubeCL from a
+//! [`TensorMapMeta`]), then each tensor map's buffer, then the plain buffers, then the `u32`
+//! scalars as one struct by value (16 bytes for four).
+
+use cubecl::prelude::*;
+use cubecl::server::{Binding, KernelArguments, TensorMapBinding, TensorMapMeta};
+use cubecl::zspace::metadata::Metadata;
+use cubecl::zspace::{Shape, Strides};
+use cubecl::{Compiler, InfoBuilder};
+
+use crate::edited_task::{Edit, EditedTask};
+use crate::tensor::DeviceTensor;
+
+/// Declares `shared_words` words of shared memory, so that its compiled form carries the shared
+/// memory a hand-written kernel needs. Compiled, never launched.
+#[cube(launch_unchecked)]
+pub fn shell(out: &mut Array<u32>, #[comptime] shared_words: usize) {
+    let mut shared = SharedMemory::<u32>::new(shared_words);
+    shared[UNIT_POS as usize] = UNIT_POS;
+    sync_cube();
+    out[UNIT_POS as usize] = shared[UNIT_POS as usize];
+}
+
+/// A hand-written CUDA kernel: its source, entry point, cube size and shared memory.
+#[derive(Debug, Clone)]
+pub struct CudaSource {
+    /// The `extern "C" __global__` function to launch.
+    pub entry_point: &'static str,
+    /// The whole translation unit, with no `#include` (NVRTC's include paths differ by machine).
+    pub source: String,
+    /// Threads per cube (one-dimensional).
+    pub units: u32,
+    /// Bytes of dynamic shared memory per cube.
+    pub shared_bytes: usize,
+}
+
+impl CudaSource {
+    /// A 64-bit FNV-1a hash of the source: part of the kernel's id, so that CubeCL's compiled
+    /// kernel cache (in memory and on disk) never serves an earlier version of the source.
+    pub fn fingerprint(&self) -> u64 {
+        self.source
+            .bytes()
+            .fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
+                (hash ^ byte as u64).wrapping_mul(0x0000_0100_0000_01b3)
+            })
+    }
+}
+
+/// The hand-written kernel in place of its shell's compiled source.
+impl<C: Compiler> Edit<C> for CudaSource {
+    fn id(&self) -> u64 {
+        self.fingerprint()
+    }
+
+    fn name(&self) -> Option<&'static str> {
+        Some(self.entry_point)
+    }
+
+    fn apply(&self, compiled: &mut CompiledKernel<C>) {
+        compiled.source = self.source.clone();
+        compiled.entrypoint_name = self.entry_point.to_string();
+        compiled.debug_name = Some(self.entry_point);
+    }
+}
+
+/// A hand-written kernel's arguments, registered as CubeCL's launcher registers them, in the
+/// order the kernel's parameters list them (see the module's comment).
+pub(crate) struct SourceArguments {
+    tensor_maps: Vec<TensorMapBinding>,
+    buffers: Vec<Binding>,
+    info: InfoBuilder,
+}
+
+/// How a tensor map cuts a row-major matrix into boxes.
+pub(crate) struct TiledMap {
+    /// The box's rows and columns (at most 256 each; with the 128-byte swizzle a box row is at
+    /// most 128 bytes).
+    pub box_shape: [usize; 2],
+    /// Shared-memory swizzle of the boxes.
+    pub swizzle: TensorMapSwizzle,
+}
+
+impl SourceArguments {
+    pub(crate) fn new() -> Self {
+        Self {
+            tensor_maps: Vec::new(),
+            buffers: Vec::new(),
+            info: InfoBuilder::default(),
+        }
+    }
+
+    /// Registers a tensor map over `matrix` (row-major `[rows, columns]`) as the next tensor
+    /// map parameter; CubeCL encodes it at launch from the buffer's address.
+    pub(crate) fn tiled_map(&mut self, matrix: &DeviceTensor, map: TiledMap) {
+        let [rows, columns] = [matrix.shape[0], matrix.shape[1]];
+        let storage_ty = match matrix.elem {
+            crate::tensor::ElemType::F16 => half::f16::as_type_native_unchecked(),
+            crate::tensor::ElemType::BF16 => half::bf16::as_type_native_unchecked(),
+            crate::tensor::ElemType::F32 => f32::as_type_native_unchecked(),
+        }
+        .storage_type();
+        let meta = TensorMapMeta {
+            format: TensorMapFormat::Tiled(TiledArgs {
+                tile_size: Shape::from(map.box_shape.to_vec()),
+            }),
+            metadata: Metadata::new(
+                Shape::from(vec![rows, columns]),
+                Strides::from(vec![columns, 1]),
+            ),
+            elem_stride: Strides::from(vec![1, 1]),
+            interleave: TensorMapInterleave::None,
+            swizzle: map.swizzle,
+            prefetch: TensorMapPrefetch::B256,
+            oob_fill: OobFill::Zero,
+            storage_ty,
+        };
+        self.tensor_maps.push(TensorMapBinding {
+            binding: matrix.handle.clone().binding(),
+            map: meta,
+        });
+    }
+
+    /// Registers `tensor`'s buffer as the next plain buffer parameter.
+    pub(crate) fn buffer(&mut self, tensor: &DeviceTensor) {
+        self.buffers.push(tensor.handle.clone().binding());
+    }
+
+    /// Registers the next `u32` scalar (the kernel's struct of scalars lists them in order).
+    pub(crate) fn scalar(&mut self, value: u32) {
+        self.info.scalars.push(value);
+    }
+
+    fn finish(mut self) -> KernelArguments {
+        let mut arguments = KernelArguments::new();
+        arguments.info = self.info.finish(AddressType::U32);
+        arguments.buffers = self.buffers;
+        arguments.tensor_maps = self.tensor_maps;
+        arguments
+    }
+}
+
+/// Launches `kernel` over `count` cubes with `arguments`.
+///
+/// # Safety
+/// The client's runtime must be CUDA (the source is CUDA C++), `arguments` must match the
+/// kernel's parameters in order and type, and the kernel must stay in bounds and terminate for
+/// them.
+pub(crate) unsafe fn launch<R: Runtime>(
+    client: &ComputeClient<R>,
+    kernel: CudaSource,
+    count: CubeCount,
+    arguments: SourceArguments,
+) {
+    let settings = KernelSettings::default().cube_dim(CubeDim::new_1d(kernel.units));
+    let shell = shell::Shell::<R>::new(
+        settings,
+        client.clone(),
+        ArrayCompilationArg { inplace: None },
+        kernel.shared_bytes.div_ceil(4),
+    );
+    let task = EditedTask::<R::Compiler, _, _>::new(shell, kernel);
+    // SAFETY: the caller vouches for the runtime, the arguments and the kernel.
+    unsafe { client.launch_unchecked(Box::new(task), count, arguments.finish()) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn source(text: &str) -> CudaSource {
+        CudaSource {
+            entry_point: "k",
+            source: text.into(),
+            units: 128,
+            shared_bytes: 1024,
+        }
+    }
+
+    #[test]
+    fn the_fingerprint_follows_the_source() {
+        let a = source("extern \"C\" __global__ void k() {}");
+        let b = source("extern \"C\" __global__ void k() { }");
+        assert_eq!(a.fingerprint(), a.clone().fingerprint());
+        assert_ne!(a.fingerprint(), b.fingerprint());
+    }
+
+    #[test]
+    fn scalars_are_packed_as_the_kernel_reads_them() {
+        let mut arguments = SourceArguments::new();
+        for value in [7u32, 8, 9, 0] {
+            arguments.scalar(value);
+        }
+        let info = arguments.finish().info;
+        // Four u32 in two little-endian u64 words: the kernel's 16-byte struct, by value.
+        assert_eq!(info.data, vec![7 | (8 << 32), 9]);
+        assert_eq!(info.dynamic_metadata_offset, info.data.len());
+    }
+}

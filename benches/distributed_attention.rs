@@ -25,7 +25,8 @@ use burn_distflash::collective::{Exchange, Incoming, Outgoing, Received, Transpo
 use burn_distflash::schedule::{Schedule, ScheduleKind};
 use burn_distflash::sequence_parallel::SequenceParallelOptions;
 use burn_distflash::{
-    DeviceGroup, Error, FlashAttentionBackend, FlashAttentionOptions, SlidingWindow,
+    AttentionBackend, DeviceGroup, Error, FlashAttentionOptions, SequenceParallelBackend,
+    SlidingWindow,
 };
 use cubecl::cuda::CudaDevice;
 

@@ -4,14 +4,14 @@ use crate::Error;
 use burn::tensor::{Tensor, TensorPrimitive};
 use distflash_kernels::AttentionDims;
 
-use crate::extension::FlashAttentionBackend;
+use crate::extension::AttentionBackend;
 use crate::inputs::check_inputs;
 use crate::options::{check_shapes, FlashAttentionOptions};
 
 /// [`check_inputs`] for a one-shot call, whose q and k rows are the whole sequence: the mask's
 /// documents must then span exactly that sequence
 /// ([`FlashAttentionOptions::check_one_shot_mask`]), checked before the rest.
-fn check_one_shot_inputs<B: FlashAttentionBackend>(
+fn check_one_shot_inputs<B: AttentionBackend>(
     q: &Tensor<B, 4>,
     k: &Tensor<B, 4>,
     v: &Tensor<B, 4>,
@@ -59,7 +59,7 @@ fn check_one_shot_inputs<B: FlashAttentionBackend>(
 ///
 /// On the CubeCL backends, when the runtime reports a kernel launch as failed after the checks
 /// passed (the output is never silently wrong).
-pub fn flash_attention<B: FlashAttentionBackend>(
+pub fn flash_attention<B: AttentionBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
@@ -78,7 +78,7 @@ pub fn flash_attention<B: FlashAttentionBackend>(
 /// - v: `[batch, kv_heads, seq_kv, head_dim]`
 /// - output: `[batch, q_heads, seq_q, head_dim]`
 /// - lse: `[batch, q_heads, seq_q]`, of float type
-///   [`FlashAttentionBackend::lse_dtype`] (f32 on the CubeCL backends)
+///   [`AttentionBackend::lse_dtype`] (f32 on the CubeCL backends)
 ///
 /// # Errors
 ///
@@ -87,7 +87,7 @@ pub fn flash_attention<B: FlashAttentionBackend>(
 /// # Panics
 ///
 /// As [`flash_attention`].
-pub fn flash_attention_with_lse<B: FlashAttentionBackend>(
+pub fn flash_attention_with_lse<B: AttentionBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,

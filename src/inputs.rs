@@ -4,13 +4,13 @@
 use burn::tensor::{DType, Tensor};
 use distflash_kernels::AttentionDims;
 
-use crate::extension::FlashAttentionBackend;
+use crate::extension::AttentionBackend;
 use crate::options::{check_shapes, FlashAttentionOptions};
 use crate::Error;
 
 /// q's float type is one the op supports and its device supports; k and v share q's float type
 /// and device.
-fn check_types_and_devices<B: FlashAttentionBackend>(
+fn check_types_and_devices<B: AttentionBackend>(
     q: &Tensor<B, 4>,
     k: &Tensor<B, 4>,
     v: &Tensor<B, 4>,
@@ -53,8 +53,8 @@ fn check_types_and_devices<B: FlashAttentionBackend>(
 /// the device supports them), devices, options (the mask as for rows that may be chunks of a
 /// longer sequence, see [`FlashAttentionOptions::check_mask`]), and the backend's limits on the
 /// device for the forward and the backward (grid, shared memory; see
-/// [`FlashAttentionBackend::check_attention_limits`]).
-pub(crate) fn check_inputs<B: FlashAttentionBackend>(
+/// [`AttentionBackend::check_attention_limits`](crate::AttentionBackend::check_attention_limits)).
+pub(crate) fn check_inputs<B: AttentionBackend>(
     q: &Tensor<B, 4>,
     k: &Tensor<B, 4>,
     v: &Tensor<B, 4>,

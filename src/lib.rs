@@ -8,6 +8,10 @@
 //!   kernels, ndarray runs an implementation from Burn tensor operations, and `Autodiff<B>` of
 //!   either adds a fused backward. [`FlashAttentionOptions`] (with [`Mask`], [`SlidingWindow`]
 //!   and [`Documents`]) says what the call computes; every failure is an [`Error`].
+//! - [`FlashAttentionBackend`], the bound a model names, is one trait per capability at once:
+//!   [`AttentionBackend`] (attention, one-shot and step by step), [`SequenceParallelBackend`]
+//!   (the distributed passes), [`LayerOpsBackend`] (linear products, SwiGLU, RMS norm, rotary)
+//!   and [`CheckpointBackend`] (gradient checkpoints); each Burn backend implements the four.
 //! - [`DistFlashAttention`] / [`DistFlashAttentionConfig`]: a drop-in multi-head attention
 //!   module, run locally or sequence-parallel over a [`DeviceGroup`] as its
 //!   [`AttentionContext`] says.
@@ -29,7 +33,6 @@
 mod api;
 mod attention_tensor_ops;
 mod backends;
-mod checkpoint;
 pub mod collective;
 pub mod cube_support;
 mod error;
@@ -49,6 +52,9 @@ pub use api::{flash_attention, flash_attention_with_lse};
 pub use collective::DeviceGroup;
 pub use distflash_kernels as kernels;
 pub use error::Error;
-pub use extension::{AttentionContext, FlashAttentionBackend};
+pub use extension::{
+    AttentionBackend, AttentionContext, CheckpointBackend, FlashAttentionBackend, LayerOpsBackend,
+    SequenceParallelBackend,
+};
 pub use layers::{DistFlashAttention, DistFlashAttentionConfig};
 pub use options::{Documents, FlashAttentionOptions, Mask, SlidingWindow};

@@ -1,5 +1,5 @@
 //! Step-by-step attention: the running softmax state ([`AttentionState`]) and one step's mask
-//! ([`StepMask`]) that [`FlashAttentionBackend`](crate::FlashAttentionBackend)'s step methods
+//! ([`StepMask`]) that [`AttentionBackend`](crate::AttentionBackend)'s step methods
 //! (`attention_state_empty`, `attention_forward_step`, `attention_merge`, `attention_finalize`,
 //! `attention_backward_step`) take and return; sequence-parallel attention is built from them.
 //!

@@ -15,9 +15,11 @@ use burn_autodiff::Autodiff;
 use distflash_kernels::AttentionDims;
 
 use super::{checkpoint_node, layer_nodes, linear_node};
-use crate::checkpoint::CheckpointPlacement;
 use crate::collective::DeviceGroup;
-use crate::extension::{AttentionContext, CheckpointSegment, FlashAttentionBackend, Grads};
+use crate::extension::{
+    AttentionBackend, AttentionContext, CheckpointBackend, CheckpointPlacement, CheckpointSegment,
+    FlashAttentionBackend, Grads, LayerOpsBackend, SequenceParallelBackend,
+};
 use crate::options::{Documents, FlashAttentionOptions};
 use crate::sequence_parallel::SequenceParallelOptions;
 
@@ -124,26 +126,7 @@ fn constants<B: FlashAttentionBackend, C: CheckpointStrategy>(
     )
 }
 
-impl<B: FlashAttentionBackend, C: CheckpointStrategy> FlashAttentionBackend for Autodiff<B, C> {
-    type Inner = B::Inner;
-
-    fn checkpointed<S, const PARENTS: usize>(
-        segment: &S,
-        x: Tensor<Self, 3>,
-        context: &AttentionContext<Self>,
-        documents: Option<&Documents>,
-        placement: CheckpointPlacement,
-    ) -> Result<Tensor<Self, 3>, Error>
-    where
-        S: CheckpointSegment<Self, PARENTS>,
-    {
-        checkpoint_node::checkpointed::<B, C, S, PARENTS>(segment, x, context, documents, placement)
-    }
-
-    fn inner_device(device: &B::Device) -> Device<B::Inner> {
-        B::inner_device(device)
-    }
-
+impl<B: FlashAttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B, C> {
     fn lse_dtype(input: DType) -> DType {
         B::lse_dtype(input)
     }
@@ -182,6 +165,14 @@ impl<B: FlashAttentionBackend, C: CheckpointStrategy> FlashAttentionBackend for 
             q, k, v, out, lse, grad_out, options,
         ))
     }
+}
+
+impl<B: FlashAttentionBackend, C: CheckpointStrategy> SequenceParallelBackend for Autodiff<B, C> {
+    type Inner = B::Inner;
+
+    fn inner_device(device: &B::Device) -> Device<B::Inner> {
+        B::inner_device(device)
+    }
 
     fn sequence_parallel_attention(
         q: AutodiffTensor<B, C>,
@@ -210,7 +201,9 @@ impl<B: FlashAttentionBackend, C: CheckpointStrategy> FlashAttentionBackend for 
         let grads = B::sequence_parallel_backward(q, k, v, out, lse, grad_out, group, options)?;
         Ok(constants::<B, C>(grads))
     }
+}
 
+impl<B: FlashAttentionBackend, C: CheckpointStrategy> LayerOpsBackend for Autodiff<B, C> {
     fn linear_product(x: AutodiffTensor<B, C>, weight: AutodiffTensor<B, C>) -> FloatTensor<Self> {
         linear_node::linear_product::<B, C>(x, weight)
     }
@@ -234,5 +227,21 @@ impl<B: FlashAttentionBackend, C: CheckpointStrategy> FlashAttentionBackend for 
         transpose: bool,
     ) -> FloatTensor<Self> {
         layer_nodes::rotary::<B, C>(x, cos, sin, transpose)
+    }
+}
+
+impl<B: FlashAttentionBackend, C: CheckpointStrategy> CheckpointBackend for Autodiff<B, C> {
+    fn checkpointed<S, const PARENTS: usize>(
+        segment: &S,
+        x: Tensor<Self, 3>,
+        context: &AttentionContext<Self>,
+        documents: Option<&Documents>,
+        placement: CheckpointPlacement,
+    ) -> Result<Tensor<Self, 3>, Error>
+    where
+        Self: FlashAttentionBackend,
+        S: CheckpointSegment<Self, PARENTS>,
+    {
+        checkpoint_node::checkpointed::<B, C, S, PARENTS>(segment, x, context, documents, placement)
     }
 }

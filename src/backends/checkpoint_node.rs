@@ -16,8 +16,9 @@ use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
 use burn_autodiff::Autodiff;
 
-use crate::checkpoint::CheckpointPlacement;
-use crate::extension::{AttentionContext, CheckpointSegment, FlashAttentionBackend};
+use crate::extension::{
+    AttentionContext, CheckpointPlacement, CheckpointSegment, FlashAttentionBackend,
+};
 use crate::options::Documents;
 use crate::Error;
 
@@ -105,7 +106,7 @@ impl<B: FlashAttentionBackend, C: CheckpointStrategy> ModuleVisitor<Autodiff<B, 
 }
 
 /// `segment` applied to `x` as one checkpoint node (see
-/// [`FlashAttentionBackend::checkpointed`]).
+/// [`CheckpointBackend::checkpointed`](crate::CheckpointBackend::checkpointed)).
 pub(crate) fn checkpointed<B, C, S, const PARENTS: usize>(
     segment: &S,
     x: Tensor<Autodiff<B, C>, 3>,

@@ -9,7 +9,9 @@ use distflash_kernels::{
     AttentionDims, DeviceTensor, ElemType, GradAccumulators, SoftmaxState, StepOptions, Variant,
 };
 
-use crate::extension::FlashAttentionBackend;
+use crate::extension::{
+    AttentionBackend, CheckpointBackend, LayerOpsBackend, SequenceParallelBackend,
+};
 use crate::layer_ops;
 use crate::options::FlashAttentionOptions;
 use crate::step::{AttentionState, StepMask};
@@ -146,15 +148,13 @@ fn fail(what: &str, e: distflash_kernels::KernelError) -> ! {
     panic!("flash attention {what}: {e}")
 }
 
-impl<R, F, I, BT> FlashAttentionBackend for CubeBackend<R, F, I, BT>
+impl<R, F, I, BT> AttentionBackend for CubeBackend<R, F, I, BT>
 where
     R: CubeRuntime,
     F: FloatElement,
     I: IntElement,
     BT: BoolElement,
 {
-    computes_itself!();
-
     fn lse_dtype(_input: DType) -> DType {
         DType::F32
     }
@@ -342,7 +342,27 @@ where
             cube_tensor(&like, grads.dv),
         )
     }
+}
 
+impl<R, F, I, BT> SequenceParallelBackend for CubeBackend<R, F, I, BT>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    computes_itself!();
+}
+
+/// The layers' element-wise operations as one CubeCL pass each (`layer_ops::cube`), the tensor
+/// operations where a pass does not apply; the product is the trait's (cuBLAS on CUDA).
+impl<R, F, I, BT> LayerOpsBackend for CubeBackend<R, F, I, BT>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
     fn swiglu(gate: CubeTensor<R>, up: CubeTensor<R>) -> CubeTensor<R> {
         match layer_ops::cube::swiglu(gate.clone(), up.clone()) {
             Some(hidden) => hidden,
@@ -391,4 +411,14 @@ where
             None => layer_ops::tensor_ops::rotary::<Self>(x, cos, sin, transpose),
         }
     }
+}
+
+/// No autodiff: a checkpointed segment just runs (the trait's default).
+impl<R, F, I, BT> CheckpointBackend for CubeBackend<R, F, I, BT>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
 }

@@ -17,7 +17,10 @@ use distflash_kernels::AttentionDims;
 
 use super::fusion_group;
 use crate::collective::DeviceGroup;
-use crate::extension::{FlashAttentionBackend, Grads};
+use crate::extension::{
+    AttentionBackend, CheckpointBackend, FlashAttentionBackend, Grads, LayerOpsBackend,
+    SequenceParallelBackend,
+};
 use crate::options::FlashAttentionOptions;
 use crate::sequence_parallel::SequenceParallelOptions;
 use crate::step::{AttentionState, StepMask};
@@ -196,7 +199,7 @@ fn output_like<B: FusionBackend>(
     TensorIr::uninit(like.client.create_empty_handle(), shape, dtype)
 }
 
-impl<B> FlashAttentionBackend for Fusion<B>
+impl<B> SequenceParallelBackend for Fusion<B>
 where
     B: FusionBackend + FlashAttentionBackend<Inner = B>,
 {
@@ -228,7 +231,19 @@ where
     ) -> Result<Grads<Self>, Error> {
         fusion_group::backward::<B>(q, k, v, out, lse, grad_out, group, options)
     }
+}
 
+/// The layers' operations from Burn tensor operations on the fusion stream (the trait's
+/// defaults), which fusion may merge with their neighbours.
+impl<B> LayerOpsBackend for Fusion<B> where B: FusionBackend + FlashAttentionBackend<Inner = B> {}
+
+/// No autodiff: a checkpointed segment just runs (the trait's default).
+impl<B> CheckpointBackend for Fusion<B> where B: FusionBackend + FlashAttentionBackend<Inner = B> {}
+
+impl<B> AttentionBackend for Fusion<B>
+where
+    B: FusionBackend + FlashAttentionBackend<Inner = B>,
+{
     fn lse_dtype(input: DType) -> DType {
         B::lse_dtype(input)
     }

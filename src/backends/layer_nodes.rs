@@ -131,7 +131,7 @@ mod tests {
     use burn_autodiff::Autodiff;
     use burn_ndarray::NdArray;
 
-    use crate::extension::FlashAttentionBackend;
+    use crate::extension::LayerOpsBackend;
     use crate::layer_ops::tensor_ops;
 
     type Train = Autodiff<NdArray<f32>>;

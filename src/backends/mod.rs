@@ -1,8 +1,8 @@
-//! [`crate::FlashAttentionBackend`] for each supported Burn backend: the one folder a Burn
-//! upgrade touches.
+//! The capability traits of [`crate::FlashAttentionBackend`] for each supported Burn backend: the
+//! one folder a Burn upgrade touches.
 
-/// The sequence-parallel items of the trait for a backend that computes and communicates itself
-/// (`Inner = Self`): the distributed passes run on its own tensors and group.
+/// The items of [`crate::SequenceParallelBackend`] for a backend that computes and communicates
+/// itself (`Inner = Self`): the distributed passes run on its own tensors and group.
 macro_rules! computes_itself {
     () => {
         type Inner = Self;

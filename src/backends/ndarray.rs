@@ -6,16 +6,16 @@ use burn_ndarray::{
 };
 
 use crate::attention_tensor_ops;
-use crate::extension::FlashAttentionBackend;
+use crate::extension::{
+    AttentionBackend, CheckpointBackend, LayerOpsBackend, SequenceParallelBackend,
+};
 use crate::options::FlashAttentionOptions;
 
-impl<E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement> FlashAttentionBackend
+impl<E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement> AttentionBackend
     for NdArray<E, I, Q>
 where
     NdArrayTensor: From<SharedArray<E>> + From<SharedArray<I>>,
 {
-    computes_itself!();
-
     fn flash_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
@@ -36,4 +36,28 @@ where
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         attention_tensor_ops::backward::<Self>(q, k, v, out, lse, grad_out, options)
     }
+}
+
+impl<E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement> SequenceParallelBackend
+    for NdArray<E, I, Q>
+where
+    NdArrayTensor: From<SharedArray<E>> + From<SharedArray<I>>,
+{
+    computes_itself!();
+}
+
+/// The layers' operations from Burn tensor operations (the trait's defaults).
+impl<E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement> LayerOpsBackend
+    for NdArray<E, I, Q>
+where
+    NdArrayTensor: From<SharedArray<E>> + From<SharedArray<I>>,
+{
+}
+
+/// No autodiff: a checkpointed segment just runs (the trait's default).
+impl<E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement> CheckpointBackend
+    for NdArray<E, I, Q>
+where
+    NdArrayTensor: From<SharedArray<E>> + From<SharedArray<I>>,
+{
 }

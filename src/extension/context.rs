@@ -1,11 +1,11 @@
 //! Where a layer's attention runs: over the whole sequence on one device, or over this rank's
-//! shard of a sequence split across a [`DeviceGroup`]. A child of `extension` because the two name
-//! each other: the context holds a group of the backend's [`FlashAttentionBackend::Inner`], and
-//! the trait's checkpointed segments take a context.
+//! shard of a sequence split across a [`DeviceGroup`]. It needs only the sequence-parallel
+//! capability (a group of the backend's [`SequenceParallelBackend::Inner`]); checkpointed
+//! segments take one.
 
 use crate::Error;
 
-use super::FlashAttentionBackend;
+use super::SequenceParallelBackend;
 use crate::collective::DeviceGroup;
 use crate::options::{FlashAttentionOptions, SequenceParallelOptions};
 use crate::schedule::{Layout, ScheduleKind};
@@ -14,7 +14,7 @@ use crate::schedule::{Layout, ScheduleKind};
 /// `Autodiff<Cuda>` when training, for example). Pass the same context to every layer of a
 /// forward pass.
 #[derive(Debug, Clone)]
-pub enum AttentionContext<B: FlashAttentionBackend> {
+pub enum AttentionContext<B: SequenceParallelBackend> {
     /// The tensors hold the whole sequence, on one device.
     Local,
     /// The tensors hold rank `group.rank()`'s shard of a sequence of `world_size * shard_len`
@@ -24,7 +24,7 @@ pub enum AttentionContext<B: FlashAttentionBackend> {
     /// attention runs sequence-parallel over the group (every rank must run the same layers).
     Sharded {
         /// This rank's handle on the group, over the backend that computes and communicates
-        /// ([`FlashAttentionBackend::Inner`]: the CubeCL or ndarray backend under `Autodiff`
+        /// ([`SequenceParallelBackend::Inner`]: the CubeCL or ndarray backend under `Autodiff`
         /// and `Fusion`).
         group: DeviceGroup<B::Inner>,
         /// Which schedule, and so which layout (`Auto`: see [`ScheduleKind::resolve`]).
@@ -34,7 +34,7 @@ pub enum AttentionContext<B: FlashAttentionBackend> {
     },
 }
 
-impl<B: FlashAttentionBackend> AttentionContext<B> {
+impl<B: SequenceParallelBackend> AttentionContext<B> {
     /// This rank's shard of a sequence split across `group`, `Auto` schedule, overlap on.
     pub fn sharded(group: DeviceGroup<B::Inner>) -> Self {
         Self::Sharded {
@@ -61,7 +61,7 @@ impl<B: FlashAttentionBackend> AttentionContext<B> {
     /// evaluates on the same group. The group is shared, not copied.
     pub fn for_backend<O>(&self) -> AttentionContext<O>
     where
-        O: FlashAttentionBackend<Inner = B::Inner>,
+        O: SequenceParallelBackend<Inner = B::Inner>,
     {
         match self {
             Self::Local => AttentionContext::Local,

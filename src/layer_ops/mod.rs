@@ -1,5 +1,5 @@
 //! The element-wise parts of a Llama block (SwiGLU, RMS norm, the rotary embedding), forward and
-//! backward, as the [`FlashAttentionBackend`](crate::FlashAttentionBackend) operations the layers
+//! backward, as the [`LayerOpsBackend`](crate::LayerOpsBackend) operations the layers
 //! call: Burn tensor operations on every backend (`tensor_ops`), one CubeCL pass each on
 //! `CubeBackend` (`cube`, `kernels`, `norm_kernels`), where Burn's operations take 3 to 12 passes
 //! (its sigmoid alone takes seven, in f32).

@@ -13,9 +13,9 @@ use super::attention_backward::{AttentionActivations, AttentionGrads};
 use super::feed_forward::{FeedForward, FeedForwardConfig, FeedForwardGrads};
 use super::linear_layer::linear;
 use super::rms_norm::{RmsNorm, RmsNormConfig};
-use crate::checkpoint::CheckpointPlacement;
-use crate::extension::AttentionContext;
-use crate::extension::{CheckpointSegment, FlashAttentionBackend};
+use crate::extension::{
+    AttentionContext, CheckpointPlacement, CheckpointSegment, FlashAttentionBackend,
+};
 use crate::options::Documents;
 
 /// Configuration of [`TransformerBlock`].

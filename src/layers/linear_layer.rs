@@ -5,16 +5,16 @@
 use burn::nn::Linear;
 use burn::tensor::{Tensor, TensorPrimitive};
 
-use crate::extension::FlashAttentionBackend;
+use crate::extension::LayerOpsBackend;
 
 /// `x W (+ bias)` of a [`Linear`] layer over `[batch, seq, d_in]` inputs, `[batch, seq, d_out]`,
-/// through [`FlashAttentionBackend::linear_product`]: on CUDA `CubeBackend` (and `Autodiff` of
+/// through [`LayerOpsBackend::linear_product`]: on CUDA `CubeBackend` (and `Autodiff` of
 /// it) the products run on cuBLAS (feature `cublas`), elsewhere they are Burn's `matmul`.
 ///
 /// # Shapes
 /// - `x`: `[batch, seq, d_in]`; the layer's weight is `[d_in, d_out]`.
 /// - output: `[batch, seq, d_out]`.
-pub fn linear<B: FlashAttentionBackend>(linear: &Linear<B>, x: Tensor<B, 3>) -> Tensor<B, 3> {
+pub fn linear<B: LayerOpsBackend>(linear: &Linear<B>, x: Tensor<B, 3>) -> Tensor<B, 3> {
     let y = project(x, linear.weight.val());
     match &linear.bias {
         Some(bias) => y + bias.val().unsqueeze::<3>(),
@@ -23,13 +23,13 @@ pub fn linear<B: FlashAttentionBackend>(linear: &Linear<B>, x: Tensor<B, 3>) -> 
 }
 
 /// `x W` for any weight tensor, a view too (a tied embedding's transpose as an output
-/// projection), through [`FlashAttentionBackend::linear_product`] as [`linear`] does; on
+/// projection), through [`LayerOpsBackend::linear_product`] as [`linear`] does; on
 /// `Autodiff` the gradient reaches whatever `weight` is a view of.
 ///
 /// # Shapes
 /// - `x`: `[batch, seq, d_in]`; `weight`: `[d_in, d_out]`.
 /// - output: `[batch, seq, d_out]`.
-pub fn project<B: FlashAttentionBackend>(x: Tensor<B, 3>, weight: Tensor<B, 2>) -> Tensor<B, 3> {
+pub fn project<B: LayerOpsBackend>(x: Tensor<B, 3>, weight: Tensor<B, 2>) -> Tensor<B, 3> {
     let [batch, seq, d_in] = x.dims();
     let d_out = weight.dims()[1];
     let x = x.reshape([batch * seq, d_in]).into_primitive().tensor();

@@ -15,8 +15,7 @@ mod replicate;
 mod rms_norm;
 mod rope;
 
-pub use crate::checkpoint::CheckpointPlacement;
-pub use crate::extension::CheckpointSegment;
+pub use crate::extension::{CheckpointPlacement, CheckpointSegment};
 pub use attention::{DistFlashAttention, DistFlashAttentionConfig};
 pub use block::{TransformerBlock, TransformerBlockConfig};
 pub use counter::ForwardCounter;

@@ -1,13 +1,13 @@
 //! Root-mean-square layer norm as in Llama: statistics in f32, the learned scale applied in the
 //! input's float type; with its backward, used when a checkpointed layer is recomputed. Both run
-//! as the backend's [`FlashAttentionBackend::rms_norm`] operations.
+//! as the backend's [`LayerOpsBackend::rms_norm`] operations.
 
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorPrimitive};
 
-use crate::extension::FlashAttentionBackend;
+use crate::extension::LayerOpsBackend;
 
 /// Configuration of [`RmsNorm`].
 #[derive(Config, Debug)]
@@ -38,8 +38,8 @@ pub struct RmsNorm<B: Backend> {
     pub eps: f64,
 }
 
-impl<B: FlashAttentionBackend> RmsNorm<B> {
-    /// Normalises `x` `[batch, seq, d_model]` ([`FlashAttentionBackend::rms_norm`]: one pass on
+impl<B: LayerOpsBackend> RmsNorm<B> {
+    /// Normalises `x` `[batch, seq, d_model]` ([`LayerOpsBackend::rms_norm`]: one pass on
     /// `CubeBackend`).
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let (x, weight) = (

@@ -8,7 +8,7 @@ use burn::config::Config;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 
-use crate::extension::FlashAttentionBackend;
+use crate::extension::LayerOpsBackend;
 
 /// Llama-3's rescaling of the rotary frequencies for long contexts (`rope_scaling` of type
 /// `llama3` in a Hugging Face config).
@@ -124,9 +124,9 @@ impl<B: Backend> RotaryTables<B> {
     }
 }
 
-impl<B: FlashAttentionBackend> RotaryTables<B> {
+impl<B: LayerOpsBackend> RotaryTables<B> {
     /// Rotates `x` `[batch, heads, len, head_dim]`: `x * cos + rotate_half(x) * sin`
-    /// ([`FlashAttentionBackend::rotary`]: one pass on `CubeBackend`, any strides of `x`).
+    /// ([`LayerOpsBackend::rotary`]: one pass on `CubeBackend`, any strides of `x`).
     pub fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         self.rotate(x, false)
     }

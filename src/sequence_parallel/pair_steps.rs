@@ -85,8 +85,9 @@ fn block_step(block: &Block, options: &SequenceParallelOptions) -> StepMask {
 
 /// `state` (of the query shard's rows) with every block of a pair folded in. `None` is the
 /// empty state: a first block over all the rows then writes a new state in one step
-/// ([`FlashAttentionBackend::attention_forward_first_step`], no fill, no state read), and a
-/// first block over some of them starts from an empty state of the whole shard.
+/// ([`attention_forward_first_step`](crate::AttentionBackend::attention_forward_first_step), no
+/// fill, no state read), and a first block over some of them starts from an empty state of the
+/// whole shard.
 pub(crate) fn forward_pair<B: FlashAttentionBackend>(
     [q, k, v]: [&FloatTensor<B>; 3],
     mut state: Option<AttentionState<B>>,

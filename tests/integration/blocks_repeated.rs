@@ -63,8 +63,7 @@ fn infer<B: FlashAttentionBackend>(
 fn check<B>(world: usize, device: B::Device, tolerance: f64)
 where
     B: AutodiffBackend + FlashAttentionBackend,
-    B::InnerBackend:
-        FlashAttentionBackend<Inner = <B as burn_distflash::FlashAttentionBackend>::Inner>,
+    B::InnerBackend: FlashAttentionBackend<Inner = B::Inner>,
     TransformerBlock<B>: AutodiffModule<B, InnerModule = TransformerBlock<B::InnerBackend>>,
 {
     let (batch, seq, width) = (2, 8 * world, 64);
@@ -104,9 +103,8 @@ where
             (rows(&x), rows(&r), per_rank.remove(0))
         })
         .collect();
-    let groups = DeviceGroup::<<B as burn_distflash::FlashAttentionBackend>::Inner>::in_process(
-        devices.iter().map(|d| B::inner_device(d)).collect(),
-    );
+    let groups =
+        DeviceGroup::<B::Inner>::in_process(devices.iter().map(|d| B::inner_device(d)).collect());
     let results = on_each_rank(inputs.into_iter().zip(groups).collect(), |_, item| {
         let ((x, r, calls), group) = item;
         let context = AttentionContext::sharded(group);

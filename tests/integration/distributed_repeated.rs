@@ -51,7 +51,7 @@ fn cases(head_dim: usize, shard: usize) -> Vec<Case> {
 fn run_all<B>(device: B::Device, cases: Vec<Case>)
 where
     B: AutodiffBackend + FlashAttentionBackend,
-    B::InnerBackend: FlashAttentionBackend<Inner = <B as FlashAttentionBackend>::Inner>,
+    B::InnerBackend: FlashAttentionBackend<Inner = B::Inner>,
 {
     for case in cases {
         let devices = vec![device.clone(); case.world];

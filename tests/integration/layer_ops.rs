@@ -11,7 +11,7 @@ use crate::common::host_values::{host, upload};
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorPrimitive};
-use burn_distflash::FlashAttentionBackend;
+use burn_distflash::{FlashAttentionBackend, LayerOpsBackend};
 use burn_fusion::Fusion;
 
 type WgpuF32 = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>;
@@ -266,7 +266,7 @@ fn linear_cases(which: LinearCases) -> Vec<(usize, usize, usize)> {
     cases
 }
 
-/// `y = x W` through [`FlashAttentionBackend::linear_product`] on `Autodiff<B>` and its
+/// `y = x W` through [`LayerOpsBackend::linear_product`] on `Autodiff<B>` and its
 /// gradients for the output gradient `g`, against f64 products of the values the tensors hold.
 fn check_linear<B: FlashAttentionBackend>(
     device: &B::Device,
@@ -293,7 +293,7 @@ fn check_linear<B: FlashAttentionBackend>(
         );
         let (x_t, w_t) = (x_t.require_grad(), w_t.require_grad());
         let y = Tensor::<Ad<B>, 2>::from_primitive(TensorPrimitive::Float(
-            <Ad<B> as FlashAttentionBackend>::linear_product(prim(x_t.clone()), prim(w_t.clone())),
+            <Ad<B> as LayerOpsBackend>::linear_product(prim(x_t.clone()), prim(w_t.clone())),
         ));
         let grads = (y.clone() * g_t).sum().backward();
         let product =

@@ -322,7 +322,7 @@ impl Case {
 /// output, the gradients and the messages sent.
 pub fn train_on_rank<B>(
     inputs: &RankInputs,
-    group: &DeviceGroup<<B as FlashAttentionBackend>::Inner>,
+    group: &DeviceGroup<B::Inner>,
     device: &B::Device,
     options: &SequenceParallelOptions,
 ) -> RankResult
@@ -394,7 +394,7 @@ pub fn in_process_groups<B: FlashAttentionBackend>(
 /// and checks it: output, gradients, messages per exchange.
 pub fn check_groups<B>(
     devices: Vec<B::Device>,
-    groups: Vec<DeviceGroup<<B as FlashAttentionBackend>::Inner>>,
+    groups: Vec<DeviceGroup<B::Inner>>,
     case: Case,
     elem: ElemType,
 ) where

@@ -43,13 +43,13 @@ enum Outcome {
 /// rank, fresh input tensors every call) and checks every call's output, gradients and messages.
 pub fn check_repeated<B>(
     devices: Vec<B::Device>,
-    groups: Vec<DeviceGroup<<B as FlashAttentionBackend>::Inner>>,
+    groups: Vec<DeviceGroup<B::Inner>>,
     case: Case,
     elem: ElemType,
     calls: &[Call],
 ) where
     B: AutodiffBackend + FlashAttentionBackend,
-    B::InnerBackend: FlashAttentionBackend<Inner = <B as FlashAttentionBackend>::Inner>,
+    B::InnerBackend: FlashAttentionBackend<Inner = B::Inner>,
 {
     let data = CaseData::new(case, elem);
     let options = case.options();

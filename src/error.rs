@@ -5,9 +5,7 @@ use core::fmt;
 use std::time::Duration;
 
 use distflash_kernels::KernelError;
-
-use crate::message_kind::MessageKind;
-use crate::shard_layout::Layout;
+use distflash_schedule::{Layout, MessageKind, ScheduleError};
 
 /// Everything the plugin can refuse or fail at: bad input to the op, the module or the
 /// sequence-parallel pass, a configuration that cannot be built, and the collective layer's
@@ -243,5 +241,24 @@ impl std::error::Error for Error {
 impl From<KernelError> for Error {
     fn from(e: KernelError) -> Self {
         Error::Kernel(e)
+    }
+}
+
+/// A mask's refusal as the kernels' ([`Error::Kernel`] with
+/// [`KernelError::BadMask`]), a layout's as [`Error::Layout`]: the same words either way.
+impl From<ScheduleError> for Error {
+    fn from(e: ScheduleError) -> Self {
+        match e {
+            ScheduleError::BadMask { what } => Error::Kernel(KernelError::BadMask { what }),
+            ScheduleError::Layout {
+                layout,
+                world,
+                what,
+            } => Error::Layout {
+                layout,
+                world,
+                what,
+            },
+        }
     }
 }

@@ -41,16 +41,14 @@ mod inputs;
 mod layer_ops;
 pub mod layers;
 mod matmul;
-mod message_kind;
 mod options;
-pub mod schedule;
 pub mod sequence_parallel;
-mod shard_layout;
 pub mod step;
 
 pub use api::{flash_attention, flash_attention_with_lse};
 pub use collective::DeviceGroup;
 pub use distflash_kernels as kernels;
+pub use distflash_schedule as schedule;
 pub use error::Error;
 pub use extension::{
     AttentionBackend, AttentionContext, CheckpointBackend, FlashAttentionBackend, LayerOpsBackend,

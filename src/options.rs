@@ -5,7 +5,7 @@ use crate::schedule::{Layout, Schedule, ScheduleKind};
 use crate::Error;
 
 use distflash_kernels::{AttentionDims, KernelError};
-pub use distflash_kernels::{Documents, Mask, SlidingWindow};
+pub use distflash_schedule::{Documents, Mask, SlidingWindow};
 use serde::{Deserialize, Serialize};
 
 /// Options of [`crate::flash_attention`], like Burn's `AttentionModuleOptions`.
@@ -104,7 +104,9 @@ impl FlashAttentionOptions {
     ///
     /// [`Error::Kernel`] with [`KernelError::BadMask`] naming what was wrong.
     pub(crate) fn check_mask(&self, dims: &AttentionDims) -> Result<(), Error> {
-        Ok(self.mask().check(dims)?)
+        Ok(self
+            .mask()
+            .check_call(dims.batch, dims.q_len, dims.kv_len)?)
     }
 
     /// Errors unless the mask applies to a one-shot call of `dims`, whose query and key rows are
@@ -188,7 +190,12 @@ impl SequenceParallelOptions {
     /// As [`Schedule::for_mask`]: a zero `world` or `shard_len`, an odd `shard_len` under
     /// zigzag, or documents that do not cover exactly the `world * shard_len` positions.
     pub fn schedule_for(&self, world: usize, shard_len: usize) -> Result<Schedule, Error> {
-        Schedule::for_mask(self.schedule, world, shard_len, &self.attention.mask())
+        Ok(Schedule::for_mask(
+            self.schedule,
+            world,
+            shard_len,
+            &self.attention.mask(),
+        )?)
     }
 
     /// Where each rank's shard must come from on `world` ranks: shard the sequence with

@@ -4,6 +4,7 @@
 use core::fmt;
 
 use cubecl::prelude::*;
+use distflash_schedule::ScheduleError;
 
 /// Why a kernel call was refused, or failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -111,6 +112,20 @@ impl fmt::Display for KernelError {
 }
 
 impl std::error::Error for KernelError {}
+
+/// A mask type's refusal ([`ScheduleError::BadMask`]: bad document boundaries or window, a mask
+/// that does not fit the call) as [`KernelError::BadMask`], the same words; a layout's, which no
+/// kernel call raises, as [`KernelError::BadOption`].
+impl From<ScheduleError> for KernelError {
+    fn from(e: ScheduleError) -> Self {
+        match e {
+            ScheduleError::BadMask { what } => KernelError::BadMask { what },
+            layout @ ScheduleError::Layout { .. } => KernelError::BadOption {
+                what: layout.to_string(),
+            },
+        }
+    }
+}
 
 /// Flushes the calling thread's stream of `client` and turns a launch failure the runtime
 /// recorded there (compilation, resources, driver) into [`KernelError::Launch`]. CubeCL does not

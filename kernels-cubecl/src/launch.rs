@@ -11,7 +11,7 @@ use crate::dims::AttentionDims;
 use crate::grid;
 use crate::kernel_error::{launch_result, KernelError};
 use crate::limits::DeviceLimits;
-use crate::mask::DocumentTable;
+use crate::mask::{DocumentTable, KernelMask};
 use crate::plan::LaunchPlan;
 use crate::portable::{self, ROWS_PER_CUBE};
 use crate::state_kernels::{self, ELEMENT_UNITS, ROW_LANES, ROW_UNITS};

@@ -47,7 +47,9 @@ pub use launch::{
 #[doc(hidden)]
 pub use limits::scalar_fragment_stores;
 pub use limits::DeviceLimits;
-pub use mask::{Documents, Mask, SlidingWindow};
+// The mask types are the schedule crate's (their host-side logic lives there); the kernels
+// take them to the device (`mask`).
+pub use distflash_schedule::{Documents, Mask, ScheduleError, SlidingWindow};
 // The kernels' compile-time mask shape: public for the `dump_cuda` example, like `tensor_core`.
 #[doc(hidden)]
 pub use mask::MaskKind;

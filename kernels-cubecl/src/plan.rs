@@ -8,6 +8,7 @@ use crate::dims::AttentionDims;
 use crate::grid::{self, Rows};
 use crate::kernel_error::KernelError;
 use crate::limits::DeviceLimits;
+use crate::mask::KernelMask;
 use crate::portable::backward::{dkdv_shared_bytes, dq_shared_bytes};
 use crate::portable::{backward_tile_rows, ROWS_PER_CUBE};
 use crate::state_kernels::{ELEMENT_UNITS, ROW_LANES, ROW_UNITS};

@@ -2,7 +2,7 @@
 //! the backward may use atomics.
 
 use crate::kernel_error::KernelError;
-use crate::mask::Mask;
+use distflash_schedule::Mask;
 
 /// Which implementation runs a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -22,8 +22,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::DType;
 
-pub use crate::message_kind::MessageKind;
 pub use collectives::COLLECTIVE_DTYPES;
+pub use distflash_schedule::MessageKind;
 pub use group::{DeviceGroup, Traffic};
 pub use ranks::on_each_rank;
 pub use reduce::BUCKET_BYTES;

@@ -102,9 +102,11 @@ impl<B: SequenceParallelBackend> AttentionContext<B> {
     ) -> Result<Vec<usize>, Error> {
         match self {
             Self::Local => Ok((0..shard_len).collect()),
-            Self::Sharded { group, .. } => {
-                (self.layout(attention)).positions(group.world_size(), group.rank(), shard_len)
-            }
+            Self::Sharded { group, .. } => Ok((self.layout(attention)).positions(
+                group.world_size(),
+                group.rank(),
+                shard_len,
+            )?),
         }
     }
 

@@ -33,7 +33,6 @@ use crate::collective::DeviceGroup;
 use crate::extension::FlashAttentionBackend;
 use crate::inputs::check_inputs;
 use crate::options::{Documents, SlidingWindow};
-use crate::schedule::visibility::check_sequence_mask;
 
 fn dtype_code(dtype: DType) -> u64 {
     match dtype {
@@ -116,7 +115,7 @@ fn local_values<B: FlashAttentionBackend>(
     let world = group.world_size();
     let schedule = (options.schedule).resolve(world, options.attention.causal);
     (schedule.layout()).check_shard_len(world, qd[2])?;
-    check_sequence_mask(&options.attention.mask(), world * qd[2])?;
+    options.attention.mask().check_sequence(world * qd[2])?;
     let schedule = schedule as u64;
     let scale = options.attention.scale.map_or(u64::MAX, f64::to_bits);
     let [before, after] = window_code(options.attention.window);

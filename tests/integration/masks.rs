@@ -27,6 +27,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 use burn_distflash::kernels::{ElemType, KernelError};
 use burn_distflash::layers::CheckpointPlacement;
+use burn_distflash::schedule::ScheduleError;
 use burn_distflash::step::StepMask;
 use burn_distflash::{
     flash_attention, flash_attention_with_lse, AttentionContext, DistFlashAttention,
@@ -693,7 +694,7 @@ fn attention_config_window_defaults_to_none() {
 fn a_causal_window_of_zero_keys_is_an_error() {
     let error = SlidingWindow::causal(0).expect_err("a window of 0 keys must be refused");
     assert!(
-        matches!(error, KernelError::BadMask { ref what } if what.contains("0 keys")),
+        matches!(error, ScheduleError::BadMask { ref what } if what.contains("0 keys")),
         "{error}"
     );
     assert_eq!(

@@ -6,9 +6,8 @@
 use std::collections::BTreeMap;
 
 use crate::common::distributed_case::documents_of;
-use burn_distflash::kernels::KernelError;
-use burn_distflash::schedule::{Layout, Schedule, ScheduleKind};
-use burn_distflash::{Documents, Error, Mask, SlidingWindow};
+use burn_distflash::schedule::{Layout, Schedule, ScheduleError, ScheduleKind};
+use burn_distflash::{Documents, Mask, SlidingWindow};
 
 /// Tokens per shard: chunks of 3 under zigzag (odd, so a halved chunk would show).
 const SHARD: usize = 6;
@@ -271,8 +270,8 @@ fn auto_keeps_the_layout_of_the_world_size_and_causality() {
 
 #[test]
 fn masks_that_do_not_fit_the_sequence_are_refused_with_what_is_allowed() {
-    let bad_mask = |result: Result<Schedule, Error>| match result {
-        Err(Error::Kernel(KernelError::BadMask { what })) => what,
+    let bad_mask = |result: Result<Schedule, ScheduleError>| match result {
+        Err(ScheduleError::BadMask { what }) => what,
         other => panic!("expected a mask error, got {other:?}"),
     };
     // Documents of a shard, or of a longer sequence, instead of the whole sequence's.
@@ -295,7 +294,7 @@ fn masks_that_do_not_fit_the_sequence_are_refused_with_what_is_allowed() {
     let window = Mask::causal().with_window(SlidingWindow::causal(2).unwrap());
     for (world, shard) in [(0, SHARD), (4, 0)] {
         let e = Schedule::for_mask(ScheduleKind::Ring, world, shard, &window).unwrap_err();
-        assert!(matches!(e, Error::Layout { .. }), "{e}");
+        assert!(matches!(e, ScheduleError::Layout { .. }), "{e}");
     }
     let e = Schedule::for_mask(ScheduleKind::Zigzag, 4, 7, &window).unwrap_err();
     assert!(e.to_string().contains("multiple of 2"), "{e}");

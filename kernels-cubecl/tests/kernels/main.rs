@@ -12,7 +12,7 @@ mod hopper_gemm;
 use cubecl::prelude::*;
 use distflash_kernels::{
     AttentionDims, DeviceTensor, Documents, ElemType, GradAccumulators, KernelError, Mask,
-    SlidingWindow, SoftmaxState, StepOptions, Variant,
+    ScheduleError, SlidingWindow, SoftmaxState, StepOptions, Variant,
 };
 use distflash_oracle::{self as oracle, assert_close, exact, naive_rounding, to_f32, to_f64, Rng};
 
@@ -903,7 +903,7 @@ pub fn bad_input_is_refused<R: Runtime>(client: &ComputeClient<R>) {
     assert!(msg.contains("scale must be finite"), "{msg}");
 
     // Document boundaries: refused at construction, or when they do not fit the call.
-    let bad = |r: Result<Documents, KernelError>| r.unwrap_err().to_string();
+    let bad = |r: Result<Documents, ScheduleError>| r.unwrap_err().to_string();
     let msg = bad(Documents::from_cu_seqlens(&[0, 5, 5, 8]));
     assert!(msg.contains("strictly increase"), "{msg}");
     let msg = bad(Documents::from_cu_seqlens(&[1, 8]));

@@ -1,4 +1,9 @@
-//! Schedules of sequence-parallel attention: pure logic, apart from execution.
+//! The host-side logic of sequence-parallel attention, pure data and arithmetic (no GPU, no
+//! Burn): which keys a query sees ([`Mask`], [`SlidingWindow`], [`Documents`]), which positions
+//! each rank holds ([`Layout`]), and which rank computes which part of attention at which step
+//! ([`Schedule`]), with the messages that follow ([`RankStep`], [`MessageKind`]). The CubeCL
+//! kernels (`distflash-kernels`) take the mask to the device; the Burn plugin (`burn-distflash`)
+//! runs the schedules and re-exports this crate as its `schedule` module.
 //!
 //! `P` ranks each own one shard of the sequence (its query, key and value rows); the
 //! [`Layout`] says which positions a shard holds (one contiguous chunk, or two zigzag chunks).
@@ -15,25 +20,73 @@
 //! dropped, and so are steps left with no pair: no step call, no key/value chunk sent, no
 //! partial or gradient returned. A causal window shorter than a shard, for instance, leaves
 //! each rank its own shard and its predecessor's (two steps of the ring instead of `P`).
+//!
+//! Every refusal is a [`ScheduleError`] naming what was wrong and what is allowed. The crate root
+//! holds it and the schedule itself ([`Schedule`], [`Pair`], [`ScheduleRule`], [`ScheduleKind`]),
+//! which every module builds on; each module is one part (a mask's piece, the layout, a rule,
+//! the blocks, the counts, the messages).
+
+#![warn(missing_docs)]
 
 pub mod balanced;
 pub mod blocks;
+mod documents;
 pub mod layout;
+mod mask;
 pub mod ring;
 mod transfers;
 pub mod visibility;
+mod window;
 pub mod zigzag;
 
+pub use blocks::Block;
+pub use documents::Documents;
+pub use layout::Layout;
+pub use mask::Mask;
+pub use transfers::{MessageKind, RankStep};
+pub use window::SlidingWindow;
+
+use core::fmt;
 use std::collections::BTreeMap;
 
-use serde::{Deserialize, Serialize};
-
-use crate::Error;
-pub use blocks::Block;
 use blocks::Visibility;
-use distflash_kernels::Mask;
-pub use layout::Layout;
-pub use transfers::RankStep;
+
+/// What the mask types, layouts and schedules refuse. Exhaustive: the crates above map each
+/// variant onto their own error (`KernelError::BadMask`, `burn_distflash::Error::Layout`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ScheduleError {
+    /// A mask that cannot be built or does not fit where it is used: document boundaries that
+    /// do not start at 0 or do not increase, a window of no key, documents that do not cover a
+    /// call's positions or the whole sequence, offsets where the sequence's mask needs none.
+    BadMask {
+        /// What is wrong and what is allowed.
+        what: String,
+    },
+    /// A shard length, sequence length or rank does not fit a [`Layout`].
+    Layout {
+        /// The layout asked for.
+        layout: Layout,
+        /// Number of ranks.
+        world: usize,
+        /// What is wrong and what is allowed.
+        what: String,
+    },
+}
+
+impl fmt::Display for ScheduleError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ScheduleError::BadMask { what } => write!(f, "bad mask: {what}"),
+            ScheduleError::Layout {
+                layout,
+                world,
+                what,
+            } => write!(f, "{layout:?} layout over {world} ranks: {what}"),
+        }
+    }
+}
+
+impl std::error::Error for ScheduleError {}
 
 /// One unit of attention work: the query shard of rank `query` against the key/value shard of
 /// rank `kv` (under the contiguous layout, chunk `query` against chunk `kv`).
@@ -65,7 +118,8 @@ type PairFn = fn(usize, bool, usize, usize) -> Option<Pair>;
 
 /// Which schedule to run (each implies the [`Layout`] of the shards: see
 /// [`ScheduleKind::layout`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum ScheduleKind {
     /// The fastest schedule by [`Schedule::time`] for the world size and mask (see
     /// [`ScheduleKind::resolve`]): zigzag for causal attention at even `P > 1`, balanced for
@@ -150,33 +204,32 @@ impl Schedule {
     }
 
     /// The schedule `kind` for `world` ranks holding shards of `shard_len` tokens, under
-    /// `mask`: the whole sequence's mask, at offsets 0 (as
-    /// [`FlashAttentionOptions::mask`](crate::FlashAttentionOptions::mask) gives it). Pairs
+    /// `mask`: the whole sequence's mask, at offsets 0 (as the Burn plugin's
+    /// `FlashAttentionOptions::mask` gives it). Pairs
     /// of shards with no visible score are not scheduled, and steps left empty are dropped.
     /// Every rank derives the same schedule from the same mask, so each must hold the
     /// documents of the whole sequence, not of its shard. Without a window or documents this
     /// is [`Schedule::new`] (causal order is decided per chunk).
     ///
     /// Work under a window or documents is the exact count of visible scores (see
-    /// [`visibility`]), in units of one full pair of shards, averaged over the documents'
-    /// batch rows; a pair is visible when any batch row sees a score of it.
+    /// [`visibility`](crate::visibility)), in units of one full pair of shards, averaged over the
+    /// documents' batch rows; a pair is visible when any batch row sees a score of it.
     ///
     /// # Errors
     ///
-    /// - [`Error::Layout`] when `world` or `shard_len` is zero, or `shard_len` is odd under
-    ///   the zigzag layout.
-    /// - [`Error::Kernel`] with [`KernelError::BadMask`](crate::kernels::KernelError::BadMask)
-    ///   when the mask's offsets are not 0, or its documents do not cover exactly the
-    ///   `world * shard_len` positions of the sequence.
+    /// - [`ScheduleError::Layout`] when `world` or `shard_len` is zero, or `shard_len` is odd
+    ///   under the zigzag layout.
+    /// - [`ScheduleError::BadMask`] when the mask's offsets are not 0, or its documents do not
+    ///   cover exactly the `world * shard_len` positions of the sequence.
     pub fn for_mask(
         kind: ScheduleKind,
         world: usize,
         shard_len: usize,
         mask: &Mask,
-    ) -> Result<Self, Error> {
+    ) -> Result<Self, ScheduleError> {
         let layout = kind.resolve(world, mask.causal).layout();
         layout.check_shard_len(world, shard_len)?;
-        visibility::check_sequence_mask(mask, world * shard_len)?;
+        mask.check_sequence(world * shard_len)?;
         let visibility = if mask.window.is_none() && mask.documents.is_none() {
             Visibility::Chunks {
                 causal: mask.causal,
@@ -240,7 +293,8 @@ impl Schedule {
         self.layout
     }
 
-    /// The step calls computing `pair` (see [`blocks`]); none when no score of it is visible.
+    /// The step calls computing `pair` (see [`blocks`](crate::blocks)); none when no score of it
+    /// is visible.
     pub fn blocks(&self, pair: Pair) -> Vec<Block> {
         match self.blocks.get(&pair) {
             Some(calls) => calls.clone(),

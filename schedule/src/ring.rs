@@ -12,7 +12,7 @@
 //!   rank 3          (3,3)    (3,2)    (3,1)    (3,0)
 //! ```
 
-use super::{Pair, ScheduleRule};
+use crate::{Pair, ScheduleRule};
 
 /// Paper Algorithm 1.
 pub struct Ring;

@@ -6,7 +6,8 @@
 //! rectangular [`Block`]s as the grid allows, each one step call. How a chunk pair is seen
 //! depends on the mask: causal order alone is decided per chunk (a chunk against itself
 //! partly, earlier chunks whole, later ones hidden), a window or documents from the positions
-//! (an exact count of visible scores, see [`super::visibility`]). Zigzag, `P = 4`, rank 2 (chunks 2, 5), causal:
+//! (an exact count of visible scores, see [`crate::visibility`]). Zigzag, `P = 4`, rank 2
+//! (chunks 2, 5), causal:
 //!
 //! ```text
 //! against itself       against rank 0 (0, 7)   against rank 3 (3, 4)
@@ -26,10 +27,10 @@
 
 use core::ops::Range;
 
-use super::layout::Layout;
-use super::visibility::visible_scores;
-use super::Pair;
-use distflash_kernels::Mask;
+use crate::layout::Layout;
+use crate::mask::Mask;
+use crate::visibility::visible_scores;
+use crate::Pair;
 
 /// One step call: local query chunks `query` against local key/value chunks `kv` of a pair's
 /// shards.

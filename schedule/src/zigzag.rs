@@ -1,4 +1,4 @@
-//! The zigzag ring: the plain ring over the [`Layout::Zigzag`](super::Layout::Zigzag) layout.
+//! The zigzag ring: the plain ring over the [`Layout::Zigzag`](crate::Layout::Zigzag) layout.
 //!
 //! At step `t` rank `p` computes its own queries against the key/value shard of rank
 //! `p - t (mod P)`, causal or not: `P` steps and no idle slot. Rank `p` holds chunks `p` and
@@ -15,7 +15,7 @@
 //!   rank 3          (3,3)    (3,2)    (3,1)    (3,0)
 //! ```
 
-use super::{Pair, ScheduleRule};
+use crate::{Pair, ScheduleRule};
 
 /// The ring over the zigzag layout.
 pub struct Zigzag;

@@ -1,6 +1,7 @@
-//! What one rank sends and receives at one step, derived from the step's pairs.
+//! The messages between the ranks: what one rank sends and receives at one step, derived from
+//! the step's pairs ([`RankStep`]), and what a message carries ([`MessageKind`]).
 
-use super::Pair;
+use crate::Pair;
 
 /// One rank's part of one step. Chunk `c` is owned by rank `c`.
 ///
@@ -57,4 +58,30 @@ impl RankStep {
     pub fn kv_result_to(&self) -> Option<usize> {
         self.kv_from
     }
+}
+
+/// What a message between the ranks carries; a receiver checks that it gets the kind it expects.
+/// The first six are a step's messages ([`RankStep`]), the last three the collectives' (the Burn
+/// plugin's `collective::Transport`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum MessageKind {
+    /// A key/value chunk: `[k, v]`.
+    KeyValue,
+    /// A query chunk for a helper's forward: `[q]`.
+    Query,
+    /// A helper's partial forward result, f32: `[o, m, l]`.
+    PartialState,
+    /// A query chunk for a backward step: `[q, dO, lse, delta]`.
+    QueryBundle,
+    /// Query gradient computed elsewhere, f32: `[dq]`.
+    QueryGrad,
+    /// Key/value gradients computed elsewhere, f32: `[dk, dv]`.
+    KeyValueGrad,
+    /// Small host values every rank gathers (the ranks' agreement on a call).
+    Values,
+    /// A chunk of a tensor summed over the group (an all-reduce or a reduce-scatter).
+    Reduction,
+    /// A rank's share of a tensor gathered by every rank (an all-gather, and the second half of
+    /// an all-reduce).
+    Gathered,
 }

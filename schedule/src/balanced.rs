@@ -19,8 +19,8 @@
 //!
 //! Non-causal attention has nothing to balance: it runs the ring.
 
-use super::ring::Ring;
-use super::{Pair, ScheduleRule};
+use crate::ring::Ring;
+use crate::{Pair, ScheduleRule};
 
 /// Paper Algorithm 2.
 pub struct Balanced;

@@ -8,7 +8,7 @@
 //!   work, so a plain ring leaves the early ranks idle (the balanced schedule moves work instead).
 //! - [`Layout::Zigzag`]: `2P` chunks of `S/2` tokens, rank `r` holds chunks `r` and `2P-1-r`, in
 //!   that order. Every rank then holds one early and one late chunk and the same share of the
-//!   causal triangle at every step of a plain ring (see [`super::zigzag`]).
+//!   causal triangle at every step of a plain ring (see [`crate::zigzag`]).
 //!
 //! ```text
 //! P = 4, sequence of 8 chunks   0   1   2   3   4   5   6   7
@@ -19,12 +19,21 @@
 //!                        rank 3 = [c3 | c4]
 //! ```
 
-use crate::Error;
 use core::ops::Range;
 
-pub use crate::shard_layout::Layout;
+use crate::ScheduleError;
 
-// The type is defined in a leaf module (so that `Error` can carry it); its methods are here.
+/// Which positions of the sequence each rank holds (see the [module](self) for pictures).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub enum Layout {
+    /// Rank `r` of `P` holds positions `r*S .. (r+1)*S`.
+    #[default]
+    Contiguous,
+    /// The sequence cut into `2P` chunks; rank `r` holds chunks `r` and `2P-1-r`, in that order.
+    Zigzag,
+}
+
 impl Layout {
     /// Chunks each rank holds: 1 (contiguous) or 2 (zigzag).
     pub fn chunks_per_rank(self) -> usize {
@@ -61,10 +70,10 @@ impl Layout {
     ///
     /// # Errors
     ///
-    /// [`Error`] when `world` is zero, when `shard_len` is zero, or when it is odd under
-    /// [`Layout::Zigzag`].
-    pub fn check_shard_len(self, world: usize, shard_len: usize) -> Result<(), Error> {
-        let error = |what: String| Error::Layout {
+    /// [`ScheduleError::Layout`] when `world` is zero, when `shard_len` is zero, or when it is
+    /// odd under [`Layout::Zigzag`].
+    pub fn check_shard_len(self, world: usize, shard_len: usize) -> Result<(), ScheduleError> {
+        let error = |what: String| ScheduleError::Layout {
             layout: self,
             world,
             what,
@@ -91,12 +100,13 @@ impl Layout {
     ///
     /// # Errors
     ///
-    /// [`Error`] when `world` is zero, or when `seq_len` is zero or not a multiple of
-    /// [`num_chunks`](Self::num_chunks)`(world)` (`world`, or `2 * world` for zigzag).
-    pub fn shard_len(self, world: usize, seq_len: usize) -> Result<usize, Error> {
+    /// [`ScheduleError::Layout`] when `world` is zero, or when `seq_len` is zero or not a
+    /// multiple of [`num_chunks`](Self::num_chunks)`(world)` (`world`, or `2 * world` for
+    /// zigzag).
+    pub fn shard_len(self, world: usize, seq_len: usize) -> Result<usize, ScheduleError> {
         let chunks = self.num_chunks(world.max(1));
         if world == 0 || seq_len == 0 || !seq_len.is_multiple_of(chunks) {
-            return Err(Error::Layout {
+            return Err(ScheduleError::Layout {
                 layout: self,
                 world,
                 what: format!(
@@ -112,17 +122,17 @@ impl Layout {
     ///
     /// # Errors
     ///
-    /// As [`check_shard_len`](Self::check_shard_len), and [`Error`] when `rank` is not
-    /// below `world`.
+    /// As [`check_shard_len`](Self::check_shard_len), and [`ScheduleError::Layout`] when `rank`
+    /// is not below `world`.
     pub fn ranges(
         self,
         world: usize,
         rank: usize,
         shard_len: usize,
-    ) -> Result<Vec<Range<usize>>, Error> {
+    ) -> Result<Vec<Range<usize>>, ScheduleError> {
         self.check_shard_len(world, shard_len)?;
         if rank >= world {
-            return Err(Error::Layout {
+            return Err(ScheduleError::Layout {
                 layout: self,
                 world,
                 what: format!("rank {rank} is not in the group (ranks are 0..{world})"),
@@ -144,7 +154,7 @@ impl Layout {
         world: usize,
         rank: usize,
         shard_len: usize,
-    ) -> Result<Vec<usize>, Error> {
+    ) -> Result<Vec<usize>, ScheduleError> {
         Ok(self
             .ranges(world, rank, shard_len)?
             .into_iter()

@@ -18,9 +18,7 @@
 
 use core::ops::Range;
 
-use crate::Error;
-use distflash_kernels::KernelError;
-use distflash_kernels::Mask;
+use crate::mask::Mask;
 
 /// A distance beyond any two positions' (positions fit 64 bits): the reach of a mask without a
 /// window.
@@ -104,37 +102,10 @@ fn band_scores(queries: Range<usize>, keys: Range<usize>, before: i128, after: i
         .sum()
 }
 
-/// Errors unless `mask` can be a whole sequence's mask for a schedule over `seq_len`
-/// positions: offsets 0 (the sequence starts at position 0), and documents, when given,
-/// covering exactly the sequence (every rank holds the documents of the whole sequence, not
-/// its shard's).
-///
-/// # Errors
-///
-/// [`Error::Kernel`] with [`KernelError::BadMask`] naming what was wrong.
-pub(crate) fn check_sequence_mask(mask: &Mask, seq_len: usize) -> Result<(), Error> {
-    let bad = |what: String| Err(Error::Kernel(KernelError::BadMask { what }));
-    if mask.q_offset != 0 || mask.kv_offset != 0 {
-        return bad(format!(
-            "a sequence-parallel mask is the whole sequence's, at offsets 0 (the schedule gives \
-             each step its offsets); got q_offset {} and kv_offset {}",
-            mask.q_offset, mask.kv_offset
-        ));
-    }
-    match &mask.documents {
-        Some(documents) if documents.len() != seq_len => bad(format!(
-            "the documents cover positions 0..{}, the sequence split over the ranks is 0..{seq_len} \
-             (ranks x shard length): give every rank the documents of the whole sequence",
-            documents.len()
-        )),
-        _ => Ok(()),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use distflash_kernels::{Documents, SlidingWindow};
+    use crate::{Documents, SlidingWindow};
 
     /// A small deterministic generator (SplitMix64).
     struct Rng(u64);
@@ -230,19 +201,5 @@ mod tests {
         let mask = Mask::none().with_documents(documents);
         assert_eq!(visible_scores(&mask, 10..20, 0..20), 0);
         assert_eq!(visible_scores(&mask, 8..20, 0..20), 2 * 6);
-    }
-
-    #[test]
-    fn sequence_masks_must_start_at_zero_and_cover_the_sequence() {
-        let documents = Documents::from_cu_seqlens(&[0, 3, 12]).unwrap();
-        let mask = Mask::causal().with_documents(documents);
-        assert_eq!(check_sequence_mask(&mask, 12), Ok(()));
-        let short = check_sequence_mask(&mask, 16).unwrap_err().to_string();
-        assert!(
-            short.contains("0..12") && short.contains("0..16"),
-            "{short}"
-        );
-        let moved = check_sequence_mask(&Mask::causal().at(4, 4), 16).unwrap_err();
-        assert!(moved.to_string().contains("offsets 0"), "{moved}");
     }
 }

@@ -17,7 +17,7 @@ import re
 import sys
 from collections import defaultdict
 
-DEFAULT_SRCS = ["src", "schedule/src", "kernels-cubecl/src", "kernels-cubecl/oracle/src", "examples/llama/src"]
+DEFAULT_SRCS = ["src", "schedule/src", "kernels-cubecl/src", "test-support/src", "examples/llama/src"]
 
 MOD_DECL = re.compile(r"^\s*(?:#\[path\s*=\s*\"([^\"]+)\"\]\s*)?(?:pub(?:\([^)]*\))?\s+)?mod\s+(\w+)\s*;", re.M)
 PATH_ATTR = re.compile(r"#\[path\s*=\s*\"([^\"]+)\"\]\s*(?:#\[[^\]]*\]\s*)*(?:pub(?:\([^)]*\))?\s+)?mod\s+(\w+)\s*;")

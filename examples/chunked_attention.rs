@@ -3,7 +3,7 @@
 //! stat-carrying forward kernel over the key/value shards it may see (ring order: its own shard
 //! first, then earlier ones), the last shard also builds its state as two merged partials (what
 //! the load-balanced schedule does), and the result is compared with the f64 reference of the
-//! test-only `distflash-oracle` crate. The backward of every (query shard, key shard) pair is
+//! test-only `distflash-test-support` crate. The backward of every (query shard, key shard) pair is
 //! accumulated the same way and checked too.
 //!
 //! `cargo run --release --example chunked_attention -- [--seq 512] [--chunks 4] [--heads 4]
@@ -15,7 +15,7 @@ use cubecl::Runtime;
 use distflash_kernels::{
     AttentionDims, DeviceTensor, ElemType, GradAccumulators, Mask, SoftmaxState, StepOptions,
 };
-use distflash_oracle::{self as oracle, exact};
+use distflash_test_support::{self as oracle, exact};
 
 fn arg(args: &[String], name: &str, default: usize) -> usize {
     args.iter()

@@ -2,19 +2,16 @@
 //! type per device and process, and every other wgpu test runs in f32 on the same device, so
 //! these run in their own test binary.
 
-#[path = "integration/common/mod.rs"]
-mod common;
-
 use std::time::Duration;
 
 use burn::backend::Autodiff;
 use burn::tensor::DType;
 use burn_distflash::DeviceGroup;
-use common::burn_case::{check_backend, check_steps};
-use common::collective_case::check_collectives;
-use common::within::within;
 use cubecl::wgpu::WgpuDevice;
 use distflash_kernels::ElemType;
+use distflash_test_support::burn_case::{check_backend, check_steps};
+use distflash_test_support::collective_case::check_collectives;
+use distflash_test_support::within;
 
 type WgpuF16 = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, half::f16, i32, u32>;
 

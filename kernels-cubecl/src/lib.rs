@@ -13,7 +13,7 @@
 //! bulk tensor copies) and launched through CubeCL's CUDA runtime; so far a bf16 matrix product.
 //!
 //! The crate's integration tests check the kernels against an f64 host reference that lives in
-//! the workspace's unpublished `distflash-oracle` crate, a dev-dependency, not shipped here.
+//! the workspace's unpublished `distflash-test-support` crate, a dev-dependency, not shipped here.
 
 #![warn(missing_docs)]
 mod buffers;

@@ -34,7 +34,7 @@ use burn_distflash::{
     DistFlashAttentionConfig, Documents, Error, FlashAttentionBackend, FlashAttentionOptions,
     SlidingWindow,
 };
-use distflash_oracle::max_abs_diff;
+use distflash_test_support::max_abs_diff;
 
 type WgpuF32 = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>;
 type CudaF32 = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;

@@ -429,7 +429,7 @@ mod tests {
     use super::*;
     use std::io;
 
-    use crate::temp_dir::TempDir;
+    use distflash_test_support::TempDir;
 
     const LLAMA_32_1B: &str = r#"{
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",

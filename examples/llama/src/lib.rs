@@ -22,8 +22,6 @@ pub mod progress;
 mod rng;
 pub mod safetensors;
 mod staged_dir;
-#[cfg(test)]
-mod temp_dir;
 pub mod tokenizer;
 pub mod train;
 mod training_kernels;

@@ -416,7 +416,7 @@ pub fn write_loss_plot_svg(curves: &[Curve<'_>], path: &Path, title: &str) -> Re
 mod tests {
     use super::*;
 
-    use crate::temp_dir::TempDir;
+    use distflash_test_support::TempDir;
 
     fn record(step: u64, loss: f64) -> StepMetrics {
         StepMetrics {

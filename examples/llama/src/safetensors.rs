@@ -351,7 +351,7 @@ pub fn write_safetensors_with_metadata(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::temp_dir::TempDir;
+    use distflash_test_support::TempDir;
     use half::bf16;
 
     fn f32_data(shape: &[usize], values: &[f32]) -> TensorData {

@@ -91,7 +91,7 @@ impl StagedDir {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::temp_dir::TempDir;
+    use distflash_test_support::TempDir;
 
     #[test]
     fn the_directory_holds_the_old_or_the_new_contents() {

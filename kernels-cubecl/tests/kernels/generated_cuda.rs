@@ -4,16 +4,13 @@
 //! of silently bringing back the denormal fix-up around every exponential. The hand-written
 //! Hopper kernels get the shared memory they ask for through their CubeCL shell.
 
-#[allow(dead_code)]
-#[path = "../../examples/dump_cuda.rs"]
-mod dump_cuda;
-
+use distflash_test_support::cuda_source;
 use half::{bf16, f16};
 
 fn check<E: cubecl::prelude::Float>(elem: &str) {
     for head_dim in distflash_kernels::tensor_core::HEAD_DIMS {
-        for (mask_name, mask) in dump_cuda::mask_kinds() {
-            for (name, source) in dump_cuda::kernels::<E>(head_dim, mask) {
+        for (mask_name, mask) in cuda_source::mask_kinds() {
+            for (name, source) in cuda_source::kernels::<E>(head_dim, mask) {
                 let at = format!("{name} ({elem}, head dim {head_dim}, mask {mask_name})");
                 assert!(
                     !source.contains("__powf("),
@@ -43,7 +40,7 @@ fn the_hopper_shell_gives_hand_written_kernels_the_shared_memory_they_ask_for() 
     // cubecl-cuda launches a hand-written kernel with the dynamic shared memory of its shell's
     // compiled form (`hopper::source_task`): at least what the source uses.
     for bytes in [4, 1000, distflash_kernels::hopper::SHARED_BYTES] {
-        let given = dump_cuda::hopper_shell_shared_bytes(bytes);
+        let given = cuda_source::hopper_shell_shared_bytes(bytes);
         assert!(
             given >= bytes && given < bytes + 64,
             "asked {bytes}, given {given}"
@@ -53,7 +50,7 @@ fn the_hopper_shell_gives_hand_written_kernels_the_shared_memory_they_ask_for() 
 
 #[test]
 fn every_hopper_source_has_no_include_and_one_entry_point() {
-    for (name, source) in dump_cuda::hopper_sources() {
+    for (name, source) in cuda_source::hopper_sources() {
         assert!(!source.contains("#include"), "{name}");
         assert_eq!(
             source.matches("extern \"C\" __global__").count(),

@@ -7,7 +7,7 @@
 use cubecl::prelude::*;
 use distflash_kernels::hopper::{self, GemmLayout};
 use distflash_kernels::{DeviceTensor, ElemType, KernelError};
-use distflash_oracle::{to_f32, Rng};
+use distflash_test_support::{to_f32, Rng};
 
 /// Largest number of multiply-adds the host spends on one case's reference: beyond it, every
 /// `stride`-th output (an odd stride, prime to the tile sizes, so every tile is visited) is checked.

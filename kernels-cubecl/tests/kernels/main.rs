@@ -1,4 +1,4 @@
-//! The CubeCL kernels against the f64 reference (`distflash-oracle`): forward, backward, masks
+//! The CubeCL kernels against the f64 reference (`distflash-test-support`): forward, backward, masks
 //! and offsets, GQA, odd lengths, every head dim, grids folded past a grid axis, fully-masked
 //! rows, chunk-by-chunk stepping and merging, and bad input.
 //!
@@ -14,7 +14,9 @@ use distflash_kernels::{
     AttentionDims, DeviceTensor, Documents, ElemType, GradAccumulators, KernelError, Mask,
     ScheduleError, SlidingWindow, SoftmaxState, StepOptions, Variant,
 };
-use distflash_oracle::{self as oracle, assert_close, exact, naive_rounding, to_f32, to_f64, Rng};
+use distflash_test_support::{
+    self as oracle, assert_close, exact, naive_rounding, to_f32, to_f64, Rng,
+};
 
 /// One attention problem with its host data.
 struct Case {

@@ -462,5 +462,4 @@ pub fn join(
 }
 
 #[cfg(test)]
-#[path = "rendezvous_tests.rs"]
 mod tests;

@@ -1,19 +1,17 @@
-//! Helpers shared by the integration tests: the Burn-level checks in the submodules, and the
-//! deterministic test data and tolerance rule of `distflash-oracle` (shared with the kernels
-//! crate's suite) under their usual names.
+//! Helpers of the integration tests: the cases only this binary runs in the submodules, and,
+//! under their usual names, what it shares with the other test binaries from
+//! `distflash-test-support` (the Burn op's and the collectives' checks, tensors to and from f64,
+//! module visitors, the wall-clock limit, the test data and the tolerance rule).
 #![allow(dead_code)]
 
 pub mod block_case;
-pub mod burn_case;
-pub mod collective_case;
 pub mod distributed_case;
-pub mod host_values;
 pub mod matrix;
-pub mod modules;
 #[cfg(feature = "nccl")]
 pub mod nccl_case;
 pub mod repeated_case;
 pub mod schedules;
-pub mod within;
 
-pub use distflash_oracle::{assert_close, naive_rounding, Rng};
+pub use distflash_test_support::{
+    assert_close, burn_case, collective_case, host_values, modules, within, Rng,
+};

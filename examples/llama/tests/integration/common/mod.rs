@@ -1,16 +1,9 @@
-//! Helpers shared by the Llama tests. The module helpers and the wall-clock limit are the
-//! plugin's own test helpers, included from its `tests/common` so both crates test with one copy;
-//! the scratch directory is the one this crate's unit tests use.
+//! Helpers shared by the Llama tests: the workspace's test support under its usual names (tensors
+//! to and from f64, module visitors, scratch directories, the wall-clock limit), and reading an
+//! input error.
 #![allow(dead_code)]
 
-#[path = "../../../../../tests/integration/common/host_values.rs"]
-pub mod host_values;
-#[path = "../../../../../tests/integration/common/modules.rs"]
-pub mod modules;
-#[path = "../../../src/temp_dir.rs"]
-pub mod temp_dir;
-#[path = "../../../../../tests/integration/common/within.rs"]
-pub mod within;
+pub use distflash_test_support::{host_values, modules, temp_dir, within};
 
 /// What was checked, what is allowed and what was given, of an input error
 /// ([`Error::Invalid`](distflash_llama::Error::Invalid)); panics on any other result.

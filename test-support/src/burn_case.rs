@@ -1,15 +1,13 @@
 //! The Burn-op checks shared by the test binaries, against the f64 reference: one-shot (forward
 //! output and the gradients of `sum(O * dO)` through `Autodiff`) and stepped (the step
 //! operations chunk by chunk).
-#![allow(dead_code)]
 
+use crate::attention as oracle;
+use crate::{assert_close, exact, naive_rounding, Rng};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Tensor, TensorData};
 use burn_distflash::{flash_attention_with_lse, FlashAttentionBackend, FlashAttentionOptions};
 use distflash_kernels::{AttentionDims, ElemType, Mask};
-use distflash_oracle::{self as oracle, exact};
-
-use super::{assert_close, naive_rounding, Rng};
 
 /// Host values as a tensor of `B`'s default float type on `device`.
 pub fn to_tensor<B: Backend>(data: &[f64], shape: [usize; 4], device: &B::Device) -> Tensor<B, 4> {
@@ -50,16 +48,24 @@ pub fn to_host<B: burn::tensor::backend::Backend, const D: usize>(t: Tensor<B, D
 
 /// One problem's dimensions and host data (q, k, v, dO), already rounded to its element type.
 pub struct HostCase {
+    /// The call's dimensions.
     pub dims: AttentionDims,
+    /// `[batch, q_heads, q_len, head_dim]`.
     pub q_shape: [usize; 4],
+    /// `[batch, kv_heads, kv_len, head_dim]`.
     pub kv_shape: [usize; 4],
+    /// Queries, row-major in `q_shape`.
     pub q: Vec<f64>,
+    /// Keys, row-major in `kv_shape`.
     pub k: Vec<f64>,
+    /// Values, row-major in `kv_shape`.
     pub v: Vec<f64>,
+    /// The output gradient, row-major in `q_shape`.
     pub dout: Vec<f64>,
 }
 
 impl HostCase {
+    /// Random data from `seed` for the given heads and lengths, rounded to `elem`.
     pub fn new(
         seed: u64,
         elem: ElemType,
@@ -92,9 +98,13 @@ impl HostCase {
 
 /// The exact reference and the naive low-precision computation, forward and backward.
 pub struct Expected {
+    /// The exact forward (f64).
     pub fwd: oracle::ReferenceForward,
+    /// The forward computed naively in the element type's precision.
     pub naive_fwd: oracle::ReferenceForward,
+    /// The exact gradients (f64).
     pub grads: oracle::ReferenceGrads,
+    /// The gradients computed naively in the element type's precision.
     pub naive_grads: oracle::ReferenceGrads,
 }
 
@@ -196,6 +206,8 @@ pub fn check_options_case<B: AutodiffBackend + FlashAttentionBackend>(
     }
 }
 
+/// [`check_case`] over the shapes every backend is checked on (GQA and MQA, causal and full,
+/// odd lengths).
 pub fn check_backend<B: AutodiffBackend + FlashAttentionBackend>(
     device: &B::Device,
     elem: ElemType,

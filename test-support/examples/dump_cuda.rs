@@ -1,0 +1,43 @@
+//! Writes the CUDA C++ that cubecl-cuda generates for each tensor-core kernel, with no GPU
+//! (`distflash_test_support::cuda_source`: exactly what cubecl-cuda hands to NVRTC at first
+//! launch, `exp2` rewritten as the launches rewrite it).
+//!
+//! `cargo run --release -p distflash-test-support --features cuda-source --example dump_cuda -- OUT_DIR [bf16|f16]`
+//! writes `OUT_DIR/{forward,attention,forward_first,forward_last,dq,dkdv,fused,fused_whole}_{mask}_d{64,128}.cu`
+//! for every mask shape (`full`, `causal`, `window`, `documents`, `window_documents`;
+//! `attention`: the whole-attention forward; `fused`: the dK/dV kernel that also adds dQ with
+//! atomics, `fused_whole` its whole-attention form), and the Hopper matrix product's variants
+//! `hopper_gemm_{bt,rm}_{bf16,f32}.cu` (B `[N, K]` or `[K, N]`; C's type), hand-written and
+//! handed to NVRTC as they are. Read them with a CUDA compiler's resource report (registers,
+//! spills) and the SASS of their loops.
+
+use std::path::PathBuf;
+
+use distflash_test_support::cuda_source::{hopper_sources, kernels, mask_kinds};
+use half::{bf16, f16};
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let out = PathBuf::from(args.next().unwrap_or_else(|| "kernels-cuda".into()));
+    let elem = args.next().unwrap_or_else(|| "bf16".into());
+    std::fs::create_dir_all(&out).expect("the output folder can be created");
+    for head_dim in distflash_kernels::tensor_core::HEAD_DIMS {
+        for (mask_name, mask) in mask_kinds() {
+            let sources = match elem.as_str() {
+                "bf16" => kernels::<bf16>(head_dim, mask),
+                "f16" => kernels::<f16>(head_dim, mask),
+                other => panic!("element type must be bf16 or f16, not {other}"),
+            };
+            for (name, source) in sources {
+                let path = out.join(format!("{name}_{mask_name}_d{head_dim}.cu"));
+                std::fs::write(&path, source).expect("the source can be written");
+                println!("{}", path.display());
+            }
+        }
+    }
+    for (name, source) in hopper_sources() {
+        let path = out.join(format!("{name}.cu"));
+        std::fs::write(&path, source).expect("the source can be written");
+        println!("{}", path.display());
+    }
+}

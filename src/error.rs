@@ -124,6 +124,14 @@ pub enum Error {
     },
     /// The NCCL library could not be loaded or an NCCL/CUDA call failed.
     Nccl(String),
+    /// Checkpoints cannot be offloaded to host memory: the host has too little available,
+    /// pinned memory could not be allocated, or a copy failed.
+    Offload {
+        /// Bytes of host memory asked for.
+        needed: u64,
+        /// What stood in the way, and what to do about it.
+        why: String,
+    },
 }
 
 impl Error {
@@ -227,6 +235,11 @@ impl fmt::Display for Error {
                  one); the failure: {cause}"
             ),
             Error::Nccl(what) => write!(f, "NCCL: {what}"),
+            Error::Offload { needed, why } => write!(
+                f,
+                "offloading checkpoints to host memory ({} asked for): {why}",
+                crate::offload::gib(*needed)
+            ),
         }
     }
 }

@@ -1,6 +1,7 @@
 //! Gradient checkpointing of [`TransformerBlock`](crate::layers::TransformerBlock)s (paper §3.3),
 //! built for Burn 0.21, which has no `checkpoint(closure)` of its own: where the checkpoints go
-//! ([`CheckpointPlacement`]); the backends run a
+//! ([`CheckpointPlacement`]) and which layers keep theirs in host memory ([`Offload`], the
+//! mechanism in `crate::offload`); the backends run a
 //! [`CheckpointSegment`](crate::layers::CheckpointSegment) through
 //! [`FlashAttentionBackend::checkpointed`](crate::FlashAttentionBackend::checkpointed), and
 //! `Autodiff`'s node lives with the other nodes in `backends/checkpoint_node.rs`.
@@ -18,6 +19,10 @@
 //! Burn's autodiff of the same block.
 
 use burn::config::Config;
+
+mod offload;
+pub use offload::Offload;
+
 /// Where a model's gradient checkpoints go.
 #[derive(Config, Debug, Copy, PartialEq, Eq)]
 pub enum CheckpointPlacement {

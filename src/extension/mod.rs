@@ -15,6 +15,7 @@ use crate::checkpoint::CheckpointPlacement;
 use crate::collective::DeviceGroup;
 use crate::layer_ops;
 use crate::matmul::{product, Transposed};
+use crate::offload::HostOffload;
 use crate::options::SequenceParallelOptions;
 use crate::options::{Documents, FlashAttentionOptions};
 use crate::step::{self, AttentionState, StepMask};
@@ -32,7 +33,7 @@ pub(crate) type Grads<B> = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
 /// `Autodiff<B>` that of `B`), and the linear layers' products. Implemented for
 /// `CubeBackend` (CUDA, wgpu: this project's kernels), `NdArray` (Burn tensor ops), `Fusion<B>`
 /// and `Autodiff<B>` of those; a model generic over `B: FlashAttentionBackend` runs on all of
-/// them.
+/// them. Every one also keeps checkpoints in host memory on request ([`HostOffload`]).
 ///
 /// # Shapes
 ///
@@ -50,7 +51,7 @@ pub(crate) type Grads<B> = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
 /// Callers validate the inputs first, [`FlashAttentionBackend::check_attention_limits`]
 /// included (the public functions do); implementations may panic on invalid input, and panic
 /// (never return silent zeros) when a kernel launch fails anyway.
-pub trait FlashAttentionBackend: Backend {
+pub trait FlashAttentionBackend: Backend + HostOffload {
     /// Float type of the lse returned for inputs of type `input` (f32 on the kernel backends).
     fn lse_dtype(input: DType) -> DType {
         input
@@ -462,6 +463,13 @@ pub trait CheckpointSegment<B: FlashAttentionBackend, const PARENTS: usize>:
         context: &AttentionContext<B>,
         documents: Option<&Documents>,
     ) -> Result<(Tensor<B, 3>, Vec<(ParamId, FloatTensor<B>)>), Error>;
+
+    /// Whether the checkpoint keeps what the backward needs (`x` and what
+    /// [`forward_keeping`](Self::forward_keeping) returned) in host memory between the forward and
+    /// the backward ([`crate::offload`]). Default: on the device.
+    fn offloads(&self) -> bool {
+        false
+    }
 
     /// This segment on the backend under autodiff (Burn's `valid`), which the checkpoint node
     /// runs.

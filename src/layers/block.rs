@@ -10,6 +10,7 @@ use burn::tensor::{Tensor, TensorPrimitive};
 
 use super::attention::{merge_heads, DistFlashAttention, DistFlashAttentionConfig};
 use super::attention_backward::{AttentionActivations, AttentionGrads};
+use super::block_offload::check_offload;
 use super::feed_forward::{FeedForward, FeedForwardConfig, FeedForwardGrads};
 use super::linear_layer::linear;
 use super::rms_norm::{RmsNorm, RmsNormConfig};
@@ -31,6 +32,11 @@ pub struct TransformerBlockConfig {
     /// Where gradient checkpointing cuts the graph.
     #[config(default = "CheckpointPlacement::None")]
     pub checkpoint: CheckpointPlacement,
+    /// Keep the checkpoint in host memory between the forward and the backward
+    /// ([`crate::offload`]; a model sets it per layer from its [`Offload`](crate::layers::Offload)
+    /// policy). Needs a checkpoint placement other than `None`.
+    #[config(default = false)]
+    pub offload: bool,
 }
 
 impl TransformerBlockConfig {
@@ -48,6 +54,7 @@ impl TransformerBlockConfig {
         if self.d_ff == 0 {
             return Err(Error::config("d_ff", "positive", 0));
         }
+        check_offload(self.offload, self.checkpoint)?;
         let norm = RmsNormConfig::new(d_model).with_eps(self.norm_eps);
         Ok(TransformerBlock {
             attention_norm: norm.init(device),
@@ -57,6 +64,7 @@ impl TransformerBlockConfig {
                 .with_initializer(self.attention.initializer.clone())
                 .init(device),
             checkpoint: self.checkpoint,
+            offload: self.offload,
         })
     }
 
@@ -84,6 +92,10 @@ pub struct TransformerBlock<B: Backend> {
     /// Where gradient checkpointing cuts the graph.
     #[module(skip)]
     pub checkpoint: CheckpointPlacement,
+    /// Whether the checkpoint waits in host memory between the forward and the backward (no
+    /// effect with [`CheckpointPlacement::None`]).
+    #[module(skip)]
+    pub offload: bool,
 }
 
 /// The attention half of a block's forward: what its backward starts from.
@@ -370,6 +382,10 @@ impl<B: FlashAttentionBackend> CheckpointSegment<B, BLOCK_PARENTS> for Transform
         };
         let half = self.attention_half(x, context, documents, attention)?;
         Ok(TransformerBlock::backward(self, half, grad, context, documents).by_parameter(self))
+    }
+
+    fn offloads(&self) -> bool {
+        self.offload
     }
 
     fn valid_segment(&self) -> TransformerBlock<B::InnerBackend>

@@ -1,12 +1,14 @@
 //! Burn modules built on this project's attention: [`DistFlashAttention`] (drop-in multi-head
 //! attention, local or sequence-parallel) and [`TransformerBlock`] (a Llama decoder layer with a
-//! choice of gradient-checkpoint placement, [`CheckpointPlacement`]), the pieces they are made
-//! of, [`CheckpointSegment`] for running a model part of your own as one gradient checkpoint,
-//! and [`replicate`] for giving every rank its own trainable copy of a model.
+//! choice of gradient-checkpoint placement, [`CheckpointPlacement`], and of host offload,
+//! [`Offload`]), the pieces they are made of, [`CheckpointSegment`] for running a model part of
+//! your own as one gradient checkpoint, and [`replicate`] for giving every rank its own trainable
+//! copy of a model.
 
 mod attention;
 mod attention_backward;
 mod block;
+mod block_offload;
 mod counter;
 mod feed_forward;
 mod linear_grad;
@@ -15,7 +17,7 @@ mod replicate;
 mod rms_norm;
 mod rope;
 
-pub use crate::checkpoint::CheckpointPlacement;
+pub use crate::checkpoint::{CheckpointPlacement, Offload};
 pub use crate::extension::CheckpointSegment;
 pub use attention::{DistFlashAttention, DistFlashAttentionConfig};
 pub use block::{TransformerBlock, TransformerBlockConfig};

@@ -337,6 +337,7 @@ impl<B: TrainBackend> Trainer<B> {
                 clock.lap(phase);
             }
         };
+        self.prepare_offload()?;
         let loss = self.loss(inputs, targets, documents, "training step")?;
         lap(|t| &mut t.forward);
         let grads = GradientsParams::from_grads(loss.backward(), &self.model);
@@ -377,6 +378,23 @@ impl<B: TrainBackend> Trainer<B> {
             loss,
             grad_norm,
             lr,
+        })
+    }
+
+    /// Gets the host memory ready for the checkpoints this step offloads
+    /// ([`LlamaConfig::offload`](crate::LlamaConfig::offload)): checked against what the host
+    /// has, and on CUDA pinned once (the first step's buffers serve every later step), so that a
+    /// host without enough memory fails here, before the step's work.
+    fn prepare_offload(&self) -> Result<(), Error> {
+        let (_, world) = self.rank();
+        let seq = self.options.seq_len / world;
+        let sizes = self.model.offloaded_bytes(self.options.batch, seq);
+        if sizes.is_empty() {
+            return Ok(());
+        }
+        B::prepare_host_offload(&self.device(), &sizes).map_err(|source| Error::Attention {
+            during: "preparing host memory for the offloaded checkpoints",
+            source,
         })
     }
 

@@ -477,5 +477,8 @@ fn cubecl_backends_report_their_device_memory() {
     let sum = burn::tensor::Tensor::<Wgpu, 1>::ones([1 << 21], &device).sum();
     let _ = sum.into_scalar();
     let after = Wgpu::device_memory(&device).expect("CubeCL counts its pools");
-    assert!(after.reserved >= 8 << 20, "the peak was released: {after:?}");
+    assert!(
+        after.reserved >= 8 << 20,
+        "the peak was released: {after:?}"
+    );
 }

@@ -573,8 +573,9 @@ fn print_sample<B: TrainBackend>(args: &Args, trainer: &Trainer<B>, tokenizer: &
         seed: trainer.options.seed,
     };
     let context = trainer.options.seq_len;
+    // Weights that need gradients would build a graph per token that no backward ever frees.
     let tokens = generate(
-        &trainer.model,
+        &trainer.model.clone().no_grad(),
         &prompt,
         args.sample_tokens,
         context,

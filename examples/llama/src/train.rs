@@ -414,7 +414,11 @@ impl<B: TrainBackend> Trainer<B> {
         targets: &[u32],
         documents: Option<&Documents>,
     ) -> Result<f64, Error> {
-        let loss = self.loss(inputs, targets, documents, "evaluation")?;
+        // Weights that need no gradient build no graph: nothing is kept for a backward that
+        // never comes (Burn frees a dropped graph only at the next backward), neither on the
+        // device nor, for offloading layers, in host memory.
+        let model = self.model.clone().no_grad();
+        let loss = self.loss_of(&model, inputs, targets, documents, "evaluation")?;
         self.group_loss(loss)
     }
 
@@ -426,10 +430,22 @@ impl<B: TrainBackend> Trainer<B> {
         documents: Option<&Documents>,
         during: &'static str,
     ) -> Result<Tensor<B, 1>, Error> {
+        self.loss_of(&self.model, inputs, targets, documents, during)
+    }
+
+    /// [`loss`](Self::loss) under `model`'s weights.
+    fn loss_of(
+        &self,
+        model: &Llama<B>,
+        inputs: &[u32],
+        targets: &[u32],
+        documents: Option<&Documents>,
+        during: &'static str,
+    ) -> Result<Tensor<B, 1>, Error> {
         self.options.check()?;
         let (tokens, targets) = (self.shard(inputs)?, self.shard(targets)?);
         let normalizer = self.options.batch * self.options.seq_len;
-        (self.model)
+        model
             .loss_masked(tokens, targets, &self.context, documents, normalizer)
             .map_err(|source| Error::Attention { during, source })
     }

@@ -237,8 +237,8 @@ impl fmt::Display for Error {
             Error::Nccl(what) => write!(f, "NCCL: {what}"),
             Error::Offload { needed, why } => write!(
                 f,
-                "offloading checkpoints to host memory ({} asked for): {why}",
-                crate::offload::gib(*needed)
+                "offloading checkpoints to host memory ({:.2} GiB asked for): {why}",
+                *needed as f64 / (1u64 << 30) as f64
             ),
         }
     }

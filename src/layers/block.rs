@@ -10,7 +10,6 @@ use burn::tensor::{Tensor, TensorPrimitive};
 
 use super::attention::{merge_heads, DistFlashAttention, DistFlashAttentionConfig};
 use super::attention_backward::{AttentionActivations, AttentionGrads};
-use super::block_offload::check_offload;
 use super::feed_forward::{FeedForward, FeedForwardConfig, FeedForwardGrads};
 use super::linear_layer::linear;
 use super::rms_norm::{RmsNorm, RmsNormConfig};
@@ -75,6 +74,20 @@ impl TransformerBlockConfig {
     /// With the configuration error where [`try_init`](Self::try_init) returns one.
     pub fn init<B: FlashAttentionBackend>(&self, device: &B::Device) -> TransformerBlock<B> {
         self.try_init(device).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+/// Refuses offload without a checkpoint: the autodiff graph then holds every activation itself,
+/// and there is nothing for the block to move.
+pub(crate) fn check_offload(offload: bool, placement: CheckpointPlacement) -> Result<(), Error> {
+    match (offload, placement) {
+        (true, CheckpointPlacement::None) => Err(Error::config(
+            "offload",
+            "a checkpoint placement of Layer or AttentionOutput with offload on (without \
+             checkpoints the autodiff graph keeps every activation on the device)",
+            "offload on with CheckpointPlacement::None",
+        )),
+        _ => Ok(()),
     }
 }
 

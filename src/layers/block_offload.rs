@@ -1,26 +1,11 @@
-//! What a [`TransformerBlock`] offloads to host memory: the configuration check, and the bytes
-//! of each tensor its checkpoint keeps, for
+//! What a [`TransformerBlock`] offloads to host memory: the bytes of each tensor its checkpoint
+//! keeps, for
 //! [`HostOffload::prepare_host_offload`](crate::offload::HostOffload::prepare_host_offload)
 //! before a step.
 
 use super::block::TransformerBlock;
 use crate::checkpoint::CheckpointPlacement;
 use crate::extension::FlashAttentionBackend;
-use crate::Error;
-
-/// Refuses offload without a checkpoint: the autodiff graph then holds every activation itself,
-/// and there is nothing for the block to move.
-pub(crate) fn check_offload(offload: bool, placement: CheckpointPlacement) -> Result<(), Error> {
-    match (offload, placement) {
-        (true, CheckpointPlacement::None) => Err(Error::config(
-            "offload",
-            "a checkpoint placement of Layer or AttentionOutput with offload on (without \
-             checkpoints the autodiff graph keeps every activation on the device)",
-            "offload on with CheckpointPlacement::None",
-        )),
-        _ => Ok(()),
-    }
-}
 
 impl<B: FlashAttentionBackend> TransformerBlock<B> {
     /// The bytes of each tensor this block's checkpoint moves to host memory in one training

@@ -24,7 +24,7 @@ enum HostKind<B: Backend> {
     Data { data: TensorData, device: B::Device },
     /// Being copied, or copied, into pinned memory on CUDA's copy stream.
     #[cfg(feature = "pinned-offload")]
-    Pinned(PinnedTensor),
+    Pinned(Box<PinnedTensor>),
 }
 
 impl<B: Backend> HostTensor<B> {
@@ -53,7 +53,7 @@ impl<B: Backend> HostTensor<B> {
     #[cfg(feature = "pinned-offload")]
     pub(crate) fn pinned(tensor: PinnedTensor) -> Self {
         Self {
-            kind: HostKind::Pinned(tensor),
+            kind: HostKind::Pinned(Box::new(tensor)),
         }
     }
 
@@ -78,7 +78,7 @@ impl<B: Backend> HostTensor<B> {
             HostKind::Data { data, device } => Restoring::ready(B::float_from_data(data, &device)),
             #[cfg(feature = "pinned-offload")]
             HostKind::Pinned(tensor) => Restoring {
-                kind: RestoringKind::Pinned(pinned::restore(tensor)),
+                kind: RestoringKind::Pinned(Box::new(pinned::restore(*tensor))),
             },
         }
     }
@@ -123,7 +123,7 @@ pub struct Restoring<B: Backend> {
 enum RestoringKind<B: Backend> {
     Ready(FloatTensor<B>),
     #[cfg(feature = "pinned-offload")]
-    Pinned(RestoringTensor),
+    Pinned(Box<RestoringTensor>),
 }
 
 impl<B: Backend> Restoring<B> {

@@ -34,7 +34,6 @@ mod store;
 
 pub(crate) use capability::check_host_memory;
 pub use capability::HostOffload;
-pub(crate) use host_memory::gib;
 pub use host_memory::{available as host_memory_available, HEADROOM};
 pub use host_tensor::{HostTensor, Restoring};
 pub(crate) use saved::SavedTensors;

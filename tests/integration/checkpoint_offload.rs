@@ -102,10 +102,15 @@ where
     let r = random::<B::InnerBackend>(&mut rng, [2, 24, 64], &device);
     let context = AttentionContext::Local;
     for placement in PLACEMENTS {
-        let off = &model::<B>(layers, placement, Offload::Off, &[device.clone()])[0];
+        let off = &model::<B>(
+            layers,
+            placement,
+            Offload::Off,
+            std::slice::from_ref(&device),
+        )[0];
         let expected = step(off, x.clone(), r.clone(), &context);
         for &policy in policies {
-            let blocks = &model::<B>(layers, placement, policy, &[device.clone()])[0];
+            let blocks = &model::<B>(layers, placement, policy, std::slice::from_ref(&device))[0];
             let got = step(blocks, x.clone(), r.clone(), &context);
             assert_bitwise(&format!("{placement:?}, {policy:?}"), &got, &expected);
             let held = held_bytes::<B::InnerBackend>(&device);

@@ -76,6 +76,20 @@ fn profiler_collects(on: bool) {
     }
 }
 
+/// What one rank measured.
+struct RankRun {
+    /// Each step's wall time, seconds.
+    times: Vec<f64>,
+    /// Its pool's reserved bytes at the end (the peak).
+    reserved: u64,
+    /// The last step's loss.
+    loss: f64,
+    /// One synchronised step's phase times, with `--phases`.
+    phases: Option<PhaseTimes>,
+    /// Bytes in use right after one forward ([`in_use_after_forward`]).
+    in_use_after_forward: u64,
+}
+
 fn main() {
     std::env::set_var("NCCL_NVLS_ENABLE", "0");
     let args: Vec<String> = std::env::args().collect();
@@ -122,42 +136,47 @@ fn main() {
     let models = replicate(&model, &devices);
     drop(model);
     let per_rank = devices.iter().cloned().zip(contexts).zip(models).collect();
-    let ranks: Vec<(Vec<f64>, u64, f64, Option<PhaseTimes>, u64)> =
-        on_each_rank(per_rank, |_, ((device, context), model)| {
-            let mut trainer = Trainer::new(model, context, options.clone());
-            let tokens: Vec<u32> = (0..batch * seq)
-                .map(|i| ((i * 7919 + 13) % config.vocab_size) as u32)
-                .collect();
-            let mut times = Vec::new();
-            let mut loss = 0.0;
-            let steps = if iters == 0 { 1 } else { WARM_UP + iters };
-            for step in 0..steps {
-                let profiled = profile_last_step && step + 1 == steps && device.index == 0;
-                barrier.wait();
-                if profiled {
-                    Train::sync(&device).expect("sync");
-                    profiler_collects(true);
-                }
-                let start = Instant::now();
-                loss = trainer.train_step(&tokens, &tokens).expect("step").loss;
+    let ranks: Vec<RankRun> = on_each_rank(per_rank, |_, ((device, context), model)| {
+        let mut trainer = Trainer::new(model, context, options.clone());
+        let tokens: Vec<u32> = (0..batch * seq)
+            .map(|i| ((i * 7919 + 13) % config.vocab_size) as u32)
+            .collect();
+        let mut times = Vec::new();
+        let mut loss = 0.0;
+        let steps = if iters == 0 { 1 } else { WARM_UP + iters };
+        for step in 0..steps {
+            let profiled = profile_last_step && step + 1 == steps && device.index == 0;
+            barrier.wait();
+            if profiled {
                 Train::sync(&device).expect("sync");
-                times.push(start.elapsed().as_secs_f64());
-                if profiled {
-                    profiler_collects(false);
-                }
+                profiler_collects(true);
             }
-            let phase_times = phases.then(|| {
-                barrier.wait();
-                let (_, times) = trainer.train_step_timed(&tokens, &tokens).expect("step");
-                times
-            });
-            let reserved = CudaRuntime::client(&device)
-                .memory_usage()
-                .expect("memory")
-                .bytes_reserved;
-            let after_forward = in_use_after_forward(&trainer, &tokens, batch, &device);
-            (times, reserved, loss, phase_times, after_forward)
+            let start = Instant::now();
+            loss = trainer.train_step(&tokens, &tokens).expect("step").loss;
+            Train::sync(&device).expect("sync");
+            times.push(start.elapsed().as_secs_f64());
+            if profiled {
+                profiler_collects(false);
+            }
+        }
+        let phase_times = phases.then(|| {
+            barrier.wait();
+            let (_, times) = trainer.train_step_timed(&tokens, &tokens).expect("step");
+            times
         });
+        let reserved = CudaRuntime::client(&device)
+            .memory_usage()
+            .expect("memory")
+            .bytes_reserved;
+        let in_use_after_forward = in_use_after_forward(&trainer, &tokens, batch, &device);
+        RankRun {
+            times,
+            reserved,
+            loss,
+            phases: phase_times,
+            in_use_after_forward,
+        }
+    });
     // The initial weights were allocated by this thread's stream, whose pool is counted too.
     let initial_reserved = CudaRuntime::client(&devices[0])
         .memory_usage()
@@ -170,7 +189,7 @@ fn main() {
         WARM_UP..WARM_UP + iters
     };
     let mut steps: Vec<f64> = timed
-        .map(|i| ranks.iter().map(|r| r.0[i]).fold(0.0, f64::max))
+        .map(|i| ranks.iter().map(|r| r.times[i]).fold(0.0, f64::max))
         .collect();
     steps.sort_by(f64::total_cmp);
     let secs = steps[steps.len() / 2];
@@ -190,16 +209,16 @@ fn main() {
         tokens / secs,
         per_gpu / 1e12,
         100.0 * per_gpu / H200_BF16_PEAK,
-        (ranks[0].1 + initial_reserved) as f64 / (1u64 << 30) as f64,
-        ranks[0].2,
+        (ranks[0].reserved + initial_reserved) as f64 / (1u64 << 30) as f64,
+        ranks[0].loss,
     );
     let gib = |bytes: u64| bytes as f64 / (1u64 << 30) as f64;
     println!(
         "memory (rank 0): in use after one forward {:.2} GiB (its own pool); pinned host {:.2} GiB",
-        gib(ranks[0].4),
+        gib(ranks[0].in_use_after_forward),
         gib(pinned_bytes(&devices[0])),
     );
-    if let Some(t) = ranks[0].3 {
+    if let Some(t) = ranks[0].phases {
         let ms = |s: f64| s * 1e3;
         println!(
             "phases (rank 0, one synchronised step, ms): forward+loss {:.1} | backward {:.1} | \

@@ -122,6 +122,14 @@ pub enum Error {
     },
     /// The NCCL library could not be loaded or an NCCL/CUDA call failed.
     Nccl(String),
+    /// Checkpoints cannot be offloaded to host memory: the host has too little available,
+    /// pinned memory could not be allocated, or a copy failed.
+    Offload {
+        /// Bytes of host memory asked for.
+        needed: u64,
+        /// What stood in the way, and what to do about it.
+        why: String,
+    },
 }
 
 impl Error {
@@ -225,6 +233,11 @@ impl fmt::Display for Error {
                  one); the failure: {cause}"
             ),
             Error::Nccl(what) => write!(f, "NCCL: {what}"),
+            Error::Offload { needed, why } => write!(
+                f,
+                "offloading checkpoints to host memory ({:.2} GiB asked for): {why}",
+                *needed as f64 / (1u64 << 30) as f64
+            ),
         }
     }
 }

@@ -22,6 +22,7 @@
 //! - [`sequence_parallel`]: attention over one sequence split across the ranks of a group, and
 //!   cutting and joining the shards;
 //! - [`layers`]: the transformer block, its parts and gradient checkpointing;
+//! - [`offload`]: layer checkpoints kept in host memory between the forward and the backward;
 //! - [`collective`]: device groups and the transports that move tensors between ranks;
 //! - [`schedule`]: which rank computes which part of sequence-parallel attention, step by step;
 //! - [`step`]: the running softmax state of the extension trait's step-by-step methods.
@@ -41,6 +42,7 @@ mod inputs;
 mod layer_ops;
 pub mod layers;
 mod matmul;
+pub mod offload;
 mod options;
 pub mod sequence_parallel;
 pub mod step;

@@ -1,6 +1,7 @@
 //! `Autodiff<B>`: a checkpointed segment (a transformer block) is one graph node over the
 //! segment's input and its float parameters, collected by visiting the module. The forward runs
-//! on `B` and stores the input (and what the segment keeps at the placement); the backward
+//! on `B` and stores the input (and what the segment keeps at the placement), on the device or,
+//! when the segment offloads, in host memory (`crate::offload`); the backward brings them back,
 //! recomputes the rest, runs the segment's backward and hands each parameter's gradient to the
 //! parent with that parameter's id.
 
@@ -19,6 +20,7 @@ use burn_autodiff::Autodiff;
 use crate::extension::{
     AttentionContext, CheckpointPlacement, CheckpointSegment, FlashAttentionBackend,
 };
+use crate::offload::SavedTensors;
 use crate::options::Documents;
 use crate::Error;
 
@@ -26,14 +28,13 @@ use crate::Error;
 #[derive(Debug)]
 struct SegmentNode<S>(PhantomData<S>);
 
-/// What the backward keeps: the segment (its weights shared, not copied), its input, what its
-/// forward kept, the call's context and documents, and the ids of the parameters in parent
-/// order.
+/// What the backward keeps: the segment (its weights shared, not copied), its input followed by
+/// what its forward kept (on the device or in host memory), the call's context and documents,
+/// and the ids of the parameters in parent order.
 #[derive(Debug, Clone)]
 struct Kept<B: FlashAttentionBackend, S> {
     segment: S,
-    input: FloatTensor<B>,
-    kept: Vec<FloatTensor<B>>,
+    saved: SavedTensors<B>,
     context: AttentionContext<B>,
     documents: Option<Documents>,
     parameters: Vec<ParamId>,
@@ -58,11 +59,13 @@ where
     ) {
         let grad = grads.consume::<B>(&ops.node);
         let kept = ops.state;
+        let mut saved = kept.saved.take().into_iter();
+        let input = saved.next().expect("a checkpoint saves its input");
         let (dx, parameter_grads) = kept
             .segment
             .backward(
-                wrap(kept.input),
-                kept.kept,
+                wrap(input),
+                saved.collect(),
                 wrap(grad),
                 &kept.context,
                 kept.documents.as_ref(),
@@ -147,17 +150,19 @@ where
         .compute_bound()
         .stateful()
     {
-        OpsKind::Tracked(prep) => prep.finish(
-            Kept {
+        OpsKind::Tracked(prep) => {
+            let device = input.device();
+            let tensors = std::iter::once(input.into_primitive().tensor()).chain(kept);
+            let saved = SavedTensors::save(tensors.collect(), &device, segment.offloads())?;
+            let kept = Kept {
                 segment: inner,
-                input: input.into_primitive().tensor(),
-                kept,
+                saved,
                 context: inner_context,
                 documents: documents.cloned(),
                 parameters,
-            },
-            out,
-        ),
+            };
+            prep.finish(kept, out)
+        }
         OpsKind::UnTracked(prep) => prep.finish(out),
     };
     Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))

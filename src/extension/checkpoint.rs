@@ -22,6 +22,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::Tensor;
 
 use super::{AttentionContext, FlashAttentionBackend};
+use crate::offload::HostOffload;
 use crate::options::Documents;
 use crate::Error;
 
@@ -41,7 +42,7 @@ pub enum CheckpointPlacement {
 
 /// Running a [`CheckpointSegment`] as one gradient checkpoint: `Autodiff` builds one graph node;
 /// the default (no autodiff, nothing to store) just runs the segment.
-pub trait CheckpointBackend: Backend {
+pub trait CheckpointBackend: Backend + HostOffload {
     /// `segment` applied to `x`, with its activations checkpointed at `placement`: on `Autodiff`
     /// one node of the graph that keeps only `x` (and, at [`CheckpointPlacement::AttentionOutput`],
     /// attention's output and lse) and recomputes the rest in the backward, with the same
@@ -136,6 +137,13 @@ pub trait CheckpointSegment<B: FlashAttentionBackend, const PARENTS: usize>:
         context: &AttentionContext<B>,
         documents: Option<&Documents>,
     ) -> Result<(Tensor<B, 3>, Vec<(ParamId, FloatTensor<B>)>), Error>;
+
+    /// Whether the checkpoint keeps what the backward needs (`x` and what
+    /// [`forward_keeping`](Self::forward_keeping) returned) in host memory between the forward and
+    /// the backward ([`crate::offload`]). Default: on the device.
+    fn offloads(&self) -> bool {
+        false
+    }
 
     /// This segment on the backend under autodiff (Burn's `valid`), which the checkpoint node
     /// runs.

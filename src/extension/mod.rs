@@ -30,7 +30,8 @@ pub(crate) type Grads<B> = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
 /// ([`AttentionBackend`]), sequence-parallel over a [`DeviceGroup`](crate::DeviceGroup) of
 /// [`SequenceParallelBackend::Inner`] ([`SequenceParallelBackend`]), the layers' products and
 /// element-wise operations ([`LayerOpsBackend`]) and gradient checkpoints
-/// ([`CheckpointBackend`]). Implemented for every backend implementing the four: `CubeBackend`
+/// ([`CheckpointBackend`], whose checkpoints can wait in host memory). Implemented for every
+/// backend implementing the four: `CubeBackend`
 /// (CUDA, wgpu: this project's kernels), `NdArray` (Burn tensor ops), `Fusion<B>` and
 /// `Autodiff<B>` of those; a model generic over `B: FlashAttentionBackend` runs on all of them.
 pub trait FlashAttentionBackend:

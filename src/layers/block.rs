@@ -31,6 +31,11 @@ pub struct TransformerBlockConfig {
     /// Where gradient checkpointing cuts the graph.
     #[config(default = "CheckpointPlacement::None")]
     pub checkpoint: CheckpointPlacement,
+    /// Keep the checkpoint in host memory between the forward and the backward
+    /// ([`crate::offload`]; a model sets it per layer from its [`Offload`](crate::layers::Offload)
+    /// policy). Needs a checkpoint placement other than `None`.
+    #[config(default = false)]
+    pub offload: bool,
 }
 
 impl TransformerBlockConfig {
@@ -48,6 +53,7 @@ impl TransformerBlockConfig {
         if self.d_ff == 0 {
             return Err(Error::config("d_ff", "positive", 0));
         }
+        check_offload(self.offload, self.checkpoint)?;
         let norm = RmsNormConfig::new(d_model).with_eps(self.norm_eps);
         Ok(TransformerBlock {
             attention_norm: norm.init(device),
@@ -57,6 +63,7 @@ impl TransformerBlockConfig {
                 .with_initializer(self.attention.initializer.clone())
                 .init(device),
             checkpoint: self.checkpoint,
+            offload: self.offload,
         })
     }
 
@@ -67,6 +74,20 @@ impl TransformerBlockConfig {
     /// With the configuration error where [`try_init`](Self::try_init) returns one.
     pub fn init<B: FlashAttentionBackend>(&self, device: &B::Device) -> TransformerBlock<B> {
         self.try_init(device).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+/// Refuses offload without a checkpoint: the autodiff graph then holds every activation itself,
+/// and there is nothing for the block to move.
+pub(crate) fn check_offload(offload: bool, placement: CheckpointPlacement) -> Result<(), Error> {
+    match (offload, placement) {
+        (true, CheckpointPlacement::None) => Err(Error::config(
+            "offload",
+            "a checkpoint placement of Layer or AttentionOutput with offload on (without \
+             checkpoints the autodiff graph keeps every activation on the device)",
+            "offload on with CheckpointPlacement::None",
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -84,6 +105,10 @@ pub struct TransformerBlock<B: Backend> {
     /// Where gradient checkpointing cuts the graph.
     #[module(skip)]
     pub checkpoint: CheckpointPlacement,
+    /// Whether the checkpoint waits in host memory between the forward and the backward (no
+    /// effect with [`CheckpointPlacement::None`]).
+    #[module(skip)]
+    pub offload: bool,
 }
 
 /// The attention half of a block's forward: what its backward starts from.
@@ -370,6 +395,10 @@ impl<B: FlashAttentionBackend> CheckpointSegment<B, BLOCK_PARENTS> for Transform
         };
         let half = self.attention_half(x, context, documents, attention)?;
         Ok(TransformerBlock::backward(self, half, grad, context, documents).by_parameter(self))
+    }
+
+    fn offloads(&self) -> bool {
+        self.offload
     }
 
     fn valid_segment(&self) -> TransformerBlock<B::InnerBackend>

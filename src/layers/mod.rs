@@ -1,12 +1,14 @@
 //! Burn modules built on this project's attention: [`DistFlashAttention`] (drop-in multi-head
 //! attention, local or sequence-parallel) and [`TransformerBlock`] (a Llama decoder layer with a
-//! choice of gradient-checkpoint placement, [`CheckpointPlacement`]), the pieces they are made
-//! of, [`CheckpointSegment`] for running a model part of your own as one gradient checkpoint,
-//! and [`replicate`] for giving every rank its own trainable copy of a model.
+//! choice of gradient-checkpoint placement, [`CheckpointPlacement`], and of host offload,
+//! [`Offload`]), the pieces they are made of, [`CheckpointSegment`] for running a model part of
+//! your own as one gradient checkpoint, and [`replicate`] for giving every rank its own trainable
+//! copy of a model.
 
 mod attention;
 mod attention_backward;
 mod block;
+mod block_offload;
 mod counter;
 mod feed_forward;
 mod linear_grad;
@@ -16,6 +18,7 @@ mod rms_norm;
 mod rope;
 
 pub use crate::extension::{CheckpointPlacement, CheckpointSegment};
+pub use crate::offload::Offload;
 pub use attention::{DistFlashAttention, DistFlashAttentionConfig};
 pub use block::{TransformerBlock, TransformerBlockConfig};
 pub use counter::ForwardCounter;

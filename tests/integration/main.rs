@@ -6,7 +6,8 @@
 //! The `#[ignore]`d tests need a CUDA GPU (some, several GPUs with NCCL). Burn 0.21 fixes one
 //! default float type per device and process, and the CUDA tests use f32, f16 and bf16 on the same
 //! device, so run them one process per test: `.ci/gpu-tests` does. The NCCL and CUDA-checkpoint
-//! modules need the `nccl` feature (on by default).
+//! modules need the `nccl` feature, the CUDA offload module `pinned-offload` (both on by
+//! default).
 
 mod common;
 
@@ -16,6 +17,9 @@ mod burn_op;
 mod checkpoint;
 #[cfg(feature = "nccl")]
 mod checkpoint_cuda;
+mod checkpoint_offload;
+#[cfg(feature = "pinned-offload")]
+mod checkpoint_offload_cuda;
 mod distributed;
 mod distributed_cube;
 mod distributed_masks;

@@ -2,7 +2,14 @@
 //! process, one thread per GPU, NCCL), bf16, AdamW, gradient all-reduce, on random tokens.
 //!
 //! `cargo bench -p distflash-llama --bench llama_train -- --config llama-7b [--layers 4] --gpus 4 --seq 32768
-//!  [--iters 2] [--checkpoint attention-output|layer|none] [--batch 1] [--profile-last-step] [--phases]`
+//!  [--iters 2] [--checkpoint attention-output|layer|none] [--offload off|all|N] [--batch 1]
+//!  [--profile-last-step] [--phases]`
+//!
+//! `--offload all|N` keeps the layers' checkpoints in pinned host memory between forward and
+//! backward (every layer's, or all but the last N layers'): run it beside `--offload off` (the
+//! default) for the step time with and without offload; the row's checkpoint column says which,
+//! and a line under it gives rank 0's pinned host memory and its device memory in use right
+//! after one forward (the copies to host waited for), the offload's saving.
 //!
 //! `--phases` runs one more step after the timed ones with the device synchronised after each
 //! phase and prints rank 0's phase times (forward and loss, backward, gradient sums and norm,
@@ -24,9 +31,12 @@ use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
 use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
 use burn_distflash::collective::on_each_rank;
-use burn_distflash::layers::{replicate, CheckpointPlacement};
-use burn_distflash::{AttentionContext, DeviceGroup};
+use burn_distflash::layers::{replicate, CheckpointPlacement, Offload};
+use burn_distflash::offload::{finish_copies, pinned_bytes};
+use burn_distflash::sequence_parallel::shard_sequence;
+use burn_distflash::{AttentionContext, DeviceGroup, FlashAttentionOptions};
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::Runtime;
 use distflash_llama::train::{PhaseTimes, TrainOptions, Trainer};
@@ -66,6 +76,20 @@ fn profiler_collects(on: bool) {
     }
 }
 
+/// What one rank measured.
+struct RankRun {
+    /// Each step's wall time, seconds.
+    times: Vec<f64>,
+    /// Its pool's reserved bytes at the end (the peak).
+    reserved: u64,
+    /// The last step's loss.
+    loss: f64,
+    /// One synchronised step's phase times, with `--phases`.
+    phases: Option<PhaseTimes>,
+    /// Bytes in use right after one forward ([`in_use_after_forward`]).
+    in_use_after_forward: u64,
+}
+
 fn main() {
     std::env::set_var("NCCL_NVLS_ENABLE", "0");
     let args: Vec<String> = std::env::args().collect();
@@ -82,6 +106,11 @@ fn main() {
         Some("none") => CheckpointPlacement::None,
         Some(other) => panic!("--checkpoint: {other}"),
     };
+    if let Some(offload) = arg(&args, "--offload") {
+        config.offload = offload
+            .parse::<Offload>()
+            .unwrap_or_else(|e| panic!("--offload {e}"));
+    }
     let profile_last_step = args.iter().any(|a| a == "--profile-last-step");
     let phases = args.iter().any(|a| a == "--phases");
     let (gpus, seq, iters, batch) = (
@@ -107,41 +136,47 @@ fn main() {
     let models = replicate(&model, &devices);
     drop(model);
     let per_rank = devices.iter().cloned().zip(contexts).zip(models).collect();
-    let ranks: Vec<(Vec<f64>, u64, f64, Option<PhaseTimes>)> =
-        on_each_rank(per_rank, |_, ((device, context), model)| {
-            let mut trainer = Trainer::new(model, context, options.clone());
-            let tokens: Vec<u32> = (0..batch * seq)
-                .map(|i| ((i * 7919 + 13) % config.vocab_size) as u32)
-                .collect();
-            let mut times = Vec::new();
-            let mut loss = 0.0;
-            let steps = if iters == 0 { 1 } else { WARM_UP + iters };
-            for step in 0..steps {
-                let profiled = profile_last_step && step + 1 == steps && device.index == 0;
-                barrier.wait();
-                if profiled {
-                    Train::sync(&device).expect("sync");
-                    profiler_collects(true);
-                }
-                let start = Instant::now();
-                loss = trainer.train_step(&tokens, &tokens).expect("step").loss;
+    let ranks: Vec<RankRun> = on_each_rank(per_rank, |_, ((device, context), model)| {
+        let mut trainer = Trainer::new(model, context, options.clone());
+        let tokens: Vec<u32> = (0..batch * seq)
+            .map(|i| ((i * 7919 + 13) % config.vocab_size) as u32)
+            .collect();
+        let mut times = Vec::new();
+        let mut loss = 0.0;
+        let steps = if iters == 0 { 1 } else { WARM_UP + iters };
+        for step in 0..steps {
+            let profiled = profile_last_step && step + 1 == steps && device.index == 0;
+            barrier.wait();
+            if profiled {
                 Train::sync(&device).expect("sync");
-                times.push(start.elapsed().as_secs_f64());
-                if profiled {
-                    profiler_collects(false);
-                }
+                profiler_collects(true);
             }
-            let phase_times = phases.then(|| {
-                barrier.wait();
-                let (_, times) = trainer.train_step_timed(&tokens, &tokens).expect("step");
-                times
-            });
-            let reserved = CudaRuntime::client(&device)
-                .memory_usage()
-                .expect("memory")
-                .bytes_reserved;
-            (times, reserved, loss, phase_times)
+            let start = Instant::now();
+            loss = trainer.train_step(&tokens, &tokens).expect("step").loss;
+            Train::sync(&device).expect("sync");
+            times.push(start.elapsed().as_secs_f64());
+            if profiled {
+                profiler_collects(false);
+            }
+        }
+        let phase_times = phases.then(|| {
+            barrier.wait();
+            let (_, times) = trainer.train_step_timed(&tokens, &tokens).expect("step");
+            times
         });
+        let reserved = CudaRuntime::client(&device)
+            .memory_usage()
+            .expect("memory")
+            .bytes_reserved;
+        let in_use_after_forward = in_use_after_forward(&trainer, &tokens, batch, &device);
+        RankRun {
+            times,
+            reserved,
+            loss,
+            phases: phase_times,
+            in_use_after_forward,
+        }
+    });
     // The initial weights were allocated by this thread's stream, whose pool is counted too.
     let initial_reserved = CudaRuntime::client(&devices[0])
         .memory_usage()
@@ -154,7 +189,7 @@ fn main() {
         WARM_UP..WARM_UP + iters
     };
     let mut steps: Vec<f64> = timed
-        .map(|i| ranks.iter().map(|r| r.0[i]).fold(0.0, f64::max))
+        .map(|i| ranks.iter().map(|r| r.times[i]).fold(0.0, f64::max))
         .collect();
     steps.sort_by(f64::total_cmp);
     let secs = steps[steps.len() / 2];
@@ -164,17 +199,26 @@ fn main() {
     let attention = 6.0 * (config.n_layers * config.n_heads * 128 * seq) as f64 / 2.0 * 2.0;
     let flops_per_token = 6.0 * dense + attention;
     let per_gpu = flops_per_token * tokens / secs / gpus as f64;
+    let checkpoint = match config.offload {
+        Offload::Off => format!("{:?}", config.checkpoint),
+        offload => format!("{:?}, offload {offload:?}", config.checkpoint),
+    };
     println!(
-        "| {name} ({} layers) | {gpus} | {seq} | {:?} | {:.0} | {:.1} | {:.1}% | {:.1} | {:.3} |",
+        "| {name} ({} layers) | {gpus} | {seq} | {checkpoint} | {:.0} | {:.1} | {:.1}% | {:.1} | {:.3} |",
         config.n_layers,
-        config.checkpoint,
         tokens / secs,
         per_gpu / 1e12,
         100.0 * per_gpu / H200_BF16_PEAK,
-        (ranks[0].1 + initial_reserved) as f64 / (1u64 << 30) as f64,
-        ranks[0].2,
+        (ranks[0].reserved + initial_reserved) as f64 / (1u64 << 30) as f64,
+        ranks[0].loss,
     );
-    if let Some(t) = ranks[0].3 {
+    let gib = |bytes: u64| bytes as f64 / (1u64 << 30) as f64;
+    println!(
+        "memory (rank 0): in use after one forward {:.2} GiB (its own pool); pinned host {:.2} GiB",
+        gib(ranks[0].in_use_after_forward),
+        gib(pinned_bytes(&devices[0])),
+    );
+    if let Some(t) = ranks[0].phases {
         let ms = |s: f64| s * 1e3;
         println!(
             "phases (rank 0, one synchronised step, ms): forward+loss {:.1} | backward {:.1} | \
@@ -187,4 +231,32 @@ fn main() {
             ms(t.forward + t.backward + t.gradients + t.clip + t.optimizer),
         );
     }
+}
+
+/// Device bytes in use on this rank's pool right after one forward and loss, the copies to host
+/// finished, while the autodiff graph (and the checkpoints it keeps) is alive: what the
+/// checkpoints hold on the device when the backward starts. The graph is dropped unused.
+fn in_use_after_forward(
+    trainer: &Trainer<Train>,
+    tokens: &[u32],
+    batch: usize,
+    device: &CudaDevice,
+) -> u64 {
+    let (rank, world) = trainer.rank();
+    let seq = tokens.len() / batch;
+    let values: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
+    let whole = Tensor::<Train, 2, Int>::from_data(TensorData::new(values, [batch, seq]), device);
+    let layout = trainer.context.layout(FlashAttentionOptions::causal());
+    let shard = shard_sequence(whole, 1, layout, world, rank).expect("a shard per rank");
+    let loss = (trainer.model)
+        .loss(shard.clone(), shard, &trainer.context, batch * seq)
+        .expect("forward");
+    finish_copies::<Inner>(device);
+    Train::sync(device).expect("sync");
+    let in_use = CudaRuntime::client(device)
+        .memory_usage()
+        .expect("memory")
+        .bytes_in_use;
+    drop(loss);
+    in_use
 }

@@ -7,7 +7,7 @@ use burn::config::Config;
 
 use super::hf_config::HfLlamaConfig;
 use burn_distflash::layers::{
-    CheckpointPlacement, DistFlashAttentionConfig, Llama3RopeScaling, RopeConfig,
+    CheckpointPlacement, DistFlashAttentionConfig, Llama3RopeScaling, Offload, RopeConfig,
 };
 use burn_distflash::{Error as PluginError, SlidingWindow};
 
@@ -41,6 +41,12 @@ pub struct LlamaConfig {
     /// Where gradient checkpoints go in training.
     #[config(default = "CheckpointPlacement::AttentionOutput")]
     pub checkpoint: CheckpointPlacement,
+    /// Which layers keep their checkpoints in host memory between the forward and the backward
+    /// (`Off`, the default and what configs written before this field load as; `All`;
+    /// `AllButLast(n)`: the last `n` layers keep theirs on the device). Needs a checkpoint
+    /// placement other than `None`. Changes memory and speed, never the numbers.
+    #[config(default = "Offload::Off")]
+    pub offload: Offload,
     /// Mistral-style sliding-window attention in every block: the token at position `i` sees
     /// the `window` tokens `i + 1 - window ..= i` (itself included, see
     /// [`SlidingWindow::causal`]), at absolute positions, also across the ranks of a group.
@@ -159,6 +165,14 @@ impl LlamaConfig {
             if value == 0 {
                 return Err(PluginError::config(name, "positive", value));
             }
+        }
+        if self.offload.is_on(self.n_layers) && self.checkpoint == CheckpointPlacement::None {
+            return Err(PluginError::config(
+                "offload",
+                "off without checkpoints (offload moves the checkpoints to host memory; use \
+                 --checkpoint layer or attention-output)",
+                format!("{:?} with checkpoint None", self.offload),
+            ));
         }
         self.attention()?.resolved().map(|_| ())
     }

@@ -9,7 +9,9 @@
 //! - model: `--config tiny|llama-7b|llama-gqa|llama-33h|llama-16h|llama-8h|llama-4h|llama-2h|
 //!   llama3-8b|FILE.json`, `--layers N` (override the layer count), `--weights HF_DIR` (load a
 //!   Hugging Face Llama: config.json + safetensors; overrides --config),
-//!   `--checkpoint none|layer|attention-output`, `--window N` (sliding-window attention: each
+//!   `--checkpoint none|layer|attention-output`, `--offload off|all|N` (the layers' checkpoints
+//!   wait in host memory between forward and backward: every layer's, or all but the last N
+//!   layers'; overrides the config's `offload`), `--window N` (sliding-window attention: each
 //!   token sees itself and the N - 1 before it; overrides the config's `window`),
 //!   `--save-config FILE.json`;
 //! - data: `--data FILE.txt`, `--tokenizer tokenizer.json` (byte-level otherwise), `--pack`
@@ -43,7 +45,7 @@ use burn::module::Module;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::Backend;
 use burn_distflash::collective::on_each_rank;
-use burn_distflash::layers::{replicate, CheckpointPlacement};
+use burn_distflash::layers::{replicate, CheckpointPlacement, Offload};
 use burn_distflash::schedule::ScheduleKind;
 use burn_distflash::{AttentionContext, DeviceGroup, Documents};
 use distflash_llama::data::{Packing, TokenDataset};
@@ -63,6 +65,7 @@ struct Args {
     layers: Option<usize>,
     weights: Option<PathBuf>,
     checkpoint: Option<CheckpointPlacement>,
+    offload: Option<Offload>,
     window: Option<usize>,
     save_config: Option<PathBuf>,
     data: PathBuf,
@@ -142,6 +145,7 @@ fn parse() -> Args {
         "--layers",
         "--weights",
         "--checkpoint",
+        "--offload",
         "--window",
         "--save-config",
         "--data",
@@ -216,6 +220,8 @@ fn parse() -> Args {
         layers: value("--layers").map(|_| size("--layers", 0)),
         weights: value("--weights").map(PathBuf::from),
         checkpoint,
+        offload: value("--offload")
+            .map(|o| o.parse().unwrap_or_else(|e| fail(format!("--offload {e}")))),
         window: value("--window").map(|_| size("--window", 0)),
         save_config: value("--save-config").map(PathBuf::from),
         data: value("--data").map_or_else(
@@ -260,6 +266,9 @@ fn model_config(args: &Args, tokenizer: &Tokenizer) -> LlamaConfig {
     }
     if let Some(placement) = args.checkpoint {
         config.checkpoint = placement;
+    }
+    if let Some(offload) = args.offload {
+        config.offload = offload;
     }
     if let Some(window) = args.window {
         config.window = Some(window);
@@ -413,7 +422,7 @@ fn train_rank<B: TrainBackend>(
     if leader {
         eprintln!(
             "training {} params ({} layers, d_model {}, {} heads / {} kv) on {world} {} rank(s), \
-             {} x {} tokens per step, checkpoint {:?}, ZeRO stage {}",
+             {} x {} tokens per step, checkpoint {:?}, offload {:?}, ZeRO stage {}",
             config.num_params(),
             config.n_layers,
             config.d_model,
@@ -423,6 +432,7 @@ fn train_rank<B: TrainBackend>(
             o.batch,
             o.seq_len,
             config.checkpoint,
+            config.offload,
             trainer.options.zero
         );
         if let Some(packing) = args.packing {
@@ -563,8 +573,9 @@ fn print_sample<B: TrainBackend>(args: &Args, trainer: &Trainer<B>, tokenizer: &
         seed: trainer.options.seed,
     };
     let context = trainer.options.seq_len;
+    // Weights that need gradients would build a graph per token that no backward ever frees.
     let tokens = generate(
-        &trainer.model,
+        &trainer.model.clone().no_grad(),
         &prompt,
         args.sample_tokens,
         context,

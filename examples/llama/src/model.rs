@@ -49,7 +49,10 @@ impl LlamaConfig {
         .with_norm_eps(self.norm_eps)
         .with_checkpoint(self.checkpoint);
         let blocks = (0..self.n_layers)
-            .map(|_| block.try_init(device))
+            .map(|layer| {
+                let offload = self.offload.offloads(layer, self.n_layers);
+                block.clone().with_offload(offload).try_init(device)
+            })
             .collect::<Result<_, _>>()?;
         Ok(Llama {
             embedding: EmbeddingConfig::new(self.vocab_size, self.d_model)
@@ -180,6 +183,16 @@ impl<B: FlashAttentionBackend> Llama<B> {
             Some(head) => linear(head, x),
             None => project(x, self.embedding.weight.val().transpose()),
         })
+    }
+
+    /// The bytes of each tensor the blocks move to host memory in one training step on
+    /// `[batch, seq]` tokens (`seq` this rank's), for
+    /// [`HostOffload::prepare_host_offload`](burn_distflash::offload::HostOffload::prepare_host_offload) before the
+    /// step; empty when no block offloads.
+    pub fn offloaded_bytes(&self, batch: usize, seq: usize) -> Vec<usize> {
+        (self.blocks.iter())
+            .flat_map(|block| block.offloaded_bytes(batch, seq))
+            .collect()
     }
 
     /// Refuses, before any work, tokens that are not `[batch > 0, seq > 0]` on the model's

@@ -337,6 +337,7 @@ impl<B: TrainBackend> Trainer<B> {
                 clock.lap(phase);
             }
         };
+        self.prepare_offload()?;
         let loss = self.loss(inputs, targets, documents, "training step")?;
         lap(|t| &mut t.forward);
         let grads = GradientsParams::from_grads(loss.backward(), &self.model);
@@ -380,6 +381,23 @@ impl<B: TrainBackend> Trainer<B> {
         })
     }
 
+    /// Gets the host memory ready for the checkpoints this step offloads
+    /// ([`LlamaConfig::offload`](crate::LlamaConfig::offload)): checked against what the host
+    /// has, and on CUDA pinned once (the first step's buffers serve every later step), so that a
+    /// host without enough memory fails here, before the step's work.
+    fn prepare_offload(&self) -> Result<(), Error> {
+        let (_, world) = self.rank();
+        let seq = self.options.seq_len / world;
+        let sizes = self.model.offloaded_bytes(self.options.batch, seq);
+        if sizes.is_empty() {
+            return Ok(());
+        }
+        B::prepare_host_offload(&self.device(), &sizes).map_err(|source| Error::Attention {
+            during: "preparing host memory for the offloaded checkpoints",
+            source,
+        })
+    }
+
     /// Mean next-token loss of `inputs` and `targets` (row-major `[batch, seq_len]`, the same
     /// whole batch on every rank) under the current weights, changing nothing: no gradient, no
     /// step. Every rank of a group must call it, like [`train_step`](Self::train_step).
@@ -396,7 +414,11 @@ impl<B: TrainBackend> Trainer<B> {
         targets: &[u32],
         documents: Option<&Documents>,
     ) -> Result<f64, Error> {
-        let loss = self.loss(inputs, targets, documents, "evaluation")?;
+        // Weights that need no gradient build no graph: nothing is kept for a backward that
+        // never comes (Burn frees a dropped graph only at the next backward), neither on the
+        // device nor, for offloading layers, in host memory.
+        let model = self.model.clone().no_grad();
+        let loss = self.loss_of(&model, inputs, targets, documents, "evaluation")?;
         self.group_loss(loss)
     }
 
@@ -408,10 +430,22 @@ impl<B: TrainBackend> Trainer<B> {
         documents: Option<&Documents>,
         during: &'static str,
     ) -> Result<Tensor<B, 1>, Error> {
+        self.loss_of(&self.model, inputs, targets, documents, during)
+    }
+
+    /// [`loss`](Self::loss) under `model`'s weights.
+    fn loss_of(
+        &self,
+        model: &Llama<B>,
+        inputs: &[u32],
+        targets: &[u32],
+        documents: Option<&Documents>,
+        during: &'static str,
+    ) -> Result<Tensor<B, 1>, Error> {
         self.options.check()?;
         let (tokens, targets) = (self.shard(inputs)?, self.shard(targets)?);
         let normalizer = self.options.batch * self.options.seq_len;
-        (self.model)
+        model
             .loss_masked(tokens, targets, &self.context, documents, normalizer)
             .map_err(|source| Error::Attention { during, source })
     }

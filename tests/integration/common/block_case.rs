@@ -54,8 +54,21 @@ pub fn random_blocks<B>(
 where
     B: AutodiffBackend + FlashAttentionBackend,
 {
+    random_layers(config, seed, device, 2)
+}
+
+/// `count` blocks with random weights (every weight requires gradients).
+pub fn random_layers<B>(
+    config: &TransformerBlockConfig,
+    seed: u64,
+    device: &B::Device,
+    count: usize,
+) -> Vec<TransformerBlock<B>>
+where
+    B: AutodiffBackend + FlashAttentionBackend,
+{
     let mut rng = Rng::new(seed);
-    (0..2)
+    (0..count)
         .map(|_| config.init::<B>(device).map(&mut Randomize(&mut rng)))
         .collect()
 }

@@ -9,7 +9,7 @@ use crate::common::temp_dir::TempDir;
 use distflash_llama::metrics::read_metrics;
 
 /// Runs `llama_train` on the bundled text with a small model and batch, writing to `out`.
-fn llama_train(out: &Path, extra: &[&str]) -> Output {
+pub(crate) fn llama_train(out: &Path, extra: &[&str]) -> Output {
     let data = concat!(env!("CARGO_MANIFEST_DIR"), "/data/tiny_shakespeare.txt");
     std::process::Command::new(env!("CARGO_BIN_EXE_llama_train"))
         .args([
@@ -38,7 +38,7 @@ fn llama_train(out: &Path, extra: &[&str]) -> Output {
 }
 
 /// The run's standard error, after checking its exit code.
-fn stderr_of(output: &Output, code: i32) -> String {
+pub(crate) fn stderr_of(output: &Output, code: i32) -> String {
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     assert_eq!(output.status.code(), Some(code), "{stderr}");
     stderr

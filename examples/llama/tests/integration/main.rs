@@ -1,7 +1,8 @@
 //! The Llama example's integration tests, in one executable (each test executable links Burn,
 //! wgpu and CubeCL): the command line, generation, the loss and the optimizer's kernels against
-//! f64, packing and windows, the tokenizer, training on one device and on in-process groups, the sharded
-//! optimizer's checkpoints, and the Hugging Face weights. The `#[ignore]`d tests need a CUDA GPU;
+//! f64, packing and windows, the tokenizer, training on one device and on in-process groups,
+//! with checkpoints offloaded to host memory too, the sharded optimizer's checkpoints, and the
+//! Hugging Face weights. The `#[ignore]`d tests need a CUDA GPU;
 //! run them one process per test (`.ci/gpu-tests`), as Burn 0.21 fixes one default float type
 //! per device and process.
 
@@ -11,6 +12,7 @@ mod checkpoints;
 mod command_line;
 mod generate;
 mod loss;
+mod offload;
 mod optimizer;
 mod packing;
 mod tokenizer;

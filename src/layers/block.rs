@@ -1,5 +1,6 @@
 //! [`TransformerBlock`]: a Llama decoder layer (pre-norm attention and SwiGLU feed-forward, both
-//! residual), with a per-model choice of where gradient checkpointing puts its boundary.
+//! residual), with a per-model choice of where gradient checkpointing puts its boundary and of
+//! how many rows the feed-forward half takes at a time.
 
 use crate::Error;
 use burn::config::Config;
@@ -13,6 +14,7 @@ use super::attention_backward::{AttentionActivations, AttentionGrads};
 use super::feed_forward::{FeedForward, FeedForwardConfig, FeedForwardGrads};
 use super::linear_layer::linear;
 use super::rms_norm::{RmsNorm, RmsNormConfig};
+use super::row_chunks::RowChunks;
 use crate::extension::{
     AttentionContext, CheckpointPlacement, CheckpointSegment, FlashAttentionBackend,
 };
@@ -36,9 +38,25 @@ pub struct TransformerBlockConfig {
     /// policy). Needs a checkpoint placement other than `None`.
     #[config(default = false)]
     pub offload: bool,
+    /// How many rows (`batch * seq` tokens) the feed-forward half takes at a time in the
+    /// forward, a checkpoint's recomputation and the backward, so that its `[rows, d_ff]`
+    /// activations exist one chunk at a time ([`feed_forward_bytes_per_row`] is what a budget
+    /// is divided by). The gradients are those of the whole sequence at once.
+    ///
+    /// [`feed_forward_bytes_per_row`]: super::feed_forward_bytes_per_row
+    #[config(default = "TransformerBlockConfig::DEFAULT_FFN_CHUNKS")]
+    pub ffn_chunks: RowChunks,
 }
 
 impl TransformerBlockConfig {
+    /// The default [`ffn_chunks`](Self::ffn_chunks): chunks whose feed-forward activations take
+    /// at most 1 GiB, about 8K tokens of LLaMA-7B in bf16 (products of that many rows keep a
+    /// GPU's matrix units busy), one chunk for any sequence a CPU trains.
+    pub const DEFAULT_FFN_CHUNKS: RowChunks = match std::num::NonZeroU64::new(1 << 30) {
+        Some(bytes) => RowChunks::Budget(bytes),
+        None => unreachable!(),
+    };
+
     /// The block, or what is wrong with the configuration.
     ///
     /// # Errors
@@ -64,6 +82,7 @@ impl TransformerBlockConfig {
                 .init(device),
             checkpoint: self.checkpoint,
             offload: self.offload,
+            ffn_chunks: self.ffn_chunks,
         })
     }
 
@@ -109,6 +128,10 @@ pub struct TransformerBlock<B: Backend> {
     /// effect with [`CheckpointPlacement::None`]).
     #[module(skip)]
     pub offload: bool,
+    /// How many rows the feed-forward half takes at a time
+    /// ([`TransformerBlockConfig::ffn_chunks`]).
+    #[module(skip)]
+    pub ffn_chunks: RowChunks,
 }
 
 /// The attention half of a block's forward: what its backward starts from.
@@ -252,7 +275,13 @@ impl<B: FlashAttentionBackend> TransformerBlock<B> {
         documents: Option<&Documents>,
     ) -> Result<Tensor<B, 3>, Error> {
         let half = self.attention_half(x, context, documents, None)?;
-        Ok(half.h.clone() + self.ffn.forward(self.ffn_norm.forward(half.h)))
+        Ok(self.feed_forward_half(half.h))
+    }
+
+    /// `h + ffn(norm(h))`, the feed-forward over row chunks as [`Self::ffn_chunks`] says.
+    fn feed_forward_half(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
+        let ffn_input = self.ffn_norm.forward(h.clone());
+        h + self.ffn.forward_chunked(ffn_input, &self.ffn_chunks)
     }
 
     /// Runs the attention half (within `documents` when given); with `saved` `(O, lse)`
@@ -294,7 +323,8 @@ impl<B: FlashAttentionBackend> TransformerBlock<B> {
         documents: Option<&Documents>,
     ) -> BlockGrads<B> {
         let ffn_input = self.ffn_norm.forward(half.h.clone());
-        let (dffn_input, ffn) = self.ffn.backward(ffn_input, grad.clone());
+        let (dffn_input, ffn) =
+            (self.ffn).backward_chunked(ffn_input, grad.clone(), &self.ffn_chunks);
         let (dh_norm, ffn_norm) = self.ffn_norm.backward(half.h, dffn_input);
         let dh = grad + dh_norm;
         let (dattention_input, attention) =
@@ -369,8 +399,7 @@ impl<B: FlashAttentionBackend> CheckpointSegment<B, BLOCK_PARENTS> for Transform
         placement: CheckpointPlacement,
     ) -> Result<(Tensor<B, 3>, Vec<FloatTensor<B>>), Error> {
         let half = self.attention_half(x, context, documents, None)?;
-        let h = half.h;
-        let out = h.clone() + self.ffn.forward(self.ffn_norm.forward(h));
+        let out = self.feed_forward_half(half.h);
         let kept = match placement {
             CheckpointPlacement::AttentionOutput => {
                 vec![primitive(half.attention.out), primitive(half.attention.lse)]

@@ -1,13 +1,16 @@
-//! The SwiGLU feed-forward block of Llama: `down(silu(gate(x)) * up(x))`, with its backward.
+//! The SwiGLU feed-forward block of Llama: `down(silu(gate(x)) * up(x))`, with its backward, both
+//! also over row chunks of the sequence ([`RowChunks`]) so that the `[rows, d_ff]` activations
+//! exist one chunk at a time.
 
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::{Initializer, Linear, LinearConfig};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{DType, Tensor, TensorPrimitive};
 
 use super::linear_grad::{linear_backward, linear_input_grad, linear_weight_grad};
 use super::linear_layer::linear;
+use super::row_chunks::RowChunks;
 use crate::extension::FlashAttentionBackend;
 
 /// Configuration of [`FeedForward`].
@@ -57,6 +60,34 @@ pub(crate) struct FeedForwardGrads<B: Backend> {
     pub down: Tensor<B, 2>,
 }
 
+impl<B: Backend> FeedForwardGrads<B> {
+    /// Each gradient as `dtype`.
+    fn cast(self, dtype: DType) -> Self {
+        Self {
+            gate: self.gate.cast(dtype),
+            up: self.up.cast(dtype),
+            down: self.down.cast(dtype),
+        }
+    }
+
+    /// The element-wise sums with `other`'s gradients.
+    fn add(self, other: Self) -> Self {
+        Self {
+            gate: self.gate + other.gate,
+            up: self.up + other.up,
+            down: self.down + other.down,
+        }
+    }
+}
+
+/// Bytes per row of the `[rows, d_ff]` tensors the feed-forward backward holds at once (the
+/// gate and up activations, the hidden activation and its gradient, the gate's and up's
+/// gradients: six) with elements of `elem_bytes` bytes: what a [`RowChunks::Budget`] of the
+/// feed-forward block is divided by. The forward holds half as many.
+pub fn feed_forward_bytes_per_row(d_ff: usize, elem_bytes: usize) -> u64 {
+    6 * d_ff as u64 * elem_bytes as u64
+}
+
 impl<B: FlashAttentionBackend> FeedForward<B> {
     /// Applies the block to `x` `[batch, seq, d_model]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
@@ -64,6 +95,70 @@ impl<B: FlashAttentionBackend> FeedForward<B> {
         let up = linear(&self.up, x).into_primitive().tensor();
         let hidden = Tensor::from_primitive(TensorPrimitive::Float(B::swiglu(gate, up)));
         linear(&self.down, hidden)
+    }
+
+    /// [`forward`](Self::forward) over row chunks of `x`'s `batch * seq` rows as `chunks` says
+    /// (the `[rows, d_ff]` activations exist one chunk at a time); one chunk is
+    /// [`forward`](Self::forward) itself.
+    pub(crate) fn forward_chunked(&self, x: Tensor<B, 3>, chunks: &RowChunks) -> Tensor<B, 3> {
+        let ranges = self.row_ranges(&x, chunks);
+        if ranges.len() <= 1 {
+            return self.forward(x);
+        }
+        let [batch, seq, d_model] = x.dims();
+        let rows = x.reshape([1, batch * seq, d_model]);
+        let outputs = ranges
+            .into_iter()
+            .map(|range| self.forward(rows.clone().slice([0..1, range])))
+            .collect();
+        Tensor::cat(outputs, 1).reshape([batch, seq, d_model])
+    }
+
+    /// [`backward`](Self::backward) over row chunks of the `batch * seq` rows as `chunks` says:
+    /// each chunk's activations are recomputed, used and dropped before the next; the weight
+    /// gradients are summed over the chunks in f32 and returned in the type one chunk gives.
+    pub(crate) fn backward_chunked(
+        &self,
+        x: Tensor<B, 3>,
+        grad: Tensor<B, 3>,
+        chunks: &RowChunks,
+    ) -> (Tensor<B, 3>, FeedForwardGrads<B>) {
+        let ranges = self.row_ranges(&x, chunks);
+        if ranges.len() <= 1 {
+            return self.backward(x, grad);
+        }
+        let [batch, seq, d_model] = x.dims();
+        let x = x.reshape([1, batch * seq, d_model]);
+        let grad = grad.reshape([1, batch * seq, d_model]);
+        let (mut dx, mut sum, mut dtype) = (Vec::with_capacity(ranges.len()), None, None);
+        for range in ranges {
+            let rows = [0..1, range];
+            let (dx_chunk, grads) =
+                self.backward(x.clone().slice(rows.clone()), grad.clone().slice(rows));
+            dx.push(dx_chunk);
+            dtype.get_or_insert(grads.down.dtype());
+            let grads = grads.cast(DType::F32);
+            sum = Some(match sum {
+                None => grads,
+                Some(sum) => grads.add(sum),
+            });
+        }
+        let sum = sum.expect("at least two chunks");
+        let dtype = dtype.expect("at least two chunks");
+        (
+            Tensor::cat(dx, 1).reshape([batch, seq, d_model]),
+            sum.cast(dtype),
+        )
+    }
+
+    /// The chunks' row ranges for input `x`, from the bytes one row of its activations takes.
+    fn row_ranges(&self, x: &Tensor<B, 3>, chunks: &RowChunks) -> Vec<std::ops::Range<usize>> {
+        let [batch, seq, _] = x.dims();
+        let d_ff = self.up.weight.dims()[1];
+        chunks.ranges(
+            batch * seq,
+            feed_forward_bytes_per_row(d_ff, x.dtype().size()),
+        )
     }
 
     /// `(dx, weight gradients)` at input `x` for the output gradient `grad` (recomputes the

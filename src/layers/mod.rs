@@ -2,8 +2,9 @@
 //! attention, local or sequence-parallel) and [`TransformerBlock`] (a Llama decoder layer with a
 //! choice of gradient-checkpoint placement, [`CheckpointPlacement`], and of host offload,
 //! [`Offload`]), the pieces they are made of, [`CheckpointSegment`] for running a model part of
-//! your own as one gradient checkpoint, and [`replicate`] for giving every rank its own trainable
-//! copy of a model.
+//! your own as one gradient checkpoint, [`replicate`] for giving every rank its own trainable
+//! copy of a model, and [`RowChunks`] for running sequence-wise parts (the feed-forward block) a
+//! chunk of rows at a time.
 
 mod attention;
 mod attention_backward;
@@ -16,14 +17,17 @@ mod linear_layer;
 mod replicate;
 mod rms_norm;
 mod rope;
+mod row_chunks;
 
 pub use crate::extension::{CheckpointPlacement, CheckpointSegment};
+pub use crate::matmul::Transposed;
 pub use crate::offload::Offload;
 pub use attention::{DistFlashAttention, DistFlashAttentionConfig};
 pub use block::{TransformerBlock, TransformerBlockConfig};
 pub use counter::ForwardCounter;
-pub use feed_forward::{FeedForward, FeedForwardConfig};
-pub use linear_layer::{linear, project};
+pub use feed_forward::{feed_forward_bytes_per_row, FeedForward, FeedForwardConfig};
+pub use linear_layer::{linear, matrix_product, project};
 pub use replicate::replicate;
 pub use rms_norm::{RmsNorm, RmsNormConfig};
 pub use rope::{Llama3RopeScaling, RopeConfig, RotaryTables};
+pub use row_chunks::RowChunks;

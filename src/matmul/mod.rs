@@ -17,7 +17,7 @@ mod transposed;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
-pub(crate) use transposed::Transposed;
+pub use transposed::Transposed;
 
 /// The product of two matrices as [`Transposed`] says, `[m, n]`.
 pub(crate) fn product<B: Backend>(

@@ -3,7 +3,7 @@
 
 /// Which operand of a product enters transposed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Transposed {
+pub enum Transposed {
     /// `a b`: `a` is `[m, k]`, `b` is `[k, n]`.
     Neither,
     /// `a^T b`: `a` is `[k, m]`, `b` is `[k, n]` (a weight gradient `x^T dy`).

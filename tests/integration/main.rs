@@ -28,6 +28,7 @@ mod distributed_nccl;
 #[cfg(feature = "nccl")]
 mod distributed_nccl_bf16;
 mod distributed_repeated;
+mod feed_forward_chunks;
 mod layer_ops;
 mod layout;
 mod local_transport;

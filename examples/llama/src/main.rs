@@ -27,6 +27,10 @@
 //!   `--grad-clip`, `--seed`, `--zero 0|1|2` (the optimizer: 0 replicated, 1 f32 master weights
 //!   and moments sharded over the group, 2 also the gradients reduce-scattered; default 2 on
 //!   several ranks, 0 on one; the memory each rank holds is printed after the first step);
+//! - memory: `--loss-chunk N` (the output projection and loss take N tokens of a rank at a time:
+//!   one chunk of logits exists at once), `--ffn-chunk N` (likewise every feed-forward block);
+//!   by default each is as many tokens as fit a 1 GiB budget for its transient tensors; neither
+//!   changes the results;
 //! - validation: `--val-fraction F` (the last fraction of the corpus is held out, default 0.05),
 //!   `--val-every N` (validation loss every N steps and at the end, in metrics.jsonl and on the
 //!   plot; 0 turns it off);
@@ -45,7 +49,7 @@ use burn::module::Module;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::Backend;
 use burn_distflash::collective::on_each_rank;
-use burn_distflash::layers::{replicate, CheckpointPlacement, Offload};
+use burn_distflash::layers::{replicate, CheckpointPlacement, Offload, RowChunks};
 use burn_distflash::schedule::ScheduleKind;
 use burn_distflash::{AttentionContext, DeviceGroup, Documents};
 use distflash_llama::data::{Packing, TokenDataset};
@@ -87,6 +91,9 @@ struct Args {
     resume: bool,
     /// Whether `--steps` was given (with `--resume`, it replaces the checkpoint's total).
     steps_given: bool,
+    /// Whether `--loss-chunk` or `--ffn-chunk` was given (with `--resume`, they replace the
+    /// checkpoint's).
+    chunks_given: bool,
     export_weights: Option<PathBuf>,
     log_every: u64,
     val_fraction: f64,
@@ -165,6 +172,8 @@ fn parse() -> Args {
         "--grad-clip",
         "--seed",
         "--zero",
+        "--loss-chunk",
+        "--ffn-chunk",
         "--out",
         "--save-every",
         "--resume",
@@ -202,7 +211,14 @@ fn parse() -> Args {
             "--schedule takes auto, ring, balanced or zigzag, got {other}"
         )),
     };
-    let options = TrainOptions::new(
+    // Tokens per chunk: at least 1; absent, the default memory budget.
+    let chunks = |name: &str| {
+        value(name).map(|_| {
+            RowChunks::rows(size(name, 0)).unwrap_or_else(|e| fail(format!("{name}: {e}")))
+        })
+    };
+    let (loss_chunk, ffn_chunk) = (chunks("--loss-chunk"), chunks("--ffn-chunk"));
+    let mut options = TrainOptions::new(
         count("--steps", 600),
         size("--batch", 8),
         size("--seq-len", 128),
@@ -211,6 +227,12 @@ fn parse() -> Args {
     .with_warmup(count("--warmup", 20))
     .with_grad_clip(number("--grad-clip", 1.0))
     .with_seed(count("--seed", 0));
+    if let Some(chunks) = loss_chunk {
+        options.loss_chunks = chunks;
+    }
+    if let Some(chunks) = ffn_chunk {
+        options.ffn_chunks = chunks;
+    }
     Args {
         out: value("--out").map_or_else(
             || PathBuf::from(format!("runs/llama-{config}")),
@@ -242,6 +264,9 @@ fn parse() -> Args {
         save_every: count("--save-every", 100),
         resume: raw.iter().any(|a| a == "--resume"),
         steps_given: raw.iter().any(|a| a == "--steps"),
+        chunks_given: raw
+            .iter()
+            .any(|a| a == "--loss-chunk" || a == "--ffn-chunk"),
         export_weights: value("--export-weights").map(PathBuf::from),
         log_every: count("--log-every", 10),
         val_fraction: number("--val-fraction", 0.05),
@@ -392,6 +417,10 @@ fn train_rank<B: TrainBackend>(
                 ));
             }
             trainer.options.steps = args.options.steps;
+        }
+        if args.chunks_given {
+            // Memory only: the checkpoint's run continues identically with other chunks.
+            trainer.set_chunks(args.options.loss_chunks, args.options.ffn_chunks);
         }
     }
     let tokenizer = tokenizer(args);

@@ -1,5 +1,6 @@
 //! [`Llama`]: token embedding, [`TransformerBlock`]s, final RMSNorm and the output projection
-//! (tied to the embedding or not), with the next-token cross-entropy loss.
+//! (tied to the embedding or not), with the next-token cross-entropy loss, which runs the output
+//! projection and the loss over row chunks so that no more than one chunk of logits exists.
 
 use burn::module::{Module, ModuleMapper, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig};
@@ -7,10 +8,10 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 
 use super::config::LlamaConfig;
-use super::loss::CrossEntropyBackend;
+use super::loss::{CrossEntropyBackend, HeadLayout, DEFAULT_LOSS_CHUNKS};
 use super::rng::SplitMix64;
 use burn_distflash::layers::{
-    linear, project, RmsNorm, RmsNormConfig, TransformerBlock, TransformerBlockConfig,
+    linear, project, RmsNorm, RmsNormConfig, RowChunks, TransformerBlock, TransformerBlockConfig,
 };
 use burn_distflash::{AttentionContext, Documents, Error as PluginError, FlashAttentionBackend};
 
@@ -25,6 +26,12 @@ pub struct Llama<B: Backend> {
     pub norm: RmsNorm<B>,
     /// Output projection `[d_model, vocab]`; `None` when tied to the embedding.
     pub lm_head: Option<Linear<B>>,
+    /// How many rows (tokens) the output projection and loss take at a time in
+    /// [`loss`](Llama::loss) ([`crate::loss::loss_bytes_per_row`] is what a budget is divided
+    /// by); [`DEFAULT_LOSS_CHUNKS`] when built. The loss and gradients are the whole
+    /// sequence's at once.
+    #[module(skip)]
+    pub loss_chunks: RowChunks,
 }
 
 /// Standard deviation of the initial weight matrices.
@@ -68,6 +75,7 @@ impl LlamaConfig {
                     .with_initializer(init)
                     .init(device)
             }),
+            loss_chunks: DEFAULT_LOSS_CHUNKS,
         })
     }
 
@@ -170,6 +178,21 @@ impl<B: FlashAttentionBackend> Llama<B> {
         context: &AttentionContext<B>,
         documents: Option<&Documents>,
     ) -> Result<Tensor<B, 3>, PluginError> {
+        let x = self.hidden_states(tokens, context, documents)?;
+        Ok(match &self.lm_head {
+            Some(head) => linear(head, x),
+            None => project(x, self.embedding.weight.val().transpose()),
+        })
+    }
+
+    /// The final norm's output `[batch, seq, d_model]` (what the output projection takes),
+    /// within `documents` when given.
+    fn hidden_states(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        context: &AttentionContext<B>,
+        documents: Option<&Documents>,
+    ) -> Result<Tensor<B, 3>, PluginError> {
         self.check_tokens(&tokens)?;
         let mut x = self.embedding.forward(tokens);
         for block in &self.blocks {
@@ -178,11 +201,27 @@ impl<B: FlashAttentionBackend> Llama<B> {
                 None => block.try_forward(x, context)?,
             };
         }
-        let x = self.norm.forward(x);
-        Ok(match &self.lm_head {
-            Some(head) => linear(head, x),
-            None => project(x, self.embedding.weight.val().transpose()),
-        })
+        Ok(self.norm.forward(x))
+    }
+
+    /// The output projection's weight and its layout: the head's `[d_model, vocab]`, or the
+    /// embedding table `[vocab, d_model]` when tied.
+    fn head_weight(&self) -> (Tensor<B, 2>, HeadLayout) {
+        match &self.lm_head {
+            Some(head) => (head.weight.val(), HeadLayout::Untied),
+            None => (self.embedding.weight.val(), HeadLayout::Tied),
+        }
+    }
+
+    /// This model with `loss` as its [`loss_chunks`](Self::loss_chunks) and `ffn` as every
+    /// block's [`ffn_chunks`](TransformerBlock::ffn_chunks): how many rows the loss and the
+    /// feed-forward blocks take at a time (memory only; the results do not change).
+    pub fn with_chunks(mut self, loss: RowChunks, ffn: RowChunks) -> Self {
+        self.loss_chunks = loss;
+        for block in &mut self.blocks {
+            block.ffn_chunks = ffn;
+        }
+        self
     }
 
     /// The bytes of each tensor the blocks move to host memory in one training step on
@@ -219,7 +258,9 @@ impl<B: FlashAttentionBackend> Llama<B> {
 
     /// Cross-entropy of `targets` `[batch, seq]` summed over these tokens and divided by
     /// `normalizer`: with `normalizer` the number of target tokens of the whole sequence, the
-    /// ranks' losses add up to the mean loss, and so do their gradients.
+    /// ranks' losses add up to the mean loss, and so do their gradients. The output projection
+    /// and the loss run over row chunks ([`loss_chunks`](Self::loss_chunks)): the logits of
+    /// one chunk exist at a time, also in the backward.
     pub fn loss(
         &self,
         tokens: Tensor<B, 2, Int>,
@@ -268,10 +309,17 @@ impl<B: FlashAttentionBackend> Llama<B> {
     where
         B: CrossEntropyBackend,
     {
-        let logits = self.forward_masked(tokens, context, documents)?;
-        let [batch, seq, vocab] = logits.dims();
+        let hidden = self.hidden_states(tokens, context, documents)?;
+        let [batch, seq, d_model] = hidden.dims();
         let rows = batch * seq;
-        let sum = B::cross_entropy_sum(logits.reshape([rows, vocab]), targets.reshape([rows]));
+        let (weight, layout) = self.head_weight();
+        let sum = B::projected_cross_entropy_sum(
+            hidden.reshape([rows, d_model]),
+            weight,
+            layout,
+            targets.reshape([rows]),
+            &self.loss_chunks,
+        );
         Ok(sum.div_scalar(normalizer as f64))
     }
 }

@@ -36,6 +36,7 @@ use super::model::Llama;
 use super::optimizer::{AdamWSettings, FusedAdamW, ShardedAdamW, ZeroStage};
 use super::TrainingKernels;
 use crate::Error;
+use burn_distflash::layers::{RowChunks, TransformerBlockConfig};
 use burn_distflash::sequence_parallel::shard_sequence;
 use burn_distflash::{
     AttentionContext, Documents, Error as PluginError, FlashAttentionBackend, FlashAttentionOptions,
@@ -79,6 +80,18 @@ pub struct TrainOptions {
     /// ([`ZeroStage`]). Checkpoints written before this option existed mean stage 0.
     #[config(default = "ZeroStage::Replicated")]
     pub zero: ZeroStage,
+    /// How many rows (tokens of this rank's `batch * seq_len / P`) the output projection and
+    /// loss take at a time ([`Llama::loss_chunks`]): a row count, or a memory budget for one
+    /// chunk's logits ([`crate::loss::loss_bytes_per_row`]). Memory only: the loss and
+    /// gradients do not depend on it.
+    #[config(default = "crate::loss::DEFAULT_LOSS_CHUNKS")]
+    pub loss_chunks: RowChunks,
+    /// How many rows every block's feed-forward half takes at a time
+    /// ([`TransformerBlock::ffn_chunks`](burn_distflash::layers::TransformerBlock::ffn_chunks)),
+    /// a row count or a memory budget ([`burn_distflash::layers::feed_forward_bytes_per_row`]).
+    /// Memory only.
+    #[config(default = "TransformerBlockConfig::DEFAULT_FFN_CHUNKS")]
+    pub ffn_chunks: RowChunks,
 }
 
 /// What one step measured.
@@ -229,16 +242,26 @@ pub struct Trainer<B: TrainBackend> {
 
 impl<B: TrainBackend> Trainer<B> {
     /// A trainer at step 0, with the optimizer of `options.zero` (a sharded one creates its
-    /// state at the first step, from the weights then).
+    /// state at the first step, from the weights then), and the model's loss and feed-forward
+    /// chunks set to `options`'.
     pub fn new(model: Llama<B>, context: AttentionContext<B>, options: TrainOptions) -> Self {
         let optim = StepOptimizer::new(&options, &context);
         Self {
-            model,
+            model: model.with_chunks(options.loss_chunks, options.ffn_chunks),
             optim,
             step: 0,
             context,
             options,
         }
+    }
+
+    /// Sets how many rows the loss and the feed-forward blocks take at a time, in the options
+    /// (saved with the next checkpoint) and in the model. Memory only: steps give the same
+    /// results.
+    pub fn set_chunks(&mut self, loss: RowChunks, ffn: RowChunks) {
+        self.options.loss_chunks = loss;
+        self.options.ffn_chunks = ffn;
+        self.model = self.model.clone().with_chunks(loss, ffn);
     }
 
     /// `(rank, world size)` of this trainer's group.

@@ -1,5 +1,6 @@
 //! `Autodiff<B>`'s fused cross-entropy: one graph node from the logits to the rows' losses, whose
-//! backward runs [`TrainingKernels::cross_entropy_backward`] from the saved log-sum-exp.
+//! backward runs [`TrainingKernels::cross_entropy_backward`] from the saved log-sum-exp; and its
+//! chunked projected cross-entropy (`chunked_node`).
 
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Int, Tensor, TensorPrimitive};
@@ -9,8 +10,10 @@ use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
 use burn_autodiff::Autodiff;
 
-use super::{cross_entropy_sum_portable, CrossEntropyBackend};
+use super::chunked::HeadLayout;
+use super::{chunked_node, cross_entropy_sum_portable, CrossEntropyBackend};
 use crate::TrainingKernels;
+use burn_distflash::layers::RowChunks;
 
 /// The backward node of `loss[row] = lse[row] - logits[row, target[row]]`.
 #[derive(Debug)]
@@ -56,5 +59,15 @@ impl<B: TrainingKernels, C: CheckpointStrategy> CrossEntropyBackend for Autodiff
             OpsKind::UnTracked(prep) => prep.finish(loss),
         };
         Tensor::<Self, 1>::from_primitive(TensorPrimitive::Float(rows)).sum()
+    }
+
+    fn projected_cross_entropy_sum(
+        hidden: Tensor<Self, 2>,
+        weight: Tensor<Self, 2>,
+        layout: HeadLayout,
+        targets: Tensor<Self, 1, Int>,
+        chunks: &RowChunks,
+    ) -> Tensor<Self, 1> {
+        chunked_node::projected_cross_entropy_sum(hidden, weight, layout, targets, chunks)
     }
 }

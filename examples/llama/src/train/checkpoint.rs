@@ -251,6 +251,7 @@ impl<B: TrainBackend> Trainer<B> {
             }
         };
         self.step = state.step;
+        self.model = (self.model).with_chunks(state.options.loss_chunks, state.options.ffn_chunks);
         self.options = state.options;
         Ok(self)
     }

@@ -24,6 +24,7 @@ mod portable;
 pub use adamw_cube::{unfused_optimizer_forced, AdamWTensors};
 pub use adamw_kernels::AdamWStep;
 pub use loss_cube::{unfused_loss_forced, CrossEntropyRows};
+pub(crate) use portable::{cross_entropy_backward_portable, cross_entropy_rows_portable};
 
 /// Backends that may run the training step's loss and optimizer passes fused. Under `Autodiff`,
 /// the inner backend's implementation is the one used (see

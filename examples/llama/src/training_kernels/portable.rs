@@ -35,3 +35,22 @@ pub(crate) fn cross_entropy_backward_portable<B: Backend>(
         .into_primitive()
         .tensor()
 }
+
+/// Per row of logits `[rows, vocab]` against targets `[rows]`, `(loss, lse)` in f32 with Burn
+/// tensor operations on an f32 copy of the logits: `lse = max + log(sum(exp(logits - max)))`,
+/// `loss = lse - logits[target]`.
+pub(crate) fn cross_entropy_rows_portable<B: Backend>(
+    logits: FloatTensor<B>,
+    targets: IntTensor<B>,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let logits = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(logits)).cast(DType::F32);
+    let targets = Tensor::<B, 1, Int>::from_primitive(targets);
+    let max = logits.clone().max_dim(1);
+    let lse = (logits.clone() - max.clone()).exp().sum_dim(1).log() + max;
+    let picked = logits.gather(1, targets.unsqueeze_dim(1));
+    let loss = (lse.clone() - picked).squeeze_dim::<1>(1);
+    (
+        loss.into_primitive().tensor(),
+        lse.squeeze_dim::<1>(1).into_primitive().tensor(),
+    )
+}

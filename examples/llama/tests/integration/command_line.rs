@@ -1,6 +1,7 @@
 //! `llama_train` as a user runs it, on ndarray with a one-layer model: a resumed run takes
 //! `--steps` as its new total (and refuses one below the checkpoint's step), a run without
-//! validation ends without a validation loss, a bad option exits with code 2 naming it.
+//! validation ends without a validation loss, a bad option exits with code 2 naming it; the
+//! chunk options change no loss, and 0 or a word for one exits with code 2.
 
 use std::path::Path;
 use std::process::Output;
@@ -85,4 +86,32 @@ fn a_bad_training_option_exits_with_code_two_naming_it() {
         "{stderr}"
     );
     assert!(!dir.path().join("metrics.jsonl").exists());
+}
+
+#[test]
+fn chunk_options_change_no_loss_and_refuse_zero_or_words() {
+    let (whole, chunked) = (TempDir::new("cli-whole"), TempDir::new("cli-chunked"));
+    stderr_of(&llama_train(whole.path(), &["--steps", "2"]), 0);
+    let chunks = ["--steps", "2", "--loss-chunk", "7", "--ffn-chunk", "5"];
+    stderr_of(&llama_train(chunked.path(), &chunks), 0);
+    let losses = |out: &Path| -> Vec<f64> {
+        let records = read_metrics(&out.join("metrics.jsonl")).expect("metrics.jsonl");
+        records.iter().map(|m| m.loss).collect()
+    };
+    let (expected, got) = (losses(whole.path()), losses(chunked.path()));
+    assert_eq!(got.len(), expected.len());
+    for (g, e) in got.iter().zip(&expected) {
+        assert!(
+            (g - e).abs() <= 1e-5 * e.abs(),
+            "chunked {got:?}, whole {expected:?}"
+        );
+    }
+    let dir = TempDir::new("cli-bad-chunk");
+    let zero = stderr_of(&llama_train(dir.path(), &["--loss-chunk", "0"]), 2);
+    assert!(
+        zero.contains("--loss-chunk") && zero.contains("at least 1"),
+        "{zero}"
+    );
+    let word = stderr_of(&llama_train(dir.path(), &["--ffn-chunk", "many"]), 2);
+    assert!(word.contains("--ffn-chunk takes a whole number"), "{word}");
 }

@@ -17,7 +17,8 @@ type Cpu = Autodiff<burn::backend::NdArray<f32>>;
 /// `(rows, vocab)` cases: vectors of 8, 4, 2 and 1 elements, one row and many.
 const CASES: [(usize, usize); 5] = [(1, 8), (5, 1000), (3, 30), (7, 257), (33, 4096)];
 
-fn values(len: usize, seed: u64, scale: f64) -> Vec<f64> {
+/// `len` values uniform in `[-scale, scale)` from the stream `seed`.
+pub(crate) fn values(len: usize, seed: u64, scale: f64) -> Vec<f64> {
     let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(7);
     (0..len)
         .map(|_| {
@@ -25,6 +26,17 @@ fn values(len: usize, seed: u64, scale: f64) -> Vec<f64> {
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
             scale * (2.0 * ((state >> 11) as f64 / (1u64 << 53) as f64) - 1.0)
+        })
+        .collect()
+}
+
+/// `rows` target ids below `vocab`: the first and last column and spread between.
+pub(crate) fn spread_targets(rows: usize, vocab: usize) -> Vec<i64> {
+    (0..rows)
+        .map(|r| match r % 3 {
+            0 => 0,
+            1 => vocab as i64 - 1,
+            _ => ((r * 7919) % vocab) as i64,
         })
         .collect()
 }
@@ -37,13 +49,7 @@ fn check<B: AutodiffBackend + CrossEntropyBackend>(device: &B::Device, dtype: DT
             .cast(dtype)
             .reshape([rows, vocab]);
         let x = host(logits.clone());
-        let targets: Vec<i64> = (0..rows)
-            .map(|r| match r % 3 {
-                0 => 0,
-                1 => vocab as i64 - 1,
-                _ => ((r * 7919) % vocab) as i64,
-            })
-            .collect();
+        let targets = spread_targets(rows, vocab);
         let target_tensor =
             Tensor::<B, 1, Int>::from_data(TensorData::new(targets.clone(), [rows]), device);
         let logits = logits.require_grad();

@@ -9,6 +9,7 @@
 mod common;
 
 mod checkpoints;
+mod chunked_loss;
 mod command_line;
 mod generate;
 mod loss;

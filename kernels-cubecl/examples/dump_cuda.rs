@@ -1,13 +1,15 @@
-//! Writes the CUDA C++ that cubecl-cuda generates for each tensor-core kernel, with no GPU: the
+//! Writes the CUDA C++ that cubecl-cuda generates for each attention kernel, with no GPU: the
 //! kernels are expanded into a `KernelBuilder` configured like an H200 (sm_90) and compiled by
-//! CubeCL's CUDA compiler, with `exp2` rewritten as the launches rewrite it
-//! (`tensor_core::fast_exp2`): exactly what cubecl-cuda hands to NVRTC at first launch.
+//! CubeCL's CUDA compiler, the tensor-core ones with `exp2` rewritten as their launches rewrite
+//! it (`tensor_core::fast_exp2`): exactly what cubecl-cuda hands to NVRTC at first launch.
 //!
 //! `cargo run --release -p distflash-kernels --example dump_cuda -- OUT_DIR [bf16|f16]`
-//! writes `OUT_DIR/{forward,attention,forward_first,forward_last,dq,dkdv,fused,fused_whole}_{causal,full}_d{64,128}.cu`
-//! (`attention`: the whole-attention forward; `fused`: the dK/dV kernel that also adds dQ with
-//! atomics, `fused_whole` its whole-attention form). Read them with a CUDA
-//! compiler's resource report (registers, spills) and the SASS of their loops.
+//! writes `OUT_DIR/{KERNEL}_{MASK}_d{64,128}.cu` for every mask of [`mask_kinds`] and, as
+//! KERNEL, the tensor-core `forward`, `attention` (the whole-attention forward),
+//! `forward_first`, `forward_last`, `dq`, `dkdv`, `fused` (the dK/dV kernel that also adds dQ
+//! with atomics) and `fused_whole` (its whole-attention form), and the portable
+//! `portable_forward`, `portable_dq` and `portable_dkdv`. Read them with a CUDA compiler's
+//! resource report (registers, spills) and the SASS of their loops.
 
 use std::path::PathBuf;
 
@@ -24,6 +26,7 @@ use cubecl_cpp::shared::{register_mma_features, CompilationOptions, CppSupported
 use cubecl_cpp::DialectWmmaCompiler;
 use cubecl_cuda::CudaCompiler;
 use cubecl_runtime::compiler::Compiler;
+use distflash_kernels::portable;
 use distflash_kernels::tensor_core::{backward, dkdv, fast_exp2, forward, KERNEL_ADDRESS};
 use distflash_kernels::MaskKind;
 use half::{bf16, f16};
@@ -86,6 +89,19 @@ fn compile(
     address: AddressType,
     expand: impl FnOnce(&mut KernelBuilder),
 ) -> String {
+    // What the tensor-core launches hand to NVRTC (see `tensor_core::fast_exp2`).
+    let source = compile_in(name, units, address, ExecutionMode::Unchecked, expand);
+    fast_exp2::with_fast_exp2(&source).0
+}
+
+/// The CUDA source of one kernel as CubeCL prints it for `mode` (a plain `launch` is checked).
+fn compile_in(
+    name: &str,
+    units: u32,
+    address: AddressType,
+    mode: ExecutionMode,
+    expand: impl FnOnce(&mut KernelBuilder),
+) -> String {
     let properties = h200_properties();
     let mut builder = KernelBuilder::default();
     builder.runtime_properties(<cubecl_cuda::CudaRuntime as Runtime>::target_properties());
@@ -112,17 +128,10 @@ fn compile(
             elect_sync: true,
         },
     };
-    let source = CudaCompiler::default()
-        .compile(
-            definition,
-            &options,
-            ExecutionMode::Unchecked,
-            address.unsigned_type(),
-        )
+    CudaCompiler::default()
+        .compile(definition, &options, mode, address.unsigned_type())
         .expect("the kernel compiles")
-        .to_string();
-    // What the tensor-core launches hand to NVRTC (see `tensor_core::fast_exp2`).
-    fast_exp2::with_fast_exp2(&source).0
+        .to_string()
 }
 
 fn input<E: CubePrimitive>(b: &mut KernelBuilder) -> <Array<E> as CubeType>::ExpandType {
@@ -287,6 +296,148 @@ pub fn kernels<E: Float>(head_dim: usize, mask: MaskKind) -> [(&'static str, Str
     ]
 }
 
+/// CUDA sources of the portable kernels for element type `E` (launched checked, 32-bit indices,
+/// backward tiles of 16 rows): the forward step, dQ and dK/dV.
+pub fn portable_kernels<E: Float>(head_dim: usize, mask: MaskKind) -> [(&'static str, String); 3] {
+    let units = portable::ROWS_PER_CUBE as u32;
+    let tile_rows = portable::BACKWARD_TILE_ROWS[0];
+    let checked = |name, expand: &dyn Fn(&mut KernelBuilder)| {
+        compile_in(
+            name,
+            units,
+            AddressType::U32,
+            ExecutionMode::Checked,
+            expand,
+        )
+    };
+    let forward = checked("forward_step_portable", &|b| {
+        let (q, k, v) = (input::<E>(b), input::<E>(b), input::<E>(b));
+        let (o, m, l) = (output::<f32>(b), output::<f32>(b), output::<f32>(b));
+        let docs = input::<u32>(b);
+        let (scale, shift) = (scalar::<f32>(b), scalar::<i32>(b));
+        let (q_len, kv_len) = (scalar::<u32>(b), scalar::<u32>(b));
+        let (heads, group) = (scalar::<u32>(b), scalar::<u32>(b));
+        let (before, after) = (scalar::<i32>(b), scalar::<i32>(b));
+        let (q_pos0, kv_pos0) = (scalar::<u32>(b), scalar::<u32>(b));
+        let (doc_stride, doc_count) = (scalar::<u32>(b), scalar::<u32>(b));
+        let (begin, end) = (scalar::<u32>(b), scalar::<u32>(b));
+        portable::forward::forward_step_portable::expand::<E>(
+            &mut b.scope,
+            q,
+            k,
+            v,
+            o,
+            m,
+            l,
+            docs,
+            scale,
+            shift,
+            q_len,
+            kv_len,
+            heads,
+            group,
+            before,
+            after,
+            q_pos0,
+            kv_pos0,
+            doc_stride,
+            doc_count,
+            begin,
+            end,
+            head_dim,
+            mask,
+        );
+    });
+    let dq = checked("backward_dq_portable", &|b| {
+        let (q, k, v, grad_out) = (input::<E>(b), input::<E>(b), input::<E>(b), input::<E>(b));
+        let (lse, delta) = (input::<f32>(b), input::<f32>(b));
+        let dq = output::<f32>(b);
+        let docs = input::<u32>(b);
+        let (scale, shift) = (scalar::<f32>(b), scalar::<i32>(b));
+        let (q_len, kv_len) = (scalar::<u32>(b), scalar::<u32>(b));
+        let (heads, group) = (scalar::<u32>(b), scalar::<u32>(b));
+        let (before, after) = (scalar::<i32>(b), scalar::<i32>(b));
+        let (q_pos0, kv_pos0) = (scalar::<u32>(b), scalar::<u32>(b));
+        let (doc_stride, doc_count) = (scalar::<u32>(b), scalar::<u32>(b));
+        let (begin, end) = (scalar::<u32>(b), scalar::<u32>(b));
+        portable::backward::backward_dq_portable::expand::<E>(
+            &mut b.scope,
+            q,
+            k,
+            v,
+            grad_out,
+            lse,
+            delta,
+            dq,
+            docs,
+            scale,
+            shift,
+            q_len,
+            kv_len,
+            heads,
+            group,
+            before,
+            after,
+            q_pos0,
+            kv_pos0,
+            doc_stride,
+            doc_count,
+            begin,
+            end,
+            head_dim,
+            tile_rows,
+            mask,
+        );
+    });
+    let dkdv = checked("backward_dkdv_portable", &|b| {
+        let (q, k, v, grad_out) = (input::<E>(b), input::<E>(b), input::<E>(b), input::<E>(b));
+        let (lse, delta) = (input::<f32>(b), input::<f32>(b));
+        let (dk, dv) = (output::<f32>(b), output::<f32>(b));
+        let docs = input::<u32>(b);
+        let (scale, shift) = (scalar::<f32>(b), scalar::<i32>(b));
+        let (q_len, kv_len) = (scalar::<u32>(b), scalar::<u32>(b));
+        let (heads, group) = (scalar::<u32>(b), scalar::<u32>(b));
+        let (before, after) = (scalar::<i32>(b), scalar::<i32>(b));
+        let (q_pos0, kv_pos0) = (scalar::<u32>(b), scalar::<u32>(b));
+        let (doc_stride, doc_count) = (scalar::<u32>(b), scalar::<u32>(b));
+        let (begin, end) = (scalar::<u32>(b), scalar::<u32>(b));
+        portable::backward::backward_dkdv_portable::expand::<E>(
+            &mut b.scope,
+            q,
+            k,
+            v,
+            grad_out,
+            lse,
+            delta,
+            dk,
+            dv,
+            docs,
+            scale,
+            shift,
+            q_len,
+            kv_len,
+            heads,
+            group,
+            before,
+            after,
+            q_pos0,
+            kv_pos0,
+            doc_stride,
+            doc_count,
+            begin,
+            end,
+            head_dim,
+            tile_rows,
+            mask,
+        );
+    });
+    [
+        ("portable_forward", forward),
+        ("portable_dq", dq),
+        ("portable_dkdv", dkdv),
+    ]
+}
+
 /// The compile-time mask shapes the kernels are built for, by name: no mask, causal, a causal
 /// sliding window, causal documents, and all three.
 pub fn mask_kinds() -> [(&'static str, MaskKind); 5] {
@@ -311,9 +462,15 @@ fn main() {
     std::fs::create_dir_all(&out).expect("the output folder can be created");
     for head_dim in distflash_kernels::tensor_core::HEAD_DIMS {
         for (mask_name, mask) in mask_kinds() {
-            let sources = match elem.as_str() {
-                "bf16" => kernels::<bf16>(head_dim, mask),
-                "f16" => kernels::<f16>(head_dim, mask),
+            let sources: Vec<_> = match elem.as_str() {
+                "bf16" => kernels::<bf16>(head_dim, mask)
+                    .into_iter()
+                    .chain(portable_kernels::<bf16>(head_dim, mask))
+                    .collect(),
+                "f16" => kernels::<f16>(head_dim, mask)
+                    .into_iter()
+                    .chain(portable_kernels::<f16>(head_dim, mask))
+                    .collect(),
                 other => panic!("element type must be bf16 or f16, not {other}"),
             };
             for (name, source) in sources {

@@ -23,13 +23,14 @@ mod launch;
 mod limits;
 mod mask;
 mod plan;
-mod portable;
 mod state_kernels;
 mod stats;
 mod step_options;
 mod tensor;
 // Public for the `dump_cuda` example and kernel work, not part of the documented API: the
-// tensor-core kernels are reached through the entry points above.
+// kernels are reached through the entry points above.
+#[doc(hidden)]
+pub mod portable;
 #[doc(hidden)]
 pub mod tensor_core;
 

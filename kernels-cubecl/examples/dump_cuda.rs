@@ -28,7 +28,7 @@ use cubecl_cuda::CudaCompiler;
 use cubecl_runtime::compiler::Compiler;
 use distflash_kernels::portable;
 use distflash_kernels::tensor_core::{backward, dkdv, fast_exp2, forward, KERNEL_ADDRESS};
-use distflash_kernels::MaskKind;
+use distflash_kernels::{AttentionParams, MaskKind};
 use half::{bf16, f16};
 
 /// What an H200 reports to cubecl-cuda 0.10, as far as code generation depends on it.
@@ -146,6 +146,14 @@ fn scalar<E: LaunchArg<CompilationArg = ()>>(b: &mut KernelBuilder) -> <E as Cub
     <E as LaunchArg>::expand(&(), b)
 }
 
+fn attention_params(
+    b: &mut KernelBuilder,
+    head_dim: usize,
+    mask: MaskKind,
+) -> <AttentionParams as CubeType>::ExpandType {
+    <AttentionParams as LaunchArg>::expand(&AttentionParams::compilation_arg(head_dim, mask), b)
+}
+
 /// CUDA sources of the kernels for element type `E`: the forward step, the whole-attention
 /// forward, the first and last forward steps, dQ, dK/dV (deterministic) and the fused dK/dV kernel that also adds dQ, as a step
 /// and for a whole attention.
@@ -157,12 +165,7 @@ pub fn kernels<E: Float>(head_dim: usize, mask: MaskKind) -> [(&'static str, Str
             let (o, m, l) = (output::<f32>(b), output::<f32>(b), output::<f32>(b));
             let (out, lse) = (output::<E>(b), output::<f32>(b));
             let docs = input::<u32>(b);
-            let (scale, shift) = (scalar::<f32>(b), scalar::<i32>(b));
-            let (q_len, kv_len) = (scalar::<u32>(b), scalar::<u32>(b));
-            let (heads, group) = (scalar::<u32>(b), scalar::<u32>(b));
-            let (before, after) = (scalar::<i32>(b), scalar::<i32>(b));
-            let (q_pos0, kv_pos0) = (scalar::<u32>(b), scalar::<u32>(b));
-            let (doc_stride, doc_count) = (scalar::<u32>(b), scalar::<u32>(b));
+            let params = attention_params(b, head_dim, mask);
             forward::forward_step_mma::expand::<E>(
                 &mut b.scope,
                 q,
@@ -174,20 +177,7 @@ pub fn kernels<E: Float>(head_dim: usize, mask: MaskKind) -> [(&'static str, Str
                 out,
                 lse,
                 docs,
-                scale,
-                shift,
-                q_len,
-                kv_len,
-                heads,
-                group,
-                before,
-                after,
-                q_pos0,
-                kv_pos0,
-                doc_stride,
-                doc_count,
-                head_dim,
-                mask,
+                params,
                 reads_state,
                 finishes,
             );
@@ -198,12 +188,7 @@ pub fn kernels<E: Float>(head_dim: usize, mask: MaskKind) -> [(&'static str, Str
         let (lse, delta) = (input::<f32>(b), input::<f32>(b));
         let dq = output::<f32>(b);
         let docs = input::<u32>(b);
-        let (scale, shift) = (scalar::<f32>(b), scalar::<i32>(b));
-        let (q_len, kv_len) = (scalar::<u32>(b), scalar::<u32>(b));
-        let (heads, group) = (scalar::<u32>(b), scalar::<u32>(b));
-        let (before, after) = (scalar::<i32>(b), scalar::<i32>(b));
-        let (q_pos0, kv_pos0) = (scalar::<u32>(b), scalar::<u32>(b));
-        let (doc_stride, doc_count) = (scalar::<u32>(b), scalar::<u32>(b));
+        let params = attention_params(b, head_dim, mask);
         backward::backward_dq_mma::expand::<E>(
             &mut b.scope,
             q,
@@ -214,20 +199,7 @@ pub fn kernels<E: Float>(head_dim: usize, mask: MaskKind) -> [(&'static str, Str
             delta,
             dq,
             docs,
-            scale,
-            shift,
-            q_len,
-            kv_len,
-            heads,
-            group,
-            before,
-            after,
-            q_pos0,
-            kv_pos0,
-            doc_stride,
-            doc_count,
-            head_dim,
-            mask,
+            params,
         );
     });
     let dkdv = |fuse_dq: bool, one_shot: bool| {
@@ -243,12 +215,7 @@ pub fn kernels<E: Float>(head_dim: usize, mask: MaskKind) -> [(&'static str, Str
                 let dq = output::<Atomic<f32>>(b);
                 let (dk_out, dv_out) = (output::<E>(b), output::<E>(b));
                 let docs = input::<u32>(b);
-                let (scale, shift) = (scalar::<f32>(b), scalar::<i32>(b));
-                let (q_len, kv_len) = (scalar::<u32>(b), scalar::<u32>(b));
-                let (heads, group) = (scalar::<u32>(b), scalar::<u32>(b));
-                let (before, after) = (scalar::<i32>(b), scalar::<i32>(b));
-                let (q_pos0, kv_pos0) = (scalar::<u32>(b), scalar::<u32>(b));
-                let (doc_stride, doc_count) = (scalar::<u32>(b), scalar::<u32>(b));
+                let params = attention_params(b, head_dim, mask);
                 dkdv::backward_dkdv_mma::expand::<E>(
                     &mut b.scope,
                     q,
@@ -263,20 +230,7 @@ pub fn kernels<E: Float>(head_dim: usize, mask: MaskKind) -> [(&'static str, Str
                     dk_out,
                     dv_out,
                     docs,
-                    scale,
-                    shift,
-                    q_len,
-                    kv_len,
-                    heads,
-                    group,
-                    before,
-                    after,
-                    q_pos0,
-                    kv_pos0,
-                    doc_stride,
-                    doc_count,
-                    head_dim,
-                    mask,
+                    params,
                     fuse_dq,
                     one_shot,
                     true,
@@ -314,12 +268,7 @@ pub fn portable_kernels<E: Float>(head_dim: usize, mask: MaskKind) -> [(&'static
         let (q, k, v) = (input::<E>(b), input::<E>(b), input::<E>(b));
         let (o, m, l) = (output::<f32>(b), output::<f32>(b), output::<f32>(b));
         let docs = input::<u32>(b);
-        let (scale, shift) = (scalar::<f32>(b), scalar::<i32>(b));
-        let (q_len, kv_len) = (scalar::<u32>(b), scalar::<u32>(b));
-        let (heads, group) = (scalar::<u32>(b), scalar::<u32>(b));
-        let (before, after) = (scalar::<i32>(b), scalar::<i32>(b));
-        let (q_pos0, kv_pos0) = (scalar::<u32>(b), scalar::<u32>(b));
-        let (doc_stride, doc_count) = (scalar::<u32>(b), scalar::<u32>(b));
+        let params = attention_params(b, head_dim, mask);
         let (begin, end) = (scalar::<u32>(b), scalar::<u32>(b));
         portable::forward::forward_step_portable::expand::<E>(
             &mut b.scope,
@@ -330,22 +279,9 @@ pub fn portable_kernels<E: Float>(head_dim: usize, mask: MaskKind) -> [(&'static
             m,
             l,
             docs,
-            scale,
-            shift,
-            q_len,
-            kv_len,
-            heads,
-            group,
-            before,
-            after,
-            q_pos0,
-            kv_pos0,
-            doc_stride,
-            doc_count,
+            params,
             begin,
             end,
-            head_dim,
-            mask,
         );
     });
     let dq = checked("backward_dq_portable", &|b| {
@@ -353,12 +289,7 @@ pub fn portable_kernels<E: Float>(head_dim: usize, mask: MaskKind) -> [(&'static
         let (lse, delta) = (input::<f32>(b), input::<f32>(b));
         let dq = output::<f32>(b);
         let docs = input::<u32>(b);
-        let (scale, shift) = (scalar::<f32>(b), scalar::<i32>(b));
-        let (q_len, kv_len) = (scalar::<u32>(b), scalar::<u32>(b));
-        let (heads, group) = (scalar::<u32>(b), scalar::<u32>(b));
-        let (before, after) = (scalar::<i32>(b), scalar::<i32>(b));
-        let (q_pos0, kv_pos0) = (scalar::<u32>(b), scalar::<u32>(b));
-        let (doc_stride, doc_count) = (scalar::<u32>(b), scalar::<u32>(b));
+        let params = attention_params(b, head_dim, mask);
         let (begin, end) = (scalar::<u32>(b), scalar::<u32>(b));
         portable::backward::backward_dq_portable::expand::<E>(
             &mut b.scope,
@@ -370,23 +301,10 @@ pub fn portable_kernels<E: Float>(head_dim: usize, mask: MaskKind) -> [(&'static
             delta,
             dq,
             docs,
-            scale,
-            shift,
-            q_len,
-            kv_len,
-            heads,
-            group,
-            before,
-            after,
-            q_pos0,
-            kv_pos0,
-            doc_stride,
-            doc_count,
+            params,
             begin,
             end,
-            head_dim,
             tile_rows,
-            mask,
         );
     });
     let dkdv = checked("backward_dkdv_portable", &|b| {
@@ -394,12 +312,7 @@ pub fn portable_kernels<E: Float>(head_dim: usize, mask: MaskKind) -> [(&'static
         let (lse, delta) = (input::<f32>(b), input::<f32>(b));
         let (dk, dv) = (output::<f32>(b), output::<f32>(b));
         let docs = input::<u32>(b);
-        let (scale, shift) = (scalar::<f32>(b), scalar::<i32>(b));
-        let (q_len, kv_len) = (scalar::<u32>(b), scalar::<u32>(b));
-        let (heads, group) = (scalar::<u32>(b), scalar::<u32>(b));
-        let (before, after) = (scalar::<i32>(b), scalar::<i32>(b));
-        let (q_pos0, kv_pos0) = (scalar::<u32>(b), scalar::<u32>(b));
-        let (doc_stride, doc_count) = (scalar::<u32>(b), scalar::<u32>(b));
+        let params = attention_params(b, head_dim, mask);
         let (begin, end) = (scalar::<u32>(b), scalar::<u32>(b));
         portable::backward::backward_dkdv_portable::expand::<E>(
             &mut b.scope,
@@ -412,23 +325,10 @@ pub fn portable_kernels<E: Float>(head_dim: usize, mask: MaskKind) -> [(&'static
             dk,
             dv,
             docs,
-            scale,
-            shift,
-            q_len,
-            kv_len,
-            heads,
-            group,
-            before,
-            after,
-            q_pos0,
-            kv_pos0,
-            doc_stride,
-            doc_count,
+            params,
             begin,
             end,
-            head_dim,
             tile_rows,
-            mask,
         );
     });
     [

@@ -14,6 +14,7 @@
 //! the workspace's unpublished `distflash-oracle` crate, a dev-dependency, not shipped here.
 
 #![warn(missing_docs)]
+mod attention_params;
 mod buffers;
 mod dims;
 mod geometry;
@@ -45,8 +46,11 @@ pub use launch::{
 pub use limits::scalar_fragment_stores;
 pub use limits::DeviceLimits;
 pub use mask::{Documents, Mask, SlidingWindow};
-// The kernels' compile-time mask shape: public for the `dump_cuda` example, like `tensor_core`.
+// The kernels' launch parameters and compile-time mask shape: public for the `dump_cuda`
+// example, like `tensor_core`.
 #[doc(hidden)]
-pub use mask::MaskKind;
+pub use attention_params::AttentionParams;
+#[doc(hidden)]
+pub use mask::{MaskBounds, MaskKind};
 pub use plan::check_launch;
 pub use tensor::{DeviceTensor, ElemType};

@@ -6,12 +6,13 @@ use cubecl::prelude::*;
 pub use crate::buffers::{fill, zeros_f32, GradAccumulators, SoftmaxState};
 pub use crate::step_options::{StepOptions, Variant};
 
+use crate::attention_params::CallParams;
 use crate::buffers::enqueue_filled;
 use crate::dims::AttentionDims;
 use crate::grid;
 use crate::kernel_error::{launch_result, KernelError};
 use crate::limits::DeviceLimits;
-use crate::mask::{DocumentTable, KernelMask};
+use crate::mask::DocumentTable;
 use crate::plan::LaunchPlan;
 use crate::portable::{self, ROWS_PER_CUBE};
 use crate::state_kernels::{self, ELEMENT_UNITS, ROW_LANES, ROW_UNITS};
@@ -70,7 +71,6 @@ fn enqueue_forward<R: Runtime>(
     dims: &AttentionDims,
     options: &StepOptions,
 ) {
-    let scale = options.resolved_scale(dims.head_dim);
     let portable = match plan {
         LaunchPlan::TensorCore(grids) => {
             let target = ForwardTarget::Step(state);
@@ -78,7 +78,7 @@ fn enqueue_forward<R: Runtime>(
         }
         LaunchPlan::Portable(portable) => portable,
     };
-    let bounds = options.mask.bounds(dims);
+    let params = CallParams::new(dims, options).queries;
     let docs = DocumentTable::of(client, &options.mask, &q.handle);
     for (key_begin, key_end) in portable_ranges(dims.kv_len, dims.head_dim) {
         with_elem_type!(q.elem, E => portable::forward::forward_step_portable::launch::<E, R>(
@@ -92,22 +92,9 @@ fn enqueue_forward<R: Runtime>(
             state.m.array_arg(),
             state.l.array_arg(),
             docs.array_arg(),
-            scale,
-            bounds.shift,
-            dims.q_len as u32,
-            dims.kv_len as u32,
-            dims.q_heads as u32,
-            dims.group_size() as u32,
-            bounds.before,
-            bounds.after,
-            bounds.q_pos0,
-            bounds.kv_pos0,
-            bounds.doc_stride,
-            bounds.doc_count,
+            params.launch_arg(),
             key_begin,
             key_end,
-            dims.head_dim,
-            options.mask.kind(),
         ));
     }
 }
@@ -241,17 +228,9 @@ fn enqueue_tensor_core_forward<R: Runtime>(
     dims: &AttentionDims,
     options: &StepOptions,
 ) {
-    crate::tensor_core::forward(
-        client,
-        q,
-        k,
-        v,
-        target,
-        dims,
-        grids,
-        options.resolved_scale(dims.head_dim),
-        &options.mask,
-    );
+    let params = CallParams::new(dims, options).queries;
+    let docs = DocumentTable::of(client, &options.mask, &q.handle);
+    crate::tensor_core::forward(client, q, k, v, target, grids, &params, &docs);
 }
 
 /// Merges the partial state `other` into `into` (same shapes), in place.
@@ -403,7 +382,9 @@ fn enqueue_backward<R: Runtime>(
     dims: &AttentionDims,
     options: &StepOptions,
 ) -> Result<(), KernelError> {
-    let scale = options.resolved_scale(dims.head_dim);
+    let params = CallParams::new(dims, options);
+    let docs = DocumentTable::of(client, &options.mask, &q.handle);
+    let scale = params.queries.scale;
     let portable = match plan {
         LaunchPlan::TensorCore(grids) => {
             let key_grads = KeyGrads {
@@ -420,10 +401,9 @@ fn enqueue_backward<R: Runtime>(
                     delta,
                     dq,
                     key_grads,
-                    dims,
                     grids,
-                    scale,
-                    &options.mask,
+                    &params,
+                    &docs,
                 )
             };
             if options.deterministic {
@@ -437,8 +417,6 @@ fn enqueue_backward<R: Runtime>(
         }
         LaunchPlan::Portable(portable) => portable,
     };
-    let bounds = options.mask.bounds(dims);
-    let docs = DocumentTable::of(client, &options.mask, &q.handle);
     for (key_begin, key_end) in portable_ranges(dims.kv_len, dims.head_dim) {
         with_elem_type!(q.elem, E => portable::backward::backward_dq_portable::launch::<E, R>(
             client,
@@ -452,23 +430,10 @@ fn enqueue_backward<R: Runtime>(
             delta.array_arg(),
             grads.dq.array_arg(),
             docs.array_arg(),
-            scale,
-            bounds.shift,
-            dims.q_len as u32,
-            dims.kv_len as u32,
-            dims.q_heads as u32,
-            dims.group_size() as u32,
-            bounds.before,
-            bounds.after,
-            bounds.q_pos0,
-            bounds.kv_pos0,
-            bounds.doc_stride,
-            bounds.doc_count,
+            params.queries.launch_arg(),
             key_begin,
             key_end,
-            dims.head_dim,
             portable.dq_tile_rows,
-            options.mask.kind(),
         ));
     }
     for (query_begin, query_end) in portable_ranges(dims.q_len, dims.head_dim * dims.group_size()) {
@@ -485,23 +450,10 @@ fn enqueue_backward<R: Runtime>(
             grads.dk.array_arg(),
             grads.dv.array_arg(),
             docs.array_arg(),
-            scale,
-            bounds.shift,
-            dims.q_len as u32,
-            dims.kv_len as u32,
-            dims.kv_heads as u32,
-            dims.group_size() as u32,
-            bounds.before,
-            bounds.after,
-            bounds.q_pos0,
-            bounds.kv_pos0,
-            bounds.doc_stride,
-            bounds.doc_count,
+            params.keys.launch_arg(),
             query_begin,
             query_end,
-            dims.head_dim,
             portable.dkdv_tile_rows,
-            options.mask.kind(),
         ));
     }
     Ok(())
@@ -574,7 +526,9 @@ fn enqueue_finished_backward<R: Runtime>(
         dv: &dv,
         finished: true,
     };
-    let scale = options.resolved_scale(dims.head_dim);
+    let params = CallParams::new(dims, options);
+    let docs = DocumentTable::of(client, &options.mask, &q.handle);
+    let scale = params.queries.scale;
     let tensor_core_step = |dq| {
         crate::tensor_core::backward_step(
             client,
@@ -584,10 +538,9 @@ fn enqueue_finished_backward<R: Runtime>(
             delta,
             dq,
             key_grads,
-            dims,
             grids,
-            scale,
-            &options.mask,
+            &params,
+            &docs,
         )
     };
     let dq = if options.deterministic {

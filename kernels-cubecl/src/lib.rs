@@ -16,6 +16,7 @@
 //! the workspace's unpublished `distflash-test-support` crate, a dev-dependency, not shipped here.
 
 #![warn(missing_docs)]
+mod attention_params;
 mod buffers;
 mod dims;
 mod edited_task;
@@ -27,13 +28,14 @@ mod launch;
 mod limits;
 mod mask;
 mod plan;
-mod portable;
 mod state_kernels;
 mod stats;
 mod step_options;
 mod tensor;
 // Public for the `dump_cuda` example and kernel work, not part of the documented API: the
-// tensor-core kernels are reached through the entry points above.
+// kernels are reached through the entry points above.
+#[doc(hidden)]
+pub mod portable;
 #[doc(hidden)]
 pub mod tensor_core;
 
@@ -50,8 +52,11 @@ pub use limits::DeviceLimits;
 // The mask types are the schedule crate's (their host-side logic lives there); the kernels
 // take them to the device (`mask`).
 pub use distflash_schedule::{Documents, Mask, ScheduleError, SlidingWindow};
-// The kernels' compile-time mask shape: public for the `dump_cuda` example, like `tensor_core`.
+// The kernels' launch parameters and compile-time mask shape: public for the `dump_cuda`
+// example, like `tensor_core`.
 #[doc(hidden)]
-pub use mask::MaskKind;
+pub use attention_params::AttentionParams;
+#[doc(hidden)]
+pub use mask::{MaskBounds, MaskKind};
 pub use plan::check_launch;
 pub use tensor::{DeviceTensor, ElemType};

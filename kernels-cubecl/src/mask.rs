@@ -87,8 +87,8 @@ pub struct MaskKind {
 
 /// The run-time values of a mask in a kernel, in rows local to the call (see
 /// [`row_key_range`] and [`key_query_range`]).
-#[derive(CubeType, Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct MaskBounds {
+#[derive(CubeType, CubeLaunch, Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MaskBounds {
     /// `q_offset - kv_offset`, clamped to `±(q_len + kv_len + 1)`.
     pub shift: i32,
     /// Keys before its own position a query sees (with [`MaskKind::lower`]), clamped likewise.

@@ -6,14 +6,16 @@
 //! writes `OUT_DIR/{forward,attention,forward_first,forward_last,dq,dkdv,fused,fused_whole}_{mask}_d{64,128}.cu`
 //! for every mask shape (`full`, `causal`, `window`, `documents`, `window_documents`;
 //! `attention`: the whole-attention forward; `fused`: the dK/dV kernel that also adds dQ with
-//! atomics, `fused_whole` its whole-attention form), and the Hopper matrix product's variants
+//! atomics, `fused_whole` its whole-attention form), the portable kernels
+//! `portable_{forward,dq,dkdv}_{mask}_d{64,128}.cu` (launched checked, 32-bit indices), and the
+//! Hopper matrix product's variants
 //! `hopper_gemm_{bt,rm}_{bf16,f32}.cu` (B `[N, K]` or `[K, N]`; C's type), hand-written and
 //! handed to NVRTC as they are. Read them with a CUDA compiler's resource report (registers,
 //! spills) and the SASS of their loops.
 
 use std::path::PathBuf;
 
-use distflash_test_support::cuda_source::{hopper_sources, kernels, mask_kinds};
+use distflash_test_support::cuda_source::{hopper_sources, kernels, mask_kinds, portable_kernels};
 use half::{bf16, f16};
 
 fn main() {
@@ -23,9 +25,15 @@ fn main() {
     std::fs::create_dir_all(&out).expect("the output folder can be created");
     for head_dim in distflash_kernels::tensor_core::HEAD_DIMS {
         for (mask_name, mask) in mask_kinds() {
-            let sources = match elem.as_str() {
-                "bf16" => kernels::<bf16>(head_dim, mask),
-                "f16" => kernels::<f16>(head_dim, mask),
+            let sources: Vec<_> = match elem.as_str() {
+                "bf16" => kernels::<bf16>(head_dim, mask)
+                    .into_iter()
+                    .chain(portable_kernels::<bf16>(head_dim, mask))
+                    .collect(),
+                "f16" => kernels::<f16>(head_dim, mask)
+                    .into_iter()
+                    .chain(portable_kernels::<f16>(head_dim, mask))
+                    .collect(),
                 other => panic!("element type must be bf16 or f16, not {other}"),
             };
             for (name, source) in sources {

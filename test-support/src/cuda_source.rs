@@ -1,6 +1,7 @@
-//! The CUDA C++ that cubecl-cuda generates for each tensor-core kernel, with no GPU: the kernels
-//! are expanded into a `KernelBuilder` configured like an H200 (sm_90) and compiled by CubeCL's
-//! CUDA compiler, with `exp2` rewritten as the launches rewrite it (`tensor_core::fast_exp2`):
+//! The CUDA C++ that cubecl-cuda generates for each attention kernel (tensor-core and portable),
+//! with no GPU: the kernels are expanded into a `KernelBuilder` configured like an H200 (sm_90) and compiled by CubeCL's
+//! CUDA compiler, the tensor-core ones with `exp2` rewritten as their launches rewrite it
+//! (`tensor_core::fast_exp2`):
 //! exactly what cubecl-cuda hands to NVRTC at first launch; and the Hopper matrix product's
 //! hand-written variants, handed to NVRTC as they are. The kernels' tests check them; the
 //! `dump_cuda` example writes them to files.
@@ -20,8 +21,9 @@ use cubecl_cuda::CudaCompiler;
 use cubecl_runtime::compiler::Compiler;
 use distflash_kernels::hopper::source_task::shell;
 use distflash_kernels::hopper::{self, GemmLayout};
+use distflash_kernels::portable;
 use distflash_kernels::tensor_core::{backward, dkdv, fast_exp2, forward, KERNEL_ADDRESS};
-use distflash_kernels::{ElemType, MaskKind};
+use distflash_kernels::{AttentionParams, ElemType, MaskKind};
 use half::{bf16, f16};
 
 /// What an H200 reports to cubecl-cuda 0.10, as far as code generation depends on it.
@@ -74,12 +76,13 @@ fn h200_properties() -> DeviceProperties {
     p
 }
 
-/// One kernel as CubeCL's CUDA compiler represents it, indexed with `address` (the width its
-/// `#[cube]` attribute declares).
+/// One kernel as CubeCL's CUDA compiler represents it for `mode`, indexed with `address` (the
+/// width its `#[cube]` attribute declares).
 fn compile_representation(
     name: &str,
     units: u32,
     address: AddressType,
+    mode: ExecutionMode,
     expand: impl FnOnce(&mut KernelBuilder),
 ) -> <CudaCompiler as Compiler>::Representation {
     let properties = h200_properties();
@@ -109,24 +112,30 @@ fn compile_representation(
         },
     };
     CudaCompiler::default()
-        .compile(
-            definition,
-            &options,
-            ExecutionMode::Unchecked,
-            address.unsigned_type(),
-        )
+        .compile(definition, &options, mode, address.unsigned_type())
         .expect("the kernel compiles")
 }
 
-/// The CUDA source of one tensor-core kernel as its launches hand it to NVRTC (with `exp2`
-/// rewritten, see `tensor_core::fast_exp2`).
+/// The CUDA source of one kernel as CubeCL prints it for `mode` (a plain `launch` is checked).
+fn compile_in(
+    name: &str,
+    units: u32,
+    address: AddressType,
+    mode: ExecutionMode,
+    expand: impl FnOnce(&mut KernelBuilder),
+) -> String {
+    compile_representation(name, units, address, mode, expand).to_string()
+}
+
+/// The CUDA source of one tensor-core kernel as its launches hand it to NVRTC (unchecked, with
+/// `exp2` rewritten, see `tensor_core::fast_exp2`).
 fn compile(
     name: &str,
     units: u32,
     address: AddressType,
     expand: impl FnOnce(&mut KernelBuilder),
 ) -> String {
-    let source = compile_representation(name, units, address, expand).to_string();
+    let source = compile_in(name, units, address, ExecutionMode::Unchecked, expand);
     fast_exp2::with_fast_exp2(&source).0
 }
 
@@ -134,10 +143,16 @@ fn compile(
 /// for `bytes`: what the compiled form of `hopper::source_task::shell` declares.
 pub fn hopper_shell_shared_bytes(bytes: usize) -> usize {
     let units = distflash_kernels::hopper::UNITS as u32;
-    compile_representation("shell", units, AddressType::U32, |b| {
-        let out = output::<u32>(b);
-        shell::expand(&mut b.scope, out, bytes.div_ceil(4));
-    })
+    compile_representation(
+        "shell",
+        units,
+        AddressType::U32,
+        ExecutionMode::Unchecked,
+        |b| {
+            let out = output::<u32>(b);
+            shell::expand(&mut b.scope, out, bytes.div_ceil(4));
+        },
+    )
     .shared_memory_size()
 }
 
@@ -168,6 +183,14 @@ fn scalar<E: LaunchArg<CompilationArg = ()>>(b: &mut KernelBuilder) -> <E as Cub
     <E as LaunchArg>::expand(&(), b)
 }
 
+fn attention_params(
+    b: &mut KernelBuilder,
+    head_dim: usize,
+    mask: MaskKind,
+) -> <AttentionParams as CubeType>::ExpandType {
+    <AttentionParams as LaunchArg>::expand(&AttentionParams::compilation_arg(head_dim, mask), b)
+}
+
 /// CUDA sources of the kernels for element type `E`: the forward step, the whole-attention
 /// forward, the first and last forward steps, dQ, dK/dV (deterministic) and the fused dK/dV kernel that also adds dQ, as a step
 /// and for a whole attention.
@@ -179,12 +202,7 @@ pub fn kernels<E: Float>(head_dim: usize, mask: MaskKind) -> [(&'static str, Str
             let (o, m, l) = (output::<f32>(b), output::<f32>(b), output::<f32>(b));
             let (out, lse) = (output::<E>(b), output::<f32>(b));
             let docs = input::<u32>(b);
-            let (scale, shift) = (scalar::<f32>(b), scalar::<i32>(b));
-            let (q_len, kv_len) = (scalar::<u32>(b), scalar::<u32>(b));
-            let (heads, group) = (scalar::<u32>(b), scalar::<u32>(b));
-            let (before, after) = (scalar::<i32>(b), scalar::<i32>(b));
-            let (q_pos0, kv_pos0) = (scalar::<u32>(b), scalar::<u32>(b));
-            let (doc_stride, doc_count) = (scalar::<u32>(b), scalar::<u32>(b));
+            let params = attention_params(b, head_dim, mask);
             forward::forward_step_mma::expand::<E>(
                 &mut b.scope,
                 q,
@@ -196,20 +214,7 @@ pub fn kernels<E: Float>(head_dim: usize, mask: MaskKind) -> [(&'static str, Str
                 out,
                 lse,
                 docs,
-                scale,
-                shift,
-                q_len,
-                kv_len,
-                heads,
-                group,
-                before,
-                after,
-                q_pos0,
-                kv_pos0,
-                doc_stride,
-                doc_count,
-                head_dim,
-                mask,
+                params,
                 reads_state,
                 finishes,
             );
@@ -220,12 +225,7 @@ pub fn kernels<E: Float>(head_dim: usize, mask: MaskKind) -> [(&'static str, Str
         let (lse, delta) = (input::<f32>(b), input::<f32>(b));
         let dq = output::<f32>(b);
         let docs = input::<u32>(b);
-        let (scale, shift) = (scalar::<f32>(b), scalar::<i32>(b));
-        let (q_len, kv_len) = (scalar::<u32>(b), scalar::<u32>(b));
-        let (heads, group) = (scalar::<u32>(b), scalar::<u32>(b));
-        let (before, after) = (scalar::<i32>(b), scalar::<i32>(b));
-        let (q_pos0, kv_pos0) = (scalar::<u32>(b), scalar::<u32>(b));
-        let (doc_stride, doc_count) = (scalar::<u32>(b), scalar::<u32>(b));
+        let params = attention_params(b, head_dim, mask);
         backward::backward_dq_mma::expand::<E>(
             &mut b.scope,
             q,
@@ -236,20 +236,7 @@ pub fn kernels<E: Float>(head_dim: usize, mask: MaskKind) -> [(&'static str, Str
             delta,
             dq,
             docs,
-            scale,
-            shift,
-            q_len,
-            kv_len,
-            heads,
-            group,
-            before,
-            after,
-            q_pos0,
-            kv_pos0,
-            doc_stride,
-            doc_count,
-            head_dim,
-            mask,
+            params,
         );
     });
     let dkdv = |fuse_dq: bool, one_shot: bool| {
@@ -265,12 +252,7 @@ pub fn kernels<E: Float>(head_dim: usize, mask: MaskKind) -> [(&'static str, Str
                 let dq = output::<Atomic<f32>>(b);
                 let (dk_out, dv_out) = (output::<E>(b), output::<E>(b));
                 let docs = input::<u32>(b);
-                let (scale, shift) = (scalar::<f32>(b), scalar::<i32>(b));
-                let (q_len, kv_len) = (scalar::<u32>(b), scalar::<u32>(b));
-                let (heads, group) = (scalar::<u32>(b), scalar::<u32>(b));
-                let (before, after) = (scalar::<i32>(b), scalar::<i32>(b));
-                let (q_pos0, kv_pos0) = (scalar::<u32>(b), scalar::<u32>(b));
-                let (doc_stride, doc_count) = (scalar::<u32>(b), scalar::<u32>(b));
+                let params = attention_params(b, head_dim, mask);
                 dkdv::backward_dkdv_mma::expand::<E>(
                     &mut b.scope,
                     q,
@@ -285,20 +267,7 @@ pub fn kernels<E: Float>(head_dim: usize, mask: MaskKind) -> [(&'static str, Str
                     dk_out,
                     dv_out,
                     docs,
-                    scale,
-                    shift,
-                    q_len,
-                    kv_len,
-                    heads,
-                    group,
-                    before,
-                    after,
-                    q_pos0,
-                    kv_pos0,
-                    doc_stride,
-                    doc_count,
-                    head_dim,
-                    mask,
+                    params,
                     fuse_dq,
                     one_shot,
                     true,
@@ -315,6 +284,94 @@ pub fn kernels<E: Float>(head_dim: usize, mask: MaskKind) -> [(&'static str, Str
         ("dkdv", dkdv(false, false)),
         ("fused", dkdv(true, false)),
         ("fused_whole", dkdv(true, true)),
+    ]
+}
+
+/// CUDA sources of the portable kernels for element type `E` (launched checked, 32-bit indices,
+/// backward tiles of 16 rows): the forward step, dQ and dK/dV.
+pub fn portable_kernels<E: Float>(head_dim: usize, mask: MaskKind) -> [(&'static str, String); 3] {
+    let units = portable::ROWS_PER_CUBE as u32;
+    let tile_rows = portable::BACKWARD_TILE_ROWS[0];
+    let checked = |name, expand: &dyn Fn(&mut KernelBuilder)| {
+        compile_in(
+            name,
+            units,
+            AddressType::U32,
+            ExecutionMode::Checked,
+            expand,
+        )
+    };
+    let forward = checked("forward_step_portable", &|b| {
+        let (q, k, v) = (input::<E>(b), input::<E>(b), input::<E>(b));
+        let (o, m, l) = (output::<f32>(b), output::<f32>(b), output::<f32>(b));
+        let docs = input::<u32>(b);
+        let params = attention_params(b, head_dim, mask);
+        let (begin, end) = (scalar::<u32>(b), scalar::<u32>(b));
+        portable::forward::forward_step_portable::expand::<E>(
+            &mut b.scope,
+            q,
+            k,
+            v,
+            o,
+            m,
+            l,
+            docs,
+            params,
+            begin,
+            end,
+        );
+    });
+    let dq = checked("backward_dq_portable", &|b| {
+        let (q, k, v, grad_out) = (input::<E>(b), input::<E>(b), input::<E>(b), input::<E>(b));
+        let (lse, delta) = (input::<f32>(b), input::<f32>(b));
+        let dq = output::<f32>(b);
+        let docs = input::<u32>(b);
+        let params = attention_params(b, head_dim, mask);
+        let (begin, end) = (scalar::<u32>(b), scalar::<u32>(b));
+        portable::backward::backward_dq_portable::expand::<E>(
+            &mut b.scope,
+            q,
+            k,
+            v,
+            grad_out,
+            lse,
+            delta,
+            dq,
+            docs,
+            params,
+            begin,
+            end,
+            tile_rows,
+        );
+    });
+    let dkdv = checked("backward_dkdv_portable", &|b| {
+        let (q, k, v, grad_out) = (input::<E>(b), input::<E>(b), input::<E>(b), input::<E>(b));
+        let (lse, delta) = (input::<f32>(b), input::<f32>(b));
+        let (dk, dv) = (output::<f32>(b), output::<f32>(b));
+        let docs = input::<u32>(b);
+        let params = attention_params(b, head_dim, mask);
+        let (begin, end) = (scalar::<u32>(b), scalar::<u32>(b));
+        portable::backward::backward_dkdv_portable::expand::<E>(
+            &mut b.scope,
+            q,
+            k,
+            v,
+            grad_out,
+            lse,
+            delta,
+            dk,
+            dv,
+            docs,
+            params,
+            begin,
+            end,
+            tile_rows,
+        );
+    });
+    [
+        ("portable_forward", forward),
+        ("portable_dq", dq),
+        ("portable_dkdv", dkdv),
     ]
 }
 

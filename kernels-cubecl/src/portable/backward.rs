@@ -5,9 +5,10 @@
 use cubecl::prelude::*;
 
 use super::ROWS_PER_CUBE;
+use crate::attention_params::AttentionParams;
 use crate::geometry::query_block;
 use crate::grid::cube_slice;
-use crate::mask::{key_query_range, row_key_range, MaskBounds, MaskKind};
+use crate::mask::{key_query_range, row_key_range};
 use crate::stats::probability_from_lse;
 
 /// Shared memory of [`backward_dq_portable`] with tiles of `tile_rows` keys: the K and V tiles.
@@ -34,38 +35,20 @@ pub fn backward_dq_portable<E: Float>(
     delta: &Array<f32>,
     dq: &mut Array<f32>,
     docs: &Array<u32>,
-    scale: f32,
-    shift: i32,
-    q_len: u32,
-    kv_len: u32,
-    q_heads: u32,
-    group_size: u32,
-    before: i32,
-    after: i32,
-    q_pos0: u32,
-    kv_pos0: u32,
-    doc_stride: u32,
-    doc_count: u32,
+    params: &AttentionParams,
     key_begin: u32,
     key_end: u32,
-    #[comptime] head_dim: usize,
     #[comptime] tile_rows: usize,
-    #[comptime] mask: MaskKind,
 ) {
-    let bounds = MaskBounds {
-        shift,
-        before,
-        after,
-        q_pos0,
-        kv_pos0,
-        doc_stride,
-        doc_count,
-    };
+    let head_dim = comptime!(params.head_dim);
+    let mask = comptime!(params.mask_kind);
+    let (scale, q_len, kv_len) = (params.scale, params.q_len, params.kv_len);
+    let bounds = &params.bounds;
     let block = query_block(
         q_len,
         kv_len,
-        q_heads,
-        group_size,
+        params.heads,
+        params.group_size,
         0i32,
         ROWS_PER_CUBE,
         head_dim,
@@ -78,10 +61,10 @@ pub fn backward_dq_portable<E: Float>(
     // Each row's visible keys, and the cube's: from its first row's first key to its last row's
     // last (both ends never decrease with the row).
     let last_row = min(block.start + ROWS_PER_CUBE as u32, q_len) - 1;
-    let (cube_begin, _) = row_key_range(docs, &bounds, block.batch, block.start, kv_len, mask);
-    let (_, cube_end) = row_key_range(docs, &bounds, block.batch, last_row, kv_len, mask);
+    let (cube_begin, _) = row_key_range(docs, bounds, block.batch, block.start, kv_len, mask);
+    let (_, cube_end) = row_key_range(docs, bounds, block.batch, last_row, kv_len, mask);
     let (row_begin, row_end) =
-        row_key_range(docs, &bounds, block.batch, min(row, last_row), kv_len, mask);
+        row_key_range(docs, bounds, block.batch, min(row, last_row), kv_len, mask);
 
     let mut q_row = Array::<f32>::new(head_dim);
     let mut do_row = Array::<f32>::new(head_dim);
@@ -170,33 +153,16 @@ pub fn backward_dkdv_portable<E: Float>(
     dk: &mut Array<f32>,
     dv: &mut Array<f32>,
     docs: &Array<u32>,
-    scale: f32,
-    shift: i32,
-    q_len: u32,
-    kv_len: u32,
-    kv_heads: u32,
-    group_size: u32,
-    before: i32,
-    after: i32,
-    q_pos0: u32,
-    kv_pos0: u32,
-    doc_stride: u32,
-    doc_count: u32,
+    params: &AttentionParams,
     query_begin: u32,
     query_end: u32,
-    #[comptime] head_dim: usize,
     #[comptime] tile_rows: usize,
-    #[comptime] mask: MaskKind,
 ) {
-    let bounds = MaskBounds {
-        shift,
-        before,
-        after,
-        q_pos0,
-        kv_pos0,
-        doc_stride,
-        doc_count,
-    };
+    let head_dim = comptime!(params.head_dim);
+    let mask = comptime!(params.mask_kind);
+    let (scale, q_len, kv_len) = (params.scale, params.q_len, params.kv_len);
+    let (kv_heads, group_size) = (params.heads, params.group_size);
+    let bounds = &params.bounds;
     let bkv = cube_slice();
     let batch = bkv / kv_heads;
     let kv_head = bkv % kv_heads;
@@ -210,10 +176,10 @@ pub fn backward_dkdv_portable<E: Float>(
     // The queries that see each key, and the cube's: from its first key's first query to its
     // last key's last (both ends never decrease with the key).
     let last_key = min(block_start + ROWS_PER_CUBE as u32, kv_len) - 1;
-    let (q_begin, _) = key_query_range(docs, &bounds, batch, block_start, q_len, mask);
-    let (_, q_end) = key_query_range(docs, &bounds, batch, last_key, q_len, mask);
+    let (q_begin, _) = key_query_range(docs, bounds, batch, block_start, q_len, mask);
+    let (_, q_end) = key_query_range(docs, bounds, batch, last_key, q_len, mask);
     let (key_q_begin, key_q_end) =
-        key_query_range(docs, &bounds, batch, min(key, last_key), q_len, mask);
+        key_query_range(docs, bounds, batch, min(key, last_key), q_len, mask);
 
     let mut k_row = Array::<f32>::new(head_dim);
     let mut v_row = Array::<f32>::new(head_dim);

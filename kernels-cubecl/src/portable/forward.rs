@@ -3,8 +3,9 @@
 use cubecl::prelude::*;
 
 use super::{ROWS_PER_CUBE, TILE_ROWS};
+use crate::attention_params::AttentionParams;
 use crate::geometry::query_block;
-use crate::mask::{row_key_range, MaskBounds, MaskKind};
+use crate::mask::row_key_range;
 use crate::stats::{rescale_factor, unnormalised_weight};
 
 /// One cube = `ROWS_PER_CUBE` query rows of one (batch, query head); slices = batch * q_heads
@@ -20,37 +21,18 @@ pub fn forward_step_portable<E: Float>(
     m: &mut Array<f32>,
     l: &mut Array<f32>,
     docs: &Array<u32>,
-    scale: f32,
-    shift: i32,
-    q_len: u32,
-    kv_len: u32,
-    q_heads: u32,
-    group_size: u32,
-    before: i32,
-    after: i32,
-    q_pos0: u32,
-    kv_pos0: u32,
-    doc_stride: u32,
-    doc_count: u32,
+    params: &AttentionParams,
     key_begin: u32,
     key_end: u32,
-    #[comptime] head_dim: usize,
-    #[comptime] mask: MaskKind,
 ) {
-    let bounds = MaskBounds {
-        shift,
-        before,
-        after,
-        q_pos0,
-        kv_pos0,
-        doc_stride,
-        doc_count,
-    };
+    let head_dim = comptime!(params.head_dim);
+    let mask = comptime!(params.mask_kind);
+    let (scale, q_len, kv_len) = (params.scale, params.q_len, params.kv_len);
     let block = query_block(
         q_len,
         kv_len,
-        q_heads,
-        group_size,
+        params.heads,
+        params.group_size,
         0i32,
         ROWS_PER_CUBE,
         head_dim,
@@ -63,7 +45,7 @@ pub fn forward_step_portable<E: Float>(
     let mut visible_begin = 0u32;
     let mut visible_end = 0u32;
     if active {
-        let (lo, hi) = row_key_range(docs, &bounds, block.batch, row, kv_len, mask);
+        let (lo, hi) = row_key_range(docs, &params.bounds, block.batch, row, kv_len, mask);
         visible_begin = lo;
         visible_end = hi;
     }

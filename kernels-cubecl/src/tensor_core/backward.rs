@@ -24,13 +24,15 @@ use cubecl::prelude::*;
 use super::forward::{slot_row, PLANES, UNITS};
 use super::fragments::{accumulator_col, mma_definition, FRAG_COLS, WARP_ROWS};
 use super::tiles::{padded_stride, stage_rows_async, stage_tile_async, ROW_SLOTS};
+use super::walk::{KeyWalk, LaneRanges};
 use super::warp_tile::{
     accumulator_to_fragments, multiply_by_rows, multiply_by_rows_transposed, store_accumulator,
     zero_accumulator,
 };
+use crate::attention_params::AttentionParams;
 use crate::geometry::{band_tiles, query_block_at, row_key_limit, visible_key_end, BandTiles};
-use crate::mask::{row_key_range, MaskBounds, MaskKind};
-use crate::stats::{lse_log2, weight_log2, LOG2_E};
+use crate::mask::row_key_range;
+use crate::stats::{lse_log2, weight_log2};
 
 /// Query rows per dQ cube (16 per plane), and per query tile of the dK/dV kernel.
 pub const QUERY_ROWS: usize = PLANES * WARP_ROWS;
@@ -52,30 +54,13 @@ pub fn backward_dq_mma<E: Float>(
     delta: &Array<f32>,
     dq: &mut Array<f32>,
     docs: &Array<u32>,
-    scale: f32,
-    shift: i32,
-    q_len: u32,
-    kv_len: u32,
-    q_heads: u32,
-    group_size: u32,
-    before: i32,
-    after: i32,
-    q_pos0: u32,
-    kv_pos0: u32,
-    doc_stride: u32,
-    doc_count: u32,
-    #[comptime] head_dim: usize,
-    #[comptime] mask: MaskKind,
+    params: &AttentionParams,
 ) {
-    let bounds = MaskBounds {
-        shift,
-        before,
-        after,
-        q_pos0,
-        kv_pos0,
-        doc_stride,
-        doc_count,
-    };
+    let head_dim = comptime!(params.head_dim);
+    let mask = comptime!(params.mask_kind);
+    let (scale, q_len, kv_len) = (params.scale, params.q_len, params.kv_len);
+    let bounds = &params.bounds;
+    let shift = bounds.shift;
     // Windows and documents bound each row's keys on both sides (the band form, `row_key_range`);
     // causal and unmasked calls keep the causal bounds alone, compiled exactly as before masks.
     let banded = comptime!(mask.lower || mask.documents);
@@ -95,8 +80,8 @@ pub fn backward_dq_mma<E: Float>(
         blocks - 1 - CUBE_POS_Y,
         q_len,
         kv_len,
-        q_heads,
-        group_size,
+        params.heads,
+        params.group_size,
         shift,
         QUERY_ROWS,
         head_dim,
@@ -112,13 +97,14 @@ pub fn backward_dq_mma<E: Float>(
     let plane_row0 = (warp as usize) * WARP_ROWS;
     let plane_start = block_start + plane_row0 as u32;
 
-    let mut q_tile = SharedMemory::<E>::new_aligned(comptime!(QUERY_ROWS * stride), 16usize);
-    let mut do_tile = SharedMemory::<E>::new_aligned(comptime!(QUERY_ROWS * stride), 16usize);
-    // Two buffers of K and V tiles: key tile `t` in rows `((t - first) % 2) * KEY_ROWS..`.
-    let mut k_tiles = SharedMemory::<E>::new_aligned(comptime!(2 * KEY_ROWS * stride), 16usize);
-    let mut v_tiles = SharedMemory::<E>::new_aligned(comptime!(2 * KEY_ROWS * stride), 16usize);
-    let ready_even = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    let ready_odd = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let mut staged = DqTiles::<E> {
+        q: SharedMemory::<E>::new_aligned(comptime!(QUERY_ROWS * stride), 16usize),
+        grad_out: SharedMemory::<E>::new_aligned(comptime!(QUERY_ROWS * stride), 16usize),
+        k: SharedMemory::<E>::new_aligned(comptime!(2 * KEY_ROWS * stride), 16usize),
+        v: SharedMemory::<E>::new_aligned(comptime!(2 * KEY_ROWS * stride), 16usize),
+        ready_even: Barrier::shared(CUBE_DIM, UNIT_POS == 0),
+        ready_odd: Barrier::shared(CUBE_DIM, UNIT_POS == 0),
+    };
     sync_cube();
     // The block's Q and dO and its first key tile arrive on the even barrier.
     stage_rows_async::<E>(
@@ -126,7 +112,7 @@ pub fn backward_dq_mma<E: Float>(
         row_base * head_dim,
         block_start,
         q_len,
-        &mut q_tile,
+        &mut staged.q,
         0usize,
         QUERY_ROWS,
         head_dim,
@@ -138,7 +124,7 @@ pub fn backward_dq_mma<E: Float>(
         row_base * head_dim,
         block_start,
         q_len,
-        &mut do_tile,
+        &mut staged.grad_out,
         0usize,
         QUERY_ROWS,
         head_dim,
@@ -148,8 +134,8 @@ pub fn backward_dq_mma<E: Float>(
     // The key tiles the block walks: from its first row's first key to its last row's last.
     let tiles = if banded {
         let block_last = min(block_start + QUERY_ROWS as u32, q_len) - 1;
-        let (first_lo, first_hi) = row_key_range(docs, &bounds, batch, block_start, kv_len, mask);
-        let (last_lo, last_hi) = row_key_range(docs, &bounds, batch, block_last, kv_len, mask);
+        let (first_lo, first_hi) = row_key_range(docs, bounds, batch, block_start, kv_len, mask);
+        let (last_lo, last_hi) = row_key_range(docs, bounds, batch, block_last, kv_len, mask);
         band_tiles(first_lo, first_hi, last_lo, last_hi, KEY_ROWS)
     } else {
         BandTiles {
@@ -166,19 +152,18 @@ pub fn backward_dq_mma<E: Float>(
             kv_base,
             tiles.first * KEY_ROWS as u32,
             kv_len,
-            &mut k_tiles,
-            &mut v_tiles,
+            &mut staged.k,
+            &mut staged.v,
             0u32,
             head_dim,
         );
     }
-    ready_even.commit_copy_async();
+    staged.ready_even.commit_copy_async();
 
-    // Each of the lane's rows' keys `[key_lo, key_hi)`; rows past the chunk see none.
+    // Each of the lane's rows' keys `[ranges.lo, ranges.hi)`; rows past the chunk see none.
     let mut lse_row = Array::<f32>::new(ROW_SLOTS);
     let mut delta_row = Array::<f32>::new(ROW_SLOTS);
-    let mut key_lo = Array::<u32>::new(ROW_SLOTS);
-    let mut key_hi = Array::<u32>::new(ROW_SLOTS);
+    let mut ranges = LaneRanges::new(ROW_SLOTS, banded);
     #[unroll]
     for slot in 0..ROW_SLOTS {
         let row = plane_start + slot_row(lane, slot);
@@ -190,7 +175,7 @@ pub fn backward_dq_mma<E: Float>(
             lv = lse[row_base + row as usize];
             dv = delta[row_base + row as usize];
             if banded {
-                let (row_lo, row_hi) = row_key_range(docs, &bounds, batch, row, kv_len, mask);
+                let (row_lo, row_hi) = row_key_range(docs, bounds, batch, row, kv_len, mask);
                 lo = row_lo;
                 hi = row_hi;
             } else {
@@ -202,100 +187,67 @@ pub fn backward_dq_mma<E: Float>(
         }
         lse_row[slot] = lse_log2(lv);
         delta_row[slot] = dv;
-        key_lo[slot] = lo;
-        key_hi[slot] = hi;
+        ranges.lo[slot] = lo;
+        ranges.hi[slot] = hi;
     }
 
-    let scale_log2 = scale * LOG2_E;
+    let walk = KeyWalk::new(tiles, kv_base, kv_len, plane_row0, scale);
     let mut dq_acc = zero_accumulator::<E, NC>(&def, out_frags);
     // Leading edge (masked), interior (whole tiles, unmasked), trailing edge (masked).
     if banded {
-        for tile in tiles.first..tiles.lead_end {
+        for tile in walk.tiles.first..walk.tiles.lead_end {
             dq_tile::<E, NA, NB, NC>(
                 &def,
                 k,
                 v,
-                kv_base,
-                kv_len,
-                &q_tile,
-                &do_tile,
-                &mut k_tiles,
-                &mut v_tiles,
-                &ready_even,
-                &ready_odd,
+                &mut staged,
+                &walk,
                 tile,
-                &tiles,
-                plane_row0,
                 &mut dq_acc,
                 &lse_row,
                 &delta_row,
-                &key_lo,
-                &key_hi,
-                scale_log2,
+                &ranges,
                 head_dim,
                 true,
-                banded,
             );
         }
     }
-    for tile in tiles.lead_end..tiles.trail_start {
+    for tile in walk.tiles.lead_end..walk.tiles.trail_start {
         dq_tile::<E, NA, NB, NC>(
             &def,
             k,
             v,
-            kv_base,
-            kv_len,
-            &q_tile,
-            &do_tile,
-            &mut k_tiles,
-            &mut v_tiles,
-            &ready_even,
-            &ready_odd,
+            &mut staged,
+            &walk,
             tile,
-            &tiles,
-            plane_row0,
             &mut dq_acc,
             &lse_row,
             &delta_row,
-            &key_lo,
-            &key_hi,
-            scale_log2,
+            &ranges,
             head_dim,
             false,
-            banded,
         );
     }
-    for tile in tiles.trail_start..tiles.end {
+    for tile in walk.tiles.trail_start..walk.tiles.end {
         dq_tile::<E, NA, NB, NC>(
             &def,
             k,
             v,
-            kv_base,
-            kv_len,
-            &q_tile,
-            &do_tile,
-            &mut k_tiles,
-            &mut v_tiles,
-            &ready_even,
-            &ready_odd,
+            &mut staged,
+            &walk,
             tile,
-            &tiles,
-            plane_row0,
             &mut dq_acc,
             &lse_row,
             &delta_row,
-            &key_lo,
-            &key_hi,
-            scale_log2,
+            &ranges,
             head_dim,
             true,
-            banded,
         );
     }
     // A block that sees no key never waited for its Q and dO copies: no cube exits with copies
     // in flight.
-    if tiles.first == tiles.end {
-        ready_even.arrive_and_wait();
+    if walk.tiles.first == walk.tiles.end {
+        staged.ready_even.arrive_and_wait();
     }
 
     store_accumulator::<E, f32, NC>(
@@ -310,6 +262,19 @@ pub fn backward_dq_mma<E: Float>(
         head_dim,
         true,
     );
+}
+
+/// The dQ block's shared memory: its queries' Q and dO rows, two buffers each of K and V tiles
+/// (key tile `t` of the walk in rows `((t - first) % 2) * KEY_ROWS..`), and each buffer's
+/// barrier.
+#[derive(CubeType)]
+struct DqTiles<E: Float> {
+    q: SharedMemory<E>,
+    grad_out: SharedMemory<E>,
+    k: SharedMemory<E>,
+    v: SharedMemory<E>,
+    ready_even: Shared<Barrier>,
+    ready_odd: Shared<Barrier>,
 }
 
 /// Issues the copies of key tile `key_start` of K and V into buffer `buffer` (0 or 1) of the
@@ -356,38 +321,37 @@ pub(super) fn wait_for_buffer(ready_even: &Barrier, ready_odd: &Barrier, buffer:
     }
 }
 
-/// One key tile of the dQ kernel, in buffer `(tile - tiles.first) % 2`: issue the next tile's K
-/// and V into the other buffer, wait for this tile's (the block's Q and dO arrive with the
-/// first), then S = Q K^T, dP = dO V^T, dS = P (dP - delta), dQ += dS K. With `masked`, keys
-/// outside a row's `[key_lo, key_hi)` get P = 0 (the lower bound is read only when `banded`:
-/// without, `tiles.first` is 0 and every row's keys start at 0).
+/// One key tile `tile` of the dQ kernel's walk, in buffer `(tile - first) % 2`: issue the next
+/// tile's K and V into the other buffer, wait for this tile's (the block's Q and dO arrive with
+/// the first), then S = Q K^T, dP = dO V^T, dS = P (dP - delta), dQ += dS K. With `masked`, keys
+/// outside a row's `[ranges.lo, ranges.hi)` get P = 0 (the lower bound is read only when
+/// `ranges.banded`: without, the walk's first tile is 0 and every row's keys start at 0).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn dq_tile<E: Float, NA: Size, NB: Size, NC: Size>(
     def: &MmaDefinition<E, E, f32>,
     k: &Array<E>,
     v: &Array<E>,
-    kv_base: usize,
-    kv_len: u32,
-    q_tile: &SharedMemory<E>,
-    do_tile: &SharedMemory<E>,
-    k_tiles: &mut SharedMemory<E>,
-    v_tiles: &mut SharedMemory<E>,
-    ready_even: &Barrier,
-    ready_odd: &Barrier,
+    staged: &mut DqTiles<E>,
+    walk: &KeyWalk,
     tile: u32,
-    tiles: &BandTiles,
-    plane_row0: usize,
     dq_acc: &mut Array<Vector<f32, NC>>,
     lse_row: &Array<f32>,
     delta_row: &Array<f32>,
-    key_lo: &Array<u32>,
-    key_hi: &Array<u32>,
-    scale_log2: f32,
+    ranges: &LaneRanges,
     #[comptime] head_dim: usize,
     #[comptime] masked: bool,
-    #[comptime] banded: bool,
 ) {
+    let banded = comptime!(ranges.banded);
+    let q_tile = &staged.q;
+    let do_tile = &staged.grad_out;
+    let k_tiles = &mut staged.k;
+    let v_tiles = &mut staged.v;
+    let ready_even = &staged.ready_even;
+    let ready_odd = &staged.ready_odd;
+    let tiles = &walk.tiles;
+    let (kv_base, kv_len) = (walk.kv_base, walk.kv_len);
+    let (plane_row0, scale_log2) = (walk.plane_row0, walk.scale_log2);
     let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
     let sc = def.vector_size(MatrixIdent::Accumulator);
     let key_frags = comptime!(KEY_ROWS / FRAG_COLS);
@@ -449,9 +413,9 @@ fn dq_tile<E: Float, NA: Size, NB: Size, NC: Size>(
                 let mut p = weight_log2(s_reg[e], scale_log2, lse_row[slot]);
                 if masked {
                     let key = key_start + (nt * FRAG_COLS) as u32 + accumulator_col(lane, n);
-                    let mut visible = key < key_hi[slot];
+                    let mut visible = key < ranges.hi[slot];
                     if banded {
-                        visible = visible && key >= key_lo[slot];
+                        visible = visible && key >= ranges.lo[slot];
                     }
                     p = select(visible, p, 0.0f32);
                 }

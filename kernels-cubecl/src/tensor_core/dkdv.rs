@@ -38,13 +38,15 @@ use super::dq_fragments::tile_row_base;
 use super::forward::slot_row;
 use super::fragments::{accumulator_col, mma_definition, FRAG_COLS, FRAG_K, WARP_ROWS};
 use super::tiles::{padded_stride, stage_rows_async, stage_tile_async, ROW_SLOTS};
+use super::walk::LaneRanges;
 use super::warp_tile::{
     load_fragments, multiply_by_row_columns, multiply_by_rows_transposed,
     store_accumulator_columns, store_to_tile, zero_accumulator,
 };
+use crate::attention_params::AttentionParams;
 use crate::geometry::{band_tiles, BandTiles};
 use crate::grid::paired_slice_block;
-use crate::mask::{key_query_range, MaskBounds, MaskKind};
+use crate::mask::key_query_range;
 use crate::stats::{lse_log2, weight_log2, LOG2_E};
 
 /// Planes (warps) of a dK/dV cube.
@@ -107,33 +109,17 @@ pub fn backward_dkdv_mma<E: Float>(
     dk_out: &mut Array<E>,
     dv_out: &mut Array<E>,
     docs: &Array<u32>,
-    scale: f32,
-    shift: i32,
-    q_len: u32,
-    kv_len: u32,
-    kv_heads: u32,
-    group_size: u32,
-    before: i32,
-    after: i32,
-    q_pos0: u32,
-    kv_pos0: u32,
-    doc_stride: u32,
-    doc_count: u32,
-    #[comptime] head_dim: usize,
-    #[comptime] mask: MaskKind,
+    params: &AttentionParams,
     #[comptime] fuse_dq: bool,
     #[comptime] one_shot: bool,
     #[comptime] stmatrix: bool,
 ) {
-    let bounds = MaskBounds {
-        shift,
-        before,
-        after,
-        q_pos0,
-        kv_pos0,
-        doc_stride,
-        doc_count,
-    };
+    let head_dim = comptime!(params.head_dim);
+    let mask = comptime!(params.mask_kind);
+    let (scale, q_len, kv_len) = (params.scale, params.q_len, params.kv_len);
+    let (kv_heads, group_size) = (params.heads, params.group_size);
+    let bounds = &params.bounds;
+    let shift = bounds.shift;
     // Windows and documents bound each key's queries on both sides (the band form,
     // `key_query_range`); causal and unmasked calls keep the causal bounds alone, compiled exactly
     // as before masks.
@@ -163,25 +149,25 @@ pub fn backward_dkdv_mma<E: Float>(
         dq_col0: (warp % 4) as usize * comptime!(head_dim / 4),
     };
 
-    let mut k_block = SharedMemory::<E>::new_aligned(comptime!(DKDV_KEYS * stride), 16usize);
-    let mut v_block = SharedMemory::<E>::new_aligned(comptime!(DKDV_KEYS * stride), 16usize);
-    // Two buffers of query tiles and their rows' statistics: walk step `s` in buffer `s % 2`.
-    let mut q_tiles = SharedMemory::<E>::new_aligned(comptime!(2 * QUERY_ROWS * stride), 16usize);
-    let mut do_tiles = SharedMemory::<E>::new_aligned(comptime!(2 * QUERY_ROWS * stride), 16usize);
-    let mut lse_tiles = SharedMemory::<f32>::new(comptime!(2 * QUERY_ROWS));
-    let mut delta_tiles = SharedMemory::<f32>::new(comptime!(2 * QUERY_ROWS));
-    // This step's P^T and dS^T, keys by queries.
-    let mut p_tile = SharedMemory::<E>::new_aligned(comptime!(DKDV_KEYS * ds_stride), 16usize);
-    let mut ds_tile = SharedMemory::<E>::new_aligned(comptime!(DKDV_KEYS * ds_stride), 16usize);
-    let ready_even = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    let ready_odd = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let mut staged = KeyBlockTiles::<E> {
+        k: SharedMemory::<E>::new_aligned(comptime!(DKDV_KEYS * stride), 16usize),
+        v: SharedMemory::<E>::new_aligned(comptime!(DKDV_KEYS * stride), 16usize),
+        q: SharedMemory::<E>::new_aligned(comptime!(2 * QUERY_ROWS * stride), 16usize),
+        grad_out: SharedMemory::<E>::new_aligned(comptime!(2 * QUERY_ROWS * stride), 16usize),
+        lse: SharedMemory::<f32>::new(comptime!(2 * QUERY_ROWS)),
+        delta: SharedMemory::<f32>::new(comptime!(2 * QUERY_ROWS)),
+        p: SharedMemory::<E>::new_aligned(comptime!(DKDV_KEYS * ds_stride), 16usize),
+        ds: SharedMemory::<E>::new_aligned(comptime!(DKDV_KEYS * ds_stride), 16usize),
+        ready_even: Barrier::shared(CUBE_DIM, UNIT_POS == 0),
+        ready_odd: Barrier::shared(CUBE_DIM, UNIT_POS == 0),
+    };
     sync_cube();
     stage_rows_async::<E>(
         k,
         key_base * head_dim,
         block_start,
         kv_len,
-        &mut k_block,
+        &mut staged.k,
         0usize,
         DKDV_KEYS,
         head_dim,
@@ -193,7 +179,7 @@ pub fn backward_dkdv_mma<E: Float>(
         key_base * head_dim,
         block_start,
         kv_len,
-        &mut v_block,
+        &mut staged.v,
         0usize,
         DKDV_KEYS,
         head_dim,
@@ -201,12 +187,11 @@ pub fn backward_dkdv_mma<E: Float>(
         true,
     );
 
-    // The queries `[query_lo, query_hi)` that see each of the lane's key rows in the plane's
-    // S^T (without `banded`, `query_hi` is the chunk's end and not stored); keys past the chunk
-    // see none (`query_lo = q_len`).
+    // The queries `[ranges.lo, ranges.hi)` that see each of the lane's key rows in the plane's
+    // S^T (without `banded`, `hi` is the chunk's end and not stored); keys past the chunk see
+    // none (`lo = q_len`).
     let block_last = min(block_start + DKDV_KEYS as u32, kv_len) - 1;
-    let mut query_lo = Array::<u32>::new(KEY_SLOTS);
-    let mut query_hi = Array::<u32>::new(KEY_SLOTS);
+    let mut ranges = LaneRanges::new(KEY_SLOTS, banded);
     #[unroll]
     for mt in 0..PLANE_TILES {
         #[unroll]
@@ -216,14 +201,14 @@ pub fn backward_dkdv_mma<E: Float>(
             let mut lo = 0u32;
             if banded {
                 let (key_lo, key_hi) =
-                    key_query_range(docs, &bounds, batch, min(key, block_last), q_len, mask);
+                    key_query_range(docs, bounds, batch, min(key, block_last), q_len, mask);
                 lo = key_lo;
-                query_hi[mt * ROW_SLOTS + slot] = key_hi;
+                ranges.hi[mt * ROW_SLOTS + slot] = key_hi;
             } else if causal {
                 // Query i sees key j iff j <= i + shift.
                 lo = max(key as i32 - shift, 0i32) as u32;
             }
-            query_lo[mt * ROW_SLOTS + slot] = select(key < kv_len, lo, q_len);
+            ranges.lo[mt * ROW_SLOTS + slot] = select(key < kv_len, lo, q_len);
         }
     }
     // Query tiles of each query head of the group (see `BandTiles`): [first, end) hold every
@@ -232,8 +217,8 @@ pub fn backward_dkdv_mma<E: Float>(
     // queries; the trailing edge, where its first key stops, or the chunk's partial last tile).
     // The walk visits the `end - first` tiles per head, head after head.
     let tiles = if banded {
-        let (first_lo, first_hi) = key_query_range(docs, &bounds, batch, block_start, q_len, mask);
-        let (last_lo, last_hi) = key_query_range(docs, &bounds, batch, block_last, q_len, mask);
+        let (first_lo, first_hi) = key_query_range(docs, bounds, batch, block_start, q_len, mask);
+        let (last_lo, last_hi) = key_query_range(docs, bounds, batch, block_last, q_len, mask);
         // The zero-filled keys past the chunk of a partial last block see no query, so none of
         // its tiles is seen whole: run unmasked, such a key would get P = 2^-lse, which can
         // overflow `E` and turn the fused dQ's dS K into NaN.
@@ -284,15 +269,12 @@ pub fn backward_dkdv_mma<E: Float>(
             (slice * q_len) as usize,
             tile * QUERY_ROWS as u32,
             q_len,
-            &mut q_tiles,
-            &mut do_tiles,
-            &mut lse_tiles,
-            &mut delta_tiles,
+            &mut staged,
             0u32,
             head_dim,
         );
     }
-    ready_even.commit_copy_async();
+    staged.ready_even.commit_copy_async();
 
     let scale_log2 = scale * LOG2_E;
     let mut dk_acc = zero_accumulator::<E, NC>(&def, grad_frags);
@@ -303,7 +285,7 @@ pub fn backward_dkdv_mma<E: Float>(
         // only once all have: passing it, every plane is done with step - 1, so this step may
         // overwrite P^T and dS^T and issue step + 1's copies into step - 1's buffers. It is the
         // step's first barrier; a `sync_cube` before it would only repeat it.
-        wait_for_buffer(&ready_even, &ready_odd, step % 2);
+        wait_for_buffer(&staged.ready_even, &staged.ready_odd, step % 2);
         let step_tile = StepTile {
             row0: (step % 2) as usize * QUERY_ROWS,
             q_start: tile * QUERY_ROWS as u32,
@@ -311,45 +293,27 @@ pub fn backward_dkdv_mma<E: Float>(
         if masked {
             store_probabilities::<E, NA, NB, NC>(
                 &def,
-                &k_block,
-                &v_block,
-                &q_tiles,
-                &do_tiles,
-                &lse_tiles,
-                &delta_tiles,
-                &mut p_tile,
-                &mut ds_tile,
+                &mut staged,
                 &shares,
                 &step_tile,
-                &query_lo,
-                &query_hi,
+                &ranges,
                 q_len,
                 scale_log2,
                 head_dim,
                 true,
-                banded,
                 stmatrix,
             );
         } else {
             store_probabilities::<E, NA, NB, NC>(
                 &def,
-                &k_block,
-                &v_block,
-                &q_tiles,
-                &do_tiles,
-                &lse_tiles,
-                &delta_tiles,
-                &mut p_tile,
-                &mut ds_tile,
+                &mut staged,
                 &shares,
                 &step_tile,
-                &query_lo,
-                &query_hi,
+                &ranges,
                 q_len,
                 scale_log2,
                 head_dim,
                 false,
-                banded,
                 stmatrix,
             );
         }
@@ -365,22 +329,19 @@ pub fn backward_dkdv_mma<E: Float>(
                 (next_slice * q_len) as usize,
                 next_tile * QUERY_ROWS as u32,
                 q_len,
-                &mut q_tiles,
-                &mut do_tiles,
-                &mut lse_tiles,
-                &mut delta_tiles,
+                &mut staged,
                 1 - step % 2,
                 head_dim,
             );
-            commit_to_buffer(&ready_even, &ready_odd, 1 - step % 2);
+            commit_to_buffer(&staged.ready_even, &staged.ready_odd, 1 - step % 2);
         }
         sync_cube();
         // FlashAttention-2's order: dV, then dQ, then dK. The dQ atomics drain while the dK
         // products run; issued last, the next step's first instructions wait on them.
         accumulate_key_grad::<E, NA, NB, NC>(
             &def,
-            &p_tile,
-            &do_tiles,
+            &staged.p,
+            &staged.grad_out,
             &shares,
             step_tile.row0,
             &mut dv_acc,
@@ -389,8 +350,8 @@ pub fn backward_dkdv_mma<E: Float>(
         if fuse_dq {
             add_tile_dq::<E, NA, NB, NC>(
                 &def,
-                &k_block,
-                &ds_tile,
+                &staged.k,
+                &staged.ds,
                 dq,
                 &shares,
                 slice,
@@ -401,8 +362,8 @@ pub fn backward_dkdv_mma<E: Float>(
         }
         accumulate_key_grad::<E, NA, NB, NC>(
             &def,
-            &ds_tile,
-            &q_tiles,
+            &staged.ds,
+            &staged.q,
             &shares,
             step_tile.row0,
             &mut dk_acc,
@@ -417,7 +378,7 @@ pub fn backward_dkdv_mma<E: Float>(
     // Keys no query sees never waited for their K and V copies: no cube exits with copies in
     // flight.
     if steps == 0 {
-        ready_even.arrive_and_wait();
+        staged.ready_even.arrive_and_wait();
     }
 
     let key_row = block_start + shares.key_row0 as u32;
@@ -454,6 +415,23 @@ pub fn backward_dkdv_mma<E: Float>(
     }
 }
 
+/// The dK/dV block's shared memory: its [`DKDV_KEYS`] keys' K and V rows, two buffers of query
+/// tiles (Q, dO and their rows' log-sum-exp and delta: walk step `s` in buffer `s % 2`) with
+/// each buffer's barrier, and the step's P^T and dS^T tiles (keys by queries).
+#[derive(CubeType)]
+struct KeyBlockTiles<E: Float> {
+    k: SharedMemory<E>,
+    v: SharedMemory<E>,
+    q: SharedMemory<E>,
+    grad_out: SharedMemory<E>,
+    lse: SharedMemory<f32>,
+    delta: SharedMemory<f32>,
+    p: SharedMemory<E>,
+    ds: SharedMemory<E>,
+    ready_even: Shared<Barrier>,
+    ready_odd: Shared<Barrier>,
+}
+
 /// Which part of each product a plane computes (see the module docs); rows and columns within
 /// the cube's key block and the step's query tile.
 #[derive(CubeType)]
@@ -478,31 +456,32 @@ struct StepTile {
 }
 
 /// The plane's share of S^T = K Q^T and dP^T = V dO^T, turned into P^T and dS^T = P^T (dP^T -
-/// delta) and stored into the P^T and dS^T tiles. With `masked`, queries that may not see a key
-/// (causal diagonal, rows past the chunk) get P = 0.
+/// delta) and stored into the P^T and dS^T tiles. With `masked`, queries outside a key's
+/// `[ranges.lo, ranges.hi)` (`hi` read only when `ranges.banded`, else the chunk's end `q_len`)
+/// get P = 0: the causal diagonal, a window's or a document's bounds, rows past the chunk.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn store_probabilities<E: Float, NA: Size, NB: Size, NC: Size>(
     def: &MmaDefinition<E, E, f32>,
-    k_block: &SharedMemory<E>,
-    v_block: &SharedMemory<E>,
-    q_tiles: &SharedMemory<E>,
-    do_tiles: &SharedMemory<E>,
-    lse_tiles: &SharedMemory<f32>,
-    delta_tiles: &SharedMemory<f32>,
-    p_tile: &mut SharedMemory<E>,
-    ds_tile: &mut SharedMemory<E>,
+    staged: &mut KeyBlockTiles<E>,
     shares: &PlaneShares,
     step_tile: &StepTile,
-    query_lo: &Array<u32>,
-    query_hi: &Array<u32>,
+    ranges: &LaneRanges,
     q_len: u32,
     scale_log2: f32,
     #[comptime] head_dim: usize,
     #[comptime] masked: bool,
-    #[comptime] banded: bool,
     #[comptime] stmatrix: bool,
 ) {
+    let banded = comptime!(ranges.banded);
+    let k_block = &staged.k;
+    let v_block = &staged.v;
+    let q_tiles = &staged.q;
+    let do_tiles = &staged.grad_out;
+    let lse_tiles = &staged.lse;
+    let delta_tiles = &staged.delta;
+    let p_tile = &mut staged.p;
+    let ds_tile = &mut staged.ds;
     let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
     let sc = def.vector_size(MatrixIdent::Accumulator);
     let frags = comptime!(HALF_QUERIES / FRAG_COLS);
@@ -562,9 +541,9 @@ fn store_probabilities<E: Float, NA: Size, NB: Size, NC: Size>(
                         let key_slot = mt * ROW_SLOTS + n / 2;
                         let mut query_end = q_len;
                         if banded {
-                            query_end = query_hi[key_slot];
+                            query_end = ranges.hi[key_slot];
                         }
-                        p = select(query >= query_lo[key_slot] && query < query_end, p, 0.0f32);
+                        p = select(query >= ranges.lo[key_slot] && query < query_end, p, 0.0f32);
                     }
                     s_reg[e] = p;
                     dp_reg[e] = p * (dp_reg[e] - delta_cols[n % 2]);
@@ -770,13 +749,14 @@ fn stage_query_tile<E: Float>(
     row_base: usize,
     q_start: u32,
     q_len: u32,
-    q_tiles: &mut SharedMemory<E>,
-    do_tiles: &mut SharedMemory<E>,
-    lse_tiles: &mut SharedMemory<f32>,
-    delta_tiles: &mut SharedMemory<f32>,
+    staged: &mut KeyBlockTiles<E>,
     buffer: u32,
     #[comptime] head_dim: usize,
 ) {
+    let q_tiles = &mut staged.q;
+    let do_tiles = &mut staged.grad_out;
+    let lse_tiles = &mut staged.lse;
+    let delta_tiles = &mut staged.delta;
     let row0 = buffer as usize * QUERY_ROWS;
     if UNIT_POS < QUERY_ROWS as u32 {
         // One 4-byte copy per statistic and row, on the same barrier as the tiles.

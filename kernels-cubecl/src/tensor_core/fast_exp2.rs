@@ -22,6 +22,7 @@ use cubecl::prelude::*;
 use cubecl::server::{Binding, KernelArguments};
 use cubecl::{Compiler, CubeTask, InfoBuilder, ScalarArgType};
 
+use crate::attention_params::{AttentionParams, AttentionParamsCompilationArg};
 use crate::edited_task::{Edit, EditedTask};
 use crate::tensor::DeviceTensor;
 
@@ -116,8 +117,28 @@ impl LaunchArguments {
     /// Registers `value` as the next scalar parameter (the kernel's definition takes `()` for
     /// it: scalars are compiled by type alone). Scalars are kept apart from the arrays, so only
     /// their order among themselves matters.
-    pub(crate) fn scalar<T: ScalarArgType>(&mut self, value: T) {
+    fn scalar<T: ScalarArgType>(&mut self, value: T) {
         self.info.scalars.push(value);
+    }
+
+    /// Registers `params` as the next parameter: its scalars in field order, nested fields in
+    /// place, as CubeCL's launcher registers an [`AttentionParams`]; returns what the kernel's
+    /// definition takes for it.
+    pub(crate) fn params(&mut self, params: &AttentionParams) -> AttentionParamsCompilationArg {
+        let b = &params.bounds;
+        self.scalar(params.scale);
+        self.scalar(params.q_len);
+        self.scalar(params.kv_len);
+        self.scalar(params.heads);
+        self.scalar(params.group_size);
+        self.scalar(b.shift);
+        self.scalar(b.before);
+        self.scalar(b.after);
+        self.scalar(b.q_pos0);
+        self.scalar(b.kv_pos0);
+        self.scalar(b.doc_stride);
+        self.scalar(b.doc_count);
+        AttentionParams::compilation_arg(params.head_dim, params.mask_kind)
     }
 
     fn finish(mut self) -> KernelArguments {

@@ -35,12 +35,14 @@ use super::fragments::{accumulator_col, accumulator_row, mma_definition, FRAG_CO
 use super::tiles::{
     padded_stride, quad_max, quad_sum, stage_rows_async, stage_tile_async, ROW_SLOTS,
 };
+use super::walk::{KeyWalk, LaneRanges};
 use super::warp_tile::{
     accumulator_to_fragments, multiply_by_rows, multiply_by_rows_transposed, store_accumulator,
     update_rows, zero_accumulator,
 };
+use crate::attention_params::AttentionParams;
 use crate::geometry::{band_tiles, query_block_at, row_key_limit, visible_key_end, BandTiles};
-use crate::mask::{row_key_range, MaskBounds, MaskKind};
+use crate::mask::{row_key_range, MaskKind};
 use crate::stats::{
     log_sum_exp, negative_infinity, output_normaliser, rescale_factor_log2, weight_log2, LN_2,
     LOG2_E,
@@ -85,21 +87,42 @@ fn has_lower_bound(mask: MaskKind) -> bool {
     mask.lower || mask.documents
 }
 
+/// A plane's running state over the key tiles, started empty: the output accumulator (the
+/// lane's fragments of its [`PLANE_TILES`] row tiles) and, for each of the lane's rows, the
+/// reference max (base 2), the exact max (kept for a state) and a lane-partial running sum.
+#[derive(CubeType)]
+struct RunningRows<NC: Size> {
+    o_acc: Array<Vector<f32, NC>>,
+    m_row: Array<f32>,
+    m_exact: Array<f32>,
+    l_row: Array<f32>,
+}
+
+/// The block's shared memory: its [`BLOCK_ROWS`] queries, one key and one value tile of
+/// [`BLOCK_KEYS`] rows, and the barriers the key and value copies land on.
+#[derive(CubeType)]
+struct StagedTiles<E: Float> {
+    q: SharedMemory<E>,
+    k: SharedMemory<E>,
+    v: SharedMemory<E>,
+    k_ready: Shared<Barrier>,
+    v_ready: Shared<Barrier>,
+}
+
 /// The key tiles of [`BLOCK_KEYS`] keys that the block of rows `block_start..=block_last` walks
 /// (see [`BandTiles`]), from its first and last rows' visible keys. Causal and unmasked blocks
 /// (no lower bound) start at tile 0 and have no leading edge; with documents this is two
 /// document searches.
 #[cube]
-#[allow(clippy::too_many_arguments)]
 fn block_key_tiles(
     docs: &Array<u32>,
-    bounds: &MaskBounds,
+    params: &AttentionParams,
     batch: u32,
     block_start: u32,
     block_last: u32,
-    kv_len: u32,
-    #[comptime] mask: MaskKind,
 ) -> BandTiles {
+    let mask = comptime!(params.mask_kind);
+    let (bounds, kv_len) = (&params.bounds, params.kv_len);
     if comptime!(has_lower_bound(mask)) {
         let (first_lo, first_hi) = row_key_range(docs, bounds, batch, block_start, kv_len, mask);
         let (last_lo, last_hi) = row_key_range(docs, bounds, batch, block_last, kv_len, mask);
@@ -122,16 +145,15 @@ fn block_key_tiles(
 /// chunk's end; with one, the row's range ([`row_key_range`]: one document search under
 /// `mask.documents`).
 #[cube]
-#[allow(clippy::too_many_arguments)]
 fn block_row_keys(
     docs: &Array<u32>,
-    bounds: &MaskBounds,
+    params: &AttentionParams,
     batch: u32,
     row: u32,
     block_last: u32,
-    kv_len: u32,
-    #[comptime] mask: MaskKind,
 ) -> (u32, u32) {
+    let mask = comptime!(params.mask_kind);
+    let (bounds, kv_len) = (&params.bounds, params.kv_len);
     if comptime!(has_lower_bound(mask)) {
         row_key_range(docs, bounds, batch, min(row, block_last), kv_len, mask)
     } else {
@@ -145,45 +167,34 @@ fn block_row_keys(
     }
 }
 
-/// Fills `[key_lo[r], key_hi[r])` with [`block_row_keys`] of the lane's statistics rows `r` (see
-/// [`lane_row`]) of the plane whose first row is `plane_start`. Without a lower bound only
-/// `key_hi` is written (arithmetic per row); with one, each lane finds the range of one row (the
-/// plane's row `lane`) and the plane shares them by shuffles, one document search per lane.
+/// Fills `ranges` with [`block_row_keys`] of the lane's statistics rows `r` (see [`lane_row`]) of
+/// the plane whose first row is `plane_start`. Without a lower bound only `ranges.hi` is written
+/// (arithmetic per row); with one, each lane finds the range of one row (the plane's row `lane`)
+/// and the plane shares them by shuffles, one document search per lane.
 #[cube]
-#[allow(clippy::too_many_arguments)]
 fn lane_key_ranges(
     docs: &Array<u32>,
-    bounds: &MaskBounds,
+    params: &AttentionParams,
     batch: u32,
     plane_start: u32,
     block_last: u32,
-    kv_len: u32,
-    key_lo: &mut Array<u32>,
-    key_hi: &mut Array<u32>,
-    #[comptime] mask: MaskKind,
+    ranges: &mut LaneRanges,
 ) {
+    let mask = comptime!(params.mask_kind);
     let lane = UNIT_POS_PLANE;
     if comptime!(has_lower_bound(mask)) {
-        let (lo, hi) = block_row_keys(
-            docs,
-            bounds,
-            batch,
-            plane_start + lane,
-            block_last,
-            kv_len,
-            mask,
-        );
+        let (lo, hi) = block_row_keys(docs, params, batch, plane_start + lane, block_last);
         #[unroll]
         for r in 0..LANE_ROWS {
-            key_lo[r] = plane_shuffle(lo, lane_row(lane, r));
-            key_hi[r] = plane_shuffle(hi, lane_row(lane, r));
+            ranges.lo[r] = plane_shuffle(lo, lane_row(lane, r));
+            ranges.hi[r] = plane_shuffle(hi, lane_row(lane, r));
         }
     } else {
         #[unroll]
         for r in 0..LANE_ROWS {
             let row = plane_start + lane_row(lane, r);
-            let (_lo, hi) = block_row_keys(docs, bounds, batch, row, block_last, kv_len, mask);
-            key_hi[r] = hi;
+            let (_lo, hi) = block_row_keys(docs, params, batch, row, block_last);
+            ranges.hi[r] = hi;
         }
     }
 }
@@ -209,33 +220,13 @@ pub fn forward_step_mma<E: Float>(
     out: &mut Array<E>,
     lse: &mut Array<f32>,
     docs: &Array<u32>,
-    scale: f32,
-    shift: i32,
-    q_len: u32,
-    kv_len: u32,
-    q_heads: u32,
-    group_size: u32,
-    before: i32,
-    after: i32,
-    q_pos0: u32,
-    kv_pos0: u32,
-    doc_stride: u32,
-    doc_count: u32,
-    #[comptime] head_dim: usize,
-    #[comptime] mask: MaskKind,
+    params: &AttentionParams,
     #[comptime] reads_state: bool,
     #[comptime] finishes: bool,
 ) {
-    let lower_bound = comptime!(has_lower_bound(mask));
-    let bounds = MaskBounds {
-        shift,
-        before,
-        after,
-        q_pos0,
-        kv_pos0,
-        doc_stride,
-        doc_count,
-    };
+    let head_dim = comptime!(params.head_dim);
+    let lower_bound = comptime!(has_lower_bound(params.mask_kind));
+    let (scale, q_len, kv_len) = (params.scale, params.q_len, params.kv_len);
     let def = mma_definition::<E>();
     let size!(NA) = def.vector_size(MatrixIdent::A);
     let size!(NB) = def.vector_size(MatrixIdent::B);
@@ -251,9 +242,9 @@ pub fn forward_step_mma<E: Float>(
         blocks - 1 - CUBE_POS_Y,
         q_len,
         kv_len,
-        q_heads,
-        group_size,
-        shift,
+        params.heads,
+        params.group_size,
+        params.bounds.shift,
         BLOCK_ROWS,
         head_dim,
         false,
@@ -263,11 +254,13 @@ pub fn forward_step_mma<E: Float>(
     let plane_row0 = (warp as usize) * PLANE_TILES * WARP_ROWS;
     let plane_start = block_start + plane_row0 as u32;
 
-    let mut q_tile = SharedMemory::<E>::new_aligned(comptime!(BLOCK_ROWS * stride), 16usize);
-    let mut k_tile = SharedMemory::<E>::new_aligned(comptime!(BLOCK_KEYS * stride), 16usize);
-    let mut v_tile = SharedMemory::<E>::new_aligned(comptime!(BLOCK_KEYS * stride), 16usize);
-    let k_ready = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    let v_ready = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let mut staged = StagedTiles::<E> {
+        q: SharedMemory::<E>::new_aligned(comptime!(BLOCK_ROWS * stride), 16usize),
+        k: SharedMemory::<E>::new_aligned(comptime!(BLOCK_KEYS * stride), 16usize),
+        v: SharedMemory::<E>::new_aligned(comptime!(BLOCK_KEYS * stride), 16usize),
+        k_ready: Barrier::shared(CUBE_DIM, UNIT_POS == 0),
+        v_ready: Barrier::shared(CUBE_DIM, UNIT_POS == 0),
+    };
     sync_cube();
 
     // The block's queries and its first key tile arrive on one barrier; the queries' copies are
@@ -277,36 +270,28 @@ pub fn forward_step_mma<E: Float>(
         row_base * head_dim,
         block_start,
         q_len,
-        &mut q_tile,
+        &mut staged.q,
         0usize,
         BLOCK_ROWS,
         head_dim,
         UNITS,
         true,
     );
-    let tiles = block_key_tiles(
-        docs,
-        &bounds,
-        block.batch,
-        block_start,
-        block_last,
-        kv_len,
-        mask,
-    );
+    let tiles = block_key_tiles(docs, params, block.batch, block_start, block_last);
     if tiles.first < tiles.end {
         stage_tile_async::<E>(
             k,
             kv_base,
             tiles.tile_at(tiles.lead_end, lower_bound) * BLOCK_KEYS as u32,
             kv_len,
-            &mut k_tile,
+            &mut staged.k,
             0usize,
             BLOCK_KEYS,
             head_dim,
             UNITS,
         );
     }
-    k_ready.commit_copy_async();
+    staged.k_ready.commit_copy_async();
 
     // Running state, started empty whether or not a stored state exists (the stored one is
     // merged in the epilogue, where the tiles no longer hold registers): the output accumulator
@@ -314,123 +299,92 @@ pub fn forward_step_mma<E: Float>(
     // sum (reduced over the quad at the end).
     #[allow(clippy::manual_is_multiple_of)]
     let first_in_quad = lane % 4 == 0;
-    let mut o_acc = zero_accumulator::<E, NC>(&def, comptime!(PLANE_TILES * out_frags));
-    let mut m_row = Array::<f32>::new(LANE_ROWS);
-    let mut m_exact = Array::<f32>::new(LANE_ROWS);
-    let mut l_row = Array::<f32>::new(LANE_ROWS);
+    let mut rows = RunningRows::<NC> {
+        o_acc: zero_accumulator::<E, NC>(&def, comptime!(PLANE_TILES * out_frags)),
+        m_row: Array::<f32>::new(LANE_ROWS),
+        m_exact: Array::<f32>::new(LANE_ROWS),
+        l_row: Array::<f32>::new(LANE_ROWS),
+    };
     #[unroll]
     for r in 0..LANE_ROWS {
-        m_row[r] = negative_infinity();
-        m_exact[r] = negative_infinity();
-        l_row[r] = 0.0f32;
+        rows.m_row[r] = negative_infinity();
+        rows.m_exact[r] = negative_infinity();
+        rows.l_row[r] = 0.0f32;
     }
-    // The keys each row sees, `[key_lo[r], key_hi[r])`, used on the band's edge tiles only
-    // (`key_lo` only with a lower bound). Causal and unmasked blocks find them before the
+    // The keys each row sees, `[ranges.lo[r], ranges.hi[r])`, used on the band's edge tiles only
+    // (`lo` only with a lower bound). Causal and unmasked blocks find them before the
     // interior (as cheap as holding them); with a lower bound they are found after it, so that
     // nothing of them is held across the interior.
-    let mut key_lo = Array::<u32>::new(LANE_ROWS);
-    let mut key_hi = Array::<u32>::new(LANE_ROWS);
+    let mut ranges = LaneRanges::new(LANE_ROWS, lower_bound);
     if !lower_bound {
         lane_key_ranges(
             docs,
-            &bounds,
+            params,
             block.batch,
             plane_start,
             block_last,
-            kv_len,
-            &mut key_lo,
-            &mut key_hi,
-            mask,
+            &mut ranges,
         );
     }
 
     // The interior first, then every edge tile in one loop: the trailing edge (the causal
     // diagonal, a window's or a document's end, the chunk's end), then the leading edge (a
     // window's or a document's start), see `BandTiles::tile_at`.
-    let scale_log2 = scale * LOG2_E;
-    for position in tiles.lead_end..tiles.trail_start {
+    let walk = KeyWalk::new(tiles, kv_base, kv_len, plane_row0, scale);
+    for position in walk.tiles.lead_end..walk.tiles.trail_start {
         attend_tile::<E, NA, NB, NC>(
             &def,
             k,
             v,
-            kv_base,
-            kv_len,
-            &q_tile,
-            &mut k_tile,
-            &mut v_tile,
-            &k_ready,
-            &v_ready,
+            &mut staged,
+            &walk,
             position,
-            &tiles,
-            plane_row0,
-            &mut o_acc,
-            &mut m_row,
-            &mut m_exact,
-            &mut l_row,
-            &key_lo,
-            &key_hi,
-            scale_log2,
+            &mut rows,
+            &ranges,
             head_dim,
             false,
-            lower_bound,
             !finishes,
         );
     }
-    let walk_end = tiles.walk_end();
+    let walk_end = walk.tiles.walk_end();
     if lower_bound {
-        if tiles.trail_start < walk_end {
+        if walk.tiles.trail_start < walk_end {
             lane_key_ranges(
                 docs,
-                &bounds,
+                params,
                 block.batch,
                 plane_start,
                 block_last,
-                kv_len,
-                &mut key_lo,
-                &mut key_hi,
-                mask,
+                &mut ranges,
             );
         }
     }
-    for position in tiles.trail_start..walk_end {
+    for position in walk.tiles.trail_start..walk_end {
         attend_tile::<E, NA, NB, NC>(
             &def,
             k,
             v,
-            kv_base,
-            kv_len,
-            &q_tile,
-            &mut k_tile,
-            &mut v_tile,
-            &k_ready,
-            &v_ready,
+            &mut staged,
+            &walk,
             position,
-            &tiles,
-            plane_row0,
-            &mut o_acc,
-            &mut m_row,
-            &mut m_exact,
-            &mut l_row,
-            &key_lo,
-            &key_hi,
-            scale_log2,
+            &mut rows,
+            &ranges,
             head_dim,
             true,
-            lower_bound,
             !finishes,
         );
     }
 
     // A block that sees no key never waited for its queries: no cube exits with copies in
     // flight.
-    if tiles.first >= tiles.end {
-        k_ready.arrive_and_wait();
+    if walk.tiles.first >= walk.tiles.end {
+        staged.k_ready.arrive_and_wait();
     }
 
     let mut totals = Array::<f32>::new(LANE_ROWS);
     #[unroll]
     for r in 0..LANE_ROWS {
-        totals[r] = quad_sum(l_row[r]);
+        totals[r] = quad_sum(rows.l_row[r]);
     }
     // A state holds each row's exact max: the tiles weighed against a stale reference (see
     // `LAZY_MAX_SLACK`), so the sums and the output move to the exact max once, here.
@@ -439,13 +393,13 @@ pub fn forward_step_mma<E: Float>(
         let mut stale = false;
         #[unroll]
         for r in 0..LANE_ROWS {
-            stale = stale || m_exact[r] != m_row[r];
-            to_exact[r] = rescale_factor_log2(m_row[r], m_exact[r]);
+            stale = stale || rows.m_exact[r] != rows.m_row[r];
+            to_exact[r] = rescale_factor_log2(rows.m_row[r], rows.m_exact[r]);
             totals[r] *= to_exact[r];
-            m_row[r] = m_exact[r];
+            rows.m_row[r] = rows.m_exact[r];
         }
         if plane_any(stale) {
-            scale_rows::<E, NC>(&def, &mut o_acc, &to_exact, out_frags);
+            scale_rows::<E, NC>(&def, &mut rows.o_acc, &to_exact, out_frags);
         }
     }
     // With a stored state: merge, `o = o_old 2^(m_old - m) + o_new 2^(m_new - m)` with
@@ -462,11 +416,11 @@ pub fn forward_step_mma<E: Float>(
                 m_old = m[row_base + row as usize] * LOG2_E;
                 l_old = l[row_base + row as usize];
             }
-            let merged = max(m_old, m_row[r]);
+            let merged = max(m_old, rows.m_row[r]);
             old_factor[r] = rescale_factor_log2(m_old, merged);
-            new_factor[r] = rescale_factor_log2(m_row[r], merged);
+            new_factor[r] = rescale_factor_log2(rows.m_row[r], merged);
             totals[r] = l_old * old_factor[r] + totals[r] * new_factor[r];
-            m_row[r] = merged;
+            rows.m_row[r] = merged;
         }
     }
     if finishes {
@@ -484,7 +438,7 @@ pub fn forward_step_mma<E: Float>(
             }
             fold_stored_rows::<E, NC>(
                 &def,
-                &mut o_acc,
+                &mut rows.o_acc,
                 o,
                 row_base,
                 plane_start,
@@ -494,11 +448,11 @@ pub fn forward_step_mma<E: Float>(
                 head_dim,
             );
         } else {
-            scale_rows::<E, NC>(&def, &mut o_acc, &inverse, out_frags);
+            scale_rows::<E, NC>(&def, &mut rows.o_acc, &inverse, out_frags);
         }
         store_accumulator::<E, E, NC>(
             &def,
-            &o_acc,
+            &rows.o_acc,
             out,
             row_base,
             plane_start,
@@ -512,14 +466,14 @@ pub fn forward_step_mma<E: Float>(
         for r in 0..LANE_ROWS {
             let row = plane_start + lane_row(lane, r);
             if row < q_len && first_in_quad {
-                lse[row_base + row as usize] = log_sum_exp(m_row[r] * LN_2, totals[r]);
+                lse[row_base + row as usize] = log_sum_exp(rows.m_row[r] * LN_2, totals[r]);
             }
         }
     } else {
         if reads_state {
             update_rows::<E, f32, NC>(
                 &def,
-                &o_acc,
+                &rows.o_acc,
                 o,
                 row_base,
                 plane_start,
@@ -536,7 +490,7 @@ pub fn forward_step_mma<E: Float>(
             // A first step: the state is this block's alone, every element written.
             store_accumulator::<E, f32, NC>(
                 &def,
-                &o_acc,
+                &rows.o_acc,
                 o,
                 row_base,
                 plane_start,
@@ -551,7 +505,7 @@ pub fn forward_step_mma<E: Float>(
         for r in 0..LANE_ROWS {
             let row = plane_start + lane_row(lane, r);
             if row < q_len && first_in_quad {
-                m[row_base + row as usize] = m_row[r] * LN_2;
+                m[row_base + row as usize] = rows.m_row[r] * LN_2;
                 l[row_base + row as usize] = totals[r];
             }
         }
@@ -605,38 +559,33 @@ fn fold_stored_rows<E: Float, NC: Size>(
 /// One key tile of the software pipeline (two mbarriers, one per operand):
 ///   wait K(t) | issue V(t) | S = Q K(t)^T | sync | issue K(t+1) | softmax | wait V(t) | O += P V
 /// so the copy of V overlaps the score matmul and the copy of the next K the softmax and P V.
-/// The tile is the one at walk `position` of the block's `tiles` (see [`BandTiles::tile_at`]; with
-/// `lower_bound` the walk may wrap), and the next one is prefetched unless the walk ends.
-/// With `masked`, scores of keys a row may not see are dropped (the band's edge tiles only): those
-/// at or past `key_hi[r]`, and with `lower_bound` those before `key_lo[r]`.
+/// The tile is the one at `position` of the block's walk (see [`BandTiles::tile_at`]; with a lower
+/// bound, `ranges.banded`, the walk may wrap), and the next one is prefetched unless the walk
+/// ends. With `masked`, scores of keys a row may not see are dropped (the band's edge tiles only):
+/// those at or past `ranges.hi[r]`, and with a lower bound those before `ranges.lo[r]`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn attend_tile<E: Float, NA: Size, NB: Size, NC: Size>(
     def: &MmaDefinition<E, E, f32>,
     k: &Array<E>,
     v: &Array<E>,
-    kv_base: usize,
-    kv_len: u32,
-    q_tile: &SharedMemory<E>,
-    k_tile: &mut SharedMemory<E>,
-    v_tile: &mut SharedMemory<E>,
-    k_ready: &Barrier,
-    v_ready: &Barrier,
+    staged: &mut StagedTiles<E>,
+    walk: &KeyWalk,
     position: u32,
-    tiles: &BandTiles,
-    plane_row0: usize,
-    o_acc: &mut Array<Vector<f32, NC>>,
-    m_row: &mut Array<f32>,
-    m_exact: &mut Array<f32>,
-    l_row: &mut Array<f32>,
-    key_lo: &Array<u32>,
-    key_hi: &Array<u32>,
-    scale_log2: f32,
+    rows: &mut RunningRows<NC>,
+    ranges: &LaneRanges,
     #[comptime] head_dim: usize,
     #[comptime] masked: bool,
-    #[comptime] lower_bound: bool,
     #[comptime] tracks_exact: bool,
 ) {
+    let lower_bound = comptime!(ranges.banded);
+    let tiles = &walk.tiles;
+    let (kv_base, kv_len) = (walk.kv_base, walk.kv_len);
+    let (plane_row0, scale_log2) = (walk.plane_row0, walk.scale_log2);
+    let o_acc = &mut rows.o_acc;
+    let m_row = &mut rows.m_row;
+    let m_exact = &mut rows.m_exact;
+    let l_row = &mut rows.l_row;
     let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
     let sc = def.vector_size(MatrixIdent::Accumulator);
     let key_frags = comptime!(BLOCK_KEYS / FRAG_COLS);
@@ -645,18 +594,26 @@ fn attend_tile<E: Float, NA: Size, NB: Size, NC: Size>(
     let key_start = tiles.tile_at(position, lower_bound) * BLOCK_KEYS as u32;
 
     // Every unit arrives here after its P V of the previous tile: V's buffer is free.
-    k_ready.arrive_and_wait();
+    staged.k_ready.arrive_and_wait();
     stage_tile_async::<E>(
-        v, kv_base, key_start, kv_len, v_tile, 0usize, BLOCK_KEYS, head_dim, UNITS,
+        v,
+        kv_base,
+        key_start,
+        kv_len,
+        &mut staged.v,
+        0usize,
+        BLOCK_KEYS,
+        head_dim,
+        UNITS,
     );
-    v_ready.commit_copy_async();
+    staged.v_ready.commit_copy_async();
 
     let mut s_acc = zero_accumulator::<E, NC>(def, comptime!(PLANE_TILES * key_frags));
     multiply_by_rows_transposed::<E, NA, NB, NC>(
         def,
-        q_tile,
+        &staged.q,
         plane_row0,
-        k_tile,
+        &staged.k,
         0usize,
         &mut s_acc,
         PLANE_TILES,
@@ -673,9 +630,17 @@ fn attend_tile<E: Float, NA: Size, NB: Size, NC: Size>(
             next_start = tiles.tile_at(position + 1, true) * BLOCK_KEYS as u32;
         }
         stage_tile_async::<E>(
-            k, kv_base, next_start, kv_len, k_tile, 0usize, BLOCK_KEYS, head_dim, UNITS,
+            k,
+            kv_base,
+            next_start,
+            kv_len,
+            &mut staged.k,
+            0usize,
+            BLOCK_KEYS,
+            head_dim,
+            UNITS,
         );
-        k_ready.commit_copy_async();
+        staged.k_ready.commit_copy_async();
     }
 
     // On an edge tile, scores of keys a row may not see become `NO_SCORE` once: one compare
@@ -687,10 +652,11 @@ fn attend_tile<E: Float, NA: Size, NB: Size, NC: Size>(
         let mut visible_from = Array::<i32>::new(LANE_ROWS);
         #[unroll]
         for r in 0..LANE_ROWS {
-            visible[r] = key_hi[r] as i32 - key_start as i32 - accumulator_col(lane, 0usize) as i32;
+            visible[r] =
+                ranges.hi[r] as i32 - key_start as i32 - accumulator_col(lane, 0usize) as i32;
             if lower_bound {
                 visible_from[r] =
-                    key_lo[r] as i32 - key_start as i32 - accumulator_col(lane, 0usize) as i32;
+                    ranges.lo[r] as i32 - key_start as i32 - accumulator_col(lane, 0usize) as i32;
             }
         }
         #[unroll]
@@ -795,11 +761,11 @@ fn attend_tile<E: Float, NA: Size, NB: Size, NC: Size>(
     }
     let p_frag = accumulator_to_fragments::<E, NA, NC>(def, &s_acc, PLANE_TILES, BLOCK_KEYS);
 
-    v_ready.arrive_and_wait();
+    staged.v_ready.arrive_and_wait();
     multiply_by_rows::<E, NA, NB, NC>(
         def,
         &p_frag,
-        v_tile,
+        &staged.v,
         0usize,
         o_acc,
         PLANE_TILES,

@@ -9,20 +9,21 @@ pub mod fast_exp2;
 pub mod forward;
 pub(crate) mod fragments;
 pub(crate) mod tiles;
+pub(crate) mod walk;
 pub(crate) mod warp_tile;
 
 use cubecl::features::MmaConfig;
 use cubecl::prelude::*;
 
+use crate::attention_params::{AttentionParams, CallParams};
 use crate::buffers::SoftmaxState;
 use crate::dims::AttentionDims;
 use crate::grid::{self, Rows};
 use crate::kernel_error::KernelError;
 use crate::limits::DeviceLimits;
-use crate::mask::{DocumentTable, KernelMask};
+use crate::mask::DocumentTable;
 use crate::tensor::{DeviceTensor, ElemType};
 use backward::{KEY_ROWS, QUERY_ROWS};
-use distflash_schedule::Mask;
 use dkdv::{DKDV_KEYS, DKDV_UNITS};
 use fast_exp2::LaunchArguments;
 use forward::{BLOCK_KEYS, BLOCK_ROWS, UNITS};
@@ -196,7 +197,7 @@ impl ForwardTarget<'_> {
 }
 
 /// Tensor-core forward: a step into a running state, a first or last step, or a whole attention
-/// (see [`ForwardTarget`]).
+/// (see [`ForwardTarget`]), of the call `params` with the mask's document table `docs`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward<R: Runtime>(
     client: &ComputeClient<R>,
@@ -204,10 +205,9 @@ pub(crate) fn forward<R: Runtime>(
     k: &DeviceTensor,
     v: &DeviceTensor,
     target: ForwardTarget,
-    dims: &AttentionDims,
     grids: &Grids,
-    scale: f32,
-    mask: &Mask,
+    params: &AttentionParams,
+    docs: &DocumentTable,
 ) {
     let ForwardArguments {
         state: [o, m, l],
@@ -215,10 +215,7 @@ pub(crate) fn forward<R: Runtime>(
         reads_state,
         finishes,
     } = target.arguments(client, q.elem);
-    let docs = DocumentTable::of(client, mask, &q.handle);
     let mut args = LaunchArguments::new(KERNEL_ADDRESS);
-    let scalars = register_scalars(&mut args, scale, mask, dims, dims.q_heads);
-    let [s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11] = scalars;
     crate::tensor::with_elem_type!(q.elem, E => {
         let kernel = forward::forward_step_mma::ForwardStepMma::<E, R>::new(
             settings(UNITS),
@@ -231,21 +228,8 @@ pub(crate) fn forward<R: Runtime>(
             args.array(&l),
             args.array(&out),
             args.array(&lse),
-            args.table(&docs),
-            s0,
-            s1,
-            s2,
-            s3,
-            s4,
-            s5,
-            s6,
-            s7,
-            s8,
-            s9,
-            s10,
-            s11,
-            dims.head_dim,
-            mask.kind(),
+            args.table(docs),
+            args.params(params),
             reads_state,
             finishes,
         );
@@ -277,10 +261,11 @@ pub(crate) struct KeyGrads<'a> {
     pub finished: bool,
 }
 
-/// Tensor-core backward (see [`crate::backward_step`]): with [`DqTarget::Scratch`] the fused
-/// dK/dV kernel alone, adding dQ to the scratch with f32 atomics; with [`DqTarget::Rows`] the
-/// dQ kernel and the dK/dV kernel. The kernel's dK/dV arguments of the other kind get
-/// one-element placeholders (it never touches them).
+/// Tensor-core backward (see [`crate::backward_step`]) of the call `params` with the mask's
+/// document table `docs`: with [`DqTarget::Scratch`] the fused dK/dV kernel alone, adding dQ to
+/// the scratch with f32 atomics; with [`DqTarget::Rows`] the dQ kernel and the dK/dV kernel.
+/// The kernel's dK/dV arguments of the other kind get one-element placeholders (it never
+/// touches them).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward_step<R: Runtime>(
     client: &ComputeClient<R>,
@@ -290,17 +275,13 @@ pub(crate) fn backward_step<R: Runtime>(
     delta: &DeviceTensor,
     dq: DqTarget,
     key_grads: KeyGrads,
-    dims: &AttentionDims,
     grids: &Grids,
-    scale: f32,
-    mask: &Mask,
+    params: &CallParams,
+    docs: &DocumentTable,
 ) {
-    let docs = DocumentTable::of(client, mask, &q.handle);
     let (dq, fuse_dq) = match dq {
         DqTarget::Rows(rows) => {
             let mut args = LaunchArguments::new(KERNEL_ADDRESS);
-            let scalars = register_scalars(&mut args, scale, mask, dims, dims.q_heads);
-            let [s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11] = scalars;
             crate::tensor::with_elem_type!(q.elem, E => {
                 let kernel = backward::backward_dq_mma::BackwardDqMma::<E, R>::new(
                     settings(UNITS),
@@ -312,21 +293,8 @@ pub(crate) fn backward_step<R: Runtime>(
                     args.array(lse),
                     args.array(delta),
                     args.array(rows),
-                    args.table(&docs),
-                    s0,
-                    s1,
-                    s2,
-                    s3,
-                    s4,
-                    s5,
-                    s6,
-                    s7,
-                    s8,
-                    s9,
-                    s10,
-                    s11,
-                    dims.head_dim,
-                    mask.kind(),
+                    args.table(docs),
+                    args.params(&params.queries),
                 );
                 // SAFETY: shapes were validated by the caller; the kernel guards every global
                 // access against `q_len`/`kv_len`, and the arguments follow its parameters.
@@ -353,8 +321,6 @@ pub(crate) fn backward_step<R: Runtime>(
         )
     };
     let mut args = LaunchArguments::new(KERNEL_ADDRESS);
-    let scalars = register_scalars(&mut args, scale, mask, dims, dims.kv_heads);
-    let [s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11] = scalars;
     crate::tensor::with_elem_type!(q.elem, E => {
         let kernel = dkdv::backward_dkdv_mma::BackwardDkdvMma::<E, R>::new(
             settings(DKDV_UNITS),
@@ -370,21 +336,8 @@ pub(crate) fn backward_step<R: Runtime>(
             args.array(dq),
             args.array(&dk_out),
             args.array(&dv_out),
-            args.table(&docs),
-            s0,
-            s1,
-            s2,
-            s3,
-            s4,
-            s5,
-            s6,
-            s7,
-            s8,
-            s9,
-            s10,
-            s11,
-            dims.head_dim,
-            mask.kind(),
+            args.table(docs),
+            args.params(&params.keys),
             fuse_dq,
             key_grads.finished,
             grids.stmatrix,
@@ -392,36 +345,6 @@ pub(crate) fn backward_step<R: Runtime>(
         // SAFETY: as above.
         unsafe { fast_exp2::launch_unchecked(client, grids.dkdv.clone(), kernel, args) }
     });
-}
-
-/// Registers the twelve scalars every tensor-core kernel takes after its arrays, in their order:
-/// the score scale, the mask's diagonal shift, `q_len`, `kv_len`, the heads the grid walks
-/// (`heads`), the query heads per key/value head, then the rest of the mask's
-/// [`MaskBounds`](crate::mask::MaskBounds) (`before`, `after`, `q_pos0`, `kv_pos0`, `doc_stride`,
-/// `doc_count`). Returns their compilation arguments (`()` each), for the kernel's constructor.
-/// Scalars and arrays are registered in separate lists, so registering the scalars first keeps
-/// both in parameter order.
-fn register_scalars(
-    args: &mut LaunchArguments,
-    scale: f32,
-    mask: &Mask,
-    dims: &AttentionDims,
-    heads: usize,
-) -> [(); 12] {
-    let bounds = mask.bounds(dims);
-    args.scalar(scale);
-    args.scalar(bounds.shift);
-    args.scalar(dims.q_len as u32);
-    args.scalar(dims.kv_len as u32);
-    args.scalar(heads as u32);
-    args.scalar(dims.group_size() as u32);
-    args.scalar(bounds.before);
-    args.scalar(bounds.after);
-    args.scalar(bounds.q_pos0);
-    args.scalar(bounds.kv_pos0);
-    args.scalar(bounds.doc_stride);
-    args.scalar(bounds.doc_count);
-    [(); 12]
 }
 
 /// Settings of a tensor-core kernel launched with cubes of `units` units.

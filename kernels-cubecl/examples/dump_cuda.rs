@@ -7,8 +7,10 @@
 //! writes `OUT_DIR/{forward,attention,forward_first,forward_last,dq,dkdv,fused,fused_whole}_{causal,full}_d{64,128}.cu`
 //! (`attention`: the whole-attention forward; `fused`: the dK/dV kernel that also adds dQ with
 //! atomics, `fused_whole` its whole-attention form), and the Hopper matrix product's variants
-//! `hopper_gemm_{bt,rm}_{bf16,f32}.cu` (B `[N, K]` or `[K, N]`; C's type), hand-written and
-//! handed to NVRTC as they are. Read them with a CUDA
+//! `hopper_gemm_{bt,rm}_{bf16,f32}.cu` (B `[N, K]` or `[K, N]`; C's type) and the Hopper attention
+//! forward's `hopper_attention_{causal,full}_d{64,128}_{bf16,f16}.cu` (with the default schedule;
+//! `_plain`, `_overlap` and `_pingpong` the others, causal bf16 at head dim 128), hand-written
+//! and handed to NVRTC as they are. Read them with a CUDA
 //! compiler's resource report (registers, spills) and the SASS of their loops.
 
 use std::path::PathBuf;
@@ -27,7 +29,7 @@ use cubecl_cpp::DialectWmmaCompiler;
 use cubecl_cuda::CudaCompiler;
 use cubecl_runtime::compiler::Compiler;
 use distflash_kernels::hopper::source_task::shell;
-use distflash_kernels::hopper::{self, GemmLayout};
+use distflash_kernels::hopper::{self, ForwardSchedule, ForwardVariant, GemmLayout};
 use distflash_kernels::tensor_core::{backward, dkdv, fast_exp2, forward, KERNEL_ADDRESS};
 use distflash_kernels::{ElemType, MaskKind};
 use half::{bf16, f16};
@@ -149,9 +151,55 @@ pub fn hopper_shell_shared_bytes(bytes: usize) -> usize {
     .shared_memory_size()
 }
 
-/// The CUDA sources of the Hopper matrix product's variants, by name.
+/// The CUDA sources of the Hopper kernels' variants, by name: the attention forward's (each head
+/// dim, type and mask with the default schedule, and the other schedules for bf16, head dim 128,
+/// causal), then the matrix product's.
 pub fn hopper_sources() -> Vec<(String, String)> {
     let mut sources = Vec::new();
+    let plain = ForwardSchedule {
+        intra_overlap: false,
+        pingpong: false,
+    };
+    let schedules = [
+        ("", ForwardSchedule::default()),
+        ("_plain", plain),
+        (
+            "_overlap",
+            ForwardSchedule {
+                intra_overlap: true,
+                ..plain
+            },
+        ),
+        (
+            "_pingpong",
+            ForwardSchedule {
+                pingpong: true,
+                ..plain
+            },
+        ),
+    ];
+    for (schedule_name, schedule) in schedules {
+        for head_dim in hopper::HEAD_DIMS {
+            for (elem_name, elem) in [("bf16", ElemType::BF16), ("f16", ElemType::F16)] {
+                for (mask_name, causal) in [("causal", true), ("full", false)] {
+                    let default = schedule == ForwardSchedule::default();
+                    if !default && (head_dim, elem, causal) != (128, ElemType::BF16, true) {
+                        continue;
+                    }
+                    let name = format!(
+                        "hopper_attention_{mask_name}_d{head_dim}_{elem_name}{schedule_name}"
+                    );
+                    let variant = ForwardVariant {
+                        head_dim,
+                        elem,
+                        causal,
+                        schedule,
+                    };
+                    sources.push((name, hopper::forward_source(&variant)));
+                }
+            }
+        }
+    }
     for (layout_name, layout) in [
         ("bt", GemmLayout::BTransposed),
         ("rm", GemmLayout::BRowMajor),

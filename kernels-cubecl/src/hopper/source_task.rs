@@ -27,6 +27,10 @@ use cubecl::{Compiler, InfoBuilder};
 use crate::edited_task::{Edit, EditedTask};
 use crate::tensor::DeviceTensor;
 
+/// The PTX building blocks (`ptx.cuh`: mbarriers, bulk tensor copies, matrix descriptors,
+/// warpgroup MMA fences) that every hand-written kernel's source starts with, after its switches.
+pub const PTX_PRELUDE: &str = include_str!("ptx.cuh");
+
 /// Declares `shared_words` words of shared memory, so that its compiled form carries the shared
 /// memory a hand-written kernel needs. Compiled, never launched.
 #[cube(launch_unchecked)]
@@ -87,11 +91,15 @@ pub(crate) struct SourceArguments {
     info: InfoBuilder,
 }
 
-/// How a tensor map cuts a row-major matrix into boxes.
-pub(crate) struct TiledMap {
-    /// The box's rows and columns (at most 256 each; with the 128-byte swizzle a box row is at
-    /// most 128 bytes).
-    pub box_shape: [usize; 2],
+/// How a tensor map cuts a row-major tensor into boxes.
+pub(crate) struct TiledMap<'a> {
+    /// The tensor's shape as the map sees it, outermost first: the tensor's own shape, or a view
+    /// of its contiguous elements (`[B * H, S, D]` of a `[B, H, S, D]` tensor), whose sizes
+    /// multiply to the tensor's length.
+    pub view: &'a [usize],
+    /// The box's extent along each axis of the view, outermost first (at most 256 each; with
+    /// the 128-byte swizzle a box row is at most 128 bytes).
+    pub box_shape: &'a [usize],
     /// Shared-memory swizzle of the boxes.
     pub swizzle: TensorMapSwizzle,
 }
@@ -105,11 +113,17 @@ impl SourceArguments {
         }
     }
 
-    /// Registers a tensor map over `matrix` (row-major `[rows, columns]`) as the next tensor
-    /// map parameter; CubeCL encodes it at launch from the buffer's address.
-    pub(crate) fn tiled_map(&mut self, matrix: &DeviceTensor, map: TiledMap) {
-        let [rows, columns] = [matrix.shape[0], matrix.shape[1]];
-        let storage_ty = match matrix.elem {
+    /// Registers a tensor map over `tensor` (row-major, seen as `map.view`) as the next tensor
+    /// map parameter; CubeCL encodes it at launch from the buffer's address. Elements of a box
+    /// outside the view read as zeros and are not written.
+    pub(crate) fn tiled_map(&mut self, tensor: &DeviceTensor, map: TiledMap) {
+        debug_assert_eq!(map.view.iter().product::<usize>(), tensor.len());
+        debug_assert_eq!(map.view.len(), map.box_shape.len());
+        let mut strides = vec![1; map.view.len()];
+        for axis in (0..map.view.len().saturating_sub(1)).rev() {
+            strides[axis] = strides[axis + 1] * map.view[axis + 1];
+        }
+        let storage_ty = match tensor.elem {
             crate::tensor::ElemType::F16 => half::f16::as_type_native_unchecked(),
             crate::tensor::ElemType::BF16 => half::bf16::as_type_native_unchecked(),
             crate::tensor::ElemType::F32 => f32::as_type_native_unchecked(),
@@ -119,11 +133,8 @@ impl SourceArguments {
             format: TensorMapFormat::Tiled(TiledArgs {
                 tile_size: Shape::from(map.box_shape.to_vec()),
             }),
-            metadata: Metadata::new(
-                Shape::from(vec![rows, columns]),
-                Strides::from(vec![columns, 1]),
-            ),
-            elem_stride: Strides::from(vec![1, 1]),
+            metadata: Metadata::new(Shape::from(map.view.to_vec()), Strides::from(strides)),
+            elem_stride: Strides::from(vec![1; map.view.len()]),
             interleave: TensorMapInterleave::None,
             swizzle: map.swizzle,
             prefetch: TensorMapPrefetch::B256,
@@ -131,7 +142,7 @@ impl SourceArguments {
             storage_ty,
         };
         self.tensor_maps.push(TensorMapBinding {
-            binding: matrix.handle.clone().binding(),
+            binding: tensor.handle.clone().binding(),
             map: meta,
         });
     }

@@ -1,12 +1,14 @@
 //! The CubeCL kernels against the f64 reference (`distflash-oracle`): forward, backward, masks
 //! and offsets, GQA, odd lengths, every head dim, grids folded past a grid axis, fully-masked
-//! rows, chunk-by-chunk stepping and merging, and bad input.
+//! rows, chunk-by-chunk stepping and merging, and bad input; the Hopper kernels in their own
+//! modules (`hopper_forward`, `hopper_gemm`).
 //!
 //! The suite is generic over the CubeCL runtime. It runs on wgpu (Mesa's software Vulkan in CI)
 //! and, with `--ignored`, on CUDA (the GPU machine), for both kernel variants there. The CUDA
 //! source CubeCL generates is checked without a GPU in `generated_cuda`.
 
 mod generated_cuda;
+mod hopper_forward;
 mod hopper_gemm;
 
 use cubecl::prelude::*;

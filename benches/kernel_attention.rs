@@ -6,7 +6,7 @@
 //! `cargo bench --bench kernel_attention -- [--seqs 8192,16384,32768] [--bwd-seqs 8192]
 //! [--burn-seqs 8192,16384] [--iters 5] [--head-dim 128] [--kv-heads 32] [--chunks 4]
 //! [--mask-seqs 32768] [--window 4096] [--variants auto,hopper,tensor-core]
-//! [--hopper-schedules overlap+pingpong,overlap,pingpong,plain]`.
+//! [--hopper-schedules overlap+pingpong,overlap+pingpong+grouped,plain]`.
 //! `--variants` runs the whole-attention forward rows once per kernel variant (default `auto`),
 //! each with its first call's time (compilation included); `--hopper-schedules` adds rows of
 //! the Hopper forward with each of its schedules forced (see `hopper::ForwardSchedule`).
@@ -352,8 +352,9 @@ struct ForwardRun {
 }
 
 /// The forward rows of `--variants` (`auto`, `hopper`, `tensor-core`, `portable`; Auto's rows
-/// keep their name, `distflash (bf16)`) and of `--hopper-schedules` (`overlap+pingpong`,
-/// `overlap`, `pingpong`, `plain`: the Hopper variant with that schedule forced).
+/// keep their name, `distflash (bf16)`) and of `--hopper-schedules` (each `+`-joined parts of
+/// `overlap`, `pingpong`, `grouped`, or `plain` for none: the Hopper variant with that schedule
+/// forced).
 fn forward_runs(args: &[String]) -> Vec<ForwardRun> {
     let mut runs: Vec<ForwardRun> = arg_words(args, "--variants", "auto")
         .iter()
@@ -375,22 +376,26 @@ fn forward_runs(args: &[String]) -> Vec<ForwardRun> {
         })
         .collect();
     for word in arg_words(args, "--hopper-schedules", "") {
-        let (intra_overlap, pingpong) = match word.as_str() {
-            "overlap+pingpong" => (true, true),
-            "overlap" => (true, false),
-            "pingpong" => (false, true),
-            "plain" => (false, false),
-            other => panic!(
-                "--hopper-schedules takes overlap+pingpong, overlap, pingpong, plain; got {other}"
-            ),
+        let mut schedule = ForwardSchedule {
+            intra_overlap: false,
+            pingpong: false,
+            grouped_slices: false,
         };
+        for part in word.split('+').filter(|part| *part != "plain") {
+            match part {
+                "overlap" => schedule.intra_overlap = true,
+                "pingpong" => schedule.pingpong = true,
+                "grouped" => schedule.grouped_slices = true,
+                other => panic!(
+                    "--hopper-schedules takes `+`-joined overlap, pingpong, grouped, or plain; \
+                     got {other}"
+                ),
+            }
+        }
         runs.push(ForwardRun {
             name: format!("distflash hopper {word} (bf16)"),
             variant: Variant::Hopper,
-            schedule: Some(ForwardSchedule {
-                intra_overlap,
-                pingpong,
-            }),
+            schedule: Some(schedule),
         });
     }
     runs

@@ -156,9 +156,11 @@ pub fn hopper_shell_shared_bytes(bytes: usize) -> usize {
 /// causal), then the matrix product's.
 pub fn hopper_sources() -> Vec<(String, String)> {
     let mut sources = Vec::new();
+    // The slices' order is not part of the source.
     let plain = ForwardSchedule {
         intra_overlap: false,
         pingpong: false,
+        ..ForwardSchedule::default()
     };
     let schedules = [
         ("", ForwardSchedule::default()),

@@ -18,10 +18,11 @@
 // 128-byte swizzle) of 128 rows (q, k, v) or 64 rows (O) of one (batch, head) slice: rows past a
 // slice's length arrive as zeros and are never stored.
 //
-// A cube (CTA) of 384 threads takes 128 query rows of one slice (grid x = slice, y = block, the
-// heaviest causal block first) and walks its key tiles of 128 keys from the last to the first,
-// so that the masked tiles (the causal diagonal, a partial last tile) come first and the others
-// run without a mask.
+// A cube (CTA) of 384 threads takes 128 query rows of one slice and walks its key tiles of 128
+// keys from the last to the first, so that the masked tiles (the causal diagonal, a partial last
+// tile) come first and the others run without a mask. Cubes start in launch order: the slices
+// in groups whose keys and values fit in L2 together, and within a group the blocks by rank,
+// heaviest (the last causal block) first, each rank over the group's slices (see `cube_work`).
 // - Warpgroup 0 (producer) keeps 24 registers; one thread has the copy engine fetch Q once and
 //   each tile's K and V into two stages each, on `full` barriers, reusing a stage once its
 //   consumers arrive on its `empty` barrier.
@@ -61,8 +62,9 @@ struct ForwardInfo {
     int shift;
     // The score scale times log2(e), as f32 bits.
     u32 scale_log2_bits;
-    u32 unused0;
-    u32 unused1;
+    // (batch, head) slices per launch group (see `cube_work`).
+    u32 slice_group;
+    u32 slices;
 };
 
 #define DF_D DISTFLASH_HEAD_DIM
@@ -414,6 +416,20 @@ __device__ __forceinline__ void pass_turn(u32 wg) {
 #endif
 }
 
+// The (slice, block) of cube `cube` of a one-dimensional grid of `slices x blocks` cubes: groups
+// of `slice_group` slices (the last may be narrower), each taken block rank by block rank from
+// the last block to the first, one cube per slice of the group at each rank.
+__device__ __forceinline__ void cube_work(const ForwardInfo& info, u32 cube, u32 blocks,
+                                          u32& slice, u32& block) {
+    const u32 per_group = info.slice_group * blocks;
+    const u32 group = cube / per_group;
+    const u32 first = group * info.slice_group;
+    const u32 width = min(info.slice_group, info.slices - first);
+    const u32 within = cube - group * per_group;
+    slice = first + within % width;
+    block = blocks - 1 - within / width;
+}
+
 extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
     distflash_hopper_attention_forward(
         const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
@@ -425,9 +441,10 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
     const Layout at =
         layout_from((shared_address(shared) + DF_SWIZZLE_SPAN - 1) & ~(DF_SWIZZLE_SPAN - 1));
 
-    const u32 slice = blockIdx.x;
     const u32 blocks = (info.q_len + DF_BM - 1) / DF_BM;
-    const u32 block_start = (blocks - 1 - blockIdx.y) * DF_BM;
+    u32 slice, block;
+    cube_work(info, blockIdx.x, blocks, slice, block);
+    const u32 block_start = block * DF_BM;
     const u32 kv_slice =
         (slice / info.q_heads) * (info.q_heads / info.group_size) +
         (slice % info.q_heads) / info.group_size;

@@ -9,7 +9,6 @@ use super::forward_plan::{self, ForwardVariant, BLOCK_KEYS, BLOCK_ROWS, BOX_COLU
 use super::schedule;
 use super::source_task::{self, CudaSource, SourceArguments, TiledMap, PTX_PRELUDE};
 use crate::dims::AttentionDims;
-use crate::grid::{self, Rows};
 use crate::kernel_error::{launch_result, KernelError};
 use crate::limits::DeviceLimits;
 use crate::step_options::{StepOptions, Variant};
@@ -59,13 +58,19 @@ pub(crate) fn plan<R: Runtime>(
         "the Hopper attention forward",
         forward_plan::shared_bytes(dims.head_dim),
     )?;
-    let grid = grid::slice_major(
-        "the Hopper attention forward",
-        dims,
-        Rows::Query,
-        BLOCK_ROWS,
-        &limits,
-    )?;
+    // One cube per block of query rows of each slice, in one dimension (see `cube_work` in the
+    // kernel): x holds 2^31 - 1 cubes on CUDA.
+    let cubes = dims.batch * dims.q_heads * dims.q_len.div_ceil(BLOCK_ROWS);
+    let max_x = limits.max_cube_count.0 as usize;
+    if cubes > max_x {
+        return Err(KernelError::DeviceLimit {
+            what: format!(
+                "the Hopper attention forward needs {cubes} cubes (batch x heads x blocks of \
+                 {BLOCK_ROWS} query rows); the device's grid allows {max_x}"
+            ),
+        });
+    }
+    let grid = CubeCount::Static(cubes as u32, 1, 1);
     Ok(ForwardLaunch { variant, grid })
 }
 
@@ -166,7 +171,8 @@ pub(crate) fn enqueue<R: Runtime>(
     }
     arguments.buffer(lse);
     let scale = options.resolved_scale(dims.head_dim);
-    for value in forward_plan::scalars(dims, &options.mask, scale) {
+    let grouped = launch.variant.schedule.grouped_slices;
+    for value in forward_plan::scalars(dims, &options.mask, scale, grouped) {
         arguments.scalar(value);
     }
     let kernel = CudaSource {

@@ -21,6 +21,9 @@ pub const UNITS: usize = 384;
 pub const HEAD_DIMS: [usize; 2] = [64, 128];
 /// Columns of one box of the tensor maps: 64 16-bit values, one 128-byte swizzled row.
 pub const BOX_COLUMNS: usize = 64;
+/// Bytes of keys and values the cubes under way at one time should share: about two thirds of
+/// the 50 MB L2 of an H100 or H200 (the rest holds queries, outputs and other heads' tails).
+pub const L2_BUDGET: usize = 32 << 20;
 
 /// Shared memory one cube uses at `head_dim`: the Q tile, `STAGES` K and V tiles (16-bit
 /// values), `1 + 4 STAGES` barriers of 8 bytes, and up to 1023 bytes to align the tiles on the
@@ -106,11 +109,23 @@ impl ForwardVariant {
     }
 }
 
+/// (batch, head) slices per launch group: with `grouped`, as many as share [`L2_BUDGET`] bytes
+/// of keys and values (whole GQA groups, at least one key/value head's), else all of them.
+pub fn slice_group(dims: &AttentionDims, grouped: bool) -> usize {
+    let slices = dims.batch * dims.q_heads;
+    if !grouped {
+        return slices;
+    }
+    let kv_head_bytes = 2 * dims.kv_len * dims.head_dim * 2;
+    let kv_heads = (L2_BUDGET / kv_head_bytes).max(1);
+    (kv_heads * dims.group_size()).min(slices)
+}
+
 /// The eight `u32` scalars the kernel reads, in its `ForwardInfo` order: `q_len`, `kv_len`,
 /// the query heads, the query heads per key/value head, the causal shift (`q_offset -
 /// kv_offset`, clamped as [`Mask::bounds`] clamps it, as `i32` bits), the scale times
-/// `log2(e)` (as `f32` bits), and two unused words.
-pub fn scalars(dims: &AttentionDims, mask: &Mask, scale: f32) -> [u32; 8] {
+/// `log2(e)` (as `f32` bits), the slices per launch group ([`slice_group`]) and the slices.
+pub fn scalars(dims: &AttentionDims, mask: &Mask, scale: f32, grouped: bool) -> [u32; 8] {
     let shift = mask.bounds(dims).shift;
     [
         dims.q_len as u32,
@@ -119,8 +134,8 @@ pub fn scalars(dims: &AttentionDims, mask: &Mask, scale: f32) -> [u32; 8] {
         dims.group_size() as u32,
         shift as u32,
         (scale * LOG2_E).to_bits(),
-        0,
-        0,
+        slice_group(dims, grouped) as u32,
+        (dims.batch * dims.q_heads) as u32,
     ]
 }
 
@@ -220,6 +235,7 @@ mod tests {
             schedule: ForwardSchedule {
                 intra_overlap: false,
                 pingpong: true,
+                grouped_slices: true,
             },
         };
         assert_eq!(
@@ -232,14 +248,37 @@ mod tests {
     #[test]
     fn scalars_carry_the_shift_and_the_base_2_scale() {
         let d = dims(128);
-        let [q_len, kv_len, heads, group, shift, scale, ..] =
-            scalars(&d, &Mask::causal().at(217, 0), 0.125);
+        let [q_len, kv_len, heads, group, shift, scale, slice_group, slices] =
+            scalars(&d, &Mask::causal().at(217, 0), 0.125, true);
         assert_eq!([q_len, kv_len, heads, group], [300, 517, 8, 4]);
         assert_eq!(shift as i32, 217);
         assert_eq!(f32::from_bits(scale), 0.125 * LOG2_E);
+        assert_eq!([slice_group, slices], [16, 16]);
         // Keys ahead of the queries: a negative shift.
-        let [.., shift, _, _, _] = scalars(&d, &Mask::causal().at(0, 40), 0.125);
+        let [.., shift, _, _, _] = scalars(&d, &Mask::causal().at(0, 40), 0.125, true);
         assert_eq!(shift as i32, -40);
+    }
+
+    #[test]
+    fn slice_groups_share_the_l2_budget_in_whole_kv_heads() {
+        let long = |kv_len, q_heads, kv_heads| AttentionDims {
+            batch: 2,
+            q_heads,
+            kv_heads,
+            q_len: kv_len,
+            kv_len,
+            head_dim: 128,
+        };
+        // 8 MiB of keys and values per head at 16K: four heads; two at 32K; eight at 8K.
+        assert_eq!(slice_group(&long(16384, 32, 32), true), 4);
+        assert_eq!(slice_group(&long(32768, 32, 32), true), 2);
+        assert_eq!(slice_group(&long(8192, 32, 32), true), 8);
+        // GQA 32 / 8: four query heads per key/value head.
+        assert_eq!(slice_group(&long(16384, 32, 8), true), 16);
+        // At least one key/value head's queries, however long; at most every slice.
+        assert_eq!(slice_group(&long(1 << 20, 32, 8), true), 4);
+        assert_eq!(slice_group(&long(128, 32, 32), true), 64);
+        assert_eq!(slice_group(&long(16384, 32, 32), false), 64);
     }
 
     #[test]

@@ -1,6 +1,7 @@
-//! How the Hopper attention forward's consumer warpgroups order their work: FlashAttention-3's
-//! two overlaps, each a compile-time switch of the kernel. The default is both; a thread-local
-//! override lets benchmarks and tests run the others (each is its own compiled kernel).
+//! How the Hopper attention forward orders its work: FlashAttention-3's two overlaps of the
+//! consumer warpgroups, each a compile-time switch of the kernel, and the order in which cubes
+//! take the (batch, head) slices. The default is all three; a thread-local override lets
+//! benchmarks and tests run the others.
 
 use std::cell::Cell;
 
@@ -14,14 +15,20 @@ pub struct ForwardSchedule {
     /// Between the two consumer warpgroups: they take turns (two named barriers) to issue their
     /// products, so that one's softmax runs while the other's products do.
     pub pingpong: bool,
+    /// Cubes take the slices in groups whose keys and values fit in L2 together (see
+    /// `forward_plan::slice_group`), each group's heaviest blocks first; without it, every
+    /// slice's block `b` starts before any slice's block `b - 1` (the grid's first wave then
+    /// spans every head's keys and values).
+    pub grouped_slices: bool,
 }
 
 impl Default for ForwardSchedule {
-    /// Both overlaps, as FlashAttention-3 runs head dims up to 128.
+    /// Both overlaps, as FlashAttention-3 runs head dims up to 128, and grouped slices.
     fn default() -> Self {
         Self {
             intra_overlap: true,
             pingpong: true,
+            grouped_slices: true,
         }
     }
 }
@@ -49,6 +56,7 @@ mod tests {
         let plain = ForwardSchedule {
             intra_overlap: false,
             pingpong: false,
+            grouped_slices: false,
         };
         assert_eq!(current(), ForwardSchedule::default());
         force(Some(plain));

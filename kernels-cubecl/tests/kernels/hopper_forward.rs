@@ -293,6 +293,7 @@ pub fn every_schedule_matches_the_f64_reference<R: Runtime>(client: &ComputeClie
             let forced = ForwardSchedule {
                 intra_overlap,
                 pingpong,
+                grouped_slices: true,
             };
             if forced == ForwardSchedule::default() {
                 continue;
@@ -319,6 +320,33 @@ pub fn every_schedule_matches_the_f64_reference<R: Runtime>(client: &ComputeClie
             check_all(client, &format!("{forced:?}"), &some);
         }
     }
+    // Every slice's block `b` before any slice's block `b - 1` (one group of all slices): the
+    // decode of each cube's work changes, not its products.
+    let ungrouped = ForwardSchedule {
+        grouped_slices: false,
+        ..ForwardSchedule::default()
+    };
+    schedule::force(Some(ungrouped));
+    check_all(
+        client,
+        &format!("{ungrouped:?}"),
+        &[
+            named(
+                42,
+                (2, 16, 4),
+                (257, 257, 64),
+                Mask::causal(),
+                ElemType::BF16,
+            ),
+            named(
+                43,
+                (1, 3, 3),
+                (700, 1100, 128),
+                Mask::causal().at(300, 0),
+                ElemType::F16,
+            ),
+        ],
+    );
 }
 
 /// `attention` under `Variant::Hopper` and `Variant::Auto` runs the Hopper forward where it

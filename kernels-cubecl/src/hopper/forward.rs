@@ -3,6 +3,9 @@
 //! the variant's source, its tensor maps and grid, and the launch (the device code is
 //! `attention_forward.cu`).
 
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock, PoisonError};
+
 use cubecl::prelude::*;
 
 use super::forward_plan::{self, ForwardVariant, BLOCK_KEYS, BLOCK_ROWS, BOX_COLUMNS, UNITS};
@@ -24,6 +27,27 @@ const ENTRY_POINT: &str = "distflash_hopper_attention_forward";
 /// `attention_forward.cu`.
 pub fn forward_source(variant: &ForwardVariant) -> String {
     format!("{}{PTX_PRELUDE}{FORWARD_CU}", variant.switches())
+}
+
+/// The kernel of `variant`: built and fingerprinted on its first launch in the process, cloned
+/// (its source shared) on every later one.
+fn kernel(variant: &ForwardVariant) -> CudaSource {
+    static KERNELS: OnceLock<Mutex<HashMap<ForwardVariant, CudaSource>>> = OnceLock::new();
+    let mut kernels = KERNELS
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    kernels
+        .entry(*variant)
+        .or_insert_with(|| {
+            CudaSource::new(
+                ENTRY_POINT,
+                forward_source(variant),
+                UNITS as u32,
+                forward_plan::shared_bytes(variant.head_dim),
+            )
+        })
+        .clone()
 }
 
 /// A Hopper forward ready to launch on one device: the variant and its grid.
@@ -175,12 +199,7 @@ pub(crate) fn enqueue<R: Runtime>(
     for value in forward_plan::scalars(dims, &options.mask, scale, grouped) {
         arguments.scalar(value);
     }
-    let kernel = CudaSource {
-        entry_point: ENTRY_POINT,
-        source: forward_source(&launch.variant),
-        units: UNITS as u32,
-        shared_bytes: forward_plan::shared_bytes(dims.head_dim),
-    };
+    let kernel = kernel(&launch.variant);
     // SAFETY: `plan` checked that the runtime is CUDA on an sm_90 device and that the cubes,
     // shared memory and grid fit it; the arguments follow `distflash_hopper_attention_forward`'s
     // parameters (the four tensor maps, their buffers, lse, the eight scalars). The tensor maps
@@ -253,6 +272,28 @@ mod tests {
         assert_eq!(FORWARD_CU.matches("__global__").count(), 1);
         assert!(!FORWARD_CU.contains("#include"));
         assert!(FORWARD_CU.contains("__launch_bounds__(DF_THREADS, 1)"));
+    }
+
+    #[test]
+    fn each_variant_is_built_once_and_then_shared() {
+        let variant = |causal| ForwardVariant {
+            head_dim: 64,
+            elem: ElemType::F16,
+            causal,
+            schedule: schedule::ForwardSchedule::default(),
+        };
+        let (first, again, other) = (
+            kernel(&variant(true)),
+            kernel(&variant(true)),
+            kernel(&variant(false)),
+        );
+        assert_eq!(first.source().as_ptr(), again.source().as_ptr());
+        assert_eq!(first.source(), forward_source(&variant(true)));
+        assert_ne!(first.fingerprint(), other.fingerprint());
+        assert_eq!(
+            (first.units, first.shared_bytes),
+            (384, forward_plan::shared_bytes(64))
+        );
     }
 
     #[test]

@@ -85,12 +85,12 @@ pub fn gemm<R: Runtime>(
     for value in shape.scalars() {
         arguments.scalar(value);
     }
-    let kernel = CudaSource {
-        entry_point: ENTRY_POINT,
-        source: gemm_source(layout, c.elem),
-        units: UNITS as u32,
-        shared_bytes: SHARED_BYTES,
-    };
+    let kernel = CudaSource::new(
+        ENTRY_POINT,
+        gemm_source(layout, c.elem),
+        UNITS as u32,
+        SHARED_BYTES,
+    );
     let cubes = shape.cubes(client.properties().hardware.num_streaming_multiprocessors);
     // SAFETY: the runtime is CUDA on an sm_90 device (checked above); the arguments follow
     // `distflash_hopper_gemm`'s parameters (A's and B's tensor maps, their buffers, C, the four

@@ -18,6 +18,8 @@
 //! [`TensorMapMeta`]), then each tensor map's buffer, then the plain buffers, then the `u32`
 //! scalars as one struct by value (16 bytes for four).
 
+use std::sync::Arc;
+
 use cubecl::prelude::*;
 use cubecl::server::{Binding, KernelArguments, TensorMapBinding, TensorMapMeta};
 use cubecl::zspace::metadata::Metadata;
@@ -41,13 +43,16 @@ pub fn shell(out: &mut Array<u32>, #[comptime] shared_words: usize) {
     out[UNIT_POS as usize] = shared[UNIT_POS as usize];
 }
 
-/// A hand-written CUDA kernel: its source, entry point, cube size and shared memory.
+/// A hand-written CUDA kernel: its source, entry point, cube size and shared memory. Cheap to
+/// clone (the source is shared), with its fingerprint computed once.
 #[derive(Debug, Clone)]
 pub struct CudaSource {
     /// The `extern "C" __global__` function to launch.
     pub entry_point: &'static str,
     /// The whole translation unit, with no `#include` (NVRTC's include paths differ by machine).
-    pub source: String,
+    source: Arc<str>,
+    /// See [`CudaSource::fingerprint`].
+    fingerprint: u64,
     /// Threads per cube (one-dimensional).
     pub units: u32,
     /// Bytes of dynamic shared memory per cube.
@@ -55,14 +60,30 @@ pub struct CudaSource {
 }
 
 impl CudaSource {
+    /// The kernel `entry_point` of `source`, launched with cubes of `units` threads and
+    /// `shared_bytes` of dynamic shared memory.
+    pub fn new(entry_point: &'static str, source: String, units: u32, shared_bytes: usize) -> Self {
+        let fingerprint = source.bytes().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
+            (hash ^ byte as u64).wrapping_mul(0x0000_0100_0000_01b3)
+        });
+        Self {
+            entry_point,
+            source: source.into(),
+            fingerprint,
+            units,
+            shared_bytes,
+        }
+    }
+
+    /// The source.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
     /// A 64-bit FNV-1a hash of the source: part of the kernel's id, so that CubeCL's compiled
     /// kernel cache (in memory and on disk) never serves an earlier version of the source.
     pub fn fingerprint(&self) -> u64 {
-        self.source
-            .bytes()
-            .fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
-                (hash ^ byte as u64).wrapping_mul(0x0000_0100_0000_01b3)
-            })
+        self.fingerprint
     }
 }
 
@@ -77,7 +98,7 @@ impl<C: Compiler> Edit<C> for CudaSource {
     }
 
     fn apply(&self, compiled: &mut CompiledKernel<C>) {
-        compiled.source = self.source.clone();
+        compiled.source = self.source.to_string();
         compiled.entrypoint_name = self.entry_point.to_string();
         compiled.debug_name = Some(self.entry_point);
     }
@@ -195,12 +216,7 @@ mod tests {
     use super::*;
 
     fn source(text: &str) -> CudaSource {
-        CudaSource {
-            entry_point: "k",
-            source: text.into(),
-            units: 128,
-            shared_bytes: 1024,
-        }
+        CudaSource::new("k", text.into(), 128, 1024)
     }
 
     #[test]
@@ -208,6 +224,7 @@ mod tests {
         let a = source("extern \"C\" __global__ void k() {}");
         let b = source("extern \"C\" __global__ void k() { }");
         assert_eq!(a.fingerprint(), a.clone().fingerprint());
+        assert_eq!(a.fingerprint(), source(a.source()).fingerprint());
         assert_ne!(a.fingerprint(), b.fingerprint());
     }
 

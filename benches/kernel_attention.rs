@@ -114,6 +114,23 @@ fn random_tensor(
     DeviceTensor::from_f32(client, &data, vec![1, heads, seq, head_dim], elem)
 }
 
+/// Seconds per call of [`QUEUED`] whole-attention forwards queued back to back with one wait
+/// for all of them (median of `iters`): what a training loop sees, without the host's
+/// launch-and-wait latency of a single call.
+fn queued_forward_seconds(
+    client: &ComputeClient<CudaRuntime>,
+    (q, k, v): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
+    options: &StepOptions,
+    iters: usize,
+) -> f64 {
+    median_seconds(iters, || {
+        for _ in 0..QUEUED {
+            let _ = distflash_kernels::attention(client, q, k, v, options).unwrap();
+        }
+        sync(client);
+    }) / QUEUED as f64
+}
+
 fn sync(client: &ComputeClient<CudaRuntime>) {
     cubecl::future::block_on(client.sync()).expect("sync");
 }
@@ -478,14 +495,7 @@ fn main() {
                 secs,
                 flops,
             );
-            // The same calls queued back to back, one wait for all of them: what a training
-            // loop sees, without the host's launch-and-wait latency of a single call.
-            let secs = median_seconds(iters, || {
-                for _ in 0..QUEUED {
-                    let _ = distflash_kernels::attention(&client, &q, &k, &v, &options).unwrap();
-                }
-                sync(&client);
-            }) / QUEUED as f64;
+            let secs = queued_forward_seconds(&client, (&q, &k, &v), &options, iters);
             row(&format!("{name}, queued"), "fwd", seq, secs, flops);
         }
         schedule::force(None);
@@ -606,12 +616,7 @@ fn main() {
                 sync(&client);
             });
             row(&name, "fwd", seq, secs, flops);
-            let secs = median_seconds(iters, || {
-                for _ in 0..QUEUED {
-                    let _ = distflash_kernels::attention(&client, &q, &k, &v, &options).unwrap();
-                }
-                sync(&client);
-            }) / QUEUED as f64;
+            let secs = queued_forward_seconds(&client, (&q, &k, &v), &options, iters);
             row(&format!("{name}, queued"), "fwd", seq, secs, flops);
             let forward_backward = || {
                 let (out, lse) =

@@ -430,6 +430,28 @@ __device__ __forceinline__ void cube_work(const ForwardInfo& info, u32 cube, u32
     block = blocks - 1 - within / width;
 }
 
+// The softmax of walk tile `t` (the tile of keys from (count - 1 - t) DF_BN), with the mask
+// where the walk says so; returns whether the warp moved its maxima (see `softmax_tile`).
+__device__ __forceinline__ bool softmax_of(float (&s)[DF_S_REGS], Rows& rows, const Walk& walk,
+                                           int t, u32 quad, float scale_log2,
+                                           float (&factor)[2]) {
+    const int key0 = (walk.count - 1 - t) * DF_BN;
+    return t < walk.masked ? softmax_tile<true>(s, rows, key0, quad, scale_log2, factor)
+                           : softmax_tile<false>(s, rows, key0, quad, scale_log2, factor);
+}
+
+// O += P V with walk tile `t`'s values, waited for; their stage handed back.
+__device__ __forceinline__ void values_of(float (&o)[DF_O_REGS], u32 (&p)[DF_P_REGS],
+                                          const Layout& at, int t, u32 lane) {
+    barrier_wait(at.v_full + 8 * stage_of(t), parity_of(t));
+    fence_registers(o);
+    fence_registers(p);
+    issue_values(o, p, at.v + stage_of(t) * DF_KV_BYTES);
+    wgmma_wait<0>();
+    fence_registers(o);
+    release(at.v_empty, t, lane);
+}
+
 extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
     distflash_hopper_attention_forward(
         const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
@@ -542,12 +564,8 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         wgmma_wait<0>();
         fence_registers(s);
         release(at.k_empty, 0, lane);
-        const int key0 = (walk.count - 1) * DF_BN;
-        if (walk.masked > 0) {
-            softmax_tile<true>(s, rows, key0, quad, scale_log2, factor);
-        } else {
-            softmax_tile<false>(s, rows, key0, quad, scale_log2, factor);
-        }
+        // The output is still 0: nothing to rescale.
+        softmax_of(s, rows, walk, 0, quad, scale_log2, factor);
         pack_weights(s, p);
         // Then S of tile t under P V of tile t - 1.
 #pragma unroll 1
@@ -562,11 +580,7 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
             wgmma_wait<1>();
             fence_registers(s);
             release(at.k_empty, t, lane);
-            const int tile_key0 = (walk.count - 1 - t) * DF_BN;
-            const bool rescale =
-                t < walk.masked
-                    ? softmax_tile<true>(s, rows, tile_key0, quad, scale_log2, factor)
-                    : softmax_tile<false>(s, rows, tile_key0, quad, scale_log2, factor);
+            const bool rescale = softmax_of(s, rows, walk, t, quad, scale_log2, factor);
             wgmma_wait<0>();
             fence_registers(o);
             fence_registers(p);
@@ -576,13 +590,7 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
             }
             pack_weights(s, p);
         }
-        const int last = walk.count - 1;
-        barrier_wait(at.v_full + 8 * stage_of(last), parity_of(last));
-        fence_registers(p);
-        issue_values(o, p, at.v + stage_of(last) * DF_KV_BYTES);
-        wgmma_wait<0>();
-        fence_registers(o);
-        release(at.v_empty, last, lane);
+        values_of(o, p, at, walk.count - 1, lane);
     }
 #else
 #pragma unroll 1
@@ -594,21 +602,11 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         wgmma_wait<0>();
         fence_registers(s);
         release(at.k_empty, t, lane);
-        const int tile_key0 = (walk.count - 1 - t) * DF_BN;
-        const bool rescale =
-            t < walk.masked ? softmax_tile<true>(s, rows, tile_key0, quad, scale_log2, factor)
-                            : softmax_tile<false>(s, rows, tile_key0, quad, scale_log2, factor);
-        if (rescale) {
+        if (softmax_of(s, rows, walk, t, quad, scale_log2, factor)) {
             rescale_output(o, factor);
         }
         pack_weights(s, p);
-        barrier_wait(at.v_full + 8 * stage_of(t), parity_of(t));
-        fence_registers(o);
-        fence_registers(p);
-        issue_values(o, p, at.v + stage_of(t) * DF_KV_BYTES);
-        wgmma_wait<0>();
-        fence_registers(o);
-        release(at.v_empty, t, lane);
+        values_of(o, p, at, t, lane);
     }
 #endif
 #if DISTFLASH_PINGPONG

@@ -97,24 +97,7 @@ fn check_case<R: Runtime>(client: &ComputeClient<R>, case: &Case) -> Result<(), 
     )
     .map_err(|e| format!("refused: {e}"))?;
     let (got_out, got_lse) = (read(client, &out), read(client, &lse));
-    let exact_fwd = oracle::forward(
-        dims,
-        &case.q,
-        &case.k,
-        &case.v,
-        &case.mask,
-        case.scale(),
-        exact,
-    );
-    let naive = oracle::forward(
-        dims,
-        &case.q,
-        &case.k,
-        &case.v,
-        &case.mask,
-        case.scale(),
-        naive_rounding(case.elem),
-    );
+    let (exact_fwd, naive) = case.reference_forward();
     let mut failures = Vec::new();
     for (name, got, exact, naive, elem, cols) in [
         (
@@ -182,35 +165,19 @@ fn check_all<R: Runtime>(client: &ComputeClient<R>, what: &str, cases: &[Named])
 /// stay masked.
 fn extreme_scores(mask: Mask, elem: ElemType, head_dim: usize) -> Named {
     let mut named = named(67, (1, 2, 1), (64, 100, head_dim), mask, elem);
-    let mut rng = Rng::new(68);
-    let case = &mut named.case;
-    case.q = vec![4.0; case.q.len()];
-    case.k = (0..case.k.len())
-        .map(|_| -4.0 + (rng.uniform().abs() * 32.0).floor().min(31.0) / 32.0)
-        .collect();
+    named.case.set_extreme_scores();
     named.name = format!("extreme scores, {}", named.name);
     named
 }
 
-/// Scores that rise from key to key by about 0.14 (base 2) in some query rows and by a half or a
-/// quarter of that in others (a tile of 128 keys rises by 18, 9 or 4.5): rows pass their stale
-/// max by more than its slack within the walk at different tiles, so warps rescale at different
-/// times and weigh against maxima up to 8 below the true one in between.
+/// Scores that rise from key to key (at head dim 64, by about 0.14 in base 2 in some query rows
+/// and by a half or a quarter of that in others: 18, 9 or 4.5 over a tile of 128 keys; more at
+/// 128): rows pass their stale max by more than its slack at different tiles of the walk, so
+/// warps rescale at different times and weigh against maxima up to 8 below the true one in
+/// between.
 fn rising_scores(mask: Mask, elem: ElemType, head_dim: usize) -> Named {
     let mut named = named(71, (1, 2, 1), (130, 340, head_dim), mask, elem);
-    let d = named.case.dims;
-    let mut rng = Rng::new(72);
-    let case = &mut named.case;
-    // Multiples of 1/32 with at most 7 significant bits: exact in f16 and bf16.
-    case.q = (0..case.q.len())
-        .map(|i| [1.0, 0.5, 0.25][(i / d.head_dim % d.q_len / 32) % 3])
-        .collect();
-    case.k = (0..case.k.len())
-        .map(|i| {
-            let key = (i / d.head_dim) % d.kv_len;
-            0.75 * (key / 64) as f64 + (rng.uniform().abs() * 8.0).floor() / 32.0
-        })
-        .collect();
+    named.case.set_rising_scores();
     named.name = format!("rising scores, {}", named.name);
     named
 }

@@ -5,7 +5,11 @@
 //!
 //! `cargo bench --bench kernel_attention -- [--seqs 8192,16384,32768] [--bwd-seqs 8192]
 //! [--burn-seqs 8192,16384] [--iters 5] [--head-dim 128] [--kv-heads 32] [--chunks 4]
-//! [--mask-seqs 32768] [--window 4096]`.
+//! [--mask-seqs 32768] [--window 4096] [--variants auto,hopper,tensor-core]
+//! [--hopper-schedules overlap+pingpong,overlap+pingpong+grouped,plain]`.
+//! `--variants` runs the whole-attention forward rows once per kernel variant (default `auto`),
+//! each with its first call's time (compilation included); `--hopper-schedules` adds rows of
+//! the Hopper forward with each of its schedules forced (see `hopper::ForwardSchedule`).
 //! `--chunks C` adds rows where the sequence is cut into C chunks and run pair by pair through
 //! `forward_step` / `backward_step` with causal offsets, as the distributed pass does, and a
 //! forward row where each query chunk's first and last key chunks go through
@@ -23,6 +27,7 @@ use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Distribution, Tensor};
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::prelude::*;
+use distflash_kernels::hopper::{schedule, ForwardSchedule};
 use distflash_kernels::{
     DeviceTensor, Documents, ElemType, GradAccumulators, Mask, SlidingWindow, SoftmaxState,
     StepOptions, Variant,
@@ -107,6 +112,23 @@ fn random_tensor(
         })
         .collect();
     DeviceTensor::from_f32(client, &data, vec![1, heads, seq, head_dim], elem)
+}
+
+/// Seconds per call of [`QUEUED`] whole-attention forwards queued back to back with one wait
+/// for all of them (median of `iters`): what a training loop sees, without the host's
+/// launch-and-wait latency of a single call.
+fn queued_forward_seconds(
+    client: &ComputeClient<CudaRuntime>,
+    (q, k, v): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
+    options: &StepOptions,
+    iters: usize,
+) -> f64 {
+    median_seconds(iters, || {
+        for _ in 0..QUEUED {
+            let _ = distflash_kernels::attention(client, q, k, v, options).unwrap();
+        }
+        sync(client);
+    }) / QUEUED as f64
 }
 
 fn sync(client: &ComputeClient<CudaRuntime>) {
@@ -326,8 +348,79 @@ impl Chunks {
     }
 }
 
+/// Comma-separated words after `name`, or `default`.
+fn arg_words(args: &[String], name: &str, default: &str) -> Vec<String> {
+    let list = args
+        .iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .map_or(default, String::as_str);
+    list.split(',')
+        .filter(|w| !w.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+/// One set of whole-attention forward rows: a variant, a forced Hopper schedule or none.
+struct ForwardRun {
+    name: String,
+    variant: Variant,
+    schedule: Option<ForwardSchedule>,
+}
+
+/// The forward rows of `--variants` (`auto`, `hopper`, `tensor-core`, `portable`; Auto's rows
+/// keep their name, `distflash (bf16)`) and of `--hopper-schedules` (each `+`-joined parts of
+/// `overlap`, `pingpong`, `grouped`, or `plain` for none: the Hopper variant with that schedule
+/// forced).
+fn forward_runs(args: &[String]) -> Vec<ForwardRun> {
+    let mut runs: Vec<ForwardRun> = arg_words(args, "--variants", "auto")
+        .iter()
+        .map(|word| {
+            let (name, variant) = match word.as_str() {
+                "auto" => ("distflash (bf16)", Variant::Auto),
+                "hopper" => ("distflash hopper (bf16)", Variant::Hopper),
+                "tensor-core" => ("distflash tensor-core (bf16)", Variant::TensorCore),
+                "portable" => ("distflash portable (bf16)", Variant::Portable),
+                other => {
+                    panic!("--variants takes auto, hopper, tensor-core, portable; got {other}")
+                }
+            };
+            ForwardRun {
+                name: name.into(),
+                variant,
+                schedule: None,
+            }
+        })
+        .collect();
+    for word in arg_words(args, "--hopper-schedules", "") {
+        let mut schedule = ForwardSchedule {
+            intra_overlap: false,
+            pingpong: false,
+            grouped_slices: false,
+        };
+        for part in word.split('+').filter(|part| *part != "plain") {
+            match part {
+                "overlap" => schedule.intra_overlap = true,
+                "pingpong" => schedule.pingpong = true,
+                "grouped" => schedule.grouped_slices = true,
+                other => panic!(
+                    "--hopper-schedules takes `+`-joined overlap, pingpong, grouped, or plain; \
+                     got {other}"
+                ),
+            }
+        }
+        runs.push(ForwardRun {
+            name: format!("distflash hopper {word} (bf16)"),
+            variant: Variant::Hopper,
+            schedule: Some(schedule),
+        });
+    }
+    runs
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    let forward_runs = forward_runs(&args);
     let seqs = arg_list(&args, "--seqs", &[8192, 16384, 32768]);
     let bwd_seqs = arg_list(&args, "--bwd-seqs", &[8192]);
     let burn_seqs = arg_list(&args, "--burn-seqs", &[8192, 16384]);
@@ -346,10 +439,12 @@ fn main() {
         deterministic: false,
     };
     println!(
-        "# {HEADS} query heads, {} kv heads, head dim {}; tensor cores used: {}",
+        "# {HEADS} query heads, {} kv heads, head dim {}; tensor cores used: {}; Hopper kernels \
+         available: {}",
         shape.kv_heads,
         shape.head_dim,
-        distflash_kernels::tensor_core_available(&client, elem, shape.head_dim)
+        distflash_kernels::tensor_core_available(&client, elem, shape.head_dim),
+        distflash_kernels::hopper::available(&client)
     );
     println!("| implementation | pass | S | ms | TFLOP/s |");
     println!("| --- | --- | --- | --- | --- |");
@@ -369,31 +464,41 @@ fn main() {
             random_tensor(&client, kv_dims, 3, elem),
         );
         let flops = causal_forward_flops(seq, shape);
-        let secs = median_seconds(iters, || {
-            let _ = distflash_kernels::attention(&client, &q, &k, &v, &options).unwrap();
-            sync(&client);
-        });
-        row("distflash (bf16)", "fwd", seq, secs, flops);
-        let secs = median_seconds(iters, || {
-            let _ = distflash_kernels::attention(&client, &q, &k, &v, &options).unwrap();
-            sync_on_runner(&client);
-        });
-        row(
-            "distflash (bf16), waited on the runner",
-            "fwd",
-            seq,
-            secs,
-            flops,
-        );
-        // The same calls queued back to back, one wait for all of them: what a training loop
-        // sees, without the host's launch-and-wait latency of a single call.
-        let secs = median_seconds(iters, || {
-            for _ in 0..QUEUED {
+        for run in &forward_runs {
+            schedule::force(run.schedule);
+            let options = StepOptions {
+                variant: run.variant,
+                ..options.clone()
+            };
+            let name = &run.name;
+            if seq == seqs[0] {
+                // The first call in the process: compilation (NVRTC, the driver's JIT) included.
+                let start = Instant::now();
                 let _ = distflash_kernels::attention(&client, &q, &k, &v, &options).unwrap();
+                sync(&client);
+                let secs = start.elapsed().as_secs_f64();
+                println!("| {name} | first call | {seq} | {:.0} | |", secs * 1e3);
             }
-            sync(&client);
-        }) / QUEUED as f64;
-        row("distflash (bf16), queued", "fwd", seq, secs, flops);
+            let secs = median_seconds(iters, || {
+                let _ = distflash_kernels::attention(&client, &q, &k, &v, &options).unwrap();
+                sync(&client);
+            });
+            row(name, "fwd", seq, secs, flops);
+            let secs = median_seconds(iters, || {
+                let _ = distflash_kernels::attention(&client, &q, &k, &v, &options).unwrap();
+                sync_on_runner(&client);
+            });
+            row(
+                &format!("{name}, waited on the runner"),
+                "fwd",
+                seq,
+                secs,
+                flops,
+            );
+            let secs = queued_forward_seconds(&client, (&q, &k, &v), &options, iters);
+            row(&format!("{name}, queued"), "fwd", seq, secs, flops);
+        }
+        schedule::force(None);
         if bwd_seqs.contains(&seq) {
             let grad_out = random_tensor(&client, q_dims, 4, elem);
             let forward_backward = |options: &StepOptions| {
@@ -511,12 +616,7 @@ fn main() {
                 sync(&client);
             });
             row(&name, "fwd", seq, secs, flops);
-            let secs = median_seconds(iters, || {
-                for _ in 0..QUEUED {
-                    let _ = distflash_kernels::attention(&client, &q, &k, &v, &options).unwrap();
-                }
-                sync(&client);
-            }) / QUEUED as f64;
+            let secs = queued_forward_seconds(&client, (&q, &k, &v), &options, iters);
             row(&format!("{name}, queued"), "fwd", seq, secs, flops);
             let forward_backward = || {
                 let (out, lse) =

@@ -61,6 +61,13 @@ pub enum KernelError {
         /// What was wrong, in words.
         what: String,
     },
+    /// The kernel variant the options ask for does not cover this call (a head dim, element
+    /// type, mask or entry point it is not built for); `Variant::Auto` runs such calls on
+    /// another variant.
+    Unsupported {
+        /// What is not covered and what is, in words.
+        what: String,
+    },
     /// The call needs more than the device allows one launch (grid size, shared memory, units
     /// per cube); refused before anything was launched.
     DeviceLimit {
@@ -105,6 +112,7 @@ impl fmt::Display for KernelError {
             KernelError::BadLength { what } => write!(f, "bad length: {what}"),
             KernelError::BadOption { what } => write!(f, "bad option: {what}"),
             KernelError::BadMask { what } => write!(f, "bad mask: {what}"),
+            KernelError::Unsupported { what } => write!(f, "unsupported: {what}"),
             KernelError::DeviceLimit { what } => write!(f, "device limit: {what}"),
             KernelError::Launch { what } => write!(f, "kernel launch failed: {what}"),
         }

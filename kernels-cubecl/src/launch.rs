@@ -10,6 +10,7 @@ use crate::attention_params::CallParams;
 use crate::buffers::enqueue_filled;
 use crate::dims::AttentionDims;
 use crate::grid;
+use crate::hopper;
 use crate::kernel_error::{launch_result, KernelError};
 use crate::limits::DeviceLimits;
 use crate::mask::DocumentTable;
@@ -108,6 +109,7 @@ pub fn forward_step<R: Runtime>(
     state: &SoftmaxState,
     options: &StepOptions,
 ) -> Result<(), KernelError> {
+    hopper::refuse_steps(options, "forward_step")?;
     let dims = check_qkv(q, k, v)?;
     state.check("state")?;
     AttentionDims::expect_shape("state.o", &dims.q_shape(), &state.o.shape)?;
@@ -130,6 +132,7 @@ pub fn forward_first_step<R: Runtime>(
     v: &DeviceTensor,
     options: &StepOptions,
 ) -> Result<SoftmaxState, KernelError> {
+    hopper::refuse_steps(options, "forward_first_step")?;
     let dims = check_qkv(q, k, v)?;
     let (limits, plan) = LaunchPlan::for_call(client, &dims, q.elem, options)?;
     let shape = [dims.batch, dims.q_heads, dims.q_len, dims.head_dim];
@@ -166,6 +169,7 @@ pub fn forward_last_step<R: Runtime>(
     state: SoftmaxState,
     options: &StepOptions,
 ) -> Result<(DeviceTensor, DeviceTensor), KernelError> {
+    hopper::refuse_steps(options, "forward_last_step")?;
     let dims = check_qkv(q, k, v)?;
     state.check("state")?;
     AttentionDims::expect_shape("state.o", &dims.q_shape(), &state.o.shape)?;
@@ -180,8 +184,10 @@ pub fn forward_last_step<R: Runtime>(
 }
 
 /// `(O, lse)` of the keys `k`, `v` merged into `state` (a last step) or, without one, of the
-/// keys alone (a whole attention), for validated `dims`: one kernel on the tensor-core path; an
-/// empty state where none is given, the forward and the finalisation on the portable one.
+/// keys alone (a whole attention), for validated `dims`: one kernel on the Hopper and
+/// tensor-core paths (a whole attention on Hopper where it is chosen, see
+/// [`hopper::choose_forward`]); an empty state where none is given, the forward and the
+/// finalisation on the portable one.
 fn finished_forward<R: Runtime>(
     client: &ComputeClient<R>,
     (q, k, v): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
@@ -193,6 +199,14 @@ fn finished_forward<R: Runtime>(
     let (limits, plan) = LaunchPlan::for_call(client, dims, q.elem, options)?;
     let out = DeviceTensor::empty(client, dims.q_shape(), q.elem);
     let lse = DeviceTensor::empty(client, dims.row_shape(), ElemType::F32);
+    if state.is_none() {
+        let buffers = [("q", q), ("k", k), ("v", v), ("out", &out)];
+        if let Some(launch) = hopper::choose_forward(client, dims, options, buffers)? {
+            hopper::enqueue_forward(client, &launch, (q, k, v), &out, &lse, dims, options);
+            launch_result(client, call)?;
+            return Ok((out, lse));
+        }
+    }
     match &plan {
         LaunchPlan::TensorCore(grids) => {
             let (out, lse) = (&out, &lse);

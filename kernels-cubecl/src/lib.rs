@@ -10,7 +10,9 @@
 //! on CUDA. `launch` validates inputs, and `plan` picks a variant and its launch shapes
 //! within the device's `limits`; a launch the runtime reports as failed is an error too.
 //! [`hopper`] holds kernels for Hopper GPUs written as CUDA C++ with inline PTX (warpgroup MMA,
-//! bulk tensor copies) and launched through CubeCL's CUDA runtime; so far a bf16 matrix product.
+//! bulk tensor copies) and launched through CubeCL's CUDA runtime: the whole-attention forward
+//! that `Variant::Hopper` and, where it covers the call, `Variant::Auto` run there, and a bf16
+//! matrix product.
 //!
 //! The crate's integration tests check the kernels against an f64 host reference that lives in
 //! the workspace's unpublished `distflash-test-support` crate, a dev-dependency, not shipped here.

@@ -96,8 +96,10 @@ impl LaunchPlan {
             Variant::Auto if tensor_cores => tensor_core_plan()
                 .or_else(|_| PortablePlan::new(dims, limits).map(LaunchPlan::Portable)),
             Variant::Auto => PortablePlan::new(dims, limits).map(LaunchPlan::Portable),
-            Variant::TensorCore if tensor_cores => tensor_core_plan(),
-            Variant::TensorCore => Err(KernelError::DType {
+            // The Hopper variant's backward, and everything but its whole-attention forward,
+            // runs on the tensor cores.
+            Variant::TensorCore | Variant::Hopper if tensor_cores => tensor_core_plan(),
+            Variant::TensorCore | Variant::Hopper => Err(KernelError::DType {
                 what: format!(
                     "the tensor-core variant needs a runtime with f16/bf16 mma.sync and head_dim \
                      in {:?}; got {elem:?}, head_dim {}",
@@ -122,6 +124,11 @@ impl LaunchPlan {
         // a positive scale; other scales run on the portable kernels.
         let scale = options.resolved_scale(dims.head_dim);
         let positive_scale = scale > 0.0 && scale.is_finite();
+        if options.variant == Variant::Hopper {
+            // What the Hopper forward does not cover is refused under its variant, whichever
+            // entry point asks.
+            crate::hopper::plan_forward(client, dims, elem, options)?;
+        }
         if options.variant == Variant::TensorCore && !positive_scale {
             return Err(KernelError::BadOption {
                 what: format!(

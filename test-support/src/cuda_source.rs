@@ -1,10 +1,10 @@
 //! The CUDA C++ that cubecl-cuda generates for each attention kernel (tensor-core and portable),
-//! with no GPU: the kernels are expanded into a `KernelBuilder` configured like an H200 (sm_90) and compiled by CubeCL's
-//! CUDA compiler, the tensor-core ones with `exp2` rewritten as their launches rewrite it
-//! (`tensor_core::fast_exp2`):
-//! exactly what cubecl-cuda hands to NVRTC at first launch; and the Hopper matrix product's
-//! hand-written variants, handed to NVRTC as they are. The kernels' tests check them; the
-//! `dump_cuda` example writes them to files.
+//! with no GPU: the kernels are expanded into a `KernelBuilder` configured like an H200 (sm_90)
+//! and compiled by CubeCL's CUDA compiler, the tensor-core ones with `exp2` rewritten as their
+//! launches rewrite it (`tensor_core::fast_exp2`): exactly what cubecl-cuda hands to NVRTC at
+//! first launch; and the Hopper kernels' hand-written variants (the attention forward and the
+//! matrix product), handed to NVRTC as they are. The kernels' tests check them; the `dump_cuda`
+//! example writes them to files.
 
 use cubecl::ir::features::{Plane, Tma, TypeUsage};
 use cubecl::ir::{
@@ -20,7 +20,7 @@ use cubecl_cpp::DialectWmmaCompiler;
 use cubecl_cuda::CudaCompiler;
 use cubecl_runtime::compiler::Compiler;
 use distflash_kernels::hopper::source_task::shell;
-use distflash_kernels::hopper::{self, GemmLayout};
+use distflash_kernels::hopper::{self, ForwardSchedule, ForwardVariant, GemmLayout};
 use distflash_kernels::portable;
 use distflash_kernels::tensor_core::{backward, dkdv, fast_exp2, forward, KERNEL_ADDRESS};
 use distflash_kernels::{AttentionParams, ElemType, MaskKind};
@@ -156,9 +156,57 @@ pub fn hopper_shell_shared_bytes(bytes: usize) -> usize {
     .shared_memory_size()
 }
 
-/// The CUDA sources of the Hopper matrix product's variants, by name.
+/// The CUDA sources of the Hopper kernels' variants, by name: the attention forward's (each head
+/// dim, type and mask with the default schedule, and the other schedules for bf16, head dim 128,
+/// causal), then the matrix product's.
 pub fn hopper_sources() -> Vec<(String, String)> {
     let mut sources = Vec::new();
+    // The slices' order is not part of the source.
+    let plain = ForwardSchedule {
+        intra_overlap: false,
+        pingpong: false,
+        ..ForwardSchedule::default()
+    };
+    let schedules = [
+        ("", ForwardSchedule::default()),
+        ("_plain", plain),
+        (
+            "_overlap",
+            ForwardSchedule {
+                intra_overlap: true,
+                ..plain
+            },
+        ),
+        (
+            "_pingpong",
+            ForwardSchedule {
+                pingpong: true,
+                ..plain
+            },
+        ),
+    ];
+    for (schedule_name, schedule) in schedules {
+        for head_dim in hopper::HEAD_DIMS {
+            for (elem_name, elem) in [("bf16", ElemType::BF16), ("f16", ElemType::F16)] {
+                for (mask_name, causal) in [("causal", true), ("full", false)] {
+                    let default = schedule == ForwardSchedule::default();
+                    if !default && (head_dim, elem, causal) != (128, ElemType::BF16, true) {
+                        continue;
+                    }
+                    let name = format!(
+                        "hopper_attention_{mask_name}_d{head_dim}_{elem_name}{schedule_name}"
+                    );
+                    let variant = ForwardVariant {
+                        head_dim,
+                        elem,
+                        causal,
+                        schedule,
+                    };
+                    sources.push((name, hopper::forward_source(&variant)));
+                }
+            }
+        }
+    }
     for (layout_name, layout) in [
         ("bt", GemmLayout::BTransposed),
         ("rm", GemmLayout::BRowMajor),

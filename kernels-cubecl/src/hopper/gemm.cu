@@ -4,7 +4,7 @@
 //
 // CUDA C++ with inline PTX, no headers: compiled by NVRTC for sm_90a and launched through
 // CubeCL's CUDA runtime (`hopper/source_task.rs`), on CubeCL's stream and buffers. The host
-// (`hopper/gemm.rs`) prepends the variant's switches:
+// (`hopper/gemm.rs`) prepends the variant's switches, then the PTX building blocks (`ptx.cuh`):
 //   DISTFLASH_B_MN_MAJOR 0: B is [N, K] row-major (C = A B^T); 1: B is [K, N] row-major (C = A B)
 //   DISTFLASH_C_F32      0: C is bf16; 1: C is f32
 // and refuses shapes that are not multiples of the tile (M % 128, N % 256, K % 64).
@@ -32,14 +32,6 @@
 #define DISTFLASH_C_F32 0
 #endif
 
-typedef unsigned int u32;
-typedef unsigned long long u64;
-
-// The driver's CUtensorMap: 128 opaque bytes, 64-byte aligned.
-struct __align__(64) TensorMap {
-    u64 opaque[16];
-};
-
 // The scalars, as CubeCL packs four u32 scalars (16 bytes).
 struct GemmInfo {
     u32 m;
@@ -58,67 +50,8 @@ struct GemmInfo {
 // Bytes of one stage's A tile (128 rows of 128 bytes) and B tile (256 rows of 128 bytes).
 #define DF_A_STAGE (DF_BM * DF_BK * 2)
 #define DF_B_STAGE (DF_BN * DF_BK * 2)
-// The 128-byte swizzle repeats every 8 rows of 128 bytes: tiles start on 1024-byte boundaries.
-#define DF_SWIZZLE_SPAN 1024
 
-__device__ __forceinline__ u32 shared_address(const void* p) {
-    return static_cast<u32>(__cvta_generic_to_shared(p));
-}
-
-// ---- mbarriers --------------------------------------------------------------------------------
-
-__device__ __forceinline__ void barrier_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void barrier_expect_bytes(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-                 : "memory");
-}
-
-__device__ __forceinline__ void barrier_arrive(u32 bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
-// Waits until the barrier's phase with this parity has completed.
-__device__ __forceinline__ void barrier_wait(u32 bar, u32 parity) {
-    asm volatile(
-        "{\n"
-        ".reg .pred done;\n"
-        "WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT;\n"
-        "}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
-}
-
-// ---- bulk tensor copies -----------------------------------------------------------------------
-
-// Copies the box at (inner, outer) of the map's tensor into shared memory at `dst`, completing
-// its bytes on `bar`.
-__device__ __forceinline__ void copy_box(u32 dst, const TensorMap* map, u32 bar, u32 inner,
-                                         u32 outer) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-        " [%0], [%1, {%3, %4}], [%2];" ::"r"(dst),
-        "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(inner), "r"(outer)
-        : "memory");
-}
-
-__device__ __forceinline__ void prefetch_map(const TensorMap* map) {
-    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<u64>(map)) : "memory");
-}
-
-// ---- warpgroup MMA ----------------------------------------------------------------------------
-
-// A shared-memory matrix descriptor with the 128-byte swizzle: start address, leading and
-// stride byte offsets, each in 16-byte units.
-__device__ __forceinline__ u64 descriptor(u32 address, u32 leading, u32 stride) {
-    return static_cast<u64>((address & 0x3FFFF) >> 4) |
-           (static_cast<u64>((leading & 0x3FFFF) >> 4) << 16) |
-           (static_cast<u64>((stride & 0x3FFFF) >> 4) << 32) | (1ull << 62);
-}
+// ---- warpgroup MMA (the building blocks are in ptx.cuh) ----------------------------------
 
 // K-major (rows of 64 elements, 128 bytes): the leading offset is unused, 8-row groups lie
 // 1024 bytes apart.
@@ -130,19 +63,6 @@ __device__ __forceinline__ u64 k_major(u32 address) {
 // 8-row groups of K 1024 bytes apart.
 __device__ __forceinline__ u64 mn_major(u32 address) {
     return descriptor(address, DF_BK * 128, DF_SWIZZLE_SPAN);
-}
-
-__device__ __forceinline__ void wgmma_fence() {
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-}
-
-__device__ __forceinline__ void wgmma_commit() {
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-
-template <int PENDING>
-__device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(PENDING) : "memory");
 }
 
 #define DF_ACC4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])

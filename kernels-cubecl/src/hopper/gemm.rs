@@ -4,7 +4,7 @@
 use cubecl::prelude::*;
 
 use super::gemm_shape::{GemmLayout, GemmShape, SHARED_BYTES, TILE_K, TILE_M, TILE_N, UNITS};
-use super::source_task::{self, CudaSource, SourceArguments, TiledMap};
+use super::source_task::{self, CudaSource, SourceArguments, TiledMap, PTX_PRELUDE};
 use crate::kernel_error::{launch_result, KernelError};
 use crate::limits::DeviceLimits;
 use crate::tensor::{DeviceTensor, ElemType};
@@ -15,11 +15,15 @@ const GEMM_CU: &str = include_str!("gemm.cu");
 /// The kernel's entry point in `gemm.cu`.
 const ENTRY_POINT: &str = "distflash_hopper_gemm";
 
-/// The CUDA source of one variant: `gemm.cu` after its switches (B's layout, C's type).
+/// The CUDA source of one variant: its switches (B's layout, C's type), the PTX building
+/// blocks (`ptx.cuh`), then `gemm.cu`.
 pub fn gemm_source(layout: GemmLayout, out: ElemType) -> String {
     let b_mn_major = u8::from(layout == GemmLayout::BRowMajor);
     let c_f32 = u8::from(out == ElemType::F32);
-    format!("#define DISTFLASH_B_MN_MAJOR {b_mn_major}\n#define DISTFLASH_C_F32 {c_f32}\n{GEMM_CU}")
+    format!(
+        "#define DISTFLASH_B_MN_MAJOR {b_mn_major}\n#define DISTFLASH_C_F32 {c_f32}\n\
+         {PTX_PRELUDE}{GEMM_CU}"
+    )
 }
 
 /// `c = a b^T` (`layout` [`GemmLayout::BTransposed`], `b` is `[N, K]`) or `c = a b`
@@ -59,7 +63,8 @@ pub fn gemm<R: Runtime>(
     arguments.tiled_map(
         a,
         TiledMap {
-            box_shape: [TILE_M, TILE_K],
+            view: &a.shape,
+            box_shape: &[TILE_M, TILE_K],
             swizzle,
         },
     );
@@ -71,7 +76,8 @@ pub fn gemm<R: Runtime>(
     arguments.tiled_map(
         b,
         TiledMap {
-            box_shape: b_box,
+            view: &b.shape,
+            box_shape: &b_box,
             swizzle,
         },
     );
@@ -79,12 +85,12 @@ pub fn gemm<R: Runtime>(
     for value in shape.scalars() {
         arguments.scalar(value);
     }
-    let kernel = CudaSource {
-        entry_point: ENTRY_POINT,
-        source: gemm_source(layout, c.elem),
-        units: UNITS as u32,
-        shared_bytes: SHARED_BYTES,
-    };
+    let kernel = CudaSource::new(
+        ENTRY_POINT,
+        gemm_source(layout, c.elem),
+        UNITS as u32,
+        SHARED_BYTES,
+    );
     let cubes = shape.cubes(client.properties().hardware.num_streaming_multiprocessors);
     // SAFETY: the runtime is CUDA on an sm_90 device (checked above); the arguments follow
     // `distflash_hopper_gemm`'s parameters (A's and B's tensor maps, their buffers, C, the four
@@ -104,7 +110,7 @@ mod tests {
         assert!(source.starts_with("#define DISTFLASH_B_MN_MAJOR 1\n#define DISTFLASH_C_F32 1\n"));
         let source = gemm_source(GemmLayout::BTransposed, ElemType::BF16);
         assert!(source.starts_with("#define DISTFLASH_B_MN_MAJOR 0\n#define DISTFLASH_C_F32 0\n"));
-        assert!(source.ends_with(GEMM_CU));
+        assert!(source.ends_with(&format!("{PTX_PRELUDE}{GEMM_CU}")));
     }
 
     #[test]

@@ -242,7 +242,7 @@ mod tests {
             assert!(source.contains(&line), "gemm.cu lacks `{}`", line.trim());
         }
         assert!(source.contains(&format!("#define DF_CONSUMERS {}\n", UNITS / 128 - 1)));
-        assert!(source.contains("#define DF_SWIZZLE_SPAN 1024\n"));
+        assert!(include_str!("ptx.cuh").contains("#define DF_SWIZZLE_SPAN 1024\n"));
         // The kernel's layout: tiles from the first 1024-byte boundary, then the full and
         // empty barriers; its last byte is within what the host asks for.
         assert!(source.contains("const u32 full = b_tiles + DF_STAGES * DF_B_STAGE;"));

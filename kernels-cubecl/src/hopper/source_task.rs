@@ -18,6 +18,8 @@
 //! [`TensorMapMeta`]), then each tensor map's buffer, then the plain buffers, then the `u32`
 //! scalars as one struct by value (16 bytes for four).
 
+use std::sync::Arc;
+
 use cubecl::prelude::*;
 use cubecl::server::{Binding, KernelArguments, TensorMapBinding, TensorMapMeta};
 use cubecl::zspace::metadata::Metadata;
@@ -26,6 +28,10 @@ use cubecl::{Compiler, InfoBuilder};
 
 use crate::edited_task::{Edit, EditedTask};
 use crate::tensor::DeviceTensor;
+
+/// The PTX building blocks (`ptx.cuh`: mbarriers, bulk tensor copies, matrix descriptors,
+/// warpgroup MMA fences) that every hand-written kernel's source starts with, after its switches.
+pub const PTX_PRELUDE: &str = include_str!("ptx.cuh");
 
 /// Declares `shared_words` words of shared memory, so that its compiled form carries the shared
 /// memory a hand-written kernel needs. Compiled, never launched.
@@ -37,13 +43,16 @@ pub fn shell(out: &mut Array<u32>, #[comptime] shared_words: usize) {
     out[UNIT_POS as usize] = shared[UNIT_POS as usize];
 }
 
-/// A hand-written CUDA kernel: its source, entry point, cube size and shared memory.
+/// A hand-written CUDA kernel: its source, entry point, cube size and shared memory. Cheap to
+/// clone (the source is shared), with its fingerprint computed once.
 #[derive(Debug, Clone)]
 pub struct CudaSource {
     /// The `extern "C" __global__` function to launch.
     pub entry_point: &'static str,
     /// The whole translation unit, with no `#include` (NVRTC's include paths differ by machine).
-    pub source: String,
+    source: Arc<str>,
+    /// See [`CudaSource::fingerprint`].
+    fingerprint: u64,
     /// Threads per cube (one-dimensional).
     pub units: u32,
     /// Bytes of dynamic shared memory per cube.
@@ -51,14 +60,30 @@ pub struct CudaSource {
 }
 
 impl CudaSource {
+    /// The kernel `entry_point` of `source`, launched with cubes of `units` threads and
+    /// `shared_bytes` of dynamic shared memory.
+    pub fn new(entry_point: &'static str, source: String, units: u32, shared_bytes: usize) -> Self {
+        let fingerprint = source.bytes().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
+            (hash ^ byte as u64).wrapping_mul(0x0000_0100_0000_01b3)
+        });
+        Self {
+            entry_point,
+            source: source.into(),
+            fingerprint,
+            units,
+            shared_bytes,
+        }
+    }
+
+    /// The source.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
     /// A 64-bit FNV-1a hash of the source: part of the kernel's id, so that CubeCL's compiled
     /// kernel cache (in memory and on disk) never serves an earlier version of the source.
     pub fn fingerprint(&self) -> u64 {
-        self.source
-            .bytes()
-            .fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
-                (hash ^ byte as u64).wrapping_mul(0x0000_0100_0000_01b3)
-            })
+        self.fingerprint
     }
 }
 
@@ -73,7 +98,7 @@ impl<C: Compiler> Edit<C> for CudaSource {
     }
 
     fn apply(&self, compiled: &mut CompiledKernel<C>) {
-        compiled.source = self.source.clone();
+        compiled.source = self.source.to_string();
         compiled.entrypoint_name = self.entry_point.to_string();
         compiled.debug_name = Some(self.entry_point);
     }
@@ -87,11 +112,15 @@ pub(crate) struct SourceArguments {
     info: InfoBuilder,
 }
 
-/// How a tensor map cuts a row-major matrix into boxes.
-pub(crate) struct TiledMap {
-    /// The box's rows and columns (at most 256 each; with the 128-byte swizzle a box row is at
-    /// most 128 bytes).
-    pub box_shape: [usize; 2],
+/// How a tensor map cuts a row-major tensor into boxes.
+pub(crate) struct TiledMap<'a> {
+    /// The tensor's shape as the map sees it, outermost first: the tensor's own shape, or a view
+    /// of its contiguous elements (`[B * H, S, D]` of a `[B, H, S, D]` tensor), whose sizes
+    /// multiply to the tensor's length.
+    pub view: &'a [usize],
+    /// The box's extent along each axis of the view, outermost first (at most 256 each; with
+    /// the 128-byte swizzle a box row is at most 128 bytes).
+    pub box_shape: &'a [usize],
     /// Shared-memory swizzle of the boxes.
     pub swizzle: TensorMapSwizzle,
 }
@@ -105,11 +134,17 @@ impl SourceArguments {
         }
     }
 
-    /// Registers a tensor map over `matrix` (row-major `[rows, columns]`) as the next tensor
-    /// map parameter; CubeCL encodes it at launch from the buffer's address.
-    pub(crate) fn tiled_map(&mut self, matrix: &DeviceTensor, map: TiledMap) {
-        let [rows, columns] = [matrix.shape[0], matrix.shape[1]];
-        let storage_ty = match matrix.elem {
+    /// Registers a tensor map over `tensor` (row-major, seen as `map.view`) as the next tensor
+    /// map parameter; CubeCL encodes it at launch from the buffer's address. Elements of a box
+    /// outside the view read as zeros and are not written.
+    pub(crate) fn tiled_map(&mut self, tensor: &DeviceTensor, map: TiledMap) {
+        debug_assert_eq!(map.view.iter().product::<usize>(), tensor.len());
+        debug_assert_eq!(map.view.len(), map.box_shape.len());
+        let mut strides = vec![1; map.view.len()];
+        for axis in (0..map.view.len().saturating_sub(1)).rev() {
+            strides[axis] = strides[axis + 1] * map.view[axis + 1];
+        }
+        let storage_ty = match tensor.elem {
             crate::tensor::ElemType::F16 => half::f16::as_type_native_unchecked(),
             crate::tensor::ElemType::BF16 => half::bf16::as_type_native_unchecked(),
             crate::tensor::ElemType::F32 => f32::as_type_native_unchecked(),
@@ -119,11 +154,8 @@ impl SourceArguments {
             format: TensorMapFormat::Tiled(TiledArgs {
                 tile_size: Shape::from(map.box_shape.to_vec()),
             }),
-            metadata: Metadata::new(
-                Shape::from(vec![rows, columns]),
-                Strides::from(vec![columns, 1]),
-            ),
-            elem_stride: Strides::from(vec![1, 1]),
+            metadata: Metadata::new(Shape::from(map.view.to_vec()), Strides::from(strides)),
+            elem_stride: Strides::from(vec![1; map.view.len()]),
             interleave: TensorMapInterleave::None,
             swizzle: map.swizzle,
             prefetch: TensorMapPrefetch::B256,
@@ -131,7 +163,7 @@ impl SourceArguments {
             storage_ty,
         };
         self.tensor_maps.push(TensorMapBinding {
-            binding: matrix.handle.clone().binding(),
+            binding: tensor.handle.clone().binding(),
             map: meta,
         });
     }
@@ -184,12 +216,7 @@ mod tests {
     use super::*;
 
     fn source(text: &str) -> CudaSource {
-        CudaSource {
-            entry_point: "k",
-            source: text.into(),
-            units: 128,
-            shared_bytes: 1024,
-        }
+        CudaSource::new("k", text.into(), 128, 1024)
     }
 
     #[test]
@@ -197,6 +224,7 @@ mod tests {
         let a = source("extern \"C\" __global__ void k() {}");
         let b = source("extern \"C\" __global__ void k() { }");
         assert_eq!(a.fingerprint(), a.clone().fingerprint());
+        assert_eq!(a.fingerprint(), source(a.source()).fingerprint());
         assert_ne!(a.fingerprint(), b.fingerprint());
     }
 

@@ -1,12 +1,14 @@
 //! The CubeCL kernels against the f64 reference (`distflash-test-support`): forward, backward, masks
 //! and offsets, GQA, odd lengths, every head dim, grids folded past a grid axis, fully-masked
-//! rows, chunk-by-chunk stepping and merging, and bad input.
+//! rows, chunk-by-chunk stepping and merging, and bad input; the Hopper kernels in their own
+//! modules (`hopper_forward`, `hopper_gemm`).
 //!
 //! The suite is generic over the CubeCL runtime. It runs on wgpu (Mesa's software Vulkan in CI)
 //! and, with `--ignored`, on CUDA (the GPU machine), for both kernel variants there. The CUDA
 //! source CubeCL generates is checked without a GPU in `generated_cuda`.
 
 mod generated_cuda;
+mod hopper_forward;
 mod hopper_gemm;
 
 use cubecl::prelude::*;
@@ -67,6 +69,44 @@ impl Case {
 
     fn scale(&self) -> f64 {
         1.0 / (self.dims.head_dim as f64).sqrt()
+    }
+
+    /// Every `q . k` near -900 (4 times keys of -4 plus multiples of 1/32 below 1, all exact in
+    /// f16 and bf16), so that keys zero-filled past a chunk's end, scoring 0, would dominate any
+    /// row they leaked into.
+    fn set_extreme_scores(&mut self) {
+        let mut rng = Rng::new(68);
+        self.q = vec![4.0; self.q.len()];
+        self.k = (0..self.k.len())
+            .map(|_| -4.0 + (rng.uniform().abs() * 32.0).floor().min(31.0) / 32.0)
+            .collect();
+    }
+
+    /// Scores that rise from key to key: each key holds its 64-key tile's level (0.75 a tile)
+    /// plus a little noise, and each 32 query rows scale the rise by 1, 1/2 or 1/4. Every value
+    /// is a multiple of 1/32 with at most 7 significant bits, exact in f16 and bf16.
+    fn set_rising_scores(&mut self) {
+        let d = self.dims;
+        let mut rng = Rng::new(72);
+        self.q = (0..self.q.len())
+            .map(|i| [1.0, 0.5, 0.25][(i / d.head_dim % d.q_len / 32) % 3])
+            .collect();
+        self.k = (0..self.k.len())
+            .map(|i| {
+                let key = (i / d.head_dim) % d.kv_len;
+                0.75 * (key / 64) as f64 + (rng.uniform().abs() * 8.0).floor() / 32.0
+            })
+            .collect();
+    }
+
+    /// The reference forward in f64, exact and rounded as a naive kernel in the element type
+    /// would round it (the two ends of `assert_close`'s tolerance).
+    fn reference_forward(&self) -> (oracle::ReferenceForward, oracle::ReferenceForward) {
+        let forward = |round: oracle::Rounding| {
+            let (q, k, v) = (&self.q, &self.k, &self.v);
+            oracle::forward(&self.dims, q, k, v, &self.mask, self.scale(), round)
+        };
+        (forward(exact), forward(naive_rounding(self.elem)))
     }
 
     fn upload<R: Runtime>(
@@ -161,24 +201,7 @@ fn check_forward<R: Runtime>(client: &ComputeClient<R>, case: &Case, variant: Va
     let lse = nan_tensor(client, dims.row_shape(), ElemType::F32);
     distflash_kernels::finalize_into(client, &state, &out, &lse).unwrap();
 
-    let exact_fwd = oracle::forward(
-        dims,
-        &case.q,
-        &case.k,
-        &case.v,
-        &case.mask,
-        case.scale(),
-        exact,
-    );
-    let naive = oracle::forward(
-        dims,
-        &case.q,
-        &case.k,
-        &case.v,
-        &case.mask,
-        case.scale(),
-        naive_rounding(case.elem),
-    );
+    let (exact_fwd, naive) = case.reference_forward();
     // The step + finalize path, then the one-call attention (one kernel on the tensor cores).
     let (whole_out, whole_lse) =
         distflash_kernels::attention(client, &q, &k, &v, &options(case, variant)).unwrap();
@@ -503,12 +526,7 @@ pub fn extreme_scores_beside_a_partial_key_block<R: Runtime>(
     for (elem, variant) in configurations(client, elem) {
         for mask in [Mask::none(), Mask::causal().at(200, 0)] {
             let mut case = Case::new(67, (1, 2, 1), (64, 100, 64), mask, elem);
-            let mut rng = Rng::new(68);
-            // Exactly representable in f16 and bf16: 4, and -4 plus multiples of 1/32 below 1.
-            case.q = vec![4.0; case.q.len()];
-            case.k = (0..case.k.len())
-                .map(|_| -4.0 + (rng.uniform().abs() * 32.0).floor().min(31.0) / 32.0)
-                .collect();
+            case.set_extreme_scores();
             check_forward(client, &case, variant);
             check_backward(client, &case, variant);
         }
@@ -526,19 +544,7 @@ pub fn rising_scores<R: Runtime>(client: &ComputeClient<R>, elem: ElemType) {
         for mask in [Mask::none(), Mask::causal().at(40, 0)] {
             let mut case = Case::new(71, (1, 2, 1), (130, 340, 64), mask.clone(), elem);
             let d = case.dims;
-            let mut rng = Rng::new(72);
-            // Every value is a multiple of 1/32 with at most 7 significant bits, exact in f16
-            // and bf16. Each 32 query rows scale the rise by 1, 1/2 or 1/4; each key holds its
-            // tile's level (0.75 a tile) plus a little noise.
-            case.q = (0..case.q.len())
-                .map(|i| [1.0, 0.5, 0.25][(i / d.head_dim % d.q_len / 32) % 3])
-                .collect();
-            case.k = (0..case.k.len())
-                .map(|i| {
-                    let key = (i / d.head_dim) % d.kv_len;
-                    0.75 * (key / 64) as f64 + (rng.uniform().abs() * 8.0).floor() / 32.0
-                })
-                .collect();
+            case.set_rising_scores();
             check_forward(client, &case, variant);
             check_backward(client, &case, variant);
 

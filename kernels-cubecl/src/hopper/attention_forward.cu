@@ -1,0 +1,658 @@
+// Hopper (sm_90a) attention forward, FlashAttention-3's design: O = softmax(scale Q K^T) V and
+// the f32 log-sum-exp of every query row, with `wgmma` (asynchronous warpgroup MMA) for both
+// products, the bulk tensor copy engine (TMA) staging Q, K and V in shared memory, and one
+// producer warpgroup feeding two consumer warpgroups.
+//
+// CUDA C++ with inline PTX, no headers: compiled by NVRTC for sm_90a and launched through
+// CubeCL's CUDA runtime (`hopper/source_task.rs`). The host (`hopper/forward.rs`) prepends the
+// variant's switches, then the PTX building blocks (`ptx.cuh`):
+//   DISTFLASH_HEAD_DIM       64 or 128
+//   DISTFLASH_F16            0: q, k, v and O are bf16; 1: f16
+//   DISTFLASH_CAUSAL         1: query row i sees key j only if j <= i + shift
+//   DISTFLASH_INTRA_OVERLAP  1: a warpgroup's softmax of tile t runs under its P V of tile t - 1
+//   DISTFLASH_PINGPONG       1: the two consumer warpgroups take turns to issue their products
+// and refuses what the kernel does not cover (other head dims and types, windows, documents).
+//
+// Tensors are row-major: q and O [B * Hq, Sq, D], k and v [B * Hkv, Skv, D], lse [B * Hq, Sq] in
+// f32, seen through three-dimensional tensor maps whose boxes are 64 columns (128 bytes, the
+// 128-byte swizzle) of 128 rows (q, k, v) or 64 rows (O) of one (batch, head) slice: rows past a
+// slice's length arrive as zeros and are never stored.
+//
+// A cube (CTA) of 384 threads takes 128 query rows of one slice and walks its key tiles of 128
+// keys from the last to the first, so that the masked tiles (the causal diagonal, a partial last
+// tile) come first and the others run without a mask. Cubes start in launch order: the slices
+// in groups whose keys and values fit in L2 together, and within a group the blocks by rank,
+// heaviest (the last causal block) first, each rank over the group's slices (see `cube_work`).
+// - Warpgroup 0 (producer) keeps 24 registers; one thread has the copy engine fetch Q once and
+//   each tile's K and V into two stages each, on `full` barriers, reusing a stage once its
+//   consumers arrive on its `empty` barrier.
+// - Warpgroups 1 and 2 (consumers) take 240 registers each and own rows 0-63 and 64-127: per
+//   tile S = Q K^T (`wgmma.m64n128k16`, both operands in shared memory, 64 f32 per thread), the
+//   online softmax in registers (row maxima in base-2 units, the scale folded into one FMA before
+//   `ex2`, a stale row max kept until a row passes it by more than 2^8), then O += P V with P
+//   from registers (`wgmma` with A in registers: the accumulator fragment of S is the A fragment
+//   of P once packed to 16 bits).
+// - The epilogue divides by the row sums, writes O into the warpgroup's rows of Q's shared memory
+//   (Q is no longer read) and has the copy engine store them; lse goes out from registers.
+
+#ifndef DISTFLASH_HEAD_DIM
+#define DISTFLASH_HEAD_DIM 128
+#endif
+#ifndef DISTFLASH_F16
+#define DISTFLASH_F16 0
+#endif
+#ifndef DISTFLASH_CAUSAL
+#define DISTFLASH_CAUSAL 0
+#endif
+#ifndef DISTFLASH_INTRA_OVERLAP
+#define DISTFLASH_INTRA_OVERLAP 1
+#endif
+#ifndef DISTFLASH_PINGPONG
+#define DISTFLASH_PINGPONG 1
+#endif
+
+// The scalars, as CubeCL packs eight u32 scalars (32 bytes).
+struct ForwardInfo {
+    u32 q_len;
+    u32 kv_len;
+    u32 q_heads;
+    // Query heads per key/value head.
+    u32 group_size;
+    // Query row i sees key j (causal) iff j <= i + shift.
+    int shift;
+    // The score scale times log2(e), as f32 bits.
+    u32 scale_log2_bits;
+    // (batch, head) slices per launch group (see `cube_work`).
+    u32 slice_group;
+    u32 slices;
+};
+
+#define DF_D DISTFLASH_HEAD_DIM
+#define DF_BM 128
+#define DF_BN 128
+#define DF_HALVES (DF_D / 64)
+#define DF_STAGES 2
+#define DF_THREADS 384
+// Bytes of one 64-column half of the Q tile and of one stage's K or V tile (rows of 128 bytes).
+#define DF_Q_HALF (DF_BM * 128)
+#define DF_KV_HALF (DF_BN * 128)
+#define DF_Q_BYTES (DF_HALVES * DF_Q_HALF)
+#define DF_KV_BYTES (DF_HALVES * DF_KV_HALF)
+// Per consumer thread: S's accumulators, O's, and P packed two values a register.
+#define DF_S_REGS (DF_BN / 2)
+#define DF_O_REGS (DF_D / 2)
+#define DF_P_REGS (DF_BN / 4)
+// How far (base 2) a row's max may pass the max its weights are taken against before the warp
+// rescales its output: weights stay below 2^8.
+#define DF_LAZY_SLACK 8.0f
+// Named barriers: 1 and 2 give consumer warpgroup 0 and 1 their turn to issue products; 3 and 4
+// gather one warpgroup before its output store.
+#define DF_TURN_BARRIER 1
+#define DF_STORE_BARRIER 3
+// -inf, spelled without a header.
+#define DF_NEG_INF __int_as_float(0xff800000)
+
+#if DISTFLASH_F16
+#define DF_AB "f16"
+#define DF_CVT "cvt.rn.f16x2.f32"
+#else
+#define DF_AB "bf16"
+#define DF_CVT "cvt.rn.bf16x2.f32"
+#endif
+
+// ---- warpgroup MMA ----------------------------------------------------------------------------
+
+// K-major tiles (rows of 64 elements, 128 bytes): the leading offset is unused, 8-row groups lie
+// 1024 bytes apart.
+__device__ __forceinline__ u64 k_major(u32 address) {
+    return descriptor(address, 16, DF_SWIZZLE_SPAN);
+}
+
+// V as the B operand of P V, MN-major: its 64-column halves lie DF_KV_HALF bytes apart, 8-row
+// groups of keys 1024 bytes apart.
+__device__ __forceinline__ u64 v_major(u32 address) {
+    return descriptor(address, DF_KV_HALF, DF_SWIZZLE_SPAN);
+}
+
+#define DF_F4(x, i) "+f"(x[i]), "+f"(x[i + 1]), "+f"(x[i + 2]), "+f"(x[i + 3])
+#define DF_F16(x, i) DF_F4(x, i), DF_F4(x, i + 4), DF_F4(x, i + 8), DF_F4(x, i + 12)
+#define DF_F32(x) DF_F16(x, 0), DF_F16(x, 16)
+#define DF_F64(x) DF_F16(x, 0), DF_F16(x, 16), DF_F16(x, 32), DF_F16(x, 48)
+#define DF_R4(x, i) "+r"(x[i]), "+r"(x[i + 1]), "+r"(x[i + 2]), "+r"(x[i + 3])
+#define DF_R16(x, i) DF_R4(x, i), DF_R4(x, i + 4), DF_R4(x, i + 8), DF_R4(x, i + 12)
+
+// Keeps the compiler from moving reads or writes of registers across this point: the
+// asynchronous products read and write them behind its back.
+__device__ __forceinline__ void fence_registers(float (&x)[64]) {
+    asm volatile("" : DF_F64(x) : : "memory");
+}
+__device__ __forceinline__ void fence_registers(float (&x)[32]) {
+    asm volatile("" : DF_F32(x) : : "memory");
+}
+__device__ __forceinline__ void fence_registers(u32 (&x)[32]) {
+    asm volatile("" : DF_R16(x, 0), DF_R16(x, 16) : : "memory");
+}
+
+// s (+)= A[64 x 16] B[16 x 128]^T, both K-major in shared memory; `accumulate` 0 overwrites s.
+__device__ __forceinline__ void wgmma_ss_n128(float (&s)[64], u64 a, u64 b, u32 accumulate) {
+    asm volatile(
+        "{\n"
+        ".reg .pred keep;\n"
+        "setp.ne.b32 keep, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." DF_AB "." DF_AB " {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, keep, 1, 1, 0, 0;\n"
+        "}\n"
+        : DF_F64(s)
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// o += A[64 x 16] B[16 x 128], A in registers (four 16-bit pairs per thread), B MN-major in
+// shared memory.
+__device__ __forceinline__ void wgmma_rs_n128(float (&o)[64], u32 a0, u32 a1, u32 a2, u32 a3,
+                                              u64 b) {
+    asm volatile(
+        "{\n"
+        ".reg .pred keep;\n"
+        "setp.ne.b32 keep, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." DF_AB "." DF_AB " {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, {%64, %65, %66, %67}, %68, keep, 1, 1, 1;\n"
+        "}\n"
+        : DF_F64(o)
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));
+}
+
+// o += A[64 x 16] B[16 x 64], as `wgmma_rs_n128` for a head dim of 64.
+__device__ __forceinline__ void wgmma_rs_n64(float (&o)[32], u32 a0, u32 a1, u32 a2, u32 a3,
+                                             u64 b) {
+    asm volatile(
+        "{\n"
+        ".reg .pred keep;\n"
+        "setp.ne.b32 keep, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." DF_AB "." DF_AB " {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, {%32, %33, %34, %35}, %36, keep, 1, 1, 1;\n"
+        "}\n"
+        : DF_F32(o)
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));
+}
+
+// S = Q K^T for one warpgroup: its 64 rows of Q (`q`: their first half's address) against the
+// stage's 128 keys (`k`), over the head dim in steps of 16 (4 per 64-column half).
+__device__ __forceinline__ void issue_scores(float (&s)[DF_S_REGS], u32 q, u32 k) {
+    wgmma_fence();
+#pragma unroll
+    for (u32 kk = 0; kk < DF_D / 16; ++kk) {
+        const u32 half_offset = (kk / 4), within = (kk % 4) * 32;
+        wgmma_ss_n128(s, k_major(q + half_offset * DF_Q_HALF + within),
+                      k_major(k + half_offset * DF_KV_HALF + within), kk > 0 ? 1u : 0u);
+    }
+    wgmma_commit();
+}
+
+// O += P V for one warpgroup: P's 16-key steps from registers, V's rows of the stage at `v`.
+__device__ __forceinline__ void issue_values(float (&o)[DF_O_REGS], const u32 (&p)[DF_P_REGS],
+                                             u32 v) {
+    wgmma_fence();
+#pragma unroll
+    for (u32 kk = 0; kk < DF_BN / 16; ++kk) {
+        const u64 b = v_major(v + kk * 16 * 128);
+#if DF_D == 128
+        wgmma_rs_n128(o, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3], b);
+#else
+        wgmma_rs_n64(o, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3], b);
+#endif
+    }
+    wgmma_commit();
+}
+
+// ---- the online softmax -----------------------------------------------------------------------
+
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Two f32 values as one register of 16-bit values, the first in the low half.
+__device__ __forceinline__ u32 pack(float low, float high) {
+    u32 packed;
+    asm(DF_CVT " %0, %1, %2;" : "=r"(packed) : "f"(high), "f"(low));
+    return packed;
+}
+
+// The running statistics of the two rows a consumer thread holds (`r` = 0: its fragment row
+// lane / 4, `r` = 1: that row + 8), identical in the four threads of a quad: the max the weights
+// are taken against (base 2, `-inf` before any visible key), the thread's partial row sum, and the
+// end of the keys the row sees.
+struct Rows {
+    float max[2];
+    float sum[2];
+    int key_end[2];
+};
+
+// Accumulator element `i` of S or O (of 64 rows by 8-column blocks) is in row `r = (i / 2) % 2`
+// and column 8 (i / 4) + 2 (lane % 4) + i % 2.
+#define DF_ROW_OF(i) (((i) / 2) % 2)
+
+// Turns the scores of one tile (keys from `key0`) into weights in place: masks keys at or past
+// each row's end (MASKED only), moves the rows' maxima, and adds the weights to the row sums.
+// Returns whether the warp moved its maxima (then `factor` holds each row's rescale factor for
+// the output and the sums are already rescaled).
+template <bool MASKED>
+__device__ __forceinline__ bool softmax_tile(float (&s)[DF_S_REGS], Rows& rows, int key0,
+                                             u32 quad, float scale_log2, float (&factor)[2]) {
+    if (MASKED) {
+        int visible[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            visible[r] = rows.key_end[r] - key0 - 2 * static_cast<int>(quad);
+        }
+#pragma unroll
+        for (int i = 0; i < DF_S_REGS; ++i) {
+            const int column = 8 * (i / 4) + i % 2;
+            if (column >= visible[DF_ROW_OF(i)]) {
+                s[i] = DF_NEG_INF;
+            }
+        }
+    }
+    float tile_max[2] = {DF_NEG_INF, DF_NEG_INF};
+#pragma unroll
+    for (int i = 0; i < DF_S_REGS; ++i) {
+        tile_max[DF_ROW_OF(i)] = fmaxf(tile_max[DF_ROW_OF(i)], s[i]);
+    }
+    bool moved = false;
+    float next_max[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+        // The scale is positive: the max of scaled scores is the scaled max.
+        next_max[r] = fmaxf(rows.max[r], tile_max[r] * scale_log2);
+        moved = moved || next_max[r] > rows.max[r] + DF_LAZY_SLACK;
+    }
+    const bool rescale = __any_sync(0xffffffffu, moved);
+    if (rescale) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            // Equal maxima (two empty rows included) give exactly 1, never -inf - -inf.
+            factor[r] =
+                next_max[r] == rows.max[r] ? 1.0f : fast_exp2(rows.max[r] - next_max[r]);
+            rows.sum[r] *= factor[r];
+            rows.max[r] = next_max[r];
+        }
+    }
+    // A row that has seen no key weighs its (masked) scores against 0: 2^-inf = 0.
+    float bias[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        bias[r] = rows.max[r] == DF_NEG_INF ? 0.0f : -rows.max[r];
+    }
+#pragma unroll
+    for (int i = 0; i < DF_S_REGS; ++i) {
+        const float weight = fast_exp2(fmaf(s[i], scale_log2, bias[DF_ROW_OF(i)]));
+        s[i] = weight;
+        rows.sum[DF_ROW_OF(i)] += weight;
+    }
+    return rescale;
+}
+
+// P, the A operand of P V: the weights of S packed to 16 bits in place of the accumulator
+// fragment (two consecutive elements are one row's two adjacent keys).
+__device__ __forceinline__ void pack_weights(const float (&s)[DF_S_REGS], u32 (&p)[DF_P_REGS]) {
+#pragma unroll
+    for (int i = 0; i < DF_P_REGS; ++i) {
+        p[i] = pack(s[2 * i], s[2 * i + 1]);
+    }
+}
+
+__device__ __forceinline__ void rescale_output(float (&o)[DF_O_REGS], const float (&factor)[2]) {
+#pragma unroll
+    for (int i = 0; i < DF_O_REGS; ++i) {
+        o[i] *= factor[DF_ROW_OF(i)];
+    }
+}
+
+// ---- pipeline ---------------------------------------------------------------------------------
+
+// The shared memory of one cube, from its first 1024-byte boundary: Q, two stages of K and of V,
+// then the barriers.
+struct Layout {
+    u32 q;
+    u32 k;
+    u32 v;
+    u32 q_full;
+    u32 k_full;
+    u32 k_empty;
+    u32 v_full;
+    u32 v_empty;
+};
+
+__device__ __forceinline__ Layout layout_from(u32 base) {
+    Layout at;
+    at.q = base;
+    at.k = at.q + DF_Q_BYTES;
+    at.v = at.k + DF_STAGES * DF_KV_BYTES;
+    at.q_full = at.v + DF_STAGES * DF_KV_BYTES;
+    at.k_full = at.q_full + 8;
+    at.k_empty = at.k_full + DF_STAGES * 8;
+    at.v_full = at.k_empty + DF_STAGES * 8;
+    at.v_empty = at.v_full + DF_STAGES * 8;
+    return at;
+}
+
+// Which key tiles one cube walks: `count` tiles of DF_BN keys, taken from the last to the first;
+// the first `masked` of the walk (the highest tiles) compare keys against each row's end.
+struct Walk {
+    int count;
+    int masked;
+};
+
+__device__ __forceinline__ long long clamp_keys(long long end, u32 kv_len) {
+    return min(max(end, 0ll), static_cast<long long>(kv_len));
+}
+
+// The end of the keys query row `row` sees.
+__device__ __forceinline__ int row_key_end(const ForwardInfo& info, long long row) {
+#if DISTFLASH_CAUSAL
+    return static_cast<int>(clamp_keys(row + info.shift + 1, info.kv_len));
+#else
+    return static_cast<int>(info.kv_len);
+#endif
+}
+
+// The walk of the block of query rows from `block_start`: every tile up to its last row's end,
+// and unmasked the tiles its first row (so every row) sees whole.
+__device__ __forceinline__ Walk block_walk(const ForwardInfo& info, u32 block_start) {
+    const long long last = min(block_start + DF_BM, info.q_len) - 1;
+    const int end = row_key_end(info, last);
+    const int whole = row_key_end(info, block_start) / DF_BN;
+    Walk walk;
+    walk.count = (end + DF_BN - 1) / DF_BN;
+    walk.masked = walk.count - whole;
+    return walk;
+}
+
+// The stage and phase parity of the walk's tile `t` in a ring of DF_STAGES stages.
+__device__ __forceinline__ u32 stage_of(int t) {
+    return static_cast<u32>(t) % DF_STAGES;
+}
+__device__ __forceinline__ u32 parity_of(int t) {
+    return (static_cast<u32>(t) / DF_STAGES) & 1;
+}
+
+// One lane of each warp hands a stage back (the `empty` barriers count the consumers' 8 warps).
+__device__ __forceinline__ void release(u32 empty, int t, u32 lane) {
+    if (lane == 0) {
+        barrier_arrive(empty + 8 * stage_of(t));
+    }
+}
+
+__device__ __forceinline__ void named_sync(u32 id, u32 threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(u32 id, u32 threads) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// With DISTFLASH_PINGPONG, consumer warpgroup `wg` waits for its turn to issue products...
+__device__ __forceinline__ void await_turn(u32 wg) {
+#if DISTFLASH_PINGPONG
+    named_sync(DF_TURN_BARRIER + wg, 256);
+#endif
+}
+// ... and gives the turn to the other one once its own are issued.
+__device__ __forceinline__ void pass_turn(u32 wg) {
+#if DISTFLASH_PINGPONG
+    named_arrive(DF_TURN_BARRIER + (wg ^ 1), 256);
+#endif
+}
+
+// The (slice, block) of cube `cube` of a one-dimensional grid of `slices x blocks` cubes: groups
+// of `slice_group` slices (the last may be narrower), each taken block rank by block rank from
+// the last block to the first, one cube per slice of the group at each rank.
+__device__ __forceinline__ void cube_work(const ForwardInfo& info, u32 cube, u32 blocks,
+                                          u32& slice, u32& block) {
+    const u32 per_group = info.slice_group * blocks;
+    const u32 group = cube / per_group;
+    const u32 first = group * info.slice_group;
+    const u32 width = min(info.slice_group, info.slices - first);
+    const u32 within = cube - group * per_group;
+    slice = first + within % width;
+    block = blocks - 1 - within / width;
+}
+
+// The softmax of walk tile `t` (the tile of keys from (count - 1 - t) DF_BN), with the mask
+// where the walk says so; returns whether the warp moved its maxima (see `softmax_tile`).
+__device__ __forceinline__ bool softmax_of(float (&s)[DF_S_REGS], Rows& rows, const Walk& walk,
+                                           int t, u32 quad, float scale_log2,
+                                           float (&factor)[2]) {
+    const int key0 = (walk.count - 1 - t) * DF_BN;
+    return t < walk.masked ? softmax_tile<true>(s, rows, key0, quad, scale_log2, factor)
+                           : softmax_tile<false>(s, rows, key0, quad, scale_log2, factor);
+}
+
+// O += P V with walk tile `t`'s values, waited for; their stage handed back.
+__device__ __forceinline__ void values_of(float (&o)[DF_O_REGS], u32 (&p)[DF_P_REGS],
+                                          const Layout& at, int t, u32 lane) {
+    barrier_wait(at.v_full + 8 * stage_of(t), parity_of(t));
+    fence_registers(o);
+    fence_registers(p);
+    issue_values(o, p, at.v + stage_of(t) * DF_KV_BYTES);
+    wgmma_wait<0>();
+    fence_registers(o);
+    release(at.v_empty, t, lane);
+}
+
+extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
+    distflash_hopper_attention_forward(
+        const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
+        const __grid_constant__ TensorMap v_map, const __grid_constant__ TensorMap o_map,
+        const void* q_buffer, const void* k_buffer, const void* v_buffer, void* o_buffer,
+        float* lse, const __grid_constant__ ForwardInfo info) {
+    extern __shared__ __align__(1024) unsigned char shared[];
+    // Tiles on 1024-byte boundaries (the host asks for the slack).
+    const Layout at =
+        layout_from((shared_address(shared) + DF_SWIZZLE_SPAN - 1) & ~(DF_SWIZZLE_SPAN - 1));
+
+    const u32 blocks = (info.q_len + DF_BM - 1) / DF_BM;
+    u32 slice, block;
+    cube_work(info, blockIdx.x, blocks, slice, block);
+    const u32 block_start = block * DF_BM;
+    const u32 kv_slice =
+        (slice / info.q_heads) * (info.q_heads / info.group_size) +
+        (slice % info.q_heads) / info.group_size;
+    const Walk walk = block_walk(info, block_start);
+
+    if (threadIdx.x == 0) {
+        barrier_init(at.q_full, 1);
+        for (u32 s = 0; s < DF_STAGES; ++s) {
+            barrier_init(at.k_full + 8 * s, 1);
+            barrier_init(at.v_full + 8 * s, 1);
+            barrier_init(at.k_empty + 8 * s, 8);
+            barrier_init(at.v_empty + 8 * s, 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        fence_shared_for_copies();
+    }
+    __syncthreads();
+
+    const u32 warpgroup = threadIdx.x / 128;
+    if (warpgroup == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
+        if (threadIdx.x != 0) {
+            return;
+        }
+        prefetch_map(&q_map);
+        prefetch_map(&k_map);
+        prefetch_map(&v_map);
+        barrier_expect_bytes(at.q_full, DF_Q_BYTES);
+        for (u32 h = 0; h < DF_HALVES; ++h) {
+            copy_box_3d(at.q + h * DF_Q_HALF, &q_map, at.q_full, 64 * h, block_start, slice);
+        }
+        for (int t = 0; t < walk.count; ++t) {
+            const u32 s = stage_of(t), free_parity = parity_of(t) ^ 1;
+            const u32 key0 = static_cast<u32>(walk.count - 1 - t) * DF_BN;
+            barrier_wait(at.k_empty + 8 * s, free_parity);
+            barrier_expect_bytes(at.k_full + 8 * s, DF_KV_BYTES);
+            for (u32 h = 0; h < DF_HALVES; ++h) {
+                copy_box_3d(at.k + s * DF_KV_BYTES + h * DF_KV_HALF, &k_map, at.k_full + 8 * s,
+                            64 * h, key0, kv_slice);
+            }
+            barrier_wait(at.v_empty + 8 * s, free_parity);
+            barrier_expect_bytes(at.v_full + 8 * s, DF_KV_BYTES);
+            for (u32 h = 0; h < DF_HALVES; ++h) {
+                copy_box_3d(at.v + s * DF_KV_BYTES + h * DF_KV_HALF, &v_map, at.v_full + 8 * s,
+                            64 * h, key0, kv_slice);
+            }
+        }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;");
+    const u32 wg = warpgroup - 1;
+    const u32 thread = threadIdx.x % 128;
+    const u32 warp = thread / 32;
+    const u32 lane = thread % 32;
+    const u32 quad = lane % 4;
+    // The thread's fragment rows within the warpgroup's 64: `local` and `local + 8`.
+    const u32 local = warp * 16 + lane / 4;
+    const float scale_log2 = __uint_as_float(info.scale_log2_bits);
+
+    Rows rows;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        rows.max[r] = DF_NEG_INF;
+        rows.sum[r] = 0.0f;
+        rows.key_end[r] = row_key_end(info, block_start + wg * 64 + local + 8 * r);
+    }
+    float o[DF_O_REGS];
+#pragma unroll
+    for (int i = 0; i < DF_O_REGS; ++i) {
+        o[i] = 0.0f;
+    }
+    float s[DF_S_REGS];
+#pragma unroll
+    for (int i = 0; i < DF_S_REGS; ++i) {
+        s[i] = 0.0f;
+    }
+    u32 p[DF_P_REGS];
+    float factor[2];
+    const u32 q_rows = at.q + wg * 64 * 128;
+
+#if DISTFLASH_PINGPONG
+    // Warpgroup 0 issues first.
+    if (wg == 1) {
+        named_arrive(DF_TURN_BARRIER, 256);
+    }
+#endif
+    barrier_wait(at.q_full, 0);
+
+#if DISTFLASH_INTRA_OVERLAP
+    if (walk.count > 0) {
+        // The first tile: its scores alone.
+        barrier_wait(at.k_full, 0);
+        issue_scores(s, q_rows, at.k);
+        wgmma_wait<0>();
+        fence_registers(s);
+        release(at.k_empty, 0, lane);
+        // The output is still 0: nothing to rescale.
+        softmax_of(s, rows, walk, 0, quad, scale_log2, factor);
+        pack_weights(s, p);
+        // Then S of tile t under P V of tile t - 1.
+#pragma unroll 1
+        for (int t = 1; t < walk.count; ++t) {
+            barrier_wait(at.k_full + 8 * stage_of(t), parity_of(t));
+            await_turn(wg);
+            issue_scores(s, q_rows, at.k + stage_of(t) * DF_KV_BYTES);
+            barrier_wait(at.v_full + 8 * stage_of(t - 1), parity_of(t - 1));
+            fence_registers(p);
+            issue_values(o, p, at.v + stage_of(t - 1) * DF_KV_BYTES);
+            pass_turn(wg);
+            wgmma_wait<1>();
+            fence_registers(s);
+            release(at.k_empty, t, lane);
+            const bool rescale = softmax_of(s, rows, walk, t, quad, scale_log2, factor);
+            wgmma_wait<0>();
+            fence_registers(o);
+            fence_registers(p);
+            release(at.v_empty, t - 1, lane);
+            if (rescale) {
+                rescale_output(o, factor);
+            }
+            pack_weights(s, p);
+        }
+        values_of(o, p, at, walk.count - 1, lane);
+    }
+#else
+#pragma unroll 1
+    for (int t = 0; t < walk.count; ++t) {
+        barrier_wait(at.k_full + 8 * stage_of(t), parity_of(t));
+        await_turn(wg);
+        issue_scores(s, q_rows, at.k + stage_of(t) * DF_KV_BYTES);
+        pass_turn(wg);
+        wgmma_wait<0>();
+        fence_registers(s);
+        release(at.k_empty, t, lane);
+        if (softmax_of(s, rows, walk, t, quad, scale_log2, factor)) {
+            rescale_output(o, factor);
+        }
+        pack_weights(s, p);
+        values_of(o, p, at, t, lane);
+    }
+#endif
+#if DISTFLASH_PINGPONG
+    // Warpgroup 0 takes the turn warpgroup 1 passed after its last products (or, with no tile,
+    // at the start), so that every phase of both turn barriers completes.
+    if (wg == 0) {
+        named_sync(DF_TURN_BARRIER, 256);
+    }
+#endif
+
+    // The epilogue: the quads' row sums, O / sum and lse = max + log2(sum), in natural units.
+    float inverse[2], row_lse[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float sum = rows.sum[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        inverse[r] = sum > 0.0f ? 1.0f / sum : 0.0f;
+        row_lse[r] = sum > 0.0f ? rows.max[r] * 0.69314718055994531f + logf(sum) : DF_NEG_INF;
+    }
+    rescale_output(o, inverse);
+    // O into the warpgroup's rows of Q's shared memory, swizzled as the copy engine reads it:
+    // the 16-byte chunk c of row R lies at chunk c ^ (R % 8).
+#pragma unroll
+    for (int i = 0; i < DF_O_REGS; i += 2) {
+        const u32 block = i / 4, row = local + 8 * DF_ROW_OF(i);
+        const u32 address = q_rows + (block / 8) * DF_Q_HALF + row * 128 +
+                            (((block % 8) ^ (row % 8)) * 16) + quad * 4;
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(address), "r"(pack(o[i], o[i + 1]))
+                     : "memory");
+    }
+    fence_shared_for_copies();
+    named_sync(DF_STORE_BARRIER + wg, 128);
+    if (thread == 0) {
+        for (u32 h = 0; h < DF_HALVES; ++h) {
+            store_box_3d(&o_map, q_rows + h * DF_Q_HALF, 64 * h, block_start + wg * 64, slice);
+        }
+        store_boxes_read();
+    }
+    if (quad == 0) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const u32 row = block_start + wg * 64 + local + 8 * r;
+            if (row < info.q_len) {
+                lse[static_cast<u64>(slice) * info.q_len + row] = row_lse[r];
+            }
+        }
+    }
+}

@@ -1,0 +1,307 @@
+//! The Hopper attention forward's constants and what it covers, pure logic: which calls
+//! `attention_forward.cu` takes (element types, head dims, masks, scales), the switches of the
+//! variant compiled for a call, its shared memory and the scalars it reads.
+
+use super::schedule::ForwardSchedule;
+use crate::dims::AttentionDims;
+use crate::kernel_error::KernelError;
+use crate::mask::KernelMask;
+use crate::stats::LOG2_E;
+use crate::tensor::ElemType;
+use crate::Mask;
+
+/// Query rows per cube (two consumer warpgroups of 64 rows).
+pub const BLOCK_ROWS: usize = 128;
+/// Keys per tile (the `n` of the score product `wgmma.m64n128k16`).
+pub const BLOCK_KEYS: usize = 128;
+/// Pipeline stages of K and of V in shared memory.
+pub const STAGES: usize = 2;
+/// Threads per cube: one producer and two consumer warpgroups.
+pub const UNITS: usize = 384;
+/// Head dimensions the kernel is compiled for.
+pub const HEAD_DIMS: [usize; 2] = [64, 128];
+/// Columns of one box of the tensor maps: 64 16-bit values, one 128-byte swizzled row.
+pub const BOX_COLUMNS: usize = 64;
+/// Bytes of keys and values the cubes under way at one time should share: about two thirds of
+/// the 50 MB L2 of an H100 or H200 (the rest holds queries, outputs and other heads' tails).
+pub const L2_BUDGET: usize = 32 << 20;
+
+/// Shared memory one cube uses at `head_dim`: the Q tile, `STAGES` K and V tiles (16-bit
+/// values), `1 + 4 STAGES` barriers of 8 bytes, and up to 1023 bytes to align the tiles on the
+/// 128-byte swizzle's 1024-byte period.
+pub const fn shared_bytes(head_dim: usize) -> usize {
+    (BLOCK_ROWS + 2 * STAGES * BLOCK_KEYS) * head_dim * 2 + (1 + 4 * STAGES) * 8 + 1024
+}
+
+// Within the 227 KiB a Hopper cube may opt into.
+const _: () = assert!(shared_bytes(128) <= 232_448);
+
+/// One compiled form of the kernel: what its switches select.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ForwardVariant {
+    /// 64 or 128.
+    pub head_dim: usize,
+    /// f16 or bf16 (q, k, v and O).
+    pub elem: ElemType,
+    /// Whether query row `i` sees key `j` only if `j <= i + shift`.
+    pub causal: bool,
+    /// How the consumer warpgroups order their work.
+    pub schedule: ForwardSchedule,
+}
+
+impl ForwardVariant {
+    /// The variant that computes attention of `dims` in `elem` under `mask` with score `scale`,
+    /// or why the kernel does not cover the call: another element type or head dim, a sliding
+    /// window or documents, a scale that is not positive and finite.
+    pub fn for_call(
+        dims: &AttentionDims,
+        elem: ElemType,
+        mask: &Mask,
+        scale: f32,
+        schedule: ForwardSchedule,
+    ) -> Result<Self, KernelError> {
+        let unsupported = |what: String| Err(KernelError::Unsupported { what });
+        if !matches!(elem, ElemType::BF16 | ElemType::F16) {
+            return unsupported(format!(
+                "the Hopper attention forward takes bf16 or f16 q, k and v, got {elem:?}"
+            ));
+        }
+        if !HEAD_DIMS.contains(&dims.head_dim) {
+            return unsupported(format!(
+                "the Hopper attention forward is built for head dims {HEAD_DIMS:?}, got {}",
+                dims.head_dim
+            ));
+        }
+        if mask.window.is_some() || mask.documents.is_some() {
+            return unsupported(
+                "the Hopper attention forward applies no mask or a causal one; sliding windows \
+                 and documents run on Variant::TensorCore (Variant::Auto picks it)"
+                    .into(),
+            );
+        }
+        if !(scale > 0.0 && scale.is_finite()) {
+            return Err(KernelError::BadOption {
+                what: format!(
+                    "the Hopper attention forward needs a positive, finite score scale; got \
+                     {scale} (Variant::Auto runs other scales on the portable kernels)"
+                ),
+            });
+        }
+        Ok(Self {
+            head_dim: dims.head_dim,
+            elem,
+            causal: mask.causal,
+            schedule,
+        })
+    }
+
+    /// The `#define` lines that select this variant in `attention_forward.cu`.
+    pub fn switches(&self) -> String {
+        let flag = |on: bool| u8::from(on);
+        format!(
+            "#define DISTFLASH_HEAD_DIM {}\n#define DISTFLASH_F16 {}\n#define DISTFLASH_CAUSAL {}\n\
+             #define DISTFLASH_INTRA_OVERLAP {}\n#define DISTFLASH_PINGPONG {}\n",
+            self.head_dim,
+            flag(self.elem == ElemType::F16),
+            flag(self.causal),
+            flag(self.schedule.intra_overlap),
+            flag(self.schedule.pingpong),
+        )
+    }
+}
+
+/// (batch, head) slices per launch group: with `grouped`, as many as share [`L2_BUDGET`] bytes
+/// of keys and values (whole GQA groups, at least one key/value head's), else all of them.
+pub fn slice_group(dims: &AttentionDims, grouped: bool) -> usize {
+    let slices = dims.batch * dims.q_heads;
+    if !grouped {
+        return slices;
+    }
+    let kv_head_bytes = 2 * dims.kv_len * dims.head_dim * 2;
+    let kv_heads = (L2_BUDGET / kv_head_bytes).max(1);
+    (kv_heads * dims.group_size()).min(slices)
+}
+
+/// The eight `u32` scalars the kernel reads, in its `ForwardInfo` order: `q_len`, `kv_len`,
+/// the query heads, the query heads per key/value head, the causal shift (`q_offset -
+/// kv_offset`, clamped as [`Mask::bounds`] clamps it, as `i32` bits), the scale times
+/// `log2(e)` (as `f32` bits), the slices per launch group ([`slice_group`]) and the slices.
+pub fn scalars(dims: &AttentionDims, mask: &Mask, scale: f32, grouped: bool) -> [u32; 8] {
+    let shift = mask.bounds(dims).shift;
+    [
+        dims.q_len as u32,
+        dims.kv_len as u32,
+        dims.q_heads as u32,
+        dims.group_size() as u32,
+        shift as u32,
+        (scale * LOG2_E).to_bits(),
+        slice_group(dims, grouped) as u32,
+        (dims.batch * dims.q_heads) as u32,
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Documents, SlidingWindow};
+
+    fn dims(head_dim: usize) -> AttentionDims {
+        AttentionDims {
+            batch: 2,
+            q_heads: 8,
+            kv_heads: 2,
+            q_len: 300,
+            kv_len: 517,
+            head_dim,
+        }
+    }
+
+    fn refusal(d: AttentionDims, elem: ElemType, mask: Mask, scale: f32) -> KernelError {
+        ForwardVariant::for_call(&d, elem, &mask, scale, ForwardSchedule::default()).unwrap_err()
+    }
+
+    #[test]
+    fn both_head_dims_and_16_bit_types_with_or_without_causality_are_covered() {
+        for head_dim in HEAD_DIMS {
+            for elem in [ElemType::BF16, ElemType::F16] {
+                for mask in [Mask::none(), Mask::causal().at(40, 0)] {
+                    let schedule = ForwardSchedule::default();
+                    let variant =
+                        ForwardVariant::for_call(&dims(head_dim), elem, &mask, 0.1, schedule)
+                            .unwrap();
+                    assert_eq!(
+                        variant,
+                        ForwardVariant {
+                            head_dim,
+                            elem,
+                            causal: mask.causal,
+                            schedule
+                        }
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn what_the_kernel_does_not_cover_is_refused_by_name() {
+        let cases = [
+            (
+                refusal(dims(128), ElemType::F32, Mask::none(), 0.1),
+                "got F32",
+            ),
+            (
+                refusal(dims(96), ElemType::BF16, Mask::none(), 0.1),
+                "got 96",
+            ),
+            (
+                refusal(
+                    dims(128),
+                    ElemType::BF16,
+                    Mask::causal().with_window(SlidingWindow::causal(64).unwrap()),
+                    0.1,
+                ),
+                "sliding windows",
+            ),
+            (
+                refusal(
+                    dims(64),
+                    ElemType::F16,
+                    Mask::none().with_documents(Documents::from_cu_seqlens(&[0, 517]).unwrap()),
+                    0.1,
+                ),
+                "documents",
+            ),
+        ];
+        for (err, what) in cases {
+            let message = err.to_string();
+            assert!(matches!(err, KernelError::Unsupported { .. }), "{message}");
+            assert!(message.contains(what), "{what}: {message}");
+        }
+        for scale in [0.0, -0.5, f32::INFINITY, f32::NAN] {
+            let err = refusal(dims(128), ElemType::BF16, Mask::causal(), scale);
+            assert!(
+                matches!(err, KernelError::BadOption { .. }) && err.to_string().contains("scale"),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn switches_select_the_variant() {
+        let variant = ForwardVariant {
+            head_dim: 64,
+            elem: ElemType::F16,
+            causal: true,
+            schedule: ForwardSchedule {
+                intra_overlap: false,
+                pingpong: true,
+                grouped_slices: true,
+            },
+        };
+        assert_eq!(
+            variant.switches(),
+            "#define DISTFLASH_HEAD_DIM 64\n#define DISTFLASH_F16 1\n#define DISTFLASH_CAUSAL 1\n\
+             #define DISTFLASH_INTRA_OVERLAP 0\n#define DISTFLASH_PINGPONG 1\n"
+        );
+    }
+
+    #[test]
+    fn scalars_carry_the_shift_and_the_base_2_scale() {
+        let d = dims(128);
+        let [q_len, kv_len, heads, group, shift, scale, slice_group, slices] =
+            scalars(&d, &Mask::causal().at(217, 0), 0.125, true);
+        assert_eq!([q_len, kv_len, heads, group], [300, 517, 8, 4]);
+        assert_eq!(shift as i32, 217);
+        assert_eq!(f32::from_bits(scale), 0.125 * LOG2_E);
+        assert_eq!([slice_group, slices], [16, 16]);
+        // Keys ahead of the queries: a negative shift.
+        let [.., shift, _, _, _] = scalars(&d, &Mask::causal().at(0, 40), 0.125, true);
+        assert_eq!(shift as i32, -40);
+    }
+
+    #[test]
+    fn slice_groups_share_the_l2_budget_in_whole_kv_heads() {
+        let long = |kv_len, q_heads, kv_heads| AttentionDims {
+            batch: 2,
+            q_heads,
+            kv_heads,
+            q_len: kv_len,
+            kv_len,
+            head_dim: 128,
+        };
+        // 8 MiB of keys and values per head at 16K: four heads; two at 32K; eight at 8K.
+        assert_eq!(slice_group(&long(16384, 32, 32), true), 4);
+        assert_eq!(slice_group(&long(32768, 32, 32), true), 2);
+        assert_eq!(slice_group(&long(8192, 32, 32), true), 8);
+        // GQA 32 / 8: four query heads per key/value head.
+        assert_eq!(slice_group(&long(16384, 32, 8), true), 16);
+        // At least one key/value head's queries, however long; at most every slice.
+        assert_eq!(slice_group(&long(1 << 20, 32, 8), true), 4);
+        assert_eq!(slice_group(&long(128, 32, 32), true), 64);
+        assert_eq!(slice_group(&long(16384, 32, 32), false), 64);
+    }
+
+    #[test]
+    fn the_device_source_agrees_with_these_constants() {
+        let source = include_str!("attention_forward.cu");
+        for (name, value) in [
+            ("DF_BM", BLOCK_ROWS),
+            ("DF_BN", BLOCK_KEYS),
+            ("DF_STAGES", STAGES),
+            ("DF_THREADS", UNITS),
+        ] {
+            let line = format!("#define {name} {value}\n");
+            assert!(
+                source.contains(&line),
+                "attention_forward.cu lacks `{}`",
+                line.trim()
+            );
+        }
+        // The kernel's shared memory: Q, then the stages of K and V, then nine barriers.
+        assert!(source.contains("at.v_empty = at.v_full + DF_STAGES * 8;"));
+        assert!(source.contains("#define DF_HALVES (DF_D / 64)\n"));
+        assert_eq!(BOX_COLUMNS, 64);
+        assert_eq!(shared_bytes(128), 160 * 1024 + 72 + 1024);
+    }
+}

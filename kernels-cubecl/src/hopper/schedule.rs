@@ -1,0 +1,70 @@
+//! How the Hopper attention forward orders its work: FlashAttention-3's two overlaps of the
+//! consumer warpgroups, each a compile-time switch of the kernel, and the order in which cubes
+//! take the (batch, head) slices. The default is all three; a thread-local override lets
+//! benchmarks and tests run the others.
+
+use std::cell::Cell;
+
+/// The overlaps one compiled Hopper forward uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ForwardSchedule {
+    /// Within a warpgroup: the scores of key tile `t` are issued before the `P V` product of tile
+    /// `t - 1`, and the softmax of tile `t` runs while that product does (two score tiles in
+    /// registers). Without it each tile is scores, softmax, `P V` in turn.
+    pub intra_overlap: bool,
+    /// Between the two consumer warpgroups: they take turns (two named barriers) to issue their
+    /// products, so that one's softmax runs while the other's products do.
+    pub pingpong: bool,
+    /// Cubes take the slices in groups whose keys and values fit in L2 together (see
+    /// `forward_plan::slice_group`), each group's heaviest blocks first; without it, every
+    /// slice's block `b` starts before any slice's block `b - 1` (the grid's first wave then
+    /// spans every head's keys and values).
+    pub grouped_slices: bool,
+}
+
+impl Default for ForwardSchedule {
+    /// Both overlaps, as FlashAttention-3 runs head dims up to 128, and grouped slices.
+    fn default() -> Self {
+        Self {
+            intra_overlap: true,
+            pingpong: true,
+            grouped_slices: true,
+        }
+    }
+}
+
+thread_local! {
+    static FORCED: Cell<Option<ForwardSchedule>> = const { Cell::new(None) };
+}
+
+/// The schedule the Hopper forward uses on this thread: the forced one, else the default.
+pub fn current() -> ForwardSchedule {
+    FORCED.with(Cell::get).unwrap_or_default()
+}
+
+/// Makes the Hopper forward launched on this thread use `schedule` (`None`: the default again).
+pub fn force(schedule: Option<ForwardSchedule>) {
+    FORCED.with(|forced| forced.set(schedule));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_forced_schedule_holds_on_its_thread_until_released() {
+        let plain = ForwardSchedule {
+            intra_overlap: false,
+            pingpong: false,
+            grouped_slices: false,
+        };
+        assert_eq!(current(), ForwardSchedule::default());
+        force(Some(plain));
+        assert_eq!(current(), plain);
+        std::thread::spawn(|| assert_eq!(current(), ForwardSchedule::default()))
+            .join()
+            .unwrap();
+        force(None);
+        assert_eq!(current(), ForwardSchedule::default());
+    }
+}

@@ -25,7 +25,7 @@ use burn_distflash::collective::{Exchange, Incoming, Outgoing, Received, Transpo
 use burn_distflash::schedule::{Schedule, ScheduleKind};
 use burn_distflash::sequence_parallel::SequenceParallelOptions;
 use burn_distflash::{
-    AttentionBackend, DeviceGroup, Error, FlashAttentionOptions, SequenceParallelBackend,
+    AttentionBackend, DeviceGroup, Error, FlashAttentionOptions, Mask, SequenceParallelBackend,
     SlidingWindow,
 };
 use cubecl::cuda::CudaDevice;
@@ -283,11 +283,13 @@ fn main() {
         .iter()
         .any(|a| a == "--window")
         .then(|| arg_list(&args, "--window", &[])[0]);
-    let attention = match window {
-        Some(w) => FlashAttentionOptions::causal()
-            .with_window(SlidingWindow::causal(w).expect("--window takes a size of at least 1")),
-        None => FlashAttentionOptions::causal(),
-    };
+    let attention =
+        match window {
+            Some(w) => FlashAttentionOptions::masked(Mask::causal().with_window(
+                SlidingWindow::causal(w).expect("--window takes a size of at least 1"),
+            )),
+            None => FlashAttentionOptions::causal(),
+        };
     if let Some(w) = window {
         println!("causal sliding window of {w} keys; TFLOP/s on the visible pairs\n");
     }

@@ -43,10 +43,10 @@ fn check_one_shot_inputs<B: AttentionBackend>(
 ///   not q's, v's shape not k's, `q_heads` not a multiple of `kv_heads`, a head dim outside
 ///   [`SUPPORTED_HEAD_DIMS`](crate::kernels::SUPPORTED_HEAD_DIMS), an empty or too long
 ///   sequence: the [`KernelError`](crate::kernels::KernelError) says which); when
-///   `options.scale` is not finite in f32
+///   `options.scale` is not finite
 ///   ([`KernelError::BadOption`](crate::kernels::KernelError::BadOption)); when
-///   `options.documents` is set and `seq_q != seq_kv`, the documents do not end at the sequence
-///   length, or they have neither one list nor one per batch row
+///   `options.mask.documents` is set and `seq_q != seq_kv`, the documents do not end at the
+///   sequence length, or they have neither one list nor one per batch row
 ///   ([`KernelError::BadMask`](crate::kernels::KernelError::BadMask)); on the CubeCL
 ///   backends, when the call exceeds the device's limits
 ///   ([`KernelError::DeviceLimit`](crate::kernels::KernelError::DeviceLimit)) or the device runs

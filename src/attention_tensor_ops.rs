@@ -8,7 +8,7 @@ use burn::tensor::{Bool, Int, Tensor, TensorData, TensorMetadata, TensorPrimitiv
 
 use crate::matmul::matmul;
 use crate::options::{FlashAttentionOptions, Mask};
-use crate::step::{self, AttentionState, StepMask};
+use crate::step::{self, AttentionState};
 
 /// Large negative finite value standing in for `-inf` where `-inf - -inf` would give NaN.
 const FLOOR: f64 = -1e30;
@@ -89,21 +89,27 @@ fn hidden_pairs<B: Backend>(
     Some(before.bool_or(after))
 }
 
+/// The score scale of `options` for head dim `head_dim`, in f64 (the default computed in f64, so
+/// f64 tensors keep their precision).
+fn scale(options: &FlashAttentionOptions, head_dim: usize) -> f64 {
+    options
+        .scale
+        .map_or(1.0 / (head_dim as f64).sqrt(), f64::from)
+}
+
 /// Masked, scaled scores `[B, Hq, Sq, Skv]`, the expanded k, v and the group size.
 fn scores<B: Backend>(
     q: &Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
-    mask: &Mask,
-    scale: Option<f64>,
+    options: &FlashAttentionOptions,
 ) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>, usize) {
     let [b, hq, sq, d] = q.dims();
     let [_, hkv, skv, _] = k.dims();
     let group = hq / hkv;
     let (k, v) = (expand_heads(k, group), expand_heads(v, group));
-    let scale = scale.unwrap_or(1.0 / (d as f64).sqrt());
-    let mut s = matmul(q.clone(), k.clone().swap_dims(2, 3)).mul_scalar(scale);
-    if let Some(hidden) = hidden_pairs::<B>(mask, b, sq, skv, &q.device()) {
+    let mut s = matmul(q.clone(), k.clone().swap_dims(2, 3)).mul_scalar(scale(options, d));
+    if let Some(hidden) = hidden_pairs::<B>(&options.mask, b, sq, skv, &q.device()) {
         let hidden = hidden.unsqueeze_dim::<4>(1).expand([b, hq, sq, skv]);
         s = s.mask_fill(hidden, f64::NEG_INFINITY);
     }
@@ -116,11 +122,10 @@ pub fn partial<B: Backend>(
     q: FloatTensor<B>,
     k: FloatTensor<B>,
     v: FloatTensor<B>,
-    mask: &Mask,
-    scale: Option<f64>,
+    options: &FlashAttentionOptions,
 ) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
     let q = tensor::<B>(q);
-    let (s, _, v, _) = scores(&q, tensor::<B>(k), tensor::<B>(v), mask, scale);
+    let (s, _, v, _) = scores(&q, tensor::<B>(k), tensor::<B>(v), options);
     let max = s.clone().max_dim(3);
     let p = (s - max.clone().clamp_min(FLOOR)).exp();
     let sum = p.clone().sum_dim(3);
@@ -139,9 +144,9 @@ pub fn forward_step<B: Backend>(
     k: FloatTensor<B>,
     v: FloatTensor<B>,
     state: AttentionState<B>,
-    step: StepMask,
+    options: FlashAttentionOptions,
 ) -> AttentionState<B> {
-    let (m, l, o) = partial::<B>(q, k, v, &step.mask, step.scale);
+    let (m, l, o) = partial::<B>(q, k, v, &options);
     step::merge(state, AttentionState { o, m, l })
 }
 
@@ -153,7 +158,7 @@ pub fn forward<B: Backend>(
     options: FlashAttentionOptions,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
     let dtype = q.dtype();
-    let (m, l, o) = partial::<B>(q, k, v, &options.mask(), options.scale);
+    let (m, l, o) = partial::<B>(q, k, v, &options);
     step::finalize::<B>(AttentionState { o, m, l }, dtype)
 }
 
@@ -166,12 +171,11 @@ pub fn gradients<B: Backend>(
     grad_out: FloatTensor<B>,
     lse: FloatTensor<B>,
     delta: FloatTensor<B>,
-    step: StepMask,
+    options: FlashAttentionOptions,
 ) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
-    let scale = step.scale;
     let q = tensor::<B>(q);
-    let resolved = scale.unwrap_or(1.0 / (q.dims()[3] as f64).sqrt());
-    let (s, k, v, group) = scores(&q, tensor::<B>(k), tensor::<B>(v), &step.mask, scale);
+    let resolved = scale(&options, q.dims()[3]);
+    let (s, k, v, group) = scores(&q, tensor::<B>(k), tensor::<B>(v), &options);
     let lse = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(lse))
         .clamp_min(FLOOR)
         .unsqueeze_dim::<4>(3);
@@ -202,13 +206,5 @@ pub fn backward<B: Backend>(
     options: FlashAttentionOptions,
 ) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
     let delta = step::delta::<B>(out, grad_out.clone());
-    gradients::<B>(
-        q,
-        k,
-        v,
-        grad_out,
-        lse,
-        delta,
-        StepMask::from_options(&options),
-    )
+    gradients::<B>(q, k, v, grad_out, lse, delta, options)
 }

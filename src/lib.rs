@@ -14,7 +14,8 @@
 //!   and [`CheckpointBackend`] (gradient checkpoints); each Burn backend implements the four.
 //! - [`DistFlashAttention`] / [`DistFlashAttentionConfig`]: a drop-in multi-head attention
 //!   module, run locally or sequence-parallel over a [`DeviceGroup`] as its
-//!   [`AttentionContext`] says.
+//!   [`AttentionContext`] says, on an [`AttentionInput`] (the hidden states and the documents
+//!   packed into them).
 //! - [`kernels`]: the CubeCL kernels themselves (`distflash-kernels`), step by step.
 //!
 //! The rest is in modules named for what they are for:
@@ -56,5 +57,5 @@ pub use extension::{
     AttentionBackend, AttentionContext, CheckpointBackend, FlashAttentionBackend, LayerOpsBackend,
     SequenceParallelBackend,
 };
-pub use layers::{DistFlashAttention, DistFlashAttentionConfig};
+pub use layers::{AttentionInput, DistFlashAttention, DistFlashAttentionConfig};
 pub use options::{Documents, FlashAttentionOptions, Mask, SlidingWindow};

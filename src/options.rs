@@ -1,5 +1,6 @@
-//! Options of the Burn-level attention op, one-shot ([`FlashAttentionOptions`]) and
-//! sequence-parallel ([`SequenceParallelOptions`]).
+//! Options of the Burn-level attention op, one-shot or one step ([`FlashAttentionOptions`]: the
+//! mask, the scale and determinism, carried unchanged from a module to the kernels' boundary),
+//! and sequence-parallel ([`SequenceParallelOptions`]).
 
 use crate::schedule::{Layout, Schedule, ScheduleKind};
 use crate::Error;
@@ -8,27 +9,24 @@ use distflash_kernels::{AttentionDims, KernelError};
 pub use distflash_schedule::{Documents, Mask, SlidingWindow};
 use serde::{Deserialize, Serialize};
 
-/// Options of [`crate::flash_attention`], like Burn's `AttentionModuleOptions`.
-///
-/// The masks combine: a query sees a key only where every mask that is set allows it.
+/// What one attention call computes: which keys each query sees ([`Mask`]), the score scale and
+/// whether the backward must be bitwise reproducible. The one value every layer passes down, from
+/// a module's configuration through the op and the sequence-parallel steps to the kernels (the
+/// CubeCL backends turn it into the kernels' `StepOptions` at the crate boundary). Like Burn's
+/// `AttentionModuleOptions`.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct FlashAttentionOptions {
-    /// Causal masking (query `i` sees keys `j <= i`, aligned at the start of both sequences).
-    pub causal: bool,
-    /// A sliding window around each query (see [`SlidingWindow`]). With `causal` only the keys
-    /// before the query count: a window's `after` is then ignored (allowed, not an error), so
-    /// `SlidingWindow::causal(size)` and `SlidingWindow::two_sided(size - 1, n)` mean the same.
-    /// Key tiles outside every query's window are skipped, not masked.
+    /// Which keys each query sees: causal order, a sliding window, packed documents (they
+    /// combine; see [`Mask`]), at absolute positions. A whole sequence's mask has offsets 0; a
+    /// step's mask sits at its chunks' offsets ([`Mask::at`]). With `causal` only the keys before
+    /// the query count: a window's `after` is then ignored (allowed, not an error). Key tiles
+    /// outside every query's band are skipped, not masked. A one-shot call with documents needs
+    /// `seq_q == seq_kv ==` [`Documents::len`] and one list for every batch row or one per batch
+    /// row. The documents are per-call data, never serialized.
+    pub mask: Mask,
+    /// Score scale; `None` means `1 / sqrt(head_dim)`. In f32, the kernels' precision.
     #[serde(default)]
-    pub window: Option<SlidingWindow>,
-    /// Document boundaries of packed sequences (see [`Documents`]): a query sees only keys of
-    /// its own document. A one-shot call needs `seq_q == seq_kv ==` [`Documents::len`] and one
-    /// list for every batch row or one per batch row. Per call data, not configuration: never
-    /// serialized.
-    #[serde(skip)]
-    pub documents: Option<Documents>,
-    /// Score scale; `None` means `1 / sqrt(head_dim)`.
-    pub scale: Option<f64>,
+    pub scale: Option<f32>,
     /// Bitwise reproducible gradients. Off by default: on CUDA the backward then adds dQ with
     /// f32 atomics from one fused kernel (as FlashAttention-2 does; sums in no fixed order, so
     /// runs differ in the last bits). On, dQ gets its own kernel, which recomputes the scores
@@ -40,73 +38,76 @@ pub struct FlashAttentionOptions {
 impl FlashAttentionOptions {
     /// Causal attention with the default scale.
     pub fn causal() -> Self {
+        Self::masked(Mask::causal())
+    }
+
+    /// Attention under `mask` (build it with [`Mask::causal`], [`Mask::with_window`],
+    /// [`Mask::with_documents`]), default scale, not deterministic.
+    pub fn masked(mask: Mask) -> Self {
         Self {
-            causal: true,
+            mask,
             ..Self::default()
         }
     }
 
-    /// These options with a sliding window.
-    pub fn with_window(self, window: SlidingWindow) -> Self {
+    /// The same scale and determinism under another mask (a step's, at its chunks' offsets).
+    pub fn with_mask(self, mask: Mask) -> Self {
+        Self { mask, ..self }
+    }
+
+    /// These options for a step whose query rows start at absolute position `q_offset` and key
+    /// rows at `kv_offset` (the mask at those offsets, [`Mask::at`]).
+    pub fn at(self, q_offset: i64, kv_offset: i64) -> Self {
+        let mask = self.mask.clone().at(q_offset, kv_offset);
+        self.with_mask(mask)
+    }
+
+    /// These options with a score scale other than `1 / sqrt(head_dim)`.
+    pub fn with_scale(self, scale: f32) -> Self {
         Self {
-            window: Some(window),
+            scale: Some(scale),
             ..self
         }
     }
 
-    /// These options with document boundaries.
-    pub fn with_documents(self, documents: Documents) -> Self {
+    /// These options with bitwise reproducible gradients on or off (see
+    /// [`deterministic`](Self::deterministic)).
+    pub fn with_deterministic(self, deterministic: bool) -> Self {
         Self {
-            documents: Some(documents),
+            deterministic,
             ..self
-        }
-    }
-
-    /// The kernel-level mask these options mean (offsets 0).
-    pub fn mask(&self) -> Mask {
-        Mask {
-            causal: self.causal,
-            window: self.window,
-            documents: self.documents.clone(),
-            ..Mask::none()
         }
     }
 
     /// The scale applied to `q . k` for a given head dimension.
-    pub fn resolved_scale(&self, head_dim: usize) -> f64 {
-        self.scale.unwrap_or(1.0 / (head_dim as f64).sqrt())
+    pub fn resolved_scale(&self, head_dim: usize) -> f32 {
+        self.scale.unwrap_or(1.0 / (head_dim as f32).sqrt())
     }
 
-    /// Errors unless the options can be used: a given scale must be finite (also in f32, the
-    /// kernels' precision).
+    /// Errors unless the options can be used: a given scale must be finite.
     ///
     /// # Errors
     ///
-    /// [`Error::Kernel`] with
-    /// [`KernelError::BadOption`] when `scale` is `Some` of a value that is not finite once
-    /// converted to f32 (NaN, infinite, or beyond f32's range).
+    /// [`Error::Kernel`] with [`KernelError::BadOption`] when `scale` is `Some` of a value that
+    /// is not finite (NaN or infinite).
     pub fn check(&self) -> Result<(), Error> {
         match self.scale {
-            Some(scale) if !(scale as f32).is_finite() => {
-                Err(Error::Kernel(KernelError::BadOption {
-                    what: format!("the score scale must be finite, got {scale}"),
-                }))
-            }
+            Some(scale) if !scale.is_finite() => Err(Error::Kernel(KernelError::BadOption {
+                what: format!("the score scale must be finite, got {scale}"),
+            })),
             _ => Ok(()),
         }
     }
 
     /// Errors unless the mask applies to a call of `dims` whose rows may be chunks of a longer
     /// sequence (a rank's shards): documents must have one list for every batch row or one per
-    /// batch row, and cover the call's positions (offsets 0).
+    /// batch row, and cover the call's positions.
     ///
     /// # Errors
     ///
     /// [`Error::Kernel`] with [`KernelError::BadMask`] naming what was wrong.
     pub(crate) fn check_mask(&self, dims: &AttentionDims) -> Result<(), Error> {
-        Ok(self
-            .mask()
-            .check_call(dims.batch, dims.q_len, dims.kv_len)?)
+        Ok((self.mask).check_call(dims.batch, dims.q_len, dims.kv_len)?)
     }
 
     /// Errors unless the mask applies to a one-shot call of `dims`, whose query and key rows are
@@ -119,7 +120,7 @@ impl FlashAttentionOptions {
     /// differs from `seq_kv`, when they end at another length than the sequence's, or when
     /// their batch rows are neither 1 nor the call's `batch`.
     pub(crate) fn check_one_shot_mask(&self, dims: &AttentionDims) -> Result<(), Error> {
-        if let Some(documents) = &self.documents {
+        if let Some(documents) = &self.mask.documents {
             let bad = |what: String| Err(Error::Kernel(KernelError::BadMask { what }));
             if dims.q_len != dims.kv_len {
                 return bad(format!(
@@ -148,10 +149,10 @@ impl FlashAttentionOptions {
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct SequenceParallelOptions {
     /// The mask over the whole sequence (causal order, a sliding window, documents at absolute
-    /// positions `0..world * shard_len`) and the score scale. Every rank passes the same
-    /// options, documents included: each rank holds the documents of the whole sequence, from
-    /// which every rank derives the same schedule (pairs of shards with no visible score are
-    /// neither computed nor exchanged).
+    /// positions `0..world * shard_len`, offsets 0), the score scale and determinism. Every rank
+    /// passes the same options, documents included: each rank holds the documents of the whole
+    /// sequence, from which every rank derives the same schedule (pairs of shards with no
+    /// visible score are neither computed nor exchanged).
     pub attention: FlashAttentionOptions,
     /// Which schedule, and so which [`Layout`] the shards must have (see
     /// [`SequenceParallelOptions::layout`]); `Auto` picks by world size and mask.
@@ -194,7 +195,7 @@ impl SequenceParallelOptions {
             self.schedule,
             world,
             shard_len,
-            &self.attention.mask(),
+            &self.attention.mask,
         )?)
     }
 
@@ -203,7 +204,7 @@ impl SequenceParallelOptions {
     /// [`crate::sequence_parallel::gather_sequence`]) for this layout.
     pub fn layout(&self, world: usize) -> Layout {
         (self.schedule)
-            .resolve(world, self.attention.causal)
+            .resolve(world, self.attention.mask.causal)
             .layout()
     }
 }

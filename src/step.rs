@@ -1,7 +1,9 @@
-//! Step-by-step attention: the running softmax state ([`AttentionState`]) and one step's mask
-//! ([`StepMask`]) that [`AttentionBackend`](crate::AttentionBackend)'s step methods
-//! (`attention_state_empty`, `attention_forward_step`, `attention_merge`, `attention_finalize`,
-//! `attention_backward_step`) take and return; sequence-parallel attention is built from them.
+//! Step-by-step attention: the running softmax state ([`AttentionState`]) that
+//! [`AttentionBackend`](crate::AttentionBackend)'s step methods (`attention_state_empty`,
+//! `attention_forward_step`, `attention_merge`, `attention_finalize`, `attention_backward_step`)
+//! take and return; sequence-parallel attention is built from them. A step takes the same
+//! [`FlashAttentionOptions`](crate::FlashAttentionOptions) as a one-shot call, its mask at the
+//! step's chunks' absolute offsets ([`Mask::at`](crate::Mask::at)).
 //!
 //! The state's operations from tensor operations (empty, merge, finalize, delta) are the
 //! trait's defaults, which every backend gets; the CubeCL backends override them with the
@@ -10,8 +12,6 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, Tensor, TensorPrimitive};
-
-use crate::options::{FlashAttentionOptions, Mask};
 
 /// Running state of a block of query rows, all f32 where the backend allows: `o`
 /// (unnormalised output, `[B, H, S, D]`), `m` (running max) and `l` (running sum), `[B, H, S]`.
@@ -23,17 +23,6 @@ pub struct AttentionState<B: Backend> {
     pub m: FloatTensor<B>,
     /// Running sum of `exp(score - m)`.
     pub l: FloatTensor<B>,
-}
-
-/// One attention step's mask and scale (the mask carries the chunks' absolute offsets).
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct StepMask {
-    /// Which keys each query sees.
-    pub mask: Mask,
-    /// Score scale; `None` means `1 / sqrt(head_dim)`.
-    pub scale: Option<f64>,
-    /// Bitwise reproducible backward (see [`FlashAttentionOptions::deterministic`]).
-    pub deterministic: bool,
 }
 
 fn t4<B: Backend>(p: FloatTensor<B>) -> Tensor<B, 4> {
@@ -104,17 +93,6 @@ pub fn delta<B: Backend>(out: FloatTensor<B>, grad_out: FloatTensor<B>) -> Float
             .sum_dim(3)
             .squeeze_dim::<3>(3),
     )
-}
-
-impl StepMask {
-    /// The one-shot options as a step (offsets 0).
-    pub fn from_options(options: &FlashAttentionOptions) -> Self {
-        Self {
-            mask: options.mask(),
-            scale: options.scale,
-            deterministic: options.deterministic,
-        }
-    }
 }
 
 #[cfg(test)]

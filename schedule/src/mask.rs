@@ -22,14 +22,18 @@ use crate::ScheduleError;
 /// - `window`: `query - before <= key <= query + after` (see [`SlidingWindow`]);
 /// - `documents`: both positions in the same document (see [`Documents`]).
 ///
-/// The default sees everything at offsets 0.
+/// The default sees everything at offsets 0. Serialized (feature `serde`) without its
+/// documents, which are per-call data.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
 pub struct Mask {
     /// Keys after the query are hidden.
     pub causal: bool,
     /// Keys outside a window around the query are hidden.
     pub window: Option<SlidingWindow>,
     /// Keys of other documents are hidden.
+    #[cfg_attr(feature = "serde", serde(skip))]
     pub documents: Option<Documents>,
     /// Absolute position of the call's first query row.
     pub q_offset: i64,

@@ -14,7 +14,7 @@ use crate::extension::{
 };
 use crate::layer_ops;
 use crate::options::FlashAttentionOptions;
-use crate::step::{AttentionState, StepMask};
+use crate::step::AttentionState;
 
 /// The kernel element type of a Burn float dtype.
 pub fn elem_type(dtype: DType) -> Option<ElemType> {
@@ -61,16 +61,14 @@ fn cube_tensor<R: CubeRuntime>(like: &CubeTensor<R>, tensor: DeviceTensor) -> Cu
     )
 }
 
+/// The kernels' options of a call: the crate boundary, where the one options value of the
+/// plugin becomes the kernels' (which also pick the variant: `Auto`).
 fn step_options(options: &FlashAttentionOptions) -> StepOptions {
-    kernel_step(StepMask::from_options(options))
-}
-
-fn kernel_step(step: StepMask) -> StepOptions {
     StepOptions {
-        mask: step.mask,
-        scale: step.scale.map(|s| s as f32),
+        mask: options.mask.clone(),
+        scale: options.scale,
         variant: Variant::Auto,
-        deterministic: step.deterministic,
+        deterministic: options.deterministic,
     }
 }
 
@@ -234,7 +232,7 @@ where
         k: CubeTensor<R>,
         v: CubeTensor<R>,
         state: AttentionState<Self>,
-        step: StepMask,
+        options: FlashAttentionOptions,
     ) -> AttentionState<Self> {
         let (o, m, l) = (exclusive(state.o), exclusive(state.m), exclusive(state.l));
         let client = q.client.clone();
@@ -244,7 +242,7 @@ where
             &device_tensor(k),
             &device_tensor(v),
             &in_place_state(&o, &m, &l),
-            &kernel_step(step),
+            &step_options(&options),
         )
         .unwrap_or_else(|e| fail("forward step", e));
         AttentionState { o, m, l }
@@ -254,7 +252,7 @@ where
         q: CubeTensor<R>,
         k: CubeTensor<R>,
         v: CubeTensor<R>,
-        step: StepMask,
+        options: FlashAttentionOptions,
     ) -> AttentionState<Self> {
         let (client, device) = (q.client.clone(), q.device.clone());
         let state = distflash_kernels::forward_first_step(
@@ -262,7 +260,7 @@ where
             &device_tensor(q),
             &device_tensor(k),
             &device_tensor(v),
-            &kernel_step(step),
+            &step_options(&options),
         )
         .unwrap_or_else(|e| fail("first forward step", e));
         cube_state(&client, &device, state)
@@ -315,7 +313,7 @@ where
         grad_out: CubeTensor<R>,
         lse: CubeTensor<R>,
         delta: CubeTensor<R>,
-        step: StepMask,
+        options: FlashAttentionOptions,
     ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
         let like = q.clone();
         let client = like.client.clone();
@@ -333,7 +331,7 @@ where
             &device_tensor(lse),
             &device_tensor(delta),
             &grads,
-            &kernel_step(step),
+            &step_options(&options),
         )
         .unwrap_or_else(|e| fail("backward step", e));
         (

@@ -23,7 +23,7 @@ use crate::extension::{
 };
 use crate::options::FlashAttentionOptions;
 use crate::sequence_parallel::SequenceParallelOptions;
-use crate::step::{AttentionState, StepMask};
+use crate::step::AttentionState;
 
 /// Forward: inputs q, k, v; outputs O, lse.
 #[derive(Debug)]
@@ -80,7 +80,7 @@ enum Step<D> {
     /// An empty state of query rows `[B, H, S, D]`; no inputs; outputs o, m, l.
     Empty([usize; 4], DType, D),
     /// Inputs q, k, v, o, m, l; outputs o, m, l.
-    Forward(StepMask),
+    Forward(FlashAttentionOptions),
     /// Inputs the two states' o, m, l; outputs o, m, l.
     Merge,
     /// Inputs o, m, l; outputs O (of this float type), lse.
@@ -88,7 +88,7 @@ enum Step<D> {
     /// Inputs O, dO; output delta.
     Delta,
     /// Inputs q, k, v, dO, lse, delta; outputs dq, dk, dv.
-    Backward(StepMask),
+    Backward(FlashAttentionOptions),
 }
 
 /// One step operation of the sequence-parallel pass, run on the inner backend.
@@ -124,10 +124,10 @@ impl<B: FusionBackend + FlashAttentionBackend> Operation<B::FusionRuntime> for S
             Step::Empty(shape, dtype, device) => {
                 state_tensors(B::attention_state_empty(*shape, *dtype, device))
             }
-            Step::Forward(step) => {
+            Step::Forward(options) => {
                 let (q, k, v) = (take(inputs), take(inputs), take(inputs));
                 let state = take_state(inputs);
-                state_tensors(B::attention_forward_step(q, k, v, state, step.clone()))
+                state_tensors(B::attention_forward_step(q, k, v, state, options.clone()))
             }
             Step::Merge => {
                 let a = take_state(inputs);
@@ -142,11 +142,11 @@ impl<B: FusionBackend + FlashAttentionBackend> Operation<B::FusionRuntime> for S
                 let (out, grad_out) = (take(inputs), take(inputs));
                 vec![B::attention_delta(out, grad_out)]
             }
-            Step::Backward(step) => {
+            Step::Backward(options) => {
                 let (q, k, v) = (take(inputs), take(inputs), take(inputs));
                 let (grad_out, lse, delta) = (take(inputs), take(inputs), take(inputs));
                 let (dq, dk, dv) =
-                    B::attention_backward_step(q, k, v, grad_out, lse, delta, step.clone());
+                    B::attention_backward_step(q, k, v, grad_out, lse, delta, options.clone());
                 vec![dq, dk, dv]
             }
         };
@@ -355,14 +355,14 @@ where
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
         state: AttentionState<Self>,
-        step: StepMask,
+        options: FlashAttentionOptions,
     ) -> AttentionState<Self> {
         let client = q.client.clone();
         let shapes = state_shapes(&state);
         let [o, m, l] = state_from(register_step::<B>(
             &client,
             "distflash_forward_step",
-            Step::Forward(step),
+            Step::Forward(options),
             vec![q, k, v, state.o, state.m, state.l],
             &shapes,
         ));
@@ -424,7 +424,7 @@ where
         grad_out: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         delta: FloatTensor<Self>,
-        step: StepMask,
+        options: FlashAttentionOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let client = q.client.clone();
         let dtype = B::lse_dtype(q.dtype);
@@ -436,7 +436,7 @@ where
         let [dq, dk, dv] = state_from(register_step::<B>(
             &client,
             "distflash_backward_step",
-            Step::Backward(step),
+            Step::Backward(options),
             vec![q, k, v, grad_out, lse, delta],
             &outputs,
         ));

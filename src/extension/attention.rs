@@ -8,7 +8,7 @@ use burn::tensor::{DType, TensorMetadata};
 use distflash_kernels::AttentionDims;
 
 use crate::options::FlashAttentionOptions;
-use crate::step::{self, AttentionState, StepMask};
+use crate::step::{self, AttentionState};
 use crate::Error;
 
 /// Attention on a Burn backend: the one-shot `(O, lse)` and its backward, and the step
@@ -117,7 +117,8 @@ pub trait AttentionBackend: Backend {
         step::empty::<Self>(shape, input, device)
     }
 
-    /// Folds one key/value chunk into the running state of the query rows `q`.
+    /// Folds one key/value chunk into the running state of the query rows `q`, under `options`
+    /// whose mask sits at the chunks' absolute offsets ([`Mask::at`](crate::Mask::at)).
     ///
     /// # Shapes
     ///
@@ -129,9 +130,9 @@ pub trait AttentionBackend: Backend {
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
         state: AttentionState<Self>,
-        step: StepMask,
+        options: FlashAttentionOptions,
     ) -> AttentionState<Self> {
-        crate::attention_tensor_ops::forward_step::<Self>(q, k, v, state, step)
+        crate::attention_tensor_ops::forward_step::<Self>(q, k, v, state, options)
     }
 
     /// A new running state of the query rows `q` with its first key/value chunk folded in:
@@ -148,11 +149,11 @@ pub trait AttentionBackend: Backend {
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
-        step: StepMask,
+        options: FlashAttentionOptions,
     ) -> AttentionState<Self> {
         let shape: [usize; 4] = q.shape().dims();
         let empty = Self::attention_state_empty(shape, q.dtype(), &Self::float_device(&q));
-        Self::attention_forward_step(q, k, v, empty, step)
+        Self::attention_forward_step(q, k, v, empty, options)
     }
 
     /// Merges two partial states of the same query rows.
@@ -189,7 +190,8 @@ pub trait AttentionBackend: Backend {
     }
 
     /// One (query chunk, key chunk) pair's `(dq, dk, dv)` from the full rows' lse and delta
-    /// (f32 on the kernel backends, for accumulation across steps).
+    /// (f32 on the kernel backends, for accumulation across steps), under `options` whose mask
+    /// sits at the chunks' absolute offsets.
     ///
     /// # Shapes
     ///
@@ -205,8 +207,8 @@ pub trait AttentionBackend: Backend {
         grad_out: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         delta: FloatTensor<Self>,
-        step: StepMask,
+        options: FlashAttentionOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        crate::attention_tensor_ops::gradients::<Self>(q, k, v, grad_out, lse, delta, step)
+        crate::attention_tensor_ops::gradients::<Self>(q, k, v, grad_out, lse, delta, options)
     }
 }

@@ -10,13 +10,14 @@ use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
 use super::counter::ForwardCounter;
+use super::input::AttentionInput;
 use super::linear_layer::linear;
 use super::rope::{RopeConfig, RotaryTables};
 use crate::extension::AttentionContext;
 use crate::extension::FlashAttentionBackend;
 use crate::flash_attention_with_lse;
 use crate::kernels::SUPPORTED_HEAD_DIMS;
-use crate::options::{Documents, FlashAttentionOptions, SlidingWindow};
+use crate::options::{Documents, FlashAttentionOptions, Mask, SlidingWindow};
 use crate::sequence_parallel::{announce_refusal, sequence_parallel_attention_with_lse};
 
 /// Configuration of [`DistFlashAttention`].
@@ -126,9 +127,7 @@ impl DistFlashAttentionConfig {
             n_heads: self.n_heads,
             n_kv_heads,
             head_dim,
-            causal: self.causal,
-            window: self.window,
-            deterministic: self.deterministic,
+            options: self.options(),
             rope: self.rope.clone(),
             counter: ForwardCounter::default(),
         })
@@ -142,13 +141,24 @@ impl DistFlashAttentionConfig {
     pub fn init<B: FlashAttentionBackend>(&self, device: &B::Device) -> DistFlashAttention<B> {
         self.try_init(device).unwrap_or_else(|e| panic!("{e}"))
     }
+
+    /// The attention options this configuration means (causal order and the window as the mask,
+    /// the default scale, determinism): the value the module carries to the kernels.
+    pub fn options(&self) -> FlashAttentionOptions {
+        let mask = Mask {
+            causal: self.causal,
+            window: self.window,
+            ..Mask::none()
+        };
+        FlashAttentionOptions::masked(mask).with_deterministic(self.deterministic)
+    }
 }
 
 /// Multi-head self-attention over `[batch, seq, d_model]` computed by this project's
 /// memory-efficient kernels, locally or sequence-parallel (see [`AttentionContext`]).
 ///
 /// Its mask is configuration (causal, a sliding window) plus, per call, optional packed
-/// documents ([`forward_with_documents`](Self::forward_with_documents)). Rotary positions
+/// documents ([`AttentionInput::documents`]). Rotary positions
 /// stay global across packed documents (they do not restart at each document): attention
 /// scores depend only on the distance between positions, which is the same either way.
 #[derive(Module, Debug)]
@@ -167,13 +177,11 @@ pub struct DistFlashAttention<B: Backend> {
     pub n_kv_heads: usize,
     /// Per-head width.
     pub head_dim: usize,
-    /// Causal masking.
-    pub causal: bool,
-    /// Sliding window (see [`DistFlashAttentionConfig::window`]).
+    /// What its attention computes: the configured mask (causal order, a sliding window; each
+    /// call adds its documents), the scale and determinism (see
+    /// [`DistFlashAttentionConfig::options`]).
     #[module(skip)]
-    pub window: Option<SlidingWindow>,
-    /// Bitwise reproducible gradients (see [`DistFlashAttentionConfig::deterministic`]).
-    pub deterministic: bool,
+    pub options: FlashAttentionOptions,
     /// Rotary embedding.
     #[module(skip)]
     pub rope: RopeConfig,
@@ -192,79 +200,34 @@ pub(crate) struct Projected<B: FlashAttentionBackend> {
 }
 
 impl<B: FlashAttentionBackend> DistFlashAttention<B> {
-    /// Attention of `x` (the whole sequence, or this rank's shard).
+    /// Attention of `input` (the whole sequence, or this rank's shard, and the documents packed
+    /// into it if any; a plain tensor converts into an input without documents).
     ///
     /// # Shapes
     ///
-    /// - x: `[batch, seq, d_model]`
-    /// - output: `[batch, seq, d_model]`
-    ///
-    /// # Panics
-    ///
-    /// With a clear message where [`try_forward`](Self::try_forward) returns an error.
-    pub fn forward(&self, x: Tensor<B, 3>, context: &AttentionContext<B>) -> Tensor<B, 3> {
-        self.try_forward(x, context)
-            .unwrap_or_else(|e| panic!("{e}"))
-    }
-
-    /// Attention of `x`, a batch of packed sequences, where each token sees only the tokens of
-    /// its own document (on top of the configured causal mask and window).
-    ///
-    /// Documents are per-call data, like `x` (each batch brings its own boundaries), so they
-    /// are an argument here rather than part of the configuration or of the
-    /// [`AttentionContext`] (which says where attention runs, and is the same for every batch);
-    /// [`forward`](Self::forward) is this call without documents.
-    ///
-    /// # Shapes
-    ///
-    /// - x: `[batch, seq, d_model]`
-    /// - documents: boundaries of the whole sequence (`seq` positions locally;
+    /// - input.x: `[batch, seq, d_model]`
+    /// - input.documents: boundaries of the whole sequence (`seq` positions locally;
     ///   `world_size * seq` when sharded), one list for every batch row or one per batch row
     /// - output: `[batch, seq, d_model]`
     ///
     /// # Panics
     ///
-    /// With a clear message where
-    /// [`try_forward_with_documents`](Self::try_forward_with_documents) returns an error.
-    pub fn forward_with_documents(
+    /// With a clear message where [`try_forward`](Self::try_forward) returns an error.
+    pub fn forward(
         &self,
-        x: Tensor<B, 3>,
+        input: impl Into<AttentionInput<B>>,
         context: &AttentionContext<B>,
-        documents: &Documents,
     ) -> Tensor<B, 3> {
-        self.try_forward_with_documents(x, context, documents)
+        self.try_forward(input, context)
             .unwrap_or_else(|e| panic!("{e}"))
     }
 
-    /// [`forward_with_documents`](Self::forward_with_documents), or why it cannot run.
+    /// [`forward`](Self::forward), or why it cannot run. When sharded and this rank refuses its
+    /// input, the other ranks are told, so their attention fails at once too.
     ///
     /// # Shapes
     ///
-    /// As [`forward_with_documents`](Self::forward_with_documents).
-    ///
-    /// # Errors
-    ///
-    /// Those of [`try_forward`](Self::try_forward), and [`Error::Kernel`] with
-    /// [`KernelError::BadMask`](crate::kernels::KernelError::BadMask) when the documents do not
-    /// end at the sequence's length (`seq`, or `world_size * seq` sharded) or have neither one
-    /// list nor one per batch row.
-    pub fn try_forward_with_documents(
-        &self,
-        x: Tensor<B, 3>,
-        context: &AttentionContext<B>,
-        documents: &Documents,
-    ) -> Result<Tensor<B, 3>, Error> {
-        self.try_forward_masked(x, context, Some(documents))
-    }
-
-    /// Attention of `x` (the whole sequence, or this rank's shard), or why it cannot run. When
-    /// sharded and this rank refuses `x`, the other ranks are told, so their attention fails at
-    /// once too.
-    ///
-    /// # Shapes
-    ///
-    /// - x: `[batch, seq, d_model]`
-    /// - output: `[batch, seq, d_model]`
+    /// As [`forward`](Self::forward).
     ///
     /// # Errors
     ///
@@ -274,6 +237,10 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
     ///   on the device of this rank of the context's group.
     /// - [`Error::Layout`] (sharded) when the schedule's layout cannot split shards
     ///   of length `seq` (zigzag: an odd length).
+    /// - [`Error::Kernel`] with
+    ///   [`KernelError::BadMask`](crate::kernels::KernelError::BadMask) when the documents do not
+    ///   end at the sequence's length (`seq`, or `world_size * seq` sharded) or have neither one
+    ///   list nor one per batch row.
     /// - [`Error::Kernel`] or [`Error::DType`] when attention refuses the projected heads (see
     ///   [`crate::flash_attention`]: a float type it does not run, or a call beyond the
     ///   device's limits).
@@ -283,19 +250,11 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
     ///   ([`Error::is_collective`]) when moving tensors between the ranks fails.
     pub fn try_forward(
         &self,
-        x: Tensor<B, 3>,
+        input: impl Into<AttentionInput<B>>,
         context: &AttentionContext<B>,
     ) -> Result<Tensor<B, 3>, Error> {
-        self.try_forward_masked(x, context, None)
-    }
-
-    /// [`try_forward`](Self::try_forward) with the call's documents, if any.
-    fn try_forward_masked(
-        &self,
-        x: Tensor<B, 3>,
-        context: &AttentionContext<B>,
-        documents: Option<&Documents>,
-    ) -> Result<Tensor<B, 3>, Error> {
+        let AttentionInput { x, documents } = input.into();
+        let documents = documents.as_ref();
         self.check_input(&x, context, documents)?;
         let projected = self.project(x, context, documents);
         let (out, _) = self.attend(&projected, context, documents)?;
@@ -393,24 +352,18 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
             .check_one_shot_mask(&dims)
     }
 
-    /// The options of this module's attention (no documents: see
-    /// [`forward_with_documents`](Self::forward_with_documents)).
+    /// The options of this module's attention (its configured mask, no documents).
     pub fn options(&self) -> FlashAttentionOptions {
-        FlashAttentionOptions {
-            causal: self.causal,
-            window: self.window,
-            documents: None,
-            scale: None,
-            deterministic: self.deterministic,
-        }
+        self.options.clone()
     }
 
     /// The options of one call of this module's attention, with that call's documents.
     pub(crate) fn options_with(&self, documents: Option<&Documents>) -> FlashAttentionOptions {
-        FlashAttentionOptions {
+        let mask = Mask {
             documents: documents.cloned(),
-            ..self.options()
-        }
+            ..self.options.mask.clone()
+        };
+        self.options.clone().with_mask(mask)
     }
 
     /// Projects `x` to rotated queries and keys and to values, rotated at the positions of the

@@ -12,6 +12,7 @@ use burn::tensor::{Tensor, TensorPrimitive};
 use super::attention::{merge_heads, DistFlashAttention, DistFlashAttentionConfig};
 use super::attention_backward::{AttentionActivations, AttentionGrads};
 use super::feed_forward::{FeedForward, FeedForwardConfig, FeedForwardGrads};
+use super::input::AttentionInput;
 use super::linear_layer::linear;
 use super::rms_norm::{RmsNorm, RmsNormConfig};
 use super::row_chunks::RowChunks;
@@ -154,92 +155,48 @@ pub(crate) struct BlockGrads<B: FlashAttentionBackend> {
 }
 
 impl<B: FlashAttentionBackend> TransformerBlock<B> {
-    /// The block applied to `x` (the whole sequence or this rank's shard).
-    ///
-    /// # Shapes
-    ///
-    /// - x: `[batch, seq, d_model]`
-    /// - output: `[batch, seq, d_model]`
-    ///
-    /// # Panics
-    ///
-    /// With a clear message where [`try_forward`](Self::try_forward) errs.
-    pub fn forward(&self, x: Tensor<B, 3>, context: &AttentionContext<B>) -> Tensor<B, 3> {
-        self.try_forward(x, context)
-            .unwrap_or_else(|e| panic!("{e}"))
-    }
-
-    /// The block applied to `x`, a batch of packed sequences whose tokens attend only within
-    /// their own document (see [`DistFlashAttention::forward_with_documents`], which says why
-    /// documents are a per-call argument). A checkpointed block recomputes its attention with
+    /// The block applied to `input` (the whole sequence or this rank's shard, and the documents
+    /// packed into it if any: tokens then attend only within their own document; a plain
+    /// tensor converts into an input without documents), checkpointed as
+    /// [`checkpoint`](Self::checkpoint) says. A checkpointed block recomputes its attention with
     /// the same documents.
     ///
     /// # Shapes
     ///
-    /// - x: `[batch, seq, d_model]`
-    /// - documents: boundaries of the whole sequence (`seq` positions locally;
+    /// - input.x: `[batch, seq, d_model]`
+    /// - input.documents: boundaries of the whole sequence (`seq` positions locally;
     ///   `world_size * seq` when sharded), one list for every batch row or one per batch row
     /// - output: `[batch, seq, d_model]`
     ///
     /// # Panics
     ///
-    /// With a clear message where
-    /// [`try_forward_with_documents`](Self::try_forward_with_documents) errs.
-    pub fn forward_with_documents(
+    /// With a clear message where [`try_forward`](Self::try_forward) errs.
+    pub fn forward(
         &self,
-        x: Tensor<B, 3>,
+        input: impl Into<AttentionInput<B>>,
         context: &AttentionContext<B>,
-        documents: &Documents,
     ) -> Tensor<B, 3> {
-        self.try_forward_with_documents(x, context, documents)
+        self.try_forward(input, context)
             .unwrap_or_else(|e| panic!("{e}"))
     }
 
-    /// [`forward_with_documents`](Self::forward_with_documents), or why it cannot run.
+    /// [`forward`](Self::forward), or why it cannot run. The input is checked before any work.
     ///
     /// # Shapes
     ///
-    /// As [`forward_with_documents`](Self::forward_with_documents).
+    /// As [`forward`](Self::forward).
     ///
     /// # Errors
     ///
-    /// As [`DistFlashAttention::try_forward_with_documents`] of the block's attention.
-    pub fn try_forward_with_documents(
-        &self,
-        x: Tensor<B, 3>,
-        context: &AttentionContext<B>,
-        documents: &Documents,
-    ) -> Result<Tensor<B, 3>, Error> {
-        self.try_forward_masked(x, context, Some(documents))
-    }
-
-    /// The block applied to `x` (the whole sequence or this rank's shard), checkpointed as
-    /// [`checkpoint`](Self::checkpoint) says. `x` is checked before any work.
-    ///
-    /// # Shapes
-    ///
-    /// - x: `[batch, seq, d_model]`
-    /// - output: `[batch, seq, d_model]`
-    ///
-    /// # Errors
-    ///
-    /// As [`DistFlashAttention::try_forward`] of the block's attention: `x` is checked the same
-    /// way, and the attention's errors are returned.
+    /// As [`DistFlashAttention::try_forward`] of the block's attention: the input is checked the
+    /// same way, and the attention's errors are returned.
     pub fn try_forward(
         &self,
-        x: Tensor<B, 3>,
+        input: impl Into<AttentionInput<B>>,
         context: &AttentionContext<B>,
     ) -> Result<Tensor<B, 3>, Error> {
-        self.try_forward_masked(x, context, None)
-    }
-
-    /// [`try_forward`](Self::try_forward) with the call's documents, if any.
-    fn try_forward_masked(
-        &self,
-        x: Tensor<B, 3>,
-        context: &AttentionContext<B>,
-        documents: Option<&Documents>,
-    ) -> Result<Tensor<B, 3>, Error> {
+        let AttentionInput { x, documents } = input.into();
+        let documents = documents.as_ref();
         self.attention.check_input(&x, context, documents)?;
         match self.checkpoint {
             CheckpointPlacement::None => self.forward_stored(x, context, documents),

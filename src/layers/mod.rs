@@ -4,7 +4,8 @@
 //! [`Offload`]), the pieces they are made of, [`CheckpointSegment`] for running a model part of
 //! your own as one gradient checkpoint, [`replicate`] for giving every rank its own trainable
 //! copy of a model, and [`RowChunks`] for running sequence-wise parts (the feed-forward block) a
-//! chunk of rows at a time.
+//! chunk of rows at a time. Both modules take one [`AttentionInput`] (the hidden states and the
+//! documents packed into them) in one `forward` and one `try_forward`.
 
 mod attention;
 mod attention_backward;
@@ -12,6 +13,7 @@ mod block;
 mod block_offload;
 mod counter;
 mod feed_forward;
+mod input;
 mod linear_grad;
 mod linear_layer;
 mod replicate;
@@ -26,6 +28,7 @@ pub use attention::{DistFlashAttention, DistFlashAttentionConfig};
 pub use block::{TransformerBlock, TransformerBlockConfig};
 pub use counter::ForwardCounter;
 pub use feed_forward::{feed_forward_bytes_per_row, FeedForward, FeedForwardConfig};
+pub use input::AttentionInput;
 pub use linear_layer::{linear, matrix_product, project};
 pub use replicate::replicate;
 pub use rms_norm::{RmsNorm, RmsNormConfig};

@@ -113,12 +113,13 @@ fn local_values<B: FlashAttentionBackend>(
         });
     }
     let world = group.world_size();
-    let schedule = (options.schedule).resolve(world, options.attention.causal);
+    let mask = &options.attention.mask;
+    let schedule = (options.schedule).resolve(world, mask.causal);
     (schedule.layout()).check_shard_len(world, qd[2])?;
-    options.attention.mask().check_sequence(world * qd[2])?;
+    mask.check_sequence(world * qd[2])?;
     let schedule = schedule as u64;
-    let scale = options.attention.scale.map_or(u64::MAX, f64::to_bits);
-    let [before, after] = window_code(options.attention.window);
+    let scale = (options.attention.scale).map_or(u64::MAX, |s| u64::from(s.to_bits()));
+    let [before, after] = window_code(mask.window);
     Ok([
         qd[0] as u64,
         qd[1] as u64,
@@ -127,13 +128,13 @@ fn local_values<B: FlashAttentionBackend>(
         kd[2] as u64,
         qd[3] as u64,
         dtype_code(q.dtype()),
-        options.attention.causal as u64,
+        mask.causal as u64,
         scale,
         schedule,
         options.overlap as u64,
         before,
         after,
-        documents_fingerprint(options.attention.documents.as_ref()),
+        documents_fingerprint(mask.documents.as_ref()),
     ])
 }
 
@@ -212,7 +213,7 @@ fn validate<B: FlashAttentionBackend>(
 /// # Errors
 ///
 /// - [`Error::Kernel`] with [`KernelError::BadOption`](crate::kernels::KernelError::BadOption)
-///   when `options.attention.scale` is not a finite number in f32.
+///   when `options.attention.scale` is not a finite number.
 /// - [`Error::Device`] when k or v is not on q's device, or q's device is not the
 ///   device of this rank of `group`.
 /// - [`Error::Kernel`] or [`Error::DType`] when this rank's shards are not valid inputs of

@@ -5,9 +5,10 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, Slice, TensorMetadata};
 
 use crate::extension::{FlashAttentionBackend, Grads};
+use crate::options::FlashAttentionOptions;
 use crate::options::SequenceParallelOptions;
 use crate::schedule::Block;
-use crate::step::{AttentionState, StepMask};
+use crate::step::AttentionState;
 
 /// Where a pair's blocks cut its shards: `per_rank` chunks of `chunk` rows each.
 #[derive(Debug, Clone, Copy)]
@@ -74,13 +75,10 @@ impl Chunks {
     }
 }
 
-/// The mask and scale of one block (its mask at its rows' positions, or none).
-fn block_step(block: &Block, options: &SequenceParallelOptions) -> StepMask {
-    StepMask {
-        mask: block.mask.clone(),
-        scale: options.attention.scale,
-        deterministic: options.attention.deterministic,
-    }
+/// The options of one block: the call's scale and determinism under the block's mask (at its
+/// rows' positions, or none).
+fn block_step(block: &Block, options: &SequenceParallelOptions) -> FlashAttentionOptions {
+    (options.attention.clone()).with_mask(block.mask.clone())
 }
 
 /// `state` (of the query shard's rows) with every block of a pair folded in. `None` is the

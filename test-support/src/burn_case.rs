@@ -133,15 +133,15 @@ pub fn check_case<B: AutodiffBackend + FlashAttentionBackend>(
     lens: (usize, usize, usize),
     causal: bool,
 ) {
-    let options = FlashAttentionOptions {
-        causal,
-        ..FlashAttentionOptions::default()
+    let options = match causal {
+        true => FlashAttentionOptions::causal(),
+        false => FlashAttentionOptions::default(),
     };
     check_options_case::<B>(device, elem, heads, lens, &options);
 }
 
 /// Forward output, lse and gradients of `sum(O * dO)` against the reference, for one shape and
-/// any options (the reference applies `options.mask()`).
+/// any options (the reference applies `options.mask`).
 pub fn check_options_case<B: AutodiffBackend + FlashAttentionBackend>(
     device: &B::Device,
     elem: ElemType,
@@ -166,13 +166,13 @@ pub fn check_options_case<B: AutodiffBackend + FlashAttentionBackend>(
     let loss = (out.clone() * typed_tensor::<B>(&case.dout, q_shape, device, dtype)).sum();
     let grads = loss.backward();
 
-    let mask = options.mask();
+    let mask = &options.mask;
     let Expected {
         fwd,
         naive_fwd,
         grads: g,
         naive_grads: naive_g,
-    } = case.expected(&mask, elem);
+    } = case.expected(mask, elem);
     let what = format!("{} {dims:?} {options:?}", std::any::type_name::<B>());
     assert_close(
         &format!("{what}: O"),
@@ -237,7 +237,6 @@ pub fn check_steps_case<B: FlashAttentionBackend>(
     mask: Mask,
 ) {
     use burn::tensor::TensorPrimitive;
-    use burn_distflash::step::StepMask;
     let case = HostCase::new(
         99 + q_len as u64 * 7 + head_dim as u64,
         elem,
@@ -258,11 +257,8 @@ pub fn check_steps_case<B: FlashAttentionBackend>(
     let chunk = |t: &Tensor<B, 4>, a: usize, b: usize| {
         t.clone().slice([0..batch, 0..kv_heads, a..b, 0..head_dim])
     };
-    let step = |a: usize| StepMask {
-        mask: mask.clone().at(mask.q_offset, a as i64),
-        scale: None,
-        deterministic: false,
-    };
+    let options = FlashAttentionOptions::masked(mask.clone());
+    let step = |a: usize| options.clone().at(mask.q_offset, a as i64);
 
     let mut stepped = B::attention_state_empty(q_shape, dtype, device);
     let mut merged = B::attention_state_empty(q_shape, dtype, device);

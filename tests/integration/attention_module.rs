@@ -2,8 +2,8 @@
 //! rotary embedding from its textbook formula in f64), for irregular and few heads, GQA and MQA,
 //! on one device and sharded over a group; its output and every gradient (input and the four
 //! weights) on wgpu against the same attention differentiated in f64, for short sequences, odd
-//! head counts, GQA ratios and every head dim; configuration and input errors; the rotary
-//! embedding itself.
+//! head counts, GQA ratios and every head dim; configuration and input errors; the configuration
+//! as one options value and documents as part of the input; the rotary embedding itself.
 
 use std::f64::consts::PI;
 use std::time::Duration;
@@ -19,7 +19,10 @@ use burn::tensor::{DType, Tensor, TensorData};
 use burn_distflash::collective::on_each_rank;
 use burn_distflash::layers::{Llama3RopeScaling, RopeConfig, RotaryTables};
 use burn_distflash::sequence_parallel::{gather_sequence, shard_sequence, ScheduleKind};
-use burn_distflash::{AttentionContext, DeviceGroup, DistFlashAttention, DistFlashAttentionConfig};
+use burn_distflash::{
+    AttentionContext, AttentionInput, DeviceGroup, DistFlashAttention, DistFlashAttentionConfig,
+    Documents, FlashAttentionOptions, Mask, SlidingWindow,
+};
 
 type Cpu = NdArray<f32>;
 const DEVICE: NdArrayDevice = NdArrayDevice::Cpu;
@@ -186,6 +189,40 @@ fn bad_configurations_say_what_is_wrong() {
         odd.try_init::<Cpu>(&DEVICE).unwrap().query.weight.dims(),
         [100, 96]
     );
+}
+
+#[test]
+fn the_configuration_becomes_one_options_value_that_calls_only_add_documents_to() {
+    let window = SlidingWindow::causal(5).unwrap();
+    let config = DistFlashAttentionConfig::new(64, 4)
+        .with_window(Some(window))
+        .with_deterministic(true);
+    let expected =
+        FlashAttentionOptions::masked(Mask::causal().with_window(window)).with_deterministic(true);
+    assert_eq!(config.options(), expected);
+    let module = config.init::<Cpu>(&DEVICE);
+    assert_eq!(module.options(), expected);
+    // A call's documents join the same mask; a plain tensor is an input without documents.
+    let x = random(&mut Rng::new(8), [2, 12, 64]);
+    let documents = Documents::from_cu_seqlens(&[0, 5, 12]).unwrap();
+    let input = AttentionInput::new(x.clone()).documents(documents.clone());
+    assert_eq!(input.documents, Some(documents.clone()));
+    assert_eq!(AttentionInput::from(x.clone()).documents, None);
+    // The documents reach attention: a window over each document alone gives the same rows.
+    let packed = module.forward(input, &AttentionContext::Local);
+    let values = |t: Tensor<Cpu, 3>| t.into_data().to_vec::<f32>().unwrap();
+    for (start, end) in [(0, 5), (5, 12)] {
+        let alone = module.forward(
+            x.clone().slice([0..2, start..end]),
+            &AttentionContext::Local,
+        );
+        let rows = packed.clone().slice([0..2, start..end]);
+        let error = relative_error(&values(rows), &values(alone));
+        assert!(
+            error < 1e-5,
+            "document {start}..{end}: relative error {error:e}"
+        );
+    }
 }
 
 #[test]

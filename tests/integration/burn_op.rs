@@ -153,10 +153,7 @@ fn bad_input_is_refused() {
     );
 
     // Options: the scale must be finite.
-    let nan_scale = FlashAttentionOptions {
-        scale: Some(f64::NAN),
-        ..FlashAttentionOptions::default()
-    };
+    let nan_scale = FlashAttentionOptions::default().with_scale(f32::NAN);
     let q = t([1, 2, 8, 64]);
     let err = flash_attention(q.clone(), q.clone(), q, nan_scale).unwrap_err();
     assert!(err.to_string().contains("scale must be finite"), "{err}");

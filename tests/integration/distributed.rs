@@ -260,8 +260,7 @@ fn mixed_float_types_are_refused_before_any_exchange() {
 
 #[test]
 fn a_score_scale_that_is_not_a_finite_number_is_refused_before_any_exchange() {
-    // 1e300 is finite as f64 but not as f32, the precision the kernels use.
-    for scale in [f64::NAN, f64::INFINITY, 1e300] {
+    for scale in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
         let mut options = SequenceParallelOptions::causal();
         options.attention.scale = Some(scale);
         let err = refused(shard(8), shard(8), options);

@@ -206,7 +206,7 @@ fn two_ranks(
 
 fn with_documents(cu_seqlens: &[usize]) -> SequenceParallelOptions {
     let mut options = SequenceParallelOptions::causal();
-    options.attention.documents = Some(Documents::from_cu_seqlens(cu_seqlens).unwrap());
+    options.attention.mask.documents = Some(Documents::from_cu_seqlens(cu_seqlens).unwrap());
     options
 }
 
@@ -231,7 +231,7 @@ fn documents_that_do_not_cover_the_sequence_are_refused_on_every_rank() {
 fn ranks_with_different_windows_or_documents_are_refused() {
     let windows = |rank: usize| {
         let mut options = SequenceParallelOptions::causal();
-        options.attention.window = Some(SlidingWindow::causal(2 + rank).unwrap());
+        options.attention.mask.window = Some(SlidingWindow::causal(2 + rank).unwrap());
         options
     };
     for msg in disagreements(two_ranks(windows)) {

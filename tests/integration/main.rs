@@ -1,7 +1,8 @@
 //! The plugin's integration tests, in one executable (each test executable links Burn, wgpu and
 //! CubeCL, so one binary builds much faster than one per file): the op against the f64
 //! reference, schedules and layouts, the distributed passes, modules, checkpointing, masks, the
-//! transports and the layer operations. The f16 wgpu tests are in `half_precision.rs`.
+//! transports and the layer operations, and the README's module snippet (compiled here). The f16
+//! wgpu tests are in `half_precision.rs`.
 //!
 //! The `#[ignore]`d tests need a CUDA GPU (some, several GPUs with NCCL). Burn 0.21 fixes one
 //! default float type per device and process, and the CUDA tests use f32, f16 and bf16 on the same
@@ -35,6 +36,7 @@ mod local_transport;
 mod masks;
 #[cfg(feature = "nccl")]
 mod nccl_transport;
+mod readme_snippets;
 mod replicate;
 mod schedule;
 mod schedule_masks;

@@ -28,11 +28,10 @@ use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 use burn_distflash::kernels::{ElemType, KernelError};
 use burn_distflash::layers::CheckpointPlacement;
 use burn_distflash::schedule::ScheduleError;
-use burn_distflash::step::StepMask;
 use burn_distflash::{
-    flash_attention, flash_attention_with_lse, AttentionContext, DistFlashAttention,
-    DistFlashAttentionConfig, Documents, Error, FlashAttentionBackend, FlashAttentionOptions,
-    SlidingWindow,
+    flash_attention, flash_attention_with_lse, AttentionContext, AttentionInput,
+    DistFlashAttention, DistFlashAttentionConfig, Documents, Error, FlashAttentionBackend,
+    FlashAttentionOptions, Mask, SlidingWindow,
 };
 use distflash_test_support::max_abs_diff;
 
@@ -151,12 +150,12 @@ fn options(
     documents: Option<&Documents>,
     window: Option<SlidingWindow>,
 ) -> FlashAttentionOptions {
-    FlashAttentionOptions {
+    FlashAttentionOptions::masked(Mask {
         causal,
         window,
         documents: documents.cloned(),
-        ..FlashAttentionOptions::default()
-    }
+        ..Mask::none()
+    })
 }
 
 /// Documents of length 1, of odd lengths, many short ones and one spanning everything, causal
@@ -304,7 +303,7 @@ fn assert_near(what: &str, got: &[f64], expected: &[f64]) {
 }
 
 /// The step operations over uneven chunks of queries and keys at absolute offsets (each pair
-/// with `options.mask().at(q_offset, kv_offset)`, pairs that see nothing included) give the
+/// with `options.at(q_offset, kv_offset)`, pairs that see nothing included) give the
 /// one-shot call's O, lse, dq, dk and dv; the last query chunk stepped over the keys in three
 /// chunks matches the f64 reference.
 fn steps_at_offsets_match_one_shot<B: FlashAttentionBackend>(device: &B::Device) {
@@ -322,7 +321,7 @@ fn steps_at_offsets_match_one_shot<B: FlashAttentionBackend>(device: &B::Device)
         options(false, Some(&shared), Some(SlidingWindow::two_sided(4, 6))),
     ];
     for options in &cases {
-        let mask = options.mask().at(21, 0);
+        let mask = options.mask.clone().at(21, 0);
         check_steps_case::<B>(device, F32, (2, 4, 2), (len - 21, len, HEAD_DIM), mask);
     }
     let case = HostCase::new(11, F32, (2, 4, 2), (len, len, HEAD_DIM));
@@ -339,11 +338,7 @@ fn steps_at_offsets_match_one_shot<B: FlashAttentionBackend>(device: &B::Device)
         let what = format!("{} {options:?}", std::any::type_name::<B>());
         let (out, lse) =
             flash_attention_with_lse(q.clone(), k.clone(), v.clone(), options.clone()).unwrap();
-        let step = |qa: usize, ka: usize| StepMask {
-            mask: options.mask().at(qa as i64, ka as i64),
-            scale: None,
-            deterministic: false,
-        };
+        let step = |qa: usize, ka: usize| options.clone().at(qa as i64, ka as i64);
         let (mut outs, mut lses) = (Vec::new(), Vec::new());
         for qc in bounds.windows(2) {
             let mut state =
@@ -477,10 +472,10 @@ fn bad_masks_are_refused<B: FlashAttentionBackend>(device: &B::Device) {
     let module = DistFlashAttentionConfig::new(64, 4).init::<B>(device);
     let x = Tensor::<B, 3>::zeros([3, 25, 64], device);
     let context = AttentionContext::Local;
-    let what =
-        bad_mask(module.try_forward_with_documents(x.clone(), &context, &documents(&[0, 24])));
+    let input = AttentionInput::new(x.clone()).documents(documents(&[0, 24]));
+    let what = bad_mask(module.try_forward(input, &context));
     assert!(what.contains("end at position 24"), "{what}");
-    let what = bad_mask(module.try_forward_with_documents(x, &context, &two_rows));
+    let what = bad_mask(module.try_forward(AttentionInput::new(x).documents(two_rows), &context));
     assert!(what.contains("2 batch rows"), "{what}");
 }
 
@@ -534,10 +529,11 @@ fn attention_module_packs_documents<B: AutodiffBackend + FlashAttentionBackend>(
                    r: Tensor<B::InnerBackend, 3>,
                    docs: Option<&Documents>| {
             let x = Tensor::<B, 3>::from_inner(x).require_grad();
-            let y = match docs {
-                Some(docs) => module.forward_with_documents(x.clone(), &context, docs),
-                None => module.forward(x.clone(), &context),
+            let input = AttentionInput {
+                x: x.clone(),
+                documents: docs.cloned(),
             };
+            let y = module.forward(input, &context);
             let grads = (y.clone() * Tensor::from_inner(r)).sum().backward();
             let weight_grads =
                 weights(&module).map(|w| host(w.grad(&grads).expect("a weight gradient")));
@@ -685,7 +681,7 @@ fn attention_config_window_defaults_to_none() {
     let loaded = DistFlashAttentionConfig::load_binary(without.as_bytes()).unwrap();
     assert_eq!(loaded.window, None);
     let module = loaded.init::<Autodiff<NdArray<f32>>>(&NdArrayDevice::Cpu);
-    assert_eq!(module.options().window, None);
+    assert_eq!(module.options().mask.window, None);
 }
 
 /// A causal window of no key is refused where it is built, with the crate's mask error; the

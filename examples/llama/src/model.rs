@@ -13,7 +13,9 @@ use super::rng::SplitMix64;
 use burn_distflash::layers::{
     linear, project, RmsNorm, RmsNormConfig, RowChunks, TransformerBlock, TransformerBlockConfig,
 };
-use burn_distflash::{AttentionContext, Documents, Error as PluginError, FlashAttentionBackend};
+use burn_distflash::{
+    AttentionContext, AttentionInput, Documents, Error as PluginError, FlashAttentionBackend,
+};
 
 /// A Llama language model.
 #[derive(Module, Debug)]
@@ -196,10 +198,8 @@ impl<B: FlashAttentionBackend> Llama<B> {
         self.check_tokens(&tokens)?;
         let mut x = self.embedding.forward(tokens);
         for block in &self.blocks {
-            x = match documents {
-                Some(documents) => block.try_forward_with_documents(x, context, documents)?,
-                None => block.try_forward(x, context)?,
-            };
+            let documents = documents.cloned();
+            x = block.try_forward(AttentionInput { x, documents }, context)?;
         }
         Ok(self.norm.forward(x))
     }

@@ -9,7 +9,7 @@ use burn_distflash::layers::{
 };
 use burn_distflash::sequence_parallel::Layout;
 use burn_distflash::{
-    AttentionContext, DistFlashAttentionConfig, Documents, FlashAttentionBackend,
+    AttentionContext, AttentionInput, DistFlashAttentionConfig, Documents, FlashAttentionBackend,
 };
 
 use super::Rng;
@@ -151,10 +151,8 @@ pub fn step_with_documents<B: AutodiffBackend + FlashAttentionBackend>(
     let x = Tensor::<B, 3>::from_inner(x).require_grad();
     let mut y = x.clone();
     for block in blocks {
-        y = match documents {
-            Some(documents) => block.forward_with_documents(y, context, documents),
-            None => block.forward(y, context),
-        };
+        let documents = documents.cloned();
+        y = block.forward(AttentionInput { x: y, documents }, context);
     }
     let output = y
         .clone()

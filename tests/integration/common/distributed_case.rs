@@ -10,7 +10,8 @@ use burn_distflash::collective::on_each_rank;
 use burn_distflash::schedule::{Layout, Schedule, ScheduleKind};
 use burn_distflash::sequence_parallel::{sequence_parallel_attention, SequenceParallelOptions};
 use burn_distflash::{
-    DeviceGroup, Documents, Error, FlashAttentionBackend, FlashAttentionOptions, SlidingWindow,
+    DeviceGroup, Documents, Error, FlashAttentionBackend, FlashAttentionOptions, Mask,
+    SlidingWindow,
 };
 use distflash_kernels::{AttentionDims, ElemType};
 
@@ -62,13 +63,13 @@ impl Case {
     /// The options every rank passes (the documents of the whole sequence).
     pub fn options(&self) -> SequenceParallelOptions {
         SequenceParallelOptions {
-            attention: FlashAttentionOptions {
+            attention: FlashAttentionOptions::masked(Mask {
                 causal: self.causal,
                 window: self.window,
                 documents: (self.documents)
                     .map(|lengths| documents_of(lengths, self.world * self.shard)),
-                ..FlashAttentionOptions::default()
-            },
+                ..Mask::none()
+            }),
             schedule: self.schedule,
             overlap: self.overlap,
         }
@@ -268,7 +269,7 @@ impl CaseData {
             kv_len: seq,
             head_dim: c.head_dim,
         };
-        let mask = c.options().attention.mask();
+        let mask = c.options().attention.mask;
         let scale = 1.0 / (c.head_dim as f64).sqrt();
         let data = (&self.q[..], &self.k[..], &self.v[..], &self.dout[..]);
         expected(&dims, data, &mask, scale, self.elem)

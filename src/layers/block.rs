@@ -99,7 +99,7 @@ impl TransformerBlockConfig {
 
 /// Refuses offload without a checkpoint: the autodiff graph then holds every activation itself,
 /// and there is nothing for the block to move.
-pub(crate) fn check_offload(offload: bool, placement: CheckpointPlacement) -> Result<(), Error> {
+fn check_offload(offload: bool, placement: CheckpointPlacement) -> Result<(), Error> {
     match (offload, placement) {
         (true, CheckpointPlacement::None) => Err(Error::config(
             "offload",

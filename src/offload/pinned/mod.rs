@@ -284,3 +284,19 @@ pub(crate) fn restore(mut pinned: PinnedTensor) -> RestoringTensor {
         in_flight: Some((event, lease)),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_cuda_tensors_and_devices_take_the_pinned_path() {
+        assert_eq!(as_cuda(7u32).err(), Some(7));
+        let cpu = burn_ndarray::NdArrayDevice::Cpu;
+        assert!(as_cuda_device(&cpu).is_none());
+        assert_eq!(
+            as_cuda_device(&CudaDevice::new(3)).map(|d| d.index),
+            Some(3)
+        );
+    }
+}

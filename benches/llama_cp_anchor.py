@@ -44,7 +44,6 @@ ranks would wait in the next collective, so torchrun stops them.
 
 import argparse
 import datetime
-import importlib
 import json
 import os
 import statistics
@@ -58,6 +57,8 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from cp_anchor import cp_api  # the context-parallel module of this torch (benches/ is on the path)
 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
 HEADER = ("| implementation | GPUs | tokens/GPU | S | checkpointing | tokens/s | model TFLOP/s/GPU "
@@ -95,20 +96,6 @@ def parse_args() -> argparse.Namespace:
     if any(t % 2 for t in args.tokens_per_gpu):
         parser.error("load balancing needs an even --tokens-per-gpu")
     return args
-
-
-def cp_api():
-    """The module holding context_parallel, set_rotate_method and _cp_options (torch 2.11:
-    experimental/_attention.py re-exports experimental/_context_parallel/_attention.py)."""
-    for name in ("torch.distributed.tensor.experimental._attention",
-                 "torch.distributed.tensor.experimental._context_parallel"):
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        if all(hasattr(module, a) for a in ("context_parallel", "set_rotate_method", "_cp_options")):
-            return module
-    raise ImportError("torch context-parallel API (context_parallel, set_rotate_method) not found")
 
 
 class RMSNorm(nn.Module):

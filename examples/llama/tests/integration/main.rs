@@ -12,6 +12,7 @@ mod chunked_loss;
 mod command_line;
 mod generate;
 mod loss;
+mod memory_plan;
 mod optimizer;
 mod packing;
 mod tokenizer;

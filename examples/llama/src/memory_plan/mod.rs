@@ -23,6 +23,8 @@ mod search;
 
 use std::fmt;
 
+use burn_distflash::layers::CheckpointPlacement;
+
 use crate::config::LlamaConfig;
 use crate::train::{MemoryReport, TrainOptions};
 use crate::Error;
@@ -204,8 +206,12 @@ impl MemoryPlanner {
         (self.options.loss_chunks.chunk_rows(per_row) as u64).min(rows)
     }
 
-    /// Rows per chunk of the feed-forward blocks over `rows` tokens.
+    /// Rows per chunk of the feed-forward blocks over `rows` tokens: all of them without
+    /// checkpoints (a training graph runs the feed-forward whole).
     fn ffn_rows(&self, widths: &Widths, rows: u64) -> u64 {
+        if self.config.checkpoint == CheckpointPlacement::None {
+            return rows;
+        }
         let per_row = burn_distflash::layers::feed_forward_bytes_per_row(
             widths.hidden as usize,
             self.elem_bytes,
@@ -312,7 +318,7 @@ impl fmt::Display for MemoryPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn_distflash::layers::{CheckpointPlacement, RowChunks};
+    use burn_distflash::layers::RowChunks;
 
     fn planner(placement: CheckpointPlacement, seq_len: usize, world: usize) -> MemoryPlanner {
         let config = LlamaConfig::llama_7b().with_checkpoint(placement);

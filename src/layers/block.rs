@@ -42,7 +42,9 @@ pub struct TransformerBlockConfig {
     /// How many rows (`batch * seq` tokens) the feed-forward half takes at a time in the
     /// forward, a checkpoint's recomputation and the backward, so that its `[rows, d_ff]`
     /// activations exist one chunk at a time ([`feed_forward_bytes_per_row`] is what a budget
-    /// is divided by). The gradients are those of the whole sequence at once.
+    /// is divided by). The gradients are those of the whole sequence at once. Without a
+    /// checkpoint, in an autodiff graph (which keeps every activation anyway), the feed-forward
+    /// runs whole.
     ///
     /// [`feed_forward_bytes_per_row`]: super::feed_forward_bytes_per_row
     #[config(default = "TransformerBlockConfig::DEFAULT_FFN_CHUNKS")]
@@ -235,10 +237,16 @@ impl<B: FlashAttentionBackend> TransformerBlock<B> {
         Ok(self.feed_forward_half(half.h))
     }
 
-    /// `h + ffn(norm(h))`, the feed-forward over row chunks as [`Self::ffn_chunks`] says.
+    /// `h + ffn(norm(h))`, the feed-forward over row chunks as [`Self::ffn_chunks`] says, except
+    /// in an autodiff graph: there (no checkpoint) the graph keeps every chunk's activations
+    /// anyway, and chunks would only add slices and a concatenation to its backward.
     fn feed_forward_half(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
         let ffn_input = self.ffn_norm.forward(h.clone());
-        h + self.ffn.forward_chunked(ffn_input, &self.ffn_chunks)
+        let out = match B::ad_enabled(&h.device()) {
+            true => self.ffn.forward(ffn_input),
+            false => self.ffn.forward_chunked(ffn_input, &self.ffn_chunks),
+        };
+        h + out
     }
 
     /// Runs the attention half (within `documents` when given); with `saved` `(O, lse)`

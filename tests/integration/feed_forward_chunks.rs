@@ -1,8 +1,9 @@
 //! The transformer block's feed-forward half over row chunks (`ffn_chunks`) against the whole
 //! sequence at once: the same output and the same gradients (input and every weight) through two
-//! blocks, at every checkpoint placement (the plain graph, a checkpoint's recomputation and the
-//! hand-written backward), for chunk sizes of one row, sizes that do and do not divide the
-//! `batch * seq` rows, and larger than all rows; on ndarray and wgpu.
+//! blocks, at every checkpoint placement (a checkpoint's forward, recomputation and hand-written
+//! backward run the chunks; without a checkpoint the graph runs the whole sequence), for chunk
+//! sizes of one row, sizes that do and do not divide the `batch * seq` rows, and larger than all
+//! rows; on ndarray and wgpu. Inference (no autodiff) runs the chunks too.
 
 use crate::common::block_case::{assert_same_step, lift, random_blocks, small_config, step};
 use crate::common::Rng;
@@ -81,4 +82,31 @@ fn feed_forward_chunks_come_from_the_block_config_and_default_to_a_memory_budget
         .with_ffn_chunks(chunks)
         .init::<Cpu>(&Default::default());
     assert_eq!(block.ffn_chunks, chunks);
+}
+
+#[test]
+fn inference_over_feed_forward_chunks_gives_the_whole_sequences_output() {
+    type Cpu = burn::backend::NdArray<f32>;
+    let device = Default::default();
+    let mut rng = Rng::new(5);
+    let x = random::<Cpu>(&mut rng, [2, 21, 64], &device);
+    let mut block = small_config().init::<Cpu>(&device);
+    let whole = block.forward(x.clone(), &AttentionContext::Local);
+    for size in [1, 5, 16] {
+        block.ffn_chunks = RowChunks::rows(size).unwrap();
+        let chunked = block.forward(x.clone(), &AttentionContext::Local);
+        let (got, expected) = (
+            chunked.into_data().to_vec::<f32>().unwrap(),
+            whole.to_data().to_vec::<f32>().unwrap(),
+        );
+        let worst = got
+            .iter()
+            .zip(&expected)
+            .map(|(g, e)| (g - e).abs())
+            .fold(0.0f32, f32::max);
+        assert!(
+            worst <= 1e-5,
+            "chunks of {size} rows: output off by {worst:e}"
+        );
+    }
 }

@@ -1,12 +1,14 @@
 //! Llama models trained with burn-distflash's attention: the model and its configuration,
 //! loading Hugging Face weights, tokenizers, data, training (AdamW, schedule, clipping, gradient
-//! all-reduce, checkpoints) and its logs. The `llama_train` binary (`src/main.rs`) drives it.
+//! all-reduce, checkpoints), the prediction of one GPU's memory for a training setting
+//! ([`memory_plan`]) and its logs. The `llama_train` binary (`src/main.rs`) drives it.
 //!
 //! Every fallible function of this crate returns its one error type, [`Error`]; the model and
 //! its configuration return the plugin's errors (`burn_distflash::Error`) as the
 //! plugin's layers do.
 
 #![warn(missing_docs)]
+mod byte_units;
 pub mod config;
 pub mod data;
 mod device_memory;
@@ -15,6 +17,7 @@ pub mod generate;
 pub mod hf_config;
 pub mod loss;
 pub mod lr_schedule;
+pub mod memory_plan;
 pub mod metrics;
 pub mod model;
 pub mod optimizer;
@@ -27,6 +30,7 @@ pub mod train;
 mod training_kernels;
 pub mod weights;
 
+pub use byte_units::{format_bytes, parse_bytes};
 pub use config::{LlamaConfig, PRESETS};
 pub use error::Error;
 pub use model::Llama;

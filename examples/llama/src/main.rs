@@ -30,7 +30,10 @@
 //! - memory: `--loss-chunk N` (the output projection and loss take N tokens of a rank at a time:
 //!   one chunk of logits exists at once), `--ffn-chunk N` (likewise every feed-forward block);
 //!   by default each is as many tokens as fit a 1 GiB budget for its transient tensors; neither
-//!   changes the results;
+//!   changes the results), `--memory auto` (the largest chunks the memory planner predicts to
+//!   fit `--gpu-memory`), `--plan` (print the planner's prediction of one GPU's memory for
+//!   these options, and with `--gpu-memory BYTES`, e.g. `139GiB`, the longest sequence and the
+//!   largest chunks that fit; then exit, touching no device);
 //! - validation: `--val-fraction F` (the last fraction of the corpus is held out, default 0.05),
 //!   `--val-every N` (validation loss every N steps and at the end, in metrics.jsonl and on the
 //!   plot; 0 turns it off);
@@ -54,13 +57,14 @@ use burn_distflash::schedule::ScheduleKind;
 use burn_distflash::{AttentionContext, DeviceGroup, Documents};
 use distflash_llama::data::{Packing, TokenDataset};
 use distflash_llama::generate::{generate, Sampling};
+use distflash_llama::memory_plan::MemoryPlanner;
 use distflash_llama::metrics::{read_metrics, write_loss_plot_svg, Curve, MetricsLog, StepMetrics};
 use distflash_llama::optimizer::ZeroStage;
 use distflash_llama::progress::ProgressBar;
 use distflash_llama::tokenizer::{Tokenizer, END_OF_TEXT_NAMES};
 use distflash_llama::train::{export_weights, TrainBackend, TrainOptions, Trainer};
 use distflash_llama::weights::load_hf_llama;
-use distflash_llama::{Error, Llama, LlamaConfig};
+use distflash_llama::{parse_bytes, Error, Llama, LlamaConfig};
 
 /// Everything the command line chose.
 #[derive(Clone)]
@@ -91,9 +95,15 @@ struct Args {
     resume: bool,
     /// Whether `--steps` was given (with `--resume`, it replaces the checkpoint's total).
     steps_given: bool,
-    /// Whether `--loss-chunk` or `--ffn-chunk` was given (with `--resume`, they replace the
-    /// checkpoint's).
+    /// Whether `--loss-chunk`, `--ffn-chunk` or `--memory auto` was given (with `--resume`, the
+    /// chunks replace the checkpoint's).
     chunks_given: bool,
+    /// `--plan`: print the memory plan and exit.
+    plan: bool,
+    /// `--memory auto`: the chunks come from the memory planner.
+    memory_auto: bool,
+    /// `--gpu-memory`: the bytes of one GPU, for `--plan` and `--memory auto`.
+    gpu_memory: Option<u64>,
     export_weights: Option<PathBuf>,
     log_every: u64,
     val_fraction: f64,
@@ -174,6 +184,9 @@ fn parse() -> Args {
         "--zero",
         "--loss-chunk",
         "--ffn-chunk",
+        "--memory",
+        "--gpu-memory",
+        "--plan",
         "--out",
         "--save-every",
         "--resume",
@@ -227,6 +240,14 @@ fn parse() -> Args {
     .with_warmup(count("--warmup", 20))
     .with_grad_clip(number("--grad-clip", 1.0))
     .with_seed(count("--seed", 0));
+    let memory_auto = match value("--memory").as_deref() {
+        None => false,
+        Some("auto") => true,
+        Some(other) => fail(format!("--memory takes auto, got {other:?}")),
+    };
+    if memory_auto && (loss_chunk.is_some() || ffn_chunk.is_some()) {
+        fail("--memory auto picks the chunks itself: drop --loss-chunk and --ffn-chunk");
+    }
     if let Some(chunks) = loss_chunk {
         options.loss_chunks = chunks;
     }
@@ -264,9 +285,14 @@ fn parse() -> Args {
         save_every: count("--save-every", 100),
         resume: raw.iter().any(|a| a == "--resume"),
         steps_given: raw.iter().any(|a| a == "--steps"),
-        chunks_given: raw
-            .iter()
-            .any(|a| a == "--loss-chunk" || a == "--ffn-chunk"),
+        chunks_given: memory_auto
+            || raw
+                .iter()
+                .any(|a| a == "--loss-chunk" || a == "--ffn-chunk"),
+        plan: raw.iter().any(|a| a == "--plan"),
+        memory_auto,
+        gpu_memory: value("--gpu-memory")
+            .map(|v| parse_bytes("--gpu-memory", &v).unwrap_or_else(|e| fail(e))),
         export_weights: value("--export-weights").map(PathBuf::from),
         log_every: count("--log-every", 10),
         val_fraction: number("--val-fraction", 0.05),
@@ -385,6 +411,65 @@ fn load_model<B: TrainBackend>(
         .load_record(record)
 }
 
+/// `--zero`, or by default: several ranks shard the optimizer (f32 master weights, 1/P of the
+/// memory each), one rank keeps the replicated optimizer.
+fn zero_stage(args: &Args, world: usize) -> ZeroStage {
+    args.zero.unwrap_or(match world {
+        1 => ZeroStage::Replicated,
+        _ => ZeroStage::Gradients,
+    })
+}
+
+/// The memory planner for what the command line asks: the group's size from `--gpus` (or, under
+/// `--env`, `WORLD_SIZE`), the elements' size from `--dtype` on CUDA (f32 elsewhere).
+fn planner(args: &Args, config: &LlamaConfig) -> MemoryPlanner {
+    let world = match (args.env, args.backend.as_str()) {
+        (true, _) => std::env::var("WORLD_SIZE")
+            .ok()
+            .and_then(|w| w.parse().ok())
+            .unwrap_or_else(|| fail("--env: WORLD_SIZE is not set to a number of processes")),
+        (false, "cuda") => args.gpus,
+        (false, _) => 1,
+    };
+    let elem_bytes = match (args.backend.as_str(), args.dtype.as_str()) {
+        ("cuda", "bf16") => 2,
+        _ => 4,
+    };
+    let options = args.options.clone().with_zero(zero_stage(args, world));
+    MemoryPlanner::new(config.clone(), options, world, elem_bytes)
+}
+
+/// `--plan`: prints the plan and exits; `--memory auto`: sets the largest chunks that fit.
+fn plan_memory(args: &mut Args, config: &LlamaConfig) {
+    let planner = planner(args, config);
+    if args.plan {
+        let report = planner
+            .report(args.gpu_memory)
+            .unwrap_or_else(|e| fail(format!("--plan: {e}")));
+        println!("{report}");
+        if args.gpu_memory.is_none() {
+            println!("(give --gpu-memory BYTES, e.g. 139GiB, for the longest sequence that fits)");
+        }
+        std::process::exit(0);
+    }
+    if args.memory_auto {
+        let gpu = args.gpu_memory.unwrap_or_else(|| {
+            fail("--memory auto needs --gpu-memory BYTES: the memory of one GPU, e.g. 139GiB")
+        });
+        let (loss, ffn, plan) = planner
+            .fitting_chunks(gpu)
+            .unwrap_or_else(|e| fail(format!("--memory auto: {e}")));
+        eprintln!(
+            "--memory auto: loss chunks of {} rows, feed-forward chunks of {} rows; predicted              peak {} per GPU",
+            plan.loss_rows,
+            plan.ffn_rows,
+            distflash_llama::format_bytes(plan.peak)
+        );
+        args.options.loss_chunks = loss;
+        args.options.ffn_chunks = ffn;
+    }
+}
+
 /// Trains `model` on one rank (the only one, or rank `context`'s of a group).
 fn train_rank<B: TrainBackend>(
     args: &Args,
@@ -396,13 +481,7 @@ fn train_rank<B: TrainBackend>(
         AttentionContext::Local => 1,
         AttentionContext::Sharded { group, .. } => group.world_size(),
     };
-    // Several ranks shard the optimizer (f32 master weights, 1/P of the memory each); one rank
-    // keeps the replicated optimizer.
-    let zero = args.zero.unwrap_or(match world {
-        1 => ZeroStage::Replicated,
-        _ => ZeroStage::Gradients,
-    });
-    let options = args.options.clone().with_zero(zero);
+    let options = args.options.clone().with_zero(zero_stage(args, world));
     let mut trainer = Trainer::new(model, context, options);
     let (rank, world) = trainer.rank();
     let leader = rank == 0;
@@ -666,6 +745,7 @@ fn main() {
     args.options.check().unwrap_or_else(|e| fail(e));
     let tokenizer = tokenizer(&args);
     let config = model_config(&args, &tokenizer);
+    plan_memory(&mut args, &config);
     args.packing = packing(&args, &tokenizer, &config);
     if args.resume && !args.out.join("checkpoint").join("trainer.json").exists() {
         fail(format!(

@@ -13,6 +13,7 @@ mod checkpoint;
 mod export;
 mod memory;
 mod options_check;
+mod options_defaults;
 
 pub use crate::device_memory::DeviceMemory;
 pub use checkpoint::TrainerState;

@@ -21,6 +21,7 @@ use burn::optim::Optimizer;
 use burn::record::{BinFileRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::Backend;
 
+use super::options_defaults::with_option_defaults;
 use super::{replicated_adamw, sharded_adamw, StepOptimizer, TrainBackend, TrainOptions, Trainer};
 use crate::optimizer::{shard_file_name, write_shard_file, FlatLayout, ShardHeader, ShardSet};
 use crate::staged_dir::StagedDir;
@@ -53,7 +54,8 @@ pub struct TrainerState {
 /// # Errors
 ///
 /// [`Error::NotFound`] when there is none (naming what an interrupted save left beside `dir`,
-/// if anything); [`Error::Checkpoint`] when it cannot be read.
+/// if anything); [`Error::Checkpoint`] when it cannot be read. Options written before a
+/// defaulted field existed read as that field's default.
 pub(super) fn read_state(dir: &Path) -> Result<TrainerState, Error> {
     let path = dir.join(TRAINER_FILE);
     if !path.is_file() {
@@ -69,7 +71,10 @@ pub(super) fn read_state(dir: &Path) -> Result<TrainerState, Error> {
         }
         return Err(Error::NotFound { path, expected });
     }
-    TrainerState::load(&path).map_err(checkpoint_error("read trainer.json", dir))
+    let text =
+        std::fs::read_to_string(&path).map_err(checkpoint_error("read trainer.json", dir))?;
+    TrainerState::load_binary(with_option_defaults(&text).as_bytes())
+        .map_err(checkpoint_error("read trainer.json", dir))
 }
 
 /// Opens the shard files a sharded checkpoint's `state` records in `dir`, checked against the

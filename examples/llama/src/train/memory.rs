@@ -17,6 +17,7 @@
 use std::fmt;
 
 use super::{TrainBackend, Trainer};
+use crate::byte_units::format_bytes as bytes;
 use crate::device_memory::DeviceMemory;
 use crate::optimizer::{FlatLayout, ZeroStage};
 use crate::TrainingKernels;
@@ -50,18 +51,25 @@ impl MemoryReport {
     /// The bytes a rank holds at `stage` for the parameters of `layout` (over its world size).
     pub fn estimate(layout: &FlatLayout, stage: ZeroStage) -> Self {
         let weights = layout.weight_bytes() as u64;
-        let share = layout.shard_len() as u64;
+        Self::for_parameters(layout.len(), weights, layout.world(), stage)
+    }
+
+    /// The bytes a rank of `world` holds at `stage` for `parameters` elements whose weights
+    /// take `weights` bytes: what [`estimate`](Self::estimate) counts for a model's layout, from
+    /// the counts alone (the memory planner's prediction).
+    pub fn for_parameters(parameters: usize, weights: u64, world: usize, stage: ZeroStage) -> Self {
+        let world = world.max(1);
+        let padded = parameters.div_ceil(world) * world;
+        let share = (padded / world) as u64;
         let (summed_gradients, optimizer) = match stage {
             ZeroStage::Replicated => (0, 2 * weights),
-            ZeroStage::OptimizerStates => {
-                (F32_BYTES * layout.padded() as u64, 3 * F32_BYTES * share)
-            }
+            ZeroStage::OptimizerStates => (F32_BYTES * padded as u64, 3 * F32_BYTES * share),
             ZeroStage::Gradients => (F32_BYTES * share, 3 * F32_BYTES * share),
         };
         Self {
             stage,
-            world: layout.world(),
-            parameters: layout.len(),
+            world,
+            parameters,
             weights,
             gradients: weights,
             summed_gradients,
@@ -73,21 +81,6 @@ impl MemoryReport {
     /// Weights, gradients, summed gradients and optimizer state together.
     pub fn total(&self) -> u64 {
         self.weights + self.gradients + self.summed_gradients + self.optimizer
-    }
-}
-
-/// Bytes in binary units: `"1.50 GiB"`.
-fn bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut value = n as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < UNITS.len() {
-        value /= 1024.0;
-        unit += 1;
-    }
-    match unit {
-        0 => format!("{n} B"),
-        _ => format!("{value:.2} {}", UNITS[unit]),
     }
 }
 
@@ -132,18 +125,5 @@ impl<B: TrainBackend> Trainer<B> {
             device: <B::InnerBackend as TrainingKernels>::device_memory(&self.device()),
             ..MemoryReport::estimate(&layout, self.options.zero)
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn byte_counts_read_in_binary_units() {
-        assert_eq!(bytes(0), "0 B");
-        assert_eq!(bytes(1023), "1023 B");
-        assert_eq!(bytes(1536), "1.50 KiB");
-        assert_eq!(bytes(3 << 30), "3.00 GiB");
     }
 }

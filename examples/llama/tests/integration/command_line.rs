@@ -1,7 +1,10 @@
 //! `llama_train` as a user runs it, on ndarray with a one-layer model: a resumed run takes
 //! `--steps` as its new total (and refuses one below the checkpoint's step), a run without
 //! validation ends without a validation loss, a bad option exits with code 2 naming it; the
-//! chunk options change no loss, and 0 or a word for one exits with code 2.
+//! chunk options change no loss, and 0 or a word for one exits with code 2; `--plan` prints the
+//! memory plan with no data file and no device; `--memory auto` trains with the chunks the
+//! planner picks, and refuses to run without a GPU memory, with one too small, or beside
+//! explicit chunks.
 
 use std::path::Path;
 use std::process::Output;
@@ -114,4 +117,65 @@ fn chunk_options_change_no_loss_and_refuse_zero_or_words() {
     );
     let word = stderr_of(&llama_train(dir.path(), &["--ffn-chunk", "many"]), 2);
     assert!(word.contains("--ffn-chunk takes a whole number"), "{word}");
+}
+
+#[test]
+fn plan_prints_one_gpus_memory_without_data_or_device() {
+    let plan = std::process::Command::new(env!("CARGO_BIN_EXE_llama_train"))
+        .args([
+            "--plan",
+            "--config",
+            "llama-7b",
+            "--backend",
+            "cuda",
+            "--gpus",
+            "2",
+        ])
+        .args([
+            "--seq-len",
+            "262144",
+            "--batch",
+            "1",
+            "--gpu-memory",
+            "139GiB",
+        ])
+        .args(["--data", "no-such-file.txt"])
+        .output()
+        .expect("llama_train starts");
+    stderr_of(&plan, 0);
+    let stdout = String::from_utf8_lossy(&plan.stdout);
+    for line in [
+        "checkpoints",
+        "peak",
+        "longest sequence that fits",
+        "ZeRO stage 2",
+    ] {
+        assert!(stdout.contains(line), "no {line:?} in {stdout}");
+    }
+}
+
+#[test]
+fn memory_auto_trains_with_the_chunks_it_picks_and_needs_a_gpu_memory() {
+    let dir = TempDir::new("cli-memory-auto");
+    let auto = ["--steps", "1", "--memory", "auto", "--gpu-memory", "8GiB"];
+    let stderr = stderr_of(&llama_train(dir.path(), &auto), 0);
+    assert!(
+        stderr.contains("--memory auto: loss chunks of 64 rows"),
+        "{stderr}"
+    );
+    let none = stderr_of(&llama_train(dir.path(), &["--memory", "auto"]), 2);
+    assert!(none.contains("--gpu-memory"), "{none}");
+    let tiny = ["--memory", "auto", "--gpu-memory", "1MiB"];
+    let tiny = stderr_of(&llama_train(dir.path(), &tiny), 2);
+    assert!(tiny.contains("predicted peak"), "{tiny}");
+    let both = [
+        "--memory",
+        "auto",
+        "--gpu-memory",
+        "8GiB",
+        "--loss-chunk",
+        "4",
+    ];
+    let both = stderr_of(&llama_train(dir.path(), &both), 2);
+    assert!(both.contains("drop --loss-chunk"), "{both}");
 }

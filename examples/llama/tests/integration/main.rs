@@ -13,6 +13,7 @@ mod chunked_loss;
 mod command_line;
 mod generate;
 mod loss;
+mod memory_plan;
 mod offload;
 mod optimizer;
 mod packing;

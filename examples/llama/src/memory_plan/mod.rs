@@ -1,0 +1,417 @@
+//! [`MemoryPlanner`]: the bytes one GPU holds while training a Llama, predicted from the model's
+//! configuration and the training options alone, on the host (no device, no tensor): the weights,
+//! gradients and optimizer state (counted as [`MemoryReport`] counts them), the activations kept
+//! for the backward (the blocks' checkpoints, on the GPU or offloaded to host memory, and what
+//! the model keeps beside them), the largest transient and the peak; then (`search`) the longest
+//! sequence that fits a GPU, and the largest chunks of the loss and the feed-forward blocks that
+//! fit.
+//!
+//! The step is modelled phase by phase, the peak being the largest:
+//! - the loss's backward: everything the forward kept, and the loss's transient;
+//! - the blocks' backward: every checkpoint on the GPU (offloaded ones come back one block
+//!   ahead), every gradient, and one block's transient. A block's checkpoint is freed once its
+//!   backward has run, but a pool allocator does not hand those pages to the gradients, whose
+//!   buffers have other sizes: on 4 H200s, LLaMA-7B at 256K tokens peaked 2.57 GiB per GPU higher
+//!   per layer (32 layers against 4, `BENCHMARKS.md`), where a layer's checkpoint, weights,
+//!   gradients and AdamW state take 2.51 GiB together and 1.88 GiB without its gradients;
+//! - the optimizer step: weights, gradients, optimizer state, and the summed f32 gradients of a
+//!   sharded step.
+
+mod activations;
+mod report;
+mod search;
+
+use std::fmt;
+
+use burn_distflash::layers::CheckpointPlacement;
+
+use crate::config::LlamaConfig;
+use crate::train::{MemoryReport, TrainOptions};
+use crate::Error;
+use activations::Widths;
+
+pub use search::FIT_FRACTION;
+
+/// Bytes of f32.
+const F32: u64 = 4;
+
+/// What a plan is made from: the model, the training options (batch, sequence, ZeRO stage,
+/// chunks), the number of GPUs, the float type's size and the layers offloaded to host memory.
+#[derive(Debug, Clone)]
+pub struct MemoryPlanner {
+    /// The model's shape and checkpoint placement.
+    pub config: LlamaConfig,
+    /// Batch, whole sequence length, ZeRO stage, loss and feed-forward chunks.
+    pub options: TrainOptions,
+    /// GPUs sharing each sequence (the group's size).
+    pub world: usize,
+    /// Bytes of one weight or activation element (2 for bf16, 4 for f32).
+    pub elem_bytes: usize,
+    /// Blocks whose checkpoints live in host memory (the first ones; the last blocks stay on
+    /// the GPU). Host offload is not wired into the trainer yet: 0 is what it runs.
+    pub offloaded_layers: usize,
+}
+
+/// Which phase of a step holds the most.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepPhase {
+    /// The loss's backward (its first chunk of logits, with every checkpoint still held).
+    LossBackward,
+    /// A block's backward (recomputation, attention's and the feed-forward's backward).
+    BlockBackward,
+    /// The optimizer's update.
+    Optimizer,
+}
+
+/// The predicted bytes of one GPU (see the module's documentation for the model).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryPlan {
+    /// Tokens of each sequence batch on one GPU: `batch * seq_len / world`.
+    pub tokens: u64,
+    /// Weights, gradients, summed gradients and optimizer state, as the trainer reports them.
+    pub state: MemoryReport,
+    /// The blocks' checkpoints held on the GPU after the forward.
+    pub checkpoints: u64,
+    /// One block's checkpoint.
+    pub checkpoint_per_layer: u64,
+    /// The checkpoints offloaded to host memory.
+    pub host: u64,
+    /// What the model keeps beside the blocks (the final norm's input and output, per-row
+    /// log-sum-exp, token and target ids).
+    pub kept: u64,
+    /// Rows per chunk of the loss.
+    pub loss_rows: u64,
+    /// Rows per chunk of the feed-forward blocks.
+    pub ffn_rows: u64,
+    /// The phase holding the most.
+    pub peak_phase: StepPhase,
+    /// The transient tensors of that phase (what neither the state nor the kept activations
+    /// count).
+    pub transient: u64,
+    /// The most the GPU holds at once.
+    pub peak: u64,
+}
+
+impl MemoryPlanner {
+    /// A planner for `config` trained with `options` on `world` GPUs in elements of `elem_bytes`
+    /// bytes, nothing offloaded.
+    pub fn new(
+        config: LlamaConfig,
+        options: TrainOptions,
+        world: usize,
+        elem_bytes: usize,
+    ) -> Self {
+        Self {
+            config,
+            options,
+            world,
+            elem_bytes,
+            offloaded_layers: 0,
+        }
+    }
+
+    /// The prediction.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Invalid`] naming the setting for a configuration that cannot be built, a
+    /// world of 0, a sequence the world does not divide, an element size other than 2 or 4, or
+    /// more offloaded layers than the model has; the options' own errors
+    /// ([`TrainOptions::check`]).
+    pub fn plan(&self) -> Result<MemoryPlan, Error> {
+        self.check()?;
+        let c = &self.config;
+        let o = &self.options;
+        let widths = self.widths()?;
+        let rows = (o.batch * o.seq_len / self.world) as u64;
+        let positions = (o.seq_len / self.world) as u64;
+        let layers = c.n_layers as u64;
+        let state = self.state();
+        let placement = c.checkpoint;
+        let per_layer = widths.kept_per_layer(placement, rows, positions);
+        let offloaded = self.offloaded_layers as u64;
+        let checkpoints = per_layer * (layers - offloaded);
+        let kept = widths.kept_beside_blocks() * rows;
+        let loss_rows = self.loss_rows(&widths, rows);
+        let ffn_rows = self.ffn_rows(&widths, rows);
+        let resident = state.weights + state.optimizer;
+        let loss_transient = widths.loss_backward(rows, loss_rows);
+        let loss_phase = resident + checkpoints + kept + loss_transient;
+        let block_transient = widths.layer_backward(placement, rows, positions, ffn_rows);
+        // The first block's backward, with every gradient made and every checkpoint counted:
+        // the pages of the checkpoints freed during the backward are not counted as free for
+        // the gradients, whose buffers have other sizes (see the module's documentation).
+        // Offloaded checkpoints come back one block ahead: two of them on the GPU at once.
+        let prefetched = per_layer * offloaded.min(2);
+        let block_phase =
+            resident + checkpoints + prefetched + state.gradients + F32 * rows + block_transient;
+        let optimizer_transient = match o.zero.is_sharded() {
+            // The f32 copy of every gradient gathered before the collective.
+            true => F32 * state.parameters.div_ceil(self.world) as u64 * self.world as u64,
+            false => 0,
+        };
+        let optimizer_phase = state.total() + optimizer_transient;
+        let (peak_phase, peak, transient) = [
+            (StepPhase::LossBackward, loss_phase, loss_transient),
+            (StepPhase::BlockBackward, block_phase, block_transient),
+            (StepPhase::Optimizer, optimizer_phase, optimizer_transient),
+        ]
+        .into_iter()
+        .max_by_key(|&(_, peak, _)| peak)
+        .expect("three phases");
+        Ok(MemoryPlan {
+            tokens: rows,
+            state,
+            checkpoints,
+            checkpoint_per_layer: per_layer,
+            host: per_layer * offloaded,
+            kept,
+            loss_rows,
+            ffn_rows,
+            peak_phase,
+            transient,
+            peak,
+        })
+    }
+
+    /// The weights, gradients and optimizer state, from the configuration's parameter count.
+    fn state(&self) -> MemoryReport {
+        let parameters = self.config.num_params();
+        let weights = (parameters * self.elem_bytes) as u64;
+        MemoryReport::for_parameters(parameters, weights, self.world, self.options.zero)
+    }
+
+    /// The model's widths in elements of the planner's size.
+    fn widths(&self) -> Result<Widths, Error> {
+        let c = &self.config;
+        let (kv_heads, head_dim) = c
+            .attention()
+            .and_then(|a| a.resolved())
+            .map_err(|e| Error::invalid("the model configuration", "one that can be built", e))?;
+        Ok(Widths {
+            model: c.d_model as u64,
+            query: (c.n_heads * head_dim) as u64,
+            key: (kv_heads * head_dim) as u64,
+            head: head_dim as u64,
+            heads: c.n_heads as u64,
+            hidden: c.d_ff as u64,
+            vocab: c.vocab_size as u64,
+            elem: self.elem_bytes as u64,
+        })
+    }
+
+    /// Rows per chunk of the loss over `rows` tokens.
+    fn loss_rows(&self, widths: &Widths, rows: u64) -> u64 {
+        let per_row = crate::loss::loss_bytes_per_row(widths.vocab as usize, self.elem_bytes);
+        (self.options.loss_chunks.chunk_rows(per_row) as u64).min(rows)
+    }
+
+    /// Rows per chunk of the feed-forward blocks over `rows` tokens: all of them without
+    /// checkpoints (a training graph runs the feed-forward whole).
+    fn ffn_rows(&self, widths: &Widths, rows: u64) -> u64 {
+        if self.config.checkpoint == CheckpointPlacement::None {
+            return rows;
+        }
+        let per_row = burn_distflash::layers::feed_forward_bytes_per_row(
+            widths.hidden as usize,
+            self.elem_bytes,
+        );
+        (self.options.ffn_chunks.chunk_rows(per_row) as u64).min(rows)
+    }
+
+    /// Refuses what cannot be planned, naming it.
+    fn check(&self) -> Result<(), Error> {
+        self.config
+            .validate()
+            .map_err(|e| Error::invalid("the model configuration", "one that can be built", e))?;
+        self.options.check()?;
+        if self.world == 0 {
+            return Err(Error::invalid("the number of GPUs", "at least 1", 0));
+        }
+        let tokens = self.options.batch * self.options.seq_len;
+        if !self.options.seq_len.is_multiple_of(self.world) {
+            return Err(Error::invalid(
+                "seq_len",
+                format!(
+                    "a multiple of the {} GPUs sharing each sequence",
+                    self.world
+                ),
+                self.options.seq_len,
+            ));
+        }
+        if tokens / self.world == 0 {
+            return Err(Error::invalid("the tokens per GPU", "at least 1", 0));
+        }
+        if !matches!(self.elem_bytes, 2 | 4) {
+            return Err(Error::invalid(
+                "the element size",
+                "2 bytes (bf16, f16) or 4 (f32)",
+                self.elem_bytes,
+            ));
+        }
+        if self.offloaded_layers > self.config.n_layers {
+            return Err(Error::invalid(
+                "the layers offloaded to host memory",
+                format!("at most the model's {} layers", self.config.n_layers),
+                self.offloaded_layers,
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl MemoryPlan {
+    /// Whether the peak fits `gpu_bytes`, keeping [`FIT_FRACTION`] of it.
+    pub fn fits(&self, gpu_bytes: u64) -> bool {
+        self.peak as f64 <= gpu_bytes as f64 * FIT_FRACTION
+    }
+}
+
+impl fmt::Display for StepPhase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::LossBackward => "the loss's backward",
+            Self::BlockBackward => "a block's backward",
+            Self::Optimizer => "the optimizer step",
+        })
+    }
+}
+
+impl fmt::Display for MemoryPlan {
+    /// One line per kind of memory.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let b = crate::format_bytes;
+        let s = &self.state;
+        writeln!(f, "tokens per GPU      {}", self.tokens)?;
+        writeln!(f, "weights             {}", b(s.weights))?;
+        writeln!(f, "gradients           {}", b(s.gradients))?;
+        writeln!(f, "summed f32 grads    {}", b(s.summed_gradients))?;
+        writeln!(
+            f,
+            "optimizer state     {} (ZeRO stage {})",
+            b(s.optimizer),
+            s.stage
+        )?;
+        writeln!(
+            f,
+            "checkpoints         {} ({} per layer)",
+            b(self.checkpoints),
+            b(self.checkpoint_per_layer)
+        )?;
+        writeln!(f, "kept beside blocks  {}", b(self.kept))?;
+        writeln!(
+            f,
+            "chunks              loss {} rows, feed-forward {} rows",
+            self.loss_rows, self.ffn_rows
+        )?;
+        writeln!(
+            f,
+            "largest transient   {} ({})",
+            b(self.transient),
+            self.peak_phase
+        )?;
+        writeln!(f, "peak                {}", b(self.peak))?;
+        write!(f, "host (offloaded)    {}", b(self.host))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn_distflash::layers::RowChunks;
+
+    fn planner(placement: CheckpointPlacement, seq_len: usize, world: usize) -> MemoryPlanner {
+        let config = LlamaConfig::llama_7b().with_checkpoint(placement);
+        let options = TrainOptions::new(1, 2, seq_len);
+        MemoryPlanner::new(config, options, world, 2)
+    }
+
+    #[test]
+    fn layer_checkpoints_are_each_blocks_input() {
+        let plan = planner(CheckpointPlacement::Layer, 8192, 4).plan().unwrap();
+        // 2 x 8192 / 4 tokens per GPU, 4096 bf16 each, 32 blocks.
+        assert_eq!(plan.tokens, 4096);
+        assert_eq!(plan.checkpoint_per_layer, 4096 * 4096 * 2);
+        assert_eq!(plan.checkpoints, 32 * plan.checkpoint_per_layer);
+        let output = planner(CheckpointPlacement::AttentionOutput, 8192, 4)
+            .plan()
+            .unwrap();
+        // Attention's output (4096 bf16) and f32 lse (32 heads) more per token.
+        assert_eq!(output.checkpoint_per_layer, 4096 * (2 * 4096 * 2 + 4 * 32));
+    }
+
+    #[test]
+    fn the_peak_grows_with_the_sequence_and_shrinks_with_the_group() {
+        let peaks: Vec<u64> = [4096, 8192, 65536]
+            .iter()
+            .map(|&s| {
+                planner(CheckpointPlacement::AttentionOutput, s, 2)
+                    .plan()
+                    .unwrap()
+                    .peak
+            })
+            .collect();
+        assert!(peaks.windows(2).all(|p| p[0] < p[1]), "{peaks:?}");
+        let two = planner(CheckpointPlacement::AttentionOutput, 65536, 2)
+            .plan()
+            .unwrap();
+        let four = planner(CheckpointPlacement::AttentionOutput, 65536, 4)
+            .plan()
+            .unwrap();
+        assert!(four.peak < two.peak && four.checkpoints * 2 == two.checkpoints);
+        let none = planner(CheckpointPlacement::None, 65536, 2).plan().unwrap();
+        assert!(
+            none.checkpoints > 4 * two.checkpoints,
+            "no checkpoints keep far more"
+        );
+    }
+
+    #[test]
+    fn offloaded_layers_move_their_checkpoints_to_the_host() {
+        let mut planner = planner(CheckpointPlacement::AttentionOutput, 65536, 2);
+        let kept = planner.plan().unwrap();
+        planner.offloaded_layers = 20;
+        let offloaded = planner.plan().unwrap();
+        assert_eq!(offloaded.host, 20 * kept.checkpoint_per_layer);
+        assert_eq!(offloaded.checkpoints + offloaded.host, kept.checkpoints);
+        assert!(offloaded.peak < kept.peak);
+        planner.offloaded_layers = 33;
+        let err = planner.plan().unwrap_err().to_string();
+        assert!(err.contains("offloaded") && err.contains("32"), "{err}");
+    }
+
+    #[test]
+    fn chunk_budgets_resolve_to_rows_and_smaller_chunks_lower_the_peak() {
+        let mut planner = planner(CheckpointPlacement::Layer, 262144, 2);
+        let plan = planner.plan().unwrap();
+        let loss_row = crate::loss::loss_bytes_per_row(32000, 2);
+        assert_eq!(plan.loss_rows, (1u64 << 30) / loss_row);
+        planner.options.loss_chunks = RowChunks::rows(1 << 20).unwrap();
+        planner.options.ffn_chunks = RowChunks::rows(1 << 20).unwrap();
+        let whole = planner.plan().unwrap();
+        assert_eq!(
+            (whole.loss_rows, whole.ffn_rows),
+            (whole.tokens, whole.tokens)
+        );
+        assert!(whole.peak > plan.peak);
+    }
+
+    #[test]
+    fn what_cannot_be_planned_is_named() {
+        let cases = [
+            (planner(CheckpointPlacement::Layer, 1000, 3), "seq_len"),
+            (planner(CheckpointPlacement::Layer, 1000, 0), "GPUs"),
+            (
+                MemoryPlanner {
+                    elem_bytes: 3,
+                    ..planner(CheckpointPlacement::Layer, 1024, 1)
+                },
+                "element size",
+            ),
+        ];
+        for (planner, named) in cases {
+            let err = planner.plan().unwrap_err().to_string();
+            assert!(err.contains(named), "{named}: {err}");
+        }
+    }
+}

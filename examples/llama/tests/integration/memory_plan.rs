@@ -1,0 +1,114 @@
+//! The memory planner against what can be counted without a GPU: its weights, gradients and
+//! optimizer state equal the trainer's [`MemoryReport`] of a built model exactly (every
+//! configuration kind, world size and ZeRO stage); on wgpu, whose allocator counts its live
+//! bytes, the activations a forward keeps for the backward (at every checkpoint placement) and
+//! the gradients a backward leaves match the prediction within the allocator's rounding.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_autodiff::Autodiff;
+use burn_distflash::layers::CheckpointPlacement;
+use burn_distflash::AttentionContext;
+use distflash_llama::memory_plan::MemoryPlanner;
+use distflash_llama::optimizer::{FlatLayout, ZeroStage};
+use distflash_llama::train::{MemoryReport, TrainOptions};
+use distflash_llama::{Llama, LlamaConfig, TrainingKernels};
+
+type Cpu = Autodiff<burn::backend::NdArray<f32>>;
+type WgpuInner = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>;
+type Wgpu = Autodiff<WgpuInner>;
+
+#[test]
+fn the_plans_state_is_the_trainers_memory_report() {
+    let configs = [
+        LlamaConfig::tiny(),
+        LlamaConfig::new(300, 64, 3, 4, 4, 160),
+        LlamaConfig::new(1000, 96, 2, 6, 2, 200).with_head_dim(Some(32)),
+    ];
+    for config in configs {
+        let model: Llama<Cpu> = config.try_init(&Default::default()).unwrap();
+        for world in [1, 2, 3, 4, 7] {
+            for stage in [
+                ZeroStage::Replicated,
+                ZeroStage::OptimizerStates,
+                ZeroStage::Gradients,
+            ] {
+                let options = TrainOptions::new(1, 1, 2 * world).with_zero(stage);
+                let planner = MemoryPlanner::new(config.clone(), options, world, 4);
+                let predicted = planner.plan().unwrap().state;
+                let layout = FlatLayout::of::<Cpu, _>(&model, world);
+                let counted = MemoryReport::estimate(&layout, stage);
+                assert_eq!(predicted, counted, "{config:?} on {world}, stage {stage}");
+            }
+        }
+    }
+}
+
+/// Bytes wgpu's allocator holds in live buffers now.
+fn in_use(device: &cubecl::wgpu::WgpuDevice) -> u64 {
+    WgpuInner::sync(device).unwrap();
+    WgpuInner::device_memory(device)
+        .expect("wgpu counts its memory")
+        .in_use
+}
+
+/// `(predicted, measured)` bytes of the activations one forward keeps, then of the gradients
+/// the backward leaves, for a small Llama on wgpu at `placement` (GQA, a batch of two rows:
+/// the rotary tables are per position, the rest per token).
+fn measure(placement: CheckpointPlacement, tied: bool) -> [(u64, u64); 2] {
+    let device = Default::default();
+    let config = LlamaConfig::new(300, 64, 2, 4, 2, 96)
+        .with_checkpoint(placement)
+        .with_tie_embeddings(tied);
+    let (batch, seq) = (2, 48);
+    let model: Llama<Wgpu> = config.try_init_seeded(&device, 3).unwrap();
+    let plan = MemoryPlanner::new(config, TrainOptions::new(1, batch, seq), 1, 4)
+        .plan()
+        .unwrap();
+    let ids = |offset: usize| {
+        let ids: Vec<i64> = (0..batch * seq)
+            .map(|i| ((i * 31 + offset) % 300) as i64)
+            .collect();
+        Tensor::<Wgpu, 2, Int>::from_data(TensorData::new(ids, [batch, seq]), &device)
+    };
+    let base = in_use(&device);
+    let loss = model
+        .loss(ids(1), ids(2), &AttentionContext::Local, batch * seq)
+        .unwrap();
+    let kept = in_use(&device) - base;
+    let grads = loss.backward();
+    let gradients = in_use(&device) - base;
+    drop(grads);
+    [
+        (plan.checkpoints + plan.kept, kept),
+        (plan.state.gradients, gradients),
+    ]
+}
+
+/// What the prediction may miss: buffers the allocator rounds up to its alignment, and the
+/// scalars of a step (the loss), a few hundred bytes; measured here within 32 bytes.
+const SLACK: u64 = 512;
+
+#[test]
+fn wgpu_kept_activations_and_gradients_are_as_planned() {
+    for (placement, tied) in [
+        (CheckpointPlacement::Layer, true),
+        (CheckpointPlacement::AttentionOutput, false),
+        (CheckpointPlacement::None, true),
+    ] {
+        let what = format!("{placement:?}, tied {tied}");
+        let [(kept, measured_kept), (grads, measured_grads)] = measure(placement, tied);
+        eprintln!(
+            "{what}: kept {measured_kept} bytes ({kept} predicted), gradients {measured_grads} \
+             ({grads} predicted)"
+        );
+        assert!(
+            kept.abs_diff(measured_kept) <= SLACK,
+            "{what}: the forward kept {measured_kept} bytes, {kept} predicted"
+        );
+        assert!(
+            grads.abs_diff(measured_grads) <= SLACK,
+            "{what}: the backward left {measured_grads} bytes, {grads} predicted"
+        );
+    }
+}

@@ -49,7 +49,7 @@ where
     let [q, k, v] = inputs.map(|data| Tensor::<B, 4>::from_data(data, &device));
     let options = SequenceParallelOptions::causal();
     // The schedule decides which positions this rank holds (zigzag at even world sizes).
-    let layout = options.layout(world);
+    let layout = options.layout(world, SHARD);
     let rows = layout
         .ranges(world, rank, SHARD)
         .unwrap_or_else(|e| panic!("{e}"));

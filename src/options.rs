@@ -199,13 +199,18 @@ impl SequenceParallelOptions {
         )?)
     }
 
-    /// Where each rank's shard must come from on `world` ranks: shard the sequence with
-    /// [`crate::sequence_parallel::shard_sequence`] (and gather outputs with
+    /// The concrete schedule these options mean on `world` ranks holding shards of
+    /// `shard_len` tokens: `Auto` resolved for the mask's causal order and window
+    /// ([`ScheduleKind::resolve_for`]).
+    pub fn resolved_schedule(&self, world: usize, shard_len: usize) -> ScheduleKind {
+        (self.schedule).resolve_for(world, shard_len, &self.attention.mask)
+    }
+
+    /// Where each rank's shard of `shard_len` tokens must come from on `world` ranks: shard
+    /// the sequence with [`crate::sequence_parallel::shard_sequence`] (and gather outputs with
     /// [`crate::sequence_parallel::gather_sequence`]) for this layout.
-    pub fn layout(&self, world: usize) -> Layout {
-        (self.schedule)
-            .resolve(world, self.attention.mask.causal)
-            .layout()
+    pub fn layout(&self, world: usize, shard_len: usize) -> Layout {
+        self.resolved_schedule(world, shard_len).layout()
     }
 }
 

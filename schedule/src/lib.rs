@@ -121,9 +121,9 @@ type PairFn = fn(usize, bool, usize, usize) -> Option<Pair>;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum ScheduleKind {
-    /// The fastest schedule by [`Schedule::time`] for the world size and mask (see
-    /// [`ScheduleKind::resolve`]): zigzag for causal attention at even `P > 1`, balanced for
-    /// causal attention at odd `P`, ring otherwise.
+    /// The fastest schedule by [`Schedule::time`] for the world size, the causal order and the
+    /// window (see [`ScheduleKind::resolve_for`]): without a window, zigzag for causal attention
+    /// at even `P > 1`, balanced for causal attention at odd `P`, ring otherwise.
     #[default]
     Auto,
     /// Every rank fetches key/value chunks from the ranks before it (paper Alg. 1; contiguous
@@ -137,35 +137,66 @@ pub enum ScheduleKind {
 }
 
 impl ScheduleKind {
-    /// The concrete schedule `Auto` means for `world` ranks: among the schedules for the mask
-    /// (causal: balanced, zigzag; otherwise: ring, already balanced), the one with the least
-    /// [`Schedule::time`], the earlier one on a tie. Causal, zigzag takes `P/2` pair-times and
-    /// balanced `floor(P/2) + 1/2`: zigzag wins at even `P`; at odd `P` (and `P = 1`) they tie
-    /// and balanced, with half the steps and the contiguous layout, is kept.
-    ///
-    /// A window or documents do not enter the choice: the choice fixes the [`Layout`], which
-    /// callers need before the call to cut the sequence (token shards, rotary positions), from
-    /// the world size and causality alone, and documents change from batch to batch while a
-    /// run keeps one layout. Pick a schedule yourself to use the sparsity: under a causal
-    /// window shorter than a shard the contiguous schedules need one neighbour's keys per
-    /// rank, zigzag two (its late chunk's neighbour is another rank's).
+    /// The concrete schedule `Auto` means for `world` ranks without a window: among the
+    /// schedules for the causal order (causal: balanced, zigzag; otherwise: ring, already
+    /// balanced), the one with the least [`Schedule::time`], the earlier one on a tie. Causal,
+    /// zigzag takes `P/2` pair-times and balanced `floor(P/2) + 1/2`: zigzag wins at even `P`; at
+    /// odd `P` (and `P = 1`) they tie and balanced, with half the steps and the contiguous
+    /// layout, is kept. [`resolve_for`](Self::resolve_for) is the choice under a window.
     pub fn resolve(self, world: usize, causal: bool) -> ScheduleKind {
         if self != ScheduleKind::Auto {
             return self;
         }
-        let candidates: &[ScheduleKind] = if causal {
-            &[ScheduleKind::Balanced, ScheduleKind::Zigzag]
-        } else {
-            &[ScheduleKind::Ring]
-        };
-        let mut best = (candidates[0], f64::INFINITY);
-        for &kind in candidates {
+        let mut best = (Self::candidates(causal)[0], f64::INFINITY);
+        for &kind in Self::candidates(causal) {
             let time = Schedule::new(kind, world.max(1), causal).time();
             if time < best.1 - 1e-12 {
                 best = (kind, time);
             }
         }
         best.0
+    }
+
+    /// The concrete schedule `Auto` means for `world` ranks holding shards of `shard_len`
+    /// tokens under `mask`'s causal order and window: as [`resolve`](Self::resolve), with each
+    /// candidate's [`Schedule::time`] counted under the window (the exact visible work of every
+    /// pair of shards). Under a causal window shorter than a shard, the contiguous layout needs
+    /// one neighbour's keys per rank and zigzag two (its late chunk's neighbour is another
+    /// rank's): balanced takes as little time or less, and is kept on a tie. Documents do not
+    /// enter the choice: they change from batch to batch while a run keeps one layout, which
+    /// callers need before the call to cut the sequence (token shards, rotary positions). A
+    /// `shard_len` a layout cannot split (0, or odd under zigzag) leaves that layout out.
+    pub fn resolve_for(self, world: usize, shard_len: usize, mask: &Mask) -> ScheduleKind {
+        if self != ScheduleKind::Auto {
+            return self;
+        }
+        let Some(window) = mask.window else {
+            return self.resolve(world, mask.causal);
+        };
+        let run_mask = Mask {
+            causal: mask.causal,
+            ..Mask::none()
+        }
+        .with_window(window);
+        let candidates = Self::candidates(mask.causal);
+        let mut best = (candidates[0], f64::INFINITY);
+        for &kind in candidates {
+            let Ok(schedule) = Schedule::for_mask(kind, world.max(1), shard_len, &run_mask) else {
+                continue;
+            };
+            if schedule.time() < best.1 - 1e-12 {
+                best = (kind, schedule.time());
+            }
+        }
+        best.0
+    }
+
+    /// The schedules `Auto` chooses among, the preferred one first.
+    fn candidates(causal: bool) -> &'static [ScheduleKind] {
+        match causal {
+            true => &[ScheduleKind::Balanced, ScheduleKind::Zigzag],
+            false => &[ScheduleKind::Ring],
+        }
     }
 
     /// Where the shards' positions are (`Auto` must be resolved first: it is contiguous).
@@ -227,7 +258,8 @@ impl Schedule {
         shard_len: usize,
         mask: &Mask,
     ) -> Result<Self, ScheduleError> {
-        let layout = kind.resolve(world, mask.causal).layout();
+        let kind = kind.resolve_for(world, shard_len, mask);
+        let layout = kind.layout();
         layout.check_shard_len(world, shard_len)?;
         mask.check_sequence(world * shard_len)?;
         let visibility = if mask.window.is_none() && mask.documents.is_none() {

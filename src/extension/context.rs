@@ -77,13 +77,14 @@ impl<B: SequenceParallelBackend> AttentionContext<B> {
         }
     }
 
-    /// Where each rank's tokens are under attention with `attention`'s mask: contiguous
-    /// locally, the schedule's layout when sharded (cut whole sequences with
+    /// Where each rank's `shard_len` tokens are under attention with `attention`'s mask
+    /// (whose causal order and window, with the world size, decide the layout under `Auto`):
+    /// contiguous locally, the schedule's layout when sharded (cut whole sequences with
     /// [`crate::sequence_parallel::shard_sequence`] for it).
-    pub fn layout(&self, attention: FlashAttentionOptions) -> Layout {
+    pub fn layout(&self, attention: FlashAttentionOptions, shard_len: usize) -> Layout {
         match self.sequence_parallel_options(attention) {
             None => Layout::Contiguous,
-            Some((group, options)) => options.layout(group.world_size()),
+            Some((group, options)) => options.layout(group.world_size(), shard_len),
         }
     }
 
@@ -102,7 +103,7 @@ impl<B: SequenceParallelBackend> AttentionContext<B> {
     ) -> Result<Vec<usize>, Error> {
         match self {
             Self::Local => Ok((0..shard_len).collect()),
-            Self::Sharded { group, .. } => Ok((self.layout(attention)).positions(
+            Self::Sharded { group, .. } => Ok((self.layout(attention, shard_len)).positions(
                 group.world_size(),
                 group.rank(),
                 shard_len,

@@ -61,7 +61,7 @@ fn documents_fingerprint(documents: Option<&Documents>) -> u64 {
 }
 
 /// How many values each rank contributes to the agreement check of [`validate`].
-const AGREED_VALUES: usize = 14;
+const AGREED_VALUES: usize = 15;
 
 /// What a rank that refused its own input contributes instead (no real first value, a batch
 /// size, comes near it).
@@ -114,7 +114,7 @@ fn local_values<B: FlashAttentionBackend>(
     }
     let world = group.world_size();
     let mask = &options.attention.mask;
-    let schedule = (options.schedule).resolve(world, mask.causal);
+    let schedule = options.resolved_schedule(world, qd[2]);
     (schedule.layout()).check_shard_len(world, qd[2])?;
     mask.check_sequence(world * qd[2])?;
     let schedule = schedule as u64;
@@ -135,6 +135,7 @@ fn local_values<B: FlashAttentionBackend>(
         before,
         after,
         documents_fingerprint(mask.documents.as_ref()),
+        options.attention.deterministic as u64,
     ])
 }
 
@@ -172,8 +173,23 @@ fn validate<B: FlashAttentionBackend>(
         };
         format!(
             "q [{}, {}, {}, {}], k/v [{}, {}, {}, {}], dtype code {}, causal {}, scale bits {:#x}, \
-             schedule {}, overlap {}, window {window}, documents fingerprint {:#x}",
-            m[0], m[1], m[3], m[5], m[0], m[2], m[4], m[5], m[6], m[7], m[8], m[9], m[10], m[13]
+             schedule {}, overlap {}, window {window}, documents fingerprint {:#x}, \
+             deterministic {}",
+            m[0],
+            m[1],
+            m[3],
+            m[5],
+            m[0],
+            m[2],
+            m[4],
+            m[5],
+            m[6],
+            m[7],
+            m[8],
+            m[9],
+            m[10],
+            m[13],
+            m[14]
         )
     };
     if let Some((other, theirs)) = all.iter().enumerate().find(|(_, m)| m[..] != mine[..]) {

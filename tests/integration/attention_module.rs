@@ -133,7 +133,7 @@ fn a_sharded_sequence_matches_plain_attention_over_the_whole_sequence() {
                 .collect();
             let shards = on_each_rank(per_rank, |_, (group, module, x)| {
                 let context = AttentionContext::sharded(group).with_schedule(schedule);
-                assert_eq!(context.layout(module.options()), layout);
+                assert_eq!(context.layout(module.options(), seq / world), layout);
                 module.forward(x, &context)
             });
             let got = gather_sequence(shards, 1, layout).unwrap();

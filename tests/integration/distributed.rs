@@ -154,6 +154,19 @@ fn options_that_differ_across_ranks_are_refused_on_every_rank() {
             "{msg}"
         );
     }
+    // One rank asking for the deterministic backward and the other not would sum dK/dV in
+    // different orders on different ranks.
+    let options = |rank| {
+        let mut options = SequenceParallelOptions::causal();
+        options.attention = options.attention.with_deterministic(rank == 1);
+        options
+    };
+    for msg in shard_errors(|_| 8, options) {
+        assert!(
+            msg.contains("deterministic 1") && msg.contains("deterministic 0"),
+            "{msg}"
+        );
+    }
 }
 
 #[test]

@@ -161,3 +161,37 @@ fn auto_picks_the_fastest_schedule_by_the_time_model() {
         assert_eq!(full.kind(), ScheduleKind::Ring, "P={p}");
     }
 }
+
+#[test]
+fn auto_under_a_window_picks_the_fastest_schedule_under_that_window() {
+    use burn_distflash::schedule::{Mask, SlidingWindow};
+    use ScheduleKind::{Auto, Balanced, Ring, Zigzag};
+    let window = |size| Mask::causal().with_window(SlidingWindow::causal(size).unwrap());
+    // A window shorter than a shard: zigzag's late chunk needs another rank's keys, so zigzag
+    // takes as long (P = 2) or longer (P >= 4) and balanced is kept.
+    for (p, shard, size) in [
+        (2, 16384, 4096),
+        (4, 16384, 4096),
+        (4, 16384, 8192),
+        (8, 8192, 4096),
+    ] {
+        let mask = window(size);
+        assert_eq!(Auto.resolve_for(p, shard, &mask), Balanced, "P={p}");
+        let auto = Schedule::for_mask(Auto, p, shard, &mask).unwrap();
+        assert_eq!(auto.kind(), Balanced, "P={p}");
+        let zigzag = Schedule::for_mask(Zigzag, p, shard, &mask).unwrap();
+        assert!(auto.time() <= zigzag.time() + 1e-12, "P={p}");
+    }
+    // A window as long as two shards keeps zigzag's balance at even P, and one past the
+    // sequence is plain causal attention.
+    assert_eq!(Auto.resolve_for(2, 16384, &window(32768)), Zigzag);
+    assert_eq!(Auto.resolve_for(4, 16384, &window(1 << 20)), Zigzag);
+    assert_eq!(Auto.resolve_for(3, 16384, &window(1 << 20)), Balanced);
+    // Without a window: `resolve`'s choice. An odd shard leaves zigzag out.
+    assert_eq!(Auto.resolve_for(4, 16384, &Mask::causal()), Zigzag);
+    assert_eq!(Auto.resolve_for(2, 16385, &window(32768)), Balanced);
+    // Not causal: the ring. A concrete kind stays.
+    let two_sided = Mask::none().with_window(SlidingWindow::two_sided(100, 100));
+    assert_eq!(Auto.resolve_for(4, 16384, &two_sided), Ring);
+    assert_eq!(Zigzag.resolve_for(4, 16384, &window(4096)), Zigzag);
+}

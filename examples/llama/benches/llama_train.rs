@@ -11,6 +11,11 @@
 //! and a line under it gives rank 0's pinned host memory and its device memory in use right
 //! after one forward (the copies to host waited for), the offload's saving.
 //!
+//! Under the row, the memory planner's predicted peak for the setting stands beside rank 0's
+//! pool's reserved bytes: the peak of the timed steps, as the pools give back what they hold free
+//! after the warm-up (the first step's autotuning buffers, and a first step has no optimizer
+//! state during its backward); with `--iters 0`, the first step's peak.
+//!
 //! `--phases` runs one more step after the timed ones with the device synchronised after each
 //! phase and prints rank 0's phase times (forward and loss, backward, gradient sums and norm,
 //! clipping, optimizer) under the row. `DISTFLASH_UNFUSED_OPTIMIZER=1` runs Burn's tensor-op
@@ -36,9 +41,10 @@ use burn_distflash::collective::on_each_rank;
 use burn_distflash::layers::{replicate, CheckpointPlacement, Offload};
 use burn_distflash::offload::{finish_copies, pinned_bytes};
 use burn_distflash::sequence_parallel::shard_sequence;
-use burn_distflash::{AttentionContext, DeviceGroup, FlashAttentionOptions};
+use burn_distflash::{AttentionContext, DeviceGroup};
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::Runtime;
+use distflash_llama::memory_plan::MemoryPlanner;
 use distflash_llama::train::{PhaseTimes, TrainOptions, Trainer};
 use distflash_llama::LlamaConfig;
 
@@ -80,7 +86,8 @@ fn profiler_collects(on: bool) {
 struct RankRun {
     /// Each step's wall time, seconds.
     times: Vec<f64>,
-    /// Its pool's reserved bytes at the end (the peak).
+    /// Its pool's reserved bytes at the end: the timed steps' peak (the pool is cleaned up after
+    /// the warm-up steps), or with `--iters 0` the first step's.
     reserved: u64,
     /// The last step's loss.
     loss: f64,
@@ -146,6 +153,13 @@ fn main() {
         let steps = if iters == 0 { 1 } else { WARM_UP + iters };
         for step in 0..steps {
             let profiled = profile_last_step && step + 1 == steps && device.index == 0;
+            if step == WARM_UP {
+                // The pools give back what they hold free (the first step's autotuning buffers
+                // among it), so the reserved bytes at the end are the timed steps' peak.
+                Train::sync(&device).expect("sync");
+                CudaRuntime::client(&device).memory_cleanup();
+                Train::sync(&device).expect("sync");
+            }
             barrier.wait();
             if profiled {
                 Train::sync(&device).expect("sync");
@@ -218,6 +232,20 @@ fn main() {
         gib(ranks[0].in_use_after_forward),
         gib(pinned_bytes(&devices[0])),
     );
+    // The planner's prediction for this setting beside what rank 0's pool reserved (its peak:
+    // the weights' replica, gradients, optimizer state and the step's activations).
+    let planner = MemoryPlanner::new(config.clone(), options.clone(), gpus, 2);
+    match planner.plan() {
+        Ok(plan) => println!(
+            "memory planner (rank 0's pool): predicted peak {:.2} GiB, reserved {:.2} GiB \
+             ({:+.1}%); predicted host {:.2} GiB",
+            gib(plan.peak),
+            gib(ranks[0].reserved),
+            100.0 * (gib(plan.peak) / gib(ranks[0].reserved) - 1.0),
+            gib(plan.host),
+        ),
+        Err(e) => println!("memory planner: {e}"),
+    }
     if let Some(t) = ranks[0].phases {
         let ms = |s: f64| s * 1e3;
         println!(
@@ -246,7 +274,7 @@ fn in_use_after_forward(
     let seq = tokens.len() / batch;
     let values: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
     let whole = Tensor::<Train, 2, Int>::from_data(TensorData::new(values, [batch, seq]), device);
-    let layout = trainer.context.layout(FlashAttentionOptions::causal());
+    let layout = (trainer.context).layout(trainer.model.attention_options(), seq / world);
     let shard = shard_sequence(whole, 1, layout, world, rank).expect("a shard per rank");
     let loss = (trainer.model)
         .loss(shard.clone(), shard, &trainer.context, batch * seq)

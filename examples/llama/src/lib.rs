@@ -33,5 +33,5 @@ pub mod weights;
 pub use byte_units::{format_bytes, parse_bytes};
 pub use config::{LlamaConfig, PRESETS};
 pub use error::Error;
-pub use model::Llama;
+pub use model::{Llama, LlamaInput};
 pub use training_kernels::TrainingKernels;

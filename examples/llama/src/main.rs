@@ -31,9 +31,13 @@
 //!   one chunk of logits exists at once), `--ffn-chunk N` (likewise every feed-forward block);
 //!   by default each is as many tokens as fit a 1 GiB budget for its transient tensors; neither
 //!   changes the results), `--memory auto` (the largest chunks the memory planner predicts to
-//!   fit `--gpu-memory`), `--plan` (print the planner's prediction of one GPU's memory for
-//!   these options, and with `--gpu-memory BYTES`, e.g. `139GiB`, the longest sequence and the
-//!   largest chunks that fit; then exit, touching no device);
+//!   fit `--gpu-memory` and, unless `--offload` is given, the fewest layers to offload with
+//!   them), `--plan` (print the planner's prediction of one GPU's memory and of the host
+//!   memory the offloaded checkpoints take, for these options; with `--gpu-memory BYTES`, e.g.
+//!   `139GiB`, also the longest sequence that fits with this offload, what `--memory auto`
+//!   would pick, and the longest sequence it can train; then exit, touching no device),
+//!   `--host-memory BYTES` (the host memory offloaded checkpoints may take on this host, shared
+//!   by its GPUs; default: what the host has available now);
 //! - validation: `--val-fraction F` (the last fraction of the corpus is held out, default 0.05),
 //!   `--val-every N` (validation loss every N steps and at the end, in metrics.jsonl and on the
 //!   plot; 0 turns it off);
@@ -50,7 +54,6 @@ use std::time::Instant;
 use burn::config::Config;
 use burn::module::Module;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
-use burn::tensor::backend::Backend;
 use burn_distflash::collective::on_each_rank;
 use burn_distflash::layers::{replicate, CheckpointPlacement, Offload, RowChunks};
 use burn_distflash::schedule::ScheduleKind;
@@ -104,6 +107,9 @@ struct Args {
     memory_auto: bool,
     /// `--gpu-memory`: the bytes of one GPU, for `--plan` and `--memory auto`.
     gpu_memory: Option<u64>,
+    /// `--host-memory`: the bytes of host memory offloaded checkpoints may take on this host
+    /// (default: what the host has available now).
+    host_memory: Option<u64>,
     export_weights: Option<PathBuf>,
     log_every: u64,
     val_fraction: f64,
@@ -186,6 +192,7 @@ fn parse() -> Args {
         "--ffn-chunk",
         "--memory",
         "--gpu-memory",
+        "--host-memory",
         "--plan",
         "--out",
         "--save-every",
@@ -293,6 +300,8 @@ fn parse() -> Args {
         memory_auto,
         gpu_memory: value("--gpu-memory")
             .map(|v| parse_bytes("--gpu-memory", &v).unwrap_or_else(|e| fail(e))),
+        host_memory: value("--host-memory")
+            .map(|v| parse_bytes("--host-memory", &v).unwrap_or_else(|e| fail(e))),
         export_weights: value("--export-weights").map(PathBuf::from),
         log_every: count("--log-every", 10),
         val_fraction: number("--val-fraction", 0.05),
@@ -377,31 +386,35 @@ fn documents(args: &Args, inputs: &[u32], seq_len: usize) -> Result<Option<Docum
         .transpose()
 }
 
-/// Initial weights as bytes, from a seeded CPU initialisation or a Hugging Face directory, so
-/// every rank (thread or process) starts from the same model.
-fn initial_weights(args: &Args, config: &LlamaConfig) -> Vec<u8> {
+/// A Hugging Face directory's weights (`--weights`) as bytes, read on the CPU, so every rank
+/// (thread or process) starts from them; `None` for a fresh model, which is drawn on the
+/// training device ([`load_model`]).
+fn initial_weights(args: &Args) -> Option<Vec<u8>> {
     type Cpu = burn::backend::NdArray<f32>;
-    let device = Default::default();
-    Cpu::seed(&device, args.options.seed);
-    let model: Llama<Cpu> = match &args.weights {
-        Some(dir) => {
-            load_hf_llama::<Cpu>(dir, &device)
-                .unwrap_or_else(|e| fail(e))
-                .1
-        }
-        None => config.try_init::<Cpu>(&device).unwrap_or_else(|e| fail(e)),
-    };
-    BinBytesRecorder::<FullPrecisionSettings>::new()
+    let dir = args.weights.as_ref()?;
+    let model: Llama<Cpu> = load_hf_llama::<Cpu>(dir, &Default::default())
+        .unwrap_or_else(|e| fail(e))
+        .1;
+    let bytes = BinBytesRecorder::<FullPrecisionSettings>::new()
         .record(model.into_record(), ())
-        .unwrap_or_else(|e| fail(format!("serialising the initial weights: {e}")))
+        .unwrap_or_else(|e| fail(format!("serialising the initial weights: {e}")));
+    Some(bytes)
 }
 
-/// The model with the initial weights, on `device`.
+/// The model on `device`: with the initial `weights`, or a fresh one drawn on the device from
+/// `--seed` ([`LlamaConfig::try_init_on_device`]: the same seed gives the same weights on the
+/// same backend, in every process of a multi-process run too).
 fn load_model<B: TrainBackend>(
+    args: &Args,
     config: &LlamaConfig,
-    weights: &[u8],
+    weights: Option<&[u8]>,
     device: &B::Device,
 ) -> Llama<B> {
+    let Some(weights) = weights else {
+        return config
+            .try_init_on_device::<B>(device, args.options.seed)
+            .unwrap_or_else(|e| fail(e));
+    };
     let record = BinBytesRecorder::<FullPrecisionSettings>::new()
         .load(weights.to_vec(), device)
         .unwrap_or_else(|e| fail(format!("loading the initial weights: {e}")));
@@ -422,7 +435,7 @@ fn zero_stage(args: &Args, world: usize) -> ZeroStage {
 
 /// The memory planner for what the command line asks: the group's size from `--gpus` (or, under
 /// `--env`, `WORLD_SIZE`), the elements' size from `--dtype` on CUDA (f32 elsewhere).
-fn planner(args: &Args, config: &LlamaConfig) -> MemoryPlanner {
+fn memory_planner(args: &Args, config: &LlamaConfig) -> MemoryPlanner {
     let world = match (args.env, args.backend.as_str()) {
         (true, _) => std::env::var("WORLD_SIZE")
             .ok()
@@ -436,15 +449,37 @@ fn planner(args: &Args, config: &LlamaConfig) -> MemoryPlanner {
         _ => 4,
     };
     let options = args.options.clone().with_zero(zero_stage(args, world));
-    MemoryPlanner::new(config.clone(), options, world, elem_bytes)
+    let mut planner = MemoryPlanner::new(config.clone(), options, world, elem_bytes);
+    planner.host_limit = host_limit_per_gpu(args);
+    planner
 }
 
-/// `--plan`: prints the plan and exits; `--memory auto`: sets the largest chunks that fit.
-fn plan_memory(args: &mut Args, config: &LlamaConfig) {
-    let planner = planner(args, config);
+/// The host memory one GPU's offloaded checkpoints may take: `--host-memory` (or, by default,
+/// what this host has available now) less the offload's headroom, shared by the GPUs this host
+/// drives (`--gpus` in one process; under `--env`, `LOCAL_WORLD_SIZE` processes, as torchrun
+/// sets it, else one). `None` where the host does not say what it has.
+fn host_limit_per_gpu(args: &Args) -> Option<u64> {
+    let host = args
+        .host_memory
+        .or_else(burn_distflash::offload::host_memory_available)?;
+    let ranks_here = match args.env {
+        true => std::env::var("LOCAL_WORLD_SIZE")
+            .ok()
+            .and_then(|n| n.parse::<u64>().ok())
+            .unwrap_or(1),
+        false => args.gpus as u64,
+    };
+    Some(host.saturating_sub(burn_distflash::offload::HEADROOM) / ranks_here.max(1))
+}
+
+/// `--plan`: prints the plan and exits; `--memory auto`: sets the largest chunks that fit and,
+/// unless `--offload` was given, the fewest layers to offload with them.
+fn plan_memory(args: &mut Args, config: &mut LlamaConfig) {
+    let planner = memory_planner(args, config);
+    let choose_offload = args.offload.is_none();
     if args.plan {
         let report = planner
-            .report(args.gpu_memory)
+            .report(args.gpu_memory, choose_offload)
             .unwrap_or_else(|e| fail(format!("--plan: {e}")));
         println!("{report}");
         if args.gpu_memory.is_none() {
@@ -456,17 +491,27 @@ fn plan_memory(args: &mut Args, config: &LlamaConfig) {
         let gpu = args.gpu_memory.unwrap_or_else(|| {
             fail("--memory auto needs --gpu-memory BYTES: the memory of one GPU, e.g. 139GiB")
         });
-        let (loss, ffn, plan) = planner
-            .fitting_chunks(gpu)
+        let fitted = planner
+            .fitting_memory(gpu, choose_offload)
             .unwrap_or_else(|e| fail(format!("--memory auto: {e}")));
         eprintln!(
-            "--memory auto: loss chunks of {} rows, feed-forward chunks of {} rows; predicted              peak {} per GPU",
-            plan.loss_rows,
-            plan.ffn_rows,
-            distflash_llama::format_bytes(plan.peak)
+            "--memory auto: loss chunks of {} rows, feed-forward chunks of {} rows, offload {:?}",
+            fitted.plan.loss_rows, fitted.plan.ffn_rows, fitted.offload,
         );
-        args.options.loss_chunks = loss;
-        args.options.ffn_chunks = ffn;
+        args.options.loss_chunks = fitted.loss_chunks;
+        args.options.ffn_chunks = fitted.ffn_chunks;
+        config.offload = fitted.offload;
+    }
+    if args.backend == "cuda" {
+        // Printed for every CUDA run, to stand beside the memory report after the first step.
+        match memory_planner(args, config).plan() {
+            Ok(plan) => eprintln!(
+                "memory planner: predicted peak {} per GPU, {} of checkpoints in host memory",
+                distflash_llama::format_bytes(plan.peak),
+                distflash_llama::format_bytes(plan.host)
+            ),
+            Err(e) => fail(format!("the memory planner: {e}")),
+        }
     }
 }
 
@@ -710,8 +755,11 @@ type CudaInner<F> = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, F, i32, 
 type Cuda<F> = burn_autodiff::Autodiff<CudaInner<F>>;
 
 /// Runs one rank per GPU of `devices` in this process (threads), or this process's rank.
-fn train_cuda<F: burn_cubecl::FloatElement>(args: &Args, config: &LlamaConfig, weights: &[u8])
-where
+fn train_cuda<F: burn_cubecl::FloatElement>(
+    args: &Args,
+    config: &LlamaConfig,
+    weights: Option<&[u8]>,
+) where
     Cuda<F>: TrainBackend<Device = cubecl::cuda::CudaDevice>
         + burn::tensor::backend::AutodiffBackend<InnerBackend = CudaInner<F>>,
     CudaInner<F>: burn::tensor::backend::Backend<Device = cubecl::cuda::CudaDevice>,
@@ -722,11 +770,11 @@ where
     if args.env {
         // One process per GPU: every process loads the same initial weights.
         let group = DeviceGroup::<CudaInner<F>>::nccl_from_env().unwrap_or_else(|e| fail(e));
-        let model = load_model::<Cuda<F>>(config, weights, group.device());
+        let model = load_model::<Cuda<F>>(args, config, weights, group.device());
         return train_rank(args, config, model, context(group));
     }
     let devices: Vec<_> = (0..args.gpus).map(cubecl::cuda::CudaDevice::new).collect();
-    let model = load_model::<Cuda<F>>(config, weights, &devices[0]);
+    let model = load_model::<Cuda<F>>(args, config, weights, &devices[0]);
     if devices.len() == 1 {
         return train_rank(args, config, model, AttentionContext::Local);
     }
@@ -744,8 +792,8 @@ fn main() {
     let mut args = parse();
     args.options.check().unwrap_or_else(|e| fail(e));
     let tokenizer = tokenizer(&args);
-    let config = model_config(&args, &tokenizer);
-    plan_memory(&mut args, &config);
+    let mut config = model_config(&args, &tokenizer);
+    plan_memory(&mut args, &mut config);
     args.packing = packing(&args, &tokenizer, &config);
     if args.resume && !args.out.join("checkpoint").join("trainer.json").exists() {
         fail(format!(
@@ -759,22 +807,23 @@ fn main() {
             args.data.display()
         ));
     }
-    let weights = initial_weights(&args, &config);
+    let weights = initial_weights(&args);
+    let weights = weights.as_deref();
     match (args.backend.as_str(), args.dtype.as_str()) {
         ("ndarray", _) => {
             type Cpu = burn_autodiff::Autodiff<burn::backend::NdArray<f32>>;
-            let model = load_model::<Cpu>(&config, &weights, &Default::default());
+            let model = load_model::<Cpu>(&args, &config, weights, &Default::default());
             train_rank(&args, &config, model, AttentionContext::Local)
         }
         ("wgpu", _) => {
             type Wgpu = burn_autodiff::Autodiff<
                 burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>,
             >;
-            let model = load_model::<Wgpu>(&config, &weights, &Default::default());
+            let model = load_model::<Wgpu>(&args, &config, weights, &Default::default());
             train_rank(&args, &config, model, AttentionContext::Local)
         }
-        ("cuda", "bf16") => train_cuda::<half::bf16>(&args, &config, &weights),
-        ("cuda", "f32") => train_cuda::<f32>(&args, &config, &weights),
+        ("cuda", "bf16") => train_cuda::<half::bf16>(&args, &config, weights),
+        ("cuda", "f32") => train_cuda::<f32>(&args, &config, weights),
         (backend, dtype) => fail(format!(
             "--backend takes ndarray, wgpu or cuda and --dtype bf16 or f32 (GPU); got {backend} / {dtype}"
         )),

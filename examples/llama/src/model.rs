@@ -2,7 +2,7 @@
 //! (tied to the embedding or not), with the next-token cross-entropy loss, which runs the output
 //! projection and the loss over row chunks so that no more than one chunk of logits exists.
 
-use burn::module::{Module, ModuleMapper, Param};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
@@ -15,6 +15,7 @@ use burn_distflash::layers::{
 };
 use burn_distflash::{
     AttentionContext, AttentionInput, Documents, Error as PluginError, FlashAttentionBackend,
+    FlashAttentionOptions,
 };
 
 /// A Llama language model.
@@ -81,6 +82,28 @@ impl LlamaConfig {
         })
     }
 
+    /// [`try_init`](Self::try_init) with every weight drawn at once on `device` by the
+    /// backend's own generator seeded with `seed` (nothing is generated on the host, so a
+    /// LLaMA-7B model is ready in seconds on a GPU). The draws are made in the module's visiting
+    /// order, not at each weight's first read, so the same seed gives the same weights on the
+    /// same backend in every run and every process, provided no other thread of the process
+    /// draws from the backend's generator meanwhile (it is shared): call it before starting the
+    /// ranks' threads. Another backend draws other values from the same seed.
+    ///
+    /// # Errors
+    ///
+    /// Those of [`try_init`](Self::try_init).
+    pub fn try_init_on_device<B: FlashAttentionBackend>(
+        &self,
+        device: &B::Device,
+        seed: u64,
+    ) -> Result<Llama<B>, PluginError> {
+        B::seed(device, seed);
+        let model = self.try_init::<B>(device)?;
+        model.visit(&mut DrawNow);
+        Ok(model)
+    }
+
     /// [`try_init`](Self::try_init) with the weight matrices drawn (normal, std 0.02) from a
     /// splitmix64 stream seeded with `seed`, not from the backend's generator: that one is
     /// shared by every thread of the process and, as Burn initialises weights lazily, drawn
@@ -98,6 +121,16 @@ impl LlamaConfig {
             index: 0,
             device: device.clone(),
         }))
+    }
+}
+
+/// Reads every float weight of a module once, in visiting order, which makes Burn draw the
+/// lazily initialised ones now.
+struct DrawNow;
+
+impl<B: Backend> ModuleVisitor<B> for DrawNow {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let _ = param.val();
     }
 }
 
@@ -139,66 +172,81 @@ pub(crate) fn load_param<B: Backend, const D: usize>(
     param.transform_for_load(tensor, id).set_require_grad(true)
 }
 
-impl<B: FlashAttentionBackend> Llama<B> {
-    /// Next-token logits `[batch, seq, vocab]` for `tokens` `[batch, seq]` (the whole sequence,
-    /// or this rank's shard with a sharded context).
-    pub fn forward(
-        &self,
-        tokens: Tensor<B, 2, Int>,
-        context: &AttentionContext<B>,
-    ) -> Result<Tensor<B, 3>, PluginError> {
-        self.forward_masked(tokens, context, None)
+/// What [`Llama::forward`] and [`Llama::loss`] read: token ids `[batch, seq]` (the whole
+/// sequence, or this rank's shard with a sharded context) and, for rows that pack several
+/// documents, their boundaries. A tensor of token ids converts into an input without documents.
+///
+/// With documents, every block's attention lets a token see only the earlier tokens of its own
+/// document (and of the configured window), so each document's logits are those it would get
+/// alone (rotary positions stay global; attention depends only on distances, which packing does
+/// not change). `documents` are the boundaries of the whole sequence (`world_size * seq`
+/// positions when `tokens` is this rank's shard), once for every batch row or once per row (see
+/// [`Documents`] and [`crate::data::Packing`]).
+#[derive(Debug, Clone)]
+pub struct LlamaInput<B: Backend> {
+    /// Token ids `[batch, seq]`.
+    pub tokens: Tensor<B, 2, Int>,
+    /// The documents packed in the rows, if any.
+    pub documents: Option<Documents>,
+}
+
+impl<B: Backend> LlamaInput<B> {
+    /// `tokens` without documents.
+    pub fn new(tokens: Tensor<B, 2, Int>) -> Self {
+        Self {
+            tokens,
+            documents: None,
+        }
     }
 
-    /// [`forward`](Self::forward) of rows that pack several documents: every block's attention
-    /// lets a token see only the earlier tokens of its own document (and of the configured
-    /// window), so each document's logits are those it would get alone (rotary positions stay
-    /// global; attention depends only on distances, which packing does not change).
-    ///
-    /// `documents` are the boundaries of the whole sequence (`world_size * seq` positions when
-    /// `tokens` is this rank's shard), once for every batch row or once per row (see
-    /// [`Documents`] and [`crate::data::Packing`]).
+    /// The same tokens packing `documents`.
+    pub fn with_documents(self, documents: Documents) -> Self {
+        Self {
+            documents: Some(documents),
+            ..self
+        }
+    }
+}
+
+impl<B: Backend> From<Tensor<B, 2, Int>> for LlamaInput<B> {
+    fn from(tokens: Tensor<B, 2, Int>) -> Self {
+        Self::new(tokens)
+    }
+}
+
+impl<B: FlashAttentionBackend> Llama<B> {
+    /// Next-token logits `[batch, seq, vocab]` for `input` (token ids `[batch, seq]`, or a
+    /// [`LlamaInput`] with documents).
     ///
     /// # Errors
     ///
-    /// Those of [`forward`](Self::forward), and the plugin's `BadMask` kernel error when the
-    /// documents do not end at the whole sequence's length or have neither one list nor one
-    /// per batch row.
-    pub fn forward_with_documents(
+    /// The plugin's shape or device error for tokens that are not `[batch > 0, seq > 0]` on the
+    /// model's device, those of the blocks' attention, and its `BadMask` kernel error when the
+    /// documents do not end at the whole sequence's length or have neither one list nor one per
+    /// batch row.
+    pub fn forward(
         &self,
-        tokens: Tensor<B, 2, Int>,
+        input: impl Into<LlamaInput<B>>,
         context: &AttentionContext<B>,
-        documents: &Documents,
     ) -> Result<Tensor<B, 3>, PluginError> {
-        self.forward_masked(tokens, context, Some(documents))
-    }
-
-    /// The logits, within `documents` when given.
-    fn forward_masked(
-        &self,
-        tokens: Tensor<B, 2, Int>,
-        context: &AttentionContext<B>,
-        documents: Option<&Documents>,
-    ) -> Result<Tensor<B, 3>, PluginError> {
-        let x = self.hidden_states(tokens, context, documents)?;
+        let x = self.hidden_states(input.into(), context)?;
         Ok(match &self.lm_head {
             Some(head) => linear(head, x),
             None => project(x, self.embedding.weight.val().transpose()),
         })
     }
 
-    /// The final norm's output `[batch, seq, d_model]` (what the output projection takes),
-    /// within `documents` when given.
+    /// The final norm's output `[batch, seq, d_model]` (what the output projection takes).
     fn hidden_states(
         &self,
-        tokens: Tensor<B, 2, Int>,
+        input: LlamaInput<B>,
         context: &AttentionContext<B>,
-        documents: Option<&Documents>,
     ) -> Result<Tensor<B, 3>, PluginError> {
+        let LlamaInput { tokens, documents } = input;
         self.check_tokens(&tokens)?;
         let mut x = self.embedding.forward(tokens);
         for block in &self.blocks {
-            let documents = documents.cloned();
+            let documents = documents.clone();
             x = block.try_forward(AttentionInput { x, documents }, context)?;
         }
         Ok(self.norm.forward(x))
@@ -211,6 +259,15 @@ impl<B: FlashAttentionBackend> Llama<B> {
             Some(head) => (head.weight.val(), HeadLayout::Untied),
             None => (self.embedding.weight.val(), HeadLayout::Tied),
         }
+    }
+
+    /// The options of the blocks' attention (the configured causal order, window and
+    /// determinism; every block has the same), which with a sharded context's world size and
+    /// shard length decide the sequence's [`Layout`](burn_distflash::schedule::Layout).
+    pub fn attention_options(&self) -> FlashAttentionOptions {
+        (self.blocks.first()).map_or_else(FlashAttentionOptions::causal, |block| {
+            block.attention.options()
+        })
     }
 
     /// This model with `loss` as its [`loss_chunks`](Self::loss_chunks) and `ffn` as every
@@ -256,60 +313,30 @@ impl<B: FlashAttentionBackend> Llama<B> {
         Ok(())
     }
 
-    /// Cross-entropy of `targets` `[batch, seq]` summed over these tokens and divided by
-    /// `normalizer`: with `normalizer` the number of target tokens of the whole sequence, the
+    /// Cross-entropy of `targets` `[batch, seq]` summed over the tokens of `input` and divided
+    /// by `normalizer`: with `normalizer` the number of target tokens of the whole sequence, the
     /// ranks' losses add up to the mean loss, and so do their gradients. The output projection
     /// and the loss run over row chunks ([`loss_chunks`](Self::loss_chunks)): the logits of
     /// one chunk exist at a time, also in the backward.
-    pub fn loss(
-        &self,
-        tokens: Tensor<B, 2, Int>,
-        targets: Tensor<B, 2, Int>,
-        context: &AttentionContext<B>,
-        normalizer: usize,
-    ) -> Result<Tensor<B, 1>, PluginError>
-    where
-        B: CrossEntropyBackend,
-    {
-        self.loss_masked(tokens, targets, context, None, normalizer)
-    }
-
-    /// [`loss`](Self::loss) of packed rows, through
-    /// [`forward_with_documents`](Self::forward_with_documents). Every target counts, the one
-    /// after a document's last token included: that token (an end-of-text token, see
-    /// [`crate::data::Packing`]) sees only its own document, so the model learns how
-    /// documents begin, as in unpacked training on the same text.
+    ///
+    /// With documents every target counts, the one after a document's last token included: that
+    /// token (an end-of-text token, see [`crate::data::Packing`]) sees only its own document, so
+    /// the model learns how documents begin, as in unpacked training on the same text.
     ///
     /// # Errors
     ///
-    /// Those of [`forward_with_documents`](Self::forward_with_documents).
-    pub fn loss_with_documents(
+    /// Those of [`forward`](Self::forward).
+    pub fn loss(
         &self,
-        tokens: Tensor<B, 2, Int>,
+        input: impl Into<LlamaInput<B>>,
         targets: Tensor<B, 2, Int>,
         context: &AttentionContext<B>,
-        documents: &Documents,
         normalizer: usize,
     ) -> Result<Tensor<B, 1>, PluginError>
     where
         B: CrossEntropyBackend,
     {
-        self.loss_masked(tokens, targets, context, Some(documents), normalizer)
-    }
-
-    /// The loss, within `documents` when given.
-    pub(crate) fn loss_masked(
-        &self,
-        tokens: Tensor<B, 2, Int>,
-        targets: Tensor<B, 2, Int>,
-        context: &AttentionContext<B>,
-        documents: Option<&Documents>,
-        normalizer: usize,
-    ) -> Result<Tensor<B, 1>, PluginError>
-    where
-        B: CrossEntropyBackend,
-    {
-        let hidden = self.hidden_states(tokens, context, documents)?;
+        let hidden = self.hidden_states(input.into(), context)?;
         let [batch, seq, d_model] = hidden.dims();
         let rows = batch * seq;
         let (weight, layout) = self.head_weight();
@@ -350,5 +377,24 @@ mod tests {
         let std = (embedding.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>() / n).sqrt();
         assert!((std - INIT_STD).abs() < 0.1 * INIT_STD, "std {std}");
         assert!(values(&a.norm.weight).iter().all(|&v| v == 1.0));
+    }
+
+    #[test]
+    fn weights_drawn_on_the_device_depend_on_the_seed_not_on_the_order_of_reads() {
+        let config = LlamaConfig::new(64, 32, 2, 2, 2, 48);
+        let device = Default::default();
+        let a = config.try_init_on_device::<NdArray>(&device, 7).unwrap();
+        let b = config.try_init_on_device::<NdArray>(&device, 7).unwrap();
+        let c = config.try_init_on_device::<NdArray>(&device, 8).unwrap();
+        // `b`'s last block read first: the values were drawn at initialisation, in visiting
+        // order, not at a first read.
+        let last = values(&b.blocks[1].ffn.down.weight);
+        assert_eq!(values(&a.blocks[1].ffn.down.weight), last);
+        assert_eq!(values(&a.embedding.weight), values(&b.embedding.weight));
+        assert_ne!(values(&a.embedding.weight), values(&c.embedding.weight));
+        // Drawn, not constant. (No other test of this binary draws from the backend's shared
+        // generator, which would shift the draws of a concurrent test.)
+        let embedding = values(&a.embedding.weight);
+        assert!(embedding.iter().any(|&v| v != embedding[0]));
     }
 }

@@ -33,15 +33,13 @@ use burn::tensor::{ElementConversion, Int, Tensor, TensorData, TensorPrimitive};
 
 use super::loss::CrossEntropyBackend;
 use super::lr_schedule::learning_rate;
-use super::model::Llama;
+use super::model::{Llama, LlamaInput};
 use super::optimizer::{AdamWSettings, FusedAdamW, ShardedAdamW, ZeroStage};
 use super::TrainingKernels;
 use crate::Error;
 use burn_distflash::layers::{RowChunks, TransformerBlockConfig};
 use burn_distflash::sequence_parallel::shard_sequence;
-use burn_distflash::{
-    AttentionContext, Documents, Error as PluginError, FlashAttentionBackend, FlashAttentionOptions,
-};
+use burn_distflash::{AttentionContext, Documents, Error as PluginError, FlashAttentionBackend};
 
 /// Optimisation settings (saved with every checkpoint).
 #[derive(Config, Debug)]
@@ -296,8 +294,9 @@ impl<B: TrainBackend> Trainer<B> {
         let values: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
         let device = self.device();
         let whole = Tensor::<B, 2, Int>::from_data(TensorData::new(values, [batch, seq]), &device);
-        // The attention's layout decides which positions this rank holds (contiguous, zigzag).
-        let layout = self.context.layout(FlashAttentionOptions::causal());
+        // The attention's layout decides which positions this rank holds (contiguous, zigzag);
+        // under `Auto` it depends on the model's window and the shard's length.
+        let layout = (self.context).layout(self.model.attention_options(), seq / world);
         shard_sequence(whole, 1, layout, world, rank).map_err(|e| {
             Error::invalid(
                 "seq_len",
@@ -318,7 +317,7 @@ impl<B: TrainBackend> Trainer<B> {
     }
 
     /// [`train_step`](Self::train_step) on packed rows when `documents` is given: each token
-    /// attends only within its document ([`Llama::loss_with_documents`], which says why every
+    /// attends only within its document ([`Llama::loss`] with a [`LlamaInput`]'s documents, which says why every
     /// target still counts). `documents` are those of the whole batch
     /// ([`Packing::documents`](crate::data::Packing::documents) of `inputs`), the same on
     /// every rank: each rank's attention takes its part. `None` is
@@ -469,8 +468,12 @@ impl<B: TrainBackend> Trainer<B> {
         self.options.check()?;
         let (tokens, targets) = (self.shard(inputs)?, self.shard(targets)?);
         let normalizer = self.options.batch * self.options.seq_len;
+        let input = LlamaInput {
+            tokens,
+            documents: documents.cloned(),
+        };
         model
-            .loss_masked(tokens, targets, &self.context, documents, normalizer)
+            .loss(input, targets, &self.context, normalizer)
             .map_err(|source| Error::Attention { during, source })
     }
 

@@ -57,7 +57,7 @@ impl Case {
 
     /// Where the ranks' shards come from (the options' layout).
     pub fn layout(&self) -> Layout {
-        self.options().layout(self.world)
+        self.options().layout(self.world, self.shard)
     }
 
     /// The options every rank passes (the documents of the whole sequence).

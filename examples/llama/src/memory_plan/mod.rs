@@ -30,16 +30,18 @@ use crate::train::{MemoryReport, TrainOptions};
 use crate::Error;
 use activations::Widths;
 
-pub use search::FIT_FRACTION;
+pub use search::{FittedMemory, AUTO_MIN_CHUNK_ROWS, FIT_FRACTION};
 
 /// Bytes of f32.
 const F32: u64 = 4;
 
-/// What a plan is made from: the model, the training options (batch, sequence, ZeRO stage,
-/// chunks), the number of GPUs, the float type's size and the layers offloaded to host memory.
+/// What a plan is made from: the model (with its checkpoint placement and its
+/// [`Offload`](burn_distflash::layers::Offload) policy, which says which layers' checkpoints wait
+/// in host memory), the training options (batch, sequence, ZeRO stage, chunks), the number of
+/// GPUs and the float type's size.
 #[derive(Debug, Clone)]
 pub struct MemoryPlanner {
-    /// The model's shape and checkpoint placement.
+    /// The model's shape, checkpoint placement and offload policy.
     pub config: LlamaConfig,
     /// Batch, whole sequence length, ZeRO stage, loss and feed-forward chunks.
     pub options: TrainOptions,
@@ -47,9 +49,9 @@ pub struct MemoryPlanner {
     pub world: usize,
     /// Bytes of one weight or activation element (2 for bf16, 4 for f32).
     pub elem_bytes: usize,
-    /// Blocks whose checkpoints live in host memory (the first ones; the last blocks stay on
-    /// the GPU). Host offload is not wired into the trainer yet: 0 is what it runs.
-    pub offloaded_layers: usize,
+    /// The host memory one GPU's offloaded checkpoints may take (the host's available memory
+    /// shared by the GPUs it drives), for the searches; `None`: no limit.
+    pub host_limit: Option<u64>,
 }
 
 /// Which phase of a step holds the most.
@@ -74,7 +76,9 @@ pub struct MemoryPlan {
     pub checkpoints: u64,
     /// One block's checkpoint.
     pub checkpoint_per_layer: u64,
-    /// The checkpoints offloaded to host memory.
+    /// Blocks whose checkpoints wait in host memory (the first ones in the forward).
+    pub offloaded_layers: usize,
+    /// The checkpoints offloaded to host memory (pinned on CUDA).
     pub host: u64,
     /// What the model keeps beside the blocks (the final norm's input and output, per-row
     /// log-sum-exp, token and target ids).
@@ -94,7 +98,7 @@ pub struct MemoryPlan {
 
 impl MemoryPlanner {
     /// A planner for `config` trained with `options` on `world` GPUs in elements of `elem_bytes`
-    /// bytes, nothing offloaded.
+    /// bytes, with no host limit.
     pub fn new(
         config: LlamaConfig,
         options: TrainOptions,
@@ -106,7 +110,7 @@ impl MemoryPlanner {
             options,
             world,
             elem_bytes,
-            offloaded_layers: 0,
+            host_limit: None,
         }
     }
 
@@ -115,9 +119,9 @@ impl MemoryPlanner {
     /// # Errors
     ///
     /// [`Error::Invalid`] naming the setting for a configuration that cannot be built, a
-    /// world of 0, a sequence the world does not divide, an element size other than 2 or 4, or
-    /// more offloaded layers than the model has; the options' own errors
-    /// ([`TrainOptions::check`]).
+    /// world of 0, a sequence the world does not divide or an element size other than 2 or 4;
+    /// the options' own errors
+    /// ([`TrainOptions::check`]) and the configuration's (offload without checkpoints).
     pub fn plan(&self) -> Result<MemoryPlan, Error> {
         self.check()?;
         let c = &self.config;
@@ -129,7 +133,8 @@ impl MemoryPlanner {
         let state = self.state();
         let placement = c.checkpoint;
         let per_layer = widths.kept_per_layer(placement, rows, positions);
-        let offloaded = self.offloaded_layers as u64;
+        let offloaded_layers = c.offload.offloaded_layers(c.n_layers);
+        let offloaded = offloaded_layers as u64;
         let checkpoints = per_layer * (layers - offloaded);
         let kept = widths.kept_beside_blocks() * rows;
         let loss_rows = self.loss_rows(&widths, rows);
@@ -164,6 +169,7 @@ impl MemoryPlanner {
             state,
             checkpoints,
             checkpoint_per_layer: per_layer,
+            offloaded_layers,
             host: per_layer * offloaded,
             kept,
             loss_rows,
@@ -249,13 +255,6 @@ impl MemoryPlanner {
                 self.elem_bytes,
             ));
         }
-        if self.offloaded_layers > self.config.n_layers {
-            return Err(Error::invalid(
-                "the layers offloaded to host memory",
-                format!("at most the model's {} layers", self.config.n_layers),
-                self.offloaded_layers,
-            ));
-        }
         Ok(())
     }
 }
@@ -311,14 +310,19 @@ impl fmt::Display for MemoryPlan {
             self.peak_phase
         )?;
         writeln!(f, "peak                {}", b(self.peak))?;
-        write!(f, "host (offloaded)    {}", b(self.host))
+        write!(
+            f,
+            "host (offloaded)    {} ({} layer(s))",
+            b(self.host),
+            self.offloaded_layers
+        )
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn_distflash::layers::RowChunks;
+    use burn_distflash::layers::{Offload, RowChunks};
 
     fn planner(placement: CheckpointPlacement, seq_len: usize, world: usize) -> MemoryPlanner {
         let config = LlamaConfig::llama_7b().with_checkpoint(placement);
@@ -370,14 +374,19 @@ mod tests {
     fn offloaded_layers_move_their_checkpoints_to_the_host() {
         let mut planner = planner(CheckpointPlacement::AttentionOutput, 65536, 2);
         let kept = planner.plan().unwrap();
-        planner.offloaded_layers = 20;
+        // The last 12 of 32 layers keep theirs on the GPU.
+        planner.config.offload = Offload::AllButLast(12);
         let offloaded = planner.plan().unwrap();
+        assert_eq!(offloaded.offloaded_layers, 20);
         assert_eq!(offloaded.host, 20 * kept.checkpoint_per_layer);
         assert_eq!(offloaded.checkpoints + offloaded.host, kept.checkpoints);
         assert!(offloaded.peak < kept.peak);
-        planner.offloaded_layers = 33;
+        planner.config.offload = Offload::All;
+        let all = planner.plan().unwrap();
+        assert_eq!((all.checkpoints, all.host), (0, kept.checkpoints));
+        planner.config = planner.config.with_checkpoint(CheckpointPlacement::None);
         let err = planner.plan().unwrap_err().to_string();
-        assert!(err.contains("offloaded") && err.contains("32"), "{err}");
+        assert!(err.contains("offload"), "{err}");
     }
 
     #[test]

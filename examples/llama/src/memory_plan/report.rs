@@ -1,26 +1,31 @@
 //! [`MemoryPlanner::report`]: a plan as a person reads it (what `llama_train --plan` prints):
 //! the setting, the bytes by kind, and against a GPU's memory whether the step fits, the longest
-//! sequence that does, and the largest chunks that do.
+//! sequence that does with this offload policy, what `--memory auto` would train with, and the
+//! longest sequence it can train.
 
 use std::fmt::Write;
 
-use super::{MemoryPlanner, FIT_FRACTION};
+use std::fmt;
+
+use super::{FittedMemory, MemoryPlanner, FIT_FRACTION};
 use crate::{format_bytes, Error};
 
 impl MemoryPlanner {
-    /// The plan's text, and with `gpu_bytes` the fit against that memory.
+    /// The plan's text, and with `gpu_bytes` the fit against that memory; `choose_offload` as
+    /// for [`fitting_memory`](Self::fitting_memory) (whether `--memory auto` may pick the
+    /// offloaded layers).
     ///
     /// # Errors
     ///
     /// Those of [`plan`](Self::plan), [`longest_sequence`](Self::longest_sequence) and
-    /// [`fitting_chunks`](Self::fitting_chunks) other than not fitting (which the text says).
-    pub fn report(&self, gpu_bytes: Option<u64>) -> Result<String, Error> {
+    /// [`fitting_memory`](Self::fitting_memory) other than not fitting (which the text says).
+    pub fn report(&self, gpu_bytes: Option<u64>, choose_offload: bool) -> Result<String, Error> {
         let (c, o) = (&self.config, &self.options);
         let plan = self.plan()?;
         let mut text = format!(
             "memory plan per GPU: {} layers, d_model {}, {} heads / {} kv, d_ff {}, vocab {}; \
              {} x {} tokens over {} GPU(s); {}-byte elements; ZeRO stage {}; checkpoint {:?}; \
-             {} layer(s) offloaded\n{plan}\n",
+             offload {:?}\n{plan}\n",
             c.n_layers,
             c.d_model,
             c.n_heads,
@@ -33,7 +38,7 @@ impl MemoryPlanner {
             self.elem_bytes,
             o.zero,
             c.checkpoint,
-            self.offloaded_layers,
+            c.offload,
         );
         let Some(gpu) = gpu_bytes else {
             return Ok(text);
@@ -44,10 +49,18 @@ impl MemoryPlanner {
             false => "does not fit",
         };
         let _ = writeln!(text, "this step {verdict} in {usable}");
+        if let Some(limit) = self.host_limit {
+            let _ = writeln!(
+                text,
+                "host memory for offloaded checkpoints: at most {} per GPU",
+                format_bytes(limit)
+            );
+        }
         let _ = match self.longest_sequence(gpu)? {
             Some(len) => writeln!(
                 text,
-                "longest sequence that fits (these chunks): {len} tokens ({} per GPU)",
+                "longest sequence that fits (these chunks, this offload): {len} tokens ({} per \
+                 GPU)",
                 len / self.world
             ),
             None => writeln!(
@@ -55,19 +68,43 @@ impl MemoryPlanner {
                 "no sequence fits: the weights and optimizer state alone do not"
             ),
         };
-        let _ = match self.fitting_chunks(gpu) {
-            Ok((_, _, fitted)) => write!(
-                text,
-                "largest chunks that fit: loss {} rows, feed-forward {} rows (peak {})",
-                fitted.loss_rows,
-                fitted.ffn_rows,
-                format_bytes(fitted.peak)
-            ),
+        let _ = match self.fitting_memory(gpu, choose_offload) {
+            Ok(fitted) => writeln!(text, "--memory auto: {}", Picked(&fitted)),
             Err(Error::Invalid { expected, got, .. }) => {
-                write!(text, "no chunks fit: {got}, against {expected}")
+                writeln!(
+                    text,
+                    "--memory auto: nothing fits: {got}, against {expected}"
+                )
             }
             Err(other) => return Err(other),
         };
+        let _ = match self.longest_auto_sequence(gpu, choose_offload)? {
+            Some((len, fitted)) => write!(
+                text,
+                "longest sequence --memory auto trains: {len} tokens ({} per GPU), with {}",
+                len / self.world,
+                Picked(&fitted)
+            ),
+            None => write!(text, "longest sequence --memory auto trains: none"),
+        };
         Ok(text)
+    }
+}
+
+/// What `--memory auto` picked, on one line.
+struct Picked<'a>(&'a FittedMemory);
+
+impl fmt::Display for Picked<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let plan = &self.0.plan;
+        write!(
+            f,
+            "loss chunks of {} rows, feed-forward chunks of {} rows, offload {:?} (peak {}, host {})",
+            plan.loss_rows,
+            plan.ffn_rows,
+            self.0.offload,
+            format_bytes(plan.peak),
+            format_bytes(plan.host)
+        )
     }
 }

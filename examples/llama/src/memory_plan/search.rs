@@ -1,8 +1,9 @@
-//! Searches over [`MemoryPlanner`] predictions: the longest sequence whose step fits a GPU, and
-//! the largest loss and feed-forward chunks that fit (what `llama_train --memory auto` trains
-//! with). A peak grows with the sequence and with the chunks, so both are monotone searches.
+//! Searches over [`MemoryPlanner`] predictions: the longest sequence whose step fits a GPU, the
+//! largest loss and feed-forward chunks that fit, and with them the fewest layers to offload
+//! (what `llama_train --memory auto` trains with). A peak grows with the sequence and with the
+//! chunks and falls with every offloaded layer, so all are monotone searches.
 
-use burn_distflash::layers::RowChunks;
+use burn_distflash::layers::{CheckpointPlacement, Offload, RowChunks};
 
 use super::{MemoryPlan, MemoryPlanner};
 use crate::format_bytes;
@@ -16,11 +17,38 @@ pub const FIT_FRACTION: f64 = 0.9;
 /// Sequences longer than this many tokens are not searched.
 const LONGEST_SEARCHED: usize = 1 << 34;
 
+/// Rows per chunk below which [`MemoryPlanner::fitting_memory`] offloads one more layer rather
+/// than chunk finer: a chunk of 4096 rows keeps the output projection's and the feed-forward's
+/// products large enough for the tensor cores (their throughput falls off below a few thousand
+/// rows), while offloading a layer costs a few percent of a step at most (its copy overlaps the
+/// backward of the layer after it).
+pub const AUTO_MIN_CHUNK_ROWS: u64 = 4096;
+
+/// What [`MemoryPlanner::fitting_memory`] chose: the chunks, the offload policy and their plan.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FittedMemory {
+    /// Rows per chunk of the loss.
+    pub loss_chunks: RowChunks,
+    /// Rows per chunk of the feed-forward blocks.
+    pub ffn_chunks: RowChunks,
+    /// Which layers offload their checkpoints.
+    pub offload: Offload,
+    /// The prediction with them.
+    pub plan: MemoryPlan,
+}
+
 impl MemoryPlanner {
     /// This planner with `seq_len` as the whole sequence's length.
     fn at_length(&self, seq_len: usize) -> Self {
         let mut planner = self.clone();
         planner.options.seq_len = seq_len;
+        planner
+    }
+
+    /// This planner with `offload` as the model's offload policy.
+    fn with_offload(&self, offload: Offload) -> Self {
+        let mut planner = self.clone();
+        planner.config.offload = offload;
         planner
     }
 
@@ -35,18 +63,56 @@ impl MemoryPlanner {
         Ok(planner)
     }
 
+    /// Whether this planner's step fits: its peak within [`FIT_FRACTION`] of `gpu_bytes` and
+    /// its offloaded checkpoints within the [`host_limit`](Self::host_limit).
+    fn step_fits(&self, gpu_bytes: u64) -> Result<bool, Error> {
+        let plan = self.plan()?;
+        Ok(plan.fits(gpu_bytes) && self.host_limit.is_none_or(|limit| plan.host <= limit))
+    }
+
     /// The longest whole sequence (a multiple of `2 * world`, which every layout splits) whose
-    /// step [`fits`](MemoryPlan::fits) `gpu_bytes`, with this planner's batch, chunks and
+    /// step fits `gpu_bytes` (and the host limit), with this planner's batch, chunks and
     /// offload; `None` when not even the shortest does.
     ///
     /// # Errors
     ///
     /// Those of [`plan`](Self::plan) other than the sequence's.
     pub fn longest_sequence(&self, gpu_bytes: u64) -> Result<Option<usize>, Error> {
-        let granule = 2 * self.world.max(1);
-        let fits = |units: usize| -> Result<bool, Error> {
-            Ok(self.at_length(units * granule).plan()?.fits(gpu_bytes))
+        self.longest_where(|planner| planner.step_fits(gpu_bytes))
+    }
+
+    /// The longest whole sequence `llama_train --memory auto` can train on a GPU of
+    /// `gpu_bytes` ([`fitting_memory`](Self::fitting_memory) with `choose_offload`), and what it
+    /// picks there; `None` when not even the shortest fits.
+    ///
+    /// # Errors
+    ///
+    /// Those of [`plan`](Self::plan) other than the sequence's.
+    pub fn longest_auto_sequence(
+        &self,
+        gpu_bytes: u64,
+        choose_offload: bool,
+    ) -> Result<Option<(usize, FittedMemory)>, Error> {
+        let fitted = |planner: &Self| match planner.fitting_memory(gpu_bytes, choose_offload) {
+            Ok(fitted) => Ok(Some(fitted)),
+            Err(Error::Invalid { .. }) => Ok(None),
+            Err(other) => Err(other),
         };
+        let Some(longest) = self.longest_where(|planner| Ok(fitted(planner)?.is_some()))? else {
+            return Ok(None);
+        };
+        let fitted = fitted(&self.at_length(longest))?.expect("the longest fits");
+        Ok(Some((longest, fitted)))
+    }
+
+    /// The longest whole sequence (a multiple of `2 * world`) for which `fits` holds, `fits`
+    /// being monotone (a sequence that fits makes every shorter one fit).
+    fn longest_where(
+        &self,
+        fits: impl Fn(&Self) -> Result<bool, Error>,
+    ) -> Result<Option<usize>, Error> {
+        let granule = 2 * self.world.max(1);
+        let fits = |units: usize| fits(&self.at_length(units * granule));
         if !fits(1)? {
             return Ok(None);
         }
@@ -72,31 +138,17 @@ impl MemoryPlanner {
     ///
     /// # Errors
     ///
-    /// [`Error::Invalid`] when the step does not fit even with one row per chunk, naming the
-    /// predicted peak and the longest sequence that fits; those of [`plan`](Self::plan).
+    /// [`Error::Invalid`] when the step does not fit even with one row per chunk (or its
+    /// offloaded checkpoints exceed the host limit), naming the predicted peak and the longest
+    /// sequence that fits; those of [`plan`](Self::plan).
     pub fn fitting_chunks(
         &self,
         gpu_bytes: u64,
     ) -> Result<(RowChunks, RowChunks, MemoryPlan), Error> {
         let tokens = self.plan()?.tokens;
-        let smallest = self.with_chunk_rows(1, 1)?.plan()?;
-        if !smallest.fits(gpu_bytes) {
-            let longest = match self.longest_sequence(gpu_bytes)? {
-                Some(len) => format!("the longest sequence that fits is {len} tokens"),
-                None => "no sequence fits: the weights and optimizer state alone do not".into(),
-            };
-            return Err(Error::invalid(
-                "the training step's memory",
-                format!(
-                    "at most {:.0}% of the GPU's {} ({longest})",
-                    super::FIT_FRACTION * 100.0,
-                    format_bytes(gpu_bytes)
-                ),
-                format!(
-                    "a predicted peak of {} with 1-row chunks",
-                    format_bytes(smallest.peak)
-                ),
-            ));
+        let smallest = self.with_chunk_rows(1, 1)?;
+        if !smallest.step_fits(gpu_bytes)? {
+            return Err(self.refusal(gpu_bytes, &smallest.plan()?)?);
         }
         let largest = |fits: &dyn Fn(u64) -> Result<bool, Error>| -> Result<u64, Error> {
             let candidates = std::iter::once(tokens).chain(
@@ -112,11 +164,101 @@ impl MemoryPlanner {
             }
             Ok(1)
         };
-        let loss = largest(&|rows| Ok(self.with_chunk_rows(rows, 1)?.plan()?.fits(gpu_bytes)))?;
-        let ffn = largest(&|rows| Ok(self.with_chunk_rows(loss, rows)?.plan()?.fits(gpu_bytes)))?;
+        let loss = largest(&|rows| self.with_chunk_rows(rows, 1)?.step_fits(gpu_bytes))?;
+        let ffn = largest(&|rows| self.with_chunk_rows(loss, rows)?.step_fits(gpu_bytes))?;
         let planner = self.with_chunk_rows(loss, ffn)?;
         let chunks = (planner.options.loss_chunks, planner.options.ffn_chunks);
         Ok((chunks.0, chunks.1, planner.plan()?))
+    }
+
+    /// Why a step whose smallest-chunk plan is `smallest` does not fit: the GPU's memory or the
+    /// host's, with the longest sequence that fits.
+    fn refusal(&self, gpu_bytes: u64, smallest: &MemoryPlan) -> Result<Error, Error> {
+        let longest = match self.longest_sequence(gpu_bytes)? {
+            Some(len) => format!("the longest sequence that fits is {len} tokens"),
+            None => "no sequence fits: the weights and optimizer state alone do not".into(),
+        };
+        if let Some(limit) = self.host_limit.filter(|&limit| smallest.host > limit) {
+            return Ok(Error::invalid(
+                "the offloaded checkpoints' host memory",
+                format!("at most {} per GPU ({longest})", format_bytes(limit)),
+                format_bytes(smallest.host),
+            ));
+        }
+        Ok(Error::invalid(
+            "the training step's memory",
+            format!(
+                "at most {:.0}% of the GPU's {} ({longest})",
+                FIT_FRACTION * 100.0,
+                format_bytes(gpu_bytes)
+            ),
+            format!(
+                "a predicted peak of {} with 1-row chunks",
+                format_bytes(smallest.peak)
+            ),
+        ))
+    }
+
+    /// The settings `llama_train --memory auto` trains with on a GPU of `gpu_bytes`: the largest
+    /// chunks that fit ([`fitting_chunks`](Self::fitting_chunks)) and, when `choose_offload`
+    /// (no policy was given), the fewest offloaded layers with which both chunks keep at least
+    /// [`AUTO_MIN_CHUNK_ROWS`] rows (or all of a GPU's tokens, if fewer); failing that, the
+    /// fewest offloaded layers with which any chunks fit. The last layers stay on the GPU (the
+    /// backward needs them first); the offloaded checkpoints stay within the
+    /// [`host_limit`](Self::host_limit). Without `choose_offload` the model's own policy is kept.
+    ///
+    /// # Errors
+    ///
+    /// That of [`fitting_chunks`](Self::fitting_chunks) with the most offload tried, when
+    /// nothing fits; those of [`plan`](Self::plan).
+    pub fn fitting_memory(
+        &self,
+        gpu_bytes: u64,
+        choose_offload: bool,
+    ) -> Result<FittedMemory, Error> {
+        let layers = self.config.n_layers;
+        let choose = choose_offload && self.config.checkpoint != CheckpointPlacement::None;
+        let policies: Vec<Offload> = match choose {
+            true => (0..=layers)
+                .rev()
+                .map(|kept| match kept {
+                    k if k == layers => Offload::Off,
+                    0 => Offload::All,
+                    k => Offload::AllButLast(k),
+                })
+                .collect(),
+            false => vec![self.config.offload],
+        };
+        let wanted = AUTO_MIN_CHUNK_ROWS.min(self.plan()?.tokens);
+        let mut fallback = None;
+        let mut most_offload_tried = None;
+        for offload in policies {
+            let planner = self.with_offload(offload);
+            most_offload_tried = Some(planner.clone());
+            // The quick test first: one-row chunks (the smallest peak) must fit.
+            if !planner.with_chunk_rows(1, 1)?.step_fits(gpu_bytes)? {
+                continue;
+            }
+            let (loss_chunks, ffn_chunks, plan) = planner.fitting_chunks(gpu_bytes)?;
+            let fitted = FittedMemory {
+                loss_chunks,
+                ffn_chunks,
+                offload,
+                plan,
+            };
+            if plan.loss_rows >= wanted && plan.ffn_rows >= wanted {
+                return Ok(fitted);
+            }
+            fallback.get_or_insert(fitted);
+        }
+        match (fallback, most_offload_tried) {
+            (Some(fitted), _) => Ok(fitted),
+            (None, Some(planner)) => {
+                let smallest = planner.with_chunk_rows(1, 1)?.plan()?;
+                Err(planner.refusal(gpu_bytes, &smallest)?)
+            }
+            (None, None) => unreachable!("at least one offload policy is tried"),
+        }
     }
 }
 
@@ -125,7 +267,6 @@ mod tests {
     use super::*;
     use crate::train::TrainOptions;
     use crate::LlamaConfig;
-    use burn_distflash::layers::CheckpointPlacement;
 
     const H200: u64 = 139 << 30;
 
@@ -185,5 +326,68 @@ mod tests {
         );
         let err = planner.fitting_chunks(20 << 30).unwrap_err().to_string();
         assert!(err.contains("no sequence fits"), "{err}");
+    }
+
+    #[test]
+    fn auto_offloads_the_fewest_layers_that_keep_the_chunks_large() {
+        // 256K tokens per GPU: the checkpoints alone outgrow an H200.
+        let planner = planner(2).at_length(1 << 19);
+        assert!(
+            planner.fitting_chunks(H200).is_err(),
+            "fits without offload"
+        );
+        let fitted = planner.fitting_memory(H200, true).unwrap();
+        let Offload::AllButLast(kept) = fitted.offload else {
+            panic!("expected some layers kept on the GPU: {:?}", fitted.offload);
+        };
+        assert!(fitted.plan.fits(H200));
+        assert!(fitted.plan.loss_rows >= AUTO_MIN_CHUNK_ROWS);
+        assert!(fitted.plan.ffn_rows >= AUTO_MIN_CHUNK_ROWS);
+        assert_eq!(fitted.plan.offloaded_layers, 32 - kept);
+        // One more layer kept on the GPU does not fit with chunks that large.
+        let large = |p: &MemoryPlan| {
+            p.loss_rows >= AUTO_MIN_CHUNK_ROWS && p.ffn_rows >= AUTO_MIN_CHUNK_ROWS
+        };
+        let closer = planner.with_offload(Offload::AllButLast(kept + 1));
+        assert!(!closer
+            .fitting_chunks(H200)
+            .is_ok_and(|(_, _, plan)| large(&plan)));
+        // A short sequence offloads nothing.
+        let short = planner
+            .at_length(1 << 14)
+            .fitting_memory(H200, true)
+            .unwrap();
+        assert_eq!(short.offload, Offload::Off);
+        // A policy given is kept, and what does not fit with it is refused.
+        assert!(planner.fitting_memory(H200, false).is_err());
+        let all = planner.with_offload(Offload::All);
+        assert_eq!(
+            all.fitting_memory(H200, false).unwrap().offload,
+            Offload::All
+        );
+        // A host too small for the checkpoints keeps more of them on the GPU.
+        let mut small_host = planner.clone();
+        small_host.host_limit = Some(fitted.plan.host / 2);
+        let kept_more = small_host.fitting_memory(H200, true);
+        assert!(kept_more.is_err(), "{kept_more:?}");
+        let err = kept_more.unwrap_err().to_string();
+        assert!(err.contains("host memory"), "{err}");
+        small_host.host_limit = Some(fitted.plan.host);
+        assert_eq!(small_host.fitting_memory(H200, true).unwrap(), fitted);
+        // The longest sequence --memory auto trains is longer than without offload.
+        let (auto, picked) = planner.longest_auto_sequence(H200, true).unwrap().unwrap();
+        assert!(auto > planner.longest_sequence(H200).unwrap().unwrap());
+        assert!(picked.plan.fits(H200));
+        assert!(planner
+            .at_length(auto + 4)
+            .fitting_memory(H200, true)
+            .is_err());
+        // Nothing fits: the refusal with every layer offloaded names the longest that fits.
+        let err = planner
+            .at_length(1 << 26)
+            .fitting_memory(H200, true)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("the longest sequence that fits is"), "{err}");
     }
 }

@@ -2,12 +2,13 @@
 //! optimizer state equal the trainer's [`MemoryReport`] of a built model exactly (every
 //! configuration kind, world size and ZeRO stage); on wgpu, whose allocator counts its live
 //! bytes, the activations a forward keeps for the backward (at every checkpoint placement) and
-//! the gradients a backward leaves match the prediction within the allocator's rounding.
+//! the gradients a backward leaves match the prediction within the allocator's rounding; the
+//! host memory planned for offloaded checkpoints is what the model asks the host for.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_autodiff::Autodiff;
-use burn_distflash::layers::CheckpointPlacement;
+use burn_distflash::layers::{CheckpointPlacement, Offload};
 use burn_distflash::AttentionContext;
 use distflash_llama::memory_plan::MemoryPlanner;
 use distflash_llama::optimizer::{FlatLayout, ZeroStage};
@@ -40,6 +41,39 @@ fn the_plans_state_is_the_trainers_memory_report() {
                 let counted = MemoryReport::estimate(&layout, stage);
                 assert_eq!(predicted, counted, "{config:?} on {world}, stage {stage}");
             }
+        }
+    }
+}
+
+#[test]
+fn the_plans_host_memory_is_what_the_model_offloads() {
+    let (batch, seq) = (2, 48);
+    for world in [1, 2, 3] {
+        for (placement, offload) in [
+            (CheckpointPlacement::Layer, Offload::All),
+            (CheckpointPlacement::AttentionOutput, Offload::AllButLast(1)),
+            (CheckpointPlacement::AttentionOutput, Offload::Off),
+        ] {
+            let config = LlamaConfig::new(300, 64, 3, 4, 2, 96)
+                .with_checkpoint(placement)
+                .with_offload(offload);
+            let model: Llama<Cpu> = config.try_init(&Default::default()).unwrap();
+            let options = TrainOptions::new(1, batch, seq);
+            let plan = MemoryPlanner::new(config, options, world, 4)
+                .plan()
+                .unwrap();
+            // What the trainer pins before a step: each rank's share of the sequence.
+            let asked: usize = model.offloaded_bytes(batch, seq / world).iter().sum();
+            assert_eq!(
+                plan.host, asked as u64,
+                "{placement:?}, {offload:?}, {world}"
+            );
+            let layers = offload.offloaded_layers(3);
+            assert_eq!(plan.offloaded_layers, layers);
+            assert_eq!(
+                plan.checkpoints,
+                (3 - layers) as u64 * plan.checkpoint_per_layer
+            );
         }
     }
 }

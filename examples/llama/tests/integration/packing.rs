@@ -10,7 +10,7 @@ use burn::backend::NdArray;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_distflash::{AttentionContext, Documents};
 use distflash_llama::data::Packing;
-use distflash_llama::{Llama, LlamaConfig};
+use distflash_llama::{Llama, LlamaConfig, LlamaInput};
 
 type Cpu = NdArray<f32>;
 const DEVICE: NdArrayDevice = NdArrayDevice::Cpu;
@@ -39,11 +39,11 @@ fn logits(
     let values: Vec<i64> = rows.iter().flatten().map(|&t| i64::from(t)).collect();
     let tokens = Tensor::<Cpu, 2, Int>::from_data(TensorData::new(values, [batch, seq]), &DEVICE);
     let context = AttentionContext::Local;
-    let out = match documents {
-        Some(documents) => model.forward_with_documents(tokens, &context, documents),
-        None => model.forward(tokens, &context),
-    }
-    .unwrap();
+    let input = LlamaInput {
+        tokens,
+        documents: documents.cloned(),
+    };
+    let out = model.forward(input, &context).unwrap();
     let flat = out.into_data().to_vec::<f32>().unwrap();
     flat.chunks(seq * VOCAB)
         .map(|row| row.chunks(VOCAB).map(<[f32]>::to_vec).collect())
@@ -213,7 +213,10 @@ fn a_window_of_zero_and_an_eot_outside_the_vocabulary_are_refused() {
     let values: Vec<i64> = rows.concat().iter().map(|&t| i64::from(t)).collect();
     let tokens = Tensor::<Cpu, 2, Int>::from_data(TensorData::new(values, [2, 24]), &DEVICE);
     let e = model(&config())
-        .forward_with_documents(tokens, &AttentionContext::Local, &short)
+        .forward(
+            LlamaInput::new(tokens).with_documents(short),
+            &AttentionContext::Local,
+        )
         .unwrap_err()
         .to_string();
     assert!(e.contains("23") && e.contains("24"), "{e}");

@@ -13,7 +13,7 @@ use crate::grid;
 use crate::hopper;
 use crate::kernel_error::{launch_result, KernelError};
 use crate::limits::DeviceLimits;
-use crate::mask::DocumentTable;
+use crate::mask::{DocumentTable, KernelMask};
 use crate::plan::LaunchPlan;
 use crate::portable::{self, ROWS_PER_CUBE};
 use crate::state_kernels::{self, ELEMENT_UNITS, ROW_LANES, ROW_UNITS};
@@ -585,6 +585,7 @@ pub fn backward_step<R: Runtime>(
     grads: &GradAccumulators,
     options: &StepOptions,
 ) -> Result<(), KernelError> {
+    hopper::refuse_steps(options, "backward_step")?;
     let dims = check_qkv(q, k, v)?;
     AttentionDims::expect_shape("grad_out", &dims.q_shape(), &grad_out.shape)?;
     grad_out.expect_elem("grad_out", q.elem)?;
@@ -666,7 +667,9 @@ pub fn attention<R: Runtime>(
     finished_forward(client, (q, k, v), None, &dims, options, "attention")
 }
 
-/// Whole attention backward in one call: `(dq, dk, dv)` in the input element type.
+/// Whole attention backward in one call: `(dq, dk, dv)` in the input element type. On a Hopper
+/// GPU where [`hopper::attention_backward`] covers the call ([`Variant::Hopper`], or
+/// [`Variant::Auto`]), that kernel's three launches; else the tensor-core or portable backward.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward<R: Runtime>(
     client: &ComputeClient<R>,
@@ -683,7 +686,28 @@ pub fn attention_backward<R: Runtime>(
     AttentionDims::expect_shape("grad_out", &dims.q_shape(), &grad_out.shape)?;
     AttentionDims::expect_shape("lse", &dims.row_shape(), &lse.shape)?;
     out.expect_elem("out", q.elem)?;
+    grad_out.expect_elem("grad_out", q.elem)?;
     lse.expect_elem("lse", ElemType::F32)?;
+    options.check()?;
+    options.mask.check(&dims)?;
+    let inputs = [
+        ("q", q),
+        ("k", k),
+        ("v", v),
+        ("out", out),
+        ("lse", lse),
+        ("grad_out", grad_out),
+    ];
+    if let Some(launch) = hopper::choose_backward(client, &dims, options, &inputs)? {
+        let dq = DeviceTensor::empty(client, dims.q_shape(), q.elem);
+        let dk = DeviceTensor::empty(client, dims.kv_shape(), q.elem);
+        let dv = DeviceTensor::empty(client, dims.kv_shape(), q.elem);
+        let tensors = hopper::ForwardTensors { q, k, v, out, lse };
+        let grads = (&dq, &dk, &dv);
+        hopper::enqueue_backward(client, &launch, &tensors, grad_out, grads, &dims, options);
+        launch_result(client, "attention_backward")?;
+        return Ok((dq, dk, dv));
+    }
     let (limits, plan) = LaunchPlan::for_call(client, &dims, q.elem, options)?;
     let delta = enqueue_delta(client, &limits, out, grad_out)?;
     if let LaunchPlan::TensorCore(grids) = &plan {

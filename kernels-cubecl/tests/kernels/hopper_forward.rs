@@ -7,79 +7,9 @@
 //! tensor-core kernels where not; and its refusals. The forward runs on an H100/H200 only;
 //! elsewhere it must refuse the device.
 
+use super::hopper_cases::{compare, named, Named, Quantity};
 use super::*;
 use distflash_kernels::hopper::{self, schedule, ForwardSchedule};
-
-/// One case of the table: its data and a name for the report.
-struct Named {
-    name: String,
-    case: Case,
-}
-
-fn named(
-    seed: u64,
-    heads: (usize, usize, usize),
-    lens: (usize, usize, usize),
-    mask: Mask,
-    elem: ElemType,
-) -> Named {
-    Named {
-        name: format!("{heads:?} {lens:?} {mask:?} {elem:?}"),
-        case: Case::new(seed, heads, lens, mask, elem),
-    }
-}
-
-/// Where a result differs from the reference beyond `threshold`: how many elements (NaN among
-/// them), which 16-row groups of a 128-row query block, which 8-column groups, and the first few.
-fn error_map(
-    got: &[f64],
-    exact: &[f64],
-    threshold: f64,
-    dims: &AttentionDims,
-    cols: usize,
-) -> String {
-    let mut bad = 0usize;
-    let mut nan = 0usize;
-    let mut row_groups = [0usize; 8];
-    let mut col_groups = vec![0usize; cols.div_ceil(8)];
-    let mut first = Vec::new();
-    for (index, (g, e)) in got.iter().zip(exact).enumerate() {
-        let wrong = if g.is_nan() || e.is_nan() {
-            g.is_nan() != e.is_nan()
-        } else if g.is_infinite() || e.is_infinite() {
-            g != e
-        } else {
-            (g - e).abs() > threshold
-        };
-        if !wrong {
-            continue;
-        }
-        bad += 1;
-        nan += usize::from(g.is_nan());
-        let (row, col) = (index / cols, index % cols);
-        let (slice, i) = (row / dims.q_len, row % dims.q_len);
-        row_groups[(i % 128) / 16] += 1;
-        col_groups[col / 8] += 1;
-        if first.len() < 4 {
-            first.push(format!("slice {slice} row {i} col {col}: {g} vs {e}"));
-        }
-    }
-    format!(
-        "{bad} of {} wrong ({nan} NaN); by 16-row group of a block {row_groups:?}; by 8-column \
-         group {col_groups:?}; first: {}",
-        got.len(),
-        first.join("; ")
-    )
-}
-
-/// The tolerance of `assert_close` for these values.
-fn threshold(exact: &[f64], naive: &[f64], elem: ElemType) -> f64 {
-    let magnitude = exact
-        .iter()
-        .filter(|x| x.is_finite())
-        .fold(1.0f64, |a, x| a.max(x.abs()));
-    2.0 * oracle::max_abs_diff(naive, exact) + 1e-3 * magnitude * f64::from(elem != ElemType::F32)
-}
 
 /// Runs the Hopper forward of `case` into poisoned outputs and compares O and lse with the f64
 /// reference; the error, with a map of where it lies, if they differ.
@@ -97,67 +27,34 @@ fn check_case<R: Runtime>(client: &ComputeClient<R>, case: &Case) -> Result<(), 
     )
     .map_err(|e| format!("refused: {e}"))?;
     let (got_out, got_lse) = (read(client, &out), read(client, &lse));
-    let (exact_fwd, naive) = case.reference_forward();
-    let mut failures = Vec::new();
-    for (name, got, exact, naive, elem, cols) in [
-        (
+    let (exact, naive) = case.reference_forward();
+    let rows = |name, got, exact, naive, elem, cols| Quantity {
+        name,
+        got,
+        exact,
+        naive,
+        elem,
+        slice_rows: dims.q_len,
+        cols,
+        block_rows: 128,
+    };
+    compare(&[
+        rows(
             "O",
             &got_out,
-            &exact_fwd.out,
+            &exact.out,
             &naive.out,
             case.elem,
             dims.head_dim,
         ),
-        (
-            "lse",
-            &got_lse,
-            &exact_fwd.lse,
-            &exact_fwd.lse,
-            ElemType::F32,
-            1,
-        ),
-    ] {
-        let outcome = std::panic::catch_unwind(|| assert_close(name, got, exact, naive, elem));
-        if let Err(panic) = outcome {
-            let message = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .unwrap_or_else(|| "assert_close failed".into());
-            let map = error_map(got, exact, threshold(exact, naive, elem), dims, cols);
-            failures.push(format!("{message}\n      {map}"));
-        }
-    }
-    if failures.is_empty() {
-        Ok(())
-    } else {
-        Err(failures.join("\n    "))
-    }
+        // lse is f32: compared against f32 precision.
+        rows("lse", &got_lse, &exact.lse, &exact.lse, ElemType::F32, 1),
+    ])
 }
 
-/// Runs every case (all of them, so one run shows the whole picture) and panics listing the
-/// failures.
+/// Runs every case on `client` and panics listing the failures.
 fn check_all<R: Runtime>(client: &ComputeClient<R>, what: &str, cases: &[Named]) {
-    let failures: Vec<String> = cases
-        .iter()
-        .filter_map(|named| {
-            let outcome = check_case(client, &named.case);
-            println!(
-                "{what} {}: {}",
-                named.name,
-                if outcome.is_ok() { "ok" } else { "FAILED" }
-            );
-            outcome
-                .err()
-                .map(|error| format!("{what} {}:\n    {error}", named.name))
-        })
-        .collect();
-    assert!(
-        failures.is_empty(),
-        "{} of {} cases failed:\n{}",
-        failures.len(),
-        cases.len(),
-        failures.join("\n")
-    );
+    hopper_cases::check_all(what, cases, |case| check_case(client, case));
 }
 
 /// Scores far below zero (every `q . k` near -900) beside a key count that ends inside a key

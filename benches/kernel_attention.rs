@@ -440,21 +440,31 @@ struct BackwardRows<'a> {
 }
 
 impl BackwardRows<'_> {
-    /// One forward and one backward with `options`.
-    fn forward_backward(&self, options: &StepOptions) {
+    /// The forward's `(O, lse)` with `options`.
+    fn forward(&self, options: &StepOptions) -> (DeviceTensor, DeviceTensor) {
+        let (q, k, v, _) = self.inputs;
+        distflash_kernels::attention(self.client, q, k, v, options).unwrap()
+    }
+
+    /// The backward from the forward's `(O, lse)` with `options`.
+    fn backward(&self, (out, lse): &(DeviceTensor, DeviceTensor), options: &StepOptions) {
         let (q, k, v, grad_out) = self.inputs;
-        let (out, lse) = distflash_kernels::attention(self.client, q, k, v, options).unwrap();
         let _ = distflash_kernels::attention_backward(
             self.client,
             q,
             k,
             v,
-            &out,
-            &lse,
+            out,
+            lse,
             grad_out,
             options,
         )
         .unwrap();
+    }
+
+    /// One forward and one backward with `options`.
+    fn forward_backward(&self, options: &StepOptions) {
+        self.backward(&self.forward(options), options);
     }
 
     /// Seconds per forward+backward: one call at a time, or (`queued`) [`QUEUED`] back to back
@@ -467,26 +477,26 @@ impl BackwardRows<'_> {
         }) / calls as f64
     }
 
+    /// Prints forward+backward one call at a time and queued.
+    fn print_forward_backward(
+        &self,
+        options: &StepOptions,
+        row: &dyn Fn(&str, &str, usize, f64, f64),
+    ) {
+        let (name, seq, flops) = (self.name, self.seq, 3.5 * self.flops);
+        let secs = self.forward_backward_seconds(options, false);
+        row(name, "fwd+bwd", seq, secs, flops);
+        let secs = self.forward_backward_seconds(options, true);
+        row(&format!("{name}, queued"), "fwd+bwd", seq, secs, flops);
+    }
+
     /// Prints the variant's rows: the first backward call (compilation included, where asked),
     /// forward+backward one call at a time and queued, and the backward alone, queued.
     fn print(&self, options: &StepOptions, row: &dyn Fn(&str, &str, usize, f64, f64)) {
-        let (q, k, v, grad_out) = self.inputs;
         let (name, seq, flops) = (self.name, self.seq, self.flops);
-        let (out, lse) = distflash_kernels::attention(self.client, q, k, v, options).unwrap();
+        let forward = self.forward(options);
         sync(self.client);
-        let backward = || {
-            let _ = distflash_kernels::attention_backward(
-                self.client,
-                q,
-                k,
-                v,
-                &out,
-                &lse,
-                grad_out,
-                options,
-            )
-            .unwrap();
-        };
+        let backward = || self.backward(&forward, options);
         if self.first {
             let start = Instant::now();
             backward();
@@ -494,16 +504,7 @@ impl BackwardRows<'_> {
             let secs = start.elapsed().as_secs_f64();
             println!("| {name} | first bwd call | {seq} | {:.0} | |", secs * 1e3);
         }
-        let secs = self.forward_backward_seconds(options, false);
-        row(name, "fwd+bwd", seq, secs, 3.5 * flops);
-        let secs = self.forward_backward_seconds(options, true);
-        row(
-            &format!("{name}, queued"),
-            "fwd+bwd",
-            seq,
-            secs,
-            3.5 * flops,
-        );
+        self.print_forward_backward(options, row);
         let secs = median_seconds(self.iters.min(3), || {
             (0..QUEUED).for_each(|_| backward());
             sync(self.client);
@@ -686,30 +687,16 @@ fn main() {
             row(&name, "fwd", seq, secs, flops);
             let secs = queued_forward_seconds(&client, (&q, &k, &v), &options, iters);
             row(&format!("{name}, queued"), "fwd", seq, secs, flops);
-            let forward_backward = || {
-                let (out, lse) =
-                    distflash_kernels::attention(&client, &q, &k, &v, &options).unwrap();
-                let _ = distflash_kernels::attention_backward(
-                    &client, &q, &k, &v, &out, &lse, &grad_out, &options,
-                )
-                .unwrap();
-            };
-            let secs = median_seconds(iters.min(3), || {
-                forward_backward();
-                sync(&client);
-            });
-            row(&name, "fwd+bwd", seq, secs, 3.5 * flops);
-            let secs = median_seconds(iters.min(3), || {
-                (0..QUEUED).for_each(|_| forward_backward());
-                sync(&client);
-            }) / QUEUED as f64;
-            row(
-                &format!("{name}, queued"),
-                "fwd+bwd",
+            let backward_rows = BackwardRows {
+                client: &client,
+                inputs: (&q, &k, &v, &grad_out),
+                name: &name,
                 seq,
-                secs,
-                3.5 * flops,
-            );
+                flops,
+                iters,
+                first: false,
+            };
+            backward_rows.print_forward_backward(&options, &row);
         }
     }
     for &seq in &burn_seqs {

@@ -1,12 +1,15 @@
 // What the Hopper attention kernels (forward and backward) share on top of `ptx.cuh`: the 16-bit
 // operand type of the variant, shared-memory matrix descriptors of 64-column swizzled tiles, the
 // warpgroup MMA forms with A in registers, register fences for the asynchronous products, `exp2`,
-// packing to 16 bits, named barriers, the cubes' launch order, and the store of an accumulator
-// fragment into a swizzled tile. The host prepends it after `ptx.cuh` (and after the variant's switches, which select
+// packing to 16 bits, named barriers, the cubes' launch order, bulk copies of 64-column halves,
+// and the store of an accumulator fragment into a swizzled tile. The host prepends it after `ptx.cuh` (and after the variant's switches, which select
 // DISTFLASH_F16) to each attention kernel's source.
 
 #ifndef DISTFLASH_F16
 #define DISTFLASH_F16 0
+#endif
+#ifndef DISTFLASH_HEAD_DIM
+#define DISTFLASH_HEAD_DIM 128
 #endif
 
 #if DISTFLASH_F16
@@ -43,6 +46,16 @@ __device__ __forceinline__ u64 mn_major(u32 address, u32 chunk_bytes) {
 #define DF_R4(x, i) "+r"(x[i]), "+r"(x[i + 1]), "+r"(x[i + 2]), "+r"(x[i + 3])
 #define DF_R16(x, i) DF_R4(x, i), DF_R4(x, i + 4), DF_R4(x, i + 8), DF_R4(x, i + 12)
 
+// The accumulators of a `wgmma` string, 32 or 64 of them from operand %0, and the opening that
+// sets its accumulate predicate `keep` to `x != 0` (`x` an operand or a literal).
+#define DF_ACC32                                                                             \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "               \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define DF_ACC64                                                                             \
+    DF_ACC32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, "  \
+             "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define DF_WGMMA_KEEP(x) "{\n.reg .pred keep;\nsetp.ne.b32 keep, " x ", 0;\n"
+
 // Keeps the compiler from moving reads or writes of registers across this point: the
 // asynchronous products read and write them behind its back.
 __device__ __forceinline__ void fence_registers(float (&x)[64]) {
@@ -62,34 +75,20 @@ __device__ __forceinline__ void fence_registers(u32 (&x)[16]) {
 // fragment's layout), B MN-major in shared memory.
 __device__ __forceinline__ void wgmma_rs_n128(float (&o)[64], u32 a0, u32 a1, u32 a2, u32 a3,
                                               u64 b) {
-    asm volatile(
-        "{\n"
-        ".reg .pred keep;\n"
-        "setp.ne.b32 keep, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32." DF_AB "." DF_AB " {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, {%64, %65, %66, %67}, %68, keep, 1, 1, 1;\n"
-        "}\n"
-        : DF_F64(o)
+    asm volatile(DF_WGMMA_KEEP("1") "wgmma.mma_async.sync.aligned.m64n128k16.f32." DF_AB
+                                    "." DF_AB " {" DF_ACC64
+                                    "}, {%64, %65, %66, %67}, %68, keep, 1, 1, 1;\n}\n"
+                 : DF_F64(o)
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));
 }
 
 // o += A[64 x 16] B[16 x 64], as `wgmma_rs_n128` for 64 columns.
 __device__ __forceinline__ void wgmma_rs_n64(float (&o)[32], u32 a0, u32 a1, u32 a2, u32 a3,
                                              u64 b) {
-    asm volatile(
-        "{\n"
-        ".reg .pred keep;\n"
-        "setp.ne.b32 keep, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32." DF_AB "." DF_AB " {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, {%32, %33, %34, %35}, %36, keep, 1, 1, 1;\n"
-        "}\n"
-        : DF_F32(o)
+    asm volatile(DF_WGMMA_KEEP("1") "wgmma.mma_async.sync.aligned.m64n64k16.f32." DF_AB
+                                    "." DF_AB " {" DF_ACC32
+                                    "}, {%32, %33, %34, %35}, %36, keep, 1, 1, 1;\n}\n"
+                 : DF_F32(o)
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));
 }
 
@@ -148,6 +147,26 @@ __device__ __forceinline__ void grouped_cube(u32 cube, u32 blocks, u32 slice_gro
     const u32 within = cube - group * per_group;
     slice = first + within % width;
     rank = within / width;
+}
+
+// ---- bulk copies of 64-column halves ----------------------------------------------------------
+
+// Has the copy engine fetch the map's box from row `row` of slice `slice` as its
+// DISTFLASH_HEAD_DIM / 64 halves of 64 columns, `half_bytes` apart from `dst`, completing on `bar`.
+__device__ __forceinline__ void copy_halves(u32 dst, u32 half_bytes, const TensorMap* map,
+                                            u32 bar, u32 row, u32 slice) {
+    for (u32 h = 0; h < DISTFLASH_HEAD_DIM / 64; ++h) {
+        copy_box_3d(dst + h * half_bytes, map, bar, 64 * h, row, slice);
+    }
+}
+
+// Has the copy engine store the map's box at row `row` of slice `slice` from its halves of 64
+// columns, `half_bytes` apart from `src` (a bulk group of the calling thread).
+__device__ __forceinline__ void store_halves(const TensorMap* map, u32 src, u32 half_bytes,
+                                             u32 row, u32 slice) {
+    for (u32 h = 0; h < DISTFLASH_HEAD_DIM / 64; ++h) {
+        store_box_3d(map, src + h * half_bytes, 64 * h, row, slice);
+    }
 }
 
 // ---- fragments to shared memory ---------------------------------------------------------------

@@ -111,32 +111,18 @@ struct BackwardInfo {
 // memory, each K-major or (TRANSPOSE) MN-major.
 template <int TRANSPOSE_A, int TRANSPOSE_B>
 __device__ __forceinline__ void wgmma_ss_n64_first(float (&d)[32], u64 a, u64 b) {
-    asm volatile(
-        "{\n"
-        ".reg .pred keep;\n"
-        "setp.ne.b32 keep, 0, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32." DF_AB "." DF_AB " {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, %32, %33, keep, 1, 1, %34, %35;\n"
-        "}\n"
-        : DF_W16(d, 0), DF_W16(d, 16)
+    asm volatile(DF_WGMMA_KEEP("0") "wgmma.mma_async.sync.aligned.m64n64k16.f32." DF_AB
+                                    "." DF_AB " {" DF_ACC32 "}, %32, %33, keep, 1, 1, %34, %35;\n}\n"
+                 : DF_W16(d, 0), DF_W16(d, 16)
         : "l"(a), "l"(b), "n"(TRANSPOSE_A), "n"(TRANSPOSE_B));
 }
 
 // d += A[64 x 16] B[16 x 64], as `wgmma_ss_n64_first` after the chain's first product.
 template <int TRANSPOSE_A, int TRANSPOSE_B>
 __device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], u64 a, u64 b) {
-    asm volatile(
-        "{\n"
-        ".reg .pred keep;\n"
-        "setp.ne.b32 keep, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32." DF_AB "." DF_AB " {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, %32, %33, keep, 1, 1, %34, %35;\n"
-        "}\n"
-        : DF_F32(d)
+    asm volatile(DF_WGMMA_KEEP("1") "wgmma.mma_async.sync.aligned.m64n64k16.f32." DF_AB
+                                    "." DF_AB " {" DF_ACC32 "}, %32, %33, keep, 1, 1, %34, %35;\n}\n"
+                 : DF_F32(d)
         : "l"(a), "l"(b), "n"(TRANSPOSE_A), "n"(TRANSPOSE_B));
 }
 
@@ -363,8 +349,7 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
             barrier_init(at.do_full + 8 * s, 1);
             barrier_init(at.empty + 8 * s, 8);
         }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        fence_shared_for_copies();
+        publish_barrier_inits();
     }
     __syncthreads();
 
@@ -379,10 +364,8 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         prefetch_map(&v_map);
         prefetch_map(&do_map);
         barrier_expect_bytes(at.kv_full, 2 * DF_KV_BYTES);
-        for (u32 h = 0; h < DF_HALVES; ++h) {
-            copy_box_3d(at.k + h * DF_KV_HALF, &k_map, at.kv_full, 64 * h, key0, kv_slice);
-            copy_box_3d(at.v + h * DF_KV_HALF, &v_map, at.kv_full, 64 * h, key0, kv_slice);
-        }
+        copy_halves(at.k, DF_KV_HALF, &k_map, at.kv_full, key0, kv_slice);
+        copy_halves(at.v, DF_KV_HALF, &v_map, at.kv_full, key0, kv_slice);
         for (int t = 0; t < walk.count; ++t) {
             const u32 s = stage_of(t), free_parity = parity_of(t) ^ 1;
             u32 q_slice;
@@ -391,20 +374,14 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
             const u32 row0 = static_cast<u32>(tile) * DF_BM;
             const u64 rows = static_cast<u64>(q_slice) * info.q_tiles * DF_BM + row0;
             barrier_wait(at.empty + 8 * s, free_parity);
-            barrier_expect_bytes(at.q_full + 8 * s, DF_Q_BYTES + DF_ROW_BYTES);
-            for (u32 h = 0; h < DF_HALVES; ++h) {
-                copy_box_3d(at.q + s * DF_Q_BYTES + h * DF_Q_HALF, &q_map, at.q_full + 8 * s,
-                            64 * h, row0, q_slice);
-            }
-            copy_bytes(at.lse + s * DF_ROW_BYTES, lse_log2 + rows, DF_ROW_BYTES,
-                       at.q_full + 8 * s);
-            barrier_expect_bytes(at.do_full + 8 * s, DF_Q_BYTES + DF_ROW_BYTES);
-            for (u32 h = 0; h < DF_HALVES; ++h) {
-                copy_box_3d(at.d_o + s * DF_Q_BYTES + h * DF_Q_HALF, &do_map, at.do_full + 8 * s,
-                            64 * h, row0, q_slice);
-            }
-            copy_bytes(at.delta + s * DF_ROW_BYTES, delta + rows, DF_ROW_BYTES,
-                       at.do_full + 8 * s);
+            // Q with its log-sum-exps, then dO with its deltas, each on its own barrier.
+            const u32 q_full = at.q_full + 8 * s, do_full = at.do_full + 8 * s;
+            barrier_expect_bytes(q_full, DF_Q_BYTES + DF_ROW_BYTES);
+            copy_halves(at.q + s * DF_Q_BYTES, DF_Q_HALF, &q_map, q_full, row0, q_slice);
+            copy_bytes(at.lse + s * DF_ROW_BYTES, lse_log2 + rows, DF_ROW_BYTES, q_full);
+            barrier_expect_bytes(do_full, DF_Q_BYTES + DF_ROW_BYTES);
+            copy_halves(at.d_o + s * DF_Q_BYTES, DF_Q_HALF, &do_map, do_full, row0, q_slice);
+            copy_bytes(at.delta + s * DF_ROW_BYTES, delta + rows, DF_ROW_BYTES, do_full);
         }
         return;
     }
@@ -535,12 +512,8 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
     fence_shared_for_copies();
     named_sync(DF_STORE_BARRIER + wg, 128);
     if (thread == 0 && key0 + wg * 64 < info.kv_len) {
-        for (u32 h = 0; h < DF_HALVES; ++h) {
-            store_box_3d(&dk_map, at.k + h * DF_KV_HALF + key_rows, 64 * h, key0 + wg * 64,
-                         kv_slice);
-            store_box_3d(&dv_map, at.v + h * DF_KV_HALF + key_rows, 64 * h, key0 + wg * 64,
-                         kv_slice);
-        }
+        store_halves(&dk_map, at.k + key_rows, DF_KV_HALF, key0 + wg * 64, kv_slice);
+        store_halves(&dv_map, at.v + key_rows, DF_KV_HALF, key0 + wg * 64, kv_slice);
         store_boxes_read();
     }
 }

@@ -95,18 +95,9 @@ struct ForwardInfo {
 
 // s (+)= A[64 x 16] B[16 x 128]^T, both K-major in shared memory; `accumulate` 0 overwrites s.
 __device__ __forceinline__ void wgmma_ss_n128(float (&s)[64], u64 a, u64 b, u32 accumulate) {
-    asm volatile(
-        "{\n"
-        ".reg .pred keep;\n"
-        "setp.ne.b32 keep, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32." DF_AB "." DF_AB " {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, %64, %65, keep, 1, 1, 0, 0;\n"
-        "}\n"
-        : DF_F64(s)
+    asm volatile(DF_WGMMA_KEEP("%66") "wgmma.mma_async.sync.aligned.m64n128k16.f32." DF_AB
+                                      "." DF_AB " {" DF_ACC64 "}, %64, %65, keep, 1, 1, 0, 0;\n}\n"
+                 : DF_F64(s)
         : "l"(a), "l"(b), "r"(accumulate));
 }
 
@@ -367,8 +358,7 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
             barrier_init(at.k_empty + 8 * s, 8);
             barrier_init(at.v_empty + 8 * s, 8);
         }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        fence_shared_for_copies();
+        publish_barrier_inits();
     }
     __syncthreads();
 
@@ -382,24 +372,18 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         prefetch_map(&k_map);
         prefetch_map(&v_map);
         barrier_expect_bytes(at.q_full, DF_Q_BYTES);
-        for (u32 h = 0; h < DF_HALVES; ++h) {
-            copy_box_3d(at.q + h * DF_Q_HALF, &q_map, at.q_full, 64 * h, block_start, slice);
-        }
+        copy_halves(at.q, DF_Q_HALF, &q_map, at.q_full, block_start, slice);
         for (int t = 0; t < walk.count; ++t) {
             const u32 s = stage_of(t), free_parity = parity_of(t) ^ 1;
             const u32 key0 = static_cast<u32>(walk.count - 1 - t) * DF_BN;
             barrier_wait(at.k_empty + 8 * s, free_parity);
             barrier_expect_bytes(at.k_full + 8 * s, DF_KV_BYTES);
-            for (u32 h = 0; h < DF_HALVES; ++h) {
-                copy_box_3d(at.k + s * DF_KV_BYTES + h * DF_KV_HALF, &k_map, at.k_full + 8 * s,
-                            64 * h, key0, kv_slice);
-            }
+            copy_halves(at.k + s * DF_KV_BYTES, DF_KV_HALF, &k_map, at.k_full + 8 * s, key0,
+                        kv_slice);
             barrier_wait(at.v_empty + 8 * s, free_parity);
             barrier_expect_bytes(at.v_full + 8 * s, DF_KV_BYTES);
-            for (u32 h = 0; h < DF_HALVES; ++h) {
-                copy_box_3d(at.v + s * DF_KV_BYTES + h * DF_KV_HALF, &v_map, at.v_full + 8 * s,
-                            64 * h, key0, kv_slice);
-            }
+            copy_halves(at.v + s * DF_KV_BYTES, DF_KV_HALF, &v_map, at.v_full + 8 * s, key0,
+                        kv_slice);
         }
         return;
     }
@@ -523,9 +507,7 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
     fence_shared_for_copies();
     named_sync(DF_STORE_BARRIER + wg, 128);
     if (thread == 0) {
-        for (u32 h = 0; h < DF_HALVES; ++h) {
-            store_box_3d(&o_map, q_rows + h * DF_Q_HALF, 64 * h, block_start + wg * 64, slice);
-        }
+        store_halves(&o_map, q_rows, DF_Q_HALF, block_start + wg * 64, slice);
         store_boxes_read();
     }
     if (quad == 0) {

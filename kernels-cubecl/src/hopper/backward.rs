@@ -13,6 +13,7 @@ use super::source_task::{
     PTX_PRELUDE,
 };
 use crate::dims::AttentionDims;
+use crate::inputs::check_backward;
 use crate::kernel_error::{launch_result, KernelError};
 use crate::mask::KernelMask;
 use crate::step_options::{StepOptions, Variant};
@@ -146,19 +147,29 @@ pub(crate) fn plan<R: Runtime>(
     })
 }
 
-/// Whether the Hopper backward runs the whole attention's backward of `dims` on the named
-/// `buffers`: with [`Variant::Hopper`] it must (an error where it cannot); with
-/// [`Variant::Auto`] it does wherever it can ([`plan`], then the buffers' alignment); other
-/// variants never use it.
+/// Whether the Hopper backward runs the whole attention's backward of `dims` from the forward's
+/// `tensors` and `grad_out` into the named `outputs` (none where the caller allocates them):
+/// with [`Variant::Hopper`] it must (an error where it cannot); with [`Variant::Auto`] it does
+/// wherever it can ([`plan`], then the buffers' alignment); other variants never use it.
 pub(crate) fn choose<R: Runtime>(
     client: &ComputeClient<R>,
     dims: &AttentionDims,
     options: &StepOptions,
-    buffers: &[(&str, &DeviceTensor)],
+    (tensors, grad_out): (&ForwardTensors, &DeviceTensor),
+    outputs: &[(&str, &DeviceTensor)],
 ) -> Result<Option<BackwardLaunch>, KernelError> {
     let launch_for = || -> Result<BackwardLaunch, KernelError> {
-        let launch = plan(client, dims, buffers[0].1.elem, options)?;
-        check_alignment(KERNEL, buffers)?;
+        let launch = plan(client, dims, tensors.q.elem, options)?;
+        let inputs = [
+            ("q", tensors.q),
+            ("k", tensors.k),
+            ("v", tensors.v),
+            ("out", tensors.out),
+            ("lse", tensors.lse),
+            ("grad_out", grad_out),
+        ];
+        check_alignment(KERNEL, &inputs)?;
+        check_alignment(KERNEL, outputs)?;
         Ok(launch)
     };
     match options.variant {
@@ -291,12 +302,8 @@ pub fn attention_backward<R: Runtime>(
     (dq, dk, dv): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
     options: &StepOptions,
 ) -> Result<(), KernelError> {
-    let dims = AttentionDims::from_qkv(&q.shape, &k.shape, &v.shape)?;
+    let dims = check_backward((q, k, v), out, lse, grad_out)?;
     for (name, tensor, shape) in [
-        ("k", k, dims.kv_shape()),
-        ("v", v, dims.kv_shape()),
-        ("out", out, dims.q_shape()),
-        ("grad_out", grad_out, dims.q_shape()),
         ("dq", dq, dims.q_shape()),
         ("dk", dk, dims.kv_shape()),
         ("dv", dv, dims.kv_shape()),
@@ -304,28 +311,16 @@ pub fn attention_backward<R: Runtime>(
         AttentionDims::expect_shape(name, &shape, &tensor.shape)?;
         tensor.expect_elem(name, q.elem)?;
     }
-    AttentionDims::expect_shape("lse", &dims.row_shape(), &lse.shape)?;
-    lse.expect_elem("lse", ElemType::F32)?;
     options.check()?;
     options.mask.check(&dims)?;
-    let buffers = [
-        ("q", q),
-        ("k", k),
-        ("v", v),
-        ("out", out),
-        ("lse", lse),
-        ("grad_out", grad_out),
-        ("dq", dq),
-        ("dk", dk),
-        ("dv", dv),
-    ];
     let hopper = StepOptions {
         variant: Variant::Hopper,
         ..options.clone()
     };
-    let launch = choose(client, &dims, &hopper, &buffers)?
-        .expect("Variant::Hopper always chooses the Hopper backward or refuses");
     let tensors = ForwardTensors { q, k, v, out, lse };
+    let outputs = [("dq", dq), ("dk", dk), ("dv", dv)];
+    let launch = choose(client, &dims, &hopper, (&tensors, grad_out), &outputs)?
+        .expect("Variant::Hopper always chooses the Hopper backward or refuses");
     enqueue(
         client,
         &launch,

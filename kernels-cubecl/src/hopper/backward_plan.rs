@@ -3,7 +3,6 @@
 //! switches of the variant compiled for a call, its shared memory, the order of its cubes, the
 //! buffers its row kernels (`backward_rows.cu`) prepare, and the scalars all three read.
 
-use super::forward_plan::HEAD_DIMS;
 use crate::dims::AttentionDims;
 use crate::kernel_error::KernelError;
 use crate::mask::KernelMask;
@@ -63,38 +62,13 @@ impl BackwardVariant {
         scale: f32,
         deterministic: bool,
     ) -> Result<Self, KernelError> {
-        let unsupported = |what: String| Err(KernelError::Unsupported { what });
-        if !matches!(elem, ElemType::BF16 | ElemType::F16) {
-            return unsupported(format!(
-                "the Hopper attention backward takes bf16 or f16 q, k and v, got {elem:?}"
-            ));
-        }
-        if !HEAD_DIMS.contains(&dims.head_dim) {
-            return unsupported(format!(
-                "the Hopper attention backward is built for head dims {HEAD_DIMS:?}, got {}",
-                dims.head_dim
-            ));
-        }
-        if mask.window.is_some() || mask.documents.is_some() {
-            return unsupported(
-                "the Hopper attention backward applies no mask or a causal one; sliding windows \
-                 and documents run on Variant::TensorCore (Variant::Auto picks it)"
-                    .into(),
-            );
-        }
+        super::coverage::check("the Hopper attention backward", dims, elem, mask, scale)?;
         if deterministic {
-            return unsupported(
-                "the Hopper attention backward adds dQ with f32 atomics in no fixed order; the \
-                 deterministic backward runs on Variant::TensorCore (Variant::Auto picks it)"
+            return Err(KernelError::Unsupported {
+                what: "the Hopper attention backward adds dQ with f32 atomics in no fixed order; \
+                       the deterministic backward runs on Variant::TensorCore (Variant::Auto \
+                       picks it)"
                     .into(),
-            );
-        }
-        if !(scale > 0.0 && scale.is_finite()) {
-            return Err(KernelError::BadOption {
-                what: format!(
-                    "the Hopper attention backward needs a positive, finite score scale; got \
-                     {scale} (Variant::Auto runs other scales on the portable kernels)"
-                ),
             });
         }
         Ok(Self {
@@ -170,19 +144,10 @@ pub fn row_scalars(dims: &AttentionDims, scale: f32) -> [u32; 4] {
 
 #[cfg(test)]
 mod tests {
+    use super::super::coverage::{test_dims as dims, HEAD_DIMS};
     use super::*;
+    use crate::hopper::source_task::assert_defines;
     use crate::{Documents, SlidingWindow};
-
-    fn dims(head_dim: usize) -> AttentionDims {
-        AttentionDims {
-            batch: 2,
-            q_heads: 8,
-            kv_heads: 2,
-            q_len: 300,
-            kv_len: 517,
-            head_dim,
-        }
-    }
 
     fn refusal(
         d: AttentionDims,
@@ -309,26 +274,25 @@ mod tests {
     #[test]
     fn the_device_source_agrees_with_these_constants() {
         let source = include_str!("attention_backward.cu");
-        for (name, value) in [
-            ("DF_BM", TILE_ROWS),
-            ("DF_BN", BLOCK_KEYS),
-            ("DF_STAGES", STAGES),
-            ("DF_THREADS", UNITS),
-        ] {
-            let line = format!("#define {name} {value}\n");
-            assert!(
-                source.contains(&line),
-                "attention_backward.cu lacks `{}`",
-                line.trim()
-            );
-        }
+        assert_defines(
+            "attention_backward.cu",
+            source,
+            &[
+                ("DF_BM", TILE_ROWS),
+                ("DF_BN", BLOCK_KEYS),
+                ("DF_STAGES", STAGES),
+                ("DF_THREADS", UNITS),
+            ],
+        );
         // The kernel's shared memory: K, V, the stages of Q, dO and dS^T, of lse and delta, then
         // seven barriers.
         assert!(source.contains("at.empty = at.do_full + DF_STAGES * 8;"));
         assert!(source.contains("#define DF_DS_BYTES (DF_BN * DF_BM * 2)\n"));
         assert_eq!(shared_bytes(128), 160 * 1024 + 1024 + 56 + 1024);
-        let rows = include_str!("backward_rows.cu");
-        assert!(rows.contains(&format!("#define DF_BM {TILE_ROWS}\n")));
-        assert!(rows.contains(&format!("#define DF_ROW_UNITS {ROW_UNITS}\n")));
+        assert_defines(
+            "backward_rows.cu",
+            include_str!("backward_rows.cu"),
+            &[("DF_BM", TILE_ROWS), ("DF_ROW_UNITS", ROW_UNITS)],
+        );
     }
 }

@@ -12,6 +12,7 @@ use super::source_task::{
     PTX_PRELUDE,
 };
 use crate::dims::AttentionDims;
+use crate::inputs::check_qkv;
 use crate::kernel_error::{launch_result, KernelError};
 use crate::mask::KernelMask;
 use crate::step_options::{StepOptions, Variant};
@@ -174,9 +175,7 @@ pub fn attention_forward<R: Runtime>(
     lse: &DeviceTensor,
     options: &StepOptions,
 ) -> Result<(), KernelError> {
-    let dims = AttentionDims::from_qkv(&q.shape, &k.shape, &v.shape)?;
-    k.expect_elem("k", q.elem)?;
-    v.expect_elem("v", q.elem)?;
+    let dims = check_qkv(q, k, v)?;
     AttentionDims::expect_shape("out", &dims.q_shape(), &out.shape)?;
     out.expect_elem("out", q.elem)?;
     AttentionDims::expect_shape("lse", &dims.row_shape(), &lse.shape)?;

@@ -12,6 +12,7 @@
 
 mod backward;
 mod backward_plan;
+mod coverage;
 mod forward;
 mod forward_plan;
 mod gemm;
@@ -31,12 +32,13 @@ use crate::step_options::{StepOptions, Variant};
 pub use backward::{attention_backward, backward_rows_source, backward_source};
 pub(crate) use backward::{choose as choose_backward, enqueue as enqueue_backward, ForwardTensors};
 pub use backward_plan::{shared_bytes as backward_shared_bytes, BackwardVariant};
+pub use coverage::HEAD_DIMS;
 pub use forward::{attention_forward, forward_source};
 pub(crate) use forward::{
     choose as choose_forward, enqueue as enqueue_forward, plan as plan_forward,
 };
 pub use forward_plan::{
-    shared_bytes as forward_shared_bytes, ForwardVariant, BLOCK_KEYS, BLOCK_ROWS, HEAD_DIMS,
+    shared_bytes as forward_shared_bytes, ForwardVariant, BLOCK_KEYS, BLOCK_ROWS,
 };
 pub use gemm::{gemm, gemm_source};
 pub use gemm_shape::{GemmLayout, SHARED_BYTES, TILE_K, TILE_M, TILE_N, UNITS};

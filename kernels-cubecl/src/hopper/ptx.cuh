@@ -36,6 +36,13 @@ __device__ __forceinline__ void barrier_arrive(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 
+// Makes the calling thread's barrier initialisations visible to the cube's other threads (after
+// the next __syncthreads()) and to the copy engine.
+__device__ __forceinline__ void publish_barrier_inits() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
 // Waits until the barrier's phase with this parity has completed.
 __device__ __forceinline__ void barrier_wait(u32 bar, u32 parity) {
     asm volatile(

@@ -164,6 +164,16 @@ pub(crate) fn parameters<'a>(source: &'a str, entry_point: &str) -> Vec<&'a str>
         .collect()
 }
 
+/// Asserts that the device source `file` (`source`) defines each of `defines` to its value, so
+/// that the host's constants and the kernel's cannot drift apart.
+#[cfg(test)]
+pub(crate) fn assert_defines(file: &str, source: &str, defines: &[(&str, usize)]) {
+    for (name, value) in defines {
+        let line = format!("#define {name} {value}\n");
+        assert!(source.contains(&line), "{file} lacks `{}`", line.trim());
+    }
+}
+
 /// The hand-written kernel in place of its shell's compiled source.
 impl<C: Compiler> Edit<C> for CudaSource {
     fn id(&self) -> u64 {

@@ -7,7 +7,10 @@
 //! deterministic backward among them); and its refusals. The backward runs on an H100/H200 only;
 //! elsewhere it must refuse the device.
 
-use super::hopper_cases::{check_all, compare, named, Named, Quantity};
+use super::hopper_cases::{
+    auto_case, bits, check_all, common_cases, compare, every_type_and_head_dim, hopper_client,
+    named, Named, Quantity,
+};
 use super::*;
 use distflash_kernels::hopper;
 
@@ -24,6 +27,29 @@ fn forward_of<R: Runtime>(
     (out, lse, grad_out)
 }
 
+/// `[dq, dk, dv]` of `case` by `hopper::attention_backward`, from q, k, v and the forward's
+/// output, log-sum-exp and output gradient, into gradients poisoned with NaN.
+fn hopper_gradients<R: Runtime>(
+    client: &ComputeClient<R>,
+    case: &Case,
+    (q, k, v): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
+    (out, lse, grad_out): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
+) -> Result<[DeviceTensor; 3], KernelError> {
+    let dims = &case.dims;
+    let grads = [dims.q_shape(), dims.kv_shape(), dims.kv_shape()]
+        .map(|shape| nan_tensor(client, shape, case.elem));
+    hopper::attention_backward(
+        client,
+        (q, k, v),
+        out,
+        lse,
+        grad_out,
+        (&grads[0], &grads[1], &grads[2]),
+        &options(case, Variant::Hopper),
+    )?;
+    Ok(grads)
+}
+
 /// Runs the Hopper backward of `case` (from the Hopper forward's output) into poisoned
 /// gradients and compares dQ, dK and dV with the f64 reference; the error, with a map of where
 /// it lies, if they differ.
@@ -31,20 +57,10 @@ fn check_case<R: Runtime>(client: &ComputeClient<R>, case: &Case) -> Result<(), 
     let (q, k, v) = case.qkv(client);
     let dims = &case.dims;
     let (out, lse, grad_out) = forward_of(client, case, (&q, &k, &v));
-    let dq = nan_tensor(client, dims.q_shape(), case.elem);
-    let dk = nan_tensor(client, dims.kv_shape(), case.elem);
-    let dv = nan_tensor(client, dims.kv_shape(), case.elem);
-    hopper::attention_backward(
-        client,
-        (&q, &k, &v),
-        &out,
-        &lse,
-        &grad_out,
-        (&dq, &dk, &dv),
-        &options(case, Variant::Hopper),
-    )
-    .map_err(|e| format!("refused: {e}"))?;
-    let (got_dq, got_dk, got_dv) = (read(client, &dq), read(client, &dk), read(client, &dv));
+    let [got_dq, got_dk, got_dv] =
+        hopper_gradients(client, case, (&q, &k, &v), (&out, &lse, &grad_out))
+            .map_err(|e| format!("refused: {e}"))?
+            .map(|grad| read(client, &grad));
     let reference = |round| {
         let (q, k, v, grad_out) = (&case.q, &case.k, &case.v, &case.grad_out);
         oracle::backward(dims, q, k, v, grad_out, &case.mask, case.scale(), round)
@@ -67,78 +83,25 @@ fn check_case<R: Runtime>(client: &ComputeClient<R>, case: &Case) -> Result<(), 
     ])
 }
 
-/// Scores far below zero (every `q . k` near -900) beside a key count that ends inside a key
-/// block: the block's zero-filled keys past the end would score 0, far above every real key, so
-/// they must stay masked (their probabilities would overflow).
-fn extreme_scores(mask: Mask, elem: ElemType, head_dim: usize) -> Named {
-    let mut named = named(67, (1, 2, 1), (64, 100, head_dim), mask, elem);
-    named.case.set_extreme_scores();
-    named.name = format!("extreme scores, {}", named.name);
-    named
-}
-
-/// The table for one element type and head dim.
+/// The table for one element type and head dim: the common cases, and keys ahead of the
+/// queries such that the blocks from key 256 on are seen by no query (their walks are empty,
+/// their gradients zero).
 fn cases(elem: ElemType, head_dim: usize) -> Vec<Named> {
-    let d = head_dim;
-    let mut cases = vec![
-        // One block, two tiles.
-        named(1, (1, 1, 1), (128, 128, d), Mask::none(), elem),
-        // The causal diagonal alone.
-        named(2, (1, 2, 2), (128, 128, d), Mask::causal(), elem),
-        // Batch 2, a tile shorter than 64 rows, a block shorter than 128 keys.
-        named(3, (2, 3, 3), (96, 96, d), Mask::causal(), elem),
-        // MQA, tiny.
-        named(4, (1, 4, 1), (33, 70, d), Mask::none(), elem),
-        // A later query chunk against a longer key chunk: the diagonal crosses tiles at an
-        // offset that is no multiple of a tile.
-        named(
-            5,
-            (1, 4, 2),
-            (700, 1100, d),
-            Mask::causal().at(300, 0),
-            elem,
-        ),
-        // Keys ahead of the queries: the blocks from key 256 on are seen by no query (their
-        // walks are empty, their gradients zero).
-        named(7, (1, 2, 1), (300, 600, d), Mask::causal().at(0, 100), elem),
-        extreme_scores(Mask::none(), elem, d),
-        extreme_scores(Mask::causal().at(200, 0), elem, d),
-    ];
-    // GQA with odd lengths, several blocks and tiles: unmasked, causal aligned at the end, and
-    // keys ahead of the queries (the first 40 rows see nothing).
-    for mask in [
-        Mask::none(),
-        Mask::causal().at(517 - 383, 0),
-        Mask::causal().at(0, 40),
-    ] {
-        cases.push(named(6, (1, 4, 2), (383, 517, d), mask, elem));
-    }
+    let mut cases = common_cases(elem, head_dim);
+    let unseen_blocks = Mask::causal().at(0, 100);
+    cases.push(named(
+        7,
+        (1, 2, 1),
+        (300, 600, head_dim),
+        unseen_blocks,
+        elem,
+    ));
     cases
 }
 
 /// Every element type and head dim the kernel covers.
 pub fn backward_matches_the_f64_reference<R: Runtime>(client: &ComputeClient<R>) {
-    let mut all = Vec::new();
-    for elem in [ElemType::BF16, ElemType::F16] {
-        for head_dim in hopper::HEAD_DIMS {
-            all.extend(cases(elem, head_dim));
-        }
-    }
-    // Many tiles and blocks in the benchmarks' configuration; GQA 32 / 8.
-    all.push(named(
-        41,
-        (1, 5, 5),
-        (1023, 1023, 128),
-        Mask::causal(),
-        ElemType::BF16,
-    ));
-    all.push(named(
-        42,
-        (1, 32, 8),
-        (257, 257, 64),
-        Mask::causal(),
-        ElemType::BF16,
-    ));
+    let all = every_type_and_head_dim(cases);
     check_all("hopper backward", &all, |case| check_case(client, case));
 }
 
@@ -147,33 +110,11 @@ pub fn backward_matches_the_f64_reference<R: Runtime>(client: &ComputeClient<R>)
 /// fixed order, within the tolerance of it), and `Variant::Auto` runs the deterministic
 /// backward on the tensor-core kernels (bitwise theirs).
 pub fn auto_runs_it_where_it_covers_the_call<R: Runtime>(client: &ComputeClient<R>) {
-    let bits =
-        |t: &DeviceTensor| -> Vec<u64> { read(client, t).iter().map(|x| x.to_bits()).collect() };
-    let case = Case::new(
-        9,
-        (1, 4, 2),
-        (300, 300, 128),
-        Mask::causal(),
-        ElemType::BF16,
-    );
+    let bits = |t: &DeviceTensor| bits(client, t);
+    let case = auto_case();
     let (q, k, v) = case.qkv(client);
-    let dims = case.dims;
     let (out, lse, grad_out) = forward_of(client, &case, (&q, &k, &v));
-    let direct = [
-        nan_tensor(client, dims.q_shape(), case.elem),
-        nan_tensor(client, dims.kv_shape(), case.elem),
-        nan_tensor(client, dims.kv_shape(), case.elem),
-    ];
-    hopper::attention_backward(
-        client,
-        (&q, &k, &v),
-        &out,
-        &lse,
-        &grad_out,
-        (&direct[0], &direct[1], &direct[2]),
-        &options(&case, Variant::Hopper),
-    )
-    .unwrap();
+    let direct = hopper_gradients(client, &case, (&q, &k, &v), (&out, &lse, &grad_out)).unwrap();
     let backward = |options: &StepOptions| {
         distflash_kernels::attention_backward(client, &q, &k, &v, &out, &lse, &grad_out, options)
             .unwrap()
@@ -295,18 +236,13 @@ pub fn uncovered_calls_are_refused<R: Runtime>(client: &ComputeClient<R>) {
 #[test]
 #[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
 fn cuda_hopper_backward_matches_f64_reference() {
-    let client = cubecl::cuda::CudaRuntime::client(&cubecl::cuda::CudaDevice::new(0));
-    assert!(
-        hopper::available(&client),
-        "not a compute capability 9.0 GPU"
-    );
-    backward_matches_the_f64_reference(&client);
+    backward_matches_the_f64_reference(&hopper_client());
 }
 
 #[test]
 #[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
 fn cuda_hopper_backward_is_what_auto_runs_and_refuses_what_it_does_not_cover() {
-    let client = cubecl::cuda::CudaRuntime::client(&cubecl::cuda::CudaDevice::new(0));
+    let client = hopper_client();
     uncovered_calls_are_refused(&client);
     auto_runs_it_where_it_covers_the_call(&client);
     // A buffer that starts off a 16-byte boundary (a view into another) is refused.

@@ -1,7 +1,8 @@
-//! What the Hopper kernels' tests share: a table of named cases, each computed quantity compared
-//! with the f64 reference under `assert_close`'s rule, every case run before any failure is
-//! reported, and each failure reported with a map of where it lies (which rows of a block, which
-//! columns, the first few values).
+//! What the Hopper kernels' tests share: tables of named cases (those every attention kernel's
+//! table holds among them), each computed quantity compared with the f64 reference under
+//! `assert_close`'s rule, every case run before any failure is reported, and each failure
+//! reported with a map of where it lies (which rows of a block, which columns, the first few
+//! values).
 
 use super::*;
 
@@ -23,6 +24,100 @@ pub fn named(
         name: format!("{heads:?} {lens:?} {mask:?} {elem:?}"),
         case: Case::new(seed, heads, lens, mask, elem),
     }
+}
+
+/// The CUDA client of device 0, once it is known to run the Hopper kernels (an H100/H200).
+pub fn hopper_client() -> ComputeClient<cubecl::cuda::CudaRuntime> {
+    let client = cubecl::cuda::CudaRuntime::client(&cubecl::cuda::CudaDevice::new(0));
+    assert!(
+        distflash_kernels::hopper::available(&client),
+        "not a compute capability 9.0 GPU"
+    );
+    client
+}
+
+/// The bits of a tensor's values, for comparisons that must be exact.
+pub fn bits<R: Runtime>(client: &ComputeClient<R>, tensor: &DeviceTensor) -> Vec<u64> {
+    read(client, tensor).iter().map(|x| x.to_bits()).collect()
+}
+
+/// The call the kernels' `Variant::Auto` tests make: GQA 4/2, 300 rows, head dim 128, causal,
+/// bf16.
+pub fn auto_case() -> Case {
+    Case::new(
+        9,
+        (1, 4, 2),
+        (300, 300, 128),
+        Mask::causal(),
+        ElemType::BF16,
+    )
+}
+
+/// Scores far below zero (every `q . k` near -900) beside a key count that ends inside a key
+/// tile or block: its zero-filled keys past the end score 0, far above every real key, so they
+/// must stay masked (a backward's probabilities of them would overflow).
+pub fn extreme_scores(mask: Mask, elem: ElemType, head_dim: usize) -> Named {
+    let mut named = named(67, (1, 2, 1), (64, 100, head_dim), mask, elem);
+    named.case.set_extreme_scores();
+    named.name = format!("extreme scores, {}", named.name);
+    named
+}
+
+/// The cases every Hopper attention kernel's table holds for one element type and head dim:
+/// one tile, the causal diagonal alone, batch 2 with short tiles, tiny MQA, a later query chunk
+/// against a longer key chunk (its diagonal crossing tiles at an offset that is no multiple of
+/// one), extreme scores, and GQA with odd lengths over several tiles (unmasked, causal aligned at
+/// the end, and keys ahead of the queries: the first 40 rows see nothing).
+pub fn common_cases(elem: ElemType, d: usize) -> Vec<Named> {
+    let mut cases = vec![
+        named(1, (1, 1, 1), (128, 128, d), Mask::none(), elem),
+        named(2, (1, 2, 2), (128, 128, d), Mask::causal(), elem),
+        named(3, (2, 3, 3), (96, 96, d), Mask::causal(), elem),
+        named(4, (1, 4, 1), (33, 70, d), Mask::none(), elem),
+        named(
+            5,
+            (1, 4, 2),
+            (700, 1100, d),
+            Mask::causal().at(300, 0),
+            elem,
+        ),
+        extreme_scores(Mask::none(), elem, d),
+        extreme_scores(Mask::causal().at(200, 0), elem, d),
+    ];
+    for mask in [
+        Mask::none(),
+        Mask::causal().at(517 - 383, 0),
+        Mask::causal().at(0, 40),
+    ] {
+        cases.push(named(6, (1, 4, 2), (383, 517, d), mask, elem));
+    }
+    cases
+}
+
+/// `per_head_dim`'s cases for every element type and head dim of the Hopper attention kernels,
+/// then two in the benchmarks' configuration: many tiles and blocks, and GQA 32 / 8.
+pub fn every_type_and_head_dim(per_head_dim: impl Fn(ElemType, usize) -> Vec<Named>) -> Vec<Named> {
+    let mut all = Vec::new();
+    for elem in [ElemType::BF16, ElemType::F16] {
+        for head_dim in distflash_kernels::hopper::HEAD_DIMS {
+            all.extend(per_head_dim(elem, head_dim));
+        }
+    }
+    all.push(named(
+        41,
+        (1, 5, 5),
+        (1023, 1023, 128),
+        Mask::causal(),
+        ElemType::BF16,
+    ));
+    all.push(named(
+        42,
+        (1, 32, 8),
+        (257, 257, 64),
+        Mask::causal(),
+        ElemType::BF16,
+    ));
+    all
 }
 
 /// One computed quantity of a case beside its reference: exact, and as a naive kernel in `elem`

@@ -7,7 +7,10 @@
 //! tensor-core kernels where not; and its refusals. The forward runs on an H100/H200 only;
 //! elsewhere it must refuse the device.
 
-use super::hopper_cases::{compare, named, Named, Quantity};
+use super::hopper_cases::{
+    auto_case, bits, common_cases, compare, every_type_and_head_dim, hopper_client, named, Named,
+    Quantity,
+};
 use super::*;
 use distflash_kernels::hopper::{self, schedule, ForwardSchedule};
 
@@ -57,16 +60,6 @@ fn check_all<R: Runtime>(client: &ComputeClient<R>, what: &str, cases: &[Named])
     hopper_cases::check_all(what, cases, |case| check_case(client, case));
 }
 
-/// Scores far below zero (every `q . k` near -900) beside a key count that ends inside a key
-/// tile: the tile's zero-filled keys past the end score 0, far above every real key, so they must
-/// stay masked.
-fn extreme_scores(mask: Mask, elem: ElemType, head_dim: usize) -> Named {
-    let mut named = named(67, (1, 2, 1), (64, 100, head_dim), mask, elem);
-    named.case.set_extreme_scores();
-    named.name = format!("extreme scores, {}", named.name);
-    named
-}
-
 /// Scores that rise from key to key (at head dim 64, by about 0.14 in base 2 in some query rows
 /// and by a half or a quarter of that in others: 18, 9 or 4.5 over a tile of 128 keys; more at
 /// 128): rows pass their stale max by more than its slack at different tiles of the walk, so
@@ -79,68 +72,18 @@ fn rising_scores(mask: Mask, elem: ElemType, head_dim: usize) -> Named {
     named
 }
 
-/// The table for one element type and head dim.
+/// The table for one element type and head dim: the common cases, and scores that rise from
+/// tile to tile (the stale row max).
 fn cases(elem: ElemType, head_dim: usize) -> Vec<Named> {
-    let d = head_dim;
-    let mut cases = vec![
-        // One tile, one block.
-        named(1, (1, 1, 1), (128, 128, d), Mask::none(), elem),
-        // The causal diagonal alone.
-        named(2, (1, 2, 2), (128, 128, d), Mask::causal(), elem),
-        // Batch 2, a block shorter than 128 rows.
-        named(3, (2, 3, 3), (96, 96, d), Mask::causal(), elem),
-        // MQA, tiny.
-        named(4, (1, 4, 1), (33, 70, d), Mask::none(), elem),
-        // A later query chunk against a longer key chunk: the diagonal crosses tiles at an
-        // offset that is no multiple of a tile.
-        named(
-            5,
-            (1, 4, 2),
-            (700, 1100, d),
-            Mask::causal().at(300, 0),
-            elem,
-        ),
-        extreme_scores(Mask::none(), elem, d),
-        extreme_scores(Mask::causal().at(200, 0), elem, d),
-        rising_scores(Mask::none(), elem, d),
-        rising_scores(Mask::causal().at(40, 0), elem, d),
-    ];
-    // GQA with odd lengths, several blocks and tiles: unmasked, causal aligned at the end, and
-    // keys ahead of the queries (the first 40 rows see nothing).
-    for mask in [
-        Mask::none(),
-        Mask::causal().at(517 - 383, 0),
-        Mask::causal().at(0, 40),
-    ] {
-        cases.push(named(6, (1, 4, 2), (383, 517, d), mask, elem));
-    }
+    let mut cases = common_cases(elem, head_dim);
+    cases.push(rising_scores(Mask::none(), elem, head_dim));
+    cases.push(rising_scores(Mask::causal().at(40, 0), elem, head_dim));
     cases
 }
 
 /// Every element type and head dim the kernel covers, with the default schedule.
 pub fn forward_matches_the_f64_reference<R: Runtime>(client: &ComputeClient<R>) {
-    let mut all = Vec::new();
-    for elem in [ElemType::BF16, ElemType::F16] {
-        for head_dim in hopper::HEAD_DIMS {
-            all.extend(cases(elem, head_dim));
-        }
-    }
-    // Many tiles and blocks in the benchmarks' configuration; GQA 32 / 8.
-    all.push(named(
-        41,
-        (1, 5, 5),
-        (1023, 1023, 128),
-        Mask::causal(),
-        ElemType::BF16,
-    ));
-    all.push(named(
-        42,
-        (1, 32, 8),
-        (257, 257, 64),
-        Mask::causal(),
-        ElemType::BF16,
-    ));
-    check_all(client, "default schedule", &all);
+    check_all(client, "default schedule", &every_type_and_head_dim(cases));
 }
 
 /// The schedules other than the default, on a few cases each.
@@ -217,15 +160,8 @@ pub fn every_schedule_matches_the_f64_reference<R: Runtime>(client: &ComputeClie
 /// covers the call (bitwise the same results as `hopper::attention_forward`), and
 /// `Variant::Auto` runs a sliding window on the tensor-core kernels (bitwise theirs).
 pub fn auto_runs_it_where_it_covers_the_call<R: Runtime>(client: &ComputeClient<R>) {
-    let bits =
-        |t: &DeviceTensor| -> Vec<u64> { read(client, t).iter().map(|x| x.to_bits()).collect() };
-    let case = Case::new(
-        9,
-        (1, 4, 2),
-        (300, 300, 128),
-        Mask::causal(),
-        ElemType::BF16,
-    );
+    let bits = |t: &DeviceTensor| bits(client, t);
+    let case = auto_case();
     let (q, k, v) = case.qkv(client);
     let dims = case.dims;
     let out = nan_tensor(client, dims.q_shape(), case.elem);
@@ -330,25 +266,20 @@ pub fn uncovered_calls_are_refused<R: Runtime>(client: &ComputeClient<R>) {
 #[test]
 #[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
 fn cuda_hopper_forward_matches_f64_reference() {
-    let client = cubecl::cuda::CudaRuntime::client(&cubecl::cuda::CudaDevice::new(0));
-    assert!(
-        hopper::available(&client),
-        "not a compute capability 9.0 GPU"
-    );
-    forward_matches_the_f64_reference(&client);
+    forward_matches_the_f64_reference(&hopper_client());
 }
 
 #[test]
 #[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
 fn cuda_hopper_forward_schedules_match_f64_reference() {
-    let client = cubecl::cuda::CudaRuntime::client(&cubecl::cuda::CudaDevice::new(0));
+    let client = hopper_client();
     every_schedule_matches_the_f64_reference(&client);
 }
 
 #[test]
 #[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
 fn cuda_hopper_forward_is_what_auto_runs_and_refuses_what_it_does_not_cover() {
-    let client = cubecl::cuda::CudaRuntime::client(&cubecl::cuda::CudaDevice::new(0));
+    let client = hopper_client();
     uncovered_calls_are_refused(&client);
     auto_runs_it_where_it_covers_the_call(&client);
     // A buffer that starts off a 16-byte boundary (a view into another) is refused.

@@ -13,9 +13,11 @@
 //! `--chunks C` adds rows where the sequence is cut into C chunks and run pair by pair through
 //! `forward_step` / `backward_step` with causal offsets, as the distributed pass does, and a
 //! forward row where each query chunk's first and last key chunks go through
-//! `forward_first_step` / `forward_last_step` (no fill or finalise kernels). The
-//! forward+backward rows run the default backward (dQ added with atomics) and the deterministic
-//! one. `--mask-seqs 32768` adds the masks long-context training uses, both causal: a sliding
+//! `forward_first_step` / `forward_last_step` (no fill or finalise kernels). At the lengths of
+//! `--bwd-seqs`, each variant of `--variants` adds its backward rows: the first backward call
+//! (compilation included, at the first of those lengths), forward+backward one call at a time
+//! and queued, the backward alone queued (2.5 times the forward's FLOPs), and, where the variant
+//! has one, the deterministic backward. `--mask-seqs 32768` adds the masks long-context training uses, both causal: a sliding
 //! window of `--window` keys (4096) and packed documents of 2K-8K tokens (the lengths of
 //! [`DOCUMENT_LENGTHS`], repeated and cut at the sequence's end), with TFLOP/s counted on the
 //! visible (query, key) pairs only (forward `4 * pairs * H * D`). Prints a markdown table.
@@ -418,6 +420,99 @@ fn forward_runs(args: &[String]) -> Vec<ForwardRun> {
     runs
 }
 
+/// The backward rows of one kernel variant at one length: its inputs and how to name the rows.
+struct BackwardRows<'a> {
+    client: &'a ComputeClient<CudaRuntime>,
+    /// q, k, v and the output gradient.
+    inputs: (
+        &'a DeviceTensor,
+        &'a DeviceTensor,
+        &'a DeviceTensor,
+        &'a DeviceTensor,
+    ),
+    name: &'a str,
+    seq: usize,
+    /// The forward's FLOPs (the backward is 2.5 times, forward+backward 3.5 times).
+    flops: f64,
+    iters: usize,
+    /// Whether to time the first backward call in the process (compilation included).
+    first: bool,
+}
+
+impl BackwardRows<'_> {
+    /// The forward's `(O, lse)` with `options`.
+    fn forward(&self, options: &StepOptions) -> (DeviceTensor, DeviceTensor) {
+        let (q, k, v, _) = self.inputs;
+        distflash_kernels::attention(self.client, q, k, v, options).unwrap()
+    }
+
+    /// The backward from the forward's `(O, lse)` with `options`.
+    fn backward(&self, (out, lse): &(DeviceTensor, DeviceTensor), options: &StepOptions) {
+        let (q, k, v, grad_out) = self.inputs;
+        let _ = distflash_kernels::attention_backward(
+            self.client,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            grad_out,
+            options,
+        )
+        .unwrap();
+    }
+
+    /// One forward and one backward with `options`.
+    fn forward_backward(&self, options: &StepOptions) {
+        self.backward(&self.forward(options), options);
+    }
+
+    /// Seconds per forward+backward: one call at a time, or (`queued`) [`QUEUED`] back to back
+    /// with one wait, as a training loop issues them (the anchor times with CUDA events).
+    fn forward_backward_seconds(&self, options: &StepOptions, queued: bool) -> f64 {
+        let calls = if queued { QUEUED } else { 1 };
+        median_seconds(self.iters.min(3), || {
+            (0..calls).for_each(|_| self.forward_backward(options));
+            sync(self.client);
+        }) / calls as f64
+    }
+
+    /// Prints forward+backward one call at a time and queued.
+    fn print_forward_backward(
+        &self,
+        options: &StepOptions,
+        row: &dyn Fn(&str, &str, usize, f64, f64),
+    ) {
+        let (name, seq, flops) = (self.name, self.seq, 3.5 * self.flops);
+        let secs = self.forward_backward_seconds(options, false);
+        row(name, "fwd+bwd", seq, secs, flops);
+        let secs = self.forward_backward_seconds(options, true);
+        row(&format!("{name}, queued"), "fwd+bwd", seq, secs, flops);
+    }
+
+    /// Prints the variant's rows: the first backward call (compilation included, where asked),
+    /// forward+backward one call at a time and queued, and the backward alone, queued.
+    fn print(&self, options: &StepOptions, row: &dyn Fn(&str, &str, usize, f64, f64)) {
+        let (name, seq, flops) = (self.name, self.seq, self.flops);
+        let forward = self.forward(options);
+        sync(self.client);
+        let backward = || self.backward(&forward, options);
+        if self.first {
+            let start = Instant::now();
+            backward();
+            sync(self.client);
+            let secs = start.elapsed().as_secs_f64();
+            println!("| {name} | first bwd call | {seq} | {:.0} | |", secs * 1e3);
+        }
+        self.print_forward_backward(options, row);
+        let secs = median_seconds(self.iters.min(3), || {
+            (0..QUEUED).for_each(|_| backward());
+            sync(self.client);
+        }) / QUEUED as f64;
+        row(&format!("{name}, queued"), "bwd", seq, secs, 2.5 * flops);
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let forward_runs = forward_runs(&args);
@@ -501,59 +596,33 @@ fn main() {
         schedule::force(None);
         if bwd_seqs.contains(&seq) {
             let grad_out = random_tensor(&client, q_dims, 4, elem);
-            let forward_backward = |options: &StepOptions| {
-                let (out, lse) =
-                    distflash_kernels::attention(&client, &q, &k, &v, options).unwrap();
-                let _ = distflash_kernels::attention_backward(
-                    &client, &q, &k, &v, &out, &lse, &grad_out, options,
-                )
-                .unwrap();
-            };
-            let secs = median_seconds(iters.min(3), || {
-                forward_backward(&options);
-                sync(&client);
-            });
-            row("distflash (bf16)", "fwd+bwd", seq, secs, 3.5 * flops);
-            let secs = median_seconds(iters.min(3), || {
-                forward_backward(&options);
-                sync_on_runner(&client);
-            });
-            row(
-                "distflash (bf16), waited on the runner",
-                "fwd+bwd",
-                seq,
-                secs,
-                3.5 * flops,
-            );
-            // Queued back to back as in a training loop: GPU time without the host's
-            // launch-and-wait latency of each call (the anchor times with CUDA events).
-            let secs = median_seconds(iters.min(3), || {
-                (0..QUEUED).for_each(|_| forward_backward(&options));
-                sync(&client);
-            }) / QUEUED as f64;
-            row(
-                "distflash (bf16), queued",
-                "fwd+bwd",
-                seq,
-                secs,
-                3.5 * flops,
-            );
-            // The deterministic backward (dQ in its own kernel, no atomics).
-            let exact = StepOptions {
-                deterministic: true,
-                ..options.clone()
-            };
-            let secs = median_seconds(iters.min(3), || {
-                forward_backward(&exact);
-                sync(&client);
-            });
-            row(
-                "distflash (bf16), deterministic",
-                "fwd+bwd",
-                seq,
-                secs,
-                3.5 * flops,
-            );
+            for run in forward_runs.iter().filter(|run| run.schedule.is_none()) {
+                let options = StepOptions {
+                    variant: run.variant,
+                    ..options.clone()
+                };
+                let backward_rows = BackwardRows {
+                    client: &client,
+                    inputs: (&q, &k, &v, &grad_out),
+                    name: &run.name,
+                    seq,
+                    flops,
+                    iters,
+                    first: seq == bwd_seqs[0],
+                };
+                backward_rows.print(&options, &row);
+                // The deterministic backward (dQ in its own kernel, no atomics), which the
+                // Hopper kernels do not cover.
+                if run.variant != Variant::Hopper {
+                    let exact = StepOptions {
+                        deterministic: true,
+                        ..options.clone()
+                    };
+                    let secs = backward_rows.forward_backward_seconds(&exact, false);
+                    let name = format!("{}, deterministic", run.name);
+                    row(&name, "fwd+bwd", seq, secs, 3.5 * flops);
+                }
+            }
         }
         drop((q, k, v));
         if chunks > 1 {
@@ -618,30 +687,16 @@ fn main() {
             row(&name, "fwd", seq, secs, flops);
             let secs = queued_forward_seconds(&client, (&q, &k, &v), &options, iters);
             row(&format!("{name}, queued"), "fwd", seq, secs, flops);
-            let forward_backward = || {
-                let (out, lse) =
-                    distflash_kernels::attention(&client, &q, &k, &v, &options).unwrap();
-                let _ = distflash_kernels::attention_backward(
-                    &client, &q, &k, &v, &out, &lse, &grad_out, &options,
-                )
-                .unwrap();
-            };
-            let secs = median_seconds(iters.min(3), || {
-                forward_backward();
-                sync(&client);
-            });
-            row(&name, "fwd+bwd", seq, secs, 3.5 * flops);
-            let secs = median_seconds(iters.min(3), || {
-                (0..QUEUED).for_each(|_| forward_backward());
-                sync(&client);
-            }) / QUEUED as f64;
-            row(
-                &format!("{name}, queued"),
-                "fwd+bwd",
+            let backward_rows = BackwardRows {
+                client: &client,
+                inputs: (&q, &k, &v, &grad_out),
+                name: &name,
                 seq,
-                secs,
-                3.5 * flops,
-            );
+                flops,
+                iters,
+                first: false,
+            };
+            backward_rows.print_forward_backward(&options, &row);
         }
     }
     for &seq in &burn_seqs {

@@ -11,26 +11,16 @@ use crate::buffers::enqueue_filled;
 use crate::dims::AttentionDims;
 use crate::grid;
 use crate::hopper;
+use crate::inputs::{check_backward, check_qkv};
 use crate::kernel_error::{launch_result, KernelError};
 use crate::limits::DeviceLimits;
-use crate::mask::DocumentTable;
+use crate::mask::{DocumentTable, KernelMask};
 use crate::plan::LaunchPlan;
 use crate::portable::{self, ROWS_PER_CUBE};
 use crate::state_kernels::{self, ELEMENT_UNITS, ROW_LANES, ROW_UNITS};
 use crate::tensor::{with_elem_type, DeviceTensor, ElemType};
 use crate::tensor_core::dq_fragments;
 use crate::tensor_core::{DqTarget, ForwardTarget, KeyGrads};
-
-fn check_qkv(
-    q: &DeviceTensor,
-    k: &DeviceTensor,
-    v: &DeviceTensor,
-) -> Result<AttentionDims, KernelError> {
-    let dims = AttentionDims::from_qkv(&q.shape, &k.shape, &v.shape)?;
-    k.expect_elem("k", q.elem)?;
-    v.expect_elem("v", q.elem)?;
-    Ok(dims)
-}
 
 /// Rows of the other operand one portable launch may walk. Mesa's llvmpipe (the CPU Vulkan
 /// driver CI runs on) silently stops a shader's loops after 65535 iterations in total, and the
@@ -585,6 +575,7 @@ pub fn backward_step<R: Runtime>(
     grads: &GradAccumulators,
     options: &StepOptions,
 ) -> Result<(), KernelError> {
+    hopper::refuse_steps(options, "backward_step")?;
     let dims = check_qkv(q, k, v)?;
     AttentionDims::expect_shape("grad_out", &dims.q_shape(), &grad_out.shape)?;
     grad_out.expect_elem("grad_out", q.elem)?;
@@ -666,7 +657,9 @@ pub fn attention<R: Runtime>(
     finished_forward(client, (q, k, v), None, &dims, options, "attention")
 }
 
-/// Whole attention backward in one call: `(dq, dk, dv)` in the input element type.
+/// Whole attention backward in one call: `(dq, dk, dv)` in the input element type. On a Hopper
+/// GPU where [`hopper::attention_backward`] covers the call ([`Variant::Hopper`], or
+/// [`Variant::Auto`]), that kernel's three launches; else the tensor-core or portable backward.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward<R: Runtime>(
     client: &ComputeClient<R>,
@@ -678,12 +671,21 @@ pub fn attention_backward<R: Runtime>(
     grad_out: &DeviceTensor,
     options: &StepOptions,
 ) -> Result<(DeviceTensor, DeviceTensor, DeviceTensor), KernelError> {
-    let dims = check_qkv(q, k, v)?;
-    AttentionDims::expect_shape("out", &dims.q_shape(), &out.shape)?;
-    AttentionDims::expect_shape("grad_out", &dims.q_shape(), &grad_out.shape)?;
-    AttentionDims::expect_shape("lse", &dims.row_shape(), &lse.shape)?;
-    out.expect_elem("out", q.elem)?;
-    lse.expect_elem("lse", ElemType::F32)?;
+    let dims = check_backward((q, k, v), out, lse, grad_out)?;
+    options.check()?;
+    options.mask.check(&dims)?;
+    let tensors = hopper::ForwardTensors { q, k, v, out, lse };
+    if let Some(launch) =
+        hopper::choose_backward(client, &dims, options, (&tensors, grad_out), &[])?
+    {
+        let dq = DeviceTensor::empty(client, dims.q_shape(), q.elem);
+        let dk = DeviceTensor::empty(client, dims.kv_shape(), q.elem);
+        let dv = DeviceTensor::empty(client, dims.kv_shape(), q.elem);
+        let grads = (&dq, &dk, &dv);
+        hopper::enqueue_backward(client, &launch, &tensors, grad_out, grads, &dims, options);
+        launch_result(client, "attention_backward")?;
+        return Ok((dq, dk, dv));
+    }
     let (limits, plan) = LaunchPlan::for_call(client, &dims, q.elem, options)?;
     let delta = enqueue_delta(client, &limits, out, grad_out)?;
     if let LaunchPlan::TensorCore(grids) = &plan {

@@ -25,6 +25,7 @@ mod edited_task;
 mod geometry;
 mod grid;
 pub mod hopper;
+mod inputs;
 mod kernel_error;
 mod launch;
 mod limits;

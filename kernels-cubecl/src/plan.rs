@@ -96,8 +96,8 @@ impl LaunchPlan {
             Variant::Auto if tensor_cores => tensor_core_plan()
                 .or_else(|_| PortablePlan::new(dims, limits).map(LaunchPlan::Portable)),
             Variant::Auto => PortablePlan::new(dims, limits).map(LaunchPlan::Portable),
-            // The Hopper variant's backward, and everything but its whole-attention forward,
-            // runs on the tensor cores.
+            // The Hopper variant runs whole attentions on its own kernels (refusing the rest);
+            // the tensor-core plan checks the call's other limits.
             Variant::TensorCore | Variant::Hopper if tensor_cores => tensor_core_plan(),
             Variant::TensorCore | Variant::Hopper => Err(KernelError::DType {
                 what: format!(

@@ -7,20 +7,21 @@ use distflash_schedule::Mask;
 /// Which implementation runs a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Variant {
-    /// The fastest variant that covers the call: on a Hopper GPU the Hopper forward for whole
-    /// attentions it covers (see [`Variant::Hopper`]), elsewhere and for everything else the
-    /// tensor-core variant where the runtime and shapes allow it, the portable one otherwise.
+    /// The fastest variant that covers the call: on a Hopper GPU the Hopper forward and backward
+    /// for whole attentions they cover (see [`Variant::Hopper`]; the deterministic backward is
+    /// not among them), elsewhere and for everything else the tensor-core variant where the
+    /// runtime and shapes allow it, the portable one otherwise.
     #[default]
     Auto,
     /// Scalar kernels that run on every CubeCL runtime.
     Portable,
     /// Tensor-core kernels (CUDA with `mma.sync`); an error where unavailable.
     TensorCore,
-    /// The Hopper forward (`wgmma`, bulk tensor copies, warp specialisation; CUDA compute
-    /// capability 9.0) for whole attentions ([`crate::attention`]): f16 or bf16, head dim 64
-    /// or 128, no mask or a causal one. Its backward is the tensor-core one. An error where
-    /// unavailable, for what it does not cover (other masks, types, head dims) and for the
-    /// forward step entry points.
+    /// The Hopper kernels (`wgmma`, bulk tensor copies, warp specialisation; CUDA compute
+    /// capability 9.0) for whole attentions, forward ([`crate::attention`]) and backward
+    /// ([`crate::attention_backward`], dQ added with atomics): f16 or bf16, head dim 64 or 128,
+    /// no mask or a causal one. An error where unavailable, for what they do not cover (other
+    /// masks, types, head dims, the deterministic backward) and for the step entry points.
     Hopper,
 }
 

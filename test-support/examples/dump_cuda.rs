@@ -8,10 +8,12 @@
 //! `attention`: the whole-attention forward; `fused`: the dK/dV kernel that also adds dQ with
 //! atomics, `fused_whole` its whole-attention form), the portable kernels
 //! `portable_{forward,dq,dkdv}_{mask}_d{64,128}.cu` (launched checked, 32-bit indices), and the
-//! Hopper matrix product's variants
-//! `hopper_gemm_{bt,rm}_{bf16,f32}.cu` (B `[N, K]` or `[K, N]`; C's type), hand-written and
-//! handed to NVRTC as they are. Read them with a CUDA compiler's resource report (registers,
-//! spills) and the SASS of their loops.
+//! Hopper kernels, hand-written and handed to NVRTC as they are: the attention forward's
+//! `hopper_attention_{causal,full}_d{64,128}_{bf16,f16}[_schedule].cu`, the attention backward's
+//! `hopper_backward_{causal,full}_d{64,128}_{bf16,f16}.cu` and its row kernels
+//! `hopper_backward_rows_d{64,128}_{bf16,f16}.cu`, and the matrix product's
+//! `hopper_gemm_{bt,rm}_{bf16,f32}.cu` (B `[N, K]` or `[K, N]`; C's type). Read them with a
+//! CUDA compiler's resource report (registers, spills) and the SASS of their loops.
 
 use std::path::PathBuf;
 

@@ -20,7 +20,9 @@ use cubecl_cpp::DialectWmmaCompiler;
 use cubecl_cuda::CudaCompiler;
 use cubecl_runtime::compiler::Compiler;
 use distflash_kernels::hopper::source_task::shell;
-use distflash_kernels::hopper::{self, ForwardSchedule, ForwardVariant, GemmLayout};
+use distflash_kernels::hopper::{
+    self, BackwardVariant, ForwardSchedule, ForwardVariant, GemmLayout,
+};
 use distflash_kernels::portable;
 use distflash_kernels::tensor_core::{backward, dkdv, fast_exp2, forward, KERNEL_ADDRESS};
 use distflash_kernels::{AttentionParams, ElemType, MaskKind};
@@ -158,7 +160,8 @@ pub fn hopper_shell_shared_bytes(bytes: usize) -> usize {
 
 /// The CUDA sources of the Hopper kernels' variants, by name: the attention forward's (each head
 /// dim, type and mask with the default schedule, and the other schedules for bf16, head dim 128,
-/// causal), then the matrix product's.
+/// causal), the attention backward's (each head dim, type and mask, and its row kernels per head
+/// dim and type), then the matrix product's.
 pub fn hopper_sources() -> Vec<(String, String)> {
     let mut sources = Vec::new();
     // The slices' order is not part of the source.
@@ -205,6 +208,26 @@ pub fn hopper_sources() -> Vec<(String, String)> {
                     sources.push((name, hopper::forward_source(&variant)));
                 }
             }
+        }
+    }
+    for head_dim in hopper::HEAD_DIMS {
+        for (elem_name, elem) in [("bf16", ElemType::BF16), ("f16", ElemType::F16)] {
+            for (mask_name, causal) in [("causal", true), ("full", false)] {
+                let variant = BackwardVariant {
+                    head_dim,
+                    elem,
+                    causal,
+                };
+                let name = format!("hopper_backward_{mask_name}_d{head_dim}_{elem_name}");
+                sources.push((name, hopper::backward_source(&variant)));
+            }
+            let variant = BackwardVariant {
+                head_dim,
+                elem,
+                causal: false,
+            };
+            let name = format!("hopper_backward_rows_d{head_dim}_{elem_name}");
+            sources.push((name, hopper::backward_rows_source(&variant)));
         }
     }
     for (layout_name, layout) in [

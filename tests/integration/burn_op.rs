@@ -1,9 +1,10 @@
 //! The Burn op on several backends: forward and all three gradients (through `Autodiff`)
 //! against the f64 reference, causal and full masks, GQA, odd lengths, the coverage matrix of
-//! head dims, head groupings, float types, masks and one-shot/stepped calls, a grid folded past
-//! 65,535 (batch x heads), and bad input (shapes, float types, devices, options, device limits)
-//! refused with a clear error before any work. Half precision on wgpu runs in the `half_precision`
-//! test binary: Burn 0.21 fixes one default float type per device and process.
+//! head dims, head groupings, float types, masks and one-shot/stepped calls, the Hopper kernels
+//! under the op on an H100/H200, a grid folded past 65,535 (batch x heads), and bad input
+//! (shapes, float types, devices, options, device limits) refused with a clear error before any
+//! work. Half precision on wgpu runs in the `half_precision` test binary: Burn 0.21 fixes one
+//! default float type per device and process.
 
 use crate::common::burn_case::{check_backend, check_case, check_steps, to_host};
 use crate::common::matrix::check_matrix;
@@ -181,6 +182,29 @@ fn wgpu_grid_folds_past_65535_heads() {
     let q = Tensor::<WgpuF32, 4>::zeros([1, 65537, 1, 16], &device);
     let err = flash_attention(q.clone(), q.clone(), q, Default::default()).unwrap_err();
     assert!(err.to_string().contains("device limit"), "{err}");
+}
+
+/// On an H100/H200 the op's whole-attention calls run the Hopper kernels (`Variant::Auto`):
+/// the forward output and all three gradients through `Autodiff` against the f64 reference,
+/// both 16-bit types and head dims, GQA causal and MHA full, lengths over several query tiles
+/// and key blocks of those kernels, the last of each partial.
+#[test]
+#[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
+fn cuda_hopper_kernels_match_reference() {
+    let device = cubecl::cuda::CudaDevice::new(0);
+    let client = <cubecl::cuda::CudaRuntime as cubecl::Runtime>::client(&device);
+    assert!(
+        distflash_kernels::hopper::available(&client),
+        "not a compute capability 9.0 GPU"
+    );
+    for elem in [ElemType::BF16, ElemType::F16] {
+        for head_dim in [64, 128] {
+            for (heads, causal) in [((1, 4, 2), true), ((2, 2, 2), false)] {
+                let lens = (200, 333, head_dim);
+                check_case::<Autodiff<CudaF32>>(&device, elem, heads, lens, causal);
+            }
+        }
+    }
 }
 
 #[test]

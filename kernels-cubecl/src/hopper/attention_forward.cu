@@ -5,7 +5,8 @@
 //
 // CUDA C++ with inline PTX, no headers: compiled by NVRTC for sm_90a and launched through
 // CubeCL's CUDA runtime (`hopper/source_task.rs`). The host (`hopper/forward.rs`) prepends the
-// variant's switches, then the PTX building blocks (`ptx.cuh`):
+// variant's switches, the PTX building blocks (`ptx.cuh`) and what the attention kernels share
+// (`attention.cuh`). The switches:
 //   DISTFLASH_HEAD_DIM       64 or 128
 //   DISTFLASH_F16            0: q, k, v and O are bf16; 1: f16
 //   DISTFLASH_CAUSAL         1: query row i sees key j only if j <= i + shift
@@ -89,100 +90,15 @@ struct ForwardInfo {
 // gather one warpgroup before its output store.
 #define DF_TURN_BARRIER 1
 #define DF_STORE_BARRIER 3
-// -inf, spelled without a header.
-#define DF_NEG_INF __int_as_float(0xff800000)
-
-#if DISTFLASH_F16
-#define DF_AB "f16"
-#define DF_CVT "cvt.rn.f16x2.f32"
-#else
-#define DF_AB "bf16"
-#define DF_CVT "cvt.rn.bf16x2.f32"
-#endif
 
 // ---- warpgroup MMA ----------------------------------------------------------------------------
 
-// K-major tiles (rows of 64 elements, 128 bytes): the leading offset is unused, 8-row groups lie
-// 1024 bytes apart.
-__device__ __forceinline__ u64 k_major(u32 address) {
-    return descriptor(address, 16, DF_SWIZZLE_SPAN);
-}
-
-// V as the B operand of P V, MN-major: its 64-column halves lie DF_KV_HALF bytes apart, 8-row
-// groups of keys 1024 bytes apart.
-__device__ __forceinline__ u64 v_major(u32 address) {
-    return descriptor(address, DF_KV_HALF, DF_SWIZZLE_SPAN);
-}
-
-#define DF_F4(x, i) "+f"(x[i]), "+f"(x[i + 1]), "+f"(x[i + 2]), "+f"(x[i + 3])
-#define DF_F16(x, i) DF_F4(x, i), DF_F4(x, i + 4), DF_F4(x, i + 8), DF_F4(x, i + 12)
-#define DF_F32(x) DF_F16(x, 0), DF_F16(x, 16)
-#define DF_F64(x) DF_F16(x, 0), DF_F16(x, 16), DF_F16(x, 32), DF_F16(x, 48)
-#define DF_R4(x, i) "+r"(x[i]), "+r"(x[i + 1]), "+r"(x[i + 2]), "+r"(x[i + 3])
-#define DF_R16(x, i) DF_R4(x, i), DF_R4(x, i + 4), DF_R4(x, i + 8), DF_R4(x, i + 12)
-
-// Keeps the compiler from moving reads or writes of registers across this point: the
-// asynchronous products read and write them behind its back.
-__device__ __forceinline__ void fence_registers(float (&x)[64]) {
-    asm volatile("" : DF_F64(x) : : "memory");
-}
-__device__ __forceinline__ void fence_registers(float (&x)[32]) {
-    asm volatile("" : DF_F32(x) : : "memory");
-}
-__device__ __forceinline__ void fence_registers(u32 (&x)[32]) {
-    asm volatile("" : DF_R16(x, 0), DF_R16(x, 16) : : "memory");
-}
-
 // s (+)= A[64 x 16] B[16 x 128]^T, both K-major in shared memory; `accumulate` 0 overwrites s.
 __device__ __forceinline__ void wgmma_ss_n128(float (&s)[64], u64 a, u64 b, u32 accumulate) {
-    asm volatile(
-        "{\n"
-        ".reg .pred keep;\n"
-        "setp.ne.b32 keep, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32." DF_AB "." DF_AB " {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, %64, %65, keep, 1, 1, 0, 0;\n"
-        "}\n"
-        : DF_F64(s)
+    asm volatile(DF_WGMMA_KEEP("%66") "wgmma.mma_async.sync.aligned.m64n128k16.f32." DF_AB
+                                      "." DF_AB " {" DF_ACC64 "}, %64, %65, keep, 1, 1, 0, 0;\n}\n"
+                 : DF_F64(s)
         : "l"(a), "l"(b), "r"(accumulate));
-}
-
-// o += A[64 x 16] B[16 x 128], A in registers (four 16-bit pairs per thread), B MN-major in
-// shared memory.
-__device__ __forceinline__ void wgmma_rs_n128(float (&o)[64], u32 a0, u32 a1, u32 a2, u32 a3,
-                                              u64 b) {
-    asm volatile(
-        "{\n"
-        ".reg .pred keep;\n"
-        "setp.ne.b32 keep, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32." DF_AB "." DF_AB " {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, {%64, %65, %66, %67}, %68, keep, 1, 1, 1;\n"
-        "}\n"
-        : DF_F64(o)
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));
-}
-
-// o += A[64 x 16] B[16 x 64], as `wgmma_rs_n128` for a head dim of 64.
-__device__ __forceinline__ void wgmma_rs_n64(float (&o)[32], u32 a0, u32 a1, u32 a2, u32 a3,
-                                             u64 b) {
-    asm volatile(
-        "{\n"
-        ".reg .pred keep;\n"
-        "setp.ne.b32 keep, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32." DF_AB "." DF_AB " {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, {%32, %33, %34, %35}, %36, keep, 1, 1, 1;\n"
-        "}\n"
-        : DF_F32(o)
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));
 }
 
 // S = Q K^T for one warpgroup: its 64 rows of Q (`q`: their first half's address) against the
@@ -204,7 +120,7 @@ __device__ __forceinline__ void issue_values(float (&o)[DF_O_REGS], const u32 (&
     wgmma_fence();
 #pragma unroll
     for (u32 kk = 0; kk < DF_BN / 16; ++kk) {
-        const u64 b = v_major(v + kk * 16 * 128);
+        const u64 b = mn_major(v + kk * 16 * 128, DF_KV_HALF);
 #if DF_D == 128
         wgmma_rs_n128(o, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3], b);
 #else
@@ -216,19 +132,6 @@ __device__ __forceinline__ void issue_values(float (&o)[DF_O_REGS], const u32 (&
 
 // ---- the online softmax -----------------------------------------------------------------------
 
-__device__ __forceinline__ float fast_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// Two f32 values as one register of 16-bit values, the first in the low half.
-__device__ __forceinline__ u32 pack(float low, float high) {
-    u32 packed;
-    asm(DF_CVT " %0, %1, %2;" : "=r"(packed) : "f"(high), "f"(low));
-    return packed;
-}
-
 // The running statistics of the two rows a consumer thread holds (`r` = 0: its fragment row
 // lane / 4, `r` = 1: that row + 8), identical in the four threads of a quad: the max the weights
 // are taken against (base 2, `-inf` before any visible key), the thread's partial row sum, and the
@@ -238,10 +141,6 @@ struct Rows {
     float sum[2];
     int key_end[2];
 };
-
-// Accumulator element `i` of S or O (of 64 rows by 8-column blocks) is in row `r = (i / 2) % 2`
-// and column 8 (i / 4) + 2 (lane % 4) + i % 2.
-#define DF_ROW_OF(i) (((i) / 2) % 2)
 
 // Turns the scores of one tile (keys from `key0`) into weights in place: masks keys at or past
 // each row's end (MASKED only), moves the rows' maxima, and adds the weights to the row sums.
@@ -303,15 +202,6 @@ __device__ __forceinline__ bool softmax_tile(float (&s)[DF_S_REGS], Rows& rows, 
         rows.sum[DF_ROW_OF(i)] += weight;
     }
     return rescale;
-}
-
-// P, the A operand of P V: the weights of S packed to 16 bits in place of the accumulator
-// fragment (two consecutive elements are one row's two adjacent keys).
-__device__ __forceinline__ void pack_weights(const float (&s)[DF_S_REGS], u32 (&p)[DF_P_REGS]) {
-#pragma unroll
-    for (int i = 0; i < DF_P_REGS; ++i) {
-        p[i] = pack(s[2 * i], s[2 * i + 1]);
-    }
 }
 
 __device__ __forceinline__ void rescale_output(float (&o)[DF_O_REGS], const float (&factor)[2]) {
@@ -396,13 +286,6 @@ __device__ __forceinline__ void release(u32 empty, int t, u32 lane) {
     }
 }
 
-__device__ __forceinline__ void named_sync(u32 id, u32 threads) {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void named_arrive(u32 id, u32 threads) {
-    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
 // With DISTFLASH_PINGPONG, consumer warpgroup `wg` waits for its turn to issue products...
 __device__ __forceinline__ void await_turn(u32 wg) {
 #if DISTFLASH_PINGPONG
@@ -416,18 +299,13 @@ __device__ __forceinline__ void pass_turn(u32 wg) {
 #endif
 }
 
-// The (slice, block) of cube `cube` of a one-dimensional grid of `slices x blocks` cubes: groups
-// of `slice_group` slices (the last may be narrower), each taken block rank by block rank from
-// the last block to the first, one cube per slice of the group at each rank.
+// The (slice, block) of cube `cube` (see `grouped_cube`): each group's blocks from the last to
+// the first.
 __device__ __forceinline__ void cube_work(const ForwardInfo& info, u32 cube, u32 blocks,
                                           u32& slice, u32& block) {
-    const u32 per_group = info.slice_group * blocks;
-    const u32 group = cube / per_group;
-    const u32 first = group * info.slice_group;
-    const u32 width = min(info.slice_group, info.slices - first);
-    const u32 within = cube - group * per_group;
-    slice = first + within % width;
-    block = blocks - 1 - within / width;
+    u32 rank;
+    grouped_cube(cube, blocks, info.slice_group, info.slices, slice, rank);
+    block = blocks - 1 - rank;
 }
 
 // The softmax of walk tile `t` (the tile of keys from (count - 1 - t) DF_BN), with the mask
@@ -480,8 +358,7 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
             barrier_init(at.k_empty + 8 * s, 8);
             barrier_init(at.v_empty + 8 * s, 8);
         }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        fence_shared_for_copies();
+        publish_barrier_inits();
     }
     __syncthreads();
 
@@ -495,24 +372,18 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         prefetch_map(&k_map);
         prefetch_map(&v_map);
         barrier_expect_bytes(at.q_full, DF_Q_BYTES);
-        for (u32 h = 0; h < DF_HALVES; ++h) {
-            copy_box_3d(at.q + h * DF_Q_HALF, &q_map, at.q_full, 64 * h, block_start, slice);
-        }
+        copy_halves(at.q, DF_Q_HALF, &q_map, at.q_full, block_start, slice);
         for (int t = 0; t < walk.count; ++t) {
             const u32 s = stage_of(t), free_parity = parity_of(t) ^ 1;
             const u32 key0 = static_cast<u32>(walk.count - 1 - t) * DF_BN;
             barrier_wait(at.k_empty + 8 * s, free_parity);
             barrier_expect_bytes(at.k_full + 8 * s, DF_KV_BYTES);
-            for (u32 h = 0; h < DF_HALVES; ++h) {
-                copy_box_3d(at.k + s * DF_KV_BYTES + h * DF_KV_HALF, &k_map, at.k_full + 8 * s,
-                            64 * h, key0, kv_slice);
-            }
+            copy_halves(at.k + s * DF_KV_BYTES, DF_KV_HALF, &k_map, at.k_full + 8 * s, key0,
+                        kv_slice);
             barrier_wait(at.v_empty + 8 * s, free_parity);
             barrier_expect_bytes(at.v_full + 8 * s, DF_KV_BYTES);
-            for (u32 h = 0; h < DF_HALVES; ++h) {
-                copy_box_3d(at.v + s * DF_KV_BYTES + h * DF_KV_HALF, &v_map, at.v_full + 8 * s,
-                            64 * h, key0, kv_slice);
-            }
+            copy_halves(at.v + s * DF_KV_BYTES, DF_KV_HALF, &v_map, at.v_full + 8 * s, key0,
+                        kv_slice);
         }
         return;
     }
@@ -566,7 +437,7 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         release(at.k_empty, 0, lane);
         // The output is still 0: nothing to rescale.
         softmax_of(s, rows, walk, 0, quad, scale_log2, factor);
-        pack_weights(s, p);
+        pack_fragment(s, p);
         // Then S of tile t under P V of tile t - 1.
 #pragma unroll 1
         for (int t = 1; t < walk.count; ++t) {
@@ -588,7 +459,7 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
             if (rescale) {
                 rescale_output(o, factor);
             }
-            pack_weights(s, p);
+            pack_fragment(s, p);
         }
         values_of(o, p, at, walk.count - 1, lane);
     }
@@ -605,7 +476,7 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         if (softmax_of(s, rows, walk, t, quad, scale_log2, factor)) {
             rescale_output(o, factor);
         }
-        pack_weights(s, p);
+        pack_fragment(s, p);
         values_of(o, p, at, t, lane);
     }
 #endif
@@ -628,22 +499,15 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         row_lse[r] = sum > 0.0f ? rows.max[r] * 0.69314718055994531f + logf(sum) : DF_NEG_INF;
     }
     rescale_output(o, inverse);
-    // O into the warpgroup's rows of Q's shared memory, swizzled as the copy engine reads it:
-    // the 16-byte chunk c of row R lies at chunk c ^ (R % 8).
-#pragma unroll
-    for (int i = 0; i < DF_O_REGS; i += 2) {
-        const u32 block = i / 4, row = local + 8 * DF_ROW_OF(i);
-        const u32 address = q_rows + (block / 8) * DF_Q_HALF + row * 128 +
-                            (((block % 8) ^ (row % 8)) * 16) + quad * 4;
-        asm volatile("st.shared.b32 [%0], %1;" ::"r"(address), "r"(pack(o[i], o[i + 1]))
-                     : "memory");
-    }
+    // O into the warpgroup's rows of Q's shared memory (Q is no longer read), as the copy engine
+    // reads it.
+    u32 packed[DF_O_REGS / 2];
+    pack_fragment(o, packed);
+    store_rows_swizzled(packed, q_rows, DF_Q_HALF, local, quad);
     fence_shared_for_copies();
     named_sync(DF_STORE_BARRIER + wg, 128);
     if (thread == 0) {
-        for (u32 h = 0; h < DF_HALVES; ++h) {
-            store_box_3d(&o_map, q_rows + h * DF_Q_HALF, 64 * h, block_start + wg * 64, slice);
-        }
+        store_halves(&o_map, q_rows, DF_Q_HALF, block_start + wg * 64, slice);
         store_boxes_read();
     }
     if (quad == 0) {

@@ -3,17 +3,17 @@
 //! the variant's source, its tensor maps and grid, and the launch (the device code is
 //! `attention_forward.cu`).
 
-use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock, PoisonError};
-
 use cubecl::prelude::*;
 
 use super::forward_plan::{self, ForwardVariant, BLOCK_KEYS, BLOCK_ROWS, BOX_COLUMNS, UNITS};
 use super::schedule;
-use super::source_task::{self, CudaSource, SourceArguments, TiledMap, PTX_PRELUDE};
+use super::source_task::{
+    self, check_alignment, CudaSource, KernelCache, SourceArguments, TiledMap, ATTENTION_PRELUDE,
+    PTX_PRELUDE,
+};
 use crate::dims::AttentionDims;
+use crate::inputs::check_qkv;
 use crate::kernel_error::{launch_result, KernelError};
-use crate::limits::DeviceLimits;
 use crate::mask::KernelMask;
 use crate::step_options::{StepOptions, Variant};
 use crate::tensor::{DeviceTensor, ElemType};
@@ -24,31 +24,27 @@ const FORWARD_CU: &str = include_str!("attention_forward.cu");
 /// The kernel's entry point in `attention_forward.cu`.
 const ENTRY_POINT: &str = "distflash_hopper_attention_forward";
 
-/// The CUDA source of one variant: its switches, the PTX building blocks (`ptx.cuh`), then
-/// `attention_forward.cu`.
+/// The CUDA source of one variant: its switches, the PTX building blocks (`ptx.cuh`), what the
+/// attention kernels share (`attention.cuh`), then `attention_forward.cu`.
 pub fn forward_source(variant: &ForwardVariant) -> String {
-    format!("{}{PTX_PRELUDE}{FORWARD_CU}", variant.switches())
+    format!(
+        "{}{PTX_PRELUDE}{ATTENTION_PRELUDE}{FORWARD_CU}",
+        variant.switches()
+    )
 }
 
 /// The kernel of `variant`: built and fingerprinted on its first launch in the process, cloned
 /// (its source shared) on every later one.
 fn kernel(variant: &ForwardVariant) -> CudaSource {
-    static KERNELS: OnceLock<Mutex<HashMap<ForwardVariant, CudaSource>>> = OnceLock::new();
-    let mut kernels = KERNELS
-        .get_or_init(Mutex::default)
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner);
-    kernels
-        .entry(*variant)
-        .or_insert_with(|| {
-            CudaSource::new(
-                ENTRY_POINT,
-                forward_source(variant),
-                UNITS as u32,
-                forward_plan::shared_bytes(variant.head_dim),
-            )
-        })
-        .clone()
+    static KERNELS: KernelCache<ForwardVariant> = KernelCache::new();
+    KERNELS.get(*variant, || {
+        CudaSource::new(
+            ENTRY_POINT,
+            forward_source(variant),
+            UNITS as u32,
+            forward_plan::shared_bytes(variant.head_dim),
+        )
+    })
 }
 
 /// A Hopper forward ready to launch on one device: the variant and its grid.
@@ -70,66 +66,19 @@ pub(crate) fn plan<R: Runtime>(
 ) -> Result<ForwardLaunch, KernelError> {
     let scale = options.resolved_scale(dims.head_dim);
     let variant = ForwardVariant::for_call(dims, elem, &options.mask, scale, schedule::current())?;
-    if !super::available(client) {
-        return Err(KernelError::DeviceLimit {
-            what: "the Hopper attention forward needs a CUDA GPU of compute capability 9.0 \
-                   (wgmma and the bulk tensor copy engine); Variant::Auto runs elsewhere"
-                .into(),
-        });
-    }
-    let limits = DeviceLimits::of(client);
-    limits.expect_units("the Hopper attention forward", UNITS)?;
-    limits.expect_shared(
-        "the Hopper attention forward",
-        forward_plan::shared_bytes(dims.head_dim),
-    )?;
     // One cube per block of query rows of each slice, in one dimension (see `cube_work` in the
-    // kernel): x holds 2^31 - 1 cubes on CUDA.
-    let cubes = dims.batch * dims.q_heads * dims.q_len.div_ceil(BLOCK_ROWS);
-    let max_x = limits.max_cube_count.0 as usize;
-    if cubes > max_x {
-        return Err(KernelError::DeviceLimit {
-            what: format!(
-                "the Hopper attention forward needs {cubes} cubes (batch x heads x blocks of \
-                 {BLOCK_ROWS} query rows); the device's grid allows {max_x}"
-            ),
-        });
-    }
-    let grid = CubeCount::Static(cubes as u32, 1, 1);
+    // kernel).
+    let grid = super::device_grid(
+        client,
+        "the Hopper attention forward",
+        UNITS,
+        forward_plan::shared_bytes(dims.head_dim),
+        (
+            dims.batch * dims.q_heads * dims.q_len.div_ceil(BLOCK_ROWS),
+            "batch x heads x blocks of 128 query rows",
+        ),
+    )?;
     Ok(ForwardLaunch { variant, grid })
-}
-
-/// Errors unless every buffer starts on a 16-byte boundary, as the copy engine needs (a view
-/// into the middle of a buffer may not).
-fn check_alignment(buffers: [(&str, &DeviceTensor); 4]) -> Result<(), KernelError> {
-    for (name, tensor) in buffers {
-        let offset = tensor.handle.offset_start.unwrap_or(0);
-        if offset % 16 != 0 {
-            return Err(KernelError::Unsupported {
-                what: format!(
-                    "the Hopper attention forward reads and writes through the bulk tensor copy \
-                     engine, whose buffers start on 16-byte boundaries; `{name}` starts {} bytes \
-                     past one",
-                    offset % 16
-                ),
-            });
-        }
-    }
-    Ok(())
-}
-
-/// Refuses the forward step entry points under [`Variant::Hopper`]: the Hopper kernel runs whole
-/// attentions only (no state in or out).
-pub(crate) fn refuse_steps(options: &StepOptions, call: &str) -> Result<(), KernelError> {
-    if options.variant == Variant::Hopper {
-        return Err(KernelError::Unsupported {
-            what: format!(
-                "{call}: the Hopper variant runs whole attentions (`attention`) only; forward \
-                 steps run on Variant::TensorCore (Variant::Auto picks it)"
-            ),
-        });
-    }
-    Ok(())
 }
 
 /// The launch of the whole attention `q, k, v -> out` (the four `buffers`, q's type) of `dims`,
@@ -141,7 +90,7 @@ fn launch_for<R: Runtime>(
     buffers: [(&str, &DeviceTensor); 4],
 ) -> Result<ForwardLaunch, KernelError> {
     let launch = plan(client, dims, buffers[0].1.elem, options)?;
-    check_alignment(buffers)?;
+    check_alignment("the Hopper attention forward", &buffers)?;
     Ok(launch)
 }
 
@@ -226,9 +175,7 @@ pub fn attention_forward<R: Runtime>(
     lse: &DeviceTensor,
     options: &StepOptions,
 ) -> Result<(), KernelError> {
-    let dims = AttentionDims::from_qkv(&q.shape, &k.shape, &v.shape)?;
-    k.expect_elem("k", q.elem)?;
-    v.expect_elem("v", q.elem)?;
+    let dims = check_qkv(q, k, v)?;
     AttentionDims::expect_shape("out", &dims.q_shape(), &out.shape)?;
     out.expect_elem("out", q.elem)?;
     AttentionDims::expect_shape("lse", &dims.row_shape(), &lse.shape)?;
@@ -244,19 +191,14 @@ pub fn attention_forward<R: Runtime>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::hopper::source_task::parameters;
 
     #[test]
     fn the_source_declares_the_parameters_in_launch_order() {
         // Tensor maps by value, their buffers, lse, then the scalars by value (see
         // `source_task`'s comment): what `enqueue` registers.
-        let signature = FORWARD_CU
-            .split(&format!("{ENTRY_POINT}("))
-            .nth(1)
-            .and_then(|rest| rest.split(')').next())
-            .expect("attention_forward.cu defines the entry point");
-        let parameters: Vec<&str> = signature.split(',').map(str::trim).collect();
         assert_eq!(
-            parameters,
+            parameters(FORWARD_CU, ENTRY_POINT),
             [
                 "const __grid_constant__ TensorMap q_map",
                 "const __grid_constant__ TensorMap k_map",
@@ -307,6 +249,6 @@ mod tests {
         };
         let source = forward_source(&variant);
         assert!(source.starts_with(&variant.switches()));
-        assert!(source.ends_with(&format!("{PTX_PRELUDE}{FORWARD_CU}")));
+        assert!(source.ends_with(&format!("{PTX_PRELUDE}{ATTENTION_PRELUDE}{FORWARD_CU}")));
     }
 }

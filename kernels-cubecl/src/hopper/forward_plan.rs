@@ -18,8 +18,6 @@ pub const BLOCK_KEYS: usize = 128;
 pub const STAGES: usize = 2;
 /// Threads per cube: one producer and two consumer warpgroups.
 pub const UNITS: usize = 384;
-/// Head dimensions the kernel is compiled for.
-pub const HEAD_DIMS: [usize; 2] = [64, 128];
 /// Columns of one box of the tensor maps: 64 16-bit values, one 128-byte swizzled row.
 pub const BOX_COLUMNS: usize = 64;
 /// Bytes of keys and values the cubes under way at one time should share: about two thirds of
@@ -60,33 +58,7 @@ impl ForwardVariant {
         scale: f32,
         schedule: ForwardSchedule,
     ) -> Result<Self, KernelError> {
-        let unsupported = |what: String| Err(KernelError::Unsupported { what });
-        if !matches!(elem, ElemType::BF16 | ElemType::F16) {
-            return unsupported(format!(
-                "the Hopper attention forward takes bf16 or f16 q, k and v, got {elem:?}"
-            ));
-        }
-        if !HEAD_DIMS.contains(&dims.head_dim) {
-            return unsupported(format!(
-                "the Hopper attention forward is built for head dims {HEAD_DIMS:?}, got {}",
-                dims.head_dim
-            ));
-        }
-        if mask.window.is_some() || mask.documents.is_some() {
-            return unsupported(
-                "the Hopper attention forward applies no mask or a causal one; sliding windows \
-                 and documents run on Variant::TensorCore (Variant::Auto picks it)"
-                    .into(),
-            );
-        }
-        if !(scale > 0.0 && scale.is_finite()) {
-            return Err(KernelError::BadOption {
-                what: format!(
-                    "the Hopper attention forward needs a positive, finite score scale; got \
-                     {scale} (Variant::Auto runs other scales on the portable kernels)"
-                ),
-            });
-        }
+        super::coverage::check("the Hopper attention forward", dims, elem, mask, scale)?;
         Ok(Self {
             head_dim: dims.head_dim,
             elem,
@@ -142,19 +114,10 @@ pub fn scalars(dims: &AttentionDims, mask: &Mask, scale: f32, grouped: bool) -> 
 
 #[cfg(test)]
 mod tests {
+    use super::super::coverage::{test_dims as dims, HEAD_DIMS};
     use super::*;
+    use crate::hopper::source_task::assert_defines;
     use crate::{Documents, SlidingWindow};
-
-    fn dims(head_dim: usize) -> AttentionDims {
-        AttentionDims {
-            batch: 2,
-            q_heads: 8,
-            kv_heads: 2,
-            q_len: 300,
-            kv_len: 517,
-            head_dim,
-        }
-    }
 
     fn refusal(d: AttentionDims, elem: ElemType, mask: Mask, scale: f32) -> KernelError {
         ForwardVariant::for_call(&d, elem, &mask, scale, ForwardSchedule::default()).unwrap_err()
@@ -285,19 +248,16 @@ mod tests {
     #[test]
     fn the_device_source_agrees_with_these_constants() {
         let source = include_str!("attention_forward.cu");
-        for (name, value) in [
-            ("DF_BM", BLOCK_ROWS),
-            ("DF_BN", BLOCK_KEYS),
-            ("DF_STAGES", STAGES),
-            ("DF_THREADS", UNITS),
-        ] {
-            let line = format!("#define {name} {value}\n");
-            assert!(
-                source.contains(&line),
-                "attention_forward.cu lacks `{}`",
-                line.trim()
-            );
-        }
+        assert_defines(
+            "attention_forward.cu",
+            source,
+            &[
+                ("DF_BM", BLOCK_ROWS),
+                ("DF_BN", BLOCK_KEYS),
+                ("DF_STAGES", STAGES),
+                ("DF_THREADS", UNITS),
+            ],
+        );
         // The kernel's shared memory: Q, then the stages of K and V, then nine barriers.
         assert!(source.contains("at.v_empty = at.v_full + DF_STAGES * 8;"));
         assert!(source.contains("#define DF_HALVES (DF_D / 64)\n"));

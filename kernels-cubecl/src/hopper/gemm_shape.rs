@@ -131,6 +131,7 @@ impl GemmShape {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::hopper::source_task::assert_defines;
     use ElemType::{BF16, F16, F32};
     use GemmLayout::{BRowMajor, BTransposed};
 
@@ -232,15 +233,16 @@ mod tests {
     #[test]
     fn the_device_source_agrees_with_these_constants() {
         let source = include_str!("gemm.cu");
-        for (name, value) in [
-            ("DF_BM", TILE_M),
-            ("DF_BN", TILE_N),
-            ("DF_BK", TILE_K),
-            ("DF_STAGES", STAGES),
-        ] {
-            let line = format!("#define {name} {value}\n");
-            assert!(source.contains(&line), "gemm.cu lacks `{}`", line.trim());
-        }
+        assert_defines(
+            "gemm.cu",
+            source,
+            &[
+                ("DF_BM", TILE_M),
+                ("DF_BN", TILE_N),
+                ("DF_BK", TILE_K),
+                ("DF_STAGES", STAGES),
+            ],
+        );
         assert!(source.contains(&format!("#define DF_CONSUMERS {}\n", UNITS / 128 - 1)));
         assert!(include_str!("ptx.cuh").contains("#define DF_SWIZZLE_SPAN 1024\n"));
         // The kernel's layout: tiles from the first 1024-byte boundary, then the full and

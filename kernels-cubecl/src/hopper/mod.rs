@@ -4,10 +4,15 @@
 //! and launched through CubeCL like every other kernel ([`source_task`]): same stream, memory
 //! pools and buffer handles. ARCHITECTURE.md ("Hopper kernels: the route") says why.
 //!
-//! Two kernels: the attention forward ([`attention_forward`], what `Variant::Hopper` and, where
-//! it covers the call, `Variant::Auto` run for a whole attention), and a bf16 matrix product
-//! ([`gemm`], the route's spike). Their PTX building blocks are one file, `ptx.cuh`.
+//! Three kernels: the attention forward ([`attention_forward`]) and backward
+//! ([`attention_backward`]), what `Variant::Hopper` and, where they cover the call,
+//! `Variant::Auto` run for a whole attention, and a bf16 matrix product ([`gemm`], the route's
+//! spike). Their PTX building blocks are one file, `ptx.cuh`; what the attention kernels share
+//! on top of it another, `attention.cuh`.
 
+mod backward;
+mod backward_plan;
+mod coverage;
 mod forward;
 mod forward_plan;
 mod gemm;
@@ -20,12 +25,20 @@ pub mod source_task;
 use cubecl::features::Tma;
 use cubecl::prelude::*;
 
+use crate::kernel_error::KernelError;
+use crate::limits::DeviceLimits;
+use crate::step_options::{StepOptions, Variant};
+
+pub use backward::{attention_backward, backward_rows_source, backward_source};
+pub(crate) use backward::{choose as choose_backward, enqueue as enqueue_backward, ForwardTensors};
+pub use backward_plan::{shared_bytes as backward_shared_bytes, BackwardVariant};
+pub use coverage::HEAD_DIMS;
 pub use forward::{attention_forward, forward_source};
 pub(crate) use forward::{
-    choose as choose_forward, enqueue as enqueue_forward, plan as plan_forward, refuse_steps,
+    choose as choose_forward, enqueue as enqueue_forward, plan as plan_forward,
 };
 pub use forward_plan::{
-    shared_bytes as forward_shared_bytes, ForwardVariant, BLOCK_KEYS, BLOCK_ROWS, HEAD_DIMS,
+    shared_bytes as forward_shared_bytes, ForwardVariant, BLOCK_KEYS, BLOCK_ROWS,
 };
 pub use gemm::{gemm, gemm_source};
 pub use gemm_shape::{GemmLayout, SHARED_BYTES, TILE_K, TILE_M, TILE_N, UNITS};
@@ -38,4 +51,53 @@ pub use schedule::ForwardSchedule;
 pub fn available<R: Runtime>(client: &ComputeClient<R>) -> bool {
     let tma = client.properties().features.tma;
     R::name(client) == "cuda" && tma.contains(Tma::Base) && !tma.contains(Tma::Im2colWide)
+}
+
+/// The one-dimensional grid of `cubes.0` cubes (`cubes.1` says what they are) for `kernel`, a
+/// Hopper kernel with cubes of `units` threads and `shared_bytes` of shared memory, once
+/// `client` is known to run the Hopper kernels ([`available`]) and the launch to fit its limits.
+pub(crate) fn device_grid<R: Runtime>(
+    client: &ComputeClient<R>,
+    kernel: &str,
+    units: usize,
+    shared_bytes: usize,
+    cubes: (usize, &str),
+) -> Result<CubeCount, KernelError> {
+    if !available(client) {
+        return Err(KernelError::DeviceLimit {
+            what: format!(
+                "{kernel} needs a CUDA GPU of compute capability 9.0 (wgmma and the bulk tensor \
+                 copy engine); Variant::Auto runs elsewhere"
+            ),
+        });
+    }
+    let limits = DeviceLimits::of(client);
+    limits.expect_units(kernel, units)?;
+    limits.expect_shared(kernel, shared_bytes)?;
+    // x holds 2^31 - 1 cubes on CUDA.
+    let (count, what) = cubes;
+    let max_x = limits.max_cube_count.0 as usize;
+    if count > max_x {
+        return Err(KernelError::DeviceLimit {
+            what: format!(
+                "{kernel} needs {count} cubes ({what}); the device's grid allows {max_x}"
+            ),
+        });
+    }
+    Ok(CubeCount::Static(count as u32, 1, 1))
+}
+
+/// Refuses the step entry points (forward and backward) under [`Variant::Hopper`]: the Hopper
+/// kernels run whole attentions only (no state in or out, no gradient accumulators).
+pub(crate) fn refuse_steps(options: &StepOptions, call: &str) -> Result<(), KernelError> {
+    if options.variant == Variant::Hopper {
+        return Err(KernelError::Unsupported {
+            what: format!(
+                "{call}: the Hopper variant runs whole attentions (`attention`, \
+                 `attention_backward`) only; steps run on Variant::TensorCore (Variant::Auto \
+                 picks it)"
+            ),
+        });
+    }
+    Ok(())
 }

@@ -1,8 +1,9 @@
 // The PTX building blocks every Hopper (sm_90a) kernel of this crate is made of: integer types,
-// the tensor map parameter, mbarriers, bulk tensor copies (TMA) in and out of shared memory,
-// shared-memory matrix descriptors and the warpgroup MMA fences. The host prepends this file to
-// each kernel's source (after the variant's switches), so the kernels share one copy; like the
-// kernels it includes no header (NVRTC's include paths differ by machine).
+// the tensor map parameter, mbarriers, bulk copies (TMA, of tensors and of plain bytes) in and out
+// of shared memory, vector atomic adds, shared-memory matrix descriptors and the warpgroup MMA
+// fences. The host prepends this file to each kernel's source (after the variant's switches), so
+// the kernels share one copy; like the kernels it includes no header (NVRTC's include paths differ
+// by machine).
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -33,6 +34,13 @@ __device__ __forceinline__ void barrier_expect_bytes(u32 bar, u32 bytes) {
 
 __device__ __forceinline__ void barrier_arrive(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+// Makes the calling thread's barrier initialisations visible to the cube's other threads (after
+// the next __syncthreads()) and to the copy engine.
+__device__ __forceinline__ void publish_barrier_inits() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
 // Waits until the barrier's phase with this parity has completed.
@@ -73,6 +81,16 @@ __device__ __forceinline__ void copy_box_3d(u32 dst, const TensorMap* map, u32 b
         : "memory");
 }
 
+// Copies `bytes` (a multiple of 16) from global memory at `src` into shared memory at `dst`, both
+// on 16-byte boundaries, completing them on `bar`.
+__device__ __forceinline__ void copy_bytes(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+            dst),
+        "l"(reinterpret_cast<u64>(src)), "r"(bytes), "r"(bar)
+        : "memory");
+}
+
 // Stores the box at (x, y, z) of the map's three-dimensional tensor from shared memory at `src`;
 // elements outside the tensor are not written. Completes as a bulk group of the calling thread
 // (see `store_boxes_read`).
@@ -93,6 +111,14 @@ __device__ __forceinline__ void store_boxes_read() {
 // Makes this thread's ordinary writes to shared memory visible to the copy engine.
 __device__ __forceinline__ void fence_shared_for_copies() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// Adds four f32 values to global memory at `address` (16-byte aligned) atomically, without
+// waiting for the result.
+__device__ __forceinline__ void reduce_add_4(float* address, float a, float b, float c, float d) {
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(address), "f"(a), "f"(b),
+                 "f"(c), "f"(d)
+                 : "memory");
 }
 
 __device__ __forceinline__ void prefetch_map(const TensorMap* map) {

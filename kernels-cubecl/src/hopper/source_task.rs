@@ -16,9 +16,13 @@
 //! The kernel's parameters arrive in CubeCL's order ([`SourceArguments`]): each tensor map by
 //! value (`const __grid_constant__` 128-byte `CUtensorMap`, encoded by CubeCL from a
 //! [`TensorMapMeta`]), then each tensor map's buffer, then the plain buffers, then the `u32`
-//! scalars as one struct by value (16 bytes for four).
+//! scalars as one struct by value (16 bytes for four). Beside the launch: a per-process cache of
+//! each source's built variants ([`KernelCache`]) and the buffers' alignment check the copy
+//! engine needs.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::hash::Hash;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use cubecl::prelude::*;
 use cubecl::server::{Binding, KernelArguments, TensorMapBinding, TensorMapMeta};
@@ -27,11 +31,17 @@ use cubecl::zspace::{Shape, Strides};
 use cubecl::{Compiler, InfoBuilder};
 
 use crate::edited_task::{Edit, EditedTask};
+use crate::kernel_error::KernelError;
 use crate::tensor::DeviceTensor;
 
 /// The PTX building blocks (`ptx.cuh`: mbarriers, bulk tensor copies, matrix descriptors,
 /// warpgroup MMA fences) that every hand-written kernel's source starts with, after its switches.
 pub const PTX_PRELUDE: &str = include_str!("ptx.cuh");
+
+/// What the attention kernels share on top of [`PTX_PRELUDE`] (`attention.cuh`: the 16-bit
+/// operand type, descriptors of swizzled 64-column tiles, `wgmma` with A in registers, register
+/// fences, `exp2`, packing, named barriers, fragment stores), prepended after it.
+pub const ATTENTION_PRELUDE: &str = include_str!("attention.cuh");
 
 /// Declares `shared_words` words of shared memory, so that its compiled form carries the shared
 /// memory a hand-written kernel needs. Compiled, never launched.
@@ -63,9 +73,14 @@ impl CudaSource {
     /// The kernel `entry_point` of `source`, launched with cubes of `units` threads and
     /// `shared_bytes` of dynamic shared memory.
     pub fn new(entry_point: &'static str, source: String, units: u32, shared_bytes: usize) -> Self {
-        let fingerprint = source.bytes().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
-            (hash ^ byte as u64).wrapping_mul(0x0000_0100_0000_01b3)
-        });
+        // The entry point too: one source may hold several kernels.
+        let fingerprint = source
+            .bytes()
+            .chain([0])
+            .chain(entry_point.bytes())
+            .fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
+                (hash ^ byte as u64).wrapping_mul(0x0000_0100_0000_01b3)
+            });
         Self {
             entry_point,
             source: source.into(),
@@ -80,10 +95,82 @@ impl CudaSource {
         &self.source
     }
 
-    /// A 64-bit FNV-1a hash of the source: part of the kernel's id, so that CubeCL's compiled
-    /// kernel cache (in memory and on disk) never serves an earlier version of the source.
+    /// A 64-bit FNV-1a hash of the source and the entry point: part of the kernel's id, so that
+    /// CubeCL's compiled kernel cache (in memory and on disk) never serves an earlier version of
+    /// the source, nor another kernel of it.
     pub fn fingerprint(&self) -> u64 {
         self.fingerprint
+    }
+}
+
+/// The kernels of one hand-written source file, built and fingerprinted once per process and
+/// variant `K`, then shared (each clone shares its source).
+pub(crate) struct KernelCache<K> {
+    kernels: OnceLock<Mutex<HashMap<K, CudaSource>>>,
+}
+
+impl<K: Eq + Hash> KernelCache<K> {
+    /// An empty cache, for a `static`.
+    pub(crate) const fn new() -> Self {
+        Self {
+            kernels: OnceLock::new(),
+        }
+    }
+
+    /// The kernel of `variant`: `build`'s on the first call for it, the same one later.
+    pub(crate) fn get(&self, variant: K, build: impl FnOnce() -> CudaSource) -> CudaSource {
+        let mut kernels = self
+            .kernels
+            .get_or_init(Mutex::default)
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        kernels.entry(variant).or_insert_with(build).clone()
+    }
+}
+
+/// Errors unless every one of the named `buffers` starts on a 16-byte boundary, as the bulk
+/// (tensor) copy engine and the kernels' vector accesses need (a view into the middle of a
+/// buffer may not); `kernel` names the caller in the message.
+pub(crate) fn check_alignment(
+    kernel: &str,
+    buffers: &[(&str, &DeviceTensor)],
+) -> Result<(), KernelError> {
+    for (name, tensor) in buffers {
+        let offset = tensor.handle.offset_start.unwrap_or(0);
+        if offset % 16 != 0 {
+            return Err(KernelError::Unsupported {
+                what: format!(
+                    "{kernel} reads and writes through the bulk tensor copy engine, whose buffers \
+                     start on 16-byte boundaries; `{name}` starts {} bytes past one",
+                    offset % 16
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The parameters of `entry_point` in `source` as declared, for the tests that check them
+/// against what the host registers.
+#[cfg(test)]
+pub(crate) fn parameters<'a>(source: &'a str, entry_point: &str) -> Vec<&'a str> {
+    source
+        .split(&format!("{entry_point}("))
+        .nth(1)
+        .and_then(|rest| rest.split(')').next())
+        .expect("the source defines the entry point")
+        .split(',')
+        .map(str::trim)
+        .collect()
+}
+
+/// Asserts that the device source `file` (`source`) defines each of `defines` to its value, so
+/// that the host's constants and the kernel's cannot drift apart.
+#[cfg(test)]
+pub(crate) fn assert_defines(file: &str, source: &str, defines: &[(&str, usize)]) {
+    for (name, value) in defines {
+        let line = format!("#define {name} {value}\n");
+        assert!(source.contains(&line), "{file} lacks `{}`", line.trim());
     }
 }
 
@@ -226,6 +313,19 @@ mod tests {
         assert_eq!(a.fingerprint(), a.clone().fingerprint());
         assert_eq!(a.fingerprint(), source(a.source()).fingerprint());
         assert_ne!(a.fingerprint(), b.fingerprint());
+        // Another kernel of the same source.
+        let other = CudaSource::new("l", a.source().into(), 128, 1024);
+        assert_ne!(a.fingerprint(), other.fingerprint());
+    }
+
+    #[test]
+    fn a_cache_builds_each_variant_once() {
+        static CACHE: KernelCache<u8> = KernelCache::new();
+        let first = CACHE.get(1, || source("one"));
+        let again = CACHE.get(1, || panic!("built twice"));
+        let other = CACHE.get(2, || source("two"));
+        assert_eq!(first.source().as_ptr(), again.source().as_ptr());
+        assert_eq!(other.source(), "two");
     }
 
     #[test]

@@ -39,8 +39,15 @@ fn every_tensor_core_kernel_computes_exp2_with_flush_to_zero_f16() {
 fn the_hopper_shell_gives_hand_written_kernels_the_shared_memory_they_ask_for() {
     // cubecl-cuda launches a hand-written kernel with the dynamic shared memory of its shell's
     // compiled form (`hopper::source_task`): at least what the source uses.
-    let attention = distflash_kernels::hopper::forward_shared_bytes(128);
-    for bytes in [4, 1000, distflash_kernels::hopper::SHARED_BYTES, attention] {
+    let forward = distflash_kernels::hopper::forward_shared_bytes(128);
+    let backward = distflash_kernels::hopper::backward_shared_bytes(128);
+    for bytes in [
+        4,
+        1000,
+        distflash_kernels::hopper::SHARED_BYTES,
+        forward,
+        backward,
+    ] {
         let given = cuda_source::hopper_shell_shared_bytes(bytes);
         assert!(
             given >= bytes && given < bytes + 64,
@@ -50,12 +57,18 @@ fn the_hopper_shell_gives_hand_written_kernels_the_shared_memory_they_ask_for() 
 }
 
 #[test]
-fn every_hopper_source_has_no_include_and_one_entry_point() {
+fn every_hopper_source_has_no_include_and_its_entry_points() {
     for (name, source) in cuda_source::hopper_sources() {
         assert!(!source.contains("#include"), "{name}");
+        // The backward's row kernels: one before the main kernel, one after.
+        let entry_points = if name.starts_with("hopper_backward_rows") {
+            2
+        } else {
+            1
+        };
         assert_eq!(
             source.matches("extern \"C\" __global__").count(),
-            1,
+            entry_points,
             "{name}"
         );
         let product = if name.starts_with("hopper_gemm") {

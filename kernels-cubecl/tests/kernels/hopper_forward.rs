@@ -7,79 +7,12 @@
 //! tensor-core kernels where not; and its refusals. The forward runs on an H100/H200 only;
 //! elsewhere it must refuse the device.
 
+use super::hopper_cases::{
+    auto_case, bits, common_cases, compare, every_type_and_head_dim, hopper_client, named, Named,
+    Quantity,
+};
 use super::*;
 use distflash_kernels::hopper::{self, schedule, ForwardSchedule};
-
-/// One case of the table: its data and a name for the report.
-struct Named {
-    name: String,
-    case: Case,
-}
-
-fn named(
-    seed: u64,
-    heads: (usize, usize, usize),
-    lens: (usize, usize, usize),
-    mask: Mask,
-    elem: ElemType,
-) -> Named {
-    Named {
-        name: format!("{heads:?} {lens:?} {mask:?} {elem:?}"),
-        case: Case::new(seed, heads, lens, mask, elem),
-    }
-}
-
-/// Where a result differs from the reference beyond `threshold`: how many elements (NaN among
-/// them), which 16-row groups of a 128-row query block, which 8-column groups, and the first few.
-fn error_map(
-    got: &[f64],
-    exact: &[f64],
-    threshold: f64,
-    dims: &AttentionDims,
-    cols: usize,
-) -> String {
-    let mut bad = 0usize;
-    let mut nan = 0usize;
-    let mut row_groups = [0usize; 8];
-    let mut col_groups = vec![0usize; cols.div_ceil(8)];
-    let mut first = Vec::new();
-    for (index, (g, e)) in got.iter().zip(exact).enumerate() {
-        let wrong = if g.is_nan() || e.is_nan() {
-            g.is_nan() != e.is_nan()
-        } else if g.is_infinite() || e.is_infinite() {
-            g != e
-        } else {
-            (g - e).abs() > threshold
-        };
-        if !wrong {
-            continue;
-        }
-        bad += 1;
-        nan += usize::from(g.is_nan());
-        let (row, col) = (index / cols, index % cols);
-        let (slice, i) = (row / dims.q_len, row % dims.q_len);
-        row_groups[(i % 128) / 16] += 1;
-        col_groups[col / 8] += 1;
-        if first.len() < 4 {
-            first.push(format!("slice {slice} row {i} col {col}: {g} vs {e}"));
-        }
-    }
-    format!(
-        "{bad} of {} wrong ({nan} NaN); by 16-row group of a block {row_groups:?}; by 8-column \
-         group {col_groups:?}; first: {}",
-        got.len(),
-        first.join("; ")
-    )
-}
-
-/// The tolerance of `assert_close` for these values.
-fn threshold(exact: &[f64], naive: &[f64], elem: ElemType) -> f64 {
-    let magnitude = exact
-        .iter()
-        .filter(|x| x.is_finite())
-        .fold(1.0f64, |a, x| a.max(x.abs()));
-    2.0 * oracle::max_abs_diff(naive, exact) + 1e-3 * magnitude * f64::from(elem != ElemType::F32)
-}
 
 /// Runs the Hopper forward of `case` into poisoned outputs and compares O and lse with the f64
 /// reference; the error, with a map of where it lies, if they differ.
@@ -97,77 +30,34 @@ fn check_case<R: Runtime>(client: &ComputeClient<R>, case: &Case) -> Result<(), 
     )
     .map_err(|e| format!("refused: {e}"))?;
     let (got_out, got_lse) = (read(client, &out), read(client, &lse));
-    let (exact_fwd, naive) = case.reference_forward();
-    let mut failures = Vec::new();
-    for (name, got, exact, naive, elem, cols) in [
-        (
+    let (exact, naive) = case.reference_forward();
+    let rows = |name, got, exact, naive, elem, cols| Quantity {
+        name,
+        got,
+        exact,
+        naive,
+        elem,
+        slice_rows: dims.q_len,
+        cols,
+        block_rows: 128,
+    };
+    compare(&[
+        rows(
             "O",
             &got_out,
-            &exact_fwd.out,
+            &exact.out,
             &naive.out,
             case.elem,
             dims.head_dim,
         ),
-        (
-            "lse",
-            &got_lse,
-            &exact_fwd.lse,
-            &exact_fwd.lse,
-            ElemType::F32,
-            1,
-        ),
-    ] {
-        let outcome = std::panic::catch_unwind(|| assert_close(name, got, exact, naive, elem));
-        if let Err(panic) = outcome {
-            let message = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .unwrap_or_else(|| "assert_close failed".into());
-            let map = error_map(got, exact, threshold(exact, naive, elem), dims, cols);
-            failures.push(format!("{message}\n      {map}"));
-        }
-    }
-    if failures.is_empty() {
-        Ok(())
-    } else {
-        Err(failures.join("\n    "))
-    }
+        // lse is f32: compared against f32 precision.
+        rows("lse", &got_lse, &exact.lse, &exact.lse, ElemType::F32, 1),
+    ])
 }
 
-/// Runs every case (all of them, so one run shows the whole picture) and panics listing the
-/// failures.
+/// Runs every case on `client` and panics listing the failures.
 fn check_all<R: Runtime>(client: &ComputeClient<R>, what: &str, cases: &[Named]) {
-    let failures: Vec<String> = cases
-        .iter()
-        .filter_map(|named| {
-            let outcome = check_case(client, &named.case);
-            println!(
-                "{what} {}: {}",
-                named.name,
-                if outcome.is_ok() { "ok" } else { "FAILED" }
-            );
-            outcome
-                .err()
-                .map(|error| format!("{what} {}:\n    {error}", named.name))
-        })
-        .collect();
-    assert!(
-        failures.is_empty(),
-        "{} of {} cases failed:\n{}",
-        failures.len(),
-        cases.len(),
-        failures.join("\n")
-    );
-}
-
-/// Scores far below zero (every `q . k` near -900) beside a key count that ends inside a key
-/// tile: the tile's zero-filled keys past the end score 0, far above every real key, so they must
-/// stay masked.
-fn extreme_scores(mask: Mask, elem: ElemType, head_dim: usize) -> Named {
-    let mut named = named(67, (1, 2, 1), (64, 100, head_dim), mask, elem);
-    named.case.set_extreme_scores();
-    named.name = format!("extreme scores, {}", named.name);
-    named
+    hopper_cases::check_all(what, cases, |case| check_case(client, case));
 }
 
 /// Scores that rise from key to key (at head dim 64, by about 0.14 in base 2 in some query rows
@@ -182,68 +72,18 @@ fn rising_scores(mask: Mask, elem: ElemType, head_dim: usize) -> Named {
     named
 }
 
-/// The table for one element type and head dim.
+/// The table for one element type and head dim: the common cases, and scores that rise from
+/// tile to tile (the stale row max).
 fn cases(elem: ElemType, head_dim: usize) -> Vec<Named> {
-    let d = head_dim;
-    let mut cases = vec![
-        // One tile, one block.
-        named(1, (1, 1, 1), (128, 128, d), Mask::none(), elem),
-        // The causal diagonal alone.
-        named(2, (1, 2, 2), (128, 128, d), Mask::causal(), elem),
-        // Batch 2, a block shorter than 128 rows.
-        named(3, (2, 3, 3), (96, 96, d), Mask::causal(), elem),
-        // MQA, tiny.
-        named(4, (1, 4, 1), (33, 70, d), Mask::none(), elem),
-        // A later query chunk against a longer key chunk: the diagonal crosses tiles at an
-        // offset that is no multiple of a tile.
-        named(
-            5,
-            (1, 4, 2),
-            (700, 1100, d),
-            Mask::causal().at(300, 0),
-            elem,
-        ),
-        extreme_scores(Mask::none(), elem, d),
-        extreme_scores(Mask::causal().at(200, 0), elem, d),
-        rising_scores(Mask::none(), elem, d),
-        rising_scores(Mask::causal().at(40, 0), elem, d),
-    ];
-    // GQA with odd lengths, several blocks and tiles: unmasked, causal aligned at the end, and
-    // keys ahead of the queries (the first 40 rows see nothing).
-    for mask in [
-        Mask::none(),
-        Mask::causal().at(517 - 383, 0),
-        Mask::causal().at(0, 40),
-    ] {
-        cases.push(named(6, (1, 4, 2), (383, 517, d), mask, elem));
-    }
+    let mut cases = common_cases(elem, head_dim);
+    cases.push(rising_scores(Mask::none(), elem, head_dim));
+    cases.push(rising_scores(Mask::causal().at(40, 0), elem, head_dim));
     cases
 }
 
 /// Every element type and head dim the kernel covers, with the default schedule.
 pub fn forward_matches_the_f64_reference<R: Runtime>(client: &ComputeClient<R>) {
-    let mut all = Vec::new();
-    for elem in [ElemType::BF16, ElemType::F16] {
-        for head_dim in hopper::HEAD_DIMS {
-            all.extend(cases(elem, head_dim));
-        }
-    }
-    // Many tiles and blocks in the benchmarks' configuration; GQA 32 / 8.
-    all.push(named(
-        41,
-        (1, 5, 5),
-        (1023, 1023, 128),
-        Mask::causal(),
-        ElemType::BF16,
-    ));
-    all.push(named(
-        42,
-        (1, 32, 8),
-        (257, 257, 64),
-        Mask::causal(),
-        ElemType::BF16,
-    ));
-    check_all(client, "default schedule", &all);
+    check_all(client, "default schedule", &every_type_and_head_dim(cases));
 }
 
 /// The schedules other than the default, on a few cases each.
@@ -317,19 +157,11 @@ pub fn every_schedule_matches_the_f64_reference<R: Runtime>(client: &ComputeClie
 }
 
 /// `attention` under `Variant::Hopper` and `Variant::Auto` runs the Hopper forward where it
-/// covers the call (bitwise the same results as `hopper::attention_forward`), `Variant::Auto`
-/// runs a sliding window on the tensor-core kernels (bitwise theirs), and the Hopper variant's
-/// backward is the tensor-core one.
+/// covers the call (bitwise the same results as `hopper::attention_forward`), and
+/// `Variant::Auto` runs a sliding window on the tensor-core kernels (bitwise theirs).
 pub fn auto_runs_it_where_it_covers_the_call<R: Runtime>(client: &ComputeClient<R>) {
-    let bits =
-        |t: &DeviceTensor| -> Vec<u64> { read(client, t).iter().map(|x| x.to_bits()).collect() };
-    let case = Case::new(
-        9,
-        (1, 4, 2),
-        (300, 300, 128),
-        Mask::causal(),
-        ElemType::BF16,
-    );
+    let bits = |t: &DeviceTensor| bits(client, t);
+    let case = auto_case();
     let (q, k, v) = case.qkv(client);
     let dims = case.dims;
     let out = nan_tensor(client, dims.q_shape(), case.elem);
@@ -363,36 +195,6 @@ pub fn auto_runs_it_where_it_covers_the_call<R: Runtime>(client: &ComputeClient<
         bits(&auto_out) == bits(&tc_out),
         "Auto does not run a window on the tensor cores"
     );
-
-    let grad_out = case.upload(client, &case.grad_out, dims.q_shape());
-    let deterministic = |variant| StepOptions {
-        deterministic: true,
-        ..options(&case, variant)
-    };
-    let backward = |variant| {
-        distflash_kernels::attention_backward(
-            client,
-            &q,
-            &k,
-            &v,
-            &out,
-            &lse,
-            &grad_out,
-            &deterministic(variant),
-        )
-        .unwrap()
-    };
-    let (hopper_grads, tc_grads) = (backward(Variant::Hopper), backward(Variant::TensorCore));
-    for (a, b) in [
-        (&hopper_grads.0, &tc_grads.0),
-        (&hopper_grads.1, &tc_grads.1),
-        (&hopper_grads.2, &tc_grads.2),
-    ] {
-        assert!(
-            bits(a) == bits(b),
-            "the Hopper variant's backward is not the tensor-core one"
-        );
-    }
 }
 
 /// What the Hopper forward does not cover is refused naming it, before anything runs, whatever
@@ -464,25 +266,20 @@ pub fn uncovered_calls_are_refused<R: Runtime>(client: &ComputeClient<R>) {
 #[test]
 #[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
 fn cuda_hopper_forward_matches_f64_reference() {
-    let client = cubecl::cuda::CudaRuntime::client(&cubecl::cuda::CudaDevice::new(0));
-    assert!(
-        hopper::available(&client),
-        "not a compute capability 9.0 GPU"
-    );
-    forward_matches_the_f64_reference(&client);
+    forward_matches_the_f64_reference(&hopper_client());
 }
 
 #[test]
 #[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
 fn cuda_hopper_forward_schedules_match_f64_reference() {
-    let client = cubecl::cuda::CudaRuntime::client(&cubecl::cuda::CudaDevice::new(0));
+    let client = hopper_client();
     every_schedule_matches_the_f64_reference(&client);
 }
 
 #[test]
 #[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
 fn cuda_hopper_forward_is_what_auto_runs_and_refuses_what_it_does_not_cover() {
-    let client = cubecl::cuda::CudaRuntime::client(&cubecl::cuda::CudaDevice::new(0));
+    let client = hopper_client();
     uncovered_calls_are_refused(&client);
     auto_runs_it_where_it_covers_the_call(&client);
     // A buffer that starts off a 16-byte boundary (a view into another) is refused.

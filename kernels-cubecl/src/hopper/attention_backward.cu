@@ -1,0 +1,519 @@
+// Hopper (sm_90a) attention backward, FlashAttention-3's design: dQ, dK and dV of
+// O = softmax(scale Q K^T) V from the stored log-sum-exp and delta = rowsum(dO * O), never
+// recomputing the forward, with `wgmma` (asynchronous warpgroup MMA) for the five products, the
+// bulk tensor copy engine (TMA) staging K, V, Q and dO in shared memory, and one producer
+// warpgroup feeding two consumer warpgroups.
+//
+// CUDA C++ with inline PTX, no headers: compiled by NVRTC for sm_90a and launched through
+// CubeCL's CUDA runtime (`hopper/source_task.rs`). The host (`hopper/backward.rs`) prepends the
+// variant's switches, the PTX building blocks (`ptx.cuh`) and what the attention kernels share
+// (`attention.cuh`). The switches:
+//   DISTFLASH_HEAD_DIM  64 or 128
+//   DISTFLASH_F16       0: q, k, v, dO and the gradients are bf16; 1: f16
+//   DISTFLASH_CAUSAL    1: query row i sees key j only if j <= i + shift
+//
+// Tensors are row-major: q and dO [B * Hq, Sq, D], k, v, dK and dV [B * Hkv, Skv, D], seen
+// through three-dimensional tensor maps whose boxes are 64 columns (128 bytes, the 128-byte
+// swizzle) of 64 rows (q, dO, the stores of dK and dV) or 128 rows (k, v) of one (batch, head)
+// slice: rows past a slice's length arrive as zeros and are never stored. The row kernels of
+// `backward_rows.cu` run before and after this one: before, they write each query row's
+// log-sum-exp in base 2 and its delta, f32 [B * Hq, Tq * 64] with every slice padded to whole
+// tiles of 64 rows (padding rows: a log-sum-exp of FLT_MAX and a delta of 0, so their
+// probabilities are exactly 0), and zero the f32 sum of dQ, [B * Hq, Tq, 64 * D] in fragment
+// order (see `add_query_grads`); after, they turn that sum into dQ.
+//
+// A cube (CTA) of 384 threads takes 128 keys of one key/value slice, keeps their K and V in
+// shared memory, and walks the 64-row query tiles of every query head of the slice's group that
+// see them: under a causal mask from the tile holding the first row that sees the block's first
+// key, else from the first tile, to the last. The first tiles of each head's walk (those that
+// do not see every key of the block, and every tile of a block that ends past the keys) compare
+// keys against each row's visible range; the others run without a mask. Cubes start in groups
+// of slices whose queries, output gradients and dQ sums fit in L2 together, the blocks of a group
+// by rank, the first (under a causal mask the heaviest) first (see `grouped_cube`).
+// - Warpgroup 0 (producer) keeps 24 registers; one thread has the copy engine fetch K and V
+//   once, then each tile's Q with its base-2 log-sum-exp and dO with its delta into two stages,
+//   on `full` barriers, reusing a stage once its consumers arrive on its `empty` barrier.
+// - Warpgroups 1 and 2 (consumers) take 240 registers each and own keys 0-63 and 64-127 of the
+//   block. Per tile: S^T = K Q^T and dP^T = V dO^T (`wgmma.m64n64k16`, both operands in shared
+//   memory, 32 f32 per thread each: keys are the fragment's rows, queries its columns), then in
+//   registers P^T = 2^(S^T scale log2(e) - lse) and dS^T = P^T (dP^T - delta); dV += P^T dO and
+//   dK += dS^T Q with P^T and dS^T from registers (the accumulator fragment of a product is the A
+//   fragment of the next once packed to 16 bits); dS^T goes to shared memory, and once both
+//   warpgroups have written theirs, dQ = dS K (each warpgroup 64 columns of the head dim; at head
+//   dim 64 the first alone), added to the tile's f32 sum with vector atomics.
+// - The epilogue scales dK by the score scale, writes dK and dV into the warpgroup's rows of K's
+//   and V's shared memory and has the copy engine store them (rows past the keys clipped); a
+//   block no query sees stores zeros.
+
+#ifndef DISTFLASH_HEAD_DIM
+#define DISTFLASH_HEAD_DIM 128
+#endif
+#ifndef DISTFLASH_CAUSAL
+#define DISTFLASH_CAUSAL 0
+#endif
+
+// The scalars, as CubeCL packs ten u32 scalars (40 bytes).
+struct BackwardInfo {
+    u32 q_len;
+    u32 kv_len;
+    u32 kv_heads;
+    // Query heads per key/value head.
+    u32 group_size;
+    // Query row i sees key j (causal) iff j <= i + shift.
+    int shift;
+    // The score scale times log2(e), and the score scale, as f32 bits.
+    u32 scale_log2_bits;
+    u32 scale_bits;
+    // Key/value slices per launch group (see `grouped_cube`), and all of them.
+    u32 slice_group;
+    u32 kv_slices;
+    // Query tiles of 64 rows per slice (the padded row count of lse and delta over 64).
+    u32 q_tiles;
+};
+
+#define DF_D DISTFLASH_HEAD_DIM
+#define DF_BM 64
+#define DF_BN 128
+#define DF_HALVES (DF_D / 64)
+#define DF_STAGES 2
+#define DF_THREADS 384
+// Bytes of one 64-column half of a stage's Q or dO tile and of the block's K or V (rows of 128
+// bytes), one stage's dS^T (128 keys by 64 queries), and one tile's log-sum-exp or delta.
+#define DF_Q_HALF (DF_BM * 128)
+#define DF_KV_HALF (DF_BN * 128)
+#define DF_Q_BYTES (DF_HALVES * DF_Q_HALF)
+#define DF_KV_BYTES (DF_HALVES * DF_KV_HALF)
+#define DF_DS_BYTES (DF_BN * DF_BM * 2)
+#define DF_ROW_BYTES (DF_BM * 4)
+// Per consumer thread: S^T's (and dP^T's) accumulators (64 keys by DF_BM queries over 128
+// threads), P^T (and dS^T) packed two values a register, dK's (and dV's), dQ's.
+#define DF_S_REGS (64 * DF_BM / 128)
+#define DF_P_REGS (DF_S_REGS / 2)
+#define DF_KV_REGS (DF_D / 2)
+#define DF_DQ_REGS 32
+// Consumer warpgroups computing dQ (64 columns each), and the floats of one tile's dQ sum.
+#define DF_DQ_WARPGROUPS DF_HALVES
+#define DF_DQ_TILE (DF_BM * DF_D)
+// Named barriers: 1 gathers both consumer warpgroups once their dS^T is in shared memory, 2 once
+// both are done with K and V, 3 and 4 one warpgroup before its stores of dK and dV.
+#define DF_DS_BARRIER 1
+#define DF_DONE_BARRIER 2
+#define DF_STORE_BARRIER 3
+// Larger than any column offset of a tile: a key no query row of the tile sees.
+#define DF_NO_COLUMN (1 << 20)
+
+// ---- warpgroup MMA ----------------------------------------------------------------------------
+
+#define DF_W4(x, i) "=f"(x[i]), "=f"(x[i + 1]), "=f"(x[i + 2]), "=f"(x[i + 3])
+#define DF_W16(x, i) DF_W4(x, i), DF_W4(x, i + 4), DF_W4(x, i + 8), DF_W4(x, i + 12)
+
+// d = A[64 x 16] B[16 x 64] (the first product of a chain: d is only written), both in shared
+// memory, each K-major or (TRANSPOSE) MN-major.
+template <int TRANSPOSE_A, int TRANSPOSE_B>
+__device__ __forceinline__ void wgmma_ss_n64_first(float (&d)[32], u64 a, u64 b) {
+    asm volatile(DF_WGMMA_KEEP("0") "wgmma.mma_async.sync.aligned.m64n64k16.f32." DF_AB
+                                    "." DF_AB " {" DF_ACC32 "}, %32, %33, keep, 1, 1, %34, %35;\n}\n"
+                 : DF_W16(d, 0), DF_W16(d, 16)
+        : "l"(a), "l"(b), "n"(TRANSPOSE_A), "n"(TRANSPOSE_B));
+}
+
+// d += A[64 x 16] B[16 x 64], as `wgmma_ss_n64_first` after the chain's first product.
+template <int TRANSPOSE_A, int TRANSPOSE_B>
+__device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], u64 a, u64 b) {
+    asm volatile(DF_WGMMA_KEEP("1") "wgmma.mma_async.sync.aligned.m64n64k16.f32." DF_AB
+                                    "." DF_AB " {" DF_ACC32 "}, %32, %33, keep, 1, 1, %34, %35;\n}\n"
+                 : DF_F32(d)
+        : "l"(a), "l"(b), "n"(TRANSPOSE_A), "n"(TRANSPOSE_B));
+}
+
+// S^T (or dP^T) of one warpgroup: its 64 keys' rows of K (or V) from `a` (the rows' address in
+// the block's first half) against the stage's 64 query rows of Q (or dO) at `b`, over the head
+// dim in steps of 16 (4 per 64-column half).
+__device__ __forceinline__ void issue_transposed_scores(float (&s)[DF_S_REGS], u32 a, u32 b) {
+    wgmma_fence();
+    wgmma_ss_n64_first<0, 0>(s, k_major(a), k_major(b));
+#pragma unroll
+    for (u32 kk = 1; kk < DF_D / 16; ++kk) {
+        const u32 half = kk / 4, within = (kk % 4) * 32;
+        wgmma_ss_n64<0, 0>(s, k_major(a + half * DF_KV_HALF + within),
+                           k_major(b + half * DF_Q_HALF + within));
+    }
+    wgmma_commit();
+}
+
+// dV += P^T dO (or dK += dS^T Q) for one warpgroup: P^T's (dS^T's) 16-query steps from
+// registers, the stage's rows of dO (Q) at `b` as the MN-major B operand.
+__device__ __forceinline__ void issue_key_grads(float (&acc)[DF_KV_REGS],
+                                                const u32 (&a)[DF_P_REGS], u32 b) {
+    wgmma_fence();
+#pragma unroll
+    for (u32 kk = 0; kk < DF_BM / 16; ++kk) {
+        const u64 rows = mn_major(b + kk * 16 * 128, DF_Q_HALF);
+#if DF_D == 128
+        wgmma_rs_n128(acc, a[4 * kk], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3], rows);
+#else
+        wgmma_rs_n64(acc, a[4 * kk], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3], rows);
+#endif
+    }
+    wgmma_commit();
+}
+
+// dQ = dS K for one warpgroup's 64 columns of the head dim: dS from the stage's dS^T at `ds`
+// (keys as rows: the MN-major A operand), K's half at `k_half` (keys as rows: MN-major B), over
+// the block's 128 keys in steps of 16.
+__device__ __forceinline__ void issue_query_grads(float (&dq)[DF_DQ_REGS], u32 ds, u32 k_half) {
+    wgmma_fence();
+    wgmma_ss_n64_first<1, 1>(dq, mn_major(ds, DF_DS_BYTES), mn_major(k_half, DF_KV_HALF));
+#pragma unroll
+    for (u32 kk = 1; kk < DF_BN / 16; ++kk) {
+        wgmma_ss_n64<1, 1>(dq, mn_major(ds + kk * 16 * 128, DF_DS_BYTES),
+                           mn_major(k_half + kk * 16 * 128, DF_KV_HALF));
+    }
+    wgmma_commit();
+}
+
+// ---- the probabilities and the score gradients ------------------------------------------------
+
+__device__ __forceinline__ float2 load_shared_pair(u32 address) {
+    float2 pair;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(pair.x), "=f"(pair.y) : "r"(address));
+    return pair;
+}
+
+// The first column offset (within `column0 + 8 j + e % 2`, see `probabilities`) whose query row
+// sees the key of a thread's fragment row: `sees_from` is the first query row that sees it,
+// `key_in` whether the key is below the key count; DF_NO_COLUMN for a key no row sees.
+__device__ __forceinline__ int first_visible_column(long long sees_from, bool key_in,
+                                                    int column0) {
+    if (!key_in) {
+        return DF_NO_COLUMN;
+    }
+    return static_cast<int>(
+        min(max(sees_from - column0, -1ll), static_cast<long long>(DF_NO_COLUMN)));
+}
+
+// P^T in place of S^T: 2^(s scale log2(e) - lse) for each (key row, query column), the lse of
+// the stage's columns at `lse`; with MASKED, 0 where the column's query row does not see the
+// row's key (element i of the fragment is column 8 (i / 4) + i % 2 past the thread's first,
+// visible from `first_visible[r]` on).
+template <bool MASKED>
+__device__ __forceinline__ void probabilities(float (&s)[DF_S_REGS], u32 lse, u32 quad,
+                                              float scale_log2, const int (&first_visible)[2]) {
+#pragma unroll
+    for (int j = 0; j < DF_S_REGS / 4; ++j) {
+        const float2 lse_pair = load_shared_pair(lse + (8 * j + 2 * quad) * 4);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int i = 4 * j + e;
+            float p = fast_exp2(fmaf(s[i], scale_log2, -(e % 2 ? lse_pair.y : lse_pair.x)));
+            if (MASKED && 8 * j + e % 2 < first_visible[DF_ROW_OF(i)]) {
+                p = 0.0f;
+            }
+            s[i] = p;
+        }
+    }
+}
+
+// dS^T in place of dP^T: P^T (dP^T - delta) for each (key row, query column), the deltas of the
+// stage's columns at `delta`.
+__device__ __forceinline__ void score_gradients(float (&dp)[DF_S_REGS],
+                                                const float (&p)[DF_S_REGS], u32 delta, u32 quad) {
+#pragma unroll
+    for (int j = 0; j < DF_S_REGS / 4; ++j) {
+        const float2 delta_pair = load_shared_pair(delta + (8 * j + 2 * quad) * 4);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int i = 4 * j + e;
+            dp[i] = p[i] * (dp[i] - (e % 2 ? delta_pair.y : delta_pair.x));
+        }
+    }
+}
+
+// Adds a warpgroup's dQ fragment to its 64 x 64 block of the tile's f32 sum at `block`, in
+// fragment order: elements 4j..4j+3 of thread `thread` at (j * 128 + thread) * 4, so that each
+// warp adds 512 contiguous bytes per instruction (the dQ kernel of `backward_rows.cu` reads it
+// back in this order).
+__device__ __forceinline__ void add_query_grads(float* block, const float (&dq)[DF_DQ_REGS],
+                                                u32 thread) {
+#pragma unroll
+    for (int j = 0; j < DF_DQ_REGS / 4; ++j) {
+        reduce_add_4(block + (j * 128 + thread) * 4, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2],
+                     dq[4 * j + 3]);
+    }
+}
+
+// ---- pipeline ---------------------------------------------------------------------------------
+
+// The shared memory of one cube, from its first 1024-byte boundary: K, V, the stages of Q, dO
+// and dS^T, the stages' log-sum-exps and deltas, then the barriers.
+struct Layout {
+    u32 k;
+    u32 v;
+    u32 q;
+    u32 d_o;
+    u32 ds;
+    u32 lse;
+    u32 delta;
+    u32 kv_full;
+    u32 q_full;
+    u32 do_full;
+    u32 empty;
+};
+
+__device__ __forceinline__ Layout layout_from(u32 base) {
+    Layout at;
+    at.k = base;
+    at.v = at.k + DF_KV_BYTES;
+    at.q = at.v + DF_KV_BYTES;
+    at.d_o = at.q + DF_STAGES * DF_Q_BYTES;
+    at.ds = at.d_o + DF_STAGES * DF_Q_BYTES;
+    at.lse = at.ds + DF_STAGES * DF_DS_BYTES;
+    at.delta = at.lse + DF_STAGES * DF_ROW_BYTES;
+    at.kv_full = at.delta + DF_STAGES * DF_ROW_BYTES;
+    at.q_full = at.kv_full + 8;
+    at.do_full = at.q_full + DF_STAGES * 8;
+    at.empty = at.do_full + DF_STAGES * 8;
+    return at;
+}
+
+// Which query tiles one cube walks: for each query head of the group, tiles `first` to the
+// last; tiles from `unmasked_from` on see every key of the block.
+struct Walk {
+    int first;
+    int per_head;
+    int count;
+    int unmasked_from;
+};
+
+__device__ __forceinline__ Walk block_walk(const BackwardInfo& info, u32 key0) {
+    Walk walk;
+    walk.first = 0;
+    walk.unmasked_from = 0;
+#if DISTFLASH_CAUSAL
+    // The first query rows that see the block's first and last keys.
+    const long long sees_first = max(static_cast<long long>(key0) - info.shift, 0ll);
+    const long long sees_last = max(static_cast<long long>(key0) + DF_BN - 1 - info.shift, 0ll);
+    const long long tiles = info.q_tiles;
+    walk.first = static_cast<int>(min(sees_first / DF_BM, tiles));
+    walk.unmasked_from = static_cast<int>(min((sees_last + DF_BM - 1) / DF_BM, tiles));
+#endif
+    if (key0 + DF_BN > info.kv_len) {
+        // Keys past the end are masked in every tile.
+        walk.unmasked_from = static_cast<int>(info.q_tiles);
+    }
+    walk.per_head = static_cast<int>(info.q_tiles) - walk.first;
+    walk.count = walk.per_head * static_cast<int>(info.group_size);
+    return walk;
+}
+
+// The query slice and tile of walk tile `t`: the group's query heads in turn.
+__device__ __forceinline__ void tile_of(const BackwardInfo& info, const Walk& walk, u32 kv_slice,
+                                        int t, u32& q_slice, int& tile) {
+    const int head = t / walk.per_head;
+    tile = walk.first + (t - head * walk.per_head);
+    q_slice = (kv_slice / info.kv_heads) * info.kv_heads * info.group_size +
+              (kv_slice % info.kv_heads) * info.group_size + static_cast<u32>(head);
+}
+
+// The stage and phase parity of walk tile `t` in a ring of DF_STAGES stages.
+__device__ __forceinline__ u32 stage_of(int t) {
+    return static_cast<u32>(t) % DF_STAGES;
+}
+__device__ __forceinline__ u32 parity_of(int t) {
+    return (static_cast<u32>(t) / DF_STAGES) & 1;
+}
+
+extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
+    distflash_hopper_attention_backward(
+        const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
+        const __grid_constant__ TensorMap v_map, const __grid_constant__ TensorMap do_map,
+        const __grid_constant__ TensorMap dk_map, const __grid_constant__ TensorMap dv_map,
+        const void* q_buffer, const void* k_buffer, const void* v_buffer, const void* do_buffer,
+        void* dk_buffer, void* dv_buffer, const float* lse_log2, const float* delta,
+        float* dq_sum, const __grid_constant__ BackwardInfo info) {
+    extern __shared__ __align__(1024) unsigned char shared[];
+    // Tiles on 1024-byte boundaries (the host asks for the slack).
+    const Layout at =
+        layout_from((shared_address(shared) + DF_SWIZZLE_SPAN - 1) & ~(DF_SWIZZLE_SPAN - 1));
+
+    const u32 blocks = (info.kv_len + DF_BN - 1) / DF_BN;
+    u32 kv_slice, block;
+    grouped_cube(blockIdx.x, blocks, info.slice_group, info.kv_slices, kv_slice, block);
+    const u32 key0 = block * DF_BN;
+    const Walk walk = block_walk(info, key0);
+
+    if (threadIdx.x == 0) {
+        barrier_init(at.kv_full, 1);
+        for (u32 s = 0; s < DF_STAGES; ++s) {
+            barrier_init(at.q_full + 8 * s, 1);
+            barrier_init(at.do_full + 8 * s, 1);
+            barrier_init(at.empty + 8 * s, 8);
+        }
+        publish_barrier_inits();
+    }
+    __syncthreads();
+
+    const u32 warpgroup = threadIdx.x / 128;
+    if (warpgroup == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
+        if (threadIdx.x != 0 || walk.count == 0) {
+            return;
+        }
+        prefetch_map(&q_map);
+        prefetch_map(&k_map);
+        prefetch_map(&v_map);
+        prefetch_map(&do_map);
+        barrier_expect_bytes(at.kv_full, 2 * DF_KV_BYTES);
+        copy_halves(at.k, DF_KV_HALF, &k_map, at.kv_full, key0, kv_slice);
+        copy_halves(at.v, DF_KV_HALF, &v_map, at.kv_full, key0, kv_slice);
+        for (int t = 0; t < walk.count; ++t) {
+            const u32 s = stage_of(t), free_parity = parity_of(t) ^ 1;
+            u32 q_slice;
+            int tile;
+            tile_of(info, walk, kv_slice, t, q_slice, tile);
+            const u32 row0 = static_cast<u32>(tile) * DF_BM;
+            const u64 rows = static_cast<u64>(q_slice) * info.q_tiles * DF_BM + row0;
+            barrier_wait(at.empty + 8 * s, free_parity);
+            // Q with its log-sum-exps, then dO with its deltas, each on its own barrier.
+            const u32 q_full = at.q_full + 8 * s, do_full = at.do_full + 8 * s;
+            barrier_expect_bytes(q_full, DF_Q_BYTES + DF_ROW_BYTES);
+            copy_halves(at.q + s * DF_Q_BYTES, DF_Q_HALF, &q_map, q_full, row0, q_slice);
+            copy_bytes(at.lse + s * DF_ROW_BYTES, lse_log2 + rows, DF_ROW_BYTES, q_full);
+            barrier_expect_bytes(do_full, DF_Q_BYTES + DF_ROW_BYTES);
+            copy_halves(at.d_o + s * DF_Q_BYTES, DF_Q_HALF, &do_map, do_full, row0, q_slice);
+            copy_bytes(at.delta + s * DF_ROW_BYTES, delta + rows, DF_ROW_BYTES, do_full);
+        }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;");
+    const u32 wg = warpgroup - 1;
+    const u32 thread = threadIdx.x % 128;
+    const u32 warp = thread / 32;
+    const u32 lane = thread % 32;
+    const u32 quad = lane % 4;
+    // The thread's fragment rows within the warpgroup's 64 keys: `local` and `local + 8`.
+    const u32 local = warp * 16 + lane / 4;
+    // The byte offset of the warpgroup's rows of K and V within each half.
+    const u32 key_rows = wg * 64 * 128;
+    const float scale_log2 = __uint_as_float(info.scale_log2_bits);
+
+    // For each of the thread's keys: whether it is below the key count, and the first query row
+    // that sees it.
+    bool key_in[2];
+    long long sees_from[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const long long key = key0 + wg * 64 + local + 8 * r;
+        key_in[r] = key < info.kv_len;
+#if DISTFLASH_CAUSAL
+        sees_from[r] = key - info.shift;
+#else
+        sees_from[r] = 0;
+#endif
+    }
+
+    float dk[DF_KV_REGS], dv[DF_KV_REGS];
+#pragma unroll
+    for (int i = 0; i < DF_KV_REGS; ++i) {
+        dk[i] = 0.0f;
+        dv[i] = 0.0f;
+    }
+    // Written by each tile's first products (their values never pass from one tile to the next).
+    float s[DF_S_REGS], dp[DF_S_REGS];
+    u32 p[DF_P_REGS], ds[DF_P_REGS];
+
+    if (walk.count > 0) {
+        barrier_wait(at.kv_full, 0);
+    }
+#pragma unroll 1
+    for (int t = 0; t < walk.count; ++t) {
+        const u32 stage = stage_of(t), parity = parity_of(t);
+        u32 q_slice;
+        int tile;
+        tile_of(info, walk, kv_slice, t, q_slice, tile);
+        const u32 q_rows = at.q + stage * DF_Q_BYTES;
+        const u32 do_rows = at.d_o + stage * DF_Q_BYTES;
+        const u32 ds_tile = at.ds + stage * DF_DS_BYTES;
+
+        barrier_wait(at.q_full + 8 * stage, parity);
+        issue_transposed_scores(s, at.k + key_rows, q_rows);
+        barrier_wait(at.do_full + 8 * stage, parity);
+        issue_transposed_scores(dp, at.v + key_rows, do_rows);
+
+        wgmma_wait<1>();
+        fence_registers(s);
+        const u32 lse = at.lse + stage * DF_ROW_BYTES;
+        if (tile < walk.unmasked_from) {
+            int first_visible[2];
+            const int column0 = tile * DF_BM + 2 * static_cast<int>(quad);
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                first_visible[r] = first_visible_column(sees_from[r], key_in[r], column0);
+            }
+            probabilities<true>(s, lse, quad, scale_log2, first_visible);
+        } else {
+            const int every[2] = {-1, -1};
+            probabilities<false>(s, lse, quad, scale_log2, every);
+        }
+        wgmma_wait<0>();
+        fence_registers(dp);
+        score_gradients(dp, s, at.delta + stage * DF_ROW_BYTES, quad);
+        pack_fragment(s, p);
+        pack_fragment(dp, ds);
+
+        fence_registers(p);
+        fence_registers(ds);
+        fence_registers(dv);
+        fence_registers(dk);
+        issue_key_grads(dv, p, do_rows);
+        issue_key_grads(dk, ds, q_rows);
+        // dS^T into this warpgroup's rows of the stage's dS^T, for both warpgroups' dQ.
+        store_rows_swizzled(ds, ds_tile + key_rows, 0, local, quad);
+        fence_shared_for_copies();
+        named_sync(DF_DS_BARRIER, 256);
+        // Written by the first product (never read before), and read only where computed: no
+        // value of dq lives from one tile to the next.
+        float dq[DF_DQ_REGS];
+        const bool computes_dq = DF_DQ_WARPGROUPS == 2 || wg == 0;
+        if (computes_dq) {
+            issue_query_grads(dq, ds_tile, at.k + wg * DF_KV_HALF);
+        }
+        wgmma_wait<0>();
+        fence_registers(dv);
+        fence_registers(dk);
+        fence_registers(p);
+        fence_registers(ds);
+        if (lane == 0) {
+            barrier_arrive(at.empty + 8 * stage);
+        }
+        if (computes_dq) {
+            fence_registers(dq);
+            float* block_sum = dq_sum +
+                               (static_cast<u64>(q_slice) * info.q_tiles + tile) * DF_DQ_TILE +
+                               wg * (DF_BM * 64);
+            add_query_grads(block_sum, dq, thread);
+        }
+    }
+
+    // The epilogue: dK scaled, dK and dV into the warpgroup's rows of K's and V's shared memory
+    // (once both warpgroups are done with them), stored by the copy engine.
+    named_sync(DF_DONE_BARRIER, 256);
+    const float scale = __uint_as_float(info.scale_bits);
+#pragma unroll
+    for (int i = 0; i < DF_KV_REGS; ++i) {
+        dk[i] *= scale;
+    }
+    u32 packed[DF_KV_REGS / 2];
+    pack_fragment(dv, packed);
+    store_rows_swizzled(packed, at.v + key_rows, DF_KV_HALF, local, quad);
+    pack_fragment(dk, packed);
+    store_rows_swizzled(packed, at.k + key_rows, DF_KV_HALF, local, quad);
+    fence_shared_for_copies();
+    named_sync(DF_STORE_BARRIER + wg, 128);
+    if (thread == 0 && key0 + wg * 64 < info.kv_len) {
+        store_halves(&dk_map, at.k + key_rows, DF_KV_HALF, key0 + wg * 64, kv_slice);
+        store_halves(&dv_map, at.v + key_rows, DF_KV_HALF, key0 + wg * 64, kv_slice);
+        store_boxes_read();
+    }
+}

@@ -1,0 +1,439 @@
+//! The Hopper attention backward on the host: when a call runs on it (`Variant::Hopper`, or
+//! `Variant::Auto` where it covers the call), its checks against the device and the buffers,
+//! the sources of its three kernels (the row kernels of `backward_rows.cu` before and after the
+//! main kernel of `attention_backward.cu`), their scratch buffers, tensor maps and grids, and
+//! the launches.
+
+use cubecl::prelude::*;
+
+use super::backward_plan::{self, BackwardVariant, BLOCK_KEYS, ROW_UNITS, TILE_ROWS, UNITS};
+use super::forward_plan::BOX_COLUMNS;
+use super::source_task::{
+    self, check_alignment, CudaSource, KernelCache, SourceArguments, TiledMap, ATTENTION_PRELUDE,
+    PTX_PRELUDE,
+};
+use crate::dims::AttentionDims;
+use crate::inputs::check_backward;
+use crate::kernel_error::{launch_result, KernelError};
+use crate::mask::KernelMask;
+use crate::step_options::{StepOptions, Variant};
+use crate::tensor::{DeviceTensor, ElemType};
+
+/// The main kernel's device code, compiled per variant with [`BackwardVariant::switches`].
+const BACKWARD_CU: &str = include_str!("attention_backward.cu");
+/// The row kernels' device code, compiled per head dim and type.
+const ROWS_CU: &str = include_str!("backward_rows.cu");
+
+/// The main kernel's entry point in `attention_backward.cu`.
+const ENTRY_POINT: &str = "distflash_hopper_attention_backward";
+/// The row kernels' entry points in `backward_rows.cu`: before and after the main kernel.
+const PREPARE_ENTRY_POINT: &str = "distflash_hopper_backward_prepare";
+const DQ_ENTRY_POINT: &str = "distflash_hopper_backward_dq";
+
+/// What the kernel names in its messages.
+const KERNEL: &str = "the Hopper attention backward";
+
+/// The CUDA source of one variant of the main kernel: its switches, the PTX building blocks
+/// (`ptx.cuh`), what the attention kernels share (`attention.cuh`), then
+/// `attention_backward.cu`.
+pub fn backward_source(variant: &BackwardVariant) -> String {
+    format!(
+        "{}{PTX_PRELUDE}{ATTENTION_PRELUDE}{BACKWARD_CU}",
+        variant.switches()
+    )
+}
+
+/// The CUDA source of the row kernels for one variant's head dim and type (its causality does
+/// not enter them): the same preludes, then `backward_rows.cu`.
+pub fn backward_rows_source(variant: &BackwardVariant) -> String {
+    let rows = BackwardVariant {
+        causal: false,
+        ..*variant
+    };
+    format!(
+        "{}{PTX_PRELUDE}{ATTENTION_PRELUDE}{ROWS_CU}",
+        rows.switches()
+    )
+}
+
+/// The three kernels of `variant`, each built and fingerprinted on its first launch in the
+/// process and shared after: the prepare kernel, the main kernel, the dQ kernel.
+fn kernels(variant: &BackwardVariant) -> [CudaSource; 3] {
+    static MAIN: KernelCache<BackwardVariant> = KernelCache::new();
+    static ROWS: KernelCache<(BackwardVariant, &'static str)> = KernelCache::new();
+    let row_kernel = |entry_point| {
+        let key = BackwardVariant {
+            causal: false,
+            ..*variant
+        };
+        ROWS.get((key, entry_point), || {
+            // The row kernels declare no shared memory; the shell asks a word per thread.
+            let shared = ROW_UNITS * 4;
+            CudaSource::new(
+                entry_point,
+                backward_rows_source(variant),
+                ROW_UNITS as u32,
+                shared,
+            )
+        })
+    };
+    let main = MAIN.get(*variant, || {
+        CudaSource::new(
+            ENTRY_POINT,
+            backward_source(variant),
+            UNITS as u32,
+            backward_plan::shared_bytes(variant.head_dim),
+        )
+    });
+    [
+        row_kernel(PREPARE_ENTRY_POINT),
+        main,
+        row_kernel(DQ_ENTRY_POINT),
+    ]
+}
+
+/// A Hopper backward ready to launch on one device: the variant and the three kernels' grids.
+#[derive(Debug, Clone)]
+pub(crate) struct BackwardLaunch {
+    variant: BackwardVariant,
+    grids: [CubeCount; 3],
+}
+
+/// The launch of a whole attention's backward of `dims` with `options` in `elem` on `client`'s
+/// device, or why the Hopper backward cannot run it there: what the kernel does not cover
+/// ([`BackwardVariant::for_call`]), a device that is not CUDA compute capability 9.0, or limits
+/// the kernels' cubes, shared memory or grids exceed.
+pub(crate) fn plan<R: Runtime>(
+    client: &ComputeClient<R>,
+    dims: &AttentionDims,
+    elem: ElemType,
+    options: &StepOptions,
+) -> Result<BackwardLaunch, KernelError> {
+    let scale = options.resolved_scale(dims.head_dim);
+    let variant =
+        BackwardVariant::for_call(dims, elem, &options.mask, scale, options.deterministic)?;
+    let row_grid = |what: &str, threads: usize| {
+        super::device_grid(
+            client,
+            KERNEL,
+            ROW_UNITS,
+            ROW_UNITS * 4,
+            (threads.div_ceil(ROW_UNITS), what),
+        )
+    };
+    let prepare = row_grid(
+        "a warp per padded query row",
+        backward_plan::prepared_rows(dims) * 32,
+    )?;
+    // One cube per block of keys of each key/value slice, in one dimension (see
+    // `grouped_cube` in the kernel).
+    let main = super::device_grid(
+        client,
+        KERNEL,
+        UNITS,
+        backward_plan::shared_bytes(dims.head_dim),
+        (
+            dims.batch * dims.kv_heads * dims.kv_len.div_ceil(BLOCK_KEYS),
+            "batch x key/value heads x blocks of 128 keys",
+        ),
+    )?;
+    let dq = row_grid(
+        "a thread per two values of dQ",
+        dims.batch * dims.q_heads * dims.q_len * dims.head_dim / 2,
+    )?;
+    Ok(BackwardLaunch {
+        variant,
+        grids: [prepare, main, dq],
+    })
+}
+
+/// Whether the Hopper backward runs the whole attention's backward of `dims` from the forward's
+/// `tensors` and `grad_out` into the named `outputs` (none where the caller allocates them):
+/// with [`Variant::Hopper`] it must (an error where it cannot); with [`Variant::Auto`] it does
+/// wherever it can ([`plan`], then the buffers' alignment); other variants never use it.
+pub(crate) fn choose<R: Runtime>(
+    client: &ComputeClient<R>,
+    dims: &AttentionDims,
+    options: &StepOptions,
+    (tensors, grad_out): (&ForwardTensors, &DeviceTensor),
+    outputs: &[(&str, &DeviceTensor)],
+) -> Result<Option<BackwardLaunch>, KernelError> {
+    let launch_for = || -> Result<BackwardLaunch, KernelError> {
+        let launch = plan(client, dims, tensors.q.elem, options)?;
+        let inputs = [
+            ("q", tensors.q),
+            ("k", tensors.k),
+            ("v", tensors.v),
+            ("out", tensors.out),
+            ("lse", tensors.lse),
+            ("grad_out", grad_out),
+        ];
+        check_alignment(KERNEL, &inputs)?;
+        check_alignment(KERNEL, outputs)?;
+        Ok(launch)
+    };
+    match options.variant {
+        Variant::Hopper => launch_for().map(Some),
+        Variant::Auto => Ok(launch_for().ok()),
+        Variant::Portable | Variant::TensorCore => Ok(None),
+    }
+}
+
+/// The forward's tensors a backward reads: q, k, v, the output and its f32 log-sum-exp.
+pub(crate) struct ForwardTensors<'a> {
+    /// `[B, Hq, Sq, D]`.
+    pub q: &'a DeviceTensor,
+    /// `[B, Hkv, Skv, D]`.
+    pub k: &'a DeviceTensor,
+    /// `[B, Hkv, Skv, D]`.
+    pub v: &'a DeviceTensor,
+    /// `[B, Hq, Sq, D]`, the inputs' type.
+    pub out: &'a DeviceTensor,
+    /// `[B, Hq, Sq]`, f32.
+    pub lse: &'a DeviceTensor,
+}
+
+/// Queues `launch` from the forward's `tensors` and the output gradient `grad_out`, writing every
+/// element of `dq` (`[B, Hq, Sq, D]`), `dk` and `dv` (`[B, Hkv, Skv, D]`), all the inputs' type;
+/// arguments checked by the caller. Three launches: the prepare kernel (deltas, base-2
+/// log-sum-exps, the zeroed dQ sum), the main kernel, the dQ kernel.
+pub(crate) fn enqueue<R: Runtime>(
+    client: &ComputeClient<R>,
+    launch: &BackwardLaunch,
+    tensors: &ForwardTensors,
+    grad_out: &DeviceTensor,
+    (dq, dk, dv): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
+    dims: &AttentionDims,
+    options: &StepOptions,
+) {
+    let scale = options.resolved_scale(dims.head_dim);
+    let rows = backward_plan::prepared_rows(dims);
+    let lse_log2 = DeviceTensor::empty(client, vec![rows], ElemType::F32);
+    let delta = DeviceTensor::empty(client, vec![rows], ElemType::F32);
+    let dq_sum = DeviceTensor::empty(client, vec![rows, dims.head_dim], ElemType::F32);
+    let [prepare_kernel, main_kernel, dq_kernel] = kernels(&launch.variant);
+    let [prepare_grid, main_grid, dq_grid] = launch.grids.clone();
+    let row_scalars = backward_plan::row_scalars(dims, scale);
+
+    let mut prepare = SourceArguments::new();
+    for buffer in [
+        tensors.out,
+        grad_out,
+        tensors.lse,
+        &lse_log2,
+        &delta,
+        &dq_sum,
+    ] {
+        prepare.buffer(buffer);
+    }
+    row_scalars
+        .into_iter()
+        .for_each(|value| prepare.scalar(value));
+
+    let q_view = [dims.batch * dims.q_heads, dims.q_len, dims.head_dim];
+    let kv_view = [dims.batch * dims.kv_heads, dims.kv_len, dims.head_dim];
+    let mut main = SourceArguments::new();
+    for (tensor, view, rows) in [
+        (tensors.q, &q_view, TILE_ROWS),
+        (tensors.k, &kv_view, BLOCK_KEYS),
+        (tensors.v, &kv_view, BLOCK_KEYS),
+        (grad_out, &q_view, TILE_ROWS),
+        // Each consumer warpgroup stores its 64 keys.
+        (dk, &kv_view, BLOCK_KEYS / 2),
+        (dv, &kv_view, BLOCK_KEYS / 2),
+    ] {
+        main.tiled_map(
+            tensor,
+            TiledMap {
+                view,
+                box_shape: &[1, rows, BOX_COLUMNS],
+                swizzle: TensorMapSwizzle::B128,
+            },
+        );
+    }
+    for buffer in [&lse_log2, &delta, &dq_sum] {
+        main.buffer(buffer);
+    }
+    backward_plan::scalars(dims, &options.mask, scale)
+        .into_iter()
+        .for_each(|value| main.scalar(value));
+
+    let mut finish = SourceArguments::new();
+    finish.buffer(&dq_sum);
+    finish.buffer(dq);
+    row_scalars
+        .into_iter()
+        .for_each(|value| finish.scalar(value));
+
+    // SAFETY: `plan` checked that the runtime is CUDA on an sm_90 device and that the cubes,
+    // shared memory and grids fit it; the arguments follow the three kernels' parameters (the
+    // prepare kernel's six buffers and four scalars; the main kernel's six tensor maps, their
+    // buffers, its three buffers and ten scalars; the dQ kernel's two buffers and four
+    // scalars). The scratch buffers hold the padded rows the kernels index (`prepared_rows`),
+    // the tensor maps bound every copy to its tensor (rows past a slice read as zeros and are
+    // not stored), the row kernels guard their rows and values, and the main kernel's loops are
+    // bounded by the tile counts.
+    unsafe {
+        source_task::launch(client, prepare_kernel, prepare_grid, prepare);
+        source_task::launch(client, main_kernel, main_grid, main);
+        source_task::launch(client, dq_kernel, dq_grid, finish);
+    }
+}
+
+/// The gradients of the whole attention `out = attention(q, k, v)` (with its f32 log-sum-exp
+/// `lse`) for the output gradient `grad_out` on a Hopper GPU, into caller-provided `dq`
+/// (`[B, Hq, Sq, D]`), `dk` and `dv` (`[B, Hkv, Skv, D]`), all the inputs' type: every element
+/// of the three is written. What [`crate::attention_backward`] runs under [`Variant::Hopper`]
+/// (and, where it covers the call, [`Variant::Auto`]), whatever `options.variant` says.
+///
+/// # Errors
+///
+/// Shapes and types that disagree, bad options, and everything [`Variant::Hopper`] refuses
+/// (the device, the element type, the head dim, masks other than causal, the deterministic
+/// backward, unaligned buffers), before anything runs; a launch the runtime reports as failed
+/// is [`KernelError::Launch`].
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward<R: Runtime>(
+    client: &ComputeClient<R>,
+    (q, k, v): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
+    out: &DeviceTensor,
+    lse: &DeviceTensor,
+    grad_out: &DeviceTensor,
+    (dq, dk, dv): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
+    options: &StepOptions,
+) -> Result<(), KernelError> {
+    let dims = check_backward((q, k, v), out, lse, grad_out)?;
+    for (name, tensor, shape) in [
+        ("dq", dq, dims.q_shape()),
+        ("dk", dk, dims.kv_shape()),
+        ("dv", dv, dims.kv_shape()),
+    ] {
+        AttentionDims::expect_shape(name, &shape, &tensor.shape)?;
+        tensor.expect_elem(name, q.elem)?;
+    }
+    options.check()?;
+    options.mask.check(&dims)?;
+    let hopper = StepOptions {
+        variant: Variant::Hopper,
+        ..options.clone()
+    };
+    let tensors = ForwardTensors { q, k, v, out, lse };
+    let outputs = [("dq", dq), ("dk", dk), ("dv", dv)];
+    let launch = choose(client, &dims, &hopper, (&tensors, grad_out), &outputs)?
+        .expect("Variant::Hopper always chooses the Hopper backward or refuses");
+    enqueue(
+        client,
+        &launch,
+        &tensors,
+        grad_out,
+        (dq, dk, dv),
+        &dims,
+        options,
+    );
+    launch_result(client, KERNEL)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hopper::source_task::parameters;
+
+    #[test]
+    fn the_sources_declare_the_parameters_in_launch_order() {
+        // Tensor maps by value, their buffers, the plain buffers, then the scalars by value
+        // (see `source_task`'s comment): what `enqueue` registers for each kernel.
+        assert_eq!(
+            parameters(BACKWARD_CU, ENTRY_POINT),
+            [
+                "const __grid_constant__ TensorMap q_map",
+                "const __grid_constant__ TensorMap k_map",
+                "const __grid_constant__ TensorMap v_map",
+                "const __grid_constant__ TensorMap do_map",
+                "const __grid_constant__ TensorMap dk_map",
+                "const __grid_constant__ TensorMap dv_map",
+                "const void* q_buffer",
+                "const void* k_buffer",
+                "const void* v_buffer",
+                "const void* do_buffer",
+                "void* dk_buffer",
+                "void* dv_buffer",
+                "const float* lse_log2",
+                "const float* delta",
+                "float* dq_sum",
+                "const __grid_constant__ BackwardInfo info",
+            ]
+        );
+        assert_eq!(
+            parameters(ROWS_CU, PREPARE_ENTRY_POINT),
+            [
+                "const u32* out",
+                "const u32* grad_out",
+                "const float* lse",
+                "float* lse_log2",
+                "float* delta",
+                "float* dq_sum",
+                "const __grid_constant__ RowsInfo info",
+            ]
+        );
+        assert_eq!(
+            parameters(ROWS_CU, DQ_ENTRY_POINT),
+            [
+                "const float* dq_sum",
+                "u32* dq",
+                "const __grid_constant__ RowsInfo info",
+            ]
+        );
+        assert_eq!(BACKWARD_CU.matches("__global__").count(), 1);
+        assert_eq!(ROWS_CU.matches("__global__").count(), 2);
+        for source in [BACKWARD_CU, ROWS_CU] {
+            assert!(!source.contains("#include"));
+        }
+        assert!(BACKWARD_CU.contains("__launch_bounds__(DF_THREADS, 1)"));
+    }
+
+    #[test]
+    fn each_variant_is_built_once_and_the_row_kernels_are_shared_by_causality() {
+        let variant = |causal| BackwardVariant {
+            head_dim: 64,
+            elem: ElemType::BF16,
+            causal,
+        };
+        let [prepare, main, dq] = kernels(&variant(true));
+        let [prepare_again, main_again, dq_again] = kernels(&variant(true));
+        let [other_prepare, other_main, _] = kernels(&variant(false));
+        assert_eq!(main.source().as_ptr(), main_again.source().as_ptr());
+        assert_eq!(prepare.source().as_ptr(), prepare_again.source().as_ptr());
+        assert_eq!(dq.source().as_ptr(), dq_again.source().as_ptr());
+        assert_eq!(prepare.source().as_ptr(), other_prepare.source().as_ptr());
+        assert_ne!(main.fingerprint(), other_main.fingerprint());
+        assert_eq!(prepare.source(), dq.source());
+        assert_ne!(prepare.fingerprint(), dq.fingerprint());
+        assert_eq!(main.source(), backward_source(&variant(true)));
+        assert_eq!(
+            (main.units, main.shared_bytes),
+            (384, backward_plan::shared_bytes(64))
+        );
+        assert_eq!(
+            (prepare.entry_point, dq.entry_point),
+            (PREPARE_ENTRY_POINT, DQ_ENTRY_POINT)
+        );
+        assert_eq!(prepare.units, 256);
+    }
+
+    #[test]
+    fn each_source_sets_its_switches_before_the_building_blocks() {
+        let variant = BackwardVariant {
+            head_dim: 128,
+            elem: ElemType::F16,
+            causal: true,
+        };
+        let main = backward_source(&variant);
+        assert!(main.starts_with(&variant.switches()));
+        assert!(main.ends_with(&format!("{PTX_PRELUDE}{ATTENTION_PRELUDE}{BACKWARD_CU}")));
+        let rows = backward_rows_source(&variant);
+        assert!(rows.starts_with(
+            "#define DISTFLASH_HEAD_DIM 128\n#define DISTFLASH_F16 1\n#define DISTFLASH_CAUSAL 0\n"
+        ));
+        assert!(rows.ends_with(ROWS_CU));
+    }
+}

@@ -1,0 +1,298 @@
+//! The Hopper attention backward's constants and what it covers, pure logic: which calls
+//! `attention_backward.cu` takes (element types, head dims, masks, scales, determinism), the
+//! switches of the variant compiled for a call, its shared memory, the order of its cubes, the
+//! buffers its row kernels (`backward_rows.cu`) prepare, and the scalars all three read.
+
+use crate::dims::AttentionDims;
+use crate::kernel_error::KernelError;
+use crate::mask::KernelMask;
+use crate::stats::LOG2_E;
+use crate::tensor::ElemType;
+use crate::Mask;
+
+/// Keys per cube (two consumer warpgroups of 64 keys).
+pub const BLOCK_KEYS: usize = 128;
+/// Query rows per tile of the walk (the `n` of the score products `wgmma.m64n64k16`); the row
+/// kernels pad every slice to whole tiles.
+pub const TILE_ROWS: usize = 64;
+/// Pipeline stages of Q, dO (with their log-sum-exps and deltas) and dS in shared memory.
+pub const STAGES: usize = 2;
+/// Threads per cube of the main kernel: one producer and two consumer warpgroups.
+pub const UNITS: usize = 384;
+/// Threads per cube of the row kernels; the prepare kernel takes one row per warp.
+pub const ROW_UNITS: usize = 256;
+/// Bytes of queries, output gradients and dQ sums the cubes under way at one time should share:
+/// as much of the 50 MB L2 of an H100 or H200 as the forward gives its keys and values.
+pub const L2_BUDGET: usize = super::forward_plan::L2_BUDGET;
+
+/// Shared memory one cube of the main kernel uses at `head_dim`: K and V (16-bit values),
+/// `STAGES` tiles of Q, dO and dS^T, `STAGES` rows of log-sum-exps and deltas (f32),
+/// `1 + 3 STAGES` barriers of 8 bytes, and up to 1023 bytes to align the tiles on the 128-byte
+/// swizzle's 1024-byte period.
+pub const fn shared_bytes(head_dim: usize) -> usize {
+    let tiles =
+        2 * BLOCK_KEYS * head_dim + STAGES * (2 * TILE_ROWS * head_dim + BLOCK_KEYS * TILE_ROWS);
+    tiles * 2 + 2 * STAGES * TILE_ROWS * 4 + (1 + 3 * STAGES) * 8 + 1024
+}
+
+// Within the 227 KiB a Hopper cube may opt into.
+const _: () = assert!(shared_bytes(128) <= 232_448);
+
+/// One compiled form of the main kernel: what its switches select (the row kernels take the
+/// head dim and the type).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BackwardVariant {
+    /// 64 or 128.
+    pub head_dim: usize,
+    /// f16 or bf16 (q, k, v, dO and the gradients).
+    pub elem: ElemType,
+    /// Whether query row `i` sees key `j` only if `j <= i + shift`.
+    pub causal: bool,
+}
+
+impl BackwardVariant {
+    /// The variant that computes the gradients of attention of `dims` in `elem` under `mask`
+    /// with score `scale`, or why the kernel does not cover the call: another element type or
+    /// head dim, a sliding window or documents, a scale that is not positive and finite, or a
+    /// `deterministic` backward (the kernel adds dQ with atomics in no fixed order).
+    pub fn for_call(
+        dims: &AttentionDims,
+        elem: ElemType,
+        mask: &Mask,
+        scale: f32,
+        deterministic: bool,
+    ) -> Result<Self, KernelError> {
+        super::coverage::check("the Hopper attention backward", dims, elem, mask, scale)?;
+        if deterministic {
+            return Err(KernelError::Unsupported {
+                what: "the Hopper attention backward adds dQ with f32 atomics in no fixed order; \
+                       the deterministic backward runs on Variant::TensorCore (Variant::Auto \
+                       picks it)"
+                    .into(),
+            });
+        }
+        Ok(Self {
+            head_dim: dims.head_dim,
+            elem,
+            causal: mask.causal,
+        })
+    }
+
+    /// The `#define` lines that select this variant in `attention_backward.cu` (the row
+    /// kernels read the first two).
+    pub fn switches(&self) -> String {
+        format!(
+            "#define DISTFLASH_HEAD_DIM {}\n#define DISTFLASH_F16 {}\n#define DISTFLASH_CAUSAL {}\n",
+            self.head_dim,
+            u8::from(self.elem == ElemType::F16),
+            u8::from(self.causal),
+        )
+    }
+}
+
+/// Tiles of [`TILE_ROWS`] query rows per slice: the padded length of the row kernels' buffers
+/// over [`TILE_ROWS`].
+pub fn query_tiles(dims: &AttentionDims) -> usize {
+    dims.q_len.div_ceil(TILE_ROWS)
+}
+
+/// The f32 elements of the buffers the prepare kernel writes: the base-2 log-sum-exp and the
+/// delta of every padded query row, and the dQ sum (`head_dim` values a padded row).
+pub fn prepared_rows(dims: &AttentionDims) -> usize {
+    dims.batch * dims.q_heads * query_tiles(dims) * TILE_ROWS
+}
+
+/// Key/value slices per launch group: as many as share [`L2_BUDGET`] bytes of what their cubes
+/// read and add to, the queries and output gradients (16-bit) and the dQ sums (f32) of their
+/// query heads; at least one.
+pub fn slice_group(dims: &AttentionDims) -> usize {
+    let per_query_head = (2 * 2 + 4) * dims.q_len * dims.head_dim;
+    let per_slice = per_query_head * dims.group_size();
+    (L2_BUDGET / per_slice).clamp(1, dims.batch * dims.kv_heads)
+}
+
+/// The ten `u32` scalars the main kernel reads, in its `BackwardInfo` order: `q_len`, `kv_len`,
+/// the key/value heads, the query heads per key/value head, the causal shift (`q_offset -
+/// kv_offset`, clamped as [`Mask::bounds`] clamps it, as `i32` bits), the scale times `log2(e)`
+/// and the scale (as `f32` bits), the slices per launch group ([`slice_group`]), the key/value
+/// slices, and the query tiles per slice ([`query_tiles`]).
+pub fn scalars(dims: &AttentionDims, mask: &Mask, scale: f32) -> [u32; 10] {
+    [
+        dims.q_len as u32,
+        dims.kv_len as u32,
+        dims.kv_heads as u32,
+        dims.group_size() as u32,
+        mask.bounds(dims).shift as u32,
+        (scale * LOG2_E).to_bits(),
+        scale.to_bits(),
+        slice_group(dims) as u32,
+        (dims.batch * dims.kv_heads) as u32,
+        query_tiles(dims) as u32,
+    ]
+}
+
+/// The four `u32` scalars the row kernels read, in their `RowsInfo` order: `q_len`, the query
+/// tiles per slice, the (batch, query head) slices, and the scale (as `f32` bits).
+pub fn row_scalars(dims: &AttentionDims, scale: f32) -> [u32; 4] {
+    [
+        dims.q_len as u32,
+        query_tiles(dims) as u32,
+        (dims.batch * dims.q_heads) as u32,
+        scale.to_bits(),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::coverage::{test_dims as dims, HEAD_DIMS};
+    use super::*;
+    use crate::hopper::source_task::assert_defines;
+    use crate::{Documents, SlidingWindow};
+
+    fn refusal(
+        d: AttentionDims,
+        elem: ElemType,
+        mask: Mask,
+        scale: f32,
+        deterministic: bool,
+    ) -> KernelError {
+        BackwardVariant::for_call(&d, elem, &mask, scale, deterministic).unwrap_err()
+    }
+
+    #[test]
+    fn both_head_dims_and_16_bit_types_with_or_without_causality_are_covered() {
+        for head_dim in HEAD_DIMS {
+            for elem in [ElemType::BF16, ElemType::F16] {
+                for mask in [Mask::none(), Mask::causal().at(40, 0)] {
+                    let variant =
+                        BackwardVariant::for_call(&dims(head_dim), elem, &mask, 0.1, false)
+                            .unwrap();
+                    assert_eq!(
+                        variant,
+                        BackwardVariant {
+                            head_dim,
+                            elem,
+                            causal: mask.causal
+                        }
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn what_the_kernel_does_not_cover_is_refused_by_name() {
+        let window = Mask::causal().with_window(SlidingWindow::causal(64).unwrap());
+        let documents = Mask::none().with_documents(Documents::from_cu_seqlens(&[0, 517]).unwrap());
+        let cases = [
+            (
+                refusal(dims(128), ElemType::F32, Mask::none(), 0.1, false),
+                "got F32",
+            ),
+            (
+                refusal(dims(96), ElemType::BF16, Mask::none(), 0.1, false),
+                "got 96",
+            ),
+            (
+                refusal(dims(128), ElemType::BF16, window, 0.1, false),
+                "sliding windows",
+            ),
+            (
+                refusal(dims(64), ElemType::F16, documents, 0.1, false),
+                "documents",
+            ),
+            (
+                refusal(dims(128), ElemType::BF16, Mask::causal(), 0.1, true),
+                "deterministic backward runs on Variant::TensorCore",
+            ),
+        ];
+        for (err, what) in cases {
+            let message = err.to_string();
+            assert!(matches!(err, KernelError::Unsupported { .. }), "{message}");
+            assert!(message.contains(what), "{what}: {message}");
+        }
+        for scale in [0.0, -0.5, f32::INFINITY, f32::NAN] {
+            let err = refusal(dims(128), ElemType::BF16, Mask::causal(), scale, false);
+            assert!(
+                matches!(err, KernelError::BadOption { .. }) && err.to_string().contains("scale"),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn switches_select_the_variant() {
+        let variant = BackwardVariant {
+            head_dim: 64,
+            elem: ElemType::F16,
+            causal: true,
+        };
+        assert_eq!(
+            variant.switches(),
+            "#define DISTFLASH_HEAD_DIM 64\n#define DISTFLASH_F16 1\n#define DISTFLASH_CAUSAL 1\n"
+        );
+    }
+
+    #[test]
+    fn scalars_carry_the_shift_the_scales_and_the_padded_tiles() {
+        let d = dims(128);
+        let [q_len, kv_len, kv_heads, group, shift, scale_log2, scale, slice_group, slices, tiles] =
+            scalars(&d, &Mask::causal().at(217, 0), 0.125);
+        assert_eq!([q_len, kv_len, kv_heads, group], [300, 517, 2, 4]);
+        assert_eq!(shift as i32, 217);
+        assert_eq!(f32::from_bits(scale_log2), 0.125 * LOG2_E);
+        assert_eq!(f32::from_bits(scale), 0.125);
+        // 300 rows: 5 tiles of 64, the last holding 44 rows.
+        assert_eq!([slice_group, slices, tiles], [4, 4, 5]);
+        let [.., shift, _, _, _, _, _] = scalars(&d, &Mask::causal().at(0, 40), 0.125);
+        assert_eq!(shift as i32, -40);
+        assert_eq!(row_scalars(&d, 0.5), [300, 5, 16, 0.5f32.to_bits()]);
+        assert_eq!(prepared_rows(&d), 16 * 5 * 64);
+    }
+
+    #[test]
+    fn slice_groups_share_the_l2_budget_in_whole_slices() {
+        let long = |len, q_heads, kv_heads| AttentionDims {
+            batch: 1,
+            q_heads,
+            kv_heads,
+            q_len: len,
+            kv_len: len,
+            head_dim: 128,
+        };
+        // 8 MiB of Q, dO and dQ sums per query head at 8K: four slices; two at 16K; one at 32K.
+        assert_eq!(slice_group(&long(8192, 32, 32)), 4);
+        assert_eq!(slice_group(&long(16384, 32, 32)), 2);
+        assert_eq!(slice_group(&long(32768, 32, 32)), 1);
+        // GQA 32 / 8: a key/value slice reads four query heads.
+        assert_eq!(slice_group(&long(8192, 32, 8)), 1);
+        // At least one slice, at most all of them.
+        assert_eq!(slice_group(&long(1 << 20, 32, 8)), 1);
+        assert_eq!(slice_group(&long(128, 32, 32)), 32);
+    }
+
+    #[test]
+    fn the_device_source_agrees_with_these_constants() {
+        let source = include_str!("attention_backward.cu");
+        assert_defines(
+            "attention_backward.cu",
+            source,
+            &[
+                ("DF_BM", TILE_ROWS),
+                ("DF_BN", BLOCK_KEYS),
+                ("DF_STAGES", STAGES),
+                ("DF_THREADS", UNITS),
+            ],
+        );
+        // The kernel's shared memory: K, V, the stages of Q, dO and dS^T, of lse and delta, then
+        // seven barriers.
+        assert!(source.contains("at.empty = at.do_full + DF_STAGES * 8;"));
+        assert!(source.contains("#define DF_DS_BYTES (DF_BN * DF_BM * 2)\n"));
+        assert_eq!(shared_bytes(128), 160 * 1024 + 1024 + 56 + 1024);
+        assert_defines(
+            "backward_rows.cu",
+            include_str!("backward_rows.cu"),
+            &[("DF_BM", TILE_ROWS), ("DF_ROW_UNITS", ROW_UNITS)],
+        );
+    }
+}

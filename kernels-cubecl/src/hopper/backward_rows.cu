@@ -1,0 +1,115 @@
+// The row kernels of the Hopper attention backward, around `attention_backward.cu`:
+// - `distflash_hopper_backward_prepare` (before), one warp per query row of every slice padded
+//   to whole tiles of 64 rows: delta = rowsum(dO * O) in f32 and the log-sum-exp in base 2
+//   (lse log2(e); FLT_MAX for a row that saw no key, lse = -inf, so that its probabilities are
+//   exactly 0), both [B * Hq, Tq * 64] f32, and for padding rows a delta of 0 and FLT_MAX; it
+//   also zeroes the row's share of the f32 dQ sum [B * Hq, Tq, 64 * D].
+// - `distflash_hopper_backward_dq` (after), one thread per pair of dQ values: the f32 sum read
+//   back from its fragment order (see `add_query_grads` in `attention_backward.cu`), times the
+//   score scale, written as the inputs' 16-bit type into dQ [B * Hq, Sq, D].
+//
+// CUDA C++ with inline PTX, no headers: the host (`hopper/backward.rs`) prepends the variant's
+// switches (DISTFLASH_HEAD_DIM 64 or 128, DISTFLASH_F16), `ptx.cuh` and `attention.cuh`.
+
+#ifndef DISTFLASH_HEAD_DIM
+#define DISTFLASH_HEAD_DIM 128
+#endif
+
+// The scalars, as CubeCL packs four u32 scalars (16 bytes).
+struct RowsInfo {
+    u32 q_len;
+    // Tiles of 64 query rows per slice, the last padded.
+    u32 q_tiles;
+    // (batch, query head) slices.
+    u32 slices;
+    // The score scale, as f32 bits (the dQ kernel's factor).
+    u32 scale_bits;
+};
+
+#define DF_D DISTFLASH_HEAD_DIM
+#define DF_BM 64
+// Threads per cube of both kernels; the prepare kernel's rows per cube (one per warp).
+#define DF_ROW_UNITS 256
+#define DF_ROWS_PER_CUBE (DF_ROW_UNITS / 32)
+#define DF_FLT_MAX 3.402823466e38f
+#define DF_LOG2_E 1.44269504088896341f
+// Below this a log-sum-exp means "no key seen" (as the other kernels' `lse_log2` reads it).
+#define DF_FINITE_FLOOR -3.0e38f
+
+// The two 16-bit values of a register as f32, the low one first.
+__device__ __forceinline__ float2 unpack(u32 pair) {
+#if DISTFLASH_F16
+    float low, high;
+    asm("{\n"
+        ".reg .b16 l, h;\n"
+        "mov.b32 {l, h}, %2;\n"
+        "cvt.f32.f16 %0, l;\n"
+        "cvt.f32.f16 %1, h;\n"
+        "}\n"
+        : "=f"(low), "=f"(high)
+        : "r"(pair));
+    return make_float2(low, high);
+#else
+    return make_float2(__uint_as_float(pair << 16), __uint_as_float(pair & 0xffff0000u));
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(DF_ROW_UNITS)
+    distflash_hopper_backward_prepare(const u32* out, const u32* grad_out, const float* lse,
+                                      float* lse_log2, float* delta, float* dq_sum,
+                                      const __grid_constant__ RowsInfo info) {
+    const u32 lane = threadIdx.x % 32;
+    const u64 padded = static_cast<u64>(info.q_tiles) * DF_BM;
+    const u64 row = static_cast<u64>(blockIdx.x) * DF_ROWS_PER_CUBE + threadIdx.x / 32;
+    if (row >= info.slices * padded) {
+        return;
+    }
+    const u64 slice = row / padded;
+    const u64 i = row % padded;
+    if (lane < DF_D / 4) {
+        reinterpret_cast<float4*>(dq_sum + row * DF_D)[lane] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    float sum = 0.0f;
+    float row_lse = DF_FLT_MAX;
+    if (i < info.q_len) {
+        const u64 first = (slice * info.q_len + i) * (DF_D / 2);
+#pragma unroll
+        for (u32 pair = lane; pair < DF_D / 2; pair += 32) {
+            const float2 o = unpack(out[first + pair]);
+            const float2 g = unpack(grad_out[first + pair]);
+            sum = fmaf(o.x, g.x, fmaf(o.y, g.y, sum));
+        }
+#pragma unroll
+        for (u32 offset = 16; offset > 0; offset /= 2) {
+            sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+        }
+        const float natural = lse[slice * info.q_len + i];
+        row_lse = natural >= DF_FINITE_FLOOR ? natural * DF_LOG2_E : DF_FLT_MAX;
+    }
+    if (lane == 0) {
+        lse_log2[row] = row_lse;
+        delta[row] = sum;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(DF_ROW_UNITS)
+    distflash_hopper_backward_dq(const float* dq_sum, u32* dq,
+                                 const __grid_constant__ RowsInfo info) {
+    const u64 pair = static_cast<u64>(blockIdx.x) * DF_ROW_UNITS + threadIdx.x;
+    if (pair >= static_cast<u64>(info.slices) * info.q_len * (DF_D / 2)) {
+        return;
+    }
+    const u64 row = pair / (DF_D / 2);
+    const u32 column = static_cast<u32>(pair % (DF_D / 2)) * 2;
+    const u64 slice = row / info.q_len;
+    const u32 i = static_cast<u32>(row % info.q_len);
+    // Where the warpgroup that computed these two values (the 64 columns of `column`) added them:
+    // its thread of fragment row r and columns c, c + 1 of the tile (see `add_query_grads`).
+    const u32 r = i % DF_BM, c = column % 64;
+    const u32 thread = (r / 16) * 32 + (r % 8) * 4 + (c % 8) / 2;
+    const u64 at = (slice * info.q_tiles + i / DF_BM) * (DF_BM * DF_D) + (column / 64) * (DF_BM * 64) +
+                   ((c / 8) * 128 + thread) * 4 + ((r % 16) / 8) * 2;
+    const float2 sum = *reinterpret_cast<const float2*>(dq_sum + at);
+    const float scale = __uint_as_float(info.scale_bits);
+    dq[pair] = pack(sum.x * scale, sum.y * scale);
+}

@@ -1,0 +1,344 @@
+//! The Hopper attention backward (`hopper::attention_backward`, `Variant::Hopper`) against the
+//! f64 reference, into gradients poisoned with NaN: both head dims and 16-bit types, causal and
+//! not, GQA and MQA, odd lengths (partial query tiles and key blocks), a later query chunk whose
+//! causal diagonal crosses tiles, keys ahead of the queries (rows that see nothing), key blocks
+//! no query sees (zero gradients), and extreme scores beside a partial key block;
+//! `Variant::Auto` running it where it covers a call and the tensor-core kernels where not (the
+//! deterministic backward among them); and its refusals. The backward runs on an H100/H200 only;
+//! elsewhere it must refuse the device.
+
+use super::hopper_cases::{
+    auto_case, bits, check_all, common_cases, compare, every_type_and_head_dim, hopper_client,
+    named, Named, Quantity,
+};
+use super::*;
+use distflash_kernels::hopper;
+
+/// The forward's output and log-sum-exp of `case` (the Hopper forward's), and its output
+/// gradient, on the device.
+fn forward_of<R: Runtime>(
+    client: &ComputeClient<R>,
+    case: &Case,
+    (q, k, v): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
+) -> (DeviceTensor, DeviceTensor, DeviceTensor) {
+    let (out, lse) =
+        distflash_kernels::attention(client, q, k, v, &options(case, Variant::Hopper)).unwrap();
+    let grad_out = case.upload(client, &case.grad_out, case.dims.q_shape());
+    (out, lse, grad_out)
+}
+
+/// `[dq, dk, dv]` of `case` by `hopper::attention_backward`, from q, k, v and the forward's
+/// output, log-sum-exp and output gradient, into gradients poisoned with NaN.
+fn hopper_gradients<R: Runtime>(
+    client: &ComputeClient<R>,
+    case: &Case,
+    (q, k, v): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
+    (out, lse, grad_out): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
+) -> Result<[DeviceTensor; 3], KernelError> {
+    let dims = &case.dims;
+    let grads = [dims.q_shape(), dims.kv_shape(), dims.kv_shape()]
+        .map(|shape| nan_tensor(client, shape, case.elem));
+    hopper::attention_backward(
+        client,
+        (q, k, v),
+        out,
+        lse,
+        grad_out,
+        (&grads[0], &grads[1], &grads[2]),
+        &options(case, Variant::Hopper),
+    )?;
+    Ok(grads)
+}
+
+/// Runs the Hopper backward of `case` (from the Hopper forward's output) into poisoned
+/// gradients and compares dQ, dK and dV with the f64 reference; the error, with a map of where
+/// it lies, if they differ.
+fn check_case<R: Runtime>(client: &ComputeClient<R>, case: &Case) -> Result<(), String> {
+    let (q, k, v) = case.qkv(client);
+    let dims = &case.dims;
+    let (out, lse, grad_out) = forward_of(client, case, (&q, &k, &v));
+    let [got_dq, got_dk, got_dv] =
+        hopper_gradients(client, case, (&q, &k, &v), (&out, &lse, &grad_out))
+            .map_err(|e| format!("refused: {e}"))?
+            .map(|grad| read(client, &grad));
+    let reference = |round| {
+        let (q, k, v, grad_out) = (&case.q, &case.k, &case.v, &case.grad_out);
+        oracle::backward(dims, q, k, v, grad_out, &case.mask, case.scale(), round)
+    };
+    let (exact, naive) = (reference(exact), reference(naive_rounding(case.elem)));
+    let quantity = |name, got, exact, naive, slice_rows, block_rows| Quantity {
+        name,
+        got,
+        exact,
+        naive,
+        elem: case.elem,
+        slice_rows,
+        cols: dims.head_dim,
+        block_rows,
+    };
+    compare(&[
+        quantity("dQ", &got_dq, &exact.dq, &naive.dq, dims.q_len, 64),
+        quantity("dK", &got_dk, &exact.dk, &naive.dk, dims.kv_len, 128),
+        quantity("dV", &got_dv, &exact.dv, &naive.dv, dims.kv_len, 128),
+    ])
+}
+
+/// The table for one element type and head dim: the common cases, and keys ahead of the
+/// queries such that the blocks from key 256 on are seen by no query (their walks are empty,
+/// their gradients zero).
+fn cases(elem: ElemType, head_dim: usize) -> Vec<Named> {
+    let mut cases = common_cases(elem, head_dim);
+    let unseen_blocks = Mask::causal().at(0, 100);
+    cases.push(named(
+        7,
+        (1, 2, 1),
+        (300, 600, head_dim),
+        unseen_blocks,
+        elem,
+    ));
+    cases
+}
+
+/// Every element type and head dim the kernel covers.
+pub fn backward_matches_the_f64_reference<R: Runtime>(client: &ComputeClient<R>) {
+    let all = every_type_and_head_dim(cases);
+    check_all("hopper backward", &all, |case| check_case(client, case));
+}
+
+/// `attention_backward` under `Variant::Hopper` and `Variant::Auto` runs the Hopper backward
+/// where it covers the call (dK and dV bitwise the direct call's, dQ, whose atomics add in no
+/// fixed order, within the tolerance of it), and `Variant::Auto` runs the deterministic
+/// backward on the tensor-core kernels (bitwise theirs).
+pub fn auto_runs_it_where_it_covers_the_call<R: Runtime>(client: &ComputeClient<R>) {
+    let bits = |t: &DeviceTensor| bits(client, t);
+    let case = auto_case();
+    let (q, k, v) = case.qkv(client);
+    let (out, lse, grad_out) = forward_of(client, &case, (&q, &k, &v));
+    let direct = hopper_gradients(client, &case, (&q, &k, &v), (&out, &lse, &grad_out)).unwrap();
+    let backward = |options: &StepOptions| {
+        distflash_kernels::attention_backward(client, &q, &k, &v, &out, &lse, &grad_out, options)
+            .unwrap()
+    };
+    for variant in [Variant::Hopper, Variant::Auto] {
+        let (dq, dk, dv) = backward(&options(&case, variant));
+        assert!(
+            bits(&dk) == bits(&direct[1]) && bits(&dv) == bits(&direct[2]),
+            "{variant:?} is not the Hopper backward"
+        );
+        // Each dQ against the other's values: the sums differ only in their order.
+        let exact = read(client, &direct[0]);
+        assert_close(
+            &format!("{variant:?} dQ"),
+            &read(client, &dq),
+            &exact,
+            &exact,
+            case.elem,
+        );
+    }
+    let (_, tc_dk, _) = backward(&options(&case, Variant::TensorCore));
+    assert!(
+        bits(&tc_dk) != bits(&direct[1]),
+        "the tensor-core backward gave bitwise the Hopper dK: the comparison above proves nothing"
+    );
+
+    let deterministic = |variant| StepOptions {
+        deterministic: true,
+        ..options(&case, variant)
+    };
+    let auto = backward(&deterministic(Variant::Auto));
+    let tensor_core = backward(&deterministic(Variant::TensorCore));
+    for (name, a, b) in [
+        ("dq", &auto.0, &tensor_core.0),
+        ("dk", &auto.1, &tensor_core.1),
+        ("dv", &auto.2, &tensor_core.2),
+    ] {
+        assert!(
+            bits(a) == bits(b),
+            "Auto does not run the deterministic backward on the tensor cores ({name})"
+        );
+    }
+}
+
+/// What the Hopper backward does not cover is refused naming it, before anything runs, whatever
+/// the device; `Variant::Auto` runs the same calls elsewhere.
+pub fn uncovered_calls_are_refused<R: Runtime>(client: &ComputeClient<R>) {
+    let case = Case::new(13, (1, 2, 1), (64, 64, 64), Mask::causal(), ElemType::F16);
+    let (q, k, v) = case.qkv(client);
+    let dims = case.dims;
+    let grad_out = case.upload(client, &case.grad_out, dims.q_shape());
+    // Any output and lse of the right shapes: every refusal comes before they are read.
+    let out = case.upload(client, &case.grad_out, dims.q_shape());
+    let lse = DeviceTensor::from_f32(
+        client,
+        &vec![0.0; dims.batch * dims.q_heads * dims.q_len],
+        dims.row_shape(),
+        ElemType::F32,
+    );
+    let hopper_options = options(&case, Variant::Hopper);
+    let with = |change: &dyn Fn(&mut StepOptions)| {
+        let mut options = hopper_options.clone();
+        change(&mut options);
+        options
+    };
+    let deterministic = with(&|o| o.deterministic = true);
+    let window = with(&|o| o.mask = Mask::causal().with_window(SlidingWindow::causal(8).unwrap()));
+    let negative = with(&|o| o.scale = Some(-0.5));
+    let backward = |options: &StepOptions| {
+        distflash_kernels::attention_backward(client, &q, &k, &v, &out, &lse, &grad_out, options)
+            .err()
+    };
+    let zeros = |shape| distflash_kernels::zeros_f32(client, shape).unwrap();
+    let grads = GradAccumulators {
+        dq: zeros(dims.q_shape()),
+        dk: zeros(dims.kv_shape()),
+        dv: zeros(dims.kv_shape()),
+    };
+    let refusals = [
+        (
+            backward(&deterministic),
+            "deterministic backward runs on Variant::TensorCore",
+        ),
+        (backward(&window), "sliding windows"),
+        (backward(&negative), "positive, finite score scale"),
+        (
+            distflash_kernels::backward_step(
+                client,
+                &q,
+                &k,
+                &v,
+                &grad_out,
+                &lse,
+                &lse,
+                &grads,
+                &hopper_options,
+            )
+            .err(),
+            "backward_step: the Hopper variant runs whole attentions",
+        ),
+    ];
+    for (err, what) in refusals {
+        let err = err.unwrap_or_else(|| panic!("not refused: {what}"));
+        assert!(err.to_string().contains(what), "{what}: {err}");
+    }
+    // The same calls under Auto run (on the Hopper backward or elsewhere).
+    if !supports(client, ElemType::F16) {
+        return;
+    }
+    for options in [&deterministic, &window, &negative] {
+        let auto = StepOptions {
+            variant: Variant::Auto,
+            ..options.clone()
+        };
+        assert!(backward(&auto).is_none(), "Auto refused {options:?}");
+    }
+}
+
+#[test]
+#[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
+fn cuda_hopper_backward_matches_f64_reference() {
+    backward_matches_the_f64_reference(&hopper_client());
+}
+
+#[test]
+#[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
+fn cuda_hopper_backward_is_what_auto_runs_and_refuses_what_it_does_not_cover() {
+    let client = hopper_client();
+    uncovered_calls_are_refused(&client);
+    auto_runs_it_where_it_covers_the_call(&client);
+    // A buffer that starts off a 16-byte boundary (a view into another) is refused.
+    let case = Case::new(16, (1, 2, 2), (64, 64, 64), Mask::none(), ElemType::BF16);
+    let (q, k, v) = case.qkv(&client);
+    let (out, lse, grad_out) = forward_of(&client, &case, (&q, &k, &v));
+    let shifted = DeviceTensor {
+        handle: grad_out.handle.clone().offset_start(8),
+        shape: vec![1, 2, 63, 64],
+        elem: grad_out.elem,
+    };
+    let dims63 = |t: &DeviceTensor, shape: Vec<usize>| DeviceTensor { shape, ..t.clone() };
+    let err = distflash_kernels::attention_backward(
+        &client,
+        &dims63(&q, vec![1, 2, 63, 64]),
+        &dims63(&k, vec![1, 2, 63, 64]),
+        &dims63(&v, vec![1, 2, 63, 64]),
+        &dims63(&out, vec![1, 2, 63, 64]),
+        &dims63(&lse, vec![1, 2, 63]),
+        &shifted,
+        &options(&case, Variant::Hopper),
+    )
+    .unwrap_err();
+    assert!(
+        err.to_string().contains("`grad_out` starts 8 bytes past"),
+        "{err}"
+    );
+}
+
+#[test]
+fn hopper_backward_refuses_a_device_without_wgmma() {
+    let client = cubecl::wgpu::WgpuRuntime::client(&cubecl::wgpu::WgpuDevice::Cpu);
+    assert!(!hopper::available(&client));
+    let case = Case::new(17, (1, 2, 1), (40, 40, 64), Mask::causal(), ElemType::F32);
+    let (q, k, v) = case.qkv(&client);
+    let dims = case.dims;
+    let (out, lse) =
+        distflash_kernels::attention(&client, &q, &k, &v, &options(&case, Variant::Auto)).unwrap();
+    let grad_out = case.upload(&client, &case.grad_out, dims.q_shape());
+    let grads = [dims.q_shape(), dims.kv_shape(), dims.kv_shape()]
+        .map(|shape| nan_tensor(&client, shape, ElemType::F32));
+    let direct = |options: &StepOptions| {
+        hopper::attention_backward(
+            &client,
+            (&q, &k, &v),
+            &out,
+            &lse,
+            &grad_out,
+            (&grads[0], &grads[1], &grads[2]),
+            options,
+        )
+        .unwrap_err()
+    };
+    // The element type first for a call the kernel would not cover ...
+    let err = direct(&options(&case, Variant::Auto));
+    assert!(
+        matches!(err, KernelError::Unsupported { .. }) && err.to_string().contains("got F32"),
+        "{err}"
+    );
+    // ... and the device for one it would (f16 buffers: nothing runs on them).
+    let f16_case = Case::new(17, (1, 2, 1), (40, 40, 64), Mask::causal(), ElemType::F16);
+    let (q16, k16, v16) = f16_case.qkv(&client);
+    let f16 = |shape| nan_tensor(&client, shape, ElemType::F16);
+    let err = hopper::attention_backward(
+        &client,
+        (&q16, &k16, &v16),
+        &f16(dims.q_shape()),
+        &lse,
+        &f16(dims.q_shape()),
+        (
+            &f16(dims.q_shape()),
+            &f16(dims.kv_shape()),
+            &f16(dims.kv_shape()),
+        ),
+        &options(&f16_case, Variant::Hopper),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, KernelError::DeviceLimit { .. })
+            && err
+                .to_string()
+                .contains("the Hopper attention backward needs a CUDA GPU")
+            && err.to_string().contains("9.0"),
+        "{err}"
+    );
+    uncovered_calls_are_refused(&client);
+    // Auto runs here, on the portable kernels.
+    distflash_kernels::attention_backward(
+        &client,
+        &q,
+        &k,
+        &v,
+        &out,
+        &lse,
+        &grad_out,
+        &options(&case, Variant::Auto),
+    )
+    .unwrap();
+}

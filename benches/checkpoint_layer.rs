@@ -3,7 +3,8 @@
 //! one GPU and sequence-parallel over P GPUs (one thread per GPU, NCCL).
 //!
 //! `cargo bench --bench checkpoint_layer -- [--worlds 1,4] [--tokens 8192,16384,32768]
-//!  [--iters 3] [--placements none,layer,attention-output] [--fusion]`
+//!  [--iters 3] [--placements none,layer,attention-output] [--fusion]` (`-- --help` lists the
+//!  options with their defaults)
 //!
 //! `tokens` is per GPU. Reported per placement: the median step time (an iteration's time is the
 //! slowest rank's), the memory the step keeps between forward and backward (bytes in use on rank
@@ -11,6 +12,8 @@
 //! memory pool over the placement's iterations, the pool emptied before: an upper bound of the
 //! peak in use). Model TFLOP/s per GPU counts the block's matmuls (6 x params x tokens) and
 //! causal attention (3.5 x 4 x S_total^2 x d / 2 / P), recomputation not counted.
+
+mod common;
 
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
@@ -23,6 +26,9 @@ use burn_distflash::layers::{CheckpointPlacement, TransformerBlockConfig};
 use burn_distflash::{
     AttentionContext, DeviceGroup, DistFlashAttentionConfig, FlashAttentionBackend,
 };
+use clap::builder::{PossibleValuesParser, TypedValueParser};
+use clap::{value_parser, Parser};
+use common::{CargoBench, Sizes};
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::Runtime;
 
@@ -35,26 +41,32 @@ const HEADS: usize = 32;
 const FFN: usize = 11008;
 const GIB: f64 = (1u64 << 30) as f64;
 
-fn arg<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .map(String::as_str)
-}
-
-fn list(args: &[String], name: &str, default: &[usize]) -> Vec<usize> {
-    arg(args, name).map_or(default.to_vec(), |s| {
-        s.split(',').map(|v| v.parse().expect(name)).collect()
-    })
-}
-
-fn placement(name: &str) -> CheckpointPlacement {
-    match name {
-        "none" => CheckpointPlacement::None,
-        "layer" => CheckpointPlacement::Layer,
-        "attention-output" => CheckpointPlacement::AttentionOutput,
-        other => panic!("--placements takes none, layer, attention-output; got {other}"),
-    }
+/// The bench's command line.
+#[derive(Parser)]
+#[command(
+    about = "One Llama-7B-shaped block's training step per checkpoint placement, on 1 or P GPUs"
+)]
+struct Args {
+    /// Numbers of GPUs (comma-separated; 1: one GPU, no group)
+    #[arg(long, value_name = "P,..", default_value = "1,4")]
+    worlds: Sizes,
+    /// Tokens per GPU (comma-separated)
+    #[arg(long, value_name = "TOKENS,..", default_value = "8192,16384,32768")]
+    tokens: Sizes,
+    /// Timed steps per row (the median is reported)
+    #[arg(long, value_name = "N", value_parser = value_parser!(u64).range(1..), default_value_t = 3)]
+    iters: u64,
+    /// Checkpoint placements, comma-separated
+    #[arg(long, value_name = "PLACEMENT,..", value_delimiter = ',',
+          value_parser = PossibleValuesParser::new(CheckpointPlacement::NAMES)
+              .try_map(|name| name.parse::<CheckpointPlacement>()),
+          default_value = "none,layer,attention-output")]
+    placements: Vec<CheckpointPlacement>,
+    /// Run the block on Burn's fusion backend over CubeCL (memory not reported)
+    #[arg(long)]
+    fusion: bool,
+    #[command(flatten)]
+    cargo_bench: CargoBench,
 }
 
 /// What one rank measured for one placement.
@@ -123,23 +135,17 @@ fn run_rank<B: AutodiffBackend<Device = CudaDevice> + FlashAttentionBackend<Inne
 
 fn main() {
     std::env::set_var("NCCL_NVLS_ENABLE", "0");
-    let args: Vec<String> = std::env::args().collect();
-    let worlds = list(&args, "--worlds", &[1, 4]);
-    let tokens_list = list(&args, "--tokens", &[8192, 16384, 32768]);
-    let iters: usize = arg(&args, "--iters").map_or(3, |s| s.parse().expect("--iters"));
-    let fused = args.iter().any(|a| a == "--fusion");
-    let placements: Vec<CheckpointPlacement> = arg(&args, "--placements")
-        .unwrap_or("none,layer,attention-output")
-        .split(',')
-        .map(placement)
-        .collect();
+    let args = Args::parse();
+    let (worlds, tokens_list) = (&args.worlds, &args.tokens);
+    let (iters, fused) = (args.iters as usize, args.fusion);
+    let placements = &args.placements;
     println!(
         "| GPUs | tokens/GPU | placement | step ms | model TFLOP/s/GPU | kept for backward GiB | peak reserved GiB |"
     );
     println!("| --- | --- | --- | --- | --- | --- | --- |");
-    for &world in &worlds {
-        for &tokens in &tokens_list {
-            for &placement in &placements {
+    for &world in worlds.iter() {
+        for &tokens in tokens_list.iter() {
+            for &placement in placements {
                 let devices: Vec<CudaDevice> = (0..world).map(CudaDevice::new).collect();
                 let contexts: Vec<AttentionContext<Train>> = if world == 1 {
                     vec![AttentionContext::Local]

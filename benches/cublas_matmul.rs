@@ -15,14 +15,18 @@
 //! gives the first call's seconds (NVRTC compile and module load included) and the largest
 //! difference to cuBLAS's result relative to cuBLAS's largest magnitude.
 //!
-//! `cargo bench --bench cublas_matmul -- [--iters 20] [--hopper]` (needs a CUDA GPU, an H100 or
-//! H200 for `--hopper`, and libcublas on the library path, for example PyTorch's
-//! `nvidia/cublas/lib`).
+//! `cargo bench --bench cublas_matmul -- [--iters 20] [--hopper]` (`-- --help` lists them;
+//! needs a CUDA GPU, an H100 or H200 for `--hopper`, and libcublas on the library path, for
+//! example PyTorch's `nvidia/cublas/lib`).
+
+mod common;
 
 use std::ffi::c_void;
 use std::time::Instant;
 
 use burn::tensor::{Distribution, Tensor, TensorMetadata, TensorPrimitive};
+use clap::{value_parser, Parser};
+use common::CargoBench;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::Runtime;
 use cudarc::cublas::{result as blas, sys};
@@ -32,6 +36,20 @@ use distflash_kernels::{DeviceTensor, ElemType};
 use half::bf16;
 
 type Cuda = burn_cubecl::CubeBackend<CudaRuntime, bf16, i32, u8>;
+
+/// The bench's command line.
+#[derive(Parser)]
+#[command(about = "cuBLAS beside Burn's matmul (or, with --hopper, the Hopper matrix product)")]
+struct Args {
+    /// Calls timed per product
+    #[arg(long, value_name = "N", value_parser = value_parser!(u64).range(1..), default_value_t = 20)]
+    iters: u64,
+    /// The Hopper matrix product beside cuBLAS instead (an H100 or H200)
+    #[arg(long)]
+    hopper: bool,
+    #[command(flatten)]
+    cargo_bench: CargoBench,
+}
 
 /// One product `C[m, n] = op(A) B` with `A` stored `[m, k]`, or `[k, m]` when `transposed_lhs`
 /// (the weight gradient `x^T dy` of a linear layer).
@@ -183,12 +201,8 @@ fn seconds_per_call(iters: usize, mut call: impl FnMut(), finish: impl Fn()) -> 
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let iters = args
-        .iter()
-        .position(|a| a == "--iters")
-        .and_then(|i| args.get(i + 1))
-        .map_or(20, |v| v.parse().expect("--iters"));
+    let args = Args::parse();
+    let iters = args.iters as usize;
     let device = CudaDevice::new(0);
     let context = CudaContext::new(0).expect("CUDA context");
     let stream: std::sync::Arc<CudaStream> = context.new_stream().expect("CUDA stream");
@@ -197,7 +211,7 @@ fn main() {
     unsafe { blas::set_stream(handle, stream.cu_stream() as sys::cudaStream_t) }
         .expect("cuBLAS stream");
     let blas = Blas { handle, stream };
-    if args.iter().any(|a| a == "--hopper") {
+    if args.hopper {
         hopper_table(iters, &device, &blas);
     } else {
         burn_table(iters, &device, &blas);

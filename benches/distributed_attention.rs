@@ -1,7 +1,8 @@
 //! Sequence-parallel attention over NCCL, one process driving P GPUs (one thread per GPU).
 //!
 //! `cargo bench --bench distributed_attention -- [--worlds 2,4] [--tokens 8192,16384,32768]
-//!  [--iters 3] [--no-single] [--window 4096]`
+//!  [--iters 3] [--no-single] [--window 4096]` (`-- --help` lists the options with their
+//!  defaults)
 //!
 //! Causal bf16, batch 1, 32 heads, head dim 128, `tokens` per GPU. For each world size and
 //! length: ring, balanced and zigzag schedules with overlap on and off, and the same schedules with
@@ -13,6 +14,8 @@
 //! too), with TFLOP/s counted on the visible (query, key) pairs only, and `steps` the number of
 //! exchanges the schedule keeps (pairs of shards with nothing visible are neither computed nor
 //! exchanged).
+
+mod common;
 
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
@@ -28,6 +31,8 @@ use burn_distflash::{
     AttentionBackend, DeviceGroup, Error, FlashAttentionOptions, Mask, SequenceParallelBackend,
     SlidingWindow,
 };
+use clap::{value_parser, Parser};
+use common::{CargoBench, Sizes};
 use cubecl::cuda::CudaDevice;
 
 type Bf16 = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, half::bf16, i32, u8>;
@@ -35,14 +40,27 @@ type Bf16 = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, half::bf16, i32,
 const HEADS: usize = 32;
 const HEAD_DIM: usize = 128;
 
-fn arg_list(args: &[String], name: &str, default: &[usize]) -> Vec<usize> {
-    match args.iter().position(|a| a == name) {
-        Some(i) => args[i + 1]
-            .split(',')
-            .map(|s| s.parse().expect(name))
-            .collect(),
-        None => default.to_vec(),
-    }
+/// The bench's command line.
+#[derive(Parser)]
+#[command(about = "Sequence-parallel attention over NCCL, one process driving P GPUs")]
+struct Args {
+    /// Numbers of GPUs (comma-separated; default: every GPU present)
+    #[arg(long, value_name = "P,..")]
+    worlds: Option<Sizes>,
+    /// Tokens per GPU (comma-separated)
+    #[arg(long, value_name = "TOKENS,..", default_value = "8192,16384,32768")]
+    tokens: Sizes,
+    /// Timed runs per row (the median of the slowest rank's is reported)
+    #[arg(long, value_name = "N", value_parser = value_parser!(u64).range(1..), default_value_t = 3)]
+    iters: u64,
+    /// Skip the single-GPU rows over the whole sequence
+    #[arg(long)]
+    no_single: bool,
+    /// Every row under a causal sliding window of this many keys (TFLOP/s on the visible pairs)
+    #[arg(long, value_name = "KEYS", value_parser = value_parser!(u64).range(1..))]
+    window: Option<u64>,
+    #[command(flatten)]
+    cargo_bench: CargoBench,
 }
 
 /// A transport that moves nothing: receives are local zero buffers of the right layout. Runs
@@ -273,16 +291,12 @@ fn single_gpu(seq: usize, iters: usize, options: &FlashAttentionOptions) -> (f64
 
 fn main() {
     std::env::set_var("NCCL_NVLS_ENABLE", "0");
-    let args: Vec<String> = std::env::args().collect();
+    let args = Args::parse();
     let available = burn_distflash::collective::nccl::device_count().expect("CUDA driver");
-    let worlds = arg_list(&args, "--worlds", &[available]);
-    let tokens_list = arg_list(&args, "--tokens", &[8192, 16384, 32768]);
-    let iters = arg_list(&args, "--iters", &[3])[0];
-    let single = !args.iter().any(|a| a == "--no-single");
-    let window = args
-        .iter()
-        .any(|a| a == "--window")
-        .then(|| arg_list(&args, "--window", &[])[0]);
+    let worlds = args.worlds.clone().unwrap_or(Sizes(vec![available]));
+    let tokens_list = &args.tokens;
+    let (iters, single) = (args.iters as usize, !args.no_single);
+    let window = args.window.map(|w| w as usize);
     let attention =
         match window {
             Some(w) => FlashAttentionOptions::masked(Mask::causal().with_window(
@@ -299,14 +313,14 @@ fn main() {
     );
     println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     let mut summary = Vec::new();
-    for &world in &worlds {
+    for &world in worlds.iter() {
         assert!(
             world <= available,
             "{world} GPUs asked, {available} present"
         );
         let devices: Vec<CudaDevice> = (0..world).map(CudaDevice::new).collect();
         let groups = DeviceGroup::<Bf16>::nccl(&devices).expect("NCCL group");
-        for &tokens in &tokens_list {
+        for &tokens in tokens_list.iter() {
             let barrier = Arc::new(Barrier::new(world));
             let mut per_rank: Vec<(usize, RankTimes)> = on_each_rank(groups.clone(), |_, group| {
                 let rank = group.rank();

@@ -6,7 +6,8 @@
 //! `cargo bench --bench kernel_attention -- [--seqs 8192,16384,32768] [--bwd-seqs 8192]
 //! [--burn-seqs 8192,16384] [--iters 5] [--head-dim 128] [--kv-heads 32] [--chunks 4]
 //! [--mask-seqs 32768] [--window 4096] [--variants auto,hopper,tensor-core]
-//! [--hopper-schedules overlap+pingpong,overlap+pingpong+grouped,plain]`.
+//! [--hopper-schedules overlap+pingpong,overlap+pingpong+grouped,plain]` (`-- --help` lists
+//! them with their defaults).
 //! `--variants` runs the whole-attention forward rows once per kernel variant (default `auto`),
 //! each with its first call's time (compilation included); `--hopper-schedules` adds rows of
 //! the Hopper forward with each of its schedules forced (see `hopper::ForwardSchedule`).
@@ -22,11 +23,16 @@
 //! [`DOCUMENT_LENGTHS`], repeated and cut at the sequence's end), with TFLOP/s counted on the
 //! visible (query, key) pairs only (forward `4 * pairs * H * D`). Prints a markdown table.
 
+mod common;
+
+use std::str::FromStr;
 use std::time::Instant;
 
 use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Distribution, Tensor};
+use clap::{value_parser, Parser, ValueEnum};
+use common::{CargoBench, Sizes};
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::prelude::*;
 use distflash_kernels::hopper::{schedule, ForwardSchedule};
@@ -37,12 +43,101 @@ use distflash_kernels::{
 
 const HEADS: usize = 32;
 
-fn arg_list(args: &[String], name: &str, default: &[usize]) -> Vec<usize> {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .map(|v| v.split(',').filter_map(|x| x.parse().ok()).collect())
-        .unwrap_or_else(|| default.to_vec())
+/// The bench's command line.
+#[derive(Parser)]
+#[command(about = "Single-GPU attention throughput on CUDA: the kernels beside Burn's attention")]
+struct Args {
+    /// Sequence lengths of the forward rows (comma-separated, or none)
+    #[arg(long, value_name = "TOKENS,..", default_value = "8192,16384,32768")]
+    seqs: Sizes,
+    /// Those of --seqs that also get forward+backward rows
+    #[arg(long, value_name = "TOKENS,..", default_value = "8192")]
+    bwd_seqs: Sizes,
+    /// Sequence lengths of Burn's own attention (f16), or none
+    #[arg(long, value_name = "TOKENS,..", default_value = "8192,16384")]
+    burn_seqs: Sizes,
+    /// Timed runs per row (the median is reported; forward+backward rows take at most 3)
+    #[arg(long, value_name = "N", value_parser = value_parser!(u64).range(1..), default_value_t = 5)]
+    iters: u64,
+    /// Head dimension (64 or 128 for the tensor-core and Hopper kernels)
+    #[arg(long, value_name = "D", value_parser = value_parser!(u64).range(1..), default_value_t = 128)]
+    head_dim: u64,
+    /// Key/value heads (GQA/MQA below 32; 32 query heads)
+    #[arg(long, value_name = "N", value_parser = value_parser!(u64).range(1..), default_value_t = HEADS as u64)]
+    kv_heads: u64,
+    /// Also run the sequence cut into C chunks, pair by pair through the step kernels (1: no
+    /// such rows)
+    #[arg(long, value_name = "C", value_parser = value_parser!(u64).range(1..), default_value_t = 1)]
+    chunks: u64,
+    /// Sequence lengths of the masked rows (a sliding window, packed documents), or none
+    #[arg(long, value_name = "TOKENS,..", default_value = "none")]
+    mask_seqs: Sizes,
+    /// Keys of the sliding window of the masked rows
+    #[arg(long, value_name = "KEYS", value_parser = value_parser!(u64).range(1..), default_value_t = 4096)]
+    window: u64,
+    /// Kernel variants of the whole-attention forward rows, comma-separated
+    #[arg(
+        long,
+        value_enum,
+        value_name = "VARIANT,..",
+        value_delimiter = ',',
+        default_value = "auto"
+    )]
+    variants: Vec<ForwardVariant>,
+    /// Extra Hopper forward rows, each with a forced schedule: `+`-joined overlap, pingpong,
+    /// grouped, or plain for none; comma-separated
+    #[arg(long, value_name = "SCHEDULE,..", value_delimiter = ',')]
+    hopper_schedules: Vec<HopperSchedule>,
+    #[command(flatten)]
+    cargo_bench: CargoBench,
+}
+
+/// A kernel variant of the whole-attention forward rows.
+#[derive(Clone, Copy, ValueEnum)]
+enum ForwardVariant {
+    /// What `Variant::Auto` picks (Hopper on H100/H200)
+    Auto,
+    /// The Hopper kernel (wgmma, TMA)
+    Hopper,
+    /// The tensor-core kernels (mma.sync)
+    TensorCore,
+    /// The portable scalar kernels
+    Portable,
+}
+
+/// A Hopper forward schedule forced for a row, as `+`-joined parts (`overlap+pingpong`).
+#[derive(Clone)]
+struct HopperSchedule {
+    name: String,
+    schedule: ForwardSchedule,
+}
+
+impl FromStr for HopperSchedule {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        let mut schedule = ForwardSchedule {
+            intra_overlap: false,
+            pingpong: false,
+            grouped_slices: false,
+        };
+        for part in text.split('+').filter(|part| *part != "plain") {
+            match part {
+                "overlap" => schedule.intra_overlap = true,
+                "pingpong" => schedule.pingpong = true,
+                "grouped" => schedule.grouped_slices = true,
+                other => {
+                    return Err(format!(
+                        "takes `+`-joined overlap, pingpong, grouped, or plain; got {other:?}"
+                    ))
+                }
+            }
+        }
+        Ok(Self {
+            name: text.to_string(),
+            schedule,
+        })
+    }
 }
 
 /// Heads and head dimension of one benchmark run.
@@ -350,19 +445,6 @@ impl Chunks {
     }
 }
 
-/// Comma-separated words after `name`, or `default`.
-fn arg_words(args: &[String], name: &str, default: &str) -> Vec<String> {
-    let list = args
-        .iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .map_or(default, String::as_str);
-    list.split(',')
-        .filter(|w| !w.is_empty())
-        .map(str::to_string)
-        .collect()
-}
-
 /// One set of whole-attention forward rows: a variant, a forced Hopper schedule or none.
 struct ForwardRun {
     name: String,
@@ -370,54 +452,28 @@ struct ForwardRun {
     schedule: Option<ForwardSchedule>,
 }
 
-/// The forward rows of `--variants` (`auto`, `hopper`, `tensor-core`, `portable`; Auto's rows
-/// keep their name, `distflash (bf16)`) and of `--hopper-schedules` (each `+`-joined parts of
-/// `overlap`, `pingpong`, `grouped`, or `plain` for none: the Hopper variant with that schedule
-/// forced).
-fn forward_runs(args: &[String]) -> Vec<ForwardRun> {
-    let mut runs: Vec<ForwardRun> = arg_words(args, "--variants", "auto")
-        .iter()
-        .map(|word| {
-            let (name, variant) = match word.as_str() {
-                "auto" => ("distflash (bf16)", Variant::Auto),
-                "hopper" => ("distflash hopper (bf16)", Variant::Hopper),
-                "tensor-core" => ("distflash tensor-core (bf16)", Variant::TensorCore),
-                "portable" => ("distflash portable (bf16)", Variant::Portable),
-                other => {
-                    panic!("--variants takes auto, hopper, tensor-core, portable; got {other}")
-                }
-            };
-            ForwardRun {
-                name: name.into(),
-                variant,
-                schedule: None,
-            }
-        })
-        .collect();
-    for word in arg_words(args, "--hopper-schedules", "") {
-        let mut schedule = ForwardSchedule {
-            intra_overlap: false,
-            pingpong: false,
-            grouped_slices: false,
+/// The forward rows of `--variants` (Auto's rows keep their name, `distflash (bf16)`) and of
+/// `--hopper-schedules` (the Hopper variant with that schedule forced).
+fn forward_runs(args: &Args) -> Vec<ForwardRun> {
+    let variants = args.variants.iter().map(|variant| {
+        let (name, variant) = match variant {
+            ForwardVariant::Auto => ("distflash (bf16)", Variant::Auto),
+            ForwardVariant::Hopper => ("distflash hopper (bf16)", Variant::Hopper),
+            ForwardVariant::TensorCore => ("distflash tensor-core (bf16)", Variant::TensorCore),
+            ForwardVariant::Portable => ("distflash portable (bf16)", Variant::Portable),
         };
-        for part in word.split('+').filter(|part| *part != "plain") {
-            match part {
-                "overlap" => schedule.intra_overlap = true,
-                "pingpong" => schedule.pingpong = true,
-                "grouped" => schedule.grouped_slices = true,
-                other => panic!(
-                    "--hopper-schedules takes `+`-joined overlap, pingpong, grouped, or plain; \
-                     got {other}"
-                ),
-            }
+        ForwardRun {
+            name: name.into(),
+            variant,
+            schedule: None,
         }
-        runs.push(ForwardRun {
-            name: format!("distflash hopper {word} (bf16)"),
-            variant: Variant::Hopper,
-            schedule: Some(schedule),
-        });
-    }
-    runs
+    });
+    let schedules = args.hopper_schedules.iter().map(|hopper| ForwardRun {
+        name: format!("distflash hopper {} (bf16)", hopper.name),
+        variant: Variant::Hopper,
+        schedule: Some(hopper.schedule),
+    });
+    variants.chain(schedules).collect()
 }
 
 /// The backward rows of one kernel variant at one length: its inputs and how to name the rows.
@@ -514,16 +570,13 @@ impl BackwardRows<'_> {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
+    let args = Args::parse();
     let forward_runs = forward_runs(&args);
-    let seqs = arg_list(&args, "--seqs", &[8192, 16384, 32768]);
-    let bwd_seqs = arg_list(&args, "--bwd-seqs", &[8192]);
-    let burn_seqs = arg_list(&args, "--burn-seqs", &[8192, 16384]);
-    let iters = arg_list(&args, "--iters", &[5])[0];
-    let chunks = arg_list(&args, "--chunks", &[1])[0].max(1);
+    let (seqs, bwd_seqs, burn_seqs) = (&args.seqs, &args.bwd_seqs, &args.burn_seqs);
+    let (iters, chunks) = (args.iters as usize, args.chunks as usize);
     let shape = Shape {
-        kv_heads: arg_list(&args, "--kv-heads", &[HEADS])[0],
-        head_dim: arg_list(&args, "--head-dim", &[128])[0],
+        kv_heads: args.kv_heads as usize,
+        head_dim: args.head_dim as usize,
     };
     let client = CudaRuntime::client(&CudaDevice::new(0));
     let elem = ElemType::BF16;
@@ -550,7 +603,7 @@ fn main() {
             flops / secs / 1e12
         );
     };
-    for &seq in &seqs {
+    for &seq in seqs.iter() {
         let q_dims = (HEADS, seq, shape.head_dim);
         let kv_dims = (shape.kv_heads, seq, shape.head_dim);
         let (q, k, v) = (
@@ -649,8 +702,8 @@ fn main() {
             }
         }
     }
-    let window = arg_list(&args, "--window", &[4096])[0];
-    for &seq in &arg_list(&args, "--mask-seqs", &[]) {
+    let window = args.window as usize;
+    for &seq in args.mask_seqs.iter() {
         let documents = Documents::from_cu_seqlens(&packed_documents(seq)).expect("documents");
         let masks = [
             (
@@ -699,7 +752,7 @@ fn main() {
             backward_rows.print_forward_backward(&options, &row);
         }
     }
-    for &seq in &burn_seqs {
+    for &seq in burn_seqs.iter() {
         let flops = causal_forward_flops(seq, shape);
         row(
             "burn attention (f16)",

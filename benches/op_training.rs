@@ -3,9 +3,12 @@
 //! implementation per process, so the memory figure belongs to it alone.
 //!
 //! `cargo bench --bench op_training -- --impl distflash|burn [--seqs 8192,16384] [--iters 3]`
+//! (`-- --help` lists the options with their defaults).
 //! Causal, batch 1, 32 heads, head dim 128; TFLOP/s with FlashAttention's convention
 //! (3.5 x 4 S^2 H D / 2). Memory: the device memory pool's reserved bytes after the run (the
 //! pools keep their high-water mark, so this bounds the peak from above).
+
+mod common;
 
 use std::time::Instant;
 
@@ -14,6 +17,8 @@ use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Distribution, Tensor};
 use burn_autodiff::Autodiff;
 use burn_distflash::{flash_attention, FlashAttentionOptions};
+use clap::{value_parser, Parser, ValueEnum};
+use common::{CargoBench, Sizes};
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::Runtime;
 
@@ -23,11 +28,30 @@ const HEAD_DIM: usize = 128;
 type Ours = Autodiff<burn_cuda::Cuda<half::bf16, i32>>;
 type Theirs = Autodiff<burn_cuda::Cuda<half::f16, i32>>;
 
-fn arg<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .map(String::as_str)
+/// The bench's command line.
+#[derive(Parser)]
+#[command(about = "Attention forward+backward through Autodiff on burn-cuda: ours or Burn's")]
+struct Args {
+    /// Which attention to train through
+    #[arg(long = "impl", value_enum, value_name = "IMPL", default_value_t = Implementation::Distflash)]
+    implementation: Implementation,
+    /// Sequence lengths (comma-separated)
+    #[arg(long, value_name = "TOKENS,..", default_value = "8192,16384")]
+    seqs: Sizes,
+    /// Timed runs per length after one warm-up (the median is reported)
+    #[arg(long, value_name = "N", value_parser = value_parser!(u64).range(1..), default_value_t = 3)]
+    iters: u64,
+    #[command(flatten)]
+    cargo_bench: CargoBench,
+}
+
+/// The attention a run trains through.
+#[derive(Clone, Copy, ValueEnum)]
+enum Implementation {
+    /// This project's `flash_attention`, bf16
+    Distflash,
+    /// Burn 0.21's `attention`, f16
+    Burn,
 }
 
 /// Median seconds of one forward + backward step over `iters` runs after one warm-up.
@@ -61,29 +85,26 @@ fn step_seconds<B: burn::tensor::backend::AutodiffBackend>(
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let which = arg(&args, "--impl").unwrap_or("distflash").to_string();
-    let seqs: Vec<usize> = arg(&args, "--seqs")
-        .unwrap_or("8192,16384")
-        .split(',')
-        .filter_map(|s| s.parse().ok())
-        .collect();
-    let iters: usize = arg(&args, "--iters")
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(3);
-    for &seq in &seqs {
-        let secs = match which.as_str() {
-            "distflash" => step_seconds::<Ours>(seq, iters, |q, k, v| {
-                flash_attention(q, k, v, FlashAttentionOptions::causal()).expect("valid shapes")
-            }),
-            "burn" => step_seconds::<Theirs>(seq, iters, |q, k, v| {
-                let options = AttentionModuleOptions {
-                    is_causal: true,
-                    ..Default::default()
-                };
-                attention(q, k, v, None, None, options)
-            }),
-            other => panic!("--impl takes distflash or burn, got {other}"),
+    let args = Args::parse();
+    let iters = args.iters as usize;
+    for &seq in args.seqs.iter() {
+        let (which, secs) = match args.implementation {
+            Implementation::Distflash => (
+                "distflash",
+                step_seconds::<Ours>(seq, iters, |q, k, v| {
+                    flash_attention(q, k, v, FlashAttentionOptions::causal()).expect("valid shapes")
+                }),
+            ),
+            Implementation::Burn => (
+                "burn",
+                step_seconds::<Theirs>(seq, iters, |q, k, v| {
+                    let options = AttentionModuleOptions {
+                        is_causal: true,
+                        ..Default::default()
+                    };
+                    attention(q, k, v, None, None, options)
+                }),
+            ),
         };
         let flops = 3.5 * 4.0 * (seq as f64).powi(2) * (HEADS * HEAD_DIM) as f64 / 2.0;
         let usage = CudaRuntime::client(&CudaDevice::new(0))

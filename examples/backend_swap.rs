@@ -3,13 +3,14 @@
 //! project's attention op. Only the backend type changes.
 //!
 //! `cargo run --release --example backend_swap -- [ndarray|wgpu|wgpu-fusion|cuda]` (default
-//! `ndarray`). `wgpu` runs on Mesa's software Vulkan where there is no GPU; `cuda` needs an
+//! `ndarray`; `-- --help` lists them). `wgpu` runs on Mesa's software Vulkan where there is no GPU; `cuda` needs an
 //! NVIDIA GPU.
 
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Distribution, Tensor};
 use burn_distflash::layers::project;
 use burn_distflash::{flash_attention, FlashAttentionBackend, FlashAttentionOptions};
+use clap::{Parser, ValueEnum};
 
 const MODEL: usize = 256;
 const HEAD_DIM: usize = 64;
@@ -94,26 +95,44 @@ fn train<B: AutodiffBackend + FlashAttentionBackend>(name: &str, device: B::Devi
 
 use burn::tensor::ElementConversion;
 
+/// The backends the block can train on.
+#[derive(Clone, Copy, ValueEnum)]
+enum BackendName {
+    /// The CPU (Burn's ndarray)
+    Ndarray,
+    /// wgpu (Mesa's software Vulkan where there is no GPU)
+    Wgpu,
+    /// wgpu under Burn's fusion
+    WgpuFusion,
+    /// CUDA (an NVIDIA GPU)
+    Cuda,
+}
+
+/// The example's command line.
+#[derive(Parser)]
+#[command(about = "The same attention block trained on the backend named")]
+struct Args {
+    /// The backend
+    #[arg(value_enum, default_value_t = BackendName::Ndarray)]
+    backend: BackendName,
+}
+
 fn main() {
     type Wgpu = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>;
-    match std::env::args().nth(1).as_deref().unwrap_or("ndarray") {
-        "ndarray" => train::<burn::backend::Autodiff<burn::backend::NdArray<f32>>>(
+    match Args::parse().backend {
+        BackendName::Ndarray => train::<burn::backend::Autodiff<burn::backend::NdArray<f32>>>(
             "ndarray",
             Default::default(),
         ),
-        "wgpu" => train::<burn::backend::Autodiff<Wgpu>>("wgpu", cubecl::wgpu::WgpuDevice::Cpu),
-        "wgpu-fusion" => train::<burn::backend::Autodiff<burn_fusion::Fusion<Wgpu>>>(
+        BackendName::Wgpu => {
+            train::<burn::backend::Autodiff<Wgpu>>("wgpu", cubecl::wgpu::WgpuDevice::Cpu)
+        }
+        BackendName::WgpuFusion => train::<burn::backend::Autodiff<burn_fusion::Fusion<Wgpu>>>(
             "wgpu-fusion",
             cubecl::wgpu::WgpuDevice::Cpu,
         ),
-        "cuda" => {
+        BackendName::Cuda => {
             train::<burn::backend::Autodiff<burn_cuda::Cuda<f32, i32>>>("cuda", Default::default())
-        }
-        other => {
-            eprintln!(
-                "error: unknown backend `{other}`; choose ndarray, wgpu, wgpu-fusion or cuda"
-            );
-            std::process::exit(2);
         }
     }
 }

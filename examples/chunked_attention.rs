@@ -7,9 +7,10 @@
 //! accumulated the same way and checked too.
 //!
 //! `cargo run --release --example chunked_attention -- [--seq 512] [--chunks 4] [--heads 4]
-//! [--kv-heads 2] [--head-dim 64]`. Runs on wgpu; on a machine without a GPU that is Mesa's
+//! [--kv-heads 2] [--head-dim 64]` (`-- --help` lists them with their defaults). Runs on wgpu; on a machine without a GPU that is Mesa's
 //! software Vulkan (`apt-get install mesa-vulkan-drivers`).
 
+use clap::{value_parser, Parser};
 use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
 use cubecl::Runtime;
 use distflash_kernels::{
@@ -17,12 +18,25 @@ use distflash_kernels::{
 };
 use distflash_test_support::{self as oracle, exact};
 
-fn arg(args: &[String], name: &str, default: usize) -> usize {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
+/// The example's command line.
+#[derive(Parser)]
+#[command(about = "One causal sequence in chunks through the stat-carrying kernels, against f64")]
+struct Args {
+    /// Tokens of the whole sequence (a multiple of --chunks)
+    #[arg(long, value_name = "TOKENS", value_parser = value_parser!(u64).range(1..), default_value_t = 512)]
+    seq: u64,
+    /// Shards the sequence is cut into
+    #[arg(long, value_name = "N", value_parser = value_parser!(u64).range(1..), default_value_t = 4)]
+    chunks: u64,
+    /// Query heads (a multiple of --kv-heads)
+    #[arg(long, value_name = "N", value_parser = value_parser!(u64).range(1..), default_value_t = 4)]
+    heads: u64,
+    /// Key/value heads
+    #[arg(long, value_name = "N", value_parser = value_parser!(u64).range(1..), default_value_t = 2)]
+    kv_heads: u64,
+    /// Head dimension
+    #[arg(long, value_name = "D", value_parser = value_parser!(u64).range(1..), default_value_t = 64)]
+    head_dim: u64,
 }
 
 /// Rows `[start, end)` of every head of a `[1, heads, len, d]` host tensor.
@@ -37,15 +51,18 @@ fn rows(data: &[f64], heads: usize, len: usize, d: usize, start: usize, end: usi
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let (seq, chunks) = (arg(&args, "--seq", 512), arg(&args, "--chunks", 4));
+    let args = Args::parse();
+    let (seq, chunks) = (args.seq as usize, args.chunks as usize);
     let (heads, kv_heads, d) = (
-        arg(&args, "--heads", 4),
-        arg(&args, "--kv-heads", 2),
-        arg(&args, "--head-dim", 64),
+        args.heads as usize,
+        args.kv_heads as usize,
+        args.head_dim as usize,
     );
-    if chunks == 0 || seq % chunks != 0 {
-        eprintln!("error: --seq ({seq}) must be a non-zero multiple of --chunks ({chunks})");
+    if seq % chunks != 0 || heads % kv_heads != 0 {
+        eprintln!(
+            "error: --seq ({seq}) must be a multiple of --chunks ({chunks}) and --heads ({heads}) \
+             of --kv-heads ({kv_heads})"
+        );
         std::process::exit(2);
     }
     let shard = seq / chunks;

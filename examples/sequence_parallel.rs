@@ -5,6 +5,7 @@
 //! ```text
 //! cargo run --release --example sequence_parallel                 # 4 ranks as threads, ndarray CPU
 //! cargo run --release --example sequence_parallel -- --nccl 4     # 4 GPUs of this machine, NCCL
+//! cargo run --release --example sequence_parallel -- --help       # the options
 //! # one process per GPU, one or many hosts (torchrun-style environment):
 //! RANK=.. WORLD_SIZE=.. LOCAL_RANK=.. MASTER_ADDR=.. MASTER_PORT=.. \
 //!     cargo run --release --example sequence_parallel -- --env
@@ -18,6 +19,7 @@ use burn_distflash::sequence_parallel::{
     sequence_parallel_attention, shard_sequence, SequenceParallelOptions,
 };
 use burn_distflash::{flash_attention, DeviceGroup, FlashAttentionBackend, FlashAttentionOptions};
+use clap::{value_parser, Parser};
 
 type Cuda = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
 
@@ -88,15 +90,29 @@ where
     println!("worst max error over ranks: {worst:.2e}");
 }
 
+/// The example's command line: threads on the CPU by default.
+#[derive(Parser)]
+#[command(about = "One sequence split across ranks, checked against one-device attention")]
+struct Args {
+    /// The ranks are this many GPUs of this machine, over NCCL (default with no number: 2)
+    #[arg(long, value_name = "GPUS", num_args = 0..=1, default_missing_value = "2",
+          value_parser = value_parser!(u64).range(1..))]
+    nccl: Option<u64>,
+    /// This process is one rank of a group of processes, one GPU each, described torchrun-style
+    /// by RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT
+    #[arg(long, conflicts_with = "nccl")]
+    env: bool,
+}
+
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let flag = |name: &str| args.iter().position(|a| a == name);
-    if let Some(i) = flag("--nccl") {
-        let world: usize = args.get(i + 1).and_then(|s| s.parse().ok()).unwrap_or(2);
-        let devices: Vec<_> = (0..world).map(cubecl::cuda::CudaDevice::new).collect();
+    let args = Args::parse();
+    if let Some(world) = args.nccl {
+        let devices: Vec<_> = (0..world as usize)
+            .map(cubecl::cuda::CudaDevice::new)
+            .collect();
         let groups = DeviceGroup::<Cuda>::nccl(&devices).unwrap_or_else(|e| panic!("{e}"));
         run_threads::<Autodiff<Cuda>>(groups, devices);
-    } else if flag("--env").is_some() {
+    } else if args.env {
         let group = DeviceGroup::<Cuda>::nccl_from_env().unwrap_or_else(|e| panic!("{e}"));
         let device = group.device().clone();
         let inputs = full_inputs(group.world_size());

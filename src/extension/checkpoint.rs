@@ -40,6 +40,28 @@ pub enum CheckpointPlacement {
     AttentionOutput,
 }
 
+impl CheckpointPlacement {
+    /// The placements' names on a command line, in the order of the variants (what
+    /// [`CheckpointPlacement::from_str`](std::str::FromStr) reads).
+    pub const NAMES: [&'static str; 3] = ["none", "layer", "attention-output"];
+}
+
+impl std::str::FromStr for CheckpointPlacement {
+    type Err = String;
+
+    /// `none`, `layer` or `attention-output`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "none" => Ok(Self::None),
+            "layer" => Ok(Self::Layer),
+            "attention-output" => Ok(Self::AttentionOutput),
+            other => Err(format!(
+                "takes none, layer or attention-output, got {other:?}"
+            )),
+        }
+    }
+}
+
 /// Running a [`CheckpointSegment`] as one gradient checkpoint: `Autodiff` builds one graph node;
 /// the default (no autodiff, nothing to store) just runs the segment.
 pub trait CheckpointBackend: Backend + HostOffload {
@@ -151,4 +173,27 @@ pub trait CheckpointSegment<B: FlashAttentionBackend, const PARENTS: usize>:
     where
         B: AutodiffBackend,
         B::InnerBackend: FlashAttentionBackend<Inner = B::Inner>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CheckpointPlacement;
+
+    #[test]
+    fn placements_read_their_names() {
+        let read: Vec<CheckpointPlacement> = CheckpointPlacement::NAMES
+            .iter()
+            .map(|name| name.parse().unwrap())
+            .collect();
+        assert_eq!(
+            read,
+            [
+                CheckpointPlacement::None,
+                CheckpointPlacement::Layer,
+                CheckpointPlacement::AttentionOutput
+            ]
+        );
+        let err = "attention".parse::<CheckpointPlacement>().unwrap_err();
+        assert!(err.contains("none, layer or attention-output"), "{err}");
+    }
 }

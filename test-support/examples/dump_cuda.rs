@@ -17,26 +17,45 @@
 
 use std::path::PathBuf;
 
+use clap::{Parser, ValueEnum};
 use distflash_test_support::cuda_source::{hopper_sources, kernels, mask_kinds, portable_kernels};
 use half::{bf16, f16};
 
+/// The element type of the kernels written.
+#[derive(Clone, Copy, ValueEnum)]
+enum Elem {
+    /// bfloat16
+    Bf16,
+    /// IEEE half
+    F16,
+}
+
+/// The example's command line.
+#[derive(Parser)]
+#[command(about = "Writes the CUDA C++ CubeCL generates for each kernel, with no GPU")]
+struct Args {
+    /// The folder the .cu files go to
+    #[arg(default_value = "kernels-cuda")]
+    out: PathBuf,
+    /// The element type of the attention kernels
+    #[arg(value_enum, default_value_t = Elem::Bf16)]
+    elem: Elem,
+}
+
 fn main() {
-    let mut args = std::env::args().skip(1);
-    let out = PathBuf::from(args.next().unwrap_or_else(|| "kernels-cuda".into()));
-    let elem = args.next().unwrap_or_else(|| "bf16".into());
+    let Args { out, elem } = Args::parse();
     std::fs::create_dir_all(&out).expect("the output folder can be created");
     for head_dim in distflash_kernels::tensor_core::HEAD_DIMS {
         for (mask_name, mask) in mask_kinds() {
-            let sources: Vec<_> = match elem.as_str() {
-                "bf16" => kernels::<bf16>(head_dim, mask)
+            let sources: Vec<_> = match elem {
+                Elem::Bf16 => kernels::<bf16>(head_dim, mask)
                     .into_iter()
                     .chain(portable_kernels::<bf16>(head_dim, mask))
                     .collect(),
-                "f16" => kernels::<f16>(head_dim, mask)
+                Elem::F16 => kernels::<f16>(head_dim, mask)
                     .into_iter()
                     .chain(portable_kernels::<f16>(head_dim, mask))
                     .collect(),
-                other => panic!("element type must be bf16 or f16, not {other}"),
             };
             for (name, source) in sources {
                 let path = out.join(format!("{name}_{mask_name}_d{head_dim}.cu"));

@@ -1,9 +1,10 @@
 //! Training throughput of a Llama-shaped model with sequence parallelism over P GPUs (one
 //! process, one thread per GPU, NCCL), bf16, AdamW, gradient all-reduce, on random tokens.
 //!
-//! `cargo bench -p distflash-llama --bench llama_train -- --config llama-7b [--layers 4] --gpus 4 --seq 32768
-//!  [--iters 2] [--checkpoint attention-output|layer|none] [--offload off|all|N] [--batch 1]
-//!  [--profile-last-step] [--phases]`
+//! `cargo bench -p distflash-llama --bench llama_train -- --config llama-7b [--layers 4] --gpus 4
+//!  --seq 32768 [--iters 2] [--checkpoint attention-output|layer|none] [--offload off|all|N]
+//!  [--batch 1] [--profile-last-step] [--phases]` (`-- --help` lists the options with their
+//!  defaults)
 //!
 //! `--offload all|N` keeps the layers' checkpoints in pinned host memory between forward and
 //! backward (every layer's, or all but the last N layers'): run it beside `--offload off` (the
@@ -42,8 +43,10 @@ use burn_distflash::layers::{replicate, CheckpointPlacement, Offload};
 use burn_distflash::offload::{finish_copies, pinned_bytes};
 use burn_distflash::sequence_parallel::shard_sequence;
 use burn_distflash::{AttentionContext, DeviceGroup};
+use clap::Parser;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::Runtime;
+use distflash_llama::cli::{at_least_one, offload, placement};
 use distflash_llama::memory_plan::MemoryPlanner;
 use distflash_llama::train::{PhaseTimes, TrainOptions, Trainer};
 use distflash_llama::LlamaConfig;
@@ -57,11 +60,45 @@ const H200_BF16_PEAK: f64 = 989e12;
 /// second is the first with an optimizer state (the fused AdamW update's first run).
 const WARM_UP: usize = 2;
 
-fn arg(args: &[String], name: &str) -> Option<String> {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .cloned()
+/// The bench's command line.
+#[derive(Parser)]
+#[command(about = "Llama training throughput with sequence parallelism over P GPUs (NCCL)")]
+struct Args {
+    /// The model: a preset (llama-7b, llama-gqa, llama-33h, llama-16h, llama-8h, llama-4h,
+    /// llama-2h, llama3-8b, tiny)
+    #[arg(long, value_name = "PRESET", default_value = "llama-7b")]
+    config: String,
+    /// Overrides the preset's number of layers
+    #[arg(long, value_name = "N", value_parser = at_least_one())]
+    layers: Option<usize>,
+    /// GPUs, one thread each, the sequence split across them
+    #[arg(long, value_name = "N", value_parser = at_least_one(), default_value_t = 4)]
+    gpus: usize,
+    /// Tokens per sequence (the whole sequence)
+    #[arg(long, value_name = "TOKENS", value_parser = at_least_one(), default_value_t = 32768)]
+    seq: usize,
+    /// Sequences per step
+    #[arg(long, value_name = "N", value_parser = at_least_one(), default_value_t = 1)]
+    batch: usize,
+    /// Timed steps after the two warm-up steps (0: warm-up only, for the memory)
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    iters: usize,
+    /// Where each layer keeps what its backward needs
+    #[arg(long, value_name = "PLACEMENT", value_parser = placement(), default_value = "attention-output")]
+    checkpoint: CheckpointPlacement,
+    /// Checkpoints in pinned host memory between forward and backward: off, all, or N (all but
+    /// the last N layers')
+    #[arg(long, value_name = "off|all|N", value_parser = offload)]
+    offload: Option<Offload>,
+    /// Bracket rank 0's last step with cuProfilerStart / cuProfilerStop
+    #[arg(long)]
+    profile_last_step: bool,
+    /// One more step, synchronised after each phase, and rank 0's phase times
+    #[arg(long)]
+    phases: bool,
+    /// The flag `cargo bench` appends (ignored).
+    #[arg(long = "bench", hide = true)]
+    cargo_bench: bool,
 }
 
 /// Turns the attached CUDA profiler's collection on or off for GPU 0's primary context (the
@@ -99,33 +136,20 @@ struct RankRun {
 
 fn main() {
     std::env::set_var("NCCL_NVLS_ENABLE", "0");
-    let args: Vec<String> = std::env::args().collect();
-    let num =
-        |name: &str, default: usize| arg(&args, name).map_or(default, |v| v.parse().expect(name));
-    let name = arg(&args, "--config").unwrap_or_else(|| "llama-7b".into());
-    let mut config = LlamaConfig::preset(&name).expect("preset");
-    if let Some(layers) = arg(&args, "--layers") {
-        config.n_layers = layers.parse().expect("--layers");
+    let args = Args::parse();
+    let mut config = LlamaConfig::preset(&args.config).unwrap_or_else(|e| {
+        eprintln!("--config: {e}");
+        std::process::exit(2)
+    });
+    if let Some(layers) = args.layers {
+        config.n_layers = layers;
     }
-    config.checkpoint = match arg(&args, "--checkpoint").as_deref() {
-        None | Some("attention-output") => CheckpointPlacement::AttentionOutput,
-        Some("layer") => CheckpointPlacement::Layer,
-        Some("none") => CheckpointPlacement::None,
-        Some(other) => panic!("--checkpoint: {other}"),
-    };
-    if let Some(offload) = arg(&args, "--offload") {
-        config.offload = offload
-            .parse::<Offload>()
-            .unwrap_or_else(|e| panic!("--offload {e}"));
+    config.checkpoint = args.checkpoint;
+    if let Some(offload) = args.offload {
+        config.offload = offload;
     }
-    let profile_last_step = args.iter().any(|a| a == "--profile-last-step");
-    let phases = args.iter().any(|a| a == "--phases");
-    let (gpus, seq, iters, batch) = (
-        num("--gpus", 4),
-        num("--seq", 32768),
-        num("--iters", 2),
-        num("--batch", 1),
-    );
+    let (profile_last_step, phases) = (args.profile_last_step, args.phases);
+    let (gpus, seq, iters, batch) = (args.gpus, args.seq, args.iters, args.batch);
     let devices: Vec<CudaDevice> = (0..gpus).map(CudaDevice::new).collect();
     let contexts: Vec<AttentionContext<Train>> = if gpus == 1 {
         vec![AttentionContext::Local]
@@ -213,6 +237,7 @@ fn main() {
     let attention = 6.0 * (config.n_layers * config.n_heads * 128 * seq) as f64 / 2.0 * 2.0;
     let flops_per_token = 6.0 * dense + attention;
     let per_gpu = flops_per_token * tokens / secs / gpus as f64;
+    let name = &args.config;
     let checkpoint = match config.offload {
         Offload::Off => format!("{:?}", config.checkpoint),
         offload => format!("{:?}, offload {offload:?}", config.checkpoint),

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 
 use burn::backend::NdArray;
 use burn::tensor::DType;
+use clap::Parser;
 use distflash_llama::weights::{load_hf_llama, save_hf_llama};
 use distflash_llama::LlamaConfig;
 
@@ -36,15 +37,30 @@ fn dir_size(dir: &Path) -> std::io::Result<u64> {
     std::fs::read_dir(dir)?.try_fold(0, |total, entry| Ok(total + entry?.metadata()?.len()))
 }
 
+/// The example's command line: one subcommand.
+#[derive(Parser)]
+#[command(about = "Peak host memory of loading a bf16 Hugging Face checkpoint onto the CPU")]
+enum Args {
+    /// Save a randomly initialised 168M-parameter Llama as a bf16 checkpoint in DIR
+    Write {
+        /// The checkpoint's directory
+        dir: PathBuf,
+    },
+    /// Load the checkpoint in DIR and print the process's peak resident memory
+    Load {
+        /// The checkpoint's directory
+        dir: PathBuf,
+    },
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let (mode, dir) = match &args[..] {
-        [mode, dir] if mode == "write" || mode == "load" => (mode.as_str(), PathBuf::from(dir)),
-        _ => return Err("usage: weights_peak_memory write|load DIR".into()),
+    let (write, dir) = match Args::parse() {
+        Args::Write { dir } => (true, dir),
+        Args::Load { dir } => (false, dir),
     };
     let config = config();
     let device = Default::default();
-    if mode == "write" {
+    if write {
         let model = config.try_init::<Cpu>(&device)?;
         save_hf_llama(&model, &config, &dir, DType::BF16)?;
         println!(

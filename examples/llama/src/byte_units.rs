@@ -1,21 +1,15 @@
 //! Byte counts as text: [`format_bytes`] writes them in binary units, [`parse_bytes`] reads a
-//! count a user gives (`80GiB`, `141GB`, `512MiB`, `1073741824`).
+//! count a user gives (`80GiB`, `141GB`, `512MiB`, `1073741824`), refusing what is not a count
+//! of at least one byte that fits `u64` (a parser that saturated or read `0` would hand the
+//! memory planner a wrong GPU without a word).
+
+use indicatif::HumanBytes;
 
 use crate::Error;
 
-/// Bytes in binary units: `"1.50 GiB"`.
+/// Bytes in binary units: `"1.50 GiB"` (indicatif's `HumanBytes`).
 pub fn format_bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut value = n as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < UNITS.len() {
-        value /= 1024.0;
-        unit += 1;
-    }
-    match unit {
-        0 => format!("{n} B"),
-        _ => format!("{value:.2} {}", UNITS[unit]),
-    }
+    HumanBytes(n).to_string()
 }
 
 /// A byte count: a number (a fraction too) followed by nothing or `B` (bytes), `KiB`, `MiB`,
@@ -68,6 +62,7 @@ mod tests {
         assert_eq!(format_bytes(1023), "1023 B");
         assert_eq!(format_bytes(1536), "1.50 KiB");
         assert_eq!(format_bytes(3 << 30), "3.00 GiB");
+        assert_eq!(format_bytes(139 << 30), "139.00 GiB");
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! Llama models trained with burn-distflash's attention: the model and its configuration,
 //! loading Hugging Face weights, tokenizers, data, training (AdamW, schedule, clipping, gradient
 //! all-reduce, checkpoints), the prediction of one GPU's memory for a training setting
-//! ([`memory_plan`]) and its logs. The `llama_train` binary (`src/main.rs`) drives it.
+//! ([`memory_plan`]), its logs, progress and loss plot, and the `llama_train` command line
+//! ([`cli`]). The `llama_train` binary (`src/main.rs`) drives it.
 //!
 //! Every fallible function of this crate returns its one error type, [`Error`]; the model and
 //! its configuration return the plugin's errors (`burn_distflash::Error`) as the
@@ -9,6 +10,7 @@
 
 #![warn(missing_docs)]
 mod byte_units;
+pub mod cli;
 pub mod config;
 pub mod data;
 mod device_memory;
@@ -16,6 +18,7 @@ mod error;
 pub mod generate;
 pub mod hf_config;
 pub mod loss;
+pub mod loss_plot;
 pub mod lr_schedule;
 pub mod memory_plan;
 pub mod metrics;

@@ -48,6 +48,7 @@ mod setup;
 mod wait;
 
 pub use library::{device_count, probe};
+pub use rendezvous::{EnvConfig, RENDEZVOUS_PORT_VAR};
 
 use crate::Error;
 use std::marker::PhantomData;
@@ -69,7 +70,6 @@ use super::local::DEFAULT_TIMEOUT;
 use super::{DeviceGroup, Exchange, Incoming, MessageKind, Outgoing, TensorLayout, Transport};
 use exchange::{device_pointer, InFlight, NcclExchange, Op};
 use library::nccl_error;
-use rendezvous::EnvConfig;
 use wait::async_state;
 
 /// The CubeCL CUDA backend this transport serves.

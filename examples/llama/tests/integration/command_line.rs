@@ -1,10 +1,13 @@
-//! `llama_train` as a user runs it, on ndarray with a one-layer model: a resumed run takes
-//! `--steps` as its new total (and refuses one below the checkpoint's step), a run without
-//! validation ends without a validation loss, a bad option exits with code 2 naming it; the
-//! chunk options change no loss, and 0 or a word for one exits with code 2; `--plan` prints the
-//! memory plan with no data file and no device; `--memory auto` trains with the chunks the
-//! planner picks, and refuses to run without a GPU memory, with one too small, or beside
-//! explicit chunks.
+//! `llama_train` as a user runs it, on ndarray with a one-layer model: `--help` lists every
+//! option under its heading with its default and allowed values; an unknown option, a value
+//! out of range or outside its choices, and a check of ours exit with code 2 naming what is
+//! wrong; a run whose standard error is not a terminal prints one plain progress line per
+//! `--log-every` steps, with the loss metrics.jsonl records, and draws loss.svg; a resumed run
+//! takes `--steps` as its new total (and refuses one below the checkpoint's step), a run
+//! without validation ends without a validation loss; the chunk options change no loss, and 0
+//! or a word for one exits with code 2; `--plan` prints the memory plan with no data file and
+//! no device; `--memory auto` trains with the chunks the planner picks, and refuses to run
+//! without a GPU memory, with one too small, or beside explicit chunks.
 
 use std::path::Path;
 use std::process::Output;
@@ -48,6 +51,174 @@ pub(crate) fn stderr_of(output: &Output, code: i32) -> String {
     stderr
 }
 
+/// `llama_train` with `args` only.
+fn bare_llama_train(args: &[&str]) -> Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_llama_train"))
+        .args(args)
+        .output()
+        .expect("llama_train starts")
+}
+
+/// One plain progress line: `step S/T  loss L  tokens/s R  eta HH:MM:SS`.
+#[derive(Debug, PartialEq)]
+struct ProgressLine {
+    step: u64,
+    total: u64,
+    loss: f64,
+}
+
+/// The plain progress lines of a run's standard error, each checked field by field.
+fn progress_lines(stderr: &str) -> Vec<ProgressLine> {
+    stderr
+        .lines()
+        .filter(|line| line.starts_with("step "))
+        .map(|line| {
+            let fields: Vec<&str> = line.split("  ").collect();
+            let [step, loss, rate, eta] = fields[..] else {
+                panic!("not a progress line: {line:?}");
+            };
+            let (step, total) = step["step ".len()..].split_once('/').expect("S/T");
+            let rate: f64 = rate
+                .strip_prefix("tokens/s ")
+                .expect("rate")
+                .parse()
+                .unwrap();
+            assert!(rate > 0.0, "{line}");
+            let eta = eta.strip_prefix("eta ").expect("eta");
+            assert!(
+                eta == "?"
+                    || eta
+                        .split(':')
+                        .all(|p| p.len() == 2 && p.parse::<u8>().is_ok()),
+                "{line}"
+            );
+            ProgressLine {
+                step: step.parse().unwrap(),
+                total: total.parse().unwrap(),
+                loss: loss.strip_prefix("loss ").expect("loss").parse().unwrap(),
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn help_lists_every_option_under_its_heading_with_defaults_and_choices() {
+    let help = bare_llama_train(&["--help"]);
+    assert_eq!(help.status.code(), Some(0));
+    let help = String::from_utf8_lossy(&help.stdout);
+    for heading in [
+        "Model:",
+        "Data:",
+        "Devices:",
+        "Processes (with --env):",
+        "Optimisation:",
+        "Memory:",
+        "Output:",
+    ] {
+        assert!(help.contains(heading), "no {heading:?} in {help}");
+    }
+    for text in [
+        "--config <PRESET|FILE.json>",
+        "[default: tiny]",
+        "--steps <N>",
+        "[default: 600]",
+        "--seq-len <TOKENS>",
+        "--gpu-memory <BYTES>",
+        "--offload <off|all|N>",
+        "--plan",
+        "attention-output",
+        "[env: WORLD_SIZE",
+        "--val-every <STEPS>",
+    ] {
+        assert!(help.contains(text), "no {text:?} in {help}");
+    }
+    // -h: one line per option, choices listed.
+    let short = bare_llama_train(&["-h"]);
+    let short = String::from_utf8_lossy(&short.stdout);
+    assert!(
+        short.contains("[possible values: ndarray, wgpu, cuda]"),
+        "{short}"
+    );
+}
+
+#[test]
+fn bad_command_lines_exit_with_code_two_saying_what_is_wrong() {
+    let cases: [(&[&str], &[&str]); 7] = [
+        (
+            &["--no-such-option"],
+            &[
+                "unexpected argument '--no-such-option'",
+                "Usage: llama_train",
+            ],
+        ),
+        (
+            &["--lerning-rate", "1"],
+            &["unexpected argument '--lerning-rate'"],
+        ),
+        (
+            &["--batch", "0"],
+            &["invalid value '0' for '--batch <N>'", "1.."],
+        ),
+        (
+            &["--lr", "-1"],
+            &[
+                "invalid value '-1' for '--lr <RATE>'",
+                "a finite number >= 0",
+            ],
+        ),
+        (
+            &["--backend", "tpu"],
+            &[
+                "invalid value 'tpu' for '--backend <BACKEND>'",
+                "ndarray, wgpu, cuda",
+            ],
+        ),
+        (&["--eot", "3"], &["--pack"]),
+        (
+            &["--config", "llama-9b"],
+            &["llama_train:", "llama-9b", "one of tiny, llama-7b"],
+        ),
+    ];
+    for (args, expected) in cases {
+        let stderr = stderr_of(&bare_llama_train(args), 2);
+        for text in expected {
+            assert!(stderr.contains(text), "{args:?}: no {text:?} in {stderr}");
+        }
+    }
+    let stderr = stderr_of(&bare_llama_train(&["--rank", "1"]), 2);
+    assert!(
+        stderr.contains("--rank") && stderr.contains("add --env"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_run_logs_plain_progress_lines_and_draws_its_loss() {
+    let dir = TempDir::new("cli-progress");
+    let out = dir.path();
+    let stderr = stderr_of(&llama_train(out, &["--steps", "3", "--log-every", "2"]), 0);
+    let lines = progress_lines(&stderr);
+    let records = read_metrics(&out.join("metrics.jsonl")).expect("metrics.jsonl");
+    // Every --log-every steps and the last, with the loss metrics.jsonl has for the step.
+    assert_eq!(
+        lines.iter().map(|l| (l.step, l.total)).collect::<Vec<_>>(),
+        [(2, 3), (3, 3)],
+        "{stderr}"
+    );
+    for line in &lines {
+        let logged = records[line.step as usize - 1].loss;
+        assert!(
+            (line.loss - logged).abs() <= 5e-5,
+            "{line:?} against {logged}"
+        );
+    }
+    let svg = std::fs::read_to_string(out.join("loss.svg")).expect("loss.svg");
+    assert!(
+        svg.starts_with("<svg") && svg.contains("<polyline"),
+        "{svg}"
+    );
+}
+
 /// The steps `metrics.jsonl` in `out` records.
 fn steps_logged(out: &Path) -> Vec<u64> {
     let records = read_metrics(&out.join("metrics.jsonl")).expect("metrics.jsonl");
@@ -83,9 +254,10 @@ fn a_resumed_run_takes_steps_as_its_new_total() {
 #[test]
 fn a_bad_training_option_exits_with_code_two_naming_it() {
     let dir = TempDir::new("cli-bad-option");
-    let stderr = stderr_of(&llama_train(dir.path(), &["--lr", "-1"]), 2);
+    let stderr = stderr_of(&llama_train(dir.path(), &["--val-fraction", "1.5"]), 2);
     assert!(
-        stderr.contains("the training option `lr` is -1"),
+        stderr.contains("invalid value '1.5' for '--val-fraction <F>'")
+            && stderr.contains("below 1"),
         "{stderr}"
     );
     assert!(!dir.path().join("metrics.jsonl").exists());
@@ -112,11 +284,14 @@ fn chunk_options_change_no_loss_and_refuse_zero_or_words() {
     let dir = TempDir::new("cli-bad-chunk");
     let zero = stderr_of(&llama_train(dir.path(), &["--loss-chunk", "0"]), 2);
     assert!(
-        zero.contains("--loss-chunk") && zero.contains("at least 1"),
+        zero.contains("invalid value '0' for '--loss-chunk <TOKENS>'") && zero.contains("1.."),
         "{zero}"
     );
     let word = stderr_of(&llama_train(dir.path(), &["--ffn-chunk", "many"]), 2);
-    assert!(word.contains("--ffn-chunk takes a whole number"), "{word}");
+    assert!(
+        word.contains("invalid value 'many' for '--ffn-chunk <TOKENS>'"),
+        "{word}"
+    );
 }
 
 #[test]
@@ -177,5 +352,8 @@ fn memory_auto_trains_with_the_chunks_it_picks_and_needs_a_gpu_memory() {
         "4",
     ];
     let both = stderr_of(&llama_train(dir.path(), &both), 2);
-    assert!(both.contains("drop --loss-chunk"), "{both}");
+    assert!(
+        both.contains("'--memory <MODE>' cannot be used with '--loss-chunk <TOKENS>'"),
+        "{both}"
+    );
 }

@@ -129,7 +129,10 @@ fn the_command_line_offloads_and_names_a_bad_offload() {
     assert!(trained.contains("offload All"), "{trained}");
     assert!(trained.contains("done: 1 steps"), "{trained}");
     let bad = crate::command_line::stderr_of(&run(&["--offload", "some"]), 2);
-    assert!(bad.contains("--offload takes off, all, or N"), "{bad}");
+    assert!(
+        bad.contains("'--offload <off|all|N>': takes off, all, or N"),
+        "{bad}"
+    );
     let none = ["--offload", "all", "--checkpoint", "none"];
     let refused = crate::command_line::stderr_of(&run(&none), 2);
     assert!(refused.contains("offload"), "{refused}");

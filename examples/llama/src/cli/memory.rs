@@ -1,0 +1,78 @@
+//! `llama_train`'s memory options: checkpoint placement and host offload, the loss and
+//! feed-forward chunks, and the memory planner (`--plan`, `--memory auto`, `--gpu-memory`,
+//! `--host-memory`).
+
+use burn_distflash::layers::{CheckpointPlacement, Offload, RowChunks};
+use clap::Args;
+
+use super::values::{at_least_one, bytes, offload, placement, MemoryMode};
+
+/// What one GPU holds: checkpoints, offload, chunks, and the planner's prediction.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Memory")]
+pub struct MemoryArgs {
+    /// Where each layer keeps what its backward needs: none (the autodiff graph keeps every
+    /// activation), layer (its input: the backward recomputes the layer), attention-output (its
+    /// input, attention's output and lse: attention's forward runs once); default: the
+    /// configuration's
+    #[arg(long, value_name = "PLACEMENT", value_parser = placement())]
+    pub checkpoint: Option<CheckpointPlacement>,
+
+    /// Checkpoints wait in host memory between forward and backward: off, all (every layer's),
+    /// or N (all but the last N layers'); needs --checkpoint layer|attention-output (default:
+    /// the configuration's)
+    #[arg(long, value_name = "off|all|N", value_parser = offload)]
+    pub offload: Option<Offload>,
+
+    /// Tokens of a rank the output projection and the loss take at a time (default: as many as
+    /// fit 1 GiB of their transient tensors)
+    #[arg(long, value_name = "TOKENS", value_parser = at_least_one(), conflicts_with = "memory")]
+    pub loss_chunk: Option<usize>,
+
+    /// Tokens of a rank each feed-forward block takes at a time (default: as many as fit 1 GiB
+    /// of their transient tensors)
+    #[arg(long, value_name = "TOKENS", value_parser = at_least_one(), conflicts_with = "memory")]
+    pub ffn_chunk: Option<usize>,
+
+    /// How the loss and feed-forward chunks are chosen (default: --loss-chunk and --ffn-chunk);
+    /// auto: the largest that fit 90% of --gpu-memory and, unless --offload is given, the
+    /// fewest layers to offload with them (within the host's memory)
+    #[arg(long, value_enum, value_name = "MODE", requires = "gpu_memory")]
+    pub memory: Option<MemoryMode>,
+
+    /// The memory of one GPU, for --plan and --memory auto: bytes, or with a unit (139GiB,
+    /// 141GB, 512MiB)
+    #[arg(long, value_name = "BYTES", value_parser = bytes)]
+    pub gpu_memory: Option<u64>,
+
+    /// The host memory offloaded checkpoints may take on this host, shared by the GPUs it
+    /// drives: bytes, or with a unit (250GiB) (default: what the host has available now)
+    #[arg(long, value_name = "BYTES", value_parser = bytes)]
+    pub host_memory: Option<u64>,
+
+    /// Print the planner's prediction of one GPU's memory and of the host memory offloaded
+    /// checkpoints take, for these options (with --gpu-memory also the longest sequence that
+    /// fits them, what --memory auto picks and the longest sequence it trains), then exit
+    /// without reading data or touching a device
+    #[arg(long)]
+    pub plan: bool,
+}
+
+impl MemoryArgs {
+    /// `--loss-chunk` and `--ffn-chunk` as row chunks; `None` where absent.
+    pub fn chunks(&self) -> (Option<RowChunks>, Option<RowChunks>) {
+        let rows = |tokens: Option<usize>| tokens.and_then(|n| RowChunks::rows(n).ok());
+        (rows(self.loss_chunk), rows(self.ffn_chunk))
+    }
+
+    /// Whether `--memory auto` was given.
+    pub fn auto(&self) -> bool {
+        self.memory == Some(MemoryMode::Auto)
+    }
+
+    /// Whether the command line sets the chunks (beside `--resume` they replace the
+    /// checkpoint's).
+    pub fn chunks_given(&self) -> bool {
+        self.auto() || self.loss_chunk.is_some() || self.ffn_chunk.is_some()
+    }
+}

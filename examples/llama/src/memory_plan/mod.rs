@@ -9,7 +9,8 @@
 //! The step is modelled phase by phase, the peak being the largest:
 //! - the loss's backward: everything the forward kept, and the loss's transient;
 //! - the blocks' backward: every checkpoint on the GPU (offloaded ones come back one block
-//!   ahead), every gradient, and one block's transient. A block's checkpoint is freed once its
+//!   ahead), every gradient, one block's transient, and what the pools hold beyond the counted
+//!   tensors there (measured on an H200: see `POOL_SLACK_OF_CHECKPOINTS`). A block's checkpoint is freed once its
 //!   backward has run, but a pool allocator does not hand those pages to the gradients, whose
 //!   buffers have other sizes: on 4 H200s, LLaMA-7B at 256K tokens peaked 2.57 GiB per GPU higher
 //!   per layer (32 layers against 4, `BENCHMARKS.md`), where a layer's checkpoint, weights,
@@ -34,6 +35,19 @@ pub use search::{FittedMemory, AUTO_MIN_CHUNK_ROWS, FIT_FRACTION};
 
 /// Bytes of f32.
 const F32: u64 = 4;
+
+/// What CUDA's pools hold beyond the counted tensors at the steady state's busiest moment (a
+/// block's backward, moments and gradients resident), measured rather than derived: this
+/// share of the checkpoints on the GPU, plus [`POOL_SLACK_HIDDEN_ROWS`] hidden-state rows per
+/// token. Fitted on two LLaMA-7B-shape steps on an H200 (8 layers at 128K tokens, attention-
+/// output checkpoints, with and without offload: 10.52 and 5.13 GiB above the counted peak),
+/// it then over-predicts the two others measured in the same call by 2.8% (8 layers, 32K) and
+/// 1.7% (32 layers, 64K) (BENCHMARKS.md, "Memory planner").
+const POOL_SLACK_OF_CHECKPOINTS: f64 = 0.446;
+
+/// [`POOL_SLACK_OF_CHECKPOINTS`]' per-token part, in `[rows, d_model]` tensors of the
+/// activations' type.
+const POOL_SLACK_HIDDEN_ROWS: f64 = 3.33;
 
 /// What a plan is made from: the model (with its checkpoint placement and its
 /// [`Offload`](burn_distflash::layers::Offload) policy, which says which layers' checkpoints wait
@@ -92,6 +106,9 @@ pub struct MemoryPlan {
     /// The transient tensors of that phase (what neither the state nor the kept activations
     /// count).
     pub transient: u64,
+    /// What the pools hold beyond the counted tensors in a block's backward (measured; see
+    /// `POOL_SLACK_OF_CHECKPOINTS`), part of that phase's peak.
+    pub pool_slack: u64,
     /// The most the GPU holds at once.
     pub peak: u64,
 }
@@ -148,8 +165,16 @@ impl MemoryPlanner {
         // the gradients, whose buffers have other sizes (see the module's documentation).
         // Offloaded checkpoints come back one block ahead: two of them on the GPU at once.
         let prefetched = per_layer * offloaded.min(2);
-        let block_phase =
-            resident + checkpoints + prefetched + state.gradients + F32 * rows + block_transient;
+        let pool_slack = (POOL_SLACK_OF_CHECKPOINTS * (checkpoints + prefetched) as f64
+            + POOL_SLACK_HIDDEN_ROWS * (rows * widths.model * widths.elem) as f64)
+            as u64;
+        let block_phase = resident
+            + checkpoints
+            + prefetched
+            + state.gradients
+            + F32 * rows
+            + block_transient
+            + pool_slack;
         let optimizer_transient = match o.zero.is_sharded() {
             // The f32 copy of every gradient gathered before the collective.
             true => F32 * state.parameters.div_ceil(self.world) as u64 * self.world as u64,
@@ -176,6 +201,7 @@ impl MemoryPlanner {
             ffn_rows,
             peak_phase,
             transient,
+            pool_slack,
             peak,
         })
     }
@@ -308,6 +334,11 @@ impl fmt::Display for MemoryPlan {
             "largest transient   {} ({})",
             b(self.transient),
             self.peak_phase
+        )?;
+        writeln!(
+            f,
+            "pool slack          {} (in a block's backward)",
+            b(self.pool_slack)
         )?;
         writeln!(f, "peak                {}", b(self.peak))?;
         write!(

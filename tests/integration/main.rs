@@ -35,6 +35,8 @@ mod layout;
 mod local_transport;
 mod masks;
 #[cfg(feature = "nccl")]
+mod nccl_faults;
+#[cfg(feature = "nccl")]
 mod nccl_transport;
 mod readme_snippets;
 mod replicate;

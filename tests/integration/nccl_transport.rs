@@ -21,11 +21,11 @@ use burn_distflash::Error;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use half::bf16;
 
-type B = CubeBackend<CudaRuntime, f32, i32, u8>;
-type Tensor = burn::tensor::ops::FloatTensor<B>;
+pub(crate) type B = CubeBackend<CudaRuntime, f32, i32, u8>;
+pub(crate) type Tensor = burn::tensor::ops::FloatTensor<B>;
 
 /// A localhost address with a port that was free a moment ago.
-fn free_addr() -> String {
+pub(crate) fn free_addr() -> String {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
     let port = listener.local_addr().expect("local address").port();
     format!("127.0.0.1:{port}")
@@ -126,13 +126,13 @@ fn on_two_gpus(timeout: Duration, body: impl Fn(DeviceGroup<B>) + Sync) {
 }
 
 /// Small integers: exact in bf16 and f32. Different per rank, message and tensor.
-fn values(rank: usize, salt: usize, n: usize) -> Vec<f32> {
+pub(crate) fn values(rank: usize, salt: usize, n: usize) -> Vec<f32> {
     (0..n)
         .map(|i| ((rank * 97 + salt * 31 + i) % 251) as f32 - 100.0)
         .collect()
 }
 
-fn f32_tensor(device: &CudaDevice, shape: &[usize], data: Vec<f32>) -> Tensor {
+pub(crate) fn f32_tensor(device: &CudaDevice, shape: &[usize], data: Vec<f32>) -> Tensor {
     B::float_from_data(TensorData::new(data, shape.to_vec()), device)
 }
 
@@ -142,15 +142,15 @@ fn bf16_tensor(device: &CudaDevice, shape: &[usize], data: Vec<f32>) -> Tensor {
 }
 
 /// A tensor on the host: dtype, shape, values.
-type HostTensor = (DType, Vec<usize>, Vec<f32>);
+pub(crate) type HostTensor = (DType, Vec<usize>, Vec<f32>);
 
-fn host(tensor: Tensor) -> HostTensor {
+pub(crate) fn host(tensor: Tensor) -> HostTensor {
     let data = cubecl::future::block_on(B::float_into_data(tensor)).expect("read back");
     let values = data.iter::<f32>().collect();
     (data.dtype, data.shape.to_vec(), values)
 }
 
-fn layout(shape: &[usize], dtype: DType) -> TensorLayout {
+pub(crate) fn layout(shape: &[usize], dtype: DType) -> TensorLayout {
     TensorLayout {
         shape: shape.to_vec(),
         dtype,

@@ -129,7 +129,10 @@ impl<F, I, BT> NcclTransport<F, I, BT> {
             };
             if let Err(r) = accepted(result) {
                 failure = Some(nccl_error(
-                    &format!("rank {}: posting {op:?}", self.rank),
+                    &format!(
+                        "rank {}: posting {op:?} (an exchange with rank {})",
+                        self.rank, blame.0
+                    ),
                     r,
                     comm,
                 ));
@@ -141,7 +144,10 @@ impl<F, I, BT> NcclTransport<F, I, BT> {
         if failure.is_none() {
             if let Err(r) = end {
                 failure = Some(nccl_error(
-                    &format!("rank {}: ncclGroupEnd", self.rank),
+                    &format!(
+                        "rank {}: ncclGroupEnd (an exchange with rank {})",
+                        self.rank, blame.0
+                    ),
                     r,
                     comm,
                 ));
@@ -152,7 +158,10 @@ impl<F, I, BT> NcclTransport<F, I, BT> {
                 Ok(()) => None,
                 Err(NotReady::Timeout(_)) => Some(self.timeout_error(blame, posted_at)),
                 Err(NotReady::Failed(_, r)) => Some(nccl_error(
-                    &format!("rank {}: posting an exchange", self.rank),
+                    &format!(
+                        "rank {}: posting an exchange with rank {} ({:?})",
+                        self.rank, blame.0, blame.1
+                    ),
                     r,
                     comm,
                 )),
@@ -226,7 +235,7 @@ impl<F, I, BT> NcclTransport<F, I, BT> {
             }
             if checked.elapsed() >= HEALTH_EVERY {
                 checked = Instant::now();
-                if let Some(error) = self.health() {
+                if let Some(error) = self.health(blame.0, blame.1) {
                     break Err(error);
                 }
             }

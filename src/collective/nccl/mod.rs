@@ -164,8 +164,9 @@ impl<F, I, BT> NcclTransport<F, I, BT> {
         state.failure.get_or_insert(why);
     }
 
-    /// Whether the communicator failed (a peer's error, or an abort by another exchange).
-    fn health(&self) -> Option<Error> {
+    /// Whether the communicator failed (a peer's error, or an abort by another exchange), while
+    /// this rank waited for a `kind` message from `peer` (named in the error).
+    fn health(&self, peer: usize, kind: MessageKind) -> Option<Error> {
         let state = self.lock();
         if let Some(why) = &state.failure {
             return Some(self.shut_down_error(why));
@@ -173,7 +174,7 @@ impl<F, I, BT> NcclTransport<F, I, BT> {
         match async_state(state.raw) {
             nccl::ncclResult_t::ncclSuccess | nccl::ncclResult_t::ncclInProgress => None,
             other => Some(nccl_error(
-                &format!("rank {}: the NCCL communicator failed", self.rank),
+                &failed_while_waiting(self.rank, peer, kind),
                 other,
                 state.raw,
             )),
@@ -211,6 +212,15 @@ impl<F, I, BT> Drop for NcclTransport<F, I, BT> {
             state.raw = null_mut();
         }
     }
+}
+
+/// What a rank was doing when its communicator failed: the peer and message it waited for (the
+/// peer a silent-peer timeout would name), so a peer's exit reads like its silence does.
+fn failed_while_waiting(rank: usize, peer: usize, kind: MessageKind) -> String {
+    format!(
+        "rank {rank}: the NCCL communicator failed while waiting for a {kind:?} message from \
+         rank {peer} (a peer exited or crashed, a connection was lost, or NCCL failed)"
+    )
 }
 
 fn is_float(dtype: DType) -> bool {
@@ -505,5 +515,18 @@ where
     ) -> Result<Self, Error> {
         NcclTransport::<F, I, BT>::with_rendezvous(rank, world_size, device, addr, timeout)
             .map(DeviceGroup::new)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_communicator_names_the_peer_and_message_waited_for() {
+        let text = failed_while_waiting(0, 1, MessageKind::KeyValue);
+        assert!(text.starts_with("rank 0: "), "{text}");
+        assert!(text.contains("KeyValue message from rank 1"), "{text}");
+        assert!(text.contains("exited"), "{text}");
     }
 }

@@ -4,7 +4,8 @@
 //! them with `.ci/gpu-tests -f nccl_transport` on the GPU machine (they
 //! skip with a message when fewer than two GPUs, or no NCCL, are there). The collectives run on
 //! NCCL groups of two GPUs and, in bf16, on in-process groups of one GPU (no CPU backend holds
-//! bf16).
+//! bf16). The faults (a peer that stops, ends its thread or exits) are in `nccl_faults`, which
+//! shares this module's tensor helpers.
 
 use std::net::TcpListener;
 use std::time::{Duration, Instant};

@@ -26,8 +26,10 @@
 //! Never hanging: communicators are non-blocking (NCCL's `blocking = 0` config), so no NCCL
 //! call blocks the host; every wait (communicator setup, posting, completion) is bounded by the
 //! group's timeout. When it passes, the communicator is aborted (`ncclCommAbort`, which also
-//! stops kernels waiting for a silent peer) and the call fails with [`Error::Timeout`];
-//! every later call on that rank fails with [`Error::Nccl`]. Peers' point-to-point
+//! stops kernels waiting for a silent peer) and the call fails with [`Error::Timeout`]; a
+//! failure NCCL reports first (a peer process that exited) aborts it too, with an
+//! [`Error::Nccl`] naming the peer waited for; every later call on that rank fails with
+//! [`Error::Nccl`]. Peers' point-to-point
 //! connections are set up eagerly at construction (one byte to and from every peer), so a
 //! posted exchange never waits for a peer to connect.
 //!

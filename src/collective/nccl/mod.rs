@@ -26,7 +26,8 @@
 //! Never hanging: communicators are non-blocking (NCCL's `blocking = 0` config), so no NCCL
 //! call blocks the host; every wait (communicator setup, posting, completion) is bounded by the
 //! group's timeout. When it passes, the communicator is aborted (`ncclCommAbort`, which also
-//! stops kernels waiting for a silent peer) and the call fails with [`Error::Timeout`]; a
+//! stops kernels waiting for a silent peer; waited for at most 10 s on a thread of its own, as
+//! NCCL's abort may wait for peers that are gone) and the call fails with [`Error::Timeout`]; a
 //! failure NCCL reports first (a peer process that exited) aborts it too, with an
 //! [`Error::Nccl`] naming the peer waited for; every later call on that rank fails with
 //! [`Error::Nccl`]. Peers' point-to-point
@@ -72,7 +73,7 @@ use super::local::DEFAULT_TIMEOUT;
 use super::{DeviceGroup, Exchange, Incoming, MessageKind, Outgoing, TensorLayout, Transport};
 use exchange::{device_pointer, InFlight, NcclExchange, Op};
 use library::nccl_error;
-use wait::async_state;
+use wait::{async_state, finishes_within};
 
 /// The CubeCL CUDA backend this transport serves.
 type Cube<F, I, BT> = CubeBackend<CudaRuntime, F, I, BT>;
@@ -97,8 +98,8 @@ unsafe impl Send for CommState {}
 ///
 /// Drive each rank from one host thread: CubeCL's compute stream is per thread, and an exchange
 /// synchronizes the calling thread's stream before NCCL reads or writes the tensors.
-/// Dropping the transport aborts its communicator (`ncclCommAbort`), which does not wait for
-/// peers; drop it after the last exchange is waited on.
+/// Dropping the transport aborts its communicator (`ncclCommAbort`, waited for at most 10 s);
+/// drop it after the last exchange is waited on.
 pub struct NcclTransport<F, I, BT> {
     rank: usize,
     world_size: usize,
@@ -157,10 +158,7 @@ impl<F, I, BT> NcclTransport<F, I, BT> {
     fn abort(&self, why: String) {
         let mut state = self.lock();
         if !state.raw.is_null() {
-            let _ = self.context.bind_to_thread();
-            // SAFETY: the communicator is live and not used after this (the pointer is cleared
-            // under the lock that every user takes).
-            unsafe { nccl::ncclCommAbort(state.raw) };
+            abort_within(self.rank, &self.context, state.raw);
             state.raw = null_mut();
         }
         state.failure.get_or_insert(why);
@@ -208,11 +206,45 @@ impl<F, I, BT> Drop for NcclTransport<F, I, BT> {
             .get_mut()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         if !state.raw.is_null() {
-            let _ = self.context.bind_to_thread();
-            // SAFETY: the communicator is live and nothing uses it any more.
-            unsafe { nccl::ncclCommAbort(state.raw) };
+            abort_within(self.rank, &self.context, state.raw);
             state.raw = null_mut();
         }
+    }
+}
+
+/// How long a rank waits for NCCL's abort before going on without it. The abort sets the flag
+/// that stops the communicator's kernels at once, then frees its resources, which on one node may
+/// wait for the peers' own aborts: a peer process that exited never sends them.
+const ABORT_LIMIT: Duration = Duration::from_secs(10);
+
+/// A communicator handed to the thread that aborts it.
+struct Doomed(nccl::ncclComm_t);
+
+// SAFETY: the communicator moves to the aborting thread and is used by nothing else after.
+unsafe impl Send for Doomed {}
+
+impl Doomed {
+    fn raw(self) -> nccl::ncclComm_t {
+        self.0
+    }
+}
+
+/// Aborts `comm` (live, not used after this by the caller) on a thread of its own, waiting at
+/// most [`ABORT_LIMIT`]; past it, says so on stderr and leaves the abort running.
+fn abort_within(rank: usize, context: &Arc<CudaContext>, comm: nccl::ncclComm_t) {
+    let (context, doomed) = (Arc::clone(context), Doomed(comm));
+    let finished = finishes_within(ABORT_LIMIT, move || {
+        let comm = doomed.raw();
+        let _ = context.bind_to_thread();
+        // SAFETY: the communicator is live and nothing else uses it (see `Doomed`).
+        unsafe { nccl::ncclCommAbort(comm) };
+    });
+    if !finished {
+        eprintln!(
+            "burn-distflash: rank {rank}: NCCL's abort of the communicator did not return within \
+             {} s (a peer process that exited?); going on without waiting for it",
+            ABORT_LIMIT.as_secs()
+        );
     }
 }
 

@@ -1,6 +1,8 @@
 //! Bounded waits on non-blocking communicators: polling their state until their pending
-//! operations are done, one failed, or a deadline passes.
+//! operations are done, one failed, or a deadline passes; and bounded waits on a call that may
+//! block (an abort), run on a thread of its own.
 
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use cudarc::nccl::sys as nccl;
@@ -64,5 +66,38 @@ pub(super) fn backoff(since: Instant) {
         std::thread::yield_now();
     } else {
         std::thread::sleep(Duration::from_micros(50));
+    }
+}
+
+/// Runs `f` on a thread of its own and waits at most `limit` for it: whether it returned in time
+/// (if not, it runs on, detached). `false`, without running `f`, when no thread can be started.
+pub(super) fn finishes_within(limit: Duration, f: impl FnOnce() + Send + 'static) -> bool {
+    let (done, finished) = mpsc::channel();
+    let started = std::thread::Builder::new()
+        .name("nccl-abort".into())
+        .spawn(move || {
+            f();
+            let _ = done.send(());
+        });
+    started.is_ok() && finished.recv_timeout(limit).is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_call_is_waited_for_until_it_returns_or_the_limit_passes() {
+        assert!(finishes_within(Duration::from_secs(10), || {}));
+        let started = Instant::now();
+        let stuck = finishes_within(Duration::from_millis(100), || {
+            std::thread::sleep(Duration::from_secs(5))
+        });
+        assert!(!stuck);
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            started.elapsed()
+        );
     }
 }

@@ -23,8 +23,11 @@ use burn_distflash::Error;
 use cubecl::cuda::CudaDevice;
 use distflash_kernels::ElemType;
 
-/// The groups' timeout in one process (setup is local and quick).
-const TIMEOUT: Duration = Duration::from_secs(3);
+/// The groups' timeout in one process for exchanges and all-reduces (setup is local and quick).
+const TIMEOUT: Duration = Duration::from_secs(5);
+/// The groups' timeout in one process for attention calls: the first call compiles the kernels
+/// (NVRTC), which one rank may still be doing while the other waits for its first message.
+const ATTENTION_TIMEOUT: Duration = Duration::from_secs(30);
 /// The timeout across two processes: it also bounds the rendezvous and the child's CUDA and
 /// NCCL setup.
 const PROCESS_TIMEOUT: Duration = Duration::from_secs(20);
@@ -32,7 +35,7 @@ const PROCESS_TIMEOUT: Duration = Duration::from_secs(20);
 /// the kernels get 10 s to stop.
 const BOUND: Duration = Duration::from_secs(25);
 /// Wall-clock limit around a whole test.
-const LIMIT: Duration = Duration::from_secs(240);
+const LIMIT: Duration = Duration::from_secs(300);
 /// Steps the surviving rank tries: the first with its peer, then the ones that must fail.
 const STEPS: usize = 4;
 /// Elements of a point-to-point step's tensor.
@@ -182,17 +185,21 @@ fn check_failure(error: &Error, elapsed: Duration, timeout: Duration) {
 /// Runs `traffic` on a fresh two-GPU group in which rank 1 leaves as `fault` says after the
 /// first step.
 fn survive_in_process(traffic: Traffic, fault: Fault) {
+    let timeout = match traffic {
+        Traffic::Attention => ATTENTION_TIMEOUT,
+        Traffic::PointToPoint | Traffic::AllReduce => TIMEOUT,
+    };
     let groups =
-        DeviceGroup::<B>::nccl_with_timeout(&[CudaDevice::new(0), CudaDevice::new(1)], TIMEOUT)
+        DeviceGroup::<B>::nccl_with_timeout(&[CudaDevice::new(0), CudaDevice::new(1)], timeout)
             .expect("NCCL group");
     on_each_rank(groups, |_, group| {
         if group.rank() == 0 {
-            survive(&group, traffic, TIMEOUT);
+            survive(&group, traffic, timeout);
             return;
         }
         step(&group, traffic, 1).unwrap_or_else(|e| panic!("rank 1, first step: {e}"));
         match (fault, traffic) {
-            (Fault::StopsAnswering, _) => std::thread::sleep(TIMEOUT + BOUND),
+            (Fault::StopsAnswering, _) => std::thread::sleep(timeout + BOUND),
             (Fault::ThreadEnds, Traffic::PointToPoint) => {
                 let unfinished = post(&group, 2);
                 drop(unfinished);

@@ -173,7 +173,7 @@ fn check_failure(error: &Error, elapsed: Duration, timeout: Duration) {
     }
     let text = error.to_string();
     assert!(
-        text.starts_with("rank 0") && text.contains("rank 1"),
+        text.contains("rank 0:") && text.contains("rank 1"),
         "the error does not name this rank and the peer: {text}"
     );
     assert!(

@@ -99,13 +99,14 @@ fn open_member(rank: usize, device: &CudaDevice, count: usize) -> Result<Member,
     })
 }
 
-/// Aborts every communicator that exists (setup failed half way).
+/// Aborts every communicator that exists (setup failed half way), each on a thread of its own
+/// and waited for at most the abort's limit, as a running group's are: a peer process that
+/// exited during the setup can keep NCCL's abort waiting.
 fn abort_all(members: &[Member], comms: &[nccl::ncclComm_t]) {
     for (member, &comm) in members.iter().zip(comms) {
         if !comm.is_null() {
-            let _ = member.context.bind_to_thread();
-            // SAFETY: `comm` was created by NCCL and is not used after this.
-            unsafe { nccl::ncclCommAbort(comm) };
+            // `comm` was created by NCCL and is not used after this.
+            super::abort_within(member.rank, &member.context, comm);
         }
     }
 }

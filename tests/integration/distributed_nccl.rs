@@ -1,7 +1,7 @@
 //! Sequence-parallel attention over NCCL on 2 and 4 GPUs, and many calls (forward-only and
 //! training mixed) on every world size from 2 to the number of GPUs, at most 8 (run with
-//! `--ignored` on a machine with several CUDA GPUs; each world size is skipped, with a message,
-//! where GPUs are missing).
+//! `--ignored` on a machine with several CUDA GPUs; a world size the machine has no GPUs for is
+//! skipped with a message, and a machine without two GPUs fails the test).
 
 use std::time::Duration;
 

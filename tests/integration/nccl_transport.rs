@@ -93,22 +93,16 @@ fn missing_cuda_or_nccl_is_an_error_not_a_panic() {
 // Exchanges on two GPUs (ignored: run on the GPU machine)
 // ---------------------------------------------------------------------------------------------
 
-/// Whether this machine has `n` GPUs and NCCL; says why not otherwise.
-fn have_gpus(n: usize) -> bool {
+/// Fails the test, saying why, unless this machine has `n` GPUs and NCCL: an ignored GPU test
+/// run where it cannot run must not pass as if it had.
+fn require_gpus(n: usize) {
     if let Err(e) = nccl::probe() {
-        eprintln!("skipped: {e}");
-        return false;
+        panic!("needs {n} CUDA GPU(s) and NCCL: {e}");
     }
     match nccl::device_count() {
-        Ok(count) if count >= n => true,
-        Ok(count) => {
-            eprintln!("skipped: needs {n} CUDA devices, this machine has {count}");
-            false
-        }
-        Err(e) => {
-            eprintln!("skipped: {e}");
-            false
-        }
+        Ok(count) if count >= n => {}
+        Ok(count) => panic!("needs {n} CUDA GPU(s), this machine has {count}"),
+        Err(e) => panic!("needs {n} CUDA GPU(s): {e}"),
     }
 }
 
@@ -117,11 +111,9 @@ fn devices(n: usize) -> Vec<CudaDevice> {
 }
 
 /// Runs `body(group)` for both ranks of an NCCL group over two GPUs with `timeout`, each rank
-/// on its own thread; returns at once where the machine has no two GPUs and NCCL.
+/// on its own thread; fails at once where the machine has no two GPUs and NCCL.
 fn on_two_gpus(timeout: Duration, body: impl Fn(DeviceGroup<B>) + Sync) {
-    if !have_gpus(2) {
-        return;
-    }
+    require_gpus(2);
     let groups = DeviceGroup::<B>::nccl_with_timeout(&devices(2), timeout).expect("NCCL group");
     on_each_rank(groups, |_, group| body(group));
 }
@@ -395,9 +387,7 @@ fn a_silent_peer_gives_a_timeout() {
 #[test]
 #[ignore = "needs 2 CUDA GPUs and NCCL: run with --ignored on the GPU machine"]
 fn rendezvous_groups_exchange_tensors() {
-    if !have_gpus(2) {
-        return;
-    }
+    require_gpus(2);
     let addr = free_addr();
     let groups: Vec<DeviceGroup<B>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..2)
@@ -439,9 +429,7 @@ fn rendezvous_groups_exchange_tensors() {
 #[test]
 #[ignore = "needs 2 CUDA GPUs and NCCL: run with --ignored on the GPU machine"]
 fn nccl_collectives_in_f32_and_bf16_equal_a_host_sum() {
-    if !have_gpus(2) {
-        return;
-    }
+    require_gpus(2);
     for dtype in [DType::F32, DType::BF16] {
         let groups = DeviceGroup::<B>::nccl_with_timeout(&devices(2), Duration::from_secs(60))
             .expect("NCCL group");
@@ -452,9 +440,7 @@ fn nccl_collectives_in_f32_and_bf16_equal_a_host_sum() {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
 fn in_process_collectives_in_bf16_and_f32_on_one_gpu_equal_a_rank_ordered_host_sum() {
-    if !have_gpus(1) {
-        return;
-    }
+    require_gpus(1);
     for dtype in [DType::BF16, DType::F32] {
         for world in 1..=8 {
             let groups = DeviceGroup::<B>::in_process(vec![CudaDevice::new(0); world]);

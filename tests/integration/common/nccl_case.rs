@@ -13,7 +13,7 @@ use super::distributed_case::{check_groups, Case};
 pub type Cuda<F> = CubeBackend<CudaRuntime, F, i32, u8>;
 
 /// For each world size of `worlds` this machine has GPUs for (the others are skipped with a
-/// message), checks every case of `cases(world)` on a fresh NCCL group of that many GPUs under
+/// message; a machine without GPUs for the smallest fails the test), checks every case of `cases(world)` on a fresh NCCL group of that many GPUs under
 /// `Autodiff`, in float type `elem` (that of `F`), against the single-device reference.
 pub fn check_nccl_worlds<F: FloatElement>(
     worlds: &[usize],
@@ -21,6 +21,12 @@ pub fn check_nccl_worlds<F: FloatElement>(
     cases: impl Fn(usize) -> Vec<Case>,
 ) {
     let available = nccl::device_count().expect("CUDA driver");
+    let smallest = worlds.iter().copied().min().unwrap_or(0);
+    assert!(
+        available >= smallest,
+        "needs at least {smallest} CUDA GPUs for the smallest world size, this machine has \
+         {available}"
+    );
     for &world in worlds {
         if available < world {
             eprintln!("skipping world size {world}: {available} GPUs");

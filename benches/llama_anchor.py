@@ -3,8 +3,9 @@
 Hugging Face `LlamaForCausalLM` with the same shape, data, optimizer and FLOP count.
 
 Llama-7B shape (hidden 4096, FFN 11008, 32 heads of 128, vocabulary 32000) cut to `--layers`
-blocks, bf16 weights, AdamW, batch 1, SDPA restricted to the FlashAttention-2 backend, eager
-(no torch.compile). Tokens are the Rust bench's `(i * 7919 + 13) % vocab`, inputs = labels.
+blocks, bf16 weights, AdamW, batch 1, SDPA restricted to one backend (`--sdpa`: FlashAttention-2
+by default, or cuDNN), eager (no torch.compile). Tokens are the Rust bench's
+`(i * 7919 + 13) % vocab`, inputs = labels.
 Each configuration runs with and without gradient checkpointing (Hugging Face's per-layer
 checkpointing, non-reentrant).
 
@@ -12,7 +13,7 @@ Model FLOPs per token, as in the Rust bench: 6 x (parameters - embedding) + 6 x 
 d_model x S; recomputation is not counted. Prints one markdown row per configuration: tokens/s,
 model TFLOP/s, peak reserved memory (GiB), the last loss.
 
-    python3 benches/llama_anchor.py [--seqs 8192,32768] [--layers 4] [--iters 3]
+    python3 benches/llama_anchor.py [--seqs 8192,32768] [--layers 4] [--iters 3] [--sdpa flash|cudnn]
 """
 
 import argparse
@@ -21,6 +22,13 @@ import statistics
 import time
 
 import torch
+
+# The SDPA backends `--sdpa` names, as `torch.nn.attention.SDPBackend` members, with the name
+# printed in the header.
+SDPA_BACKENDS = {
+    "flash": ("FLASH_ATTENTION", "FlashAttention-2"),
+    "cudnn": ("CUDNN_ATTENTION", "cuDNN"),
+}
 
 
 def parse_args():
@@ -33,6 +41,12 @@ def parse_args():
         "--checkpoint",
         default="none,layer",
         help="comma-separated: none (no checkpointing), layer (Hugging Face's per-layer)",
+    )
+    parser.add_argument(
+        "--sdpa",
+        choices=sorted(SDPA_BACKENDS),
+        default="flash",
+        help="the one SDPA backend attention may use: flash (FlashAttention-2) or cudnn",
     )
     return parser.parse_args()
 
@@ -60,7 +74,7 @@ def build_model(layers, seq, checkpoint):
     return model, config
 
 
-def run(seq, layers, iters, warmup, checkpoint):
+def run(seq, layers, iters, warmup, checkpoint, sdpa):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     torch.cuda.empty_cache()
@@ -71,7 +85,7 @@ def run(seq, layers, iters, warmup, checkpoint):
         [(i * 7919 + 13) % config.vocab_size for i in range(seq)], device="cuda"
     ).unsqueeze(0)
     times, loss = [], float("nan")
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+    with sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[sdpa][0])]):
         for step in range(warmup + iters):
             torch.cuda.synchronize()
             start = time.perf_counter()
@@ -98,21 +112,24 @@ def main():
     print(
         f"# PyTorch HF Llama anchor, {datetime.date.today()}: {torch.cuda.get_device_name()}, "
         f"torch {torch.__version__}, layers {args.layers}, bf16, AdamW, batch 1, "
-        f"SDPA FlashAttention-2, eager; median of {args.iters} after {args.warmup} warm-up"
+        f"SDPA {SDPA_BACKENDS[args.sdpa][1]}, eager; median of {args.iters} after {args.warmup} warm-up"
     )
     print("| implementation | checkpointing | S | tokens/s | model TFLOP/s | peak reserved GiB | loss |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
+    label = f"PyTorch HF Llama, {SDPA_BACKENDS[args.sdpa][1]}"
     for checkpoint in args.checkpoint.split(","):
         for seq in seqs:
             try:
-                tok, tflops, gib, loss = run(seq, args.layers, args.iters, args.warmup, checkpoint)
+                tok, tflops, gib, loss = run(
+                    seq, args.layers, args.iters, args.warmup, checkpoint, args.sdpa
+                )
                 print(
-                    f"| PyTorch HF Llama | {checkpoint} | {seq} | {tok:.0f} | {tflops:.1f} "
+                    f"| {label} | {checkpoint} | {seq} | {tok:.0f} | {tflops:.1f} "
                     f"| {gib:.1f} | {loss:.3f} |",
                     flush=True,
                 )
             except torch.cuda.OutOfMemoryError:
-                print(f"| PyTorch HF Llama | {checkpoint} | {seq} | out of memory | | | |", flush=True)
+                print(f"| {label} | {checkpoint} | {seq} | out of memory | | | |", flush=True)
                 torch.cuda.empty_cache()
 
 

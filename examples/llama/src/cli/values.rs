@@ -33,7 +33,9 @@ pub enum Dtype {
 /// The sequence-parallel schedule over several GPUs (`ScheduleKind`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Schedule {
-    /// Zigzag at an even number of GPUs, balanced at an odd one
+    /// The fastest layout the schedule model predicts for the GPUs, the shard length and the
+    /// window: zigzag at an even number of GPUs under full causal attention, balanced at an odd
+    /// one or under a window shorter than a shard
     Auto,
     /// The plain ring: every rank visits every earlier shard
     Ring,

@@ -127,7 +127,8 @@ impl LaunchPlan {
         if options.variant == Variant::Hopper {
             // What the Hopper forward does not cover is refused under its variant, whichever
             // entry point asks.
-            crate::hopper::plan_forward(client, dims, elem, options)?;
+            let ends = crate::hopper::ForwardEnds::Whole;
+            crate::hopper::plan_forward(client, dims, elem, options, ends)?;
         }
         if options.variant == Variant::TensorCore && !positive_scale {
             return Err(KernelError::BadOption {

@@ -591,7 +591,6 @@ pub fn backward_step<R: Runtime>(
     grads: &GradAccumulators,
     options: &StepOptions,
 ) -> Result<(), KernelError> {
-    hopper::refuse_steps(options, "backward_step")?;
     let dims = check_qkv(q, k, v)?;
     AttentionDims::expect_shape("grad_out", &dims.q_shape(), &grad_out.shape)?;
     grad_out.expect_elem("grad_out", q.elem)?;
@@ -610,6 +609,22 @@ pub fn backward_step<R: Runtime>(
         t.expect_elem(name, ElemType::F32)?;
     }
     let (limits, plan) = LaunchPlan::for_call(client, &dims, q.elem, options)?;
+    let buffers = [
+        ("q", q),
+        ("k", k),
+        ("v", v),
+        ("grad_out", grad_out),
+        ("lse", lse),
+        ("delta", delta),
+        ("dq", &grads.dq),
+        ("dk", &grads.dk),
+        ("dv", &grads.dv),
+    ];
+    if let Some(launch) = hopper::choose_backward_step(client, &dims, options, &buffers)? {
+        let inputs = (q, k, v, grad_out);
+        hopper::enqueue_backward_step(client, &launch, inputs, (lse, delta), grads, &dims, options);
+        return launch_result(client, "backward_step");
+    }
     enqueue_backward(
         client,
         &limits,

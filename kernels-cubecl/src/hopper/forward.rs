@@ -248,32 +248,16 @@ pub fn attention_forward<R: Runtime>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hopper::source_task::parameters;
+    use crate::hopper::source_task::preprocessed_parameters;
 
-    /// The entry point's parameters as the preprocessor leaves them for `ends`: each declared
-    /// one with the `#if` lines before it, kept where its condition holds.
+    /// The entry point's parameters as the preprocessor leaves them for `ends`.
     fn parameters_for(ends: ForwardEnds) -> Vec<String> {
         let (state_in, state_out) = (ends.reads_state(), ends.writes_state());
-        let mut kept = Vec::new();
-        let mut keep = true;
-        for parameter in parameters(FORWARD_CU, ENTRY_POINT) {
-            let mut declaration = String::new();
-            for line in parameter.lines().map(str::trim) {
-                match line {
-                    "#if !DISTFLASH_STATE_OUT" => keep = !state_out,
-                    "#if DISTFLASH_STATE_IN || DISTFLASH_STATE_OUT" => keep = state_in || state_out,
-                    "#endif" => keep = true,
-                    other => {
-                        assert!(!other.starts_with('#'), "unexpected directive `{other}`");
-                        declaration.push_str(other);
-                    }
-                }
-            }
-            if keep && !declaration.is_empty() {
-                kept.push(declaration);
-            }
-        }
-        kept
+        preprocessed_parameters(FORWARD_CU, ENTRY_POINT, |condition| match condition {
+            "!DISTFLASH_STATE_OUT" => !state_out,
+            "DISTFLASH_STATE_IN || DISTFLASH_STATE_OUT" => state_in || state_out,
+            other => panic!("unexpected condition `{other}`"),
+        })
     }
 
     #[test]

@@ -608,7 +608,10 @@ pub fn backward_step<R: Runtime>(
     ] {
         t.expect_elem(name, ElemType::F32)?;
     }
-    let (limits, plan) = LaunchPlan::for_call(client, &dims, q.elem, options)?;
+    options.check()?;
+    options.mask.check(&dims)?;
+    // Before the launch plan: under Variant::Hopper the Hopper backward's refusals, not the
+    // forward's (which the plan checks), name what a step cannot run.
     let buffers = [
         ("q", q),
         ("k", k),
@@ -625,6 +628,7 @@ pub fn backward_step<R: Runtime>(
         hopper::enqueue_backward_step(client, &launch, inputs, (lse, delta), grads, &dims, options);
         return launch_result(client, "backward_step");
     }
+    let (limits, plan) = LaunchPlan::for_call(client, &dims, q.elem, options)?;
     enqueue_backward(
         client,
         &limits,

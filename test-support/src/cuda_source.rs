@@ -232,18 +232,23 @@ pub fn hopper_sources() -> Vec<(String, String)> {
     for head_dim in hopper::HEAD_DIMS {
         for (elem_name, elem) in [("bf16", ElemType::BF16), ("f16", ElemType::F16)] {
             for (mask_name, causal) in [("causal", true), ("full", false)] {
-                let variant = BackwardVariant {
-                    head_dim,
-                    elem,
-                    causal,
-                };
-                let name = format!("hopper_backward_{mask_name}_d{head_dim}_{elem_name}");
-                sources.push((name, hopper::backward_source(&variant)));
+                for (step_name, accumulate) in [("", false), ("_step", true)] {
+                    let variant = BackwardVariant {
+                        head_dim,
+                        elem,
+                        causal,
+                        accumulate,
+                    };
+                    let name =
+                        format!("hopper_backward{step_name}_{mask_name}_d{head_dim}_{elem_name}");
+                    sources.push((name, hopper::backward_source(&variant)));
+                }
             }
             let variant = BackwardVariant {
                 head_dim,
                 elem,
                 causal: false,
+                accumulate: false,
             };
             let name = format!("hopper_backward_rows_d{head_dim}_{elem_name}");
             sources.push((name, hopper::backward_rows_source(&variant)));

@@ -120,8 +120,7 @@ fn plan<R: Runtime>(
 ) -> Result<BackwardLaunch, KernelError> {
     let scale = options.resolved_scale(dims.head_dim);
     let mask = (&options.mask, scale);
-    let variant =
-        BackwardVariant::for_call(dims, elem, mask, options.deterministic, accumulate)?;
+    let variant = BackwardVariant::for_call(dims, elem, mask, options.deterministic, accumulate)?;
     let row_grid = |what: &str, threads: usize| {
         super::device_grid(
             client,
@@ -245,7 +244,15 @@ pub(crate) fn enqueue<R: Runtime>(
     let inputs = (tensors.q, tensors.k, tensors.v, grad_out);
     let prepare_inputs = [tensors.out, grad_out, tensors.lse];
     let grads = (dq, dk, dv);
-    enqueue_launches(client, launch, inputs, &prepare_inputs, grads, dims, options);
+    enqueue_launches(
+        client,
+        launch,
+        inputs,
+        &prepare_inputs,
+        grads,
+        dims,
+        options,
+    );
 }
 
 /// Queues `launch` (a step's) for q, k, v and the output gradient `grad_out` with the full-row
@@ -292,7 +299,11 @@ fn enqueue_launches<R: Runtime>(
     let accumulate = launch.variant.accumulate;
 
     let mut prepare = SourceArguments::new();
-    for buffer in prepare_inputs.iter().copied().chain([&lse_log2, &delta, &dq_sum]) {
+    for buffer in prepare_inputs
+        .iter()
+        .copied()
+        .chain([&lse_log2, &delta, &dq_sum])
+    {
         prepare.buffer(buffer);
     }
     row_scalars
@@ -309,7 +320,10 @@ fn enqueue_launches<R: Runtime>(
     ];
     if !accumulate {
         // Each consumer warpgroup stores its 64 keys.
-        maps.extend([(dk, &kv_view, BLOCK_KEYS / 2), (dv, &kv_view, BLOCK_KEYS / 2)]);
+        maps.extend([
+            (dk, &kv_view, BLOCK_KEYS / 2),
+            (dv, &kv_view, BLOCK_KEYS / 2),
+        ]);
     }
     let mut main = SourceArguments::new();
     for (tensor, view, rows) in maps {
@@ -445,7 +459,11 @@ mod tests {
             "const __grid_constant__ TensorMap dv_map",
         ];
         let stored_buffers = ["void* dk_buffer", "void* dv_buffer"];
-        let scratch = ["const float* lse_log2", "const float* delta", "float* dq_sum"];
+        let scratch = [
+            "const float* lse_log2",
+            "const float* delta",
+            "float* dq_sum",
+        ];
         let accumulators = ["float* dk_sum", "float* dv_sum"];
         let info = ["const __grid_constant__ BackwardInfo info"];
         assert_eq!(
@@ -549,7 +567,7 @@ mod tests {
             (step_prepare.entry_point, step_dq.entry_point),
             (PREPARE_STEP_ENTRY_POINT, DQ_ADD_ENTRY_POINT)
         );
-        assert_eq!(step_prepare.source().as_ptr(), prepare.source().as_ptr());
+        assert_eq!(step_prepare.source(), prepare.source());
         assert_ne!(step_main.fingerprint(), main.fingerprint());
     }
 

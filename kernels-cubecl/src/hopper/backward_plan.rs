@@ -170,7 +170,8 @@ mod tests {
     fn both_head_dims_and_16_bit_types_with_or_without_causality_are_covered() {
         for head_dim in HEAD_DIMS {
             for elem in [ElemType::BF16, ElemType::F16] {
-                for (mask, accumulate) in [(Mask::none(), false), (Mask::causal().at(40, 0), true)] {
+                for (mask, accumulate) in [(Mask::none(), false), (Mask::causal().at(40, 0), true)]
+                {
                     let variant = BackwardVariant::for_call(
                         &dims(head_dim),
                         elem,
@@ -250,7 +251,9 @@ mod tests {
             accumulate: true,
             ..variant
         };
-        assert!(step.switches().ends_with("#define DISTFLASH_ACCUMULATE 1\n"));
+        assert!(step
+            .switches()
+            .ends_with("#define DISTFLASH_ACCUMULATE 1\n"));
     }
 
     #[test]

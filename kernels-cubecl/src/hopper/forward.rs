@@ -131,7 +131,11 @@ fn launch_for<R: Runtime>(
         buffers.push(("out", out));
     }
     if let Some(state) = state_of(target) {
-        buffers.extend([("state.o", &state.o), ("state.m", &state.m), ("state.l", &state.l)]);
+        buffers.extend([
+            ("state.o", &state.o),
+            ("state.m", &state.m),
+            ("state.l", &state.l),
+        ]);
     }
     check_alignment("the Hopper attention forward", &buffers)?;
     Ok(launch)

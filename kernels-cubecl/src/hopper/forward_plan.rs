@@ -155,8 +155,7 @@ mod tests {
 
     fn refusal(d: AttentionDims, elem: ElemType, mask: Mask, scale: f32) -> KernelError {
         let schedule = ForwardSchedule::default();
-        ForwardVariant::for_call(&d, elem, (&mask, scale), schedule, ForwardEnds::Step)
-            .unwrap_err()
+        ForwardVariant::for_call(&d, elem, (&mask, scale), schedule, ForwardEnds::Step).unwrap_err()
     }
 
     #[test]

@@ -12,9 +12,9 @@
 //! each with its first call's time (compilation included); `--hopper-schedules` adds rows of
 //! the Hopper forward with each of its schedules forced (see `hopper::ForwardSchedule`).
 //! `--chunks C` adds rows where the sequence is cut into C chunks and run pair by pair through
-//! `forward_step` / `backward_step` with causal offsets, as the distributed pass does, and a
-//! forward row where each query chunk's first and last key chunks go through
-//! `forward_first_step` / `forward_last_step` (no fill or finalise kernels). At the lengths of
+//! `forward_step` / `backward_step` with causal offsets, as the distributed pass does, and rows
+//! where each query chunk's first and last key chunks go through `forward_first_step` /
+//! `forward_last_step` (no fill or finalise kernels), once per variant of `--variants`. At the lengths of
 //! `--bwd-seqs`, each variant of `--variants` adds its backward rows: the first backward call
 //! (compilation included, at the first of those lengths), forward+backward one call at a time
 //! and queued, the backward alone queued (2.5 times the forward's FLOPs), and, where the variant
@@ -278,13 +278,15 @@ fn burn_forward_backward(seq: usize, iters: usize) -> f64 {
     })
 }
 
-/// Query, key and value chunks of a sequence cut into `chunks` pieces.
+/// Query, key and value chunks of a sequence cut into `chunks` pieces, and the kernel variant
+/// their steps run on.
 struct Chunks {
     q: Vec<DeviceTensor>,
     k: Vec<DeviceTensor>,
     v: Vec<DeviceTensor>,
     grad_out: Vec<DeviceTensor>,
     len: usize,
+    variant: Variant,
 }
 
 impl Chunks {
@@ -314,6 +316,7 @@ impl Chunks {
             v: make(shape.kv_heads, 3),
             grad_out: make(HEADS, 4),
             len,
+            variant: Variant::Auto,
         }
     }
 
@@ -321,7 +324,7 @@ impl Chunks {
         StepOptions {
             mask: Mask::causal().at((i * self.len) as i64, (j * self.len) as i64),
             scale: None,
-            variant: Variant::Auto,
+            variant: self.variant,
             deterministic: false,
         }
     }
@@ -679,26 +682,37 @@ fn main() {
         }
         drop((q, k, v));
         if chunks > 1 {
-            let parts = Chunks::new(&client, seq, chunks, shape, elem);
-            let name = format!("distflash steps, {chunks} chunks (bf16)");
-            let secs = median_seconds(iters, || {
-                let _ = parts.forward(&client, shape);
-                sync(&client);
-            });
-            row(&name, "fwd", seq, secs, flops);
-            let secs = median_seconds(iters, || {
-                let _ = parts.forward_fused_ends(&client);
-                sync(&client);
-            });
-            let fused_name = format!("distflash steps, {chunks} chunks, first/last fused (bf16)");
-            row(&fused_name, "fwd", seq, secs, flops);
-            if bwd_seqs.contains(&seq) {
-                let secs = median_seconds(iters.min(3), || {
-                    let outputs = parts.forward(&client, shape);
-                    parts.backward(&client, &outputs, shape);
+            let mut parts = Chunks::new(&client, seq, chunks, shape, elem);
+            // The steps on each variant of `--variants` (Auto's rows keep their names).
+            for run in forward_runs.iter().filter(|run| run.schedule.is_none()) {
+                parts.variant = run.variant;
+                let label = run.name.trim_end_matches(" (bf16)");
+                let name = format!("{label} steps, {chunks} chunks (bf16)");
+                let secs = median_seconds(iters, || {
+                    let _ = parts.forward(&client, shape);
                     sync(&client);
                 });
-                row(&name, "fwd+bwd", seq, secs, 3.5 * flops);
+                row(&name, "fwd", seq, secs, flops);
+                let secs = median_seconds(iters, || {
+                    let _ = parts.forward_fused_ends(&client);
+                    sync(&client);
+                });
+                let fused_name = format!("{label} steps, {chunks} chunks, first/last fused (bf16)");
+                row(&fused_name, "fwd", seq, secs, flops);
+                if bwd_seqs.contains(&seq) {
+                    let secs = median_seconds(iters.min(3), || {
+                        let outputs = parts.forward(&client, shape);
+                        parts.backward(&client, &outputs, shape);
+                        sync(&client);
+                    });
+                    row(&name, "fwd+bwd", seq, secs, 3.5 * flops);
+                    let secs = median_seconds(iters.min(3), || {
+                        let outputs = parts.forward_fused_ends(&client);
+                        parts.backward(&client, &outputs, shape);
+                        sync(&client);
+                    });
+                    row(&fused_name, "fwd+bwd", seq, secs, 3.5 * flops);
+                }
             }
         }
     }

@@ -6,6 +6,7 @@
 //! `cargo bench --bench kernel_attention -- [--seqs 8192,16384,32768] [--bwd-seqs 8192]
 //! [--burn-seqs 8192,16384] [--iters 5] [--head-dim 128] [--kv-heads 32] [--chunks 4]
 //! [--mask-seqs 32768] [--window 4096] [--variants auto,hopper,tensor-core]
+//! [--chunk-variants hopper,tensor-core]
 //! [--hopper-schedules overlap+pingpong,overlap+pingpong+grouped,plain]` (`-- --help` lists
 //! them with their defaults).
 //! `--variants` runs the whole-attention forward rows once per kernel variant (default `auto`),
@@ -14,7 +15,8 @@
 //! `--chunks C` adds rows where the sequence is cut into C chunks and run pair by pair through
 //! `forward_step` / `backward_step` with causal offsets, as the distributed pass does, and rows
 //! where each query chunk's first and last key chunks go through `forward_first_step` /
-//! `forward_last_step` (no fill or finalise kernels), once per variant of `--variants`. At the lengths of
+//! `forward_last_step` (no fill or finalise kernels), once per variant of `--chunk-variants`
+//! (default: those of `--variants`). At the lengths of
 //! `--bwd-seqs`, each variant of `--variants` adds its backward rows: the first backward call
 //! (compilation included, at the first of those lengths), forward+backward one call at a time
 //! and queued, the backward alone queued (2.5 times the forward's FLOPs), and, where the variant
@@ -84,6 +86,9 @@ struct Args {
         default_value = "auto"
     )]
     variants: Vec<ForwardVariant>,
+    /// Kernel variants of the chunked rows (--chunks), comma-separated; default: --variants
+    #[arg(long, value_enum, value_name = "VARIANT,..", value_delimiter = ',')]
+    chunk_variants: Vec<ForwardVariant>,
     /// Extra Hopper forward rows, each with a forced schedule: `+`-joined overlap, pingpong,
     /// grouped, or plain for none; comma-separated
     #[arg(long, value_name = "SCHEDULE,..", value_delimiter = ',')]
@@ -455,10 +460,10 @@ struct ForwardRun {
     schedule: Option<ForwardSchedule>,
 }
 
-/// The forward rows of `--variants` (Auto's rows keep their name, `distflash (bf16)`) and of
-/// `--hopper-schedules` (the Hopper variant with that schedule forced).
-fn forward_runs(args: &Args) -> Vec<ForwardRun> {
-    let variants = args.variants.iter().map(|variant| {
+/// The rows of each of `variants` (Auto's rows keep their name, `distflash (bf16)`), no
+/// schedule forced.
+fn variant_runs(variants: &[ForwardVariant]) -> impl Iterator<Item = ForwardRun> + '_ {
+    variants.iter().map(|variant| {
         let (name, variant) = match variant {
             ForwardVariant::Auto => ("distflash (bf16)", Variant::Auto),
             ForwardVariant::Hopper => ("distflash hopper (bf16)", Variant::Hopper),
@@ -470,7 +475,13 @@ fn forward_runs(args: &Args) -> Vec<ForwardRun> {
             variant,
             schedule: None,
         }
-    });
+    })
+}
+
+/// The forward rows of `--variants` and of `--hopper-schedules` (the Hopper variant with that
+/// schedule forced).
+fn forward_runs(args: &Args) -> Vec<ForwardRun> {
+    let variants = variant_runs(&args.variants);
     let schedules = args.hopper_schedules.iter().map(|hopper| ForwardRun {
         name: format!("distflash hopper {} (bf16)", hopper.name),
         variant: Variant::Hopper,
@@ -575,6 +586,11 @@ impl BackwardRows<'_> {
 fn main() {
     let args = Args::parse();
     let forward_runs = forward_runs(&args);
+    let chunk_runs: Vec<ForwardRun> = if args.chunk_variants.is_empty() {
+        variant_runs(&args.variants).collect()
+    } else {
+        variant_runs(&args.chunk_variants).collect()
+    };
     let (seqs, bwd_seqs, burn_seqs) = (&args.seqs, &args.bwd_seqs, &args.burn_seqs);
     let (iters, chunks) = (args.iters as usize, args.chunks as usize);
     let shape = Shape {
@@ -683,8 +699,8 @@ fn main() {
         drop((q, k, v));
         if chunks > 1 {
             let mut parts = Chunks::new(&client, seq, chunks, shape, elem);
-            // The steps on each variant of `--variants` (Auto's rows keep their names).
-            for run in forward_runs.iter().filter(|run| run.schedule.is_none()) {
+            // The steps on each variant of `--chunk-variants` (Auto's rows keep their names).
+            for run in &chunk_runs {
                 parts.variant = run.variant;
                 let label = run.name.trim_end_matches(" (bf16)");
                 let name = format!("{label} steps, {chunks} chunks (bf16)");

@@ -96,7 +96,7 @@ impl LaunchPlan {
             Variant::Auto if tensor_cores => tensor_core_plan()
                 .or_else(|_| PortablePlan::new(dims, limits).map(LaunchPlan::Portable)),
             Variant::Auto => PortablePlan::new(dims, limits).map(LaunchPlan::Portable),
-            // The Hopper variant runs whole attentions on its own kernels (refusing the rest);
+            // The Hopper variant runs attention on its own kernels (refusing the rest);
             // the tensor-core plan checks the call's other limits.
             Variant::TensorCore | Variant::Hopper if tensor_cores => tensor_core_plan(),
             Variant::TensorCore | Variant::Hopper => Err(KernelError::DType {

@@ -61,11 +61,7 @@ fn check_case<R: Runtime>(client: &ComputeClient<R>, case: &Case) -> Result<(), 
         hopper_gradients(client, case, (&q, &k, &v), (&out, &lse, &grad_out))
             .map_err(|e| format!("refused: {e}"))?
             .map(|grad| read(client, &grad));
-    let reference = |round| {
-        let (q, k, v, grad_out) = (&case.q, &case.k, &case.v, &case.grad_out);
-        oracle::backward(dims, q, k, v, grad_out, &case.mask, case.scale(), round)
-    };
-    let (exact, naive) = (reference(exact), reference(naive_rounding(case.elem)));
+    let (exact, naive) = case.reference_backward();
     let quantity = |name, got, exact, naive, slice_rows, block_rows| Quantity {
         name,
         got,

@@ -113,6 +113,25 @@ impl Case {
         (forward(exact), forward(naive_rounding(self.elem)))
     }
 
+    /// The reference gradients in f64 (from `grad_out`), exact and rounded as a naive kernel in
+    /// the element type would round them.
+    fn reference_backward(&self) -> (oracle::ReferenceGrads, oracle::ReferenceGrads) {
+        let backward = |round: oracle::Rounding| {
+            let (q, k, v, grad_out) = (&self.q, &self.k, &self.v, &self.grad_out);
+            oracle::backward(
+                &self.dims,
+                q,
+                k,
+                v,
+                grad_out,
+                &self.mask,
+                self.scale(),
+                round,
+            )
+        };
+        (backward(exact), backward(naive_rounding(self.elem)))
+    }
+
     fn upload<R: Runtime>(
         &self,
         client: &ComputeClient<R>,

@@ -6,15 +6,17 @@
 //! `cargo bench --bench kernel_attention -- [--seqs 8192,16384,32768] [--bwd-seqs 8192]
 //! [--burn-seqs 8192,16384] [--iters 5] [--head-dim 128] [--kv-heads 32] [--chunks 4]
 //! [--mask-seqs 32768] [--window 4096] [--variants auto,hopper,tensor-core]
+//! [--chunk-variants hopper,tensor-core]
 //! [--hopper-schedules overlap+pingpong,overlap+pingpong+grouped,plain]` (`-- --help` lists
 //! them with their defaults).
 //! `--variants` runs the whole-attention forward rows once per kernel variant (default `auto`),
 //! each with its first call's time (compilation included); `--hopper-schedules` adds rows of
 //! the Hopper forward with each of its schedules forced (see `hopper::ForwardSchedule`).
 //! `--chunks C` adds rows where the sequence is cut into C chunks and run pair by pair through
-//! `forward_step` / `backward_step` with causal offsets, as the distributed pass does, and a
-//! forward row where each query chunk's first and last key chunks go through
-//! `forward_first_step` / `forward_last_step` (no fill or finalise kernels). At the lengths of
+//! `forward_step` / `backward_step` with causal offsets, as the distributed pass does, and rows
+//! where each query chunk's first and last key chunks go through `forward_first_step` /
+//! `forward_last_step` (no fill or finalise kernels), once per variant of `--chunk-variants`
+//! (default: those of `--variants`). At the lengths of
 //! `--bwd-seqs`, each variant of `--variants` adds its backward rows: the first backward call
 //! (compilation included, at the first of those lengths), forward+backward one call at a time
 //! and queued, the backward alone queued (2.5 times the forward's FLOPs), and, where the variant
@@ -84,6 +86,9 @@ struct Args {
         default_value = "auto"
     )]
     variants: Vec<ForwardVariant>,
+    /// Kernel variants of the chunked rows (--chunks), comma-separated; default: --variants
+    #[arg(long, value_enum, value_name = "VARIANT,..", value_delimiter = ',')]
+    chunk_variants: Vec<ForwardVariant>,
     /// Extra Hopper forward rows, each with a forced schedule: `+`-joined overlap, pingpong,
     /// grouped, or plain for none; comma-separated
     #[arg(long, value_name = "SCHEDULE,..", value_delimiter = ',')]
@@ -278,13 +283,15 @@ fn burn_forward_backward(seq: usize, iters: usize) -> f64 {
     })
 }
 
-/// Query, key and value chunks of a sequence cut into `chunks` pieces.
+/// Query, key and value chunks of a sequence cut into `chunks` pieces, and the kernel variant
+/// their steps run on.
 struct Chunks {
     q: Vec<DeviceTensor>,
     k: Vec<DeviceTensor>,
     v: Vec<DeviceTensor>,
     grad_out: Vec<DeviceTensor>,
     len: usize,
+    variant: Variant,
 }
 
 impl Chunks {
@@ -314,6 +321,7 @@ impl Chunks {
             v: make(shape.kv_heads, 3),
             grad_out: make(HEADS, 4),
             len,
+            variant: Variant::Auto,
         }
     }
 
@@ -321,7 +329,7 @@ impl Chunks {
         StepOptions {
             mask: Mask::causal().at((i * self.len) as i64, (j * self.len) as i64),
             scale: None,
-            variant: Variant::Auto,
+            variant: self.variant,
             deterministic: false,
         }
     }
@@ -452,10 +460,10 @@ struct ForwardRun {
     schedule: Option<ForwardSchedule>,
 }
 
-/// The forward rows of `--variants` (Auto's rows keep their name, `distflash (bf16)`) and of
-/// `--hopper-schedules` (the Hopper variant with that schedule forced).
-fn forward_runs(args: &Args) -> Vec<ForwardRun> {
-    let variants = args.variants.iter().map(|variant| {
+/// The rows of each of `variants` (Auto's rows keep their name, `distflash (bf16)`), no
+/// schedule forced.
+fn variant_runs(variants: &[ForwardVariant]) -> impl Iterator<Item = ForwardRun> + '_ {
+    variants.iter().map(|variant| {
         let (name, variant) = match variant {
             ForwardVariant::Auto => ("distflash (bf16)", Variant::Auto),
             ForwardVariant::Hopper => ("distflash hopper (bf16)", Variant::Hopper),
@@ -467,7 +475,13 @@ fn forward_runs(args: &Args) -> Vec<ForwardRun> {
             variant,
             schedule: None,
         }
-    });
+    })
+}
+
+/// The forward rows of `--variants` and of `--hopper-schedules` (the Hopper variant with that
+/// schedule forced).
+fn forward_runs(args: &Args) -> Vec<ForwardRun> {
+    let variants = variant_runs(&args.variants);
     let schedules = args.hopper_schedules.iter().map(|hopper| ForwardRun {
         name: format!("distflash hopper {} (bf16)", hopper.name),
         variant: Variant::Hopper,
@@ -572,6 +586,11 @@ impl BackwardRows<'_> {
 fn main() {
     let args = Args::parse();
     let forward_runs = forward_runs(&args);
+    let chunk_runs: Vec<ForwardRun> = if args.chunk_variants.is_empty() {
+        variant_runs(&args.variants).collect()
+    } else {
+        variant_runs(&args.chunk_variants).collect()
+    };
     let (seqs, bwd_seqs, burn_seqs) = (&args.seqs, &args.bwd_seqs, &args.burn_seqs);
     let (iters, chunks) = (args.iters as usize, args.chunks as usize);
     let shape = Shape {
@@ -679,26 +698,37 @@ fn main() {
         }
         drop((q, k, v));
         if chunks > 1 {
-            let parts = Chunks::new(&client, seq, chunks, shape, elem);
-            let name = format!("distflash steps, {chunks} chunks (bf16)");
-            let secs = median_seconds(iters, || {
-                let _ = parts.forward(&client, shape);
-                sync(&client);
-            });
-            row(&name, "fwd", seq, secs, flops);
-            let secs = median_seconds(iters, || {
-                let _ = parts.forward_fused_ends(&client);
-                sync(&client);
-            });
-            let fused_name = format!("distflash steps, {chunks} chunks, first/last fused (bf16)");
-            row(&fused_name, "fwd", seq, secs, flops);
-            if bwd_seqs.contains(&seq) {
-                let secs = median_seconds(iters.min(3), || {
-                    let outputs = parts.forward(&client, shape);
-                    parts.backward(&client, &outputs, shape);
+            let mut parts = Chunks::new(&client, seq, chunks, shape, elem);
+            // The steps on each variant of `--chunk-variants` (Auto's rows keep their names).
+            for run in &chunk_runs {
+                parts.variant = run.variant;
+                let label = run.name.trim_end_matches(" (bf16)");
+                let name = format!("{label} steps, {chunks} chunks (bf16)");
+                let secs = median_seconds(iters, || {
+                    let _ = parts.forward(&client, shape);
                     sync(&client);
                 });
-                row(&name, "fwd+bwd", seq, secs, 3.5 * flops);
+                row(&name, "fwd", seq, secs, flops);
+                let secs = median_seconds(iters, || {
+                    let _ = parts.forward_fused_ends(&client);
+                    sync(&client);
+                });
+                let fused_name = format!("{label} steps, {chunks} chunks, first/last fused (bf16)");
+                row(&fused_name, "fwd", seq, secs, flops);
+                if bwd_seqs.contains(&seq) {
+                    let secs = median_seconds(iters.min(3), || {
+                        let outputs = parts.forward(&client, shape);
+                        parts.backward(&client, &outputs, shape);
+                        sync(&client);
+                    });
+                    row(&name, "fwd+bwd", seq, secs, 3.5 * flops);
+                    let secs = median_seconds(iters.min(3), || {
+                        let outputs = parts.forward_fused_ends(&client);
+                        parts.backward(&client, &outputs, shape);
+                        sync(&client);
+                    });
+                    row(&fused_name, "fwd+bwd", seq, secs, 3.5 * flops);
+                }
             }
         }
     }

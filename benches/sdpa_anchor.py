@@ -27,7 +27,7 @@ Run on the GPU machine (needs only PyTorch with CUDA):
 
     python3 benches/sdpa_anchor.py --json $OUT/sdpa.jsonl
     python3 benches/sdpa_anchor.py --seqs 8192,16384
-    python3 benches/sdpa_anchor.py --seqs 8192 --chunks 4   # adds FlashAttention-2 pair by pair
+    python3 benches/sdpa_anchor.py --seqs 8192 --chunks 4   # adds FA-2 and cuDNN pair by pair
 
 Prints a markdown table (rows: backend x pass, columns: sequence length; cells: TFLOP/s and the
 median time) and, with `--json PATH`, writes one JSON object per measurement:
@@ -179,8 +179,8 @@ def main() -> int:
         "--chunks",
         type=int,
         default=1,
-        help="also time FlashAttention-2 called pair by pair over this many chunks (the "
-        "sequence must divide evenly)",
+        help="also time FlashAttention-2 and cuDNN called pair by pair over this many chunks "
+        "(the sequence must divide evenly)",
     )
     parser.add_argument(
         "--wall-clock",
@@ -222,6 +222,7 @@ def main() -> int:
             print(f"error: --chunks {args.chunks} does not divide every sequence", file=sys.stderr)
             return 1
         backends.append((f"torch_sdpa_flash, {args.chunks} chunks", SDPBackend.FLASH_ATTENTION))
+        backends.append((f"torch_sdpa_cudnn, {args.chunks} chunks", SDPBackend.CUDNN_ATTENTION))
     if args.wall_clock:
         backends.append(("torch_sdpa_flash, wall clock", SDPBackend.FLASH_ATTENTION))
     if args.queued:

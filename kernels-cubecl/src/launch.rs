@@ -90,6 +90,22 @@ fn enqueue_forward<R: Runtime>(
     }
 }
 
+/// Queues the Hopper forward of `q, k, v` into `target` where it runs the call
+/// ([`hopper::choose_forward`]); whether it did.
+fn enqueue_hopper_forward<R: Runtime>(
+    client: &ComputeClient<R>,
+    qkv: (&DeviceTensor, &DeviceTensor, &DeviceTensor),
+    target: &ForwardTarget,
+    dims: &AttentionDims,
+    options: &StepOptions,
+) -> Result<bool, KernelError> {
+    let Some(launch) = hopper::choose_forward(client, dims, options, qkv, target)? else {
+        return Ok(false);
+    };
+    hopper::enqueue_forward(client, &launch, qkv, target, dims, options);
+    Ok(true)
+}
+
 /// Folds one key/value chunk into the running state of the query rows `q`.
 pub fn forward_step<R: Runtime>(
     client: &ComputeClient<R>,
@@ -99,18 +115,20 @@ pub fn forward_step<R: Runtime>(
     state: &SoftmaxState,
     options: &StepOptions,
 ) -> Result<(), KernelError> {
-    hopper::refuse_steps(options, "forward_step")?;
     let dims = check_qkv(q, k, v)?;
     state.check("state")?;
     AttentionDims::expect_shape("state.o", &dims.q_shape(), &state.o.shape)?;
     let (_, plan) = LaunchPlan::for_call(client, &dims, q.elem, options)?;
-    enqueue_forward(client, &plan, (q, k, v), state, &dims, options);
+    let target = ForwardTarget::Step(state);
+    if !enqueue_hopper_forward(client, (q, k, v), &target, &dims, options)? {
+        enqueue_forward(client, &plan, (q, k, v), state, &dims, options);
+    }
     launch_result(client, "forward_step")
 }
 
 /// A new running state of the query rows `q` with the first key/value chunk folded in: what
-/// [`SoftmaxState::empty`] and then [`forward_step`] give, in one kernel on the tensor-core path
-/// (no kernel fills the empty state, and the step reads none).
+/// [`SoftmaxState::empty`] and then [`forward_step`] give, in one kernel on the Hopper and
+/// tensor-core paths (no kernel fills the empty state, and the step reads none).
 ///
 /// # Errors
 ///
@@ -122,16 +140,20 @@ pub fn forward_first_step<R: Runtime>(
     v: &DeviceTensor,
     options: &StepOptions,
 ) -> Result<SoftmaxState, KernelError> {
-    hopper::refuse_steps(options, "forward_first_step")?;
     let dims = check_qkv(q, k, v)?;
     let (limits, plan) = LaunchPlan::for_call(client, &dims, q.elem, options)?;
     let shape = [dims.batch, dims.q_heads, dims.q_len, dims.head_dim];
+    let unfilled = SoftmaxState::unfilled(client, shape);
+    let target = ForwardTarget::FirstStep(&unfilled);
+    if enqueue_hopper_forward(client, (q, k, v), &target, &dims, options)? {
+        launch_result(client, "forward_first_step")?;
+        return Ok(unfilled);
+    }
     let state = match &plan {
         LaunchPlan::TensorCore(grids) => {
-            let state = SoftmaxState::unfilled(client, shape);
-            let target = ForwardTarget::FirstStep(&state);
+            let target = ForwardTarget::FirstStep(&unfilled);
             enqueue_tensor_core_forward(client, grids, (q, k, v), target, &dims, options);
-            state
+            unfilled
         }
         LaunchPlan::Portable(_) => {
             let state = SoftmaxState::enqueue_empty(client, &limits, shape)?;
@@ -145,8 +167,8 @@ pub fn forward_first_step<R: Runtime>(
 
 /// Folds the last key/value chunk into `state` and returns the finished output (in the inputs'
 /// element type) and f32 log-sum-exp `[B, H, S]`: what [`forward_step`] and then [`finalize`]
-/// give, in one kernel on the tensor-core path (no kernel writes the state back or reads it
-/// again). The state is consumed: the tensor-core path leaves its tensors as they were.
+/// give, in one kernel on the Hopper and tensor-core paths (no kernel writes the state back or
+/// reads it again). The state is consumed: those paths leave its tensors as they were.
 ///
 /// # Errors
 ///
@@ -159,7 +181,6 @@ pub fn forward_last_step<R: Runtime>(
     state: SoftmaxState,
     options: &StepOptions,
 ) -> Result<(DeviceTensor, DeviceTensor), KernelError> {
-    hopper::refuse_steps(options, "forward_last_step")?;
     let dims = check_qkv(q, k, v)?;
     state.check("state")?;
     AttentionDims::expect_shape("state.o", &dims.q_shape(), &state.o.shape)?;
@@ -175,9 +196,8 @@ pub fn forward_last_step<R: Runtime>(
 
 /// `(O, lse)` of the keys `k`, `v` merged into `state` (a last step) or, without one, of the
 /// keys alone (a whole attention), for validated `dims`: one kernel on the Hopper and
-/// tensor-core paths (a whole attention on Hopper where it is chosen, see
-/// [`hopper::choose_forward`]); an empty state where none is given, the forward and the
-/// finalisation on the portable one.
+/// tensor-core paths (Hopper where it is chosen, see [`hopper::choose_forward`]); an empty state
+/// where none is given, the forward and the finalisation on the portable one.
 fn finished_forward<R: Runtime>(
     client: &ComputeClient<R>,
     (q, k, v): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
@@ -189,21 +209,17 @@ fn finished_forward<R: Runtime>(
     let (limits, plan) = LaunchPlan::for_call(client, dims, q.elem, options)?;
     let out = DeviceTensor::empty(client, dims.q_shape(), q.elem);
     let lse = DeviceTensor::empty(client, dims.row_shape(), ElemType::F32);
-    if state.is_none() {
-        let buffers = [("q", q), ("k", k), ("v", v), ("out", &out)];
-        if let Some(launch) = hopper::choose_forward(client, dims, options, buffers)? {
-            hopper::enqueue_forward(client, &launch, (q, k, v), &out, &lse, dims, options);
-            launch_result(client, call)?;
-            return Ok((out, lse));
-        }
+    let target = |(out, lse)| match state {
+        Some(state) => ForwardTarget::LastStep { state, out, lse },
+        None => ForwardTarget::Finished { out, lse },
+    };
+    if enqueue_hopper_forward(client, (q, k, v), &target((&out, &lse)), dims, options)? {
+        launch_result(client, call)?;
+        return Ok((out, lse));
     }
     match &plan {
         LaunchPlan::TensorCore(grids) => {
-            let (out, lse) = (&out, &lse);
-            let target = match state {
-                Some(state) => ForwardTarget::LastStep { state, out, lse },
-                None => ForwardTarget::Finished { out, lse },
-            };
+            let target = target((&out, &lse));
             enqueue_tensor_core_forward(client, grids, (q, k, v), target, dims, options);
         }
         LaunchPlan::Portable(_) => {
@@ -575,7 +591,6 @@ pub fn backward_step<R: Runtime>(
     grads: &GradAccumulators,
     options: &StepOptions,
 ) -> Result<(), KernelError> {
-    hopper::refuse_steps(options, "backward_step")?;
     let dims = check_qkv(q, k, v)?;
     AttentionDims::expect_shape("grad_out", &dims.q_shape(), &grad_out.shape)?;
     grad_out.expect_elem("grad_out", q.elem)?;
@@ -592,6 +607,26 @@ pub fn backward_step<R: Runtime>(
         ("dv", &grads.dv),
     ] {
         t.expect_elem(name, ElemType::F32)?;
+    }
+    options.check()?;
+    options.mask.check(&dims)?;
+    // Before the launch plan: under Variant::Hopper the Hopper backward's refusals, not the
+    // forward's (which the plan checks), name what a step cannot run.
+    let buffers = [
+        ("q", q),
+        ("k", k),
+        ("v", v),
+        ("grad_out", grad_out),
+        ("lse", lse),
+        ("delta", delta),
+        ("dq", &grads.dq),
+        ("dk", &grads.dk),
+        ("dv", &grads.dv),
+    ];
+    if let Some(launch) = hopper::choose_backward_step(client, &dims, options, &buffers)? {
+        let inputs = (q, k, v, grad_out);
+        hopper::enqueue_backward_step(client, &launch, inputs, (lse, delta), grads, &dims, options);
+        return launch_result(client, "backward_step");
     }
     let (limits, plan) = LaunchPlan::for_call(client, &dims, q.elem, options)?;
     enqueue_backward(

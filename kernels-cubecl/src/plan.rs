@@ -96,7 +96,7 @@ impl LaunchPlan {
             Variant::Auto if tensor_cores => tensor_core_plan()
                 .or_else(|_| PortablePlan::new(dims, limits).map(LaunchPlan::Portable)),
             Variant::Auto => PortablePlan::new(dims, limits).map(LaunchPlan::Portable),
-            // The Hopper variant runs whole attentions on its own kernels (refusing the rest);
+            // The Hopper variant runs attention on its own kernels (refusing the rest);
             // the tensor-core plan checks the call's other limits.
             Variant::TensorCore | Variant::Hopper if tensor_cores => tensor_core_plan(),
             Variant::TensorCore | Variant::Hopper => Err(KernelError::DType {
@@ -127,7 +127,8 @@ impl LaunchPlan {
         if options.variant == Variant::Hopper {
             // What the Hopper forward does not cover is refused under its variant, whichever
             // entry point asks.
-            crate::hopper::plan_forward(client, dims, elem, options)?;
+            let ends = crate::hopper::ForwardEnds::Whole;
+            crate::hopper::plan_forward(client, dims, elem, options, ends)?;
         }
         if options.variant == Variant::TensorCore && !positive_scale {
             return Err(KernelError::BadOption {

@@ -8,9 +8,9 @@ use distflash_schedule::Mask;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Variant {
     /// The fastest variant that covers the call: on a Hopper GPU the Hopper forward and backward
-    /// for whole attentions they cover (see [`Variant::Hopper`]; the deterministic backward is
-    /// not among them), elsewhere and for everything else the tensor-core variant where the
-    /// runtime and shapes allow it, the portable one otherwise.
+    /// for the whole attentions and steps they cover (see [`Variant::Hopper`]; the deterministic
+    /// backward is not among them), elsewhere and for everything else the tensor-core variant
+    /// where the runtime and shapes allow it, the portable one otherwise.
     #[default]
     Auto,
     /// Scalar kernels that run on every CubeCL runtime.
@@ -19,9 +19,11 @@ pub enum Variant {
     TensorCore,
     /// The Hopper kernels (`wgmma`, bulk tensor copies, warp specialisation; CUDA compute
     /// capability 9.0) for whole attentions, forward ([`crate::attention`]) and backward
-    /// ([`crate::attention_backward`], dQ added with atomics): f16 or bf16, head dim 64 or 128,
-    /// no mask or a causal one. An error where unavailable, for what they do not cover (other
-    /// masks, types, head dims, the deterministic backward) and for the step entry points.
+    /// ([`crate::attention_backward`], dQ added with atomics), and for the steps
+    /// ([`crate::forward_first_step`], [`crate::forward_step`], [`crate::forward_last_step`],
+    /// [`crate::backward_step`]): f16 or bf16, head dim 64 or 128, no mask or a causal one at any
+    /// offsets. An error where unavailable and for what they do not cover (other masks, types,
+    /// head dims, the deterministic backward).
     Hopper,
 }
 

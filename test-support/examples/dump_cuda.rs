@@ -9,8 +9,9 @@
 //! atomics, `fused_whole` its whole-attention form), the portable kernels
 //! `portable_{forward,dq,dkdv}_{mask}_d{64,128}.cu` (launched checked, 32-bit indices), and the
 //! Hopper kernels, hand-written and handed to NVRTC as they are: the attention forward's
-//! `hopper_attention_{causal,full}_d{64,128}_{bf16,f16}[_schedule].cu`, the attention backward's
-//! `hopper_backward_{causal,full}_d{64,128}_{bf16,f16}.cu` and its row kernels
+//! `hopper_attention_{causal,full}_d{64,128}_{bf16,f16}[_schedule].cu` and its steps'
+//! `hopper_attention_{first_step,step,last_step}_causal_d{64,128}_bf16.cu`, the attention
+//! backward's `hopper_backward[_step]_{causal,full}_d{64,128}_{bf16,f16}.cu` and its row kernels
 //! `hopper_backward_rows_d{64,128}_{bf16,f16}.cu`, and the matrix product's
 //! `hopper_gemm_{bt,rm}_{bf16,f32}.cu` (B `[N, K]` or `[K, N]`; C's type). Read them with a
 //! CUDA compiler's resource report (registers, spills) and the SASS of their loops.

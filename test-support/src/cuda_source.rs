@@ -21,7 +21,7 @@ use cubecl_cuda::CudaCompiler;
 use cubecl_runtime::compiler::Compiler;
 use distflash_kernels::hopper::source_task::shell;
 use distflash_kernels::hopper::{
-    self, BackwardVariant, ForwardSchedule, ForwardVariant, GemmLayout,
+    self, BackwardVariant, ForwardEnds, ForwardSchedule, ForwardVariant, GemmLayout,
 };
 use distflash_kernels::portable;
 use distflash_kernels::tensor_core::{backward, dkdv, fast_exp2, forward, KERNEL_ADDRESS};
@@ -204,27 +204,51 @@ pub fn hopper_sources() -> Vec<(String, String)> {
                         elem,
                         causal,
                         schedule,
+                        ends: ForwardEnds::Whole,
                     };
                     sources.push((name, hopper::forward_source(&variant)));
                 }
             }
         }
     }
+    // The steps of the stat-carrying contract, in the default schedule.
+    for head_dim in hopper::HEAD_DIMS {
+        for (ends_name, ends) in [
+            ("first_step", ForwardEnds::FirstStep),
+            ("step", ForwardEnds::Step),
+            ("last_step", ForwardEnds::LastStep),
+        ] {
+            let variant = ForwardVariant {
+                head_dim,
+                elem: ElemType::BF16,
+                causal: true,
+                schedule: ForwardSchedule::default(),
+                ends,
+            };
+            let name = format!("hopper_attention_{ends_name}_causal_d{head_dim}_bf16");
+            sources.push((name, hopper::forward_source(&variant)));
+        }
+    }
     for head_dim in hopper::HEAD_DIMS {
         for (elem_name, elem) in [("bf16", ElemType::BF16), ("f16", ElemType::F16)] {
             for (mask_name, causal) in [("causal", true), ("full", false)] {
-                let variant = BackwardVariant {
-                    head_dim,
-                    elem,
-                    causal,
-                };
-                let name = format!("hopper_backward_{mask_name}_d{head_dim}_{elem_name}");
-                sources.push((name, hopper::backward_source(&variant)));
+                for (step_name, accumulate) in [("", false), ("_step", true)] {
+                    let variant = BackwardVariant {
+                        head_dim,
+                        elem,
+                        causal,
+                        accumulate,
+                    };
+                    let name =
+                        format!("hopper_backward{step_name}_{mask_name}_d{head_dim}_{elem_name}");
+                    sources.push((name, hopper::backward_source(&variant)));
+                }
             }
             let variant = BackwardVariant {
                 head_dim,
                 elem,
                 causal: false,
+                accumulate: false,
             };
             let name = format!("hopper_backward_rows_d{head_dim}_{elem_name}");
             sources.push((name, hopper::backward_rows_source(&variant)));

@@ -11,6 +11,8 @@
 //   DISTFLASH_HEAD_DIM  64 or 128
 //   DISTFLASH_F16       0: q, k, v, dO and the gradients are bf16; 1: f16
 //   DISTFLASH_CAUSAL    1: query row i sees key j only if j <= i + shift
+//   DISTFLASH_ACCUMULATE  1: a backward step: dK and dV are added to f32 accumulators
+//                       [B * Hkv, Skv, D] instead of stored in the inputs' type
 //
 // Tensors are row-major: q and dO [B * Hq, Sq, D], k, v, dK and dV [B * Hkv, Skv, D], seen
 // through three-dimensional tensor maps whose boxes are 64 columns (128 bytes, the 128-byte
@@ -43,13 +45,19 @@
 //   dim 64 the first alone), added to the tile's f32 sum with vector atomics.
 // - The epilogue scales dK by the score scale, writes dK and dV into the warpgroup's rows of K's
 //   and V's shared memory and has the copy engine store them (rows past the keys clipped); a
-//   block no query sees stores zeros.
+//   block no query sees stores zeros. With DISTFLASH_ACCUMULATE each thread instead adds its
+//   fragment of dK and dV to the f32 accumulators (the cube owns its keys' rows: one cube per
+//   key block and key/value slice, every query head of the group summed in its registers, so
+//   no two cubes add to one element); a block no query sees adds nothing.
 
 #ifndef DISTFLASH_HEAD_DIM
 #define DISTFLASH_HEAD_DIM 128
 #endif
 #ifndef DISTFLASH_CAUSAL
 #define DISTFLASH_CAUSAL 0
+#endif
+#ifndef DISTFLASH_ACCUMULATE
+#define DISTFLASH_ACCUMULATE 0
 #endif
 
 // The scalars, as CubeCL packs ten u32 scalars (40 bytes).
@@ -323,14 +331,46 @@ __device__ __forceinline__ u32 parity_of(int t) {
     return (static_cast<u32>(t) / DF_STAGES) & 1;
 }
 
+#if DISTFLASH_ACCUMULATE
+// Adds a warpgroup's fragment of 64 key rows (`acc`, times `factor`) to the f32 rows of `grads`
+// from `key` (the thread's fragment row; then `key + 8`) of slice `kv_slice`, rows past the keys
+// left alone: element pair i, i + 1 at row DF_ROW_OF(i), column 8 (i / 4) + 2 quad.
+__device__ __forceinline__ void add_key_grads(float* grads, const float (&acc)[DF_KV_REGS],
+                                              float factor, const BackwardInfo& info,
+                                              u32 kv_slice, u32 key, u32 quad) {
+#pragma unroll
+    for (int i = 0; i < DF_KV_REGS; i += 2) {
+        const u32 row = key + 8 * DF_ROW_OF(i);
+        if (row < info.kv_len) {
+            float2* at = reinterpret_cast<float2*>(
+                grads + (static_cast<u64>(kv_slice) * info.kv_len + row) * DF_D + 8 * (i / 4) +
+                2 * quad);
+            const float2 sum = *at;
+            *at = make_float2(fmaf(acc[i], factor, sum.x), fmaf(acc[i + 1], factor, sum.y));
+        }
+    }
+}
+#endif
+
+// The parameters (see `hopper/backward.rs`): q, k, v, dO and, stored in the inputs' type, dK and
+// dV through tensor maps, their buffers, the row kernels' buffers, and for a step the f32 dK and
+// dV accumulators, then the scalars.
 extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
     distflash_hopper_attention_backward(
         const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
         const __grid_constant__ TensorMap v_map, const __grid_constant__ TensorMap do_map,
+#if !DISTFLASH_ACCUMULATE
         const __grid_constant__ TensorMap dk_map, const __grid_constant__ TensorMap dv_map,
+#endif
         const void* q_buffer, const void* k_buffer, const void* v_buffer, const void* do_buffer,
-        void* dk_buffer, void* dv_buffer, const float* lse_log2, const float* delta,
-        float* dq_sum, const __grid_constant__ BackwardInfo info) {
+#if !DISTFLASH_ACCUMULATE
+        void* dk_buffer, void* dv_buffer,
+#endif
+        const float* lse_log2, const float* delta, float* dq_sum,
+#if DISTFLASH_ACCUMULATE
+        float* dk_sum, float* dv_sum,
+#endif
+        const __grid_constant__ BackwardInfo info) {
     extern __shared__ __align__(1024) unsigned char shared[];
     // Tiles on 1024-byte boundaries (the host asks for the slack).
     const Layout at =
@@ -496,10 +536,18 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         }
     }
 
+    const float scale = __uint_as_float(info.scale_bits);
+#if DISTFLASH_ACCUMULATE
+    // A step: dK scaled and dV added to the accumulators (nothing where no query sees the block).
+    if (walk.count > 0) {
+        const u32 key = key0 + wg * 64 + local;
+        add_key_grads(dk_sum, dk, scale, info, kv_slice, key, quad);
+        add_key_grads(dv_sum, dv, 1.0f, info, kv_slice, key, quad);
+    }
+#else
     // The epilogue: dK scaled, dK and dV into the warpgroup's rows of K's and V's shared memory
     // (once both warpgroups are done with them), stored by the copy engine.
     named_sync(DF_DONE_BARRIER, 256);
-    const float scale = __uint_as_float(info.scale_bits);
 #pragma unroll
     for (int i = 0; i < DF_KV_REGS; ++i) {
         dk[i] *= scale;
@@ -516,4 +564,5 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         store_halves(&dv_map, at.v + key_rows, DF_KV_HALF, key0 + wg * 64, kv_slice);
         store_boxes_read();
     }
+#endif
 }

@@ -1,5 +1,6 @@
 // Hopper (sm_90a) attention forward, FlashAttention-3's design: O = softmax(scale Q K^T) V and
-// the f32 log-sum-exp of every query row, with `wgmma` (asynchronous warpgroup MMA) for both
+// the f32 log-sum-exp of every query row (or, for a step, the running state (o, m, l) of the
+// stat-carrying contract, see ARCHITECTURE.md), with `wgmma` (asynchronous warpgroup MMA) for both
 // products, the bulk tensor copy engine (TMA) staging Q, K and V in shared memory, and one
 // producer warpgroup feeding two consumer warpgroups.
 //
@@ -12,10 +13,14 @@
 //   DISTFLASH_CAUSAL         1: query row i sees key j only if j <= i + shift
 //   DISTFLASH_INTRA_OVERLAP  1: a warpgroup's softmax of tile t runs under its P V of tile t - 1
 //   DISTFLASH_PINGPONG       1: the two consumer warpgroups take turns to issue their products
+//   DISTFLASH_STATE_IN       1: start from the running state (o, m, l) instead of the empty one
+//   DISTFLASH_STATE_OUT      1: write the running state (o, m, l) instead of O and lse
+// (both 0: a whole attention; OUT alone: a first step; both: a step; IN alone: a last step),
 // and refuses what the kernel does not cover (other head dims and types, windows, documents).
 //
 // Tensors are row-major: q and O [B * Hq, Sq, D], k and v [B * Hkv, Skv, D], lse [B * Hq, Sq] in
-// f32, seen through three-dimensional tensor maps whose boxes are 64 columns (128 bytes, the
+// f32, the state's o [B * Hq, Sq, D], m and l [B * Hq, Sq] in f32 (m in natural units, the
+// exact running max; o and l against it), q, k, v and O seen through three-dimensional tensor maps whose boxes are 64 columns (128 bytes, the
 // 128-byte swizzle) of 128 rows (q, k, v) or 64 rows (O) of one (batch, head) slice: rows past a
 // slice's length arrive as zeros and are never stored.
 //
@@ -33,8 +38,12 @@
 //   `ex2`, a stale row max kept until a row passes it by more than 2^8), then O += P V with P
 //   from registers (`wgmma` with A in registers: the accumulator fragment of S is the A fragment
 //   of P once packed to 16 bits).
+// - A step's prologue loads each thread's rows of the state (o as its accumulator fragment, m in
+//   base-2 units as the rows' max, l as the quad's first partial sum) while Q arrives.
 // - The epilogue divides by the row sums, writes O into the warpgroup's rows of Q's shared memory
-//   (Q is no longer read) and has the copy engine store them; lse goes out from registers.
+//   (Q is no longer read) and has the copy engine store them; lse goes out from registers. A
+//   step's epilogue instead rescales o and l to the exact running max and writes o, m and l from
+//   registers (a row no key of the call reaches keeps its m bit for bit).
 
 #ifndef DISTFLASH_HEAD_DIM
 #define DISTFLASH_HEAD_DIM 128
@@ -50,6 +59,12 @@
 #endif
 #ifndef DISTFLASH_PINGPONG
 #define DISTFLASH_PINGPONG 1
+#endif
+#ifndef DISTFLASH_STATE_IN
+#define DISTFLASH_STATE_IN 0
+#endif
+#ifndef DISTFLASH_STATE_OUT
+#define DISTFLASH_STATE_OUT 0
 #endif
 
 // The scalars, as CubeCL packs eight u32 scalars (32 bytes).
@@ -135,11 +150,14 @@ __device__ __forceinline__ void issue_values(float (&o)[DF_O_REGS], const u32 (&
 // The running statistics of the two rows a consumer thread holds (`r` = 0: its fragment row
 // lane / 4, `r` = 1: that row + 8), identical in the four threads of a quad: the max the weights
 // are taken against (base 2, `-inf` before any visible key), the thread's partial row sum, and the
-// end of the keys the row sees.
+// end of the keys the row sees; with DISTFLASH_STATE_OUT also the exact running max (base 2).
 struct Rows {
     float max[2];
     float sum[2];
     int key_end[2];
+#if DISTFLASH_STATE_OUT
+    float seen[2];
+#endif
 };
 
 // Turns the scores of one tile (keys from `key0`) into weights in place: masks keys at or past
@@ -177,6 +195,9 @@ __device__ __forceinline__ bool softmax_tile(float (&s)[DF_S_REGS], Rows& rows, 
         // The scale is positive: the max of scaled scores is the scaled max.
         next_max[r] = fmaxf(rows.max[r], tile_max[r] * scale_log2);
         moved = moved || next_max[r] > rows.max[r] + DF_LAZY_SLACK;
+#if DISTFLASH_STATE_OUT
+        rows.seen[r] = fmaxf(rows.seen[r], next_max[r]);
+#endif
     }
     const bool rescale = __any_sync(0xffffffffu, moved);
     if (rescale) {
@@ -330,12 +351,108 @@ __device__ __forceinline__ void values_of(float (&o)[DF_O_REGS], u32 (&p)[DF_P_R
     release(at.v_empty, t, lane);
 }
 
+// ---- the running state ------------------------------------------------------------------------
+
+#define DF_LOG2_E 1.44269504088896341f
+#define DF_LN_2 0.69314718055994531f
+
+// A consumer thread's rows of the state: `first` (the slice's first row, slice * q_len), the
+// thread's fragment row `row0` (then `row0 + 8`), and which exist.
+struct StateRows {
+    u64 first;
+    u32 row0;
+    bool exists[2];
+};
+
+// Accumulator element `i` (even) and `i + 1` of o: the f32 pair at row DF_ROW_OF(i), column
+// 8 (i / 4) + 2 quad of the thread's rows.
+__device__ __forceinline__ u64 state_pair(const StateRows& at, int i, u32 quad) {
+    return (at.first + at.row0 + 8 * DF_ROW_OF(i)) * DF_D + 8 * (i / 4) + 2 * quad;
+}
+
+#if DISTFLASH_STATE_IN
+// Starts the thread's rows from the state: o as the accumulator fragment, m (kept in `m_in`, in
+// natural units) in base 2 as the rows' max, l as the partial sum of the quad's first thread (the
+// quad's partial sums add up to it). Rows past the queries start empty.
+__device__ __forceinline__ void load_state(const float* state_o, const float* state_m,
+                                           const float* state_l, const StateRows& at, u32 quad,
+                                           float (&o)[DF_O_REGS], Rows& rows, float (&m_in)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const u64 row = at.first + at.row0 + 8 * r;
+        m_in[r] = at.exists[r] ? state_m[row] : DF_NEG_INF;
+        rows.max[r] = m_in[r] * DF_LOG2_E;
+        rows.sum[r] = at.exists[r] && quad == 0 ? state_l[row] : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < DF_O_REGS; i += 2) {
+        float2 pair = make_float2(0.0f, 0.0f);
+        if (at.exists[DF_ROW_OF(i)]) {
+            pair = *reinterpret_cast<const float2*>(state_o + state_pair(at, i, quad));
+        }
+        o[i] = pair.x;
+        o[i + 1] = pair.y;
+    }
+}
+#endif
+
+#if DISTFLASH_STATE_OUT
+// Writes the thread's rows of the state: o and the quads' sum l rescaled from the max the weights
+// were taken against to the exact running max, which is m (natural units; `m_in` bit for bit where
+// the max never moved from `start`, its base-2 value at the start).
+__device__ __forceinline__ void store_state(float* state_o, float* state_m, float* state_l,
+                                            const StateRows& at, u32 quad, float (&o)[DF_O_REGS],
+                                            const Rows& rows, const float (&m_in)[2],
+                                            const float (&start)[2]) {
+    float factor[2], m_out[2], l_out[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float sum = rows.sum[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        // Equal maxima (two -inf included) give exactly 1.
+        factor[r] = rows.seen[r] == rows.max[r] ? 1.0f : fast_exp2(rows.max[r] - rows.seen[r]);
+        l_out[r] = sum * factor[r];
+        m_out[r] = rows.seen[r] == start[r] ? m_in[r] : rows.seen[r] * DF_LN_2;
+    }
+    rescale_output(o, factor);
+#pragma unroll
+    for (int i = 0; i < DF_O_REGS; i += 2) {
+        if (at.exists[DF_ROW_OF(i)]) {
+            *reinterpret_cast<float2*>(state_o + state_pair(at, i, quad)) =
+                make_float2(o[i], o[i + 1]);
+        }
+    }
+    if (quad == 0) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            if (at.exists[r]) {
+                const u64 row = at.first + at.row0 + 8 * r;
+                state_m[row] = m_out[r];
+                state_l[row] = l_out[r];
+            }
+        }
+    }
+}
+#endif
+
+// The parameters (see `hopper/forward.rs`): q, k, v and, for a finished output, O through tensor
+// maps, their buffers, lse (finished output) and the state (a step's), the scalars.
 extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
     distflash_hopper_attention_forward(
         const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
-        const __grid_constant__ TensorMap v_map, const __grid_constant__ TensorMap o_map,
-        const void* q_buffer, const void* k_buffer, const void* v_buffer, void* o_buffer,
-        float* lse, const __grid_constant__ ForwardInfo info) {
+        const __grid_constant__ TensorMap v_map,
+#if !DISTFLASH_STATE_OUT
+        const __grid_constant__ TensorMap o_map,
+#endif
+        const void* q_buffer, const void* k_buffer, const void* v_buffer,
+#if !DISTFLASH_STATE_OUT
+        void* o_buffer, float* lse,
+#endif
+#if DISTFLASH_STATE_IN || DISTFLASH_STATE_OUT
+        float* state_o, float* state_m, float* state_l,
+#endif
+        const __grid_constant__ ForwardInfo info) {
     extern __shared__ __align__(1024) unsigned char shared[];
     // Tiles on 1024-byte boundaries (the host asks for the slack).
     const Layout at =
@@ -399,16 +516,36 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
     const float scale_log2 = __uint_as_float(info.scale_log2_bits);
 
     Rows rows;
+    // Each row's m as the state held it (natural units) and its max in base 2 at the start.
+    float m_in[2], start[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         rows.max[r] = DF_NEG_INF;
         rows.sum[r] = 0.0f;
         rows.key_end[r] = row_key_end(info, block_start + wg * 64 + local + 8 * r);
+        m_in[r] = DF_NEG_INF;
     }
     float o[DF_O_REGS];
 #pragma unroll
     for (int i = 0; i < DF_O_REGS; ++i) {
         o[i] = 0.0f;
+    }
+    StateRows state_rows;
+    state_rows.first = static_cast<u64>(slice) * info.q_len;
+    state_rows.row0 = block_start + wg * 64 + local;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        state_rows.exists[r] = state_rows.row0 + 8 * r < info.q_len;
+    }
+#if DISTFLASH_STATE_IN
+    load_state(state_o, state_m, state_l, state_rows, quad, o, rows, m_in);
+#endif
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        start[r] = rows.max[r];
+#if DISTFLASH_STATE_OUT
+        rows.seen[r] = rows.max[r];
+#endif
     }
     float s[DF_S_REGS];
 #pragma unroll
@@ -435,8 +572,10 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         wgmma_wait<0>();
         fence_registers(s);
         release(at.k_empty, 0, lane);
-        // The output is still 0: nothing to rescale.
-        softmax_of(s, rows, walk, 0, quad, scale_log2, factor);
+        // The output is still 0 unless a state came in: then it may need rescaling.
+        if (softmax_of(s, rows, walk, 0, quad, scale_log2, factor) && DISTFLASH_STATE_IN) {
+            rescale_output(o, factor);
+        }
         pack_fragment(s, p);
         // Then S of tile t under P V of tile t - 1.
 #pragma unroll 1
@@ -488,6 +627,9 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
     }
 #endif
 
+#if DISTFLASH_STATE_OUT
+    store_state(state_o, state_m, state_l, state_rows, quad, o, rows, m_in, start);
+#else
     // The epilogue: the quads' row sums, O / sum and lse = max + log2(sum), in natural units.
     float inverse[2], row_lse[2];
 #pragma unroll
@@ -496,7 +638,7 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
         inverse[r] = sum > 0.0f ? 1.0f / sum : 0.0f;
-        row_lse[r] = sum > 0.0f ? rows.max[r] * 0.69314718055994531f + logf(sum) : DF_NEG_INF;
+        row_lse[r] = sum > 0.0f ? rows.max[r] * DF_LN_2 + logf(sum) : DF_NEG_INF;
     }
     rescale_output(o, inverse);
     // O into the warpgroup's rows of Q's shared memory (Q is no longer read), as the copy engine
@@ -519,4 +661,5 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
             }
         }
     }
+#endif
 }

@@ -1,6 +1,7 @@
 //! The Hopper attention backward on the host: when a call runs on it (`Variant::Hopper`, or
-//! `Variant::Auto` where it covers the call), its checks against the device and the buffers,
-//! the sources of its three kernels (the row kernels of `backward_rows.cu` before and after the
+//! `Variant::Auto` where it covers the call), a whole attention's backward or a backward step
+//! (gradients added to f32 accumulators), its checks against the device and the buffers, the
+//! sources of its three kernels (the row kernels of `backward_rows.cu` before and after the
 //! main kernel of `attention_backward.cu`), their scratch buffers, tensor maps and grids, and
 //! the launches.
 
@@ -26,9 +27,12 @@ const ROWS_CU: &str = include_str!("backward_rows.cu");
 
 /// The main kernel's entry point in `attention_backward.cu`.
 const ENTRY_POINT: &str = "distflash_hopper_attention_backward";
-/// The row kernels' entry points in `backward_rows.cu`: before and after the main kernel.
+/// The row kernels' entry points in `backward_rows.cu`: before and after the main kernel, for a
+/// whole attention and for a step.
 const PREPARE_ENTRY_POINT: &str = "distflash_hopper_backward_prepare";
 const DQ_ENTRY_POINT: &str = "distflash_hopper_backward_dq";
+const PREPARE_STEP_ENTRY_POINT: &str = "distflash_hopper_backward_prepare_step";
+const DQ_ADD_ENTRY_POINT: &str = "distflash_hopper_backward_dq_add";
 
 /// What the kernel names in its messages.
 const KERNEL: &str = "the Hopper attention backward";
@@ -43,30 +47,33 @@ pub fn backward_source(variant: &BackwardVariant) -> String {
     )
 }
 
-/// The CUDA source of the row kernels for one variant's head dim and type (its causality does
-/// not enter them): the same preludes, then `backward_rows.cu`.
-pub fn backward_rows_source(variant: &BackwardVariant) -> String {
-    let rows = BackwardVariant {
+/// The variant whose switches the row kernels are compiled with: `variant`'s head dim and type
+/// (its causality and accumulation do not enter them).
+fn rows_variant(variant: &BackwardVariant) -> BackwardVariant {
+    BackwardVariant {
         causal: false,
+        accumulate: false,
         ..*variant
-    };
+    }
+}
+
+/// The CUDA source of the row kernels for one variant's head dim and type: the same preludes,
+/// then `backward_rows.cu`.
+pub fn backward_rows_source(variant: &BackwardVariant) -> String {
     format!(
         "{}{PTX_PRELUDE}{ATTENTION_PRELUDE}{ROWS_CU}",
-        rows.switches()
+        rows_variant(variant).switches()
     )
 }
 
 /// The three kernels of `variant`, each built and fingerprinted on its first launch in the
-/// process and shared after: the prepare kernel, the main kernel, the dQ kernel.
+/// process and shared after: the prepare kernel, the main kernel, the dQ kernel (a step's row
+/// kernels take the given delta and add to the dQ accumulator).
 fn kernels(variant: &BackwardVariant) -> [CudaSource; 3] {
     static MAIN: KernelCache<BackwardVariant> = KernelCache::new();
     static ROWS: KernelCache<(BackwardVariant, &'static str)> = KernelCache::new();
     let row_kernel = |entry_point| {
-        let key = BackwardVariant {
-            causal: false,
-            ..*variant
-        };
-        ROWS.get((key, entry_point), || {
+        ROWS.get((rows_variant(variant), entry_point), || {
             // The row kernels declare no shared memory; the shell asks a word per thread.
             let shared = ROW_UNITS * 4;
             CudaSource::new(
@@ -85,11 +92,12 @@ fn kernels(variant: &BackwardVariant) -> [CudaSource; 3] {
             backward_plan::shared_bytes(variant.head_dim),
         )
     });
-    [
-        row_kernel(PREPARE_ENTRY_POINT),
-        main,
-        row_kernel(DQ_ENTRY_POINT),
-    ]
+    let (prepare, dq) = if variant.accumulate {
+        (PREPARE_STEP_ENTRY_POINT, DQ_ADD_ENTRY_POINT)
+    } else {
+        (PREPARE_ENTRY_POINT, DQ_ENTRY_POINT)
+    };
+    [row_kernel(prepare), main, row_kernel(dq)]
 }
 
 /// A Hopper backward ready to launch on one device: the variant and the three kernels' grids.
@@ -99,19 +107,20 @@ pub(crate) struct BackwardLaunch {
     grids: [CubeCount; 3],
 }
 
-/// The launch of a whole attention's backward of `dims` with `options` in `elem` on `client`'s
-/// device, or why the Hopper backward cannot run it there: what the kernel does not cover
-/// ([`BackwardVariant::for_call`]), a device that is not CUDA compute capability 9.0, or limits
-/// the kernels' cubes, shared memory or grids exceed.
-pub(crate) fn plan<R: Runtime>(
+/// The launch of a whole attention's backward (or, to `accumulate`, a backward step) of `dims`
+/// with `options` in `elem` on `client`'s device, or why the Hopper backward cannot run it
+/// there: what the kernel does not cover ([`BackwardVariant::for_call`]), a device that is not
+/// CUDA compute capability 9.0, or limits the kernels' cubes, shared memory or grids exceed.
+fn plan<R: Runtime>(
     client: &ComputeClient<R>,
     dims: &AttentionDims,
     elem: ElemType,
     options: &StepOptions,
+    accumulate: bool,
 ) -> Result<BackwardLaunch, KernelError> {
     let scale = options.resolved_scale(dims.head_dim);
-    let variant =
-        BackwardVariant::for_call(dims, elem, &options.mask, scale, options.deterministic)?;
+    let mask = (&options.mask, scale);
+    let variant = BackwardVariant::for_call(dims, elem, mask, options.deterministic, accumulate)?;
     let row_grid = |what: &str, threads: usize| {
         super::device_grid(
             client,
@@ -158,8 +167,8 @@ pub(crate) fn choose<R: Runtime>(
     (tensors, grad_out): (&ForwardTensors, &DeviceTensor),
     outputs: &[(&str, &DeviceTensor)],
 ) -> Result<Option<BackwardLaunch>, KernelError> {
-    let launch_for = || -> Result<BackwardLaunch, KernelError> {
-        let launch = plan(client, dims, tensors.q.elem, options)?;
+    chosen(options.variant, || {
+        let launch = plan(client, dims, tensors.q.elem, options, false)?;
         let inputs = [
             ("q", tensors.q),
             ("k", tensors.k),
@@ -171,8 +180,32 @@ pub(crate) fn choose<R: Runtime>(
         check_alignment(KERNEL, &inputs)?;
         check_alignment(KERNEL, outputs)?;
         Ok(launch)
-    };
-    match options.variant {
+    })
+}
+
+/// Whether the Hopper backward runs the backward step of `dims` (q, k, v, the output gradient,
+/// the full-row lse and delta and the f32 accumulators: the named `buffers`), as [`choose`]
+/// decides for a whole attention.
+pub(crate) fn choose_step<R: Runtime>(
+    client: &ComputeClient<R>,
+    dims: &AttentionDims,
+    options: &StepOptions,
+    buffers: &[(&str, &DeviceTensor)],
+) -> Result<Option<BackwardLaunch>, KernelError> {
+    chosen(options.variant, || {
+        let launch = plan(client, dims, buffers[0].1.elem, options, true)?;
+        check_alignment(KERNEL, buffers)?;
+        Ok(launch)
+    })
+}
+
+/// The launch `launch_for` gives under [`Variant::Hopper`] (or its error), where it gives one
+/// under [`Variant::Auto`], none under the other variants.
+fn chosen(
+    variant: Variant,
+    launch_for: impl FnOnce() -> Result<BackwardLaunch, KernelError>,
+) -> Result<Option<BackwardLaunch>, KernelError> {
+    match variant {
         Variant::Hopper => launch_for().map(Some),
         Variant::Auto => Ok(launch_for().ok()),
         Variant::Portable | Variant::TensorCore => Ok(None),
@@ -193,15 +226,64 @@ pub(crate) struct ForwardTensors<'a> {
     pub lse: &'a DeviceTensor,
 }
 
-/// Queues `launch` from the forward's `tensors` and the output gradient `grad_out`, writing every
-/// element of `dq` (`[B, Hq, Sq, D]`), `dk` and `dv` (`[B, Hkv, Skv, D]`), all the inputs' type;
-/// arguments checked by the caller. Three launches: the prepare kernel (deltas, base-2
-/// log-sum-exps, the zeroed dQ sum), the main kernel, the dQ kernel.
+/// Queues `launch` (a whole attention's) from the forward's `tensors` and the output gradient
+/// `grad_out`, writing every element of `dq` (`[B, Hq, Sq, D]`), `dk` and `dv`
+/// (`[B, Hkv, Skv, D]`), all the inputs' type; arguments checked by the caller. Three launches:
+/// the prepare kernel (deltas, base-2 log-sum-exps, the zeroed dQ sum), the main kernel, the dQ
+/// kernel.
 pub(crate) fn enqueue<R: Runtime>(
     client: &ComputeClient<R>,
     launch: &BackwardLaunch,
     tensors: &ForwardTensors,
     grad_out: &DeviceTensor,
+    (dq, dk, dv): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
+    dims: &AttentionDims,
+    options: &StepOptions,
+) {
+    debug_assert!(!launch.variant.accumulate);
+    let inputs = (tensors.q, tensors.k, tensors.v, grad_out);
+    let prepare_inputs = [tensors.out, grad_out, tensors.lse];
+    let grads = (dq, dk, dv);
+    enqueue_launches(
+        client,
+        launch,
+        inputs,
+        &prepare_inputs,
+        grads,
+        dims,
+        options,
+    );
+}
+
+/// Queues `launch` (a step's) for q, k, v and the output gradient `grad_out` with the full-row
+/// `lse` and `delta` (`[B, Hq, Sq]`, f32), adding the pair's gradients to the f32 accumulators
+/// `grads`; arguments checked by the caller. The same three launches as [`enqueue`]: the
+/// prepare kernel pads the given delta, the dQ kernel adds to `grads.dq`, the main kernel adds
+/// to `grads.dk` and `grads.dv`.
+pub(crate) fn enqueue_step<R: Runtime>(
+    client: &ComputeClient<R>,
+    launch: &BackwardLaunch,
+    (q, k, v, grad_out): (&DeviceTensor, &DeviceTensor, &DeviceTensor, &DeviceTensor),
+    (lse, delta): (&DeviceTensor, &DeviceTensor),
+    grads: &crate::GradAccumulators,
+    dims: &AttentionDims,
+    options: &StepOptions,
+) {
+    debug_assert!(launch.variant.accumulate);
+    let grads = (&grads.dq, &grads.dk, &grads.dv);
+    let inputs = (q, k, v, grad_out);
+    enqueue_launches(client, launch, inputs, &[lse, delta], grads, dims, options);
+}
+
+/// The three launches of `launch` for q, k, v and `grad_out`: the prepare kernel reading
+/// `prepare_inputs` (a whole attention's output, output gradient and lse; a step's lse and
+/// delta), the main kernel storing (a whole attention) or adding (a step) dK and dV, the dQ
+/// kernel writing or adding dQ.
+fn enqueue_launches<R: Runtime>(
+    client: &ComputeClient<R>,
+    launch: &BackwardLaunch,
+    (q, k, v, grad_out): (&DeviceTensor, &DeviceTensor, &DeviceTensor, &DeviceTensor),
+    prepare_inputs: &[&DeviceTensor],
     (dq, dk, dv): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
     dims: &AttentionDims,
     options: &StepOptions,
@@ -214,16 +296,14 @@ pub(crate) fn enqueue<R: Runtime>(
     let [prepare_kernel, main_kernel, dq_kernel] = kernels(&launch.variant);
     let [prepare_grid, main_grid, dq_grid] = launch.grids.clone();
     let row_scalars = backward_plan::row_scalars(dims, scale);
+    let accumulate = launch.variant.accumulate;
 
     let mut prepare = SourceArguments::new();
-    for buffer in [
-        tensors.out,
-        grad_out,
-        tensors.lse,
-        &lse_log2,
-        &delta,
-        &dq_sum,
-    ] {
+    for buffer in prepare_inputs
+        .iter()
+        .copied()
+        .chain([&lse_log2, &delta, &dq_sum])
+    {
         prepare.buffer(buffer);
     }
     row_scalars
@@ -232,16 +312,21 @@ pub(crate) fn enqueue<R: Runtime>(
 
     let q_view = [dims.batch * dims.q_heads, dims.q_len, dims.head_dim];
     let kv_view = [dims.batch * dims.kv_heads, dims.kv_len, dims.head_dim];
-    let mut main = SourceArguments::new();
-    for (tensor, view, rows) in [
-        (tensors.q, &q_view, TILE_ROWS),
-        (tensors.k, &kv_view, BLOCK_KEYS),
-        (tensors.v, &kv_view, BLOCK_KEYS),
+    let mut maps = vec![
+        (q, &q_view, TILE_ROWS),
+        (k, &kv_view, BLOCK_KEYS),
+        (v, &kv_view, BLOCK_KEYS),
         (grad_out, &q_view, TILE_ROWS),
+    ];
+    if !accumulate {
         // Each consumer warpgroup stores its 64 keys.
-        (dk, &kv_view, BLOCK_KEYS / 2),
-        (dv, &kv_view, BLOCK_KEYS / 2),
-    ] {
+        maps.extend([
+            (dk, &kv_view, BLOCK_KEYS / 2),
+            (dv, &kv_view, BLOCK_KEYS / 2),
+        ]);
+    }
+    let mut main = SourceArguments::new();
+    for (tensor, view, rows) in maps {
         main.tiled_map(
             tensor,
             TiledMap {
@@ -253,6 +338,10 @@ pub(crate) fn enqueue<R: Runtime>(
     }
     for buffer in [&lse_log2, &delta, &dq_sum] {
         main.buffer(buffer);
+    }
+    if accumulate {
+        main.buffer(dk);
+        main.buffer(dv);
     }
     backward_plan::scalars(dims, &options.mask, scale)
         .into_iter()
@@ -266,13 +355,14 @@ pub(crate) fn enqueue<R: Runtime>(
         .for_each(|value| finish.scalar(value));
 
     // SAFETY: `plan` checked that the runtime is CUDA on an sm_90 device and that the cubes,
-    // shared memory and grids fit it; the arguments follow the three kernels' parameters (the
-    // prepare kernel's six buffers and four scalars; the main kernel's six tensor maps, their
-    // buffers, its three buffers and ten scalars; the dQ kernel's two buffers and four
-    // scalars). The scratch buffers hold the padded rows the kernels index (`prepared_rows`),
-    // the tensor maps bound every copy to its tensor (rows past a slice read as zeros and are
-    // not stored), the row kernels guard their rows and values, and the main kernel's loops are
-    // bounded by the tile counts.
+    // shared memory and grids fit it; the arguments follow the three kernels' parameters for the
+    // variant (the prepare kernel's inputs, its three buffers and four scalars; the main kernel's
+    // tensor maps, their buffers, its three buffers, a step's two accumulators and ten scalars;
+    // the dQ kernel's two buffers and four scalars). The scratch buffers hold the padded rows the
+    // kernels index (`prepared_rows`), the tensor maps bound every copy to its tensor (rows past
+    // a slice read as zeros and are not stored), the row kernels guard their rows and values,
+    // the main kernel adds to accumulator rows below `kv_len` only, and its loops are bounded by
+    // the tile counts.
     unsafe {
         source_task::launch(client, prepare_kernel, prepare_grid, prepare);
         source_task::launch(client, main_kernel, main_grid, main);
@@ -336,31 +426,79 @@ pub fn attention_backward<R: Runtime>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hopper::source_task::parameters;
+    use crate::hopper::source_task::{parameters, preprocessed_parameters};
+
+    /// The main kernel's parameters as the preprocessor leaves them, for a step (`accumulate`)
+    /// or a whole attention.
+    fn main_parameters(accumulate: bool) -> Vec<String> {
+        preprocessed_parameters(BACKWARD_CU, ENTRY_POINT, |condition| match condition {
+            "DISTFLASH_ACCUMULATE" => accumulate,
+            "!DISTFLASH_ACCUMULATE" => !accumulate,
+            other => panic!("unexpected condition `{other}`"),
+        })
+    }
 
     #[test]
     fn the_sources_declare_the_parameters_in_launch_order() {
         // Tensor maps by value, their buffers, the plain buffers, then the scalars by value
-        // (see `source_task`'s comment): what `enqueue` registers for each kernel.
+        // (see `source_task`'s comment): what `enqueue_launches` registers for each kernel.
+        let maps = [
+            "const __grid_constant__ TensorMap q_map",
+            "const __grid_constant__ TensorMap k_map",
+            "const __grid_constant__ TensorMap v_map",
+            "const __grid_constant__ TensorMap do_map",
+        ];
+        let buffers = [
+            "const void* q_buffer",
+            "const void* k_buffer",
+            "const void* v_buffer",
+            "const void* do_buffer",
+        ];
+        let stored_maps = [
+            "const __grid_constant__ TensorMap dk_map",
+            "const __grid_constant__ TensorMap dv_map",
+        ];
+        let stored_buffers = ["void* dk_buffer", "void* dv_buffer"];
+        let scratch = [
+            "const float* lse_log2",
+            "const float* delta",
+            "float* dq_sum",
+        ];
+        let accumulators = ["float* dk_sum", "float* dv_sum"];
+        let info = ["const __grid_constant__ BackwardInfo info"];
         assert_eq!(
-            parameters(BACKWARD_CU, ENTRY_POINT),
+            main_parameters(false),
             [
-                "const __grid_constant__ TensorMap q_map",
-                "const __grid_constant__ TensorMap k_map",
-                "const __grid_constant__ TensorMap v_map",
-                "const __grid_constant__ TensorMap do_map",
-                "const __grid_constant__ TensorMap dk_map",
-                "const __grid_constant__ TensorMap dv_map",
-                "const void* q_buffer",
-                "const void* k_buffer",
-                "const void* v_buffer",
-                "const void* do_buffer",
-                "void* dk_buffer",
-                "void* dv_buffer",
-                "const float* lse_log2",
-                "const float* delta",
+                &maps[..],
+                &stored_maps,
+                &buffers,
+                &stored_buffers,
+                &scratch,
+                &info
+            ]
+            .concat()
+        );
+        assert_eq!(
+            main_parameters(true),
+            [&maps[..], &buffers, &scratch, &accumulators, &info].concat()
+        );
+        assert_eq!(
+            parameters(ROWS_CU, PREPARE_STEP_ENTRY_POINT),
+            [
+                "const float* lse",
+                "const float* given_delta",
+                "float* lse_log2",
+                "float* delta",
                 "float* dq_sum",
-                "const __grid_constant__ BackwardInfo info",
+                "const __grid_constant__ RowsInfo info",
+            ]
+        );
+        assert_eq!(
+            parameters(ROWS_CU, DQ_ADD_ENTRY_POINT),
+            [
+                "const float* dq_sum",
+                "float* dq",
+                "const __grid_constant__ RowsInfo info",
             ]
         );
         assert_eq!(
@@ -384,7 +522,7 @@ mod tests {
             ]
         );
         assert_eq!(BACKWARD_CU.matches("__global__").count(), 1);
-        assert_eq!(ROWS_CU.matches("__global__").count(), 2);
+        assert_eq!(ROWS_CU.matches("__global__").count(), 4);
         for source in [BACKWARD_CU, ROWS_CU] {
             assert!(!source.contains("#include"));
         }
@@ -397,6 +535,7 @@ mod tests {
             head_dim: 64,
             elem: ElemType::BF16,
             causal,
+            accumulate: false,
         };
         let [prepare, main, dq] = kernels(&variant(true));
         let [prepare_again, main_again, dq_again] = kernels(&variant(true));
@@ -418,6 +557,18 @@ mod tests {
             (PREPARE_ENTRY_POINT, DQ_ENTRY_POINT)
         );
         assert_eq!(prepare.units, 256);
+        // A step's: its own main kernel, the same row source with the step's entry points.
+        let step = BackwardVariant {
+            accumulate: true,
+            ..variant(true)
+        };
+        let [step_prepare, step_main, step_dq] = kernels(&step);
+        assert_eq!(
+            (step_prepare.entry_point, step_dq.entry_point),
+            (PREPARE_STEP_ENTRY_POINT, DQ_ADD_ENTRY_POINT)
+        );
+        assert_eq!(step_prepare.source(), prepare.source());
+        assert_ne!(step_main.fingerprint(), main.fingerprint());
     }
 
     #[test]
@@ -426,13 +577,15 @@ mod tests {
             head_dim: 128,
             elem: ElemType::F16,
             causal: true,
+            accumulate: true,
         };
         let main = backward_source(&variant);
         assert!(main.starts_with(&variant.switches()));
         assert!(main.ends_with(&format!("{PTX_PRELUDE}{ATTENTION_PRELUDE}{BACKWARD_CU}")));
         let rows = backward_rows_source(&variant);
         assert!(rows.starts_with(
-            "#define DISTFLASH_HEAD_DIM 128\n#define DISTFLASH_F16 1\n#define DISTFLASH_CAUSAL 0\n"
+            "#define DISTFLASH_HEAD_DIM 128\n#define DISTFLASH_F16 1\n#define DISTFLASH_CAUSAL 0\n\
+             #define DISTFLASH_ACCUMULATE 0\n"
         ));
         assert!(rows.ends_with(ROWS_CU));
     }

@@ -48,19 +48,23 @@ pub struct BackwardVariant {
     pub elem: ElemType,
     /// Whether query row `i` sees key `j` only if `j <= i + shift`.
     pub causal: bool,
+    /// A backward step's: dK and dV added to f32 accumulators (and dQ, by the dQ kernel),
+    /// else stored in the inputs' type (a whole attention's).
+    pub accumulate: bool,
 }
 
 impl BackwardVariant {
     /// The variant that computes the gradients of attention of `dims` in `elem` under `mask`
-    /// with score `scale`, or why the kernel does not cover the call: another element type or
-    /// head dim, a sliding window or documents, a scale that is not positive and finite, or a
-    /// `deterministic` backward (the kernel adds dQ with atomics in no fixed order).
+    /// with score `scale` (added to f32 accumulators where it is to `accumulate`), or why the
+    /// kernel does not cover the call: another element type or head dim, a sliding window or
+    /// documents, a scale that is not positive and finite, or a `deterministic` backward (the
+    /// kernel adds dQ with atomics in no fixed order).
     pub fn for_call(
         dims: &AttentionDims,
         elem: ElemType,
-        mask: &Mask,
-        scale: f32,
+        (mask, scale): (&Mask, f32),
         deterministic: bool,
+        accumulate: bool,
     ) -> Result<Self, KernelError> {
         super::coverage::check("the Hopper attention backward", dims, elem, mask, scale)?;
         if deterministic {
@@ -75,6 +79,7 @@ impl BackwardVariant {
             head_dim: dims.head_dim,
             elem,
             causal: mask.causal,
+            accumulate,
         })
     }
 
@@ -82,10 +87,12 @@ impl BackwardVariant {
     /// kernels read the first two).
     pub fn switches(&self) -> String {
         format!(
-            "#define DISTFLASH_HEAD_DIM {}\n#define DISTFLASH_F16 {}\n#define DISTFLASH_CAUSAL {}\n",
+            "#define DISTFLASH_HEAD_DIM {}\n#define DISTFLASH_F16 {}\n#define DISTFLASH_CAUSAL {}\n\
+             #define DISTFLASH_ACCUMULATE {}\n",
             self.head_dim,
             u8::from(self.elem == ElemType::F16),
             u8::from(self.causal),
+            u8::from(self.accumulate),
         )
     }
 }
@@ -156,23 +163,30 @@ mod tests {
         scale: f32,
         deterministic: bool,
     ) -> KernelError {
-        BackwardVariant::for_call(&d, elem, &mask, scale, deterministic).unwrap_err()
+        BackwardVariant::for_call(&d, elem, (&mask, scale), deterministic, true).unwrap_err()
     }
 
     #[test]
     fn both_head_dims_and_16_bit_types_with_or_without_causality_are_covered() {
         for head_dim in HEAD_DIMS {
             for elem in [ElemType::BF16, ElemType::F16] {
-                for mask in [Mask::none(), Mask::causal().at(40, 0)] {
-                    let variant =
-                        BackwardVariant::for_call(&dims(head_dim), elem, &mask, 0.1, false)
-                            .unwrap();
+                for (mask, accumulate) in [(Mask::none(), false), (Mask::causal().at(40, 0), true)]
+                {
+                    let variant = BackwardVariant::for_call(
+                        &dims(head_dim),
+                        elem,
+                        (&mask, 0.1),
+                        false,
+                        accumulate,
+                    )
+                    .unwrap();
                     assert_eq!(
                         variant,
                         BackwardVariant {
                             head_dim,
                             elem,
-                            causal: mask.causal
+                            causal: mask.causal,
+                            accumulate,
                         }
                     );
                 }
@@ -226,11 +240,20 @@ mod tests {
             head_dim: 64,
             elem: ElemType::F16,
             causal: true,
+            accumulate: false,
         };
         assert_eq!(
             variant.switches(),
-            "#define DISTFLASH_HEAD_DIM 64\n#define DISTFLASH_F16 1\n#define DISTFLASH_CAUSAL 1\n"
+            "#define DISTFLASH_HEAD_DIM 64\n#define DISTFLASH_F16 1\n#define DISTFLASH_CAUSAL 1\n\
+             #define DISTFLASH_ACCUMULATE 0\n"
         );
+        let step = BackwardVariant {
+            accumulate: true,
+            ..variant
+        };
+        assert!(step
+            .switches()
+            .ends_with("#define DISTFLASH_ACCUMULATE 1\n"));
     }
 
     #[test]

@@ -7,6 +7,10 @@
 // - `distflash_hopper_backward_dq` (after), one thread per pair of dQ values: the f32 sum read
 //   back from its fragment order (see `add_query_grads` in `attention_backward.cu`), times the
 //   score scale, written as the inputs' 16-bit type into dQ [B * Hq, Sq, D].
+// - For a backward step, whose delta is given ([B * Hq, Sq] f32) and whose dQ is an f32
+//   accumulator: `distflash_hopper_backward_prepare_step` (before) pads the given delta as the
+//   prepare kernel writes its own, and `distflash_hopper_backward_dq_add` (after) adds the
+//   scaled sum to the accumulator.
 //
 // CUDA C++ with inline PTX, no headers: the host (`hopper/backward.rs`) prepends the variant's
 // switches (DISTFLASH_HEAD_DIM 64 or 128, DISTFLASH_F16), `ptx.cuh` and `attention.cuh`.
@@ -54,21 +58,45 @@ __device__ __forceinline__ float2 unpack(u32 pair) {
 #endif
 }
 
+// The padded row of the calling warp: its index over all slices, its slice, its index within the
+// slice; whether it exists. Its lanes zero its share of the dQ sum.
+struct PaddedRow {
+    u64 row;
+    u64 slice;
+    u64 i;
+};
+
+__device__ __forceinline__ bool padded_row(const RowsInfo& info, float* dq_sum, PaddedRow& at) {
+    const u32 lane = threadIdx.x % 32;
+    const u64 padded = static_cast<u64>(info.q_tiles) * DF_BM;
+    at.row = static_cast<u64>(blockIdx.x) * DF_ROWS_PER_CUBE + threadIdx.x / 32;
+    if (at.row >= info.slices * padded) {
+        return false;
+    }
+    at.slice = at.row / padded;
+    at.i = at.row % padded;
+    if (lane < DF_D / 4) {
+        reinterpret_cast<float4*>(dq_sum + at.row * DF_D)[lane] =
+            make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    return true;
+}
+
+// The base-2 log-sum-exp of a query row from its natural one: FLT_MAX where it saw no key.
+__device__ __forceinline__ float lse_in_base_2(float natural) {
+    return natural >= DF_FINITE_FLOOR ? natural * DF_LOG2_E : DF_FLT_MAX;
+}
+
 extern "C" __global__ void __launch_bounds__(DF_ROW_UNITS)
     distflash_hopper_backward_prepare(const u32* out, const u32* grad_out, const float* lse,
                                       float* lse_log2, float* delta, float* dq_sum,
                                       const __grid_constant__ RowsInfo info) {
     const u32 lane = threadIdx.x % 32;
-    const u64 padded = static_cast<u64>(info.q_tiles) * DF_BM;
-    const u64 row = static_cast<u64>(blockIdx.x) * DF_ROWS_PER_CUBE + threadIdx.x / 32;
-    if (row >= info.slices * padded) {
+    PaddedRow at;
+    if (!padded_row(info, dq_sum, at)) {
         return;
     }
-    const u64 slice = row / padded;
-    const u64 i = row % padded;
-    if (lane < DF_D / 4) {
-        reinterpret_cast<float4*>(dq_sum + row * DF_D)[lane] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
+    const u64 slice = at.slice, i = at.i;
     float sum = 0.0f;
     float row_lse = DF_FLT_MAX;
     if (i < info.q_len) {
@@ -83,21 +111,33 @@ extern "C" __global__ void __launch_bounds__(DF_ROW_UNITS)
         for (u32 offset = 16; offset > 0; offset /= 2) {
             sum += __shfl_xor_sync(0xffffffffu, sum, offset);
         }
-        const float natural = lse[slice * info.q_len + i];
-        row_lse = natural >= DF_FINITE_FLOOR ? natural * DF_LOG2_E : DF_FLT_MAX;
+        row_lse = lse_in_base_2(lse[slice * info.q_len + i]);
     }
     if (lane == 0) {
-        lse_log2[row] = row_lse;
-        delta[row] = sum;
+        lse_log2[at.row] = row_lse;
+        delta[at.row] = sum;
     }
 }
 
 extern "C" __global__ void __launch_bounds__(DF_ROW_UNITS)
-    distflash_hopper_backward_dq(const float* dq_sum, u32* dq,
-                                 const __grid_constant__ RowsInfo info) {
-    const u64 pair = static_cast<u64>(blockIdx.x) * DF_ROW_UNITS + threadIdx.x;
-    if (pair >= static_cast<u64>(info.slices) * info.q_len * (DF_D / 2)) {
+    distflash_hopper_backward_prepare_step(const float* lse, const float* given_delta,
+                                           float* lse_log2, float* delta, float* dq_sum,
+                                           const __grid_constant__ RowsInfo info) {
+    PaddedRow at;
+    if (!padded_row(info, dq_sum, at) || threadIdx.x % 32 != 0) {
         return;
+    }
+    const bool query = at.i < info.q_len;
+    const u64 row = at.slice * info.q_len + at.i;
+    lse_log2[at.row] = query ? lse_in_base_2(lse[row]) : DF_FLT_MAX;
+    delta[at.row] = query ? given_delta[row] : 0.0f;
+}
+
+// The scaled dQ sum of value pair `pair` of dQ [B * Hq, Sq, D]; false past the last pair.
+__device__ __forceinline__ bool scaled_pair(const float* dq_sum, const RowsInfo& info, u64 pair,
+                                            float2& value) {
+    if (pair >= static_cast<u64>(info.slices) * info.q_len * (DF_D / 2)) {
+        return false;
     }
     const u64 row = pair / (DF_D / 2);
     const u32 column = static_cast<u32>(pair % (DF_D / 2)) * 2;
@@ -111,5 +151,28 @@ extern "C" __global__ void __launch_bounds__(DF_ROW_UNITS)
                    ((c / 8) * 128 + thread) * 4 + ((r % 16) / 8) * 2;
     const float2 sum = *reinterpret_cast<const float2*>(dq_sum + at);
     const float scale = __uint_as_float(info.scale_bits);
-    dq[pair] = pack(sum.x * scale, sum.y * scale);
+    value = make_float2(sum.x * scale, sum.y * scale);
+    return true;
+}
+
+extern "C" __global__ void __launch_bounds__(DF_ROW_UNITS)
+    distflash_hopper_backward_dq(const float* dq_sum, u32* dq,
+                                 const __grid_constant__ RowsInfo info) {
+    const u64 pair = static_cast<u64>(blockIdx.x) * DF_ROW_UNITS + threadIdx.x;
+    float2 value;
+    if (scaled_pair(dq_sum, info, pair, value)) {
+        dq[pair] = pack(value.x, value.y);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(DF_ROW_UNITS)
+    distflash_hopper_backward_dq_add(const float* dq_sum, float* dq,
+                                     const __grid_constant__ RowsInfo info) {
+    const u64 pair = static_cast<u64>(blockIdx.x) * DF_ROW_UNITS + threadIdx.x;
+    float2 value;
+    if (scaled_pair(dq_sum, info, pair, value)) {
+        float2* at = reinterpret_cast<float2*>(dq) + pair;
+        const float2 sum = *at;
+        *at = make_float2(sum.x + value.x, sum.y + value.y);
+    }
 }

@@ -1,11 +1,13 @@
 //! The Hopper attention forward on the host: when a call runs on it (`Variant::Hopper`, or
-//! `Variant::Auto` where it covers the call), its checks against the device and the buffers,
-//! the variant's source, its tensor maps and grid, and the launch (the device code is
-//! `attention_forward.cu`).
+//! `Variant::Auto` where it covers the call), a whole attention or a step of the stat-carrying
+//! contract, its checks against the device and the buffers, the variant's source, its tensor
+//! maps and grid, and the launch (the device code is `attention_forward.cu`).
 
 use cubecl::prelude::*;
 
-use super::forward_plan::{self, ForwardVariant, BLOCK_KEYS, BLOCK_ROWS, BOX_COLUMNS, UNITS};
+use super::forward_plan::{
+    self, ForwardEnds, ForwardVariant, BLOCK_KEYS, BLOCK_ROWS, BOX_COLUMNS, UNITS,
+};
 use super::schedule;
 use super::source_task::{
     self, check_alignment, CudaSource, KernelCache, SourceArguments, TiledMap, ATTENTION_PRELUDE,
@@ -17,6 +19,7 @@ use crate::kernel_error::{launch_result, KernelError};
 use crate::mask::KernelMask;
 use crate::step_options::{StepOptions, Variant};
 use crate::tensor::{DeviceTensor, ElemType};
+use crate::tensor_core::ForwardTarget;
 
 /// The device code, compiled per variant with the switches of [`ForwardVariant::switches`].
 const FORWARD_CU: &str = include_str!("attention_forward.cu");
@@ -54,8 +57,18 @@ pub(crate) struct ForwardLaunch {
     grid: CubeCount,
 }
 
-/// The launch of a whole attention of `dims` with `options` in `elem` on `client`'s device, or
-/// why the Hopper forward cannot run it there: what the kernel does not cover
+/// What a forward of `target` starts from and writes.
+fn ends_of(target: &ForwardTarget) -> ForwardEnds {
+    match target {
+        ForwardTarget::Finished { .. } => ForwardEnds::Whole,
+        ForwardTarget::FirstStep(_) => ForwardEnds::FirstStep,
+        ForwardTarget::Step(_) => ForwardEnds::Step,
+        ForwardTarget::LastStep { .. } => ForwardEnds::LastStep,
+    }
+}
+
+/// The launch of attention of `dims` with `options` in `elem` from and to `ends` on `client`'s
+/// device, or why the Hopper forward cannot run it there: what the kernel does not cover
 /// ([`ForwardVariant::for_call`]), a device that is not CUDA compute capability 9.0, or limits
 /// the kernel's cubes, shared memory or grid exceed.
 pub(crate) fn plan<R: Runtime>(
@@ -63,9 +76,11 @@ pub(crate) fn plan<R: Runtime>(
     dims: &AttentionDims,
     elem: ElemType,
     options: &StepOptions,
+    ends: ForwardEnds,
 ) -> Result<ForwardLaunch, KernelError> {
     let scale = options.resolved_scale(dims.head_dim);
-    let variant = ForwardVariant::for_call(dims, elem, &options.mask, scale, schedule::current())?;
+    let mask = (&options.mask, scale);
+    let variant = ForwardVariant::for_call(dims, elem, mask, schedule::current(), ends)?;
     // One cube per block of query rows of each slice, in one dimension (see `cube_work` in the
     // kernel).
     let grid = super::device_grid(
@@ -81,59 +96,96 @@ pub(crate) fn plan<R: Runtime>(
     Ok(ForwardLaunch { variant, grid })
 }
 
-/// The launch of the whole attention `q, k, v -> out` (the four `buffers`, q's type) of `dims`,
-/// or why the Hopper forward cannot run it: [`plan`], then the buffers' alignment.
+/// The output and lse `target` has the kernel write, if it finishes the attention.
+fn finished_output<'a>(target: &ForwardTarget<'a>) -> Option<(&'a DeviceTensor, &'a DeviceTensor)> {
+    match *target {
+        ForwardTarget::Finished { out, lse } | ForwardTarget::LastStep { out, lse, .. } => {
+            Some((out, lse))
+        }
+        ForwardTarget::FirstStep(_) | ForwardTarget::Step(_) => None,
+    }
+}
+
+/// The running state `target` has the kernel read or write, if any.
+fn state_of<'a>(target: &ForwardTarget<'a>) -> Option<&'a crate::SoftmaxState> {
+    match *target {
+        ForwardTarget::Step(state)
+        | ForwardTarget::FirstStep(state)
+        | ForwardTarget::LastStep { state, .. } => Some(state),
+        ForwardTarget::Finished { .. } => None,
+    }
+}
+
+/// The launch of attention `q, k, v -> target` of `dims`, or why the Hopper forward cannot run
+/// it: [`plan`], then the buffers' alignment (the copy engine's and the state's vector accesses).
 fn launch_for<R: Runtime>(
     client: &ComputeClient<R>,
     dims: &AttentionDims,
     options: &StepOptions,
-    buffers: [(&str, &DeviceTensor); 4],
+    (q, k, v): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
+    target: &ForwardTarget,
 ) -> Result<ForwardLaunch, KernelError> {
-    let launch = plan(client, dims, buffers[0].1.elem, options)?;
+    let launch = plan(client, dims, q.elem, options, ends_of(target))?;
+    let mut buffers = vec![("q", q), ("k", k), ("v", v)];
+    if let Some((out, _)) = finished_output(target) {
+        buffers.push(("out", out));
+    }
+    if let Some(state) = state_of(target) {
+        buffers.extend([
+            ("state.o", &state.o),
+            ("state.m", &state.m),
+            ("state.l", &state.l),
+        ]);
+    }
     check_alignment("the Hopper attention forward", &buffers)?;
     Ok(launch)
 }
 
-/// Whether the Hopper forward runs the whole attention `q, k, v -> out` (the four `buffers`) of
-/// `dims`: with [`Variant::Hopper`] it must (an error where it cannot); with [`Variant::Auto`]
-/// it does wherever it can ([`launch_for`]); other variants never use it.
+/// Whether the Hopper forward runs attention `q, k, v -> target` of `dims` (a whole attention
+/// or a step): with [`Variant::Hopper`] it must (an error where it cannot); with
+/// [`Variant::Auto`] it does wherever it can ([`launch_for`]); other variants never use it.
 pub(crate) fn choose<R: Runtime>(
     client: &ComputeClient<R>,
     dims: &AttentionDims,
     options: &StepOptions,
-    buffers: [(&str, &DeviceTensor); 4],
+    qkv: (&DeviceTensor, &DeviceTensor, &DeviceTensor),
+    target: &ForwardTarget,
 ) -> Result<Option<ForwardLaunch>, KernelError> {
     match options.variant {
-        Variant::Hopper => launch_for(client, dims, options, buffers).map(Some),
-        Variant::Auto => Ok(launch_for(client, dims, options, buffers).ok()),
+        Variant::Hopper => launch_for(client, dims, options, qkv, target).map(Some),
+        Variant::Auto => Ok(launch_for(client, dims, options, qkv, target).ok()),
         Variant::Portable | Variant::TensorCore => Ok(None),
     }
 }
 
-/// Queues `launch` for `q, k, v` (`[B, Hq, Sq, D]`, `[B, Hkv, Skv, D]`), writing every element
-/// of `out` (`[B, Hq, Sq, D]`, the inputs' type) and `lse` (`[B, Hq, Sq]`, f32); arguments
-/// checked by the caller.
-#[allow(clippy::too_many_arguments)]
+/// Queues `launch` for `q, k, v` (`[B, Hq, Sq, D]`, `[B, Hkv, Skv, D]`) into `target` (the
+/// variant `launch` was planned for): every element of the finished output (`[B, Hq, Sq, D]`,
+/// the inputs' type) and lse (`[B, Hq, Sq]`, f32), or of the running state, is written;
+/// arguments checked by the caller.
 pub(crate) fn enqueue<R: Runtime>(
     client: &ComputeClient<R>,
     launch: &ForwardLaunch,
     (q, k, v): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
-    out: &DeviceTensor,
-    lse: &DeviceTensor,
+    target: &ForwardTarget,
     dims: &AttentionDims,
     options: &StepOptions,
 ) {
+    debug_assert_eq!(launch.variant.ends, ends_of(target));
     let q_view = [dims.batch * dims.q_heads, dims.q_len, dims.head_dim];
     let kv_view = [dims.batch * dims.kv_heads, dims.kv_len, dims.head_dim];
     let swizzle = TensorMapSwizzle::B128;
+    let finished = finished_output(target);
     let mut arguments = SourceArguments::new();
-    for (tensor, view, rows) in [
+    let mut maps = vec![
         (q, &q_view, BLOCK_ROWS),
         (k, &kv_view, BLOCK_KEYS),
         (v, &kv_view, BLOCK_KEYS),
+    ];
+    if let Some((out, _)) = finished {
         // Each consumer warpgroup stores its 64 rows.
-        (out, &q_view, BLOCK_ROWS / 2),
-    ] {
+        maps.push((out, &q_view, BLOCK_ROWS / 2));
+    }
+    for (tensor, view, rows) in maps {
         arguments.tiled_map(
             tensor,
             TiledMap {
@@ -143,7 +195,14 @@ pub(crate) fn enqueue<R: Runtime>(
             },
         );
     }
-    arguments.buffer(lse);
+    if let Some((_, lse)) = finished {
+        arguments.buffer(lse);
+    }
+    if let Some(state) = state_of(target) {
+        for tensor in [&state.o, &state.m, &state.l] {
+            arguments.buffer(tensor);
+        }
+    }
     let scale = options.resolved_scale(dims.head_dim);
     let grouped = launch.variant.schedule.grouped_slices;
     for value in forward_plan::scalars(dims, &options.mask, scale, grouped) {
@@ -152,9 +211,11 @@ pub(crate) fn enqueue<R: Runtime>(
     let kernel = kernel(&launch.variant);
     // SAFETY: `plan` checked that the runtime is CUDA on an sm_90 device and that the cubes,
     // shared memory and grid fit it; the arguments follow `distflash_hopper_attention_forward`'s
-    // parameters (the four tensor maps, their buffers, lse, the eight scalars). The tensor maps
-    // bound every copy to its tensor (rows past a slice read as zeros and are not stored), lse
-    // is written only at rows below `q_len`, and the loops are bounded by the tile counts.
+    // parameters for the variant's ends (the tensor maps of q, k, v and a finished output, their
+    // buffers, lse for a finished output, the state's o, m and l for a step, the eight scalars).
+    // The tensor maps bound every copy to its tensor (rows past a slice read as zeros and are not
+    // stored), lse and the state are read and written only at rows below `q_len`, and the loops
+    // are bounded by the tile counts.
     unsafe { source_task::launch(client, kernel, launch.grid.clone(), arguments) };
 }
 
@@ -182,36 +243,62 @@ pub fn attention_forward<R: Runtime>(
     lse.expect_elem("lse", ElemType::F32)?;
     options.check()?;
     options.mask.check(&dims)?;
-    let buffers = [("q", q), ("k", k), ("v", v), ("out", out)];
-    let launch = launch_for(client, &dims, options, buffers)?;
-    enqueue(client, &launch, (q, k, v), out, lse, &dims, options);
+    let target = ForwardTarget::Finished { out, lse };
+    let launch = launch_for(client, &dims, options, (q, k, v), &target)?;
+    enqueue(client, &launch, (q, k, v), &target, &dims, options);
     launch_result(client, "the Hopper attention forward")
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hopper::source_task::parameters;
+    use crate::hopper::source_task::preprocessed_parameters;
+
+    /// The entry point's parameters as the preprocessor leaves them for `ends`.
+    fn parameters_for(ends: ForwardEnds) -> Vec<String> {
+        let (state_in, state_out) = (ends.reads_state(), ends.writes_state());
+        preprocessed_parameters(FORWARD_CU, ENTRY_POINT, |condition| match condition {
+            "!DISTFLASH_STATE_OUT" => !state_out,
+            "DISTFLASH_STATE_IN || DISTFLASH_STATE_OUT" => state_in || state_out,
+            other => panic!("unexpected condition `{other}`"),
+        })
+    }
 
     #[test]
     fn the_source_declares_the_parameters_in_launch_order() {
-        // Tensor maps by value, their buffers, lse, then the scalars by value (see
-        // `source_task`'s comment): what `enqueue` registers.
+        // Tensor maps by value, their buffers, lse or the state, then the scalars by value (see
+        // `source_task`'s comment): what `enqueue` registers for each target.
+        let maps = [
+            "const __grid_constant__ TensorMap q_map",
+            "const __grid_constant__ TensorMap k_map",
+            "const __grid_constant__ TensorMap v_map",
+        ];
+        let buffers = [
+            "const void* q_buffer",
+            "const void* k_buffer",
+            "const void* v_buffer",
+        ];
+        let output_map = ["const __grid_constant__ TensorMap o_map"];
+        let output = ["void* o_buffer", "float* lse"];
+        let state = ["float* state_o", "float* state_m", "float* state_l"];
+        let info = ["const __grid_constant__ ForwardInfo info"];
+        let expected = |parts: &[&[&str]]| -> Vec<String> {
+            parts.concat().into_iter().map(String::from).collect()
+        };
         assert_eq!(
-            parameters(FORWARD_CU, ENTRY_POINT),
-            [
-                "const __grid_constant__ TensorMap q_map",
-                "const __grid_constant__ TensorMap k_map",
-                "const __grid_constant__ TensorMap v_map",
-                "const __grid_constant__ TensorMap o_map",
-                "const void* q_buffer",
-                "const void* k_buffer",
-                "const void* v_buffer",
-                "void* o_buffer",
-                "float* lse",
-                "const __grid_constant__ ForwardInfo info",
-            ]
+            parameters_for(ForwardEnds::Whole),
+            expected(&[&maps, &output_map, &buffers, &output, &info])
         );
+        assert_eq!(
+            parameters_for(ForwardEnds::LastStep),
+            expected(&[&maps, &output_map, &buffers, &output, &state, &info])
+        );
+        for ends in [ForwardEnds::FirstStep, ForwardEnds::Step] {
+            assert_eq!(
+                parameters_for(ends),
+                expected(&[&maps, &buffers, &state, &info])
+            );
+        }
         assert_eq!(FORWARD_CU.matches("__global__").count(), 1);
         assert!(!FORWARD_CU.contains("#include"));
         assert!(FORWARD_CU.contains("__launch_bounds__(DF_THREADS, 1)"));
@@ -224,6 +311,7 @@ mod tests {
             elem: ElemType::F16,
             causal,
             schedule: schedule::ForwardSchedule::default(),
+            ends: ForwardEnds::Whole,
         };
         let (first, again, other) = (
             kernel(&variant(true)),
@@ -246,6 +334,7 @@ mod tests {
             elem: ElemType::BF16,
             causal: true,
             schedule: schedule::ForwardSchedule::default(),
+            ends: ForwardEnds::Step,
         };
         let source = forward_source(&variant);
         assert!(source.starts_with(&variant.switches()));

@@ -1,6 +1,7 @@
 //! The Hopper attention forward's constants and what it covers, pure logic: which calls
-//! `attention_forward.cu` takes (element types, head dims, masks, scales), the switches of the
-//! variant compiled for a call, its shared memory and the scalars it reads.
+//! `attention_forward.cu` takes (element types, head dims, masks, scales), what it starts from
+//! and writes (a whole attention or one of the three steps of the stat-carrying contract), the
+//! switches of the variant compiled for a call, its shared memory and the scalars it reads.
 
 use super::schedule::ForwardSchedule;
 use crate::dims::AttentionDims;
@@ -34,6 +35,33 @@ pub const fn shared_bytes(head_dim: usize) -> usize {
 // Within the 227 KiB a Hopper cube may opt into.
 const _: () = assert!(shared_bytes(128) <= 232_448);
 
+/// What one compiled forward starts from and what it writes: a whole attention or one of the
+/// stat-carrying contract's steps (ARCHITECTURE.md, "The state (o, m, l)").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ForwardEnds {
+    /// From the empty state to the finished output and lse (`attention`).
+    Whole,
+    /// From the empty state to a running state, nothing read (`forward_first_step`).
+    FirstStep,
+    /// From a running state to the same state, in place (`forward_step`).
+    Step,
+    /// From a running state to the finished output and lse, the state only read
+    /// (`forward_last_step`).
+    LastStep,
+}
+
+impl ForwardEnds {
+    /// Whether the kernel starts from a running state (else from the empty one).
+    pub fn reads_state(self) -> bool {
+        matches!(self, Self::Step | Self::LastStep)
+    }
+
+    /// Whether the kernel writes a running state (else the finished output and lse).
+    pub fn writes_state(self) -> bool {
+        matches!(self, Self::FirstStep | Self::Step)
+    }
+}
+
 /// One compiled form of the kernel: what its switches select.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ForwardVariant {
@@ -45,18 +73,20 @@ pub struct ForwardVariant {
     pub causal: bool,
     /// How the consumer warpgroups order their work.
     pub schedule: ForwardSchedule,
+    /// What it starts from and writes.
+    pub ends: ForwardEnds,
 }
 
 impl ForwardVariant {
-    /// The variant that computes attention of `dims` in `elem` under `mask` with score `scale`,
-    /// or why the kernel does not cover the call: another element type or head dim, a sliding
-    /// window or documents, a scale that is not positive and finite.
+    /// The variant that computes attention of `dims` in `elem` under `mask` with score `scale`
+    /// from and to `ends`, or why the kernel does not cover the call: another element type or
+    /// head dim, a sliding window or documents, a scale that is not positive and finite.
     pub fn for_call(
         dims: &AttentionDims,
         elem: ElemType,
-        mask: &Mask,
-        scale: f32,
+        (mask, scale): (&Mask, f32),
         schedule: ForwardSchedule,
+        ends: ForwardEnds,
     ) -> Result<Self, KernelError> {
         super::coverage::check("the Hopper attention forward", dims, elem, mask, scale)?;
         Ok(Self {
@@ -64,6 +94,7 @@ impl ForwardVariant {
             elem,
             causal: mask.causal,
             schedule,
+            ends,
         })
     }
 
@@ -72,12 +103,15 @@ impl ForwardVariant {
         let flag = |on: bool| u8::from(on);
         format!(
             "#define DISTFLASH_HEAD_DIM {}\n#define DISTFLASH_F16 {}\n#define DISTFLASH_CAUSAL {}\n\
-             #define DISTFLASH_INTRA_OVERLAP {}\n#define DISTFLASH_PINGPONG {}\n",
+             #define DISTFLASH_INTRA_OVERLAP {}\n#define DISTFLASH_PINGPONG {}\n\
+             #define DISTFLASH_STATE_IN {}\n#define DISTFLASH_STATE_OUT {}\n",
             self.head_dim,
             flag(self.elem == ElemType::F16),
             flag(self.causal),
             flag(self.schedule.intra_overlap),
             flag(self.schedule.pingpong),
+            flag(self.ends.reads_state()),
+            flag(self.ends.writes_state()),
         )
     }
 }
@@ -120,7 +154,8 @@ mod tests {
     use crate::{Documents, SlidingWindow};
 
     fn refusal(d: AttentionDims, elem: ElemType, mask: Mask, scale: f32) -> KernelError {
-        ForwardVariant::for_call(&d, elem, &mask, scale, ForwardSchedule::default()).unwrap_err()
+        let schedule = ForwardSchedule::default();
+        ForwardVariant::for_call(&d, elem, (&mask, scale), schedule, ForwardEnds::Step).unwrap_err()
     }
 
     #[test]
@@ -129,16 +164,23 @@ mod tests {
             for elem in [ElemType::BF16, ElemType::F16] {
                 for mask in [Mask::none(), Mask::causal().at(40, 0)] {
                     let schedule = ForwardSchedule::default();
-                    let variant =
-                        ForwardVariant::for_call(&dims(head_dim), elem, &mask, 0.1, schedule)
-                            .unwrap();
+                    let ends = ForwardEnds::LastStep;
+                    let variant = ForwardVariant::for_call(
+                        &dims(head_dim),
+                        elem,
+                        (&mask, 0.1),
+                        schedule,
+                        ends,
+                    )
+                    .unwrap();
                     assert_eq!(
                         variant,
                         ForwardVariant {
                             head_dim,
                             elem,
                             causal: mask.causal,
-                            schedule
+                            schedule,
+                            ends,
                         }
                     );
                 }
@@ -201,12 +243,23 @@ mod tests {
                 pingpong: true,
                 grouped_slices: true,
             },
+            ends: ForwardEnds::Whole,
         };
         assert_eq!(
             variant.switches(),
             "#define DISTFLASH_HEAD_DIM 64\n#define DISTFLASH_F16 1\n#define DISTFLASH_CAUSAL 1\n\
-             #define DISTFLASH_INTRA_OVERLAP 0\n#define DISTFLASH_PINGPONG 1\n"
+             #define DISTFLASH_INTRA_OVERLAP 0\n#define DISTFLASH_PINGPONG 1\n\
+             #define DISTFLASH_STATE_IN 0\n#define DISTFLASH_STATE_OUT 0\n"
         );
+        // The steps: what each reads and writes.
+        let state_switches = |ends| {
+            let switches = ForwardVariant { ends, ..variant }.switches();
+            let flag = |name: &str| switches.contains(&format!("#define DISTFLASH_{name} 1\n"));
+            (flag("STATE_IN"), flag("STATE_OUT"))
+        };
+        assert_eq!(state_switches(ForwardEnds::FirstStep), (false, true));
+        assert_eq!(state_switches(ForwardEnds::Step), (true, true));
+        assert_eq!(state_switches(ForwardEnds::LastStep), (true, false));
     }
 
     #[test]

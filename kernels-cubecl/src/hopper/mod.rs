@@ -6,8 +6,9 @@
 //!
 //! Three kernels: the attention forward ([`attention_forward`]) and backward
 //! ([`attention_backward`]), what `Variant::Hopper` and, where they cover the call,
-//! `Variant::Auto` run for a whole attention, and a bf16 matrix product ([`gemm`], the route's
-//! spike). Their PTX building blocks are one file, `ptx.cuh`; what the attention kernels share
+//! `Variant::Auto` run for a whole attention and for the steps of the stat-carrying contract
+//! (`forward_step`, `forward_first_step`, `forward_last_step`, `backward_step`), and a bf16
+//! matrix product ([`gemm`], the route's spike). Their PTX building blocks are one file, `ptx.cuh`; what the attention kernels share
 //! on top of it another, `attention.cuh`.
 
 mod backward;
@@ -27,10 +28,12 @@ use cubecl::prelude::*;
 
 use crate::kernel_error::KernelError;
 use crate::limits::DeviceLimits;
-use crate::step_options::{StepOptions, Variant};
 
 pub use backward::{attention_backward, backward_rows_source, backward_source};
-pub(crate) use backward::{choose as choose_backward, enqueue as enqueue_backward, ForwardTensors};
+pub(crate) use backward::{
+    choose as choose_backward, choose_step as choose_backward_step, enqueue as enqueue_backward,
+    enqueue_step as enqueue_backward_step, ForwardTensors,
+};
 pub use backward_plan::{shared_bytes as backward_shared_bytes, BackwardVariant};
 pub use coverage::HEAD_DIMS;
 pub use forward::{attention_forward, forward_source};
@@ -38,7 +41,7 @@ pub(crate) use forward::{
     choose as choose_forward, enqueue as enqueue_forward, plan as plan_forward,
 };
 pub use forward_plan::{
-    shared_bytes as forward_shared_bytes, ForwardVariant, BLOCK_KEYS, BLOCK_ROWS,
+    shared_bytes as forward_shared_bytes, ForwardEnds, ForwardVariant, BLOCK_KEYS, BLOCK_ROWS,
 };
 pub use gemm::{gemm, gemm_source};
 pub use gemm_shape::{GemmLayout, SHARED_BYTES, TILE_K, TILE_M, TILE_N, UNITS};
@@ -85,19 +88,4 @@ pub(crate) fn device_grid<R: Runtime>(
         });
     }
     Ok(CubeCount::Static(count as u32, 1, 1))
-}
-
-/// Refuses the step entry points (forward and backward) under [`Variant::Hopper`]: the Hopper
-/// kernels run whole attentions only (no state in or out, no gradient accumulators).
-pub(crate) fn refuse_steps(options: &StepOptions, call: &str) -> Result<(), KernelError> {
-    if options.variant == Variant::Hopper {
-        return Err(KernelError::Unsupported {
-            what: format!(
-                "{call}: the Hopper variant runs whole attentions (`attention`, \
-                 `attention_backward`) only; steps run on Variant::TensorCore (Variant::Auto \
-                 picks it)"
-            ),
-        });
-    }
-    Ok(())
 }

@@ -164,6 +164,36 @@ pub(crate) fn parameters<'a>(source: &'a str, entry_point: &str) -> Vec<&'a str>
         .collect()
 }
 
+/// The parameters of `entry_point` in `source` as the preprocessor leaves them: each declared
+/// one kept unless an `#if CONDITION` line before it (closed by `#endif`) has a condition that
+/// `holds` says is false, for the tests of kernels whose parameters depend on their switches.
+#[cfg(test)]
+pub(crate) fn preprocessed_parameters(
+    source: &str,
+    entry_point: &str,
+    holds: impl Fn(&str) -> bool,
+) -> Vec<String> {
+    let mut kept = Vec::new();
+    let mut keep = true;
+    for parameter in parameters(source, entry_point) {
+        let mut declaration = String::new();
+        for line in parameter.lines().map(str::trim) {
+            if let Some(condition) = line.strip_prefix("#if ") {
+                keep = holds(condition);
+            } else if line == "#endif" {
+                keep = true;
+            } else {
+                assert!(!line.starts_with('#'), "unexpected directive `{line}`");
+                declaration.push_str(line);
+            }
+        }
+        if keep && !declaration.is_empty() {
+            kept.push(declaration);
+        }
+    }
+    kept
+}
+
 /// Asserts that the device source `file` (`source`) defines each of `defines` to its value, so
 /// that the host's constants and the kernel's cannot drift apart.
 #[cfg(test)]

@@ -61,11 +61,7 @@ fn check_case<R: Runtime>(client: &ComputeClient<R>, case: &Case) -> Result<(), 
         hopper_gradients(client, case, (&q, &k, &v), (&out, &lse, &grad_out))
             .map_err(|e| format!("refused: {e}"))?
             .map(|grad| read(client, &grad));
-    let reference = |round| {
-        let (q, k, v, grad_out) = (&case.q, &case.k, &case.v, &case.grad_out);
-        oracle::backward(dims, q, k, v, grad_out, &case.mask, case.scale(), round)
-    };
-    let (exact, naive) = (reference(exact), reference(naive_rounding(case.elem)));
+    let (exact, naive) = case.reference_backward();
     let quantity = |name, got, exact, naive, slice_rows, block_rows| Quantity {
         name,
         got,
@@ -193,6 +189,10 @@ pub fn uncovered_calls_are_refused<R: Runtime>(client: &ComputeClient<R>) {
         dk: zeros(dims.kv_shape()),
         dv: zeros(dims.kv_shape()),
     };
+    let backward_step = |options: &StepOptions| {
+        distflash_kernels::backward_step(client, &q, &k, &v, &grad_out, &lse, &lse, &grads, options)
+            .err()
+    };
     let refusals = [
         (
             backward(&deterministic),
@@ -201,20 +201,10 @@ pub fn uncovered_calls_are_refused<R: Runtime>(client: &ComputeClient<R>) {
         (backward(&window), "sliding windows"),
         (backward(&negative), "positive, finite score scale"),
         (
-            distflash_kernels::backward_step(
-                client,
-                &q,
-                &k,
-                &v,
-                &grad_out,
-                &lse,
-                &lse,
-                &grads,
-                &hopper_options,
-            )
-            .err(),
-            "backward_step: the Hopper variant runs whole attentions",
+            backward_step(&deterministic),
+            "deterministic backward runs on Variant::TensorCore",
         ),
+        (backward_step(&window), "sliding windows"),
     ];
     for (err, what) in refusals {
         let err = err.unwrap_or_else(|| panic!("not refused: {what}"));

@@ -214,25 +214,35 @@ fn threshold(exact: &[f64], naive: &[f64], elem: ElemType) -> f64 {
 /// Runs `check` on every case (all of them, so one run shows the whole picture) and panics
 /// listing the failures.
 pub fn check_all(what: &str, cases: &[Named], check: impl Fn(&Case) -> Result<(), String>) {
+    let named = cases.iter().map(|named| (named.name.as_str(), &named.case));
+    check_each(what, named, check);
+}
+
+/// [`check_all`] for cases of any kind, each with its name.
+pub fn check_each<'a, T: 'a>(
+    what: &str,
+    cases: impl IntoIterator<Item = (&'a str, &'a T)>,
+    check: impl Fn(&T) -> Result<(), String>,
+) {
+    let mut count = 0;
     let failures: Vec<String> = cases
-        .iter()
-        .filter_map(|named| {
-            let outcome = check(&named.case);
+        .into_iter()
+        .filter_map(|(name, case)| {
+            count += 1;
+            let outcome = check(case);
             println!(
-                "{what} {}: {}",
-                named.name,
+                "{what} {name}: {}",
                 if outcome.is_ok() { "ok" } else { "FAILED" }
             );
             outcome
                 .err()
-                .map(|error| format!("{what} {}:\n    {error}", named.name))
+                .map(|error| format!("{what} {name}:\n    {error}"))
         })
         .collect();
     assert!(
         failures.is_empty(),
-        "{} of {} cases failed:\n{}",
+        "{} of {count} cases failed:\n{}",
         failures.len(),
-        cases.len(),
         failures.join("\n")
     );
 }

@@ -218,12 +218,17 @@ pub fn uncovered_calls_are_refused<R: Runtime>(client: &ComputeClient<R>) {
     let (q96, k96, v96) = d96.qkv(client);
     let refusals = [
         (
-            distflash_kernels::forward_step(client, &q, &k, &v, &state, &hopper_options).err(),
-            "forward_step: the Hopper variant runs whole attentions",
+            distflash_kernels::forward_step(client, &q, &k, &v, &state, &window).err(),
+            "sliding windows",
         ),
         (
-            distflash_kernels::forward_first_step(client, &q, &k, &v, &hopper_options).err(),
-            "forward_first_step: the Hopper variant",
+            distflash_kernels::forward_first_step(client, &q, &k, &v, &window).err(),
+            "sliding windows",
+        ),
+        (
+            distflash_kernels::forward_last_step(client, &q, &k, &v, state.clone(), &negative)
+                .err(),
+            "positive, finite score scale",
         ),
         (
             distflash_kernels::attention(client, &q, &k, &v, &window).err(),

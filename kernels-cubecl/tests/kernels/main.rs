@@ -1,8 +1,8 @@
 //! The CubeCL kernels against the f64 reference (`distflash-test-support`): forward, backward, masks
 //! and offsets, GQA, odd lengths, every head dim, grids folded past a grid axis, fully-masked
 //! rows, chunk-by-chunk stepping and merging, and bad input; the Hopper kernels in their own
-//! modules (`hopper_forward`, `hopper_backward`, `hopper_gemm`; `hopper_cases` holds what they
-//! share).
+//! modules (`hopper_forward`, `hopper_backward`, `hopper_steps`, `hopper_gemm`; `hopper_cases`
+//! holds what they share).
 //!
 //! The suite is generic over the CubeCL runtime. It runs on wgpu (Mesa's software Vulkan in CI)
 //! and, with `--ignored`, on CUDA (the GPU machine), for both kernel variants there. The CUDA
@@ -13,6 +13,7 @@ mod hopper_backward;
 mod hopper_cases;
 mod hopper_forward;
 mod hopper_gemm;
+mod hopper_steps;
 
 use cubecl::prelude::*;
 use distflash_kernels::{
@@ -110,6 +111,25 @@ impl Case {
             oracle::forward(&self.dims, q, k, v, &self.mask, self.scale(), round)
         };
         (forward(exact), forward(naive_rounding(self.elem)))
+    }
+
+    /// The reference gradients in f64 (from `grad_out`), exact and rounded as a naive kernel in
+    /// the element type would round them.
+    fn reference_backward(&self) -> (oracle::ReferenceGrads, oracle::ReferenceGrads) {
+        let backward = |round: oracle::Rounding| {
+            let (q, k, v, grad_out) = (&self.q, &self.k, &self.v, &self.grad_out);
+            oracle::backward(
+                &self.dims,
+                q,
+                k,
+                v,
+                grad_out,
+                &self.mask,
+                self.scale(),
+                round,
+            )
+        };
+        (backward(exact), backward(naive_rounding(self.elem)))
     }
 
     fn upload<R: Runtime>(

@@ -15,12 +15,13 @@ use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 
 use distflash_kernels::AttentionDims;
 
-use super::fusion_group;
+use super::{fusion_group, fusion_product};
 use crate::collective::DeviceGroup;
 use crate::extension::{
     AttentionBackend, CheckpointBackend, FlashAttentionBackend, Grads, LayerOpsBackend,
     SequenceParallelBackend,
 };
+use crate::matmul::Transposed;
 use crate::options::FlashAttentionOptions;
 use crate::sequence_parallel::SequenceParallelOptions;
 use crate::step::AttentionState;
@@ -235,7 +236,20 @@ where
 
 /// The layers' operations from Burn tensor operations on the fusion stream (the trait's
 /// defaults), which fusion may merge with their neighbours.
-impl<B> LayerOpsBackend for Fusion<B> where B: FusionBackend + FlashAttentionBackend<Inner = B> {}
+/// The element-wise operations are Burn tensor operations, which fusion fuses (the trait's
+/// defaults); the products run on `B` (`fusion_product`).
+impl<B> LayerOpsBackend for Fusion<B>
+where
+    B: FusionBackend + FlashAttentionBackend<Inner = B>,
+{
+    fn matrix_product(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        transposed: Transposed,
+    ) -> FloatTensor<Self> {
+        fusion_product::matrix_product::<B>(lhs, rhs, transposed)
+    }
+}
 
 /// No autodiff: a checkpointed segment just runs (the trait's default).
 impl<B> CheckpointBackend for Fusion<B> where B: FusionBackend + FlashAttentionBackend<Inner = B> {}

@@ -1,8 +1,8 @@
 //! `Autodiff<B>`: a linear layer's product `x W` as one graph node whose forward and backward
-//! products take `B`'s path (cuBLAS on CUDA `CubeBackend` tensors), not Burn's autodiff matmul.
+//! products take `B`'s path (`B::matrix_product`: cuBLAS on CUDA `CubeBackend` tensors), not
+//! Burn's autodiff matmul.
 
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Tensor, TensorPrimitive};
 use burn_autodiff::checkpoint::base::Checkpointer;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
@@ -10,15 +10,11 @@ use burn_autodiff::ops::{Backward, Ops, OpsKind};
 use burn_autodiff::Autodiff;
 
 use crate::extension::FlashAttentionBackend;
-use crate::matmul::{product, Transposed};
+use crate::matmul::Transposed;
 
 /// The backward node of `y = x W`.
 #[derive(Debug)]
 struct LinearProduct;
-
-fn wrap<B: FlashAttentionBackend>(t: FloatTensor<B>) -> Tensor<B, 2> {
-    Tensor::from_primitive(TensorPrimitive::Float(t))
-}
 
 impl<B: FlashAttentionBackend> Backward<B, 2> for LinearProduct {
     /// `x` `[rows, d_in]` and `W` `[d_in, d_out]`.
@@ -30,16 +26,16 @@ impl<B: FlashAttentionBackend> Backward<B, 2> for LinearProduct {
         grads: &mut Gradients,
         _checkpointer: &mut Checkpointer,
     ) {
-        let grad = wrap::<B>(grads.consume::<B>(&ops.node));
+        let grad = grads.consume::<B>(&ops.node);
         let (x, weight) = ops.state;
         let [x_node, weight_node] = ops.parents;
         if let Some(node) = weight_node {
-            let dweight = product(wrap::<B>(x), grad.clone(), Transposed::Lhs);
-            grads.register::<B>(node.id, dweight.into_primitive().tensor());
+            let dweight = B::matrix_product(x, grad.clone(), Transposed::Lhs);
+            grads.register::<B>(node.id, dweight);
         }
         if let Some(node) = x_node {
-            let dx = product(grad, wrap::<B>(weight), Transposed::Rhs);
-            grads.register::<B>(node.id, dx.into_primitive().tensor());
+            let dx = B::matrix_product(grad, weight, Transposed::Rhs);
+            grads.register::<B>(node.id, dx);
         }
     }
 }

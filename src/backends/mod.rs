@@ -49,6 +49,7 @@ mod checkpoint_node;
 pub mod cube;
 mod fusion;
 mod fusion_group;
+mod fusion_product;
 mod host_offload;
 mod layer_nodes;
 mod linear_node;

@@ -23,8 +23,24 @@ pub trait LayerOpsBackend: Backend {
     /// - weight: `[d_in, d_out]`
     /// - output: `[rows, d_out]`
     fn linear_product(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::matrix_product(x, weight, Transposed::Neither)
+    }
+
+    /// The product of two matrices as `transposed` says (the linear layers' forward and
+    /// backward products, outside any autodiff graph): cuBLAS on CUDA `CubeBackend` tensors,
+    /// Burn's `matmul` on row-major copies elsewhere; `Fusion<B>` runs it on `B` as a custom
+    /// operation of the fusion stream, never through Burn's fused matmul.
+    ///
+    /// # Shapes
+    ///
+    /// As [`Transposed`] says: `[m, k]` or `[k, m]` times `[k, n]` or `[n, k]`, giving `[m, n]`.
+    fn matrix_product(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        transposed: Transposed,
+    ) -> FloatTensor<Self> {
         let wrap = |t| Tensor::<Self, 2>::from_primitive(TensorPrimitive::Float(t));
-        product(wrap(x), wrap(weight), Transposed::Neither)
+        product(wrap(lhs), wrap(rhs), transposed)
             .into_primitive()
             .tensor()
     }

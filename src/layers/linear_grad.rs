@@ -2,9 +2,10 @@
 
 use burn::nn::Linear;
 use burn::tensor::backend::Backend;
-use burn::tensor::Tensor;
+use burn::tensor::{Tensor, TensorPrimitive};
 
-use crate::matmul::{product, Transposed};
+use crate::extension::LayerOpsBackend;
+use crate::matmul::Transposed;
 
 /// Gradients of a linear layer's input and weight.
 pub(crate) struct LinearGrads<B: Backend> {
@@ -15,7 +16,7 @@ pub(crate) struct LinearGrads<B: Backend> {
 }
 
 /// `(dx, dW)` of `y = x W` at input `x` for the output gradient `grad`.
-pub(crate) fn linear_backward<B: Backend>(
+pub(crate) fn linear_backward<B: LayerOpsBackend>(
     linear: &Linear<B>,
     x: Tensor<B, 3>,
     grad: Tensor<B, 3>,
@@ -27,7 +28,7 @@ pub(crate) fn linear_backward<B: Backend>(
 }
 
 /// `dx = dy W^T` `[batch, seq, d_in]` of `y = x W` for the output gradient `grad`.
-pub(crate) fn linear_input_grad<B: Backend>(
+pub(crate) fn linear_input_grad<B: LayerOpsBackend>(
     linear: &Linear<B>,
     grad: Tensor<B, 3>,
 ) -> Tensor<B, 3> {
@@ -40,7 +41,10 @@ pub(crate) fn linear_input_grad<B: Backend>(
 
 /// `dW = x^T dy` `[d_in, d_out]` of `y = x W` at input `x` for the output gradient `grad`,
 /// summed over batch and sequence.
-pub(crate) fn linear_weight_grad<B: Backend>(x: Tensor<B, 3>, grad: Tensor<B, 3>) -> Tensor<B, 2> {
+pub(crate) fn linear_weight_grad<B: LayerOpsBackend>(
+    x: Tensor<B, 3>,
+    grad: Tensor<B, 3>,
+) -> Tensor<B, 2> {
     let [batch, seq, d_in] = x.dims();
     let d_out = grad.dims()[2];
     let rows = batch * seq;
@@ -49,4 +53,15 @@ pub(crate) fn linear_weight_grad<B: Backend>(x: Tensor<B, 3>, grad: Tensor<B, 3>
         grad.reshape([rows, d_out]),
         Transposed::Lhs,
     )
+}
+
+/// [`LayerOpsBackend::matrix_product`] of Burn tensors.
+fn product<B: LayerOpsBackend>(
+    lhs: Tensor<B, 2>,
+    rhs: Tensor<B, 2>,
+    transposed: Transposed,
+) -> Tensor<B, 2> {
+    let prim = |t: Tensor<B, 2>| t.into_primitive().tensor();
+    let out = B::matrix_product(prim(lhs), prim(rhs), transposed);
+    Tensor::from_primitive(TensorPrimitive::Float(out))
 }

@@ -27,7 +27,7 @@ pub use optimisation::OptimisationArgs;
 pub use output::OutputArgs;
 pub use values::{
     at_least_one, bytes, fraction, non_negative, offload, placement, BackendKind, Dtype,
-    MemoryMode, Schedule, Zero,
+    MemoryMode, OptimizerState, Schedule, Zero,
 };
 
 /// Everything `llama_train`'s command line chose.

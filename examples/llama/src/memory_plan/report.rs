@@ -52,7 +52,7 @@ impl MemoryPlanner {
         if let Some(limit) = self.host_limit {
             let _ = writeln!(
                 text,
-                "host memory for offloaded checkpoints: at most {} per GPU",
+                "host memory for offloaded checkpoints and optimizer state: at most {} per GPU",
                 format_bytes(limit)
             );
         }

@@ -64,7 +64,8 @@ impl MemoryPlanner {
     }
 
     /// Whether this planner's step fits: its peak within [`FIT_FRACTION`] of `gpu_bytes` and
-    /// its offloaded checkpoints within the [`host_limit`](Self::host_limit).
+    /// its host memory (offloaded checkpoints, host-resident optimizer state) within the
+    /// [`host_limit`](Self::host_limit).
     fn step_fits(&self, gpu_bytes: u64) -> Result<bool, Error> {
         let plan = self.plan()?;
         Ok(plan.fits(gpu_bytes) && self.host_limit.is_none_or(|limit| plan.host <= limit))
@@ -180,7 +181,7 @@ impl MemoryPlanner {
         };
         if let Some(limit) = self.host_limit.filter(|&limit| smallest.host > limit) {
             return Ok(Error::invalid(
-                "the offloaded checkpoints' host memory",
+                "the host memory of the offloaded checkpoints and optimizer state",
                 format!("at most {} per GPU ({longest})", format_bytes(limit)),
                 format_bytes(smallest.host),
             ));

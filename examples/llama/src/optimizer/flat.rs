@@ -49,6 +49,18 @@ impl FlatLayout {
         }
     }
 
+    /// A layout of `len` elements over `world` ranks without parameters behind them, for tests
+    /// of what only the sizes decide.
+    #[cfg(test)]
+    pub(crate) fn of_len(len: usize, world: usize) -> Self {
+        Self {
+            slots: Vec::new(),
+            len,
+            padded: len.div_ceil(world) * world,
+            world,
+        }
+    }
+
     /// Number of parameters (tensors).
     pub fn num_tensors(&self) -> usize {
         self.slots.len()

@@ -513,7 +513,10 @@ mod tests {
         host.host_limit = Some(plan.host - 1);
         assert_eq!(host.longest_sequence(gpu_80gb).unwrap(), None);
         let report = host.report(Some(gpu_80gb), false).unwrap();
-        assert!(report.contains("no sequence fits"), "{report}");
+        assert!(
+            report.contains("no sequence fits: the host memory"),
+            "{report}"
+        );
     }
 
     #[test]

@@ -63,10 +63,7 @@ impl MemoryPlanner {
                  GPU)",
                 len / self.world
             ),
-            None => writeln!(
-                text,
-                "no sequence fits: the weights and optimizer state alone do not"
-            ),
+            None => writeln!(text, "{}", self.why_nothing_fits()?),
         };
         let _ = match self.fitting_memory(gpu, choose_offload) {
             Ok(fitted) => writeln!(text, "--memory auto: {}", Picked(&fitted)),

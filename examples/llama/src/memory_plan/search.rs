@@ -172,12 +172,29 @@ impl MemoryPlanner {
         Ok((chunks.0, chunks.1, planner.plan()?))
     }
 
+    /// Why no sequence fits: the host memory even the shortest needs is more than a GPU's share
+    /// of the host, or the weights and optimizer state alone do not fit the GPU.
+    pub(super) fn why_nothing_fits(&self) -> Result<String, Error> {
+        let shortest = self.at_length(2 * self.world.max(1)).plan()?;
+        Ok(
+            match self.host_limit.filter(|&limit| shortest.host > limit) {
+                Some(limit) => format!(
+                "no sequence fits: the host memory even the shortest needs ({}) is more than a \
+                 GPU's share of the host, {}",
+                format_bytes(shortest.host),
+                format_bytes(limit)
+            ),
+                None => "no sequence fits: the weights and optimizer state alone do not".into(),
+            },
+        )
+    }
+
     /// Why a step whose smallest-chunk plan is `smallest` does not fit: the GPU's memory or the
     /// host's, with the longest sequence that fits.
     fn refusal(&self, gpu_bytes: u64, smallest: &MemoryPlan) -> Result<Error, Error> {
         let longest = match self.longest_sequence(gpu_bytes)? {
             Some(len) => format!("the longest sequence that fits is {len} tokens"),
-            None => "no sequence fits: the weights and optimizer state alone do not".into(),
+            None => self.why_nothing_fits()?,
         };
         if let Some(limit) = self.host_limit.filter(|&limit| smallest.host > limit) {
             return Ok(Error::invalid(

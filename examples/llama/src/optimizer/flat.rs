@@ -109,6 +109,17 @@ impl FlatLayout {
         None
     }
 
+    /// Each parameter's range of the flat vector, in visiting order.
+    pub fn spans(&self) -> Vec<std::ops::Range<usize>> {
+        let mut offset = 0;
+        (self.slots.iter())
+            .map(|slot| {
+                offset += slot.len();
+                offset - slot.len()..offset
+            })
+            .collect()
+    }
+
     /// The float type the updated weights travel in: the parameters' own type when they all
     /// share one (writing back then casts nothing), f32 otherwise.
     pub fn wire_dtype(&self) -> DType {

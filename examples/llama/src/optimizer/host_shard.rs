@@ -69,11 +69,6 @@ impl<I: HostOffload> HostShard<I> {
         })
     }
 
-    /// The device the chunks are updated on.
-    pub fn device(&self) -> &I::Device {
-        &self.device
-    }
-
     /// Bytes of host memory the shard holds.
     pub fn bytes(&self) -> u64 {
         let held = self.chunks.iter().flat_map(|(_, v)| v.iter().flatten());

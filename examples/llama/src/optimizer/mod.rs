@@ -19,6 +19,7 @@ mod shard_set;
 mod sharded;
 mod state_chunks;
 mod state_placement;
+mod weight_writer;
 mod zero_stage;
 
 pub use crate::training_kernels::{unfused_optimizer_forced, AdamWStep, AdamWTensors};

@@ -35,6 +35,7 @@ use super::shard_file::{ShardData, ShardTensor};
 use super::shard_set::ShardSet;
 use super::state_chunks::{chunk_elements, norm_blocks};
 use super::state_placement::{StatePlacement, DEFAULT_STATE_CHUNK_BYTES};
+use super::weight_writer::WeightWriter;
 use super::zero_stage::ZeroStage;
 use crate::Error;
 
@@ -369,9 +370,10 @@ where
 
     /// [`step`](Self::step) of a host-resident state: the gradient norm from the gradient's
     /// blocks, then each chunk of state streamed through the device with its chunk of the
-    /// gradient. On one device the gradient's chunks are read from the parameters' gradients
-    /// (no f32 copy of the whole gradient); on a group the summed share is made as on the
-    /// device.
+    /// gradient, its updated weights (gathered over the group chunk by chunk) written into the
+    /// parameters as they complete ([`WeightWriter`]: no vector of the whole model's weights).
+    /// On one device the gradient's chunks are read from the parameters' gradients (no f32 copy
+    /// of the whole gradient); on a group the summed share is made as on the device.
     fn step_streamed<M: AutodiffModule<B>>(
         &self,
         host: &mut HostShard<B::InnerBackend>,
@@ -394,20 +396,27 @@ where
         let n = layout.shard_len();
         let norm = self.global_norm(n, read)?;
         let scale = clip_scale(clip, norm);
-        let device = host.device().clone();
-        let mut weights = Some(Tensor::empty([n], (&device, layout.wire_dtype())));
+        let world = self.rank().1;
+        let mut writer = WeightWriter::new(&layout);
         let time = host.time + 1;
         host.stream(|r, vectors| {
             let grad = clipped(read(r.clone()), scale);
             let updated = self.settings.update_vectors(vectors, grad, lr, time);
             let chunk = updated[0].clone().cast(layout.wire_dtype());
-            let whole = weights.take().expect("held between chunks");
-            weights = Some(whole.slice_assign([r], chunk));
+            match &self.group {
+                None => writer.write(r.start, chunk),
+                Some(group) => {
+                    let all = collective(group.all_gather(primitive(chunk)), "the weights")?;
+                    for rank in 0..world {
+                        let theirs = all.clone().narrow(0, rank * r.len(), r.len());
+                        writer.write(rank * n + r.start, theirs);
+                    }
+                }
+            }
             Ok(updated)
         })?;
         host.time = time;
-        let weights = weights.expect("held after the pass");
-        Ok((self.write_back(&layout, model, weights)?, norm))
+        Ok((writer.into_model::<B, M>(model), norm))
     }
 
     /// This rank's share of the gradients summed over the group, in f32: stage 2

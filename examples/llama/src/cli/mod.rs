@@ -195,6 +195,17 @@ mod tests {
         // An option given again replaces its earlier value.
         let again = parse(&["--steps", "10", "--steps", "20"]).unwrap();
         assert_eq!(again.optimisation.steps, 20);
+        assert_eq!(
+            again.memory.optimizer_state(),
+            None,
+            "the checkpoint's, or gpu"
+        );
+        let host = parse(&["--optimizer-state", "host", "--optimizer-chunk", "1GiB"]).unwrap();
+        let placement = crate::optimizer::StatePlacement::Host;
+        assert_eq!(host.memory.optimizer_state(), Some((placement, 1 << 30)));
+        let chunk = parse(&["--optimizer-chunk", "64MiB"]).unwrap();
+        let gpu = crate::optimizer::StatePlacement::Gpu;
+        assert_eq!(chunk.memory.optimizer_state(), Some((gpu, 64 << 20)));
     }
 
     #[test]

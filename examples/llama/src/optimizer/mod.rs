@@ -14,6 +14,7 @@
 mod flat;
 mod flat_pieces;
 mod host_shard;
+mod optimizer_shard;
 mod shard_file;
 mod shard_set;
 mod sharded;
@@ -24,11 +25,12 @@ mod zero_stage;
 
 pub use crate::training_kernels::{unfused_optimizer_forced, AdamWStep, AdamWTensors};
 pub use flat::FlatLayout;
+pub use optimizer_shard::OptimizerShard;
 pub use shard_file::{
     shard_file_name, write_shard_file, ShardData, ShardFile, ShardHeader, ShardTensor,
 };
 pub use shard_set::ShardSet;
-pub use sharded::{AdamWSettings, OptimizerShard, ShardedAdamW};
+pub use sharded::{AdamWSettings, ShardedAdamW};
 pub use state_chunks::{chunk_elements, STATE_BYTES_PER_ELEMENT};
 pub use state_placement::{StatePlacement, DEFAULT_STATE_CHUNK_BYTES};
 pub use zero_stage::ZeroStage;

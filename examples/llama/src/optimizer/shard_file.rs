@@ -14,7 +14,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Tensor, TensorData};
 
 use super::flat::FlatLayout;
-use super::sharded::OptimizerShard;
+use super::optimizer_shard::OptimizerShard;
 use super::zero_stage::ZeroStage;
 use crate::safetensors::{write_safetensors_with_metadata, Checkpoint};
 use crate::Error;

@@ -8,13 +8,18 @@
 //! 1. the gradients are gathered into one f32 vector;
 //! 2. stage 2 reduce-scatters it (each rank receives only its share of the sum); stage 1
 //!    all-reduces it and keeps its share;
-//! 3. the global gradient norm comes from the shares' squares with one all-reduce of a scalar,
-//!    and the share is scaled down when the norm exceeds the clipping norm;
+//! 3. the global gradient norm comes from the shares' squares (summed in fixed blocks, then the
+//!    blocks' sums) with one all-reduce of a scalar, and the share is scaled down when the norm
+//!    exceeds the clipping norm;
 //! 4. AdamW updates the share in f32 (Burn's `AdamW` formulas);
 //! 5. the updated shares, cast to the weights' type, are all-gathered and written back into the
 //!    parameters.
 //!
-//! Every step is Burn tensor operations on the device; only the norm comes to the host.
+//! Every step is Burn tensor operations on the device; only the norm comes to the host. With
+//! [`StatePlacement::Host`] the master weights and moments live in host memory ([`HostShard`])
+//! and steps 4 and 5 run chunk by chunk as the chunks stream through the device, and on one
+//! device step 1 too (each chunk's gradient read from the parameters' gradients): element-wise
+//! the same operations, so bitwise the same results.
 
 use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;
@@ -31,6 +36,7 @@ use burn_distflash::offload::HostOffload;
 use super::flat::FlatLayout;
 use super::flat_pieces::FlatPieces;
 use super::host_shard::{HostShard, StateVectors};
+use super::optimizer_shard::OptimizerShard;
 use super::shard_file::{ShardData, ShardTensor};
 use super::shard_set::ShardSet;
 use super::state_chunks::{chunk_elements, norm_blocks};
@@ -50,23 +56,6 @@ pub struct AdamWSettings {
     pub epsilon: f32,
     /// Decoupled weight decay (the weights shrink by `lr * weight_decay` each step).
     pub weight_decay: f32,
-}
-
-/// One rank's share of a [`ShardedAdamW`]'s state, in f32: elements
-/// `rank * n .. (rank + 1) * n` of the model's [`FlatLayout`] (`n` its
-/// [`shard_len`](FlatLayout::shard_len)).
-#[derive(Clone)]
-pub struct OptimizerShard<B: AutodiffBackend> {
-    /// The layout of the model's parameters over the group.
-    pub layout: FlatLayout,
-    /// The f32 master weights, `[n]` (zeros where the share covers the padding).
-    pub master: Tensor<B::InnerBackend, 1>,
-    /// AdamW's first moment, `[n]`.
-    pub moment_1: Tensor<B::InnerBackend, 1>,
-    /// AdamW's second moment, `[n]`.
-    pub moment_2: Tensor<B::InnerBackend, 1>,
-    /// Optimizer steps taken.
-    pub time: i32,
 }
 
 /// Where a [`ShardedAdamW`]'s state is, once made.

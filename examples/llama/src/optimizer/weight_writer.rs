@@ -100,3 +100,56 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Replace<B::InnerBackend> {
         Param::from_mapped_value(id, new, mapper)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::{Autodiff, NdArray};
+    use burn::nn::{Linear, LinearConfig};
+
+    type Cpu = Autodiff<NdArray<f32>>;
+
+    /// Two linear layers: weights and biases of four shapes.
+    type Two = (Linear<Cpu>, Linear<Cpu>);
+
+    fn two() -> Two {
+        let device = Default::default();
+        (
+            LinearConfig::new(3, 5).init(&device),
+            LinearConfig::new(5, 2).init(&device),
+        )
+    }
+
+    fn flat(model: &Two) -> Vec<f32> {
+        let layout = FlatLayout::of::<Cpu, _>(model, 1);
+        layout.weights::<Cpu, _>(model).to_data().to_vec().unwrap()
+    }
+
+    #[test]
+    fn pieces_written_in_any_order_make_every_parameter_and_drop_the_padding() {
+        let device = Default::default();
+        let model = two();
+        // 3x5 + 5 + 5x2 + 2 = 32 elements, padded to 33 over 3 ranks.
+        let layout = FlatLayout::of::<Cpu, _>(&model, 3);
+        assert_eq!((layout.len(), layout.padded()), (32, 33));
+        let values: Vec<f32> = (0..33).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let mut writer = WeightWriter::<NdArray<f32>>::new(&layout);
+        for range in [20..33, 0..7, 13..20, 7..13] {
+            let piece = Tensor::from_floats(&values[range.clone()], &device);
+            writer.write(range.start, piece);
+        }
+        let model = writer.into_model::<Cpu, _>(model);
+        assert_eq!(flat(&model), values[..32]);
+        assert!(model.0.weight.val().is_require_grad());
+    }
+
+    #[test]
+    #[should_panic(expected = "every parameter is written")]
+    fn a_parameter_left_unwritten_is_a_bug_not_stale_weights() {
+        let model = two();
+        let layout = FlatLayout::of::<Cpu, _>(&model, 1);
+        let mut writer = WeightWriter::<NdArray<f32>>::new(&layout);
+        writer.write(0, Tensor::zeros([20], &Default::default()));
+        writer.into_model::<Cpu, _>(model);
+    }
+}

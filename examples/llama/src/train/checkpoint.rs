@@ -241,7 +241,8 @@ impl<B: TrainBackend> Trainer<B> {
     ///
     /// # Errors
     ///
-    /// As [`resume`](Self::resume), and those of [`ShardedAdamW::load`].
+    /// As [`resume`](Self::resume), and those of
+    /// [`ShardedAdamW::load`](crate::optimizer::ShardedAdamW::load).
     pub fn resume_with_state_at(
         mut self,
         dir: &Path,

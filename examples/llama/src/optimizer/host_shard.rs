@@ -210,5 +210,7 @@ mod tests {
             err.contains("12288.00 GiB") && err.contains("available"),
             "{err}"
         );
+        let start = "keeping the optimizer state in host memory: offloading to host memory";
+        assert!(err.starts_with(start), "{err}");
     }
 }

@@ -3,7 +3,8 @@
 //! gradient norms, weights and shard files of the same steps with the state on the device, on 1,
 //! 2 and 3 ranks, at both ZeRO stages, with clipping active and inactive and chunks that do not
 //! divide the shards; a run resumes with its state moved from the device to the host and back,
-//! bitwise as the uninterrupted run. On CUDA (pinned memory, a copy stream) the same for a bf16
+//! bitwise as the uninterrupted run; the optimizer alone on two linear layers, on ndarray and wgpu,
+//! streams its state bitwise like the device-resident one. On CUDA (pinned memory, a copy stream) the same for a bf16
 //! model on one GPU.
 
 use std::path::Path;
@@ -182,6 +183,75 @@ fn a_run_resumes_with_its_state_moved_between_the_device_and_the_host() {
                 );
             }
         }
+    });
+}
+
+/// Two linear layers of 5,000 parameters: five chunks of 1024 elements, the last one short.
+type Layers<B> = (burn::nn::Linear<B>, burn::nn::Linear<B>);
+
+/// The master weights and the weights' bits after `steps` steps of [`ShardedAdamW`] (stage 1, one
+/// device, clipping at 0.5) on `sum((x W1 W2)^2)`, the state at `placement`.
+fn sharded_steps<B: TrainBackend>(
+    device: &B::Device,
+    placement: StatePlacement,
+    steps: usize,
+) -> (Vec<u32>, Vec<ParamValues>, Vec<u64>) {
+    use burn::nn::LinearConfig;
+    use burn::optim::GradientsParams;
+    use burn::tensor::{Distribution, Tensor};
+    use distflash_llama::optimizer::{AdamWSettings, ShardedAdamW};
+    B::seed(device, 5);
+    let mut model: Layers<B> = (
+        LinearConfig::new(64, 48).init(device),
+        LinearConfig::new(48, 40).init(device),
+    );
+    let settings = AdamWSettings {
+        beta_1: 0.9,
+        beta_2: 0.95,
+        epsilon: 1e-8,
+        weight_decay: 0.1,
+    };
+    let optim = ShardedAdamW::<B>::new(ZeroStage::OptimizerStates, settings, None).unwrap();
+    let mut optim = optim.with_state_placement(placement, 12 * 1024);
+    let mut norms = Vec::new();
+    for _ in 0..steps {
+        let x = Tensor::<B, 2>::random([7, 64], Distribution::Normal(0.0, 1.0), device);
+        let y = model.1.forward(model.0.forward(x));
+        let grads = GradientsParams::from_grads(y.powf_scalar(2.0).sum().backward(), &model);
+        let (next, norm) = optim.step(1e-2, 0.5, model, grads).unwrap();
+        (model, norms) = (next, [norms, vec![norm.to_bits()]].concat());
+    }
+    let master = optim
+        .master_weights()
+        .unwrap()
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap();
+    let master = master.iter().map(|v| v.to_bits()).collect();
+    (master, float_params(&model), norms)
+}
+
+/// [`sharded_steps`] with the state on the device and in host memory give the same bits.
+fn check_sharded_steps<B: TrainBackend>(device: &B::Device) {
+    let [gpu, host] = [StatePlacement::Gpu, StatePlacement::Host]
+        .map(|placement| sharded_steps::<B>(device, placement, 3));
+    assert!(
+        gpu.2.iter().any(|&n| f64::from_bits(n) > 0.5),
+        "clipping acts"
+    );
+    assert_eq!(gpu.2, host.2, "gradient norms");
+    assert!(gpu.1 == host.1, "weights");
+    assert!(gpu.0 == host.0, "master weights");
+}
+
+#[test]
+fn the_sharded_optimizer_streams_its_state_bitwise_on_ndarray_and_wgpu() {
+    within(Duration::from_secs(300), || {
+        check_sharded_steps::<crate::train::Cpu>(&crate::train::DEVICE);
+        type Wgpu = burn::backend::Autodiff<
+            burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>,
+        >;
+        check_sharded_steps::<Wgpu>(&cubecl::wgpu::WgpuDevice::Cpu);
     });
 }
 

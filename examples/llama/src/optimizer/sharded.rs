@@ -277,6 +277,8 @@ where
     ///
     /// # Errors
     ///
+    /// [`Error::Invalid`] when the ranks' models differ in structure or the model has no float
+    /// parameter (as [`step`](Self::step)); [`Error::Comm`] when the check's collective fails;
     /// [`Error::Attention`] wrapping the backend's offload error (the bytes wanted and what the
     /// host has), under [`StatePlacement::Host`].
     pub fn prepare<M: AutodiffModule<B>>(&mut self, model: &M) -> Result<(), Error> {
@@ -285,6 +287,8 @@ where
         }
         let (rank, world) = self.rank();
         let layout = FlatLayout::of::<B, M>(model, world);
+        // Every rank's model has the same structure (one collective), before any state exists.
+        self.check(&layout)?;
         self.state = Some(match self.placement {
             StatePlacement::Gpu => State::Device(self.first_shard(model, layout)),
             StatePlacement::Host => {

@@ -339,8 +339,10 @@ where
     ) -> Result<(M, f64), Error> {
         let world = self.rank().1;
         let layout = FlatLayout::of::<B, M>(&model, world);
-        self.check(&layout)?;
+        // At the first step `prepare` compares the ranks' layouts; later, `check` compares the
+        // model's with the state's.
         self.prepare(&model)?;
+        self.check(&layout)?;
         let state = self.state.take().expect("prepared");
         let (state, model, norm) = match state {
             State::Device(shard) => {

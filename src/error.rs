@@ -122,8 +122,9 @@ pub enum Error {
     },
     /// The NCCL library could not be loaded or an NCCL/CUDA call failed.
     Nccl(String),
-    /// Checkpoints cannot be offloaded to host memory: the host has too little available,
-    /// pinned memory could not be allocated, or a copy failed.
+    /// Tensors cannot be offloaded to host memory (layer checkpoints, or a sharded optimizer's
+    /// state): the host has too little available, pinned memory could not be allocated, or a
+    /// copy failed.
     Offload {
         /// Bytes of host memory asked for.
         needed: u64,
@@ -235,7 +236,7 @@ impl fmt::Display for Error {
             Error::Nccl(what) => write!(f, "NCCL: {what}"),
             Error::Offload { needed, why } => write!(
                 f,
-                "offloading checkpoints to host memory ({:.2} GiB asked for): {why}",
+                "offloading to host memory ({:.2} GiB asked for): {why}",
                 *needed as f64 / (1u64 << 30) as f64
             ),
         }

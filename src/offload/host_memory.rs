@@ -40,8 +40,8 @@ pub(crate) fn check(needed: u64, available: Option<u64>) -> Result<(), Error> {
         needed,
         why: format!(
             "the host has {} available (MemAvailable) and the offload leaves {} to the rest of \
-             the machine; free host memory, keep more layers on the device, or turn offload \
-             off",
+             the machine; free host memory, or offload less (keep more layers' checkpoints, or \
+             the optimizer state, on the device)",
             gib(available),
             gib(HEADROOM)
         ),

@@ -83,6 +83,16 @@ impl<B: Backend> HostTensor<B> {
         }
     }
 
+    /// The tensor's values, read from host memory (after waiting for its copy there); the tensor
+    /// stays where it is.
+    pub fn to_data(&self) -> TensorData {
+        match &self.kind {
+            HostKind::Data { data, .. } => data.clone(),
+            #[cfg(feature = "pinned-offload")]
+            HostKind::Pinned(tensor) => tensor.to_data(),
+        }
+    }
+
     /// Releases the device memory of a tensor whose copy to the host has finished, without
     /// waiting; `true` when no copy is under way any more.
     pub(crate) fn poll_copied(&mut self) -> bool {
@@ -93,8 +103,9 @@ impl<B: Backend> HostTensor<B> {
         }
     }
 
-    /// Waits for the copy to the host, then releases the tensor's device memory.
-    pub(crate) fn wait_copied(&mut self) {
+    /// Waits for the copy to the host, then releases the tensor's device memory (a copy still
+    /// under way otherwise keeps it until the tensor is restored or dropped).
+    pub fn wait_copied(&mut self) {
         match &mut self.kind {
             HostKind::Data { .. } => {}
             #[cfg(feature = "pinned-offload")]

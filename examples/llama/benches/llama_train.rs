@@ -3,8 +3,13 @@
 //!
 //! `cargo bench -p distflash-llama --bench llama_train -- --config llama-7b [--layers 4] --gpus 4
 //!  --seq 32768 [--iters 2] [--checkpoint attention-output|layer|none] [--offload off|all|N]
-//!  [--batch 1] [--profile-last-step] [--phases]` (`-- --help` lists the options with their
-//!  defaults)
+//!  [--batch 1] [--zero 0|1|2] [--optimizer-state gpu|host] [--optimizer-chunk BYTES]
+//!  [--profile-last-step] [--phases]` (`-- --help` lists the options with their defaults)
+//!
+//! `--zero 1|2` trains with the sharded optimizer (f32 master weights and moments, 1/P per
+//! rank); `--optimizer-state host` keeps that state in pinned host memory, streamed through the
+//! GPU in chunks of `--optimizer-chunk` at every step: run it beside `--optimizer-state gpu` for
+//! the step time and GPU memory of each (the pinned host line then counts the state too).
 //!
 //! `--offload all|N` keeps the layers' checkpoints in pinned host memory between forward and
 //! backward (every layer's, or all but the last N layers'): run it beside `--offload off` (the
@@ -46,8 +51,9 @@ use burn_distflash::{AttentionContext, DeviceGroup};
 use clap::Parser;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::Runtime;
-use distflash_llama::cli::{at_least_one, offload, placement};
+use distflash_llama::cli::{at_least_one, bytes, offload, placement, OptimizerState, Zero};
 use distflash_llama::memory_plan::MemoryPlanner;
+use distflash_llama::optimizer::DEFAULT_STATE_CHUNK_BYTES;
 use distflash_llama::train::{PhaseTimes, TrainOptions, Trainer};
 use distflash_llama::LlamaConfig;
 
@@ -90,6 +96,16 @@ struct Args {
     /// the last N layers')
     #[arg(long, value_name = "off|all|N", value_parser = offload)]
     offload: Option<Offload>,
+    /// The optimizer's ZeRO stage: 0 (replicated, moments in bf16), 1 or 2 (f32 master weights
+    /// and moments, 1/P per rank)
+    #[arg(long, value_enum, value_name = "STAGE", default_value = "0")]
+    zero: Zero,
+    /// Where --zero 1|2 keeps its f32 state: gpu, or host (pinned, streamed through the GPU)
+    #[arg(long, value_enum, value_name = "gpu|host", default_value = "gpu")]
+    optimizer_state: OptimizerState,
+    /// Bytes of state one chunk of --optimizer-state host brings to the GPU [default: 512MiB]
+    #[arg(long, value_name = "BYTES", value_parser = bytes)]
+    optimizer_chunk: Option<u64>,
     /// Bracket rank 0's last step with cuProfilerStart / cuProfilerStop
     #[arg(long)]
     profile_last_step: bool,
@@ -160,7 +176,11 @@ fn main() {
             .map(AttentionContext::sharded)
             .collect()
     };
-    let options = TrainOptions::new((WARM_UP + iters + 1) as u64, batch, seq).with_warmup(1);
+    let options = TrainOptions::new((WARM_UP + iters + 1) as u64, batch, seq)
+        .with_warmup(1)
+        .with_zero(args.zero.into())
+        .with_optimizer_state(args.optimizer_state.into())
+        .with_state_chunk_bytes(args.optimizer_chunk.unwrap_or(DEFAULT_STATE_CHUNK_BYTES));
     let barrier = Arc::new(Barrier::new(gpus));
     // Every rank starts from the same weights (initialised on GPU 0 by this thread).
     let model = config.try_init::<Train>(&devices[0]).expect("model");
@@ -238,10 +258,14 @@ fn main() {
     let flops_per_token = 6.0 * dense + attention;
     let per_gpu = flops_per_token * tokens / secs / gpus as f64;
     let name = &args.config;
-    let checkpoint = match config.offload {
+    let mut checkpoint = match config.offload {
         Offload::Off => format!("{:?}", config.checkpoint),
         offload => format!("{:?}, offload {offload:?}", config.checkpoint),
     };
+    if options.zero.is_sharded() {
+        let state = options.optimizer_state;
+        checkpoint += &format!(", ZeRO {}, state on the {state}", options.zero);
+    }
     println!(
         "| {name} ({} layers) | {gpus} | {seq} | {checkpoint} | {:.0} | {:.1} | {:.1}% | {:.1} | {:.3} |",
         config.n_layers,

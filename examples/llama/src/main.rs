@@ -26,7 +26,7 @@ use distflash_llama::generate::{generate, Sampling};
 use distflash_llama::loss_plot::{write_loss_plot_svg, Curve};
 use distflash_llama::memory_plan::MemoryPlanner;
 use distflash_llama::metrics::{read_metrics, MetricsLog, StepMetrics};
-use distflash_llama::optimizer::ZeroStage;
+use distflash_llama::optimizer::{StatePlacement, ZeroStage};
 use distflash_llama::progress::ProgressBar;
 use distflash_llama::tokenizer::{Tokenizer, END_OF_TEXT_NAMES};
 use distflash_llama::train::{export_weights, TrainBackend, TrainOptions, Trainer};
@@ -73,6 +73,10 @@ fn parse() -> Run {
     }
     if let Some(chunks) = ffn_chunks {
         options.ffn_chunks = chunks;
+    }
+    if let Some((placement, chunk_bytes)) = args.memory.optimizer_state() {
+        options.optimizer_state = placement;
+        options.state_chunk_bytes = chunk_bytes;
     }
     options.check().unwrap_or_else(|e| fail(e));
     Run {
@@ -205,6 +209,16 @@ fn zero_stage(args: &TrainArgs, world: usize) -> ZeroStage {
         })
 }
 
+/// Refuses `--optimizer-state host` without a sharded optimizer, whose state it places.
+fn check_optimizer_state(options: &TrainOptions) {
+    if options.optimizer_state == StatePlacement::Host && !options.zero.is_sharded() {
+        fail(
+            "--optimizer-state host places the sharded optimizer's f32 state (ZeRO stages 1 and \
+             2): add --zero 1 or --zero 2 (one GPU trains with stage 0 unless told)",
+        );
+    }
+}
+
 /// The memory planner for what the command line asks: the group's size from `--gpus` (or, under
 /// `--env`, `--world-size` or `WORLD_SIZE`), the elements' size from `--dtype` on CUDA (f32
 /// elsewhere), the host's memory for offloaded checkpoints ([`host_limit_per_gpu`]).
@@ -226,12 +240,13 @@ fn memory_planner(run: &Run, config: &LlamaConfig) -> MemoryPlanner {
         _ => 4,
     };
     let options = run.options.clone().with_zero(zero_stage(&run.args, world));
+    check_optimizer_state(&options);
     let mut planner = MemoryPlanner::new(config.clone(), options, world, elem_bytes);
     planner.host_limit = host_limit_per_gpu(run);
     planner
 }
 
-/// The host memory one GPU's offloaded checkpoints may take: `--host-memory` (or, by default,
+/// The host memory one GPU's offloaded checkpoints and host-resident optimizer state may take: `--host-memory` (or, by default,
 /// what this host has available now) less the offload's headroom, shared by the GPUs this host
 /// drives (`--gpus` in one process; under `--env`, `LOCAL_WORLD_SIZE` processes, as torchrun
 /// sets it, else one). `None` where the host does not say what it has.
@@ -306,12 +321,15 @@ fn train_rank<B: TrainBackend>(
     let args = &run.args;
     let (output, out) = (&args.output, args.out_dir());
     let options = run.options.clone().with_zero(zero_stage(args, world));
+    check_optimizer_state(&options);
     let mut trainer = Trainer::new(model, context, options);
     let (rank, world) = trainer.rank();
     let leader = rank == 0;
     let checkpoint_dir = out.join("checkpoint");
     if output.resume {
-        trainer = trainer.resume(&checkpoint_dir).unwrap_or_else(|e| fail(e));
+        let placement = args.memory.optimizer_state();
+        trainer =
+            (trainer.resume_with_state_at(&checkpoint_dir, placement)).unwrap_or_else(|e| fail(e));
         if args.steps_given {
             if run.options.steps < trainer.step {
                 fail(format!(
@@ -354,7 +372,8 @@ fn train_rank<B: TrainBackend>(
     if leader {
         eprintln!(
             "training {} params ({} layers, d_model {}, {} heads / {} kv) on {world} {} rank(s), \
-             {} x {} tokens per step, checkpoint {:?}, offload {:?}, ZeRO stage {}",
+             {} x {} tokens per step, checkpoint {:?}, offload {:?}, ZeRO stage {}, optimizer \
+             state on the {}",
             config.num_params(),
             config.n_layers,
             config.d_model,
@@ -365,7 +384,8 @@ fn train_rank<B: TrainBackend>(
             o.seq_len,
             config.checkpoint,
             config.offload,
-            trainer.options.zero
+            trainer.options.zero,
+            trainer.options.optimizer_state
         );
         if let Some(packing) = run.packing {
             let (documents, eot) = (packing.count(data.tokens()), packing.eot());

@@ -34,10 +34,11 @@ use burn::tensor::{ElementConversion, Int, Tensor, TensorData, TensorPrimitive};
 use super::loss::CrossEntropyBackend;
 use super::lr_schedule::learning_rate;
 use super::model::{Llama, LlamaInput};
-use super::optimizer::{AdamWSettings, FusedAdamW, ShardedAdamW, ZeroStage};
+use super::optimizer::{AdamWSettings, FusedAdamW, ShardedAdamW, StatePlacement, ZeroStage};
 use super::TrainingKernels;
 use crate::Error;
 use burn_distflash::layers::{RowChunks, TransformerBlockConfig};
+use burn_distflash::offload::HostOffload;
 use burn_distflash::sequence_parallel::shard_sequence;
 use burn_distflash::{AttentionContext, Documents, Error as PluginError, FlashAttentionBackend};
 
@@ -91,6 +92,17 @@ pub struct TrainOptions {
     /// Memory only.
     #[config(default = "TransformerBlockConfig::DEFAULT_FFN_CHUNKS")]
     pub ffn_chunks: RowChunks,
+    /// Where a sharded optimizer (stages 1 and 2) keeps its f32 master weights and moments: on
+    /// the device, or in host memory streamed through the device in chunks of
+    /// [`state_chunk_bytes`](Self::state_chunk_bytes) ([`StatePlacement`]). Memory and speed
+    /// only: the steps give bitwise the same results. Checkpoints written before this option
+    /// existed mean the device.
+    #[config(default = "StatePlacement::Gpu")]
+    pub optimizer_state: StatePlacement,
+    /// Bytes of state (12 per element) one chunk of a host-resident optimizer state brings to
+    /// the device at a time.
+    #[config(default = "crate::optimizer::DEFAULT_STATE_CHUNK_BYTES")]
+    pub state_chunk_bytes: u64,
 }
 
 /// What one step measured.
@@ -158,14 +170,14 @@ impl<B: Backend> PhaseClock<B> {
 /// The backends a [`Trainer`] runs on: autodiff over a backend that computes and communicates
 /// itself, runs the optimizer's passes and the loss (CUDA and wgpu `CubeBackend`, ndarray).
 pub trait TrainBackend:
-    AutodiffBackend<InnerBackend: TrainingKernels>
+    AutodiffBackend<InnerBackend: TrainingKernels + HostOffload>
     + FlashAttentionBackend<Inner = <Self as AutodiffBackend>::InnerBackend>
     + CrossEntropyBackend
 {
 }
 
 impl<B> TrainBackend for B where
-    B: AutodiffBackend<InnerBackend: TrainingKernels>
+    B: AutodiffBackend<InnerBackend: TrainingKernels + HostOffload>
         + FlashAttentionBackend<Inner = <B as AutodiffBackend>::InnerBackend>
         + CrossEntropyBackend
 {
@@ -195,7 +207,8 @@ fn sharded_adamw<B: TrainBackend>(
     context: &AttentionContext<B>,
 ) -> ShardedAdamW<B> {
     let sharded = ShardedAdamW::new(options.zero, adamw_settings(options), group_of(context));
-    sharded.expect("a sharded ZeRO stage")
+    let sharded = sharded.expect("a sharded ZeRO stage");
+    sharded.with_state_placement(options.optimizer_state, options.state_chunk_bytes)
 }
 
 /// `context`'s group, `None` on one device.
@@ -361,6 +374,10 @@ impl<B: TrainBackend> Trainer<B> {
             }
         };
         self.prepare_offload()?;
+        if let StepOptimizer::Sharded(optim) = &mut self.optim {
+            // A host-resident state is made (and its host memory had) before any work.
+            optim.prepare(&self.model)?;
+        }
         let loss = self.loss(inputs, targets, documents, "training step")?;
         lap(|t| &mut t.forward);
         let grads = GradientsParams::from_grads(loss.backward(), &self.model);

@@ -33,7 +33,7 @@ use std::sync::Arc;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Shape, TensorMetadata};
+use burn::tensor::{DType, Shape, TensorData, TensorMetadata};
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::prelude::ComputeClient;
@@ -135,6 +135,30 @@ impl PinnedTensor {
             });
             drop(source);
         }
+    }
+}
+
+impl PinnedTensor {
+    /// The tensor's values, copied out of pinned memory once the copy there has completed.
+    ///
+    /// # Panics
+    ///
+    /// When the copy failed on the device.
+    pub(crate) fn to_data(&self) -> TensorData {
+        if let Some((event, _)) = &self.in_flight {
+            event.synchronize().unwrap_or_else(|e| {
+                panic!("copying a tensor to host memory failed on the GPU: {e:?}")
+            });
+        }
+        let bytes = match self.bytes {
+            0 => Vec::new(),
+            // SAFETY: the lease holds `bytes` bytes that the completed copy wrote and that
+            // nothing writes while `self` holds the lease.
+            n => {
+                unsafe { std::slice::from_raw_parts(self.lease.address().cast::<u8>(), n) }.to_vec()
+            }
+        };
+        TensorData::from_bytes_vec(bytes, self.shape.clone(), self.dtype)
     }
 }
 

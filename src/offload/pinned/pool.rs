@@ -77,7 +77,7 @@ fn allocate(context: &Arc<CudaContext>, bytes: usize) -> Result<PinnedBuffer, Er
         .map_err(|e| {
             failed(format!(
                 "cuMemHostAlloc refused to pin the memory ({e:?}); the host may limit locked \
-                 memory (ulimit -l) or have too little of it: keep more layers on the device"
+                 memory (ulimit -l) or have too little of it: offload less"
             ))
         })?;
     Ok(PinnedBuffer {

@@ -1,11 +1,12 @@
-//! `llama_train`'s memory options: checkpoint placement and host offload, the loss and
-//! feed-forward chunks, and the memory planner (`--plan`, `--memory auto`, `--gpu-memory`,
+//! `llama_train`'s memory options: checkpoint placement and host offload, where the sharded
+//! optimizer's state lives, the loss and feed-forward chunks, and the memory planner (`--plan`, `--memory auto`, `--gpu-memory`,
 //! `--host-memory`).
 
 use burn_distflash::layers::{CheckpointPlacement, Offload, RowChunks};
 use clap::Args;
 
-use super::values::{at_least_one, bytes, offload, placement, MemoryMode};
+use super::values::{at_least_one, bytes, offload, placement, MemoryMode, OptimizerState};
+use crate::optimizer::{StatePlacement, DEFAULT_STATE_CHUNK_BYTES};
 
 /// What one GPU holds: checkpoints, offload, chunks, and the planner's prediction.
 #[derive(Debug, Clone, Args)]
@@ -23,6 +24,18 @@ pub struct MemoryArgs {
     /// the configuration's)
     #[arg(long, value_name = "off|all|N", value_parser = offload)]
     pub offload: Option<Offload>,
+
+    /// Where the sharded optimizer (--zero 1|2) keeps its f32 master weights and moments: gpu,
+    /// or host (host memory, pinned on CUDA, streamed through the GPU in chunks of
+    /// --optimizer-chunk at every step: bitwise the same steps, GPU memory for two chunks)
+    /// (default: gpu, or beside --resume the checkpoint's)
+    #[arg(long, value_enum, value_name = "gpu|host")]
+    pub optimizer_state: Option<OptimizerState>,
+
+    /// Bytes of optimizer state one chunk of --optimizer-state host brings to the GPU (12 per
+    /// parameter of the rank's share): bytes, or with a unit (512MiB, 1GiB) [default: 512MiB]
+    #[arg(long, value_name = "BYTES", value_parser = bytes)]
+    pub optimizer_chunk: Option<u64>,
 
     /// Tokens of a rank the output projection and the loss take at a time (default: as many as
     /// fit 1 GiB of their transient tensors)
@@ -63,6 +76,19 @@ impl MemoryArgs {
     pub fn chunks(&self) -> (Option<RowChunks>, Option<RowChunks>) {
         let rows = |tokens: Option<usize>| tokens.and_then(|n| RowChunks::rows(n).ok());
         (rows(self.loss_chunk), rows(self.ffn_chunk))
+    }
+
+    /// `--optimizer-state` and `--optimizer-chunk` when either is given (the other one's
+    /// default beside it).
+    pub fn optimizer_state(&self) -> Option<(StatePlacement, u64)> {
+        if self.optimizer_state.is_none() && self.optimizer_chunk.is_none() {
+            return None;
+        }
+        let placement = self.optimizer_state.map_or(StatePlacement::Gpu, Into::into);
+        Some((
+            placement,
+            self.optimizer_chunk.unwrap_or(DEFAULT_STATE_CHUNK_BYTES),
+        ))
     }
 
     /// Whether `--memory auto` was given.

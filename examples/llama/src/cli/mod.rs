@@ -27,7 +27,7 @@ pub use optimisation::OptimisationArgs;
 pub use output::OutputArgs;
 pub use values::{
     at_least_one, bytes, fraction, non_negative, offload, placement, BackendKind, Dtype,
-    MemoryMode, Schedule, Zero,
+    MemoryMode, OptimizerState, Schedule, Zero,
 };
 
 /// Everything `llama_train`'s command line chose.
@@ -195,6 +195,17 @@ mod tests {
         // An option given again replaces its earlier value.
         let again = parse(&["--steps", "10", "--steps", "20"]).unwrap();
         assert_eq!(again.optimisation.steps, 20);
+        assert_eq!(
+            again.memory.optimizer_state(),
+            None,
+            "the checkpoint's, or gpu"
+        );
+        let host = parse(&["--optimizer-state", "host", "--optimizer-chunk", "1GiB"]).unwrap();
+        let placement = crate::optimizer::StatePlacement::Host;
+        assert_eq!(host.memory.optimizer_state(), Some((placement, 1 << 30)));
+        let chunk = parse(&["--optimizer-chunk", "64MiB"]).unwrap();
+        let gpu = crate::optimizer::StatePlacement::Gpu;
+        assert_eq!(chunk.memory.optimizer_state(), Some((gpu, 64 << 20)));
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! The values of `llama_train`'s options that clap checks itself: the named choices (backend,
-//! element type, schedule, ZeRO stage, memory mode) as `ValueEnum`s, and the parsers of
+//! element type, schedule, ZeRO stage, optimizer state, memory mode) as `ValueEnum`s, and the parsers of
 //! checkpoint placements, sizes, fractions, rates, byte counts and the offload policy, each
 //! refusing what is out of range with a message naming what is allowed.
 
@@ -8,7 +8,7 @@ use burn_distflash::schedule::ScheduleKind;
 use clap::builder::{PossibleValuesParser, RangedU64ValueParser, TypedValueParser};
 use clap::ValueEnum;
 
-use crate::optimizer::ZeroStage;
+use crate::optimizer::{StatePlacement, ZeroStage};
 
 /// The backend a run trains on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -68,6 +68,24 @@ pub enum Zero {
     /// As 1, and the gradients are reduce-scattered instead of all-reduced
     #[value(name = "2")]
     Gradients,
+}
+
+/// Where a sharded optimizer keeps its f32 state (`StatePlacement`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OptimizerState {
+    /// On the GPU
+    Gpu,
+    /// In host memory (pinned on CUDA), streamed through the GPU in chunks at every step
+    Host,
+}
+
+impl From<OptimizerState> for StatePlacement {
+    fn from(state: OptimizerState) -> Self {
+        match state {
+            OptimizerState::Gpu => StatePlacement::Gpu,
+            OptimizerState::Host => StatePlacement::Host,
+        }
+    }
 }
 
 impl From<Zero> for ZeroStage {

@@ -16,7 +16,10 @@
 //!   per layer (32 layers against 4, `BENCHMARKS.md`), where a layer's checkpoint, weights,
 //!   gradients and AdamW state take 2.51 GiB together and 1.88 GiB without its gradients;
 //! - the optimizer step: weights, gradients, optimizer state, and the summed f32 gradients of a
-//!   sharded step.
+//!   sharded step. With the sharded state in host memory (`TrainOptions::optimizer_state`), the
+//!   device holds two chunks of it, and on one GPU the step's transient is the updated weights
+//!   and one chunk's gradient and temporaries instead of the whole f32 gradient; the state's
+//!   bytes are counted on the host, beside the offloaded checkpoints.
 
 mod activations;
 mod report;
@@ -27,6 +30,7 @@ use std::fmt;
 use burn_distflash::layers::CheckpointPlacement;
 
 use crate::config::LlamaConfig;
+use crate::optimizer::chunk_elements;
 use crate::train::{MemoryReport, TrainOptions};
 use crate::Error;
 use activations::Widths;
@@ -63,7 +67,7 @@ pub struct MemoryPlanner {
     pub world: usize,
     /// Bytes of one weight or activation element (2 for bf16, 4 for f32).
     pub elem_bytes: usize,
-    /// The host memory one GPU's offloaded checkpoints may take (the host's available memory
+    /// The host memory one GPU's offloaded checkpoints and host-resident optimizer state may take (the host's available memory
     /// shared by the GPUs it drives), for the searches; `None`: no limit.
     pub host_limit: Option<u64>,
 }
@@ -92,7 +96,8 @@ pub struct MemoryPlan {
     pub checkpoint_per_layer: u64,
     /// Blocks whose checkpoints wait in host memory (the first ones in the forward).
     pub offloaded_layers: usize,
-    /// The checkpoints offloaded to host memory (pinned on CUDA).
+    /// Host memory (pinned on CUDA) in all: the offloaded checkpoints and a host-resident
+    /// optimizer state (`state.host_optimizer`).
     pub host: u64,
     /// What the model keeps beside the blocks (the final norm's input and output, per-row
     /// log-sum-exp, token and target ids).
@@ -175,10 +180,16 @@ impl MemoryPlanner {
             + F32 * rows
             + block_transient
             + pool_slack;
-        let optimizer_transient = match o.zero.is_sharded() {
+        let optimizer_transient = match (o.zero.is_sharded(), state.host_optimizer, self.world) {
+            (false, _, _) => 0,
+            // A host-resident state on one GPU: the updated weights, and beside the two chunks of
+            // state one chunk's f32 gradient and the update's temporaries (four f32 vectors).
+            (true, host, 1) if host > 0 => {
+                let chunk = chunk_elements(o.state_chunk_bytes).min(state.parameters) as u64;
+                state.weights + 4 * F32 * chunk
+            }
             // The f32 copy of every gradient gathered before the collective.
-            true => F32 * state.parameters.div_ceil(self.world) as u64 * self.world as u64,
-            false => 0,
+            (true, _, _) => F32 * state.parameters.div_ceil(self.world) as u64 * self.world as u64,
         };
         let optimizer_phase = state.total() + optimizer_transient;
         let (peak_phase, peak, transient) = [
@@ -195,7 +206,7 @@ impl MemoryPlanner {
             checkpoints,
             checkpoint_per_layer: per_layer,
             offloaded_layers,
-            host: per_layer * offloaded,
+            host: per_layer * offloaded + state.host_optimizer,
             kept,
             loss_rows,
             ffn_rows,
@@ -210,7 +221,9 @@ impl MemoryPlanner {
     fn state(&self) -> MemoryReport {
         let parameters = self.config.num_params();
         let weights = (parameters * self.elem_bytes) as u64;
-        MemoryReport::for_parameters(parameters, weights, self.world, self.options.zero)
+        let o = &self.options;
+        MemoryReport::for_parameters(parameters, weights, self.world, o.zero)
+            .placed(o.optimizer_state, o.state_chunk_bytes)
     }
 
     /// The model's widths in elements of the planner's size.
@@ -311,12 +324,21 @@ impl fmt::Display for MemoryPlan {
         writeln!(f, "weights             {}", b(s.weights))?;
         writeln!(f, "gradients           {}", b(s.gradients))?;
         writeln!(f, "summed f32 grads    {}", b(s.summed_gradients))?;
-        writeln!(
-            f,
-            "optimizer state     {} (ZeRO stage {})",
-            b(s.optimizer),
-            s.stage
-        )?;
+        match s.host_optimizer {
+            0 => writeln!(
+                f,
+                "optimizer state     {} (ZeRO stage {})",
+                b(s.optimizer),
+                s.stage
+            )?,
+            host => writeln!(
+                f,
+                "optimizer state     {} (ZeRO stage {}: two chunks of the {} in host memory)",
+                b(s.optimizer),
+                s.stage,
+                b(host)
+            )?,
+        }
         writeln!(
             f,
             "checkpoints         {} ({} per layer)",
@@ -343,9 +365,10 @@ impl fmt::Display for MemoryPlan {
         writeln!(f, "peak                {}", b(self.peak))?;
         write!(
             f,
-            "host (offloaded)    {} ({} layer(s))",
+            "host (offloaded)    {} ({} layer(s) of checkpoints, optimizer state {})",
             b(self.host),
-            self.offloaded_layers
+            self.offloaded_layers,
+            b(s.host_optimizer)
         )
     }
 }
@@ -434,6 +457,66 @@ mod tests {
             (whole.tokens, whole.tokens)
         );
         assert!(whole.peak > plan.peak);
+    }
+
+    /// LLaMA-7B on one GPU at ZeRO stage 1, layer checkpoints, its state at `placement`.
+    fn one_gpu_7b(placement: crate::optimizer::StatePlacement, seq_len: usize) -> MemoryPlanner {
+        let mut planner = planner(CheckpointPlacement::Layer, seq_len, 1);
+        planner.options.batch = 1;
+        planner.options = (planner.options.clone())
+            .with_zero(crate::optimizer::ZeroStage::OptimizerStates)
+            .with_optimizer_state(placement);
+        planner
+    }
+
+    #[test]
+    fn a_host_resident_state_leaves_two_chunks_on_the_gpu_and_the_rest_on_the_host() {
+        use crate::optimizer::StatePlacement;
+        let gpu = one_gpu_7b(StatePlacement::Gpu, 8192).plan().unwrap();
+        let host = one_gpu_7b(StatePlacement::Host, 8192).plan().unwrap();
+        let params = LlamaConfig::llama_7b().num_params() as u64;
+        assert_eq!(gpu.state.optimizer, 12 * params);
+        assert_eq!(host.state.host_optimizer, 12 * params);
+        let chunk = 12 * crate::optimizer::chunk_elements(512 << 20) as u64;
+        assert_eq!(host.state.optimizer, 2 * chunk);
+        assert_eq!((host.state.summed_gradients, host.host), (0, 12 * params));
+        assert_eq!(gpu.state.summed_gradients, 4 * params);
+        assert!(
+            host.peak + (60 << 30) < gpu.peak,
+            "{} vs {}",
+            host.peak,
+            gpu.peak
+        );
+        // On a group the summed share stays on the GPU and the host takes 1/P of the state.
+        let mut two = planner(CheckpointPlacement::Layer, 8192, 2);
+        two.options = (two.options.clone())
+            .with_zero(crate::optimizer::ZeroStage::Gradients)
+            .with_optimizer_state(StatePlacement::Host);
+        let two = two.plan().unwrap();
+        assert_eq!(two.state.host_optimizer, 12 * params.div_ceil(2));
+        assert_eq!(two.state.summed_gradients, 4 * params.div_ceil(2));
+        assert!(two.to_string().contains("in host memory"), "{two}");
+    }
+
+    #[test]
+    fn seven_b_with_f32_master_weights_fits_an_80_gb_gpu_only_with_its_state_on_the_host() {
+        use crate::optimizer::StatePlacement;
+        let gpu_80gb = 80_000_000_000;
+        let gpu = one_gpu_7b(StatePlacement::Gpu, 4096);
+        assert_eq!(gpu.longest_sequence(gpu_80gb).unwrap(), None);
+        let mut host = one_gpu_7b(StatePlacement::Host, 4096);
+        let longest = host.longest_sequence(gpu_80gb).unwrap().expect("fits");
+        assert!(longest >= 32768, "{longest}");
+        let plan = one_gpu_7b(StatePlacement::Host, longest).plan().unwrap();
+        assert!(plan.fits(gpu_80gb) && plan.host == plan.state.host_optimizer);
+        // The host must hold the state too: a host limit below it fits nothing.
+        host.host_limit = Some(plan.host - 1);
+        assert_eq!(host.longest_sequence(gpu_80gb).unwrap(), None);
+        let report = host.report(Some(gpu_80gb), false).unwrap();
+        assert!(
+            report.contains("no sequence fits: the host memory"),
+            "{report}"
+        );
     }
 
     #[test]

@@ -52,7 +52,7 @@ impl MemoryPlanner {
         if let Some(limit) = self.host_limit {
             let _ = writeln!(
                 text,
-                "host memory for offloaded checkpoints: at most {} per GPU",
+                "host memory for offloaded checkpoints and optimizer state: at most {} per GPU",
                 format_bytes(limit)
             );
         }
@@ -63,10 +63,7 @@ impl MemoryPlanner {
                  GPU)",
                 len / self.world
             ),
-            None => writeln!(
-                text,
-                "no sequence fits: the weights and optimizer state alone do not"
-            ),
+            None => writeln!(text, "{}", self.why_nothing_fits()?),
         };
         let _ = match self.fitting_memory(gpu, choose_offload) {
             Ok(fitted) => writeln!(text, "--memory auto: {}", Picked(&fitted)),

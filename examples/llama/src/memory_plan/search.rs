@@ -64,7 +64,8 @@ impl MemoryPlanner {
     }
 
     /// Whether this planner's step fits: its peak within [`FIT_FRACTION`] of `gpu_bytes` and
-    /// its offloaded checkpoints within the [`host_limit`](Self::host_limit).
+    /// its host memory (offloaded checkpoints, host-resident optimizer state) within the
+    /// [`host_limit`](Self::host_limit).
     fn step_fits(&self, gpu_bytes: u64) -> Result<bool, Error> {
         let plan = self.plan()?;
         Ok(plan.fits(gpu_bytes) && self.host_limit.is_none_or(|limit| plan.host <= limit))
@@ -171,16 +172,33 @@ impl MemoryPlanner {
         Ok((chunks.0, chunks.1, planner.plan()?))
     }
 
+    /// Why no sequence fits: the host memory even the shortest needs is more than a GPU's share
+    /// of the host, or the weights and optimizer state alone do not fit the GPU.
+    pub(super) fn why_nothing_fits(&self) -> Result<String, Error> {
+        let shortest = self.at_length(2 * self.world.max(1)).plan()?;
+        Ok(
+            match self.host_limit.filter(|&limit| shortest.host > limit) {
+                Some(limit) => format!(
+                "no sequence fits: the host memory even the shortest needs ({}) is more than a \
+                 GPU's share of the host, {}",
+                format_bytes(shortest.host),
+                format_bytes(limit)
+            ),
+                None => "no sequence fits: the weights and optimizer state alone do not".into(),
+            },
+        )
+    }
+
     /// Why a step whose smallest-chunk plan is `smallest` does not fit: the GPU's memory or the
     /// host's, with the longest sequence that fits.
     fn refusal(&self, gpu_bytes: u64, smallest: &MemoryPlan) -> Result<Error, Error> {
         let longest = match self.longest_sequence(gpu_bytes)? {
             Some(len) => format!("the longest sequence that fits is {len} tokens"),
-            None => "no sequence fits: the weights and optimizer state alone do not".into(),
+            None => self.why_nothing_fits()?,
         };
         if let Some(limit) = self.host_limit.filter(|&limit| smallest.host > limit) {
             return Ok(Error::invalid(
-                "the offloaded checkpoints' host memory",
+                "the host memory of the offloaded checkpoints and optimizer state",
                 format!("at most {} per GPU ({longest})", format_bytes(limit)),
                 format_bytes(smallest.host),
             ));

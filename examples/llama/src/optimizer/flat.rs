@@ -49,6 +49,18 @@ impl FlatLayout {
         }
     }
 
+    /// A layout of `len` elements over `world` ranks without parameters behind them, for tests
+    /// of what only the sizes decide.
+    #[cfg(test)]
+    pub(crate) fn of_len(len: usize, world: usize) -> Self {
+        Self {
+            slots: Vec::new(),
+            len,
+            padded: len.div_ceil(world) * world,
+            world,
+        }
+    }
+
     /// Number of parameters (tensors).
     pub fn num_tensors(&self) -> usize {
         self.slots.len()
@@ -95,6 +107,17 @@ impl FlatLayout {
             offset += slot.len();
         }
         None
+    }
+
+    /// Each parameter's range of the flat vector, in visiting order.
+    pub fn spans(&self) -> Vec<std::ops::Range<usize>> {
+        let mut offset = 0;
+        (self.slots.iter())
+            .map(|slot| {
+                offset += slot.len();
+                offset - slot.len()..offset
+            })
+            .collect()
     }
 
     /// The float type the updated weights travel in: the parameters' own type when they all

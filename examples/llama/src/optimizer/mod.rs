@@ -7,19 +7,32 @@
 //!
 //! [`ShardedAdamW`] is the mixed-precision alternative for groups: f32 master weights and
 //! moments split over the ranks ([`ZeroStage`] 1 and 2). Its checkpoints are one file per rank
-//! ([`write_shard_file`], [`ShardFile`]), read back at any world size ([`ShardSet`]).
+//! ([`write_shard_file`], [`ShardFile`]), read back at any world size ([`ShardSet`]). Its state
+//! may live in host memory instead of on the device ([`StatePlacement::Host`]), streamed through
+//! the device in chunks at every step, with bitwise the same results and the same files.
 
 mod flat;
+mod flat_pieces;
+mod host_shard;
+mod optimizer_shard;
 mod shard_file;
 mod shard_set;
 mod sharded;
+mod state_chunks;
+mod state_placement;
+mod weight_writer;
 mod zero_stage;
 
 pub use crate::training_kernels::{unfused_optimizer_forced, AdamWStep, AdamWTensors};
 pub use flat::FlatLayout;
-pub use shard_file::{shard_file_name, write_shard_file, ShardFile, ShardHeader, ShardTensor};
+pub use optimizer_shard::OptimizerShard;
+pub use shard_file::{
+    shard_file_name, write_shard_file, ShardData, ShardFile, ShardHeader, ShardTensor,
+};
 pub use shard_set::ShardSet;
-pub use sharded::{AdamWSettings, OptimizerShard, ShardedAdamW};
+pub use sharded::{AdamWSettings, ShardedAdamW};
+pub use state_chunks::{chunk_elements, STATE_BYTES_PER_ELEMENT};
+pub use state_placement::{StatePlacement, DEFAULT_STATE_CHUNK_BYTES};
 pub use zero_stage::ZeroStage;
 
 use burn::module::AutodiffModule;

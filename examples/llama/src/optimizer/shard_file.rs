@@ -11,9 +11,10 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, Tensor, TensorData};
 
-use super::sharded::OptimizerShard;
+use super::flat::FlatLayout;
+use super::optimizer_shard::OptimizerShard;
 use super::zero_stage::ZeroStage;
 use crate::safetensors::{write_safetensors_with_metadata, Checkpoint};
 use crate::Error;
@@ -45,13 +46,27 @@ impl ShardTensor {
             Self::Moment2 => "moment_2",
         }
     }
+}
 
-    /// This vector of `shard`.
-    fn of<B: AutodiffBackend>(self, shard: &OptimizerShard<B>) -> &Tensor<B::InnerBackend, 1> {
-        match self {
-            Self::Master => &shard.master,
-            Self::Moment1 => &shard.moment_1,
-            Self::Moment2 => &shard.moment_2,
+/// One rank's optimizer shard read into host memory, as a shard file holds it.
+#[derive(Debug, Clone)]
+pub struct ShardData {
+    /// The layout of the model's parameters over the group.
+    pub layout: FlatLayout,
+    /// Optimizer steps taken.
+    pub time: i32,
+    /// The master weights and both moments, in [`ShardTensor::ALL`]'s order, `[shard_len]`.
+    pub vectors: [TensorData; 3],
+}
+
+impl ShardData {
+    /// `shard`'s vectors read from the device, in f32.
+    pub fn of<B: AutodiffBackend>(shard: &OptimizerShard<B>) -> Self {
+        let read = |t: &Tensor<B::InnerBackend, 1>| t.clone().into_data().convert_dtype(DType::F32);
+        Self {
+            layout: shard.layout.clone(),
+            time: shard.time,
+            vectors: [&shard.master, &shard.moment_1, &shard.moment_2].map(read),
         }
     }
 }
@@ -80,12 +95,7 @@ pub struct ShardHeader {
 impl ShardHeader {
     /// The header of rank `rank`'s `shard` (its world size is its layout's) of a run at
     /// `stage`, written at trainer step `trainer_step`.
-    pub fn of<B: AutodiffBackend>(
-        shard: &OptimizerShard<B>,
-        rank: usize,
-        stage: ZeroStage,
-        trainer_step: u64,
-    ) -> Self {
+    pub fn of(shard: &ShardData, rank: usize, stage: ZeroStage, trainer_step: u64) -> Self {
         Self {
             fingerprint: shard.layout.fingerprint(),
             tensors: shard.layout.num_tensors(),
@@ -180,17 +190,10 @@ pub fn shard_file_name(rank: usize, world: usize) -> String {
 
 /// Writes `shard` with `header` to `path` (through a temporary name: an interrupted write
 /// leaves no file under `path`).
-pub fn write_shard_file<B: AutodiffBackend>(
-    path: &Path,
-    header: &ShardHeader,
-    shard: &OptimizerShard<B>,
-) -> Result<(), Error> {
-    let tensors: BTreeMap<String, _> = ShardTensor::ALL
-        .into_iter()
-        .map(|t| {
-            let data = t.of(shard).clone().into_data().convert_dtype(DType::F32);
-            (t.name().to_string(), data)
-        })
+pub fn write_shard_file(path: &Path, header: &ShardHeader, shard: ShardData) -> Result<(), Error> {
+    let tensors: BTreeMap<String, _> = (ShardTensor::ALL.into_iter())
+        .zip(shard.vectors)
+        .map(|(t, data)| (t.name().to_string(), data))
         .collect();
     write_safetensors_with_metadata(path, &tensors, header.to_metadata())
 }

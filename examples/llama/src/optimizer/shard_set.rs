@@ -15,8 +15,8 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Tensor, TensorData};
 
 use super::flat::FlatLayout;
+use super::optimizer_shard::OptimizerShard;
 use super::shard_file::{shard_file_name, ShardFile, ShardHeader, ShardTensor};
-use super::sharded::OptimizerShard;
 use crate::Error;
 
 /// A checkpoint's shard files, in rank order (see the module's documentation).

@@ -8,13 +8,18 @@
 //! 1. the gradients are gathered into one f32 vector;
 //! 2. stage 2 reduce-scatters it (each rank receives only its share of the sum); stage 1
 //!    all-reduces it and keeps its share;
-//! 3. the global gradient norm comes from the shares' squares with one all-reduce of a scalar,
-//!    and the share is scaled down when the norm exceeds the clipping norm;
+//! 3. the global gradient norm comes from the shares' squares (summed in fixed blocks, then the
+//!    blocks' sums) with one all-reduce of a scalar, and the share is scaled down when the norm
+//!    exceeds the clipping norm;
 //! 4. AdamW updates the share in f32 (Burn's `AdamW` formulas);
 //! 5. the updated shares, cast to the weights' type, are all-gathered and written back into the
 //!    parameters.
 //!
-//! Every step is Burn tensor operations on the device; only the norm comes to the host.
+//! Every step is Burn tensor operations on the device; only the norm comes to the host. With
+//! [`StatePlacement::Host`] the master weights and moments live in host memory ([`HostShard`])
+//! and steps 4 and 5 run chunk by chunk as the chunks stream through the device, and on one
+//! device step 1 too (each chunk's gradient read from the parameters' gradients): element-wise
+//! the same operations, so bitwise the same results.
 
 use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;
@@ -22,7 +27,21 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor, TensorPrimitive};
 use burn_distflash::{DeviceGroup, Error as PluginError};
 
+use std::ops::Range;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Device, TensorData};
+use burn_distflash::offload::HostOffload;
+
 use super::flat::FlatLayout;
+use super::flat_pieces::FlatPieces;
+use super::host_shard::{HostShard, StateVectors};
+use super::optimizer_shard::OptimizerShard;
+use super::shard_file::{ShardData, ShardTensor};
+use super::shard_set::ShardSet;
+use super::state_chunks::{chunk_elements, norm_blocks};
+use super::state_placement::{StatePlacement, DEFAULT_STATE_CHUNK_BYTES};
+use super::weight_writer::WeightWriter;
 use super::zero_stage::ZeroStage;
 use crate::Error;
 
@@ -39,36 +58,39 @@ pub struct AdamWSettings {
     pub weight_decay: f32,
 }
 
-/// One rank's share of a [`ShardedAdamW`]'s state, in f32: elements
-/// `rank * n .. (rank + 1) * n` of the model's [`FlatLayout`] (`n` its
-/// [`shard_len`](FlatLayout::shard_len)).
-#[derive(Clone)]
-pub struct OptimizerShard<B: AutodiffBackend> {
-    /// The layout of the model's parameters over the group.
-    pub layout: FlatLayout,
-    /// The f32 master weights, `[n]` (zeros where the share covers the padding).
-    pub master: Tensor<B::InnerBackend, 1>,
-    /// AdamW's first moment, `[n]`.
-    pub moment_1: Tensor<B::InnerBackend, 1>,
-    /// AdamW's second moment, `[n]`.
-    pub moment_2: Tensor<B::InnerBackend, 1>,
-    /// Optimizer steps taken.
-    pub time: i32,
+/// Where a [`ShardedAdamW`]'s state is, once made.
+enum State<B: AutodiffBackend>
+where
+    B::InnerBackend: HostOffload,
+{
+    /// On the device.
+    Device(OptimizerShard<B>),
+    /// In host memory, streamed through the device.
+    Host(HostShard<B::InnerBackend>),
 }
 
 /// Mixed-precision AdamW whose f32 master weights and moments are split over a group (see the
 /// module's documentation). Every rank of the group must step with the same model structure;
 /// the first step checks that they do.
-pub struct ShardedAdamW<B: AutodiffBackend> {
+pub struct ShardedAdamW<B: AutodiffBackend>
+where
+    B::InnerBackend: HostOffload,
+{
     stage: ZeroStage,
     settings: AdamWSettings,
     group: Option<DeviceGroup<B::InnerBackend>>,
-    shard: Option<OptimizerShard<B>>,
+    placement: StatePlacement,
+    chunk_bytes: u64,
+    state: Option<State<B>>,
 }
 
-impl<B: AutodiffBackend> ShardedAdamW<B> {
-    /// A sharded AdamW at `stage` over `group` (`None`: one device, which owns everything). The
-    /// state is created at the first [`step`](Self::step), from the model's weights then.
+impl<B: AutodiffBackend> ShardedAdamW<B>
+where
+    B::InnerBackend: HostOffload,
+{
+    /// A sharded AdamW at `stage` over `group` (`None`: one device, which owns everything), its
+    /// state on the device. The state is created at the first [`step`](Self::step) (or
+    /// [`prepare`](Self::prepare)), from the model's weights then.
     ///
     /// # Errors
     ///
@@ -90,13 +112,30 @@ impl<B: AutodiffBackend> ShardedAdamW<B> {
             stage,
             settings,
             group,
-            shard: None,
+            placement: StatePlacement::Gpu,
+            chunk_bytes: DEFAULT_STATE_CHUNK_BYTES,
+            state: None,
         })
+    }
+
+    /// This optimizer with its state kept at `placement`; under [`StatePlacement::Host`],
+    /// streamed through the device in chunks of `chunk_bytes` of state (12 bytes an element,
+    /// rounded down to a multiple of 1024 elements, at least 1024). Set before the state exists
+    /// (the first step, [`prepare`](Self::prepare) or [`load`](Self::load)).
+    pub fn with_state_placement(mut self, placement: StatePlacement, chunk_bytes: u64) -> Self {
+        self.placement = placement;
+        self.chunk_bytes = chunk_bytes;
+        self
     }
 
     /// The stage.
     pub fn stage(&self) -> ZeroStage {
         self.stage
+    }
+
+    /// Where the state is kept.
+    pub fn placement(&self) -> StatePlacement {
+        self.placement
     }
 
     /// `(rank, world size)` of the group.
@@ -106,27 +145,61 @@ impl<B: AutodiffBackend> ShardedAdamW<B> {
             .map_or((0, 1), |g| (g.rank(), g.world_size()))
     }
 
-    /// This rank's f32 master weights (`None` before the first step).
-    pub fn master_weights(&self) -> Option<Tensor<B::InnerBackend, 1>> {
-        self.shard.as_ref().map(|s| s.master.clone())
+    /// Bytes of host memory the state holds (0 on the device, or before it exists).
+    pub fn host_bytes(&self) -> u64 {
+        match &self.state {
+            Some(State::Host(host)) => host.bytes(),
+            _ => 0,
+        }
     }
 
-    /// This rank's share of the state: the one the steps built, or before the first step the
-    /// one the first step would start from (`model`'s weights, zero moments, no step taken).
+    /// This rank's f32 master weights, on the device (`None` before the first step).
+    pub fn master_weights(&self) -> Option<Tensor<B::InnerBackend, 1>> {
+        match self.state.as_ref()? {
+            State::Device(shard) => Some(shard.master.clone()),
+            State::Host(host) => Some(host.vector(0)),
+        }
+    }
+
+    /// This rank's share of the state on the device: the one the steps built, or before the
+    /// first step the one the first step would start from (`model`'s weights, zero moments, no
+    /// step taken). A host-resident state is copied whole to the device.
     pub fn shard<M: AutodiffModule<B>>(&self, model: &M) -> OptimizerShard<B> {
-        match &self.shard {
-            Some(shard) => shard.clone(),
+        match &self.state {
+            Some(State::Device(shard)) => shard.clone(),
+            Some(State::Host(host)) => OptimizerShard {
+                layout: host.layout.clone(),
+                master: host.vector(0),
+                moment_1: host.vector(1),
+                moment_2: host.vector(2),
+                time: host.time,
+            },
             None => self.first_shard(model, FlatLayout::of::<B, M>(model, self.rank().1)),
         }
     }
 
+    /// This rank's share of the state read into host memory, for a checkpoint (a host-resident
+    /// state is read chunk by chunk, never brought to the device whole).
+    pub fn shard_data<M: AutodiffModule<B>>(&self, model: &M) -> ShardData {
+        match &self.state {
+            Some(State::Host(host)) => ShardData {
+                layout: host.layout.clone(),
+                time: host.time,
+                vectors: [0, 1, 2].map(|v| host.read(v)),
+            },
+            _ => ShardData::of(&self.shard(model)),
+        }
+    }
+
     /// Replaces this rank's share of the state by `shard` (read from a checkpoint); the next
-    /// [`step`](Self::step) continues from it.
+    /// [`step`](Self::step) continues from it. Under [`StatePlacement::Host`] the shard moves
+    /// to host memory.
     ///
     /// # Errors
     ///
     /// [`Error::Invalid`] when the layout is not over this group's world size or a tensor is
-    /// not `[shard_len]`; nothing changes then.
+    /// not `[shard_len]`; nothing changes then. Under [`StatePlacement::Host`], the errors of
+    /// [`prepare`](Self::prepare).
     pub fn restore(&mut self, shard: OptimizerShard<B>) -> Result<(), Error> {
         let (n, world) = (shard.layout.shard_len(), self.rank().1);
         if shard.layout.world() != world {
@@ -149,8 +222,99 @@ impl<B: AutodiffBackend> ShardedAdamW<B> {
                 ));
             }
         }
-        self.shard = Some(shard);
+        self.state = Some(match self.placement {
+            StatePlacement::Gpu => State::Device(shard),
+            StatePlacement::Host => {
+                let device = shard.master.device();
+                let vectors = [&shard.master, &shard.moment_1, &shard.moment_2];
+                State::Host(
+                    self.host_shard(shard.layout.clone(), shard.time, &device, |r| {
+                        vectors.map(|v| v.clone().narrow(0, r.start, r.len()))
+                    })?,
+                )
+            }
+        });
         Ok(())
+    }
+
+    /// Replaces this rank's share of the state by its share of `layout` (the loaded model's,
+    /// over this group's world size) in the checkpoint `set`, on `device`: under
+    /// [`StatePlacement::Host`] chunk by chunk into host memory, never whole on the device.
+    ///
+    /// # Errors
+    ///
+    /// As [`restore`](Self::restore).
+    pub fn load(
+        &mut self,
+        set: &ShardSet,
+        layout: FlatLayout,
+        device: &Device<B::InnerBackend>,
+    ) -> Result<(), Error> {
+        let rank = self.rank().0;
+        match self.placement {
+            StatePlacement::Gpu => self.restore(set.shard::<B>(layout, rank, device)),
+            StatePlacement::Host => {
+                let start = rank * layout.shard_len();
+                let time = set.header().optimizer_step;
+                let shard = self.host_shard(layout, time, device, |r| {
+                    ShardTensor::ALL.map(|t| {
+                        let values = set.read(t, start + r.start, r.len());
+                        let data = TensorData::new(values, [r.len()]);
+                        Tensor::from_data(data, (device, DType::F32))
+                    })
+                })?;
+                self.state = Some(State::Host(shard));
+                Ok(())
+            }
+        }
+    }
+
+    /// Makes the state from `model`'s weights unless it exists: on the device, or under
+    /// [`StatePlacement::Host`] chunk by chunk in host memory, which is first checked against
+    /// what the host has available (less the offload's headroom) and on CUDA pinned, so that a
+    /// host without enough fails here, before a step's work. [`step`](Self::step) calls it;
+    /// call it before the first step's forward to fail before any work.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Invalid`] when the ranks' models differ in structure or the model has no float
+    /// parameter (as [`step`](Self::step)); [`Error::Comm`] when the check's collective fails;
+    /// [`Error::Attention`] wrapping the backend's offload error (the bytes wanted and what the
+    /// host has), under [`StatePlacement::Host`].
+    pub fn prepare<M: AutodiffModule<B>>(&mut self, model: &M) -> Result<(), Error> {
+        if self.state.is_some() {
+            return Ok(());
+        }
+        let (rank, world) = self.rank();
+        let layout = FlatLayout::of::<B, M>(model, world);
+        // Every rank's model has the same structure (one collective), before any state exists.
+        self.check(&layout)?;
+        self.state = Some(match self.placement {
+            StatePlacement::Gpu => State::Device(self.first_shard(model, layout)),
+            StatePlacement::Host => {
+                let weights = FlatPieces::weights::<B, M>(model);
+                let start = rank * layout.shard_len();
+                let device = weights.device().clone();
+                State::Host(self.host_shard(layout, 0, &device, |r| {
+                    let master = weights.range(start + r.start..start + r.end);
+                    let zeros = master.zeros_like();
+                    [master, zeros.clone(), zeros]
+                })?)
+            }
+        });
+        Ok(())
+    }
+
+    /// A host-resident state of `layout`'s share at step `time`, each chunk made by `make`.
+    fn host_shard(
+        &self,
+        layout: FlatLayout,
+        time: i32,
+        device: &Device<B::InnerBackend>,
+        make: impl FnMut(Range<usize>) -> StateVectors<B::InnerBackend>,
+    ) -> Result<HostShard<B::InnerBackend>, Error> {
+        let chunk = chunk_elements(self.chunk_bytes);
+        HostShard::build(layout, time, chunk, device, make)
     }
 
     /// One step: `model` updated from its gradients `grads` (this rank's, summed over the group
@@ -165,6 +329,7 @@ impl<B: AutodiffBackend> ShardedAdamW<B> {
     ///   any gradient moves, or when the model has no float parameter.
     /// - [`Error::Comm`] when a collective fails (a peer that does not take part ends in the
     ///   group's timeout, never a hang).
+    /// - The errors of [`prepare`](Self::prepare) at the first step.
     pub fn step<M: AutodiffModule<B>>(
         &mut self,
         lr: f64,
@@ -172,43 +337,143 @@ impl<B: AutodiffBackend> ShardedAdamW<B> {
         model: M,
         mut grads: GradientsParams,
     ) -> Result<(M, f64), Error> {
-        let (rank, world) = self.rank();
+        let world = self.rank().1;
         let layout = FlatLayout::of::<B, M>(&model, world);
+        // At the first step `prepare` compares the ranks' layouts; later, `check` compares the
+        // model's with the state's.
+        self.prepare(&model)?;
         self.check(&layout)?;
-        let shard = match self.shard.take() {
-            Some(shard) => shard,
-            None => self.first_shard(&model, layout.clone()),
+        let state = self.state.take().expect("prepared");
+        let (state, model, norm) = match state {
+            State::Device(shard) => {
+                let grad = self.summed_share(&layout, &model, &mut grads)?;
+                let n = layout.shard_len();
+                let norm = self.global_norm(n, |r| grad.clone().narrow(0, r.start, r.len()))?;
+                let grad = clipped(grad, clip_scale(clip, norm));
+                let shard = self.settings.update(shard, grad, lr);
+                let model = self.write_back(&layout, model, shard.master.clone())?;
+                (State::Device(shard), model, norm)
+            }
+            State::Host(mut host) => {
+                let (model, norm) = self.step_streamed(&mut host, lr, clip, model, grads)?;
+                (State::Host(host), model, norm)
+            }
         };
-        let flat = layout.gradients::<B, M>(&model, &mut grads);
+        self.state = Some(state);
+        Ok((model, norm))
+    }
+
+    /// [`step`](Self::step) of a host-resident state: the gradient norm from the gradient's
+    /// blocks, then each chunk of state streamed through the device with its chunk of the
+    /// gradient, its updated weights (gathered over the group chunk by chunk) written into the
+    /// parameters as they complete ([`WeightWriter`]: no vector of the whole model's weights).
+    /// On one device the gradient's chunks are read from the parameters' gradients (no f32 copy
+    /// of the whole gradient); on a group the summed share is made as on the device.
+    fn step_streamed<M: AutodiffModule<B>>(
+        &self,
+        host: &mut HostShard<B::InnerBackend>,
+        lr: f64,
+        clip: f64,
+        model: M,
+        mut grads: GradientsParams,
+    ) -> Result<(M, f64), Error> {
+        let layout = host.layout.clone();
+        let share = match &self.group {
+            None => None,
+            Some(_) => Some(self.summed_share(&layout, &model, &mut grads)?),
+        };
+        let pieces = (share.is_none()).then(|| FlatPieces::gradients::<B, M>(&model, &mut grads));
+        let read = |r: Range<usize>| match (&share, &pieces) {
+            (Some(share), _) => share.clone().narrow(0, r.start, r.len()),
+            (None, Some(pieces)) => pieces.range(r),
+            (None, None) => unreachable!("the gradients are read from the share or the pieces"),
+        };
         let n = layout.shard_len();
-        let grad = match (&self.group, self.stage) {
+        let norm = self.global_norm(n, read)?;
+        let scale = clip_scale(clip, norm);
+        let world = self.rank().1;
+        let mut writer = WeightWriter::new(&layout);
+        let time = host.time + 1;
+        host.stream(|r, vectors| {
+            let grad = clipped(read(r.clone()), scale);
+            let updated = self.settings.update_vectors(vectors, grad, lr, time);
+            let chunk = updated[0].clone().cast(layout.wire_dtype());
+            match &self.group {
+                None => writer.write(r.start, chunk),
+                Some(group) => {
+                    let all = collective(group.all_gather(primitive(chunk)), "the weights")?;
+                    for rank in 0..world {
+                        let theirs = all.clone().narrow(0, rank * r.len(), r.len());
+                        writer.write(rank * n + r.start, theirs);
+                    }
+                }
+            }
+            Ok(updated)
+        })?;
+        host.time = time;
+        Ok((writer.into_model::<B, M>(model), norm))
+    }
+
+    /// This rank's share of the gradients summed over the group, in f32: stage 2
+    /// reduce-scatters the flat f32 gradient, stage 1 all-reduces it and keeps its share; on
+    /// one device the flat gradient itself.
+    fn summed_share<M: AutodiffModule<B>>(
+        &self,
+        layout: &FlatLayout,
+        model: &M,
+        grads: &mut GradientsParams,
+    ) -> Result<Tensor<B::InnerBackend, 1>, Error> {
+        let (rank, _) = self.rank();
+        let flat = layout.gradients::<B, M>(model, grads);
+        let n = layout.shard_len();
+        Ok(match (&self.group, self.stage) {
             (None, _) => flat,
             (Some(group), ZeroStage::Gradients) => {
                 collective(group.reduce_scatter(primitive(flat)), "the gradients")?
             }
             (Some(group), _) => collective(group.all_reduce(primitive(flat)), "the gradients")?
                 .narrow(0, rank * n, n),
+        })
+    }
+
+    /// The global L2 norm of the summed gradients, from this rank's share (`n` elements) read by
+    /// `read`: each
+    /// [`NORM_BLOCK`](super::state_chunks::NORM_BLOCK)-element block's sum of squares, those
+    /// added, then over the group (one all-reduce of a scalar). The blocks are the same
+    /// whatever the state's placement and chunks: the norm is the same number.
+    fn global_norm(
+        &self,
+        n: usize,
+        read: impl Fn(Range<usize>) -> Tensor<B::InnerBackend, 1>,
+    ) -> Result<f64, Error> {
+        let mut partials: Vec<_> = (norm_blocks(n).into_iter())
+            .map(|r| read(r).square().sum())
+            .collect();
+        let squared = match partials.len() {
+            1 => partials.pop().expect("one block"),
+            _ => Tensor::cat(partials, 0).sum(),
         };
-        let squared = grad.clone().square().sum();
         let squared = match &self.group {
             None => squared,
             Some(group) => collective(group.all_reduce(primitive(squared)), "the gradient norm")?,
         };
-        let grad_norm = squared.into_scalar().elem::<f64>().sqrt();
-        let grad = if clip > 0.0 && grad_norm > clip {
-            grad.mul_scalar(clip / grad_norm)
-        } else {
-            grad
-        };
-        let shard = self.settings.update(shard, grad, lr);
-        let update = shard.master.clone().cast(layout.wire_dtype());
+        Ok(squared.into_scalar().elem::<f64>().sqrt())
+    }
+
+    /// `model` with the updated master weights `master` (this rank's share, any float type)
+    /// gathered over the group and written back in the weights' types.
+    fn write_back<M: AutodiffModule<B>>(
+        &self,
+        layout: &FlatLayout,
+        model: M,
+        master: Tensor<B::InnerBackend, 1>,
+    ) -> Result<M, Error> {
+        let update = master.cast(layout.wire_dtype());
         let weights = match &self.group {
             None => update,
             Some(group) => collective(group.all_gather(primitive(update)), "the weights")?,
         };
-        let model = layout.write_back::<B, M>(model, weights);
-        self.shard = Some(shard);
-        Ok((model, grad_norm))
+        Ok(layout.write_back::<B, M>(model, weights))
     }
 
     /// Refuses a model whose structure differs from the first step's on this rank, or (at the
@@ -221,11 +486,16 @@ impl<B: AutodiffBackend> ShardedAdamW<B> {
                 "none",
             ));
         }
-        if let Some(shard) = &self.shard {
-            if shard.layout != *layout {
+        let first = match &self.state {
+            Some(State::Device(shard)) => Some(&shard.layout),
+            Some(State::Host(host)) => Some(&host.layout),
+            None => None,
+        };
+        if let Some(first) = first {
+            if first != layout {
                 return Err(Error::invalid(
                     "the model's parameters at this optimizer step",
-                    format!("those of its first step: {}", shard.layout.describe()),
+                    format!("those of its first step: {}", first.describe()),
                     layout.describe(),
                 ));
             }
@@ -289,24 +559,50 @@ impl AdamWSettings {
         lr: f64,
     ) -> OptimizerShard<B> {
         let time = shard.time + 1;
-        let moment_1 =
-            shard.moment_1.mul_scalar(self.beta_1) + grad.clone().mul_scalar(1.0 - self.beta_1);
-        let moment_2 =
-            shard.moment_2.mul_scalar(self.beta_2) + grad.square().mul_scalar(1.0 - self.beta_2);
-        let corrected_1 = moment_1.clone().div_scalar(1.0 - self.beta_1.powi(time));
-        let corrected_2 = moment_2.clone().div_scalar(1.0 - self.beta_2.powi(time));
-        let delta = corrected_1 / corrected_2.sqrt().add_scalar(self.epsilon);
-        let decayed = shard
-            .master
-            .mul_scalar(1.0 - lr * f64::from(self.weight_decay));
+        let vectors = [shard.master, shard.moment_1, shard.moment_2];
+        let [master, moment_1, moment_2] = self.update_vectors(vectors, grad, lr, time);
         OptimizerShard {
             layout: shard.layout,
-            master: decayed - delta.mul_scalar(lr),
+            master,
             moment_1,
             moment_2,
             time,
         }
     }
+
+    /// [`update`](Self::update) of master weights and moments `[p, m, v]` (any range of a
+    /// shard: the update is element-wise) into step `time`.
+    fn update_vectors<I: Backend>(
+        &self,
+        [master, moment_1, moment_2]: [Tensor<I, 1>; 3],
+        grad: Tensor<I, 1>,
+        lr: f64,
+        time: i32,
+    ) -> [Tensor<I, 1>; 3] {
+        let moment_1 =
+            moment_1.mul_scalar(self.beta_1) + grad.clone().mul_scalar(1.0 - self.beta_1);
+        let moment_2 =
+            moment_2.mul_scalar(self.beta_2) + grad.square().mul_scalar(1.0 - self.beta_2);
+        let corrected_1 = moment_1.clone().div_scalar(1.0 - self.beta_1.powi(time));
+        let corrected_2 = moment_2.clone().div_scalar(1.0 - self.beta_2.powi(time));
+        let delta = corrected_1 / corrected_2.sqrt().add_scalar(self.epsilon);
+        let decayed = master.mul_scalar(1.0 - lr * f64::from(self.weight_decay));
+        [decayed - delta.mul_scalar(lr), moment_1, moment_2]
+    }
+}
+
+/// `grad` scaled by `scale`, when there is one.
+fn clipped<I: Backend>(grad: Tensor<I, 1>, scale: Option<f64>) -> Tensor<I, 1> {
+    match scale {
+        Some(scale) => grad.mul_scalar(scale),
+        None => grad,
+    }
+}
+
+/// The factor that scales gradients of global norm `norm` down to `clip`, when they exceed it
+/// (`clip <= 0` never clips).
+fn clip_scale(clip: f64, norm: f64) -> Option<f64> {
+    (clip > 0.0 && norm > clip).then(|| clip / norm)
 }
 
 /// A tensor's primitive, for the collectives.

@@ -23,7 +23,9 @@ use burn::tensor::backend::Backend;
 
 use super::options_defaults::with_option_defaults;
 use super::{replicated_adamw, sharded_adamw, StepOptimizer, TrainBackend, TrainOptions, Trainer};
-use crate::optimizer::{shard_file_name, write_shard_file, FlatLayout, ShardHeader, ShardSet};
+use crate::optimizer::{
+    shard_file_name, write_shard_file, FlatLayout, ShardHeader, ShardSet, StatePlacement,
+};
 use crate::staged_dir::StagedDir;
 use crate::Error;
 
@@ -148,9 +150,9 @@ impl<B: TrainBackend> Trainer<B> {
     /// rank 0 the model, the replicated optimizer and `trainer.json`.
     fn write_parts(&self, staging: &Path, rank: usize, world: usize) -> Result<(), Error> {
         if let StepOptimizer::Sharded(optim) = &self.optim {
-            let shard = optim.shard(&self.model);
+            let shard = optim.shard_data(&self.model);
             let header = ShardHeader::of(&shard, rank, self.options.zero, self.step);
-            write_shard_file(&staging.join(shard_file_name(rank, world)), &header, &shard)?;
+            write_shard_file(&staging.join(shard_file_name(rank, world)), &header, shard)?;
         }
         if rank != 0 {
             return Ok(());
@@ -227,9 +229,31 @@ impl<B: TrainBackend> Trainer<B> {
     /// [`Error::Unsupported`] for a sharded checkpoint written without its optimizer state;
     /// [`Error::Checkpoint`] when Burn's recorder cannot read the model or the replicated
     /// optimizer. The checkpoint is only read.
-    pub fn resume(mut self, dir: &Path) -> Result<Self, Error> {
-        let state = read_state(dir)?;
-        let (rank, world) = self.rank();
+    pub fn resume(self, dir: &Path) -> Result<Self, Error> {
+        self.resume_with_state_at(dir, None)
+    }
+
+    /// [`resume`](Self::resume), a sharded optimizer's state then kept at `placement` (with
+    /// chunks of that many bytes) instead of the checkpoint's placement where given: the state is
+    /// read straight into that placement (into host memory chunk by chunk, never whole on the
+    /// device), and the next checkpoint records it. The files are the same either way: a run
+    /// whose state was on the device resumes with it in host memory and the other way round.
+    ///
+    /// # Errors
+    ///
+    /// As [`resume`](Self::resume), and those of
+    /// [`ShardedAdamW::load`](crate::optimizer::ShardedAdamW::load).
+    pub fn resume_with_state_at(
+        mut self,
+        dir: &Path,
+        placement: Option<(StatePlacement, u64)>,
+    ) -> Result<Self, Error> {
+        let mut state = read_state(dir)?;
+        if let Some((placement, chunk_bytes)) = placement {
+            state.options.optimizer_state = placement;
+            state.options.state_chunk_bytes = chunk_bytes;
+        }
+        let (_, world) = self.rank();
         let shards = match state.options.zero.is_sharded() {
             true => Some(open_shards(
                 dir,
@@ -251,7 +275,7 @@ impl<B: TrainBackend> Trainer<B> {
                 // The layout of the loaded model: its parameter ids are the checkpoint's.
                 let layout = FlatLayout::of::<B, _>(&self.model, world);
                 let mut optim = sharded_adamw(&state.options, &self.context);
-                optim.restore(shards.shard::<B>(layout, rank, &device))?;
+                optim.load(&shards, layout, &device)?;
                 StepOptimizer::Sharded(optim)
             }
         };

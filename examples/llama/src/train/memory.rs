@@ -10,6 +10,10 @@
 //! | 1 | `w` | `w` | `4 P s`: the whole all-reduced vector | `12 s`: f32 master and moments |
 //! | 2 | `w` | `w` | `4 s`: the reduce-scattered share | `12 s` |
 //!
+//! With the sharded state in host memory ([`StatePlacement::Host`]), the `12 s` bytes move to the
+//! host and the device holds two chunks of it; on one rank the summed gradient is read from the
+//! parameters' gradients chunk by chunk (no f32 copy of it kept).
+//!
 //! Every rank holds the whole model and Burn's backward yields every parameter's whole gradient
 //! in the weights' types, at every stage. Activations, and the transient f32 copy of the
 //! gradients a sharded step gathers before its collective, are not counted.
@@ -19,7 +23,9 @@ use std::fmt;
 use super::{TrainBackend, Trainer};
 use crate::byte_units::format_bytes as bytes;
 use crate::device_memory::DeviceMemory;
-use crate::optimizer::{FlatLayout, ZeroStage};
+use crate::optimizer::{
+    chunk_elements, FlatLayout, StatePlacement, ZeroStage, STATE_BYTES_PER_ELEMENT,
+};
 use crate::TrainingKernels;
 
 /// Bytes of f32.
@@ -40,9 +46,12 @@ pub struct MemoryReport {
     pub gradients: u64,
     /// The f32 sum of the gradients a sharded step keeps for its update (0 at stage 0).
     pub summed_gradients: u64,
-    /// The optimizer's state: both moments in the weights' types (stage 0), or this rank's
-    /// share of the f32 master weights and moments (stages 1 and 2).
+    /// The optimizer's state on the device: both moments in the weights' types (stage 0), or
+    /// this rank's share of the f32 master weights and moments (stages 1 and 2), or with that
+    /// share in host memory the two chunks of it streamed through the device.
     pub optimizer: u64,
+    /// The optimizer's state in host memory ([`StatePlacement::Host`]; 0 on the device).
+    pub host_optimizer: u64,
     /// What the device counts, `None` where the backend does not say (NdArray).
     pub device: Option<DeviceMemory>,
 }
@@ -74,7 +83,35 @@ impl MemoryReport {
             gradients: weights,
             summed_gradients,
             optimizer,
+            host_optimizer: 0,
             device: None,
+        }
+    }
+
+    /// These counts with a sharded state (stages 1 and 2) in host memory, streamed through the
+    /// device in chunks of `chunk_bytes` of state: two chunks of it on the device, and on one
+    /// rank no summed f32 gradient kept. Stage 0 is left as it is (its state is not sharded).
+    pub fn with_state_on_host(self, chunk_bytes: u64) -> Self {
+        if !self.stage.is_sharded() {
+            return self;
+        }
+        let chunk = STATE_BYTES_PER_ELEMENT * chunk_elements(chunk_bytes) as u64;
+        Self {
+            optimizer: (2 * chunk).min(self.optimizer),
+            host_optimizer: self.optimizer,
+            summed_gradients: match self.world {
+                1 => 0,
+                _ => self.summed_gradients,
+            },
+            ..self
+        }
+    }
+
+    /// This report with the state at `placement` (chunks of `chunk_bytes` in host memory).
+    pub fn placed(self, placement: StatePlacement, chunk_bytes: u64) -> Self {
+        match placement {
+            StatePlacement::Gpu => self,
+            StatePlacement::Host => self.with_state_on_host(chunk_bytes),
         }
     }
 
@@ -87,9 +124,14 @@ impl MemoryReport {
 impl fmt::Display for MemoryReport {
     /// One line: the counts per rank, then the device's.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let optimizer = match self.stage {
-            ZeroStage::Replicated => "replicated moments".to_string(),
-            _ => format!("f32 master + moments, 1/{}", self.world),
+        let optimizer = match (self.stage, self.host_optimizer) {
+            (ZeroStage::Replicated, _) => "replicated moments".to_string(),
+            (_, 0) => format!("f32 master + moments, 1/{}", self.world),
+            (_, host) => format!(
+                "two chunks of the f32 master + moments, 1/{}, whose {} are in host memory",
+                self.world,
+                bytes(host)
+            ),
         };
         write!(
             f,
@@ -121,9 +163,11 @@ impl<B: TrainBackend> Trainer<B> {
     /// what its device counts now.
     pub fn memory_report(&self) -> MemoryReport {
         let layout = FlatLayout::of::<B, _>(&self.model, self.rank().1);
+        let o = &self.options;
+        let estimate = MemoryReport::estimate(&layout, o.zero);
         MemoryReport {
             device: <B::InnerBackend as TrainingKernels>::device_memory(&self.device()),
-            ..MemoryReport::estimate(&layout, self.options.zero)
+            ..estimate.placed(o.optimizer_state, o.state_chunk_bytes)
         }
     }
 }

@@ -29,12 +29,12 @@ use distflash_llama::{Error, Llama, LlamaConfig, TrainingKernels};
 
 /// The small model with one more token: 90496 parameters, which 2 divides and 3 does not (each
 /// of 3 ranks owns 30166 elements, the last 2 of them padding).
-fn padded() -> LlamaConfig {
+pub(crate) fn padded() -> LlamaConfig {
     LlamaConfig::new(257, 64, 2, 4, 2, 128).with_tie_embeddings(true)
 }
 
 /// `count` trainable copies of `config`'s model with the weights of `seed`.
-fn seeded(config: &LlamaConfig, seed: u64, count: usize) -> Vec<Llama<Cpu>> {
+pub(crate) fn seeded(config: &LlamaConfig, seed: u64, count: usize) -> Vec<Llama<Cpu>> {
     let model = config.try_init_seeded::<Cpu>(&DEVICE, seed).unwrap();
     replicate(&model, &vec![DEVICE; count])
 }

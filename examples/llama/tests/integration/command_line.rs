@@ -143,7 +143,7 @@ fn help_lists_every_option_under_its_heading_with_defaults_and_choices() {
 
 #[test]
 fn bad_command_lines_exit_with_code_two_saying_what_is_wrong() {
-    let cases: [(&[&str], &[&str]); 7] = [
+    let cases: [(&[&str], &[&str]); 9] = [
         (
             &["--no-such-option"],
             &[
@@ -177,6 +177,17 @@ fn bad_command_lines_exit_with_code_two_saying_what_is_wrong() {
         (
             &["--config", "llama-9b"],
             &["llama_train:", "llama-9b", "one of tiny, llama-7b"],
+        ),
+        (
+            &["--optimizer-state", "disk"],
+            &[
+                "invalid value 'disk' for '--optimizer-state <gpu|host>'",
+                "gpu, host",
+            ],
+        ),
+        (
+            &["--plan", "--optimizer-state", "host"],
+            &["--optimizer-state host", "add --zero 1 or --zero 2"],
         ),
     ];
     for (args, expected) in cases {

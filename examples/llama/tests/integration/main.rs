@@ -12,6 +12,7 @@ mod checkpoints;
 mod chunked_loss;
 mod command_line;
 mod generate;
+mod host_optimizer_state;
 mod loss;
 mod memory_plan;
 mod offload;

@@ -1,6 +1,6 @@
 //! The memory planner against what can be counted without a GPU: its weights, gradients and
 //! optimizer state equal the trainer's [`MemoryReport`] of a built model exactly (every
-//! configuration kind, world size and ZeRO stage); on wgpu, whose allocator counts its live
+//! configuration kind, world size, ZeRO stage and placement of the optimizer state); on wgpu, whose allocator counts its live
 //! bytes, the activations a forward keeps for the backward (at every checkpoint placement) and
 //! the gradients a backward leaves match the prediction within the allocator's rounding; the
 //! host memory planned for offloaded checkpoints is what the model asks the host for.
@@ -11,7 +11,7 @@ use burn_autodiff::Autodiff;
 use burn_distflash::layers::{CheckpointPlacement, Offload};
 use burn_distflash::AttentionContext;
 use distflash_llama::memory_plan::MemoryPlanner;
-use distflash_llama::optimizer::{FlatLayout, ZeroStage};
+use distflash_llama::optimizer::{FlatLayout, StatePlacement, ZeroStage};
 use distflash_llama::train::{MemoryReport, TrainOptions};
 use distflash_llama::{Llama, LlamaConfig, TrainingKernels};
 
@@ -34,12 +34,19 @@ fn the_plans_state_is_the_trainers_memory_report() {
                 ZeroStage::OptimizerStates,
                 ZeroStage::Gradients,
             ] {
-                let options = TrainOptions::new(1, 1, 2 * world).with_zero(stage);
-                let planner = MemoryPlanner::new(config.clone(), options, world, 4);
-                let predicted = planner.plan().unwrap().state;
-                let layout = FlatLayout::of::<Cpu, _>(&model, world);
-                let counted = MemoryReport::estimate(&layout, stage);
-                assert_eq!(predicted, counted, "{config:?} on {world}, stage {stage}");
+                for placement in [StatePlacement::Gpu, StatePlacement::Host] {
+                    let options = (TrainOptions::new(1, 1, 2 * world).with_zero(stage))
+                        .with_optimizer_state(placement)
+                        .with_state_chunk_bytes(12 * 4096);
+                    let planner = MemoryPlanner::new(config.clone(), options, world, 4);
+                    let predicted = planner.plan().unwrap().state;
+                    let layout = FlatLayout::of::<Cpu, _>(&model, world);
+                    let counted =
+                        MemoryReport::estimate(&layout, stage).placed(placement, 12 * 4096);
+                    let what =
+                        format!("{config:?} on {world}, stage {stage}, state on the {placement}");
+                    assert_eq!(predicted, counted, "{what}");
+                }
             }
         }
     }

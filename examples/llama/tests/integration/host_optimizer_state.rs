@@ -1,0 +1,284 @@
+//! The sharded optimizer's state in host memory, streamed through the device in chunks
+//! (`--optimizer-state host`): on ndarray (ordinary host memory) 3 steps give bitwise the losses,
+//! gradient norms, weights and shard files of the same steps with the state on the device, on 1,
+//! 2 and 3 ranks, at both ZeRO stages, with clipping active and inactive and chunks that do not
+//! divide the shards; a run resumes with its state moved from the device to the host and back,
+//! bitwise as the uninterrupted run; the optimizer alone on two linear layers, on ndarray and wgpu,
+//! streams its state bitwise like the device-resident one. On CUDA (pinned memory, a copy stream) the same for a bf16
+//! model on one GPU.
+
+use std::path::Path;
+use std::time::Duration;
+
+use crate::checkpoints::{padded, seeded};
+use crate::common::modules::{float_params, ParamValues};
+use crate::common::temp_dir::TempDir;
+use crate::common::within::within;
+use crate::train::{dataset, on_ranks, zero_options};
+use burn::tensor::backend::Backend;
+use burn_distflash::AttentionContext;
+use distflash_llama::data::TokenDataset;
+use distflash_llama::optimizer::{ShardFile, ShardHeader, ShardTensor, StatePlacement, ZeroStage};
+use distflash_llama::train::{TrainBackend, TrainOptions, Trainer};
+use distflash_llama::Llama;
+
+const STEPS: u64 = 3;
+
+/// 2048 elements of state and a few bytes: chunks that divide none of the shards (90496
+/// elements on one rank, 45248 on two, 30166 on three).
+const CHUNK_BYTES: u64 = 12 * 2048 + 5;
+
+/// One rank's run: the bits of each step's loss and gradient norm, the final weights, and the
+/// header and the three vectors' bits of the rank's shard file of a checkpoint saved after the
+/// steps (the file's bytes are not compared: its metadata's order differs from write to write).
+type Run = (Vec<[u64; 2]>, Vec<ParamValues>, ShardContent);
+
+/// A shard file's header and its vectors' bits.
+type ShardContent = (ShardHeader, Vec<Vec<u32>>);
+
+/// The header and vectors of the shard file at `path`.
+fn shard_content(path: &Path) -> ShardContent {
+    let file = ShardFile::open(path).unwrap();
+    let n = file.header().shard_len();
+    let bits = |t| {
+        file.values(t, 0..n)
+            .iter()
+            .map(|v: &f32| v.to_bits())
+            .collect()
+    };
+    (*file.header(), ShardTensor::ALL.map(bits).to_vec())
+}
+
+/// `steps` steps of `trainer`, then a checkpoint in `dir`: the rank's [`Run`].
+fn run<B: TrainBackend>(
+    trainer: &mut Trainer<B>,
+    data: &TokenDataset,
+    steps: u64,
+    dir: &Path,
+) -> Run {
+    let mut stats = Vec::new();
+    for _ in 0..steps {
+        let o = &trainer.options;
+        let (x, y) = (data.batch(trainer.step, o.seed, o.batch, o.seq_len)).unwrap();
+        let s = trainer.train_step(&x, &y).unwrap();
+        stats.push([s.loss.to_bits(), s.grad_norm.to_bits()]);
+    }
+    trainer.save(dir).unwrap();
+    let (rank, world) = trainer.rank();
+    let shard = shard_content(&dir.join(format!("optimizer-rank{rank}-of-{world}.safetensors")));
+    (stats, float_params(&trainer.model), shard)
+}
+
+/// `options` with the state at `placement` in chunks of [`CHUNK_BYTES`].
+fn placed(options: TrainOptions, placement: StatePlacement) -> TrainOptions {
+    options
+        .with_optimizer_state(placement)
+        .with_state_chunk_bytes(CHUNK_BYTES)
+}
+
+/// Every rank's [`Run`] of `world` ranks at `zero` with clipping at `clip` and the state at
+/// `placement`, checkpointed under `dir`.
+fn runs(
+    world: usize,
+    zero: ZeroStage,
+    clip: f64,
+    placement: StatePlacement,
+    dir: &Path,
+) -> Vec<Run> {
+    let data = dataset();
+    let options = placed(zero_options(STEPS, zero).with_grad_clip(clip), placement);
+    on_ranks(seeded(&padded(), 7, world), |context, model| {
+        let mut trainer = Trainer::new(model, context, options.clone());
+        run(&mut trainer, &data, STEPS, dir)
+    })
+}
+
+/// Asserts that two placements' runs are bitwise the same (but for the file paths).
+fn assert_same_runs(gpu: &[Run], host: &[Run], what: &str) {
+    assert_eq!(gpu.len(), host.len());
+    for (rank, (g, h)) in gpu.iter().zip(host).enumerate() {
+        assert_eq!(
+            g.0, h.0,
+            "{what}, rank {rank}: losses or gradient norms differ"
+        );
+        assert!(g.1 == h.1, "{what}, rank {rank}: the weights differ");
+        assert!(g.2 == h.2, "{what}, rank {rank}: the shard files differ");
+    }
+}
+
+#[test]
+fn host_state_steps_bitwise_like_device_state_with_the_same_shard_files() {
+    within(Duration::from_secs(900), || {
+        let cases = [
+            (1, ZeroStage::OptimizerStates, 0.05),
+            (1, ZeroStage::Gradients, 0.0),
+            (2, ZeroStage::Gradients, 0.05),
+            (3, ZeroStage::OptimizerStates, 0.05),
+            (3, ZeroStage::Gradients, 0.0),
+        ];
+        for (world, zero, clip) in cases {
+            let what = format!("{world} rank(s), stage {zero}, clip {clip}");
+            let tmp = TempDir::new("host-state");
+            let [gpu, host] = [StatePlacement::Gpu, StatePlacement::Host].map(|placement| {
+                runs(
+                    world,
+                    zero,
+                    clip,
+                    placement,
+                    &tmp.path().join(placement.to_string()),
+                )
+            });
+            assert_same_runs(&gpu, &host, &what);
+            let norms: Vec<f64> = gpu[0].0.iter().map(|s| f64::from_bits(s[1])).collect();
+            if clip > 0.0 {
+                assert!(
+                    norms.iter().any(|&n| n > clip),
+                    "{what}: clipping never acted: {norms:?}"
+                );
+            }
+        }
+    });
+}
+
+#[test]
+fn a_run_resumes_with_its_state_moved_between_the_device_and_the_host() {
+    within(Duration::from_secs(600), || {
+        let data = dataset();
+        let (world, zero) = (2, ZeroStage::Gradients);
+        let tmp = TempDir::new("host-state-resume");
+        let straight = runs(
+            world,
+            zero,
+            0.05,
+            StatePlacement::Gpu,
+            &tmp.path().join("straight"),
+        );
+        for (from, to) in [
+            (StatePlacement::Gpu, StatePlacement::Host),
+            (StatePlacement::Host, StatePlacement::Gpu),
+        ] {
+            let what = format!("saved with the state on the {from}, resumed on the {to}");
+            let dir = tmp.path().join(format!("{from}-{to}"));
+            let options = placed(zero_options(STEPS, zero).with_grad_clip(0.05), from);
+            on_ranks(seeded(&padded(), 7, world), |context, model| {
+                let mut trainer = Trainer::new(model, context, options.clone());
+                run(&mut trainer, &data, STEPS - 1, &dir);
+            });
+            let resumed = on_ranks(seeded(&padded(), 99, world), |context, model| {
+                let trainer = Trainer::new(model, context, zero_options(1, ZeroStage::Replicated));
+                let placement = Some((to, CHUNK_BYTES));
+                let mut trainer = trainer.resume_with_state_at(&dir, placement).unwrap();
+                assert_eq!(trainer.options.optimizer_state, to, "{what}");
+                run(&mut trainer, &data, 1, &dir)
+            });
+            for (rank, (want, got)) in straight.iter().zip(&resumed).enumerate() {
+                assert_eq!(
+                    want.0[2], got.0[0],
+                    "{what}, rank {rank}: the last step differs"
+                );
+                assert!(want.1 == got.1, "{what}, rank {rank}: the weights differ");
+                assert!(
+                    want.2 == got.2,
+                    "{what}, rank {rank}: the shard files differ"
+                );
+            }
+        }
+    });
+}
+
+/// Two linear layers of 5,000 parameters: five chunks of 1024 elements, the last one short.
+type Layers<B> = (burn::nn::Linear<B>, burn::nn::Linear<B>);
+
+/// The master weights and the weights' bits after `steps` steps of [`ShardedAdamW`] (stage 1, one
+/// device, clipping at 0.5) on `sum((x W1 W2)^2)`, the state at `placement`.
+fn sharded_steps<B: TrainBackend>(
+    device: &B::Device,
+    placement: StatePlacement,
+    steps: usize,
+) -> (Vec<u32>, Vec<ParamValues>, Vec<u64>) {
+    use burn::nn::LinearConfig;
+    use burn::optim::GradientsParams;
+    use burn::tensor::{Distribution, Tensor};
+    use distflash_llama::optimizer::{AdamWSettings, ShardedAdamW};
+    B::seed(device, 5);
+    let mut model: Layers<B> = (
+        LinearConfig::new(64, 48).init(device),
+        LinearConfig::new(48, 40).init(device),
+    );
+    let settings = AdamWSettings {
+        beta_1: 0.9,
+        beta_2: 0.95,
+        epsilon: 1e-8,
+        weight_decay: 0.1,
+    };
+    let optim = ShardedAdamW::<B>::new(ZeroStage::OptimizerStates, settings, None).unwrap();
+    let mut optim = optim.with_state_placement(placement, 12 * 1024);
+    let mut norms = Vec::new();
+    for _ in 0..steps {
+        let x = Tensor::<B, 2>::random([7, 64], Distribution::Normal(0.0, 1.0), device);
+        let y = model.1.forward(model.0.forward(x));
+        let grads = GradientsParams::from_grads(y.powf_scalar(2.0).sum().backward(), &model);
+        let (next, norm) = optim.step(1e-2, 0.5, model, grads).unwrap();
+        (model, norms) = (next, [norms, vec![norm.to_bits()]].concat());
+    }
+    let master = optim
+        .master_weights()
+        .unwrap()
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap();
+    let master = master.iter().map(|v| v.to_bits()).collect();
+    (master, float_params(&model), norms)
+}
+
+/// [`sharded_steps`] with the state on the device and in host memory give the same bits.
+fn check_sharded_steps<B: TrainBackend>(device: &B::Device) {
+    let [gpu, host] = [StatePlacement::Gpu, StatePlacement::Host]
+        .map(|placement| sharded_steps::<B>(device, placement, 3));
+    assert!(
+        gpu.2.iter().any(|&n| f64::from_bits(n) > 0.5),
+        "clipping acts"
+    );
+    assert_eq!(gpu.2, host.2, "gradient norms");
+    assert!(gpu.1 == host.1, "weights");
+    assert!(gpu.0 == host.0, "master weights");
+}
+
+#[test]
+fn the_sharded_optimizer_streams_its_state_bitwise_on_ndarray_and_wgpu() {
+    within(Duration::from_secs(300), || {
+        check_sharded_steps::<crate::train::Cpu>(&crate::train::DEVICE);
+        type Wgpu = burn::backend::Autodiff<
+            burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>,
+        >;
+        check_sharded_steps::<Wgpu>(&cubecl::wgpu::WgpuDevice::Cpu);
+    });
+}
+
+/// [`runs`] on one CUDA GPU for a bf16 model of the small shape.
+fn cuda_runs(placement: StatePlacement, dir: &Path) -> Vec<Run> {
+    type Cuda = burn::backend::Autodiff<
+        burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, half::bf16, i32, u8>,
+    >;
+    let device = cubecl::cuda::CudaDevice::new(0);
+    let model: Llama<Cuda> = padded().try_init_seeded::<Cuda>(&device, 7).unwrap();
+    let options = zero_options(STEPS, ZeroStage::OptimizerStates).with_grad_clip(0.05);
+    let mut trainer = Trainer::new(model, AttentionContext::Local, placed(options, placement));
+    let run = run(&mut trainer, &dataset(), STEPS, dir);
+    <Cuda as Backend>::sync(&device).unwrap();
+    vec![run]
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_host_state_steps_bitwise_like_device_state() {
+    let tmp = TempDir::new("cuda-host-state");
+    let [gpu, host] = [StatePlacement::Gpu, StatePlacement::Host]
+        .map(|placement| cuda_runs(placement, &tmp.path().join(placement.to_string())));
+    assert_same_runs(
+        &gpu,
+        &host,
+        "CUDA, bf16 weights, one GPU, stage 1, clip 0.05",
+    );
+    println!("CUDA: 3 steps bitwise the same, norms {:?}", gpu[0].0);
+}

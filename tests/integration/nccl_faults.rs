@@ -210,18 +210,23 @@ fn survive_in_process(traffic: Traffic, fault: Fault) {
     });
 }
 
+/// [`survive_in_process`] under `fault` for point-to-point exchanges, all-reduces and attention.
+fn survive_every_traffic_in_process(fault: Fault) {
+    for traffic in [
+        Traffic::PointToPoint,
+        Traffic::AllReduce,
+        Traffic::Attention,
+    ] {
+        survive_in_process(traffic, fault);
+    }
+}
+
 #[test]
 #[ignore = "needs 2 CUDA GPUs and NCCL: run with --ignored on the GPU machine"]
 fn nccl_a_rank_that_stops_answering_mid_exchange_fails_the_other_within_the_timeout() {
     require_two_gpus();
     within(LIMIT, || {
-        for traffic in [
-            Traffic::PointToPoint,
-            Traffic::AllReduce,
-            Traffic::Attention,
-        ] {
-            survive_in_process(traffic, Fault::StopsAnswering);
-        }
+        survive_every_traffic_in_process(Fault::StopsAnswering)
     });
 }
 
@@ -230,13 +235,7 @@ fn nccl_a_rank_that_stops_answering_mid_exchange_fails_the_other_within_the_time
 fn nccl_a_rank_whose_thread_ends_mid_exchange_fails_the_other_within_the_timeout() {
     require_two_gpus();
     within(LIMIT, || {
-        for traffic in [
-            Traffic::PointToPoint,
-            Traffic::AllReduce,
-            Traffic::Attention,
-        ] {
-            survive_in_process(traffic, Fault::ThreadEnds);
-        }
+        survive_every_traffic_in_process(Fault::ThreadEnds)
     });
 }
 

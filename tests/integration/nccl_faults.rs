@@ -1,5 +1,6 @@
-//! Faults on real GPUs: a rank of a two-GPU NCCL group that stops answering, ends its thread
-//! (dropping its group) or exits its process after the first of several steps (point-to-point
+//! Faults on real GPUs: a rank of a two-GPU NCCL group that stops answering (in one process or
+//! as a second process), ends its thread (dropping its group) or exits its process after the
+//! first of several steps (point-to-point
 //! exchanges, all-reduces, sequence-parallel attention calls) makes the surviving rank's next
 //! step return a collective error that names the silent rank, within the group's timeout plus
 //! [`BOUND`]; later calls fail at once. Nothing may hang: every test runs under a wall-clock
@@ -264,8 +265,9 @@ impl Drop for Reaped {
 }
 
 /// Rank 1 in the child process: joins from the environment, runs the first point-to-point step,
-/// posts the second and exits without waiting for it (nothing is dropped or aborted).
-fn exiting_child() -> ! {
+/// posts the second, then exits without waiting for it (nothing is dropped or aborted) or, when
+/// it plays a rank that stops answering, sleeps until it is killed.
+fn child_rank(fault: &str) -> ! {
     let group = match DeviceGroup::<B>::nccl_from_env_with_timeout(PROCESS_TIMEOUT) {
         Ok(group) => group,
         Err(e) => {
@@ -278,12 +280,17 @@ fn exiting_child() -> ! {
         std::process::exit(CHILD_FAILED);
     }
     let unfinished = post(&group, 2);
-    eprintln!(
-        "child rank 1: exiting with step 2 posted ({})",
-        if unfinished.is_ok() { "ok" } else { "refused" }
-    );
+    let posted = if unfinished.is_ok() { "ok" } else { "refused" };
+    if fault == STALLS {
+        eprintln!("child rank 1: silent with step 2 posted ({posted})");
+        std::thread::sleep(LIMIT);
+    }
+    eprintln!("child rank 1: exiting with step 2 posted ({posted})");
     std::process::exit(CHILD_EXIT);
 }
+
+/// [`CHILD_VAR`]'s value for a child that stops answering (any other value: it exits).
+const STALLS: &str = "stalls";
 
 /// This test's name as the test harness knows it (its module path without the crate).
 fn own_test_name(function: &str) -> String {
@@ -291,28 +298,27 @@ fn own_test_name(function: &str) -> String {
     format!("{module}::{function}")
 }
 
-#[test]
-#[ignore = "needs 2 CUDA GPUs and NCCL: run with --ignored on the GPU machine"]
-fn nccl_a_process_that_exits_mid_exchange_fails_the_other_with_a_clear_error() {
-    if std::env::var_os(CHILD_VAR).is_some() {
-        exiting_child();
+/// Rank 0 here, rank 1 a child process running the test `function` of this binary, which
+/// leaves after the first step as `fault` ([`STALLS`] or "exits") says; rank 0's next step must
+/// fail within the timeout plus [`BOUND`], naming rank 1.
+fn survive_child_process(function: &str, fault: &str) {
+    if let Ok(fault) = std::env::var(CHILD_VAR) {
+        child_rank(&fault);
     }
     require_two_gpus();
     let addr = free_addr();
     let (master_addr, master_port) = addr.rsplit_once(':').expect("host:port");
-    let name =
-        own_test_name("nccl_a_process_that_exits_mid_exchange_fails_the_other_with_a_clear_error");
     let exe = std::env::current_exe().expect("this test binary");
     let child = Command::new(exe)
         .args([
-            &name,
+            &own_test_name(function),
             "--exact",
             "--ignored",
             "--nocapture",
             "--test-threads",
             "1",
         ])
-        .env(CHILD_VAR, "1")
+        .env(CHILD_VAR, fault)
         .env("RANK", "1")
         .env("WORLD_SIZE", "2")
         .env("LOCAL_RANK", "1")
@@ -333,10 +339,36 @@ fn nccl_a_process_that_exits_mid_exchange_fails_the_other_with_a_clear_error() {
         .expect("rank 0 of a two-process group");
         survive(&group, Traffic::PointToPoint, PROCESS_TIMEOUT).to_string()
     });
+    if fault == STALLS {
+        let status = child.0.try_wait();
+        assert!(
+            matches!(status, Ok(None)),
+            "the child was to stay alive and silent ({status:?}); rank 0's error was: {error}"
+        );
+        return;
+    }
     let status = child.status_within(Duration::from_secs(30));
     assert_eq!(
         status.and_then(|s| s.code()),
         Some(CHILD_EXIT),
         "the child did not leave as planned ({status:?}); rank 0's error was: {error}"
+    );
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs and NCCL: run with --ignored on the GPU machine"]
+fn nccl_a_process_that_exits_mid_exchange_fails_the_other_with_a_clear_error() {
+    survive_child_process(
+        "nccl_a_process_that_exits_mid_exchange_fails_the_other_with_a_clear_error",
+        "exits",
+    );
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs and NCCL: run with --ignored on the GPU machine"]
+fn nccl_a_process_that_stops_answering_mid_exchange_fails_the_other_within_the_timeout() {
+    survive_child_process(
+        "nccl_a_process_that_stops_answering_mid_exchange_fails_the_other_within_the_timeout",
+        STALLS,
     );
 }

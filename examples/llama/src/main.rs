@@ -16,7 +16,6 @@ use std::time::Instant;
 use burn::config::Config;
 use burn::module::Module;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
-use burn_distflash::collective::local::DEFAULT_TIMEOUT;
 use burn_distflash::collective::on_each_rank;
 use burn_distflash::layers::replicate;
 use burn_distflash::{AttentionContext, DeviceGroup, Documents};
@@ -55,6 +54,13 @@ const SAMPLE_TEMPERATURE: f64 = 0.8;
 fn fail(message: impl std::fmt::Display) -> ! {
     eprintln!("llama_train: {message}");
     std::process::exit(2)
+}
+
+/// Ends a run whose training step failed (a peer that went silent or died, a device error):
+/// exit code 1, the step and the error on standard error.
+fn fail_step(step: u64, message: impl std::fmt::Display) -> ! {
+    eprintln!("llama_train: step {step}: {message}");
+    std::process::exit(1)
 }
 
 /// The command line read, and its options that need no model or data checked.
@@ -418,8 +424,8 @@ fn train_rank<B: TrainBackend>(
             .batch(trainer.step, o.seed, o.batch, o.seq_len)
             .unwrap_or_else(|e| fail(e));
         let documents = documents(run, &x, o.seq_len).unwrap_or_else(|e| fail(e));
-        let stats =
-            (trainer.train_step_packed(&x, &y, documents.as_ref())).unwrap_or_else(|e| fail(e));
+        let stats = (trainer.train_step_packed(&x, &y, documents.as_ref()))
+            .unwrap_or_else(|e| fail_step(trainer.step + 1, e));
         let tokens_per_s = (o.batch * o.seq_len) as f64 / step_start.elapsed().as_secs_f64();
         if let (Some(bar), true) = (bar.as_ref(), trainer.step == first_step + 1) {
             // After the first step, so that the device's count includes the optimizer's state.
@@ -576,7 +582,7 @@ where
             env.world_size,
             cubecl::cuda::CudaDevice::new(env.local_rank),
             env.master.as_deref().unwrap_or(""),
-            DEFAULT_TIMEOUT,
+            run.args.devices.group_timeout(),
         )
         .unwrap_or_else(|e| fail(e));
         let model = load_model::<Cuda<F>>(run, config, weights, group.device());
@@ -589,7 +595,9 @@ where
     if devices.len() == 1 {
         return train_rank(run, config, model, AttentionContext::Local);
     }
-    let groups = DeviceGroup::<CudaInner<F>>::nccl(&devices).unwrap_or_else(|e| fail(e));
+    let groups =
+        DeviceGroup::<CudaInner<F>>::nccl_with_timeout(&devices, run.args.devices.group_timeout())
+            .unwrap_or_else(|e| fail(e));
     // One trainable copy of the model per GPU, all with the same weights.
     let models = replicate(&model, &devices);
     drop(model);

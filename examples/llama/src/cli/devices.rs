@@ -4,6 +4,7 @@
 
 use burn_distflash::collective::nccl::{EnvConfig, RENDEZVOUS_PORT_VAR};
 use clap::Args;
+use std::time::Duration;
 
 use super::values::{at_least_one, BackendKind, Dtype, Schedule};
 
@@ -32,9 +33,21 @@ pub struct DeviceArgs {
     #[arg(long, value_enum, value_name = "SCHEDULE", default_value_t = Schedule::Auto)]
     pub schedule: Schedule,
 
+    /// Seconds a rank waits for its peers (the rendezvous, an exchange, a gradient sum) before
+    /// the run stops with an error naming the rank it waited for
+    #[arg(long, value_name = "SECONDS", value_parser = at_least_one(), default_value_t = 300)]
+    pub group_timeout: usize,
+
     /// This process's place in a group of processes (`--env`).
     #[command(flatten)]
     pub processes: ProcessArgs,
+}
+
+impl DeviceArgs {
+    /// How long a rank waits for its peers (`--group-timeout`).
+    pub fn group_timeout(&self) -> Duration {
+        Duration::from_secs(self.group_timeout as u64)
+    }
 }
 
 /// This process's place in a group of one process per GPU (`--env`), as torchrun's

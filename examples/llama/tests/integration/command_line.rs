@@ -143,7 +143,7 @@ fn help_lists_every_option_under_its_heading_with_defaults_and_choices() {
 
 #[test]
 fn bad_command_lines_exit_with_code_two_saying_what_is_wrong() {
-    let cases: [(&[&str], &[&str]); 9] = [
+    let cases: [(&[&str], &[&str]); 10] = [
         (
             &["--no-such-option"],
             &[
@@ -158,6 +158,10 @@ fn bad_command_lines_exit_with_code_two_saying_what_is_wrong() {
         (
             &["--batch", "0"],
             &["invalid value '0' for '--batch <N>'", "1.."],
+        ),
+        (
+            &["--group-timeout", "0"],
+            &["invalid value '0' for '--group-timeout <SECONDS>'", "1.."],
         ),
         (
             &["--lr", "-1"],

@@ -16,6 +16,7 @@ mod host_optimizer_state;
 mod loss;
 mod memory_plan;
 mod offload;
+mod one_process_per_gpu;
 mod optimizer;
 mod packing;
 mod tokenizer;

@@ -382,20 +382,26 @@ where
             None => None,
             Some(_) => Some(self.summed_share(&layout, &model, &mut grads)?),
         };
-        let pieces = (share.is_none()).then(|| FlatPieces::gradients::<B, M>(&model, &mut grads));
-        let read = |r: Range<usize>| match (&share, &pieces) {
+        let mut pieces =
+            (share.is_none()).then(|| FlatPieces::gradients::<B, M>(&model, &mut grads));
+        let read = |pieces: &Option<FlatPieces<_>>, r: Range<usize>| match (&share, pieces) {
             (Some(share), _) => share.clone().narrow(0, r.start, r.len()),
             (None, Some(pieces)) => pieces.range(r),
             (None, None) => unreachable!("the gradients are read from the share or the pieces"),
         };
         let n = layout.shard_len();
-        let norm = self.global_norm(n, read)?;
+        let norm = self.global_norm(n, |r| read(&pieces, r))?;
         let scale = clip_scale(clip, norm);
         let world = self.rank().1;
         let mut writer = WeightWriter::new(&layout);
         let time = host.time + 1;
         host.stream(|r, vectors| {
-            let grad = clipped(read(r.clone()), scale);
+            let grad = clipped(read(&pieces, r.clone()), scale);
+            // The chunks come in order: the gradients before this one's end are read for good,
+            // and their memory can hold the new weights the writer is assembling.
+            if let Some(pieces) = pieces.as_mut() {
+                pieces.release_before(r.end);
+            }
             let updated = self.settings.update_vectors(vectors, grad, lr, time);
             let chunk = updated[0].clone().cast(layout.wire_dtype());
             match &self.group {

@@ -133,6 +133,13 @@ pub enum Error {
         /// The plugin's error.
         source: PluginError,
     },
+    /// The backward pass failed (Burn's backward cannot return an error: a sequence-parallel
+    /// attention whose peer died or went silent panics with the group's error, which this
+    /// carries).
+    Backward {
+        /// What the failed pass said.
+        message: String,
+    },
     /// Summing over the device group failed.
     Comm {
         /// What was being summed ("the gradients").
@@ -270,6 +277,7 @@ impl fmt::Display for Error {
                 source,
             } => write!(f, "checkpoint {}: cannot {action}: {source}", dir.display()),
             Self::Attention { during, source } => write!(f, "{during}: {source}"),
+            Self::Backward { message } => write!(f, "the backward pass failed: {message}"),
             Self::Comm { what, source } => {
                 write!(f, "summing {what} over the group: {source}")
             }
@@ -287,6 +295,7 @@ impl std::error::Error for Error {
             Self::Attention { source, .. } => Some(source),
             Self::Comm { source, .. } => Some(source),
             Self::NotFound { .. }
+            | Self::Backward { .. }
             | Self::MissingField { .. }
             | Self::Invalid { .. }
             | Self::Unsupported { .. }

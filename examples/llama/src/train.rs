@@ -9,6 +9,7 @@
 //! checkpoint's weights as a Hugging Face model; [`Trainer::memory_report`] counts what a rank
 //! holds.
 
+mod backward_guard;
 mod checkpoint;
 mod export;
 mod memory;
@@ -31,6 +32,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData, TensorPrimitive};
 
+use self::backward_guard::gradients_of;
 use super::loss::CrossEntropyBackend;
 use super::lr_schedule::learning_rate;
 use super::model::{Llama, LlamaInput};
@@ -380,7 +382,7 @@ impl<B: TrainBackend> Trainer<B> {
         }
         let loss = self.loss(inputs, targets, documents, "training step")?;
         lap(|t| &mut t.forward);
-        let grads = GradientsParams::from_grads(loss.backward(), &self.model);
+        let grads = GradientsParams::from_grads(gradients_of(&loss)?, &self.model);
         lap(|t| &mut t.backward);
         let loss = self.group_loss(loss)?;
         let o = &self.options;

@@ -15,6 +15,16 @@ use std::process::Output;
 use crate::common::temp_dir::TempDir;
 use distflash_llama::metrics::read_metrics;
 
+/// Options of a short test run: no validation, no sample, progress every step.
+pub(crate) const QUIET: [&str; 6] = [
+    "--val-every",
+    "0",
+    "--sample-tokens",
+    "0",
+    "--log-every",
+    "1",
+];
+
 /// Runs `llama_train` on the bundled text with a small model and batch, writing to `out`.
 pub(crate) fn llama_train(out: &Path, extra: &[&str]) -> Output {
     let data = concat!(env!("CARGO_MANIFEST_DIR"), "/data/tiny_shakespeare.txt");
@@ -29,14 +39,7 @@ pub(crate) fn llama_train(out: &Path, extra: &[&str]) -> Output {
             "--seq-len",
             "32",
         ])
-        .args([
-            "--val-every",
-            "0",
-            "--sample-tokens",
-            "0",
-            "--log-every",
-            "1",
-        ])
+        .args(QUIET)
         .args(["--data", data, "--out"])
         .arg(out)
         .args(extra)

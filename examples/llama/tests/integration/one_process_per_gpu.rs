@@ -7,21 +7,31 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use crate::command_line::stderr_of;
+use crate::command_line::{stderr_of, QUIET};
 use crate::common::temp_dir::TempDir;
 use distflash_llama::metrics::read_metrics;
 
 /// Steps each run trains: enough for the optimizer's moments and the gradient sums to matter.
 const STEPS: &str = "6";
 
-/// The options both runs share: a small model on CUDA, a sequence split over the two GPUs.
-fn shared_options(out: &Path) -> Vec<String> {
-    let data = concat!(env!("CARGO_MANIFEST_DIR"), "/data/tiny_shakespeare.txt");
+/// The bundled text: where this crate was built, or (test binaries copied to a GPU machine, run
+/// from the repository's root) under the working directory.
+fn data_file() -> PathBuf {
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/tiny_shakespeare.txt");
+    match built.exists() {
+        true => built,
+        false => PathBuf::from("examples/llama/data/tiny_shakespeare.txt"),
+    }
+}
+
+/// The options every run here shares: a small model on CUDA, a sequence split over the two
+/// GPUs, `steps` steps.
+fn shared_options(steps: &str, out: &Path) -> Vec<String> {
     let options = [
         "--backend",
         "cuda",
@@ -32,18 +42,14 @@ fn shared_options(out: &Path) -> Vec<String> {
         "--seq-len",
         "256",
         "--steps",
-        STEPS,
-        "--val-every",
-        "0",
-        "--sample-tokens",
-        "0",
-        "--log-every",
-        "1",
-        "--data",
-        data,
-        "--out",
+        steps,
     ];
-    let mut options: Vec<String> = options.iter().map(|s| s.to_string()).collect();
+    let mut options: Vec<String> = (options.iter().chain(&QUIET))
+        .map(|s| s.to_string())
+        .collect();
+    options.push("--data".into());
+    options.push(data_file().display().to_string());
+    options.push("--out".into());
     options.push(out.display().to_string());
     options
 }
@@ -56,11 +62,11 @@ fn free_port() -> u16 {
         .port()
 }
 
-/// Rank `rank` of a two-process group whose rank 0 listens on `port`.
-fn rank_process(rank: usize, port: u16, out: &Path) -> Command {
+/// Rank `rank` of a two-process group whose rank 0 listens on `port`, training `steps` steps.
+fn rank_process(rank: usize, port: u16, steps: &str, out: &Path) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_llama_train"));
     command
-        .args(shared_options(out))
+        .args(shared_options(steps, out))
         .arg("--env")
         .env("RANK", rank.to_string())
         .env("WORLD_SIZE", "2")
@@ -81,7 +87,7 @@ fn losses(out: &Path) -> Vec<f64> {
 fn two_processes(out: &Path) -> [Output; 2] {
     let port = free_port();
     let children = [0, 1].map(|rank| {
-        rank_process(rank, port, out)
+        rank_process(rank, port, STEPS, out)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -97,7 +103,7 @@ fn nccl_one_process_per_gpu_trains_the_losses_of_one_process_driving_both() {
     let one_process = dir.path().join("one-process");
     let per_gpu = dir.path().join("per-gpu");
     let output = Command::new(env!("CARGO_BIN_EXE_llama_train"))
-        .args(shared_options(&one_process))
+        .args(shared_options(STEPS, &one_process))
         .args(["--gpus", "2"])
         .output()
         .expect("llama_train starts");
@@ -147,8 +153,8 @@ fn nccl_a_rank_whose_peer_process_dies_mid_run_exits_naming_it() {
     let port = free_port();
     let timeout = GROUP_TIMEOUT_S.to_string();
     let spawn = |rank: usize| {
-        rank_process(rank, port, dir.path())
-            .args(["--steps", "100000", "--group-timeout", &timeout])
+        rank_process(rank, port, "100000", dir.path())
+            .args(["--group-timeout", &timeout])
             .stdout(Stdio::null())
             .stderr(if rank == 0 {
                 Stdio::piped()
@@ -206,7 +212,7 @@ fn nccl_a_rank_whose_rank_0_never_starts_exits_naming_the_rendezvous() {
     let port = free_port();
     let start = Instant::now();
     // Rank 1 alone: rank 0, which would listen on the port, never starts.
-    let output = rank_process(1, port, dir.path())
+    let output = rank_process(1, port, STEPS, dir.path())
         .args(["--group-timeout", &GROUP_TIMEOUT_S.to_string()])
         .output()
         .expect("llama_train starts");

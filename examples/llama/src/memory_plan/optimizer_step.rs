@@ -9,7 +9,7 @@
 //! |---|---|---|---|
 //! | weights, and the updated weights beside them | `2w` | `2w` | `2w` |
 //! | the backward's gradients | `w` | `w` | `w` |
-//! | f32 copies of the gradients, one per parameter | `4Ps` | 0 | `4Ps` |
+//! | f32 copies of the gradients, one per parameter (none of f32 ones) | `4Ps` | 0 | `4Ps` |
 //! | whole f32 vectors at once | `4Ps + 4s` | 0 | `4Ps` (stage 1), `4Ps + 4s` (stage 2) |
 //! | optimizer state | `12s` | two chunks, `24c` | `24c` |
 //! | a chunk's gradient, temporaries, cast weights | 0 | `8c + (w/n) c` | `8c + (w/n) c P` |
@@ -91,11 +91,17 @@ impl OptimizerStepMemory {
         // Bytes of one weight element as the updated weights travel (the weights' own type).
         let wire = w.div_ceil((report.parameters as u64).max(1));
         let reduce_scattered = report.stage == crate::optimizer::ZeroStage::Gradients;
+        // A cast to the type a tensor already has is the tensor itself: f32 gradients are laid
+        // end to end as they are.
+        let copies = match wire < F32 {
+            true => F32 * padded,
+            false => 0,
+        };
         let (gradient_copies, whole_vectors, chunk) = match (on_host, grouped) {
-            (false, _) => (F32 * padded, F32 * padded + F32 * share, 0),
+            (false, _) => (copies, F32 * padded + F32 * share, 0),
             (true, false) => (0, 0, chunk_transients(chunk_bytes, share, wire, 1)),
             (true, true) => (
-                F32 * padded,
+                copies,
                 F32 * padded + if reduce_scattered { F32 * share } else { 0 },
                 chunk_transients(chunk_bytes, share, wire, world),
             ),
@@ -209,6 +215,14 @@ mod tests {
         );
         assert_eq!((second.state, second.chunk), (24_576, 8192 + 4096));
         assert_eq!(second.total(), 60_000 + 40_000 + 60_000 + 24_576 + 12_288);
+    }
+
+    #[test]
+    fn f32_gradients_need_no_f32_copies() {
+        let report = MemoryReport::for_parameters(10_000, 40_000, 2, ZeroStage::Gradients);
+        let s = OptimizerStepMemory::of(&report, 12 * 1024);
+        assert_eq!((s.gradient_copies, s.whole_vectors), (0, 40_000 + 20_000));
+        assert_eq!(s.total(), 3 * 40_000 + 60_000 + 12 * 5000);
     }
 
     #[test]

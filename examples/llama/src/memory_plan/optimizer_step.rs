@@ -33,8 +33,9 @@
 //! freed once concatenated, the temporaries before the updated weights are made): CUDA's pools
 //! serve each size from pages of its own class and keep freed pages, so memory freed by buffers
 //! of one size (a parameter's, the share's) does not serve the next buffers of another (the
-//! model's, the whole vector's). A replicated step (stage 0) updates each parameter in place
-//! with its moments: its terms are the weights, the gradients and the moments (`4w`).
+//! model's, the whole vector's). A replicated step (stage 0) updates one parameter at a time,
+//! its transients the size of one parameter (not counted): its terms are the weights, the
+//! gradients and the moments (`4w`).
 
 use std::fmt;
 

@@ -17,10 +17,12 @@
 //! and a line under it gives rank 0's pinned host memory and its device memory in use right
 //! after one forward (the copies to host waited for), the offload's saving.
 //!
-//! Under the row, the memory planner's predicted peak for the setting stands beside rank 0's
-//! pool's reserved bytes: the peak of the timed steps, as the pools give back what they hold free
-//! after the warm-up (the first step's autotuning buffers, and a first step has no optimizer
-//! state during its backward); with `--iters 0`, the first step's peak.
+//! Under the row, the memory planner's predicted peak for the setting (its `--zero`,
+//! `--optimizer-state` and `--optimizer-chunk` included), the phase it falls in and the
+//! optimizer step's terms stand beside rank 0's pool's reserved bytes: the peak of the timed
+//! steps, as the pools give back what they hold free after the warm-up (the first step's
+//! autotuning buffers, and a first step has no optimizer state during its backward); with
+//! `--iters 0`, the first step's peak.
 //!
 //! `--phases` runs one more step after the timed ones with the device synchronised after each
 //! phase and prints rank 0's phase times (forward and loss, backward, gradient sums and norm,
@@ -286,12 +288,14 @@ fn main() {
     let planner = MemoryPlanner::new(config.clone(), options.clone(), gpus, 2);
     match planner.plan() {
         Ok(plan) => println!(
-            "memory planner (rank 0's pool): predicted peak {:.2} GiB, reserved {:.2} GiB \
-             ({:+.1}%); predicted host {:.2} GiB",
+            "memory planner (rank 0's pool): predicted peak {:.2} GiB ({}), reserved {:.2} GiB \
+             ({:+.1}%); predicted host {:.2} GiB; optimizer step {}",
             gib(plan.peak),
+            plan.peak_phase,
             gib(ranks[0].reserved),
             100.0 * (gib(plan.peak) / gib(ranks[0].reserved) - 1.0),
             gib(plan.host),
+            plan.optimizer_step,
         ),
         Err(e) => println!("memory planner: {e}"),
     }

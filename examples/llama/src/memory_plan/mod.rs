@@ -15,13 +15,17 @@
 //!   buffers have other sizes: on 4 H200s, LLaMA-7B at 256K tokens peaked 2.57 GiB per GPU higher
 //!   per layer (32 layers against 4, `BENCHMARKS.md`), where a layer's checkpoint, weights,
 //!   gradients and AdamW state take 2.51 GiB together and 1.88 GiB without its gradients;
-//! - the optimizer step: weights, gradients, optimizer state, and the summed f32 gradients of a
-//!   sharded step. With the sharded state in host memory (`TrainOptions::optimizer_state`), the
-//!   device holds two chunks of it, and on one GPU the step's transient is the updated weights
-//!   and one chunk's gradient and temporaries instead of the whole f32 gradient; the state's
-//!   bytes are counted on the host, beside the offloaded checkpoints.
+//! - the optimizer step (`optimizer_step`): the weights and the updated weights made beside them,
+//!   the gradients, and under ZeRO 1/2 their f32 copies, the whole f32 vectors of the sharded
+//!   update (the gradients end to end, the summed share, the update's temporaries) and the f32
+//!   state; with the sharded state in host memory (`TrainOptions::optimizer_state`), two chunks
+//!   of it and one chunk's transients instead of the state (and on one GPU instead of the f32
+//!   vectors), the state's bytes counted on the host beside the offloaded checkpoints. The
+//!   backward's transients are freed before it runs: the step's peak is the largest phase, not
+//!   their sum.
 
 mod activations;
+mod optimizer_step;
 mod report;
 mod search;
 
@@ -30,11 +34,11 @@ use std::fmt;
 use burn_distflash::layers::CheckpointPlacement;
 
 use crate::config::LlamaConfig;
-use crate::optimizer::chunk_elements;
 use crate::train::{MemoryReport, TrainOptions};
 use crate::Error;
 use activations::Widths;
 
+pub use optimizer_step::OptimizerStepMemory;
 pub use search::{FittedMemory, AUTO_MIN_CHUNK_ROWS, FIT_FRACTION};
 
 /// Bytes of f32.
@@ -90,6 +94,8 @@ pub struct MemoryPlan {
     pub tokens: u64,
     /// Weights, gradients, summed gradients and optimizer state, as the trainer reports them.
     pub state: MemoryReport,
+    /// What the optimizer step holds, term by term (its phase's bytes).
+    pub optimizer_step: OptimizerStepMemory,
     /// The blocks' checkpoints held on the GPU after the forward.
     pub checkpoints: u64,
     /// One block's checkpoint.
@@ -180,18 +186,9 @@ impl MemoryPlanner {
             + F32 * rows
             + block_transient
             + pool_slack;
-        let optimizer_transient = match (o.zero.is_sharded(), state.host_optimizer, self.world) {
-            (false, _, _) => 0,
-            // A host-resident state on one GPU: the updated weights, and beside the two chunks of
-            // state one chunk's f32 gradient and the update's temporaries (four f32 vectors).
-            (true, host, 1) if host > 0 => {
-                let chunk = chunk_elements(o.state_chunk_bytes).min(state.parameters) as u64;
-                state.weights + 4 * F32 * chunk
-            }
-            // The f32 copy of every gradient gathered before the collective.
-            (true, _, _) => F32 * state.parameters.div_ceil(self.world) as u64 * self.world as u64,
-        };
-        let optimizer_phase = state.total() + optimizer_transient;
+        let optimizer_step = OptimizerStepMemory::of(&state, o.state_chunk_bytes);
+        let optimizer_phase = optimizer_step.total();
+        let optimizer_transient = optimizer_phase.saturating_sub(state.total());
         let (peak_phase, peak, transient) = [
             (StepPhase::LossBackward, loss_phase, loss_transient),
             (StepPhase::BlockBackward, block_phase, block_transient),
@@ -203,6 +200,7 @@ impl MemoryPlanner {
         Ok(MemoryPlan {
             tokens: rows,
             state,
+            optimizer_step,
             checkpoints,
             checkpoint_per_layer: per_layer,
             offloaded_layers,
@@ -362,6 +360,7 @@ impl fmt::Display for MemoryPlan {
             "pool slack          {} (in a block's backward)",
             b(self.pool_slack)
         )?;
+        writeln!(f, "optimizer step      {}", self.optimizer_step)?;
         writeln!(f, "peak                {}", b(self.peak))?;
         write!(
             f,
@@ -517,6 +516,95 @@ mod tests {
             report.contains("no sequence fits: the host memory"),
             "{report}"
         );
+    }
+
+    /// LLaMA-7B cut to `layers`, one sequence of `seq_len` tokens on one GPU in bf16, at
+    /// `stage` with its state at `placement` (the Llama bench's setting).
+    fn bench_row(
+        layers: usize,
+        seq_len: usize,
+        placement: CheckpointPlacement,
+        stage: crate::optimizer::ZeroStage,
+        state: crate::optimizer::StatePlacement,
+    ) -> MemoryPlanner {
+        let mut config = LlamaConfig::llama_7b().with_checkpoint(placement);
+        config.n_layers = layers;
+        let options =
+            (TrainOptions::new(4, 1, seq_len).with_zero(stage)).with_optimizer_state(state);
+        MemoryPlanner::new(config, options, 1, 2)
+    }
+
+    #[test]
+    fn the_replicated_rows_measured_on_an_h200_are_predicted_as_when_fitted() {
+        use crate::optimizer::{StatePlacement, ZeroStage};
+        // BENCHMARKS.md, "Memory planner": the prediction beside each measured stage-0 row.
+        let rows = [
+            (8, 32768, Offload::Off, 24.70),
+            (8, 131072, Offload::Off, 54.74),
+            (32, 65536, Offload::Off, 105.54),
+            (8, 131072, Offload::All, 37.25),
+        ];
+        for (layers, seq, offload, gib) in rows {
+            let placement = CheckpointPlacement::AttentionOutput;
+            let mut planner = bench_row(
+                layers,
+                seq,
+                placement,
+                ZeroStage::Replicated,
+                StatePlacement::Gpu,
+            );
+            planner.config.offload = offload;
+            let plan = planner.plan().unwrap();
+            let predicted = plan.peak as f64 / (1u64 << 30) as f64;
+            assert!(
+                (predicted - gib).abs() < 0.006,
+                "{layers} layers, {seq}, {offload:?}: {predicted:.3} GiB, {gib} before"
+            );
+            assert_eq!(plan.peak_phase, StepPhase::BlockBackward);
+            assert_eq!(plan.optimizer_step.total(), 4 * plan.state.weights);
+        }
+    }
+
+    #[test]
+    fn a_device_resident_sharded_step_on_one_gpu_peaks_in_the_optimizer_at_thirty_bytes_a_parameter(
+    ) {
+        use crate::optimizer::{StatePlacement, ZeroStage};
+        // 8 layers: embedding and output 2 x 32000 x 4096, per layer 4 x 4096^2 + 3 x 4096 x
+        // 11008 + 2 x 4096, the final norm 4096.
+        let n: u64 = 2 * 32000 * 4096 + 8 * (4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096) + 4096;
+        assert_eq!(n, 1_881_214_976);
+        for stage in [ZeroStage::OptimizerStates, ZeroStage::Gradients] {
+            let planner = bench_row(
+                8,
+                32768,
+                CheckpointPlacement::Layer,
+                stage,
+                StatePlacement::Gpu,
+            );
+            let plan = planner.plan().unwrap();
+            assert_eq!(plan.peak_phase, StepPhase::Optimizer, "{stage}");
+            // bf16 weights, updated weights and gradients (2 + 2 + 2), f32 copies (4), the
+            // summed gradient and one temporary (4 + 4), f32 master and moments (12).
+            assert_eq!(plan.peak, 30 * n, "{stage}");
+            assert_eq!(plan.transient, 30 * n - plan.state.total(), "{stage}");
+            let text = plan.to_string();
+            assert!(
+                text.contains("optimizer step") && text.contains("whole f32"),
+                "{text}"
+            );
+        }
+        // In host memory: the backward's peak, above the step's 6 bytes a parameter and chunks.
+        let host = bench_row(
+            8,
+            32768,
+            CheckpointPlacement::Layer,
+            ZeroStage::OptimizerStates,
+            StatePlacement::Host,
+        );
+        let plan = host.plan().unwrap();
+        assert_eq!(plan.peak_phase, StepPhase::BlockBackward);
+        let chunk = crate::optimizer::chunk_elements(512 << 20) as u64;
+        assert_eq!(plan.optimizer_step.total(), 6 * n + 24 * chunk + 10 * chunk);
     }
 
     #[test]

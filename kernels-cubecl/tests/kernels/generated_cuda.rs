@@ -60,10 +60,10 @@ fn the_hopper_shell_gives_hand_written_kernels_the_shared_memory_they_ask_for() 
 fn every_hopper_source_has_no_include_and_its_entry_points() {
     for (name, source) in cuda_source::hopper_sources() {
         assert!(!source.contains("#include"), "{name}");
-        // The backward's row kernels: one before the main kernel and one after, for a whole
-        // attention and for a step.
+        // A whole attention's backward row kernels: one before the main kernel, one after (a
+        // step runs the main kernel alone).
         let entry_points = if name.starts_with("hopper_backward_rows") {
-            4
+            2
         } else {
             1
         };

@@ -377,6 +377,157 @@ pub fn chunked_steps_match_the_f64_reference<R: Runtime>(client: &ComputeClient<
     });
 }
 
+/// `values` (f32) uploaded into the middle of a larger f32 buffer, after `before` random values
+/// (a multiple of 4: the view starts on a 16-byte boundary) and before 37 more: the view of
+/// `shape`, the whole buffer, and the whole buffer's values.
+fn view_in_larger_buffer<R: Runtime>(
+    client: &ComputeClient<R>,
+    rng: &mut Rng,
+    (values, shape): (&[f64], Vec<usize>),
+    before: usize,
+) -> (DeviceTensor, DeviceTensor, Vec<f64>) {
+    let mut all = rng.tensor(before, 0.5, ElemType::F32);
+    all.extend_from_slice(values);
+    all.extend(rng.tensor(37, 0.5, ElemType::F32));
+    let whole = DeviceTensor::from_f32(client, &to_f32(&all), vec![all.len()], ElemType::F32);
+    let view = DeviceTensor {
+        handle: whole.handle.clone().offset_start((before * 4) as u64),
+        shape,
+        elem: ElemType::F32,
+    };
+    (view, whole, all)
+}
+
+/// The f32 bits of a tensor's values.
+fn f32_bits<R: Runtime>(client: &ComputeClient<R>, tensor: &DeviceTensor) -> Vec<u32> {
+    tensor.to_f32(client).iter().map(|x| x.to_bits()).collect()
+}
+
+/// A backward step (169 query rows, 69 of which see no key of the pair: their lse is -inf) whose
+/// lse, delta and accumulators are views into larger buffers, each past other data: it adds what
+/// the same step adds to buffers of their own (dK and dV bit for bit; dQ, added with atomics in
+/// no fixed order, within f32 tolerance), leaves the rows that see nothing and the data around
+/// the views bit for bit as they were, and writes no NaN.
+pub fn a_step_adds_into_views_of_larger_buffers<R: Runtime>(client: &ComputeClient<R>) {
+    let chunked = &cases()[0];
+    let case = &chunked.case;
+    let d = case.dims;
+    let (q_chunk, kv) = ((131, 300), (200, 450));
+    let rows = AttentionDims {
+        q_len: q_chunk.1 - q_chunk.0,
+        kv_len: kv.1 - kv.0,
+        ..d
+    };
+    let q = chunked.upload_rows(client, &case.q, d.q_heads, q_chunk);
+    let grad_out = chunked.upload_rows(client, &case.grad_out, d.q_heads, q_chunk);
+    let k = chunked.upload_rows(client, &case.k, d.kv_heads, kv);
+    let v = chunked.upload_rows(client, &case.v, d.kv_heads, kv);
+    let hopper = chunked.step_options(q_chunk, kv, Variant::Hopper);
+    // The pair's own attention: its rows that see no key have lse = -inf and delta = 0.
+    let auto = StepOptions {
+        variant: Variant::Auto,
+        ..hopper.clone()
+    };
+    let (out, lse) = distflash_kernels::attention(client, &q, &k, &v, &auto).unwrap();
+    let delta = distflash_kernels::backward_delta(client, &out, &grad_out).unwrap();
+    let (lse_host, delta_host) = (read(client, &lse), read(client, &delta));
+    let blind = kv.0 - q_chunk.0;
+    assert!(
+        lse_host[..blind].iter().all(|x| *x == f64::NEG_INFINITY),
+        "the first rows of the pair see no key"
+    );
+    let mut rng = Rng::new(93);
+    let shapes = [rows.q_shape(), rows.kv_shape(), rows.kv_shape()];
+    let starts = shapes
+        .clone()
+        .map(|shape| rng.tensor(shape.iter().product(), 0.5, ElemType::F32));
+    let upload = |values: &[f64], shape: &Vec<usize>| {
+        DeviceTensor::from_f32(client, &to_f32(values), shape.clone(), ElemType::F32)
+    };
+    let own = GradAccumulators {
+        dq: upload(&starts[0], &shapes[0]),
+        dk: upload(&starts[1], &shapes[1]),
+        dv: upload(&starts[2], &shapes[2]),
+    };
+    let step = |lse: &DeviceTensor, delta: &DeviceTensor, grads: &GradAccumulators| {
+        distflash_kernels::backward_step(client, &q, &k, &v, &grad_out, lse, delta, grads, &hopper)
+            .unwrap()
+    };
+    step(&lse, &delta, &own);
+
+    let row_shape = rows.row_shape();
+    let (lse_view, _, _) =
+        view_in_larger_buffer(client, &mut rng, (&lse_host, row_shape.clone()), 4);
+    let (delta_view, _, _) = view_in_larger_buffer(client, &mut rng, (&delta_host, row_shape), 8);
+    let [(dq, dq_whole, dq_all), (dk, dk_whole, dk_all), (dv, dv_whole, dv_all)] =
+        [0, 1, 2].map(|i| {
+            view_in_larger_buffer(
+                client,
+                &mut rng,
+                (&starts[i], shapes[i].clone()),
+                4 * (i + 1),
+            )
+        });
+    step(&lse_view, &delta_view, &GradAccumulators { dq, dk, dv });
+
+    for (name, whole, all, before, own) in [
+        ("dQ", &dq_whole, &dq_all, 4, &own.dq),
+        ("dK", &dk_whole, &dk_all, 8, &own.dk),
+        ("dV", &dv_whole, &dv_all, 12, &own.dv),
+    ] {
+        let got = whole.to_f32(client);
+        let len = own.len();
+        let around = |values: &[f32]| {
+            let (head, rest) = values.split_at(before);
+            [head, &rest[len..]]
+                .concat()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect::<Vec<_>>()
+        };
+        assert!(
+            around(&got) == around(&to_f32(all)),
+            "{name}: the step wrote outside its view"
+        );
+        let view = &got[before..before + len];
+        assert!(
+            view.iter().all(|x| x.is_finite()),
+            "{name}: NaN or infinity"
+        );
+        if name == "dQ" {
+            let expected = read(client, own);
+            assert_close(
+                "dQ in a view",
+                &to_f64(view),
+                &expected,
+                &expected,
+                ElemType::F32,
+            );
+            // Rows that see no key of the pair keep their values bit for bit.
+            let start = to_f32(&starts[0]);
+            let slice_values = rows.q_len * d.head_dim;
+            let blind_values = blind * d.head_dim;
+            for slice in 0..d.batch * d.q_heads {
+                let first = slice * slice_values;
+                let blind_rows = first..first + blind_values;
+                assert!(
+                    view[blind_rows.clone()]
+                        .iter()
+                        .zip(&start[blind_rows])
+                        .all(|(g, s)| g.to_bits() == s.to_bits()),
+                    "dQ: a row of slice {slice} that sees no key changed"
+                );
+            }
+        } else {
+            let own_bits = f32_bits(client, own);
+            assert!(
+                view.iter().map(|x| x.to_bits()).eq(own_bits),
+                "{name}: a view's sum differs from a buffer's own"
+            );
+        }
+    }
+}
+
 /// The steps under `Variant::Auto` are bitwise those under `Variant::Hopper` (the backward's dQ,
 /// added with atomics in no fixed order, within the tolerance of it) where the Hopper kernels
 /// cover the call; a windowed step runs on the tensor cores (bitwise theirs).
@@ -473,6 +624,12 @@ pub fn auto_runs_the_hopper_steps_where_they_cover_the_call<R: Runtime>(client: 
 #[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
 fn cuda_hopper_steps_match_f64_reference() {
     chunked_steps_match_the_f64_reference(&hopper_client());
+}
+
+#[test]
+#[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
+fn cuda_hopper_step_adds_into_views_of_larger_buffers() {
+    a_step_adds_into_views_of_larger_buffers(&hopper_client());
 }
 
 #[test]

@@ -9,8 +9,10 @@
 //! The step is modelled phase by phase, the peak being the largest:
 //! - the loss's backward: everything the forward kept, and the loss's transient;
 //! - the blocks' backward: every checkpoint on the GPU (offloaded ones come back one block
-//!   ahead), every gradient, one block's transient, and what the pools hold beyond the counted
-//!   tensors there (measured on an H200: see `POOL_SLACK_OF_CHECKPOINTS`). A block's checkpoint is freed once its
+//!   ahead), every gradient, one block's transient (on a group with attention's distributed
+//!   backward: `sequence_parallel`), and what the pools hold beyond the counted tensors there
+//!   (measured on H200s: see `POOL_SLACK_OF_CHECKPOINTS` and
+//!   `POOL_SLACK_OF_OPTIMIZER_VECTORS`). A block's checkpoint is freed once its
 //!   backward has run, but a pool allocator does not hand those pages to the gradients, whose
 //!   buffers have other sizes: on 4 H200s, LLaMA-7B at 256K tokens peaked 2.57 GiB per GPU higher
 //!   per layer (32 layers against 4, `BENCHMARKS.md`), where a layer's checkpoint, weights,
@@ -23,6 +25,9 @@
 //!   vectors), the state's bytes counted on the host beside the offloaded checkpoints. The
 //!   backward's transients are freed before it runs: the step's peak is the largest phase, not
 //!   their sum.
+//!
+//! A fresh device-resident ZeRO 1/2 state on a group holds the whole f32 weight vector in every
+//! phase (`master_view`: its master share is a view of it).
 
 mod activations;
 mod master_view;

@@ -650,9 +650,9 @@ mod tests {
         use CheckpointPlacement::{AttentionOutput, Layer, None};
         // BENCHMARKS.md, "Memory planner": LLaMA-7B shape cut to 4 layers, one sequence split
         // over two GPUs (zigzag), ZeRO 2 with the state on the GPU; rank 0's pool reserved
-        // (measured) and the prediction (pinned, so that a change shows). The first two
-        // attention-output and layer rows peak in the optimizer step, the others in a
-        // block's backward; fitted on attention-output at 131,072 and none at 65,536.
+        // (measured) and the prediction (pinned, so that a change shows). The 32,768-token
+        // rows with checkpoints peak in the optimizer step, the others in a block's backward;
+        // fitted on attention-output at 131,072 and none at 65,536.
         let rows = [
             (AttentionOutput, 32768, 24.86, 23.95),
             (AttentionOutput, 65536, 27.20, 27.65),

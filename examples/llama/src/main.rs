@@ -249,6 +249,7 @@ fn memory_planner(run: &Run, config: &LlamaConfig) -> MemoryPlanner {
     check_optimizer_state(&options);
     let mut planner = MemoryPlanner::new(config.clone(), options, world, elem_bytes);
     planner.host_limit = host_limit_per_gpu(run);
+    planner.schedule = devices.schedule.into();
     planner
 }
 

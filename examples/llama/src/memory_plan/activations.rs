@@ -72,26 +72,30 @@ impl Widths {
 
     /// Bytes of the busiest moment of one block's backward over `rows` tokens at `positions`
     /// positions, beyond its checkpoint, with `ffn_rows` rows per feed-forward chunk: the
-    /// larger of attention's backward and the feed-forward's.
+    /// larger of attention's backward (with `sequence_parallel` bytes per token more on a
+    /// group: [`sequence_parallel_backward`](Self::sequence_parallel_backward)) and the
+    /// feed-forward's.
     pub fn layer_backward(
         &self,
         placement: CheckpointPlacement,
         rows: u64,
         positions: u64,
         ffn_rows: u64,
+        sequence_parallel: u64,
     ) -> u64 {
         let (d, q, kv, e) = (self.model, self.query, self.key, self.elem);
         let h = self.heads;
         // The recomputed attention half: the norm's output, rotated q and k, v, and (unless
-        // kept) attention's output and lse; the rotary tables.
-        let recomputed_output = match placement {
-            CheckpointPlacement::AttentionOutput => 0,
-            _ => q * e + F32 * h,
+        // kept) attention's output and lse. Without checkpoints nothing is recomputed: Burn's
+        // graph kept them, and `kept_per_layer` counts them.
+        let half = match placement {
+            CheckpointPlacement::None => 0,
+            CheckpointPlacement::AttentionOutput => (d + q + 2 * kv) * e,
+            CheckpointPlacement::Layer => (d + q + 2 * kv) * e + q * e + F32 * h,
         };
-        let half = (d + q + 2 * kv) * e + recomputed_output;
         // Attention's backward: the output's and residual's gradients (2d), the merged output and
         // its gradient (2q), f32 accumulators of dq, dk, dv and the row deltas.
-        let attention = half + (2 * d + 2 * q) * e + F32 * (q + 2 * kv + h);
+        let attention = half + (2 * d + 2 * q) * e + F32 * (q + 2 * kv + h) + sequence_parallel;
         // The feed-forward's: h, its norm, the incoming gradient, the input gradient's chunks
         // and their concatenation; one chunk's activations apart (below).
         let ffn = half + 5 * d * e;

@@ -239,15 +239,18 @@ fn the_host_holds_what_the_blocks_plan_until_the_backward_or_the_graph_is_freed(
             assert!(input.grad(&grads).is_some());
             assert_eq!(held_bytes::<Inner>(&device), 0, "{placement:?}: backward");
             // A graph dropped without its backward: Burn frees orphaned graphs at the next
-            // backward, and their entries with them.
+            // backward, and their entries with them. That backward may be another test's, on
+            // another thread of this process (Burn's graph cleanup is process-wide), so the
+            // orphan's entries may already be gone when the next forward has run.
             let (_, y) = forward();
             assert_eq!(held_bytes::<Inner>(&device), total as u64, "{placement:?}");
             drop(y);
             let (_, y) = forward();
-            assert_eq!(
-                held_bytes::<Inner>(&device),
-                2 * total as u64,
-                "{placement:?}"
+            let held = held_bytes::<Inner>(&device);
+            assert!(
+                held == 2 * total as u64 || held == total as u64,
+                "{placement:?}: {held} bytes held, expected {} (the orphan's entries too) or {total}",
+                2 * total
             );
             let _ = y.sum().backward();
             assert_eq!(

@@ -11,7 +11,7 @@
 //! | weights, and the updated weights beside them | `2w` | `2w` | `2w` |
 //! | the backward's gradients | `w` | `w` | `w` |
 //! | f32 copies of one bucket's gradients (none of f32 ones) | `4Pk` | 0 | `4Pk` |
-//! | one bucket: its concatenation and its sum | `4Pk + 4k` (stage 2), `8Pk` (stage 1), `4k` (one GPU) | 0 | as on the GPU |
+//! | one bucket end to end, and its sum | `4Pk + 4k` (stage 2), `4Pk` (stage 1), `4k` (one GPU) | 0 | as on the GPU |
 //! | the summed share and the update's temporary | `4s + 4s` | 0 | `4s` |
 //! | optimizer state | `12s` | two chunks, `24c` | `24c` |
 //! | a chunk's gradient, temporaries, cast weights | 0 | `8c + (w/n) c` | `8c + (w/n) c P` |
@@ -19,8 +19,8 @@
 //! Where they come from: the summed share is made bucket by bucket (`summed_share`): for each
 //! bucket the same `k` elements of every rank's share are read from the gradients in f32 (each
 //! parameter's part cast on its own: `4Pk`) and concatenated (`4Pk`); stage 2 reduce-scatters
-//! that into `k` elements of its own (`4k`), stage 1 all-reduces it (`4Pk`) and keeps its `k`; on
-//! one GPU the concatenation is the bucket's share. Each bucket's sum is written into the share
+//! that into `k` elements of its own (`4k`), stage 1 all-reduces it (in place over NCCL, which
+//! gets the only handle) and keeps its `k`; on one GPU the concatenation is the bucket's share. Each bucket's sum is written into the share
 //! (`4s`, allocated once); with a single bucket whose sum is a tensor of its own (one GPU, or
 //! stage 2) that sum is the share. The update (`AdamWSettings::update`) runs Burn's element-wise
 //! operations, which write in place when they hold the only handle: beside the state it makes
@@ -149,11 +149,12 @@ impl SummedShare {
         // A cast to the type a tensor already has is the tensor itself: f32 gradients are laid
         // end to end as they are.
         let copies = if wire < F32 { gathered } else { 0 };
+        // Stage 2's reduce-scatter writes a bucket's share of its own; stage 1's all-reduce sums
+        // in place.
         let all_reduced = world > 1 && stage != ZeroStage::Gradients;
-        let sum = match (world > 1, all_reduced) {
-            (false, _) => 0,
-            (true, false) => F32 * k,
-            (true, true) => gathered,
+        let sum = match world > 1 && !all_reduced {
+            true => F32 * k,
+            false => 0,
         };
         let share_is_the_sum = k == share && !all_reduced;
         Self {
@@ -236,16 +237,16 @@ mod tests {
         assert_eq!(whole.share, 40_000);
         assert_eq!(whole.total(), 3 * 20_000 + 120_000 + 120_000);
         // Three GPUs: share 3334, buckets of 1024 of every share (4 x 3 x 1024 = 12,288 end to
-        // end), summed into 1024 of its own (stage 2) or all 3072 (stage 1).
+        // end), summed into 1024 of its own (stage 2) or in place (stage 1).
         let second = step(3, ZeroStage::Gradients, StatePlacement::Gpu, BUCKET);
         let first = step(3, ZeroStage::OptimizerStates, StatePlacement::Gpu, BUCKET);
         for s in [&first, &second] {
             assert_eq!(s.gradient_copies, 12_288);
             assert_eq!((s.share, s.state), (2 * 13_336, 12 * 3334));
         }
-        assert_eq!((second.bucket, first.bucket), (12_288 + 4096, 2 * 12_288));
+        assert_eq!((second.bucket, first.bucket), (12_288 + 4096, 12_288));
         assert_eq!(second.total(), 60_000 + 12_288 + 16_384 + 26_672 + 40_008);
-        assert_eq!(first.total(), second.total() + 8192);
+        assert_eq!(first.total(), second.total() - 4096);
     }
 
     #[test]
@@ -257,11 +258,11 @@ mod tests {
         assert_eq!((one.state, one.chunk), (24_576, 8192 + 2048));
         assert_eq!(one.total(), 60_000 + 24_576 + 10_240);
         // Two GPUs, share 5000, buckets of 2048: 4 x 2 x 2048 copied and end to end, summed
-        // into 2048 (stage 2) or 4096 (stage 1); the share (20,000) without the update's
+        // into 2048 (stage 2) or in place (stage 1); the share (20,000) without the update's
         // temporary (the update runs chunk by chunk); each chunk's weights gathered from both.
         let first = step(2, ZeroStage::OptimizerStates, StatePlacement::Host, BUCKET);
         let second = step(2, ZeroStage::Gradients, StatePlacement::Host, BUCKET);
-        assert_eq!((first.gradient_copies, first.bucket), (16_384, 32_768));
+        assert_eq!((first.gradient_copies, first.bucket), (16_384, 16_384));
         assert_eq!((second.gradient_copies, second.bucket), (16_384, 24_576));
         assert_eq!((first.share, second.share), (20_000, 20_000));
         assert_eq!((second.state, second.chunk), (24_576, 8192 + 4096));

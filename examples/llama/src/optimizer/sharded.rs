@@ -9,16 +9,16 @@
 //!    bucket gathers the same range of every rank's share in f32 from the parameters' gradients,
 //!    stage 2 reduce-scatters it (each rank receives only its range of the sum), stage 1
 //!    all-reduces it and keeps its range; no f32 vector of the whole model is made;
-//! 3. the global gradient norm comes from the shares' squares (summed in fixed blocks, then the
+//! 2. the global gradient norm comes from the shares' squares (summed in fixed blocks, then the
 //!    blocks' sums) with one all-reduce of a scalar, and the share is scaled down when the norm
 //!    exceeds the clipping norm;
-//! 4. AdamW updates the share in f32 (Burn's `AdamW` formulas);
-//! 5. the updated shares, cast to the weights' type, are all-gathered and written back into the
+//! 3. AdamW updates the share in f32 (Burn's `AdamW` formulas);
+//! 4. the updated shares, cast to the weights' type, are all-gathered and written back into the
 //!    parameters.
 //!
 //! Every step is Burn tensor operations on the device; only the norm comes to the host. With
 //! [`StatePlacement::Host`] the master weights and moments live in host memory ([`HostShard`])
-//! and steps 4 and 5 run chunk by chunk as the chunks stream through the device, and on one
+//! and steps 3 and 4 run chunk by chunk as the chunks stream through the device, and on one
 //! device step 1 too (each chunk's gradient read from the parameters' gradients): element-wise
 //! the same operations, so bitwise the same results. The bucket size changes no number on
 //! in-process groups, on one device and over NCCL at two ranks (see [`summed_share`]).

@@ -4,12 +4,14 @@
 //! `cargo bench -p distflash-llama --bench llama_train -- --config llama-7b [--layers 4] --gpus 4
 //!  --seq 32768 [--iters 2] [--checkpoint attention-output|layer|none] [--offload off|all|N]
 //!  [--batch 1] [--zero 0|1|2] [--optimizer-state gpu|host] [--optimizer-chunk BYTES]
-//!  [--profile-last-step] [--phases]` (`-- --help` lists the options with their defaults)
+//!  [--grad-bucket BYTES] [--profile-last-step] [--phases]` (`-- --help` lists the options with their defaults)
 //!
 //! `--zero 1|2` trains with the sharded optimizer (f32 master weights and moments, 1/P per
 //! rank); `--optimizer-state host` keeps that state in pinned host memory, streamed through the
 //! GPU in chunks of `--optimizer-chunk` at every step: run it beside `--optimizer-state gpu` for
 //! the step time and GPU memory of each (the pinned host line then counts the state too).
+//! `--grad-bucket` sets the bytes of f32 one bucket of the sharded optimizer's gradient sum
+//! gathers (256 MiB by default).
 //!
 //! `--offload all|N` keeps the layers' checkpoints in pinned host memory between forward and
 //! backward (every layer's, or all but the last N layers'): run it beside `--offload off` (the
@@ -18,7 +20,7 @@
 //! after one forward (the copies to host waited for), the offload's saving.
 //!
 //! Under the row, the memory planner's predicted peak for the setting (its `--zero`,
-//! `--optimizer-state` and `--optimizer-chunk` included), the phase it falls in and the
+//! `--optimizer-state`, `--optimizer-chunk` and `--grad-bucket` included), the phase it falls in and the
 //! optimizer step's terms stand beside rank 0's pool's reserved bytes: the peak of the timed
 //! steps, as the pools give back what they hold free after the warm-up (the first step's
 //! autotuning buffers, and a first step has no optimizer state during its backward); with
@@ -55,7 +57,7 @@ use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::Runtime;
 use distflash_llama::cli::{at_least_one, bytes, offload, placement, OptimizerState, Zero};
 use distflash_llama::memory_plan::MemoryPlanner;
-use distflash_llama::optimizer::DEFAULT_STATE_CHUNK_BYTES;
+use distflash_llama::optimizer::{DEFAULT_GRAD_BUCKET_BYTES, DEFAULT_STATE_CHUNK_BYTES};
 use distflash_llama::train::{PhaseTimes, TrainOptions, Trainer};
 use distflash_llama::LlamaConfig;
 
@@ -108,6 +110,10 @@ struct Args {
     /// Bytes of state one chunk of --optimizer-state host brings to the GPU [default: 512MiB]
     #[arg(long, value_name = "BYTES", value_parser = bytes)]
     optimizer_chunk: Option<u64>,
+    /// Bytes of f32 one bucket of --zero 1|2's gradient sum gathers (every GPU's range of it)
+    /// [default: 256MiB]
+    #[arg(long, value_name = "BYTES", value_parser = bytes)]
+    grad_bucket: Option<u64>,
     /// Bracket rank 0's last step with cuProfilerStart / cuProfilerStop
     #[arg(long)]
     profile_last_step: bool,
@@ -182,7 +188,8 @@ fn main() {
         .with_warmup(1)
         .with_zero(args.zero.into())
         .with_optimizer_state(args.optimizer_state.into())
-        .with_state_chunk_bytes(args.optimizer_chunk.unwrap_or(DEFAULT_STATE_CHUNK_BYTES));
+        .with_state_chunk_bytes(args.optimizer_chunk.unwrap_or(DEFAULT_STATE_CHUNK_BYTES))
+        .with_grad_bucket_bytes(args.grad_bucket.unwrap_or(DEFAULT_GRAD_BUCKET_BYTES));
     let barrier = Arc::new(Barrier::new(gpus));
     // Every rank starts from the same weights (initialised on GPU 0 by this thread).
     let model = config.try_init::<Train>(&devices[0]).expect("model");

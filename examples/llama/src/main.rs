@@ -84,6 +84,9 @@ fn parse() -> Run {
         options.optimizer_state = placement;
         options.state_chunk_bytes = chunk_bytes;
     }
+    if let Some(bytes) = args.memory.grad_bucket {
+        options.grad_bucket_bytes = bytes;
+    }
     options.check().unwrap_or_else(|e| fail(e));
     Run {
         args,
@@ -349,6 +352,9 @@ fn train_rank<B: TrainBackend>(
         if args.memory.chunks_given() {
             // Memory only: the checkpoint's run continues identically with other chunks.
             trainer.set_chunks(run.options.loss_chunks, run.options.ffn_chunks);
+        }
+        if let Some(bytes) = args.memory.grad_bucket {
+            trainer.set_grad_bucket_bytes(bytes);
         }
     }
     let tokenizer = tokenizer(args);

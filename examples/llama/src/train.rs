@@ -105,6 +105,12 @@ pub struct TrainOptions {
     /// the device at a time.
     #[config(default = "crate::optimizer::DEFAULT_STATE_CHUNK_BYTES")]
     pub state_chunk_bytes: u64,
+    /// Bytes of f32 one bucket of a sharded optimizer's gradient sum gathers (every rank's range
+    /// of it together: one collective's input; [`ShardedAdamW::with_grad_bucket_bytes`]).
+    /// Memory only: the steps give the same results. Checkpoints written before this option
+    /// existed mean the default.
+    #[config(default = "crate::optimizer::DEFAULT_GRAD_BUCKET_BYTES")]
+    pub grad_bucket_bytes: u64,
 }
 
 /// What one step measured.
@@ -210,7 +216,8 @@ fn sharded_adamw<B: TrainBackend>(
 ) -> ShardedAdamW<B> {
     let sharded = ShardedAdamW::new(options.zero, adamw_settings(options), group_of(context));
     let sharded = sharded.expect("a sharded ZeRO stage");
-    sharded.with_state_placement(options.optimizer_state, options.state_chunk_bytes)
+    (sharded.with_state_placement(options.optimizer_state, options.state_chunk_bytes))
+        .with_grad_bucket_bytes(options.grad_bucket_bytes)
 }
 
 /// `context`'s group, `None` on one device.
@@ -276,6 +283,15 @@ impl<B: TrainBackend> Trainer<B> {
         self.options.loss_chunks = loss;
         self.options.ffn_chunks = ffn;
         self.model = self.model.clone().with_chunks(loss, ffn);
+    }
+
+    /// Sets the bytes of one bucket of a sharded optimizer's gradient sum, in the options (saved
+    /// with the next checkpoint) and in the optimizer. Memory only: steps give the same results.
+    pub fn set_grad_bucket_bytes(&mut self, bytes: u64) {
+        self.options.grad_bucket_bytes = bytes;
+        if let StepOptimizer::Sharded(sharded) = &mut self.optim {
+            sharded.set_grad_bucket_bytes(bytes);
+        }
     }
 
     /// `(rank, world size)` of this trainer's group.

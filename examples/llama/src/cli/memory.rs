@@ -1,5 +1,5 @@
 //! `llama_train`'s memory options: checkpoint placement and host offload, where the sharded
-//! optimizer's state lives, the loss and feed-forward chunks, and the memory planner (`--plan`, `--memory auto`, `--gpu-memory`,
+//! optimizer's state lives and the buckets of its gradient sum, the loss and feed-forward chunks, and the memory planner (`--plan`, `--memory auto`, `--gpu-memory`,
 //! `--host-memory`).
 
 use burn_distflash::layers::{CheckpointPlacement, Offload, RowChunks};
@@ -36,6 +36,13 @@ pub struct MemoryArgs {
     /// parameter of the rank's share): bytes, or with a unit (512MiB, 1GiB) [default: 512MiB]
     #[arg(long, value_name = "BYTES", value_parser = bytes)]
     pub optimizer_chunk: Option<u64>,
+
+    /// Bytes of f32 one bucket of the sharded optimizer's (--zero 1|2) gradient sum gathers,
+    /// every GPU's range of it together (one collective's input): memory only, the steps'
+    /// numbers do not change; bytes, or with a unit (64MiB, 1GiB) (default: 256MiB, or beside
+    /// --resume the checkpoint's)
+    #[arg(long, value_name = "BYTES", value_parser = bytes)]
+    pub grad_bucket: Option<u64>,
 
     /// Tokens of a rank the output projection and the loss take at a time (default: as many as
     /// fit 1 GiB of their transient tensors)

@@ -206,6 +206,13 @@ mod tests {
         let chunk = parse(&["--optimizer-chunk", "64MiB"]).unwrap();
         let gpu = crate::optimizer::StatePlacement::Gpu;
         assert_eq!(chunk.memory.optimizer_state(), Some((gpu, 64 << 20)));
+        assert_eq!(
+            again.memory.grad_bucket, None,
+            "the checkpoint's, or 256MiB"
+        );
+        let bucket = parse(&["--grad-bucket", "64MiB"]).unwrap();
+        assert_eq!(bucket.memory.grad_bucket, Some(64 << 20));
+        assert!(parse(&["--grad-bucket", "lots"]).is_err());
     }
 
     #[test]

@@ -1,12 +1,14 @@
 //! [`FlatLayout`]: a model's float parameters laid end to end, in the module's visiting order
 //! (the same on every rank), as one vector padded with zeros to a multiple of the world size;
-//! gathering the gradients or the weights into such a vector (in f32), and writing one back
-//! into the parameters (in each parameter's own float type).
+//! gathering the weights into such a vector (in f32), and writing one back into the parameters
+//! (in each parameter's own float type). The gradients are read from it in ranges
+//! ([`FlatPieces`]), never gathered whole.
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
-use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Tensor};
+
+use super::flat_pieces::FlatPieces;
 
 /// One parameter's place in the flat vector.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -152,40 +154,12 @@ impl FlatLayout {
         )
     }
 
-    /// Every parameter's gradient, taken out of `grads`, as one f32 vector `[padded]` (zeros
-    /// for a parameter without a gradient and for the padding).
-    pub fn gradients<B: AutodiffBackend, M: Module<B>>(
-        &self,
-        model: &M,
-        grads: &mut GradientsParams,
-    ) -> Tensor<B::InnerBackend, 1> {
-        self.gather(model, Some(grads))
-    }
-
     /// Every parameter's value as one f32 vector `[padded]` (zeros for the padding).
     pub fn weights<B: AutodiffBackend, M: Module<B>>(
         &self,
         model: &M,
     ) -> Tensor<B::InnerBackend, 1> {
-        self.gather(model, None)
-    }
-
-    fn gather<B: AutodiffBackend, M: Module<B>>(
-        &self,
-        model: &M,
-        grads: Option<&mut GradientsParams>,
-    ) -> Tensor<B::InnerBackend, 1> {
-        let mut visitor = Pieces {
-            grads,
-            pieces: Vec::with_capacity(self.slots.len() + 1),
-        };
-        model.visit(&mut visitor);
-        let mut pieces = visitor.pieces;
-        if self.padded > self.len {
-            let device = pieces.first().map(Tensor::device).unwrap_or_default();
-            pieces.push(f32_zeros(self.padded - self.len, &device));
-        }
-        Tensor::cat(pieces, 0)
+        FlatPieces::weights::<B, M>(model).range(0..self.padded)
     }
 
     /// `model` with every parameter replaced by its elements of `flat` (`[padded]`, any float
@@ -199,11 +173,6 @@ impl FlatLayout {
     }
 }
 
-/// An f32 vector of `len` zeros.
-fn f32_zeros<B: burn::tensor::backend::Backend>(len: usize, device: &B::Device) -> Tensor<B, 1> {
-    Tensor::<B, 1>::zeros([len], device).cast(DType::F32)
-}
-
 /// Collects the parameters' slots in visiting order.
 struct Slots(Vec<Slot>);
 
@@ -214,28 +183,6 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Slots {
             id: param.id,
             shape: value.dims().to_vec(),
             dtype: value.dtype(),
-        });
-    }
-}
-
-/// Collects each parameter's gradient (taken out of `grads`) or, without `grads`, its value,
-/// flattened and in f32, in visiting order.
-struct Pieces<'a, I: burn::tensor::backend::Backend> {
-    grads: Option<&'a mut GradientsParams>,
-    pieces: Vec<Tensor<I, 1>>,
-}
-
-impl<B: AutodiffBackend> ModuleVisitor<B> for Pieces<'_, B::InnerBackend> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let value = param.val();
-        let (len, device) = (value.shape().num_elements(), value.device());
-        let piece = match self.grads.as_mut() {
-            None => Some(value.inner()),
-            Some(grads) => grads.remove::<B::InnerBackend, D>(param.id),
-        };
-        self.pieces.push(match piece {
-            Some(piece) => piece.cast(DType::F32).reshape([len]),
-            None => f32_zeros(len, &device),
         });
     }
 }

@@ -1,7 +1,9 @@
 //! [`FlatPieces`]: a model's parameters, or their gradients, each flattened in its own float
-//! type and in the [`FlatLayout`](super::FlatLayout)'s order, from which any range of the flat
-//! f32 vector is read on its own: a streamed optimizer step reads its chunks of the gradient this
-//! way instead of gathering the whole vector in f32 first.
+//! type and in the [`FlatLayout`](super::FlatLayout)'s order, from which any ranges of the flat
+//! f32 vector are read on their own: a streamed optimizer step reads its chunks of the gradient
+//! this way, and the gradients' sum over a group its buckets (the same range of every rank's
+//! share), instead of gathering the whole vector in f32 first. Pieces read for good are let go
+//! as the reads advance.
 
 use std::ops::Range;
 
@@ -16,8 +18,31 @@ pub struct FlatPieces<I: Backend> {
     /// zeros) and its length, in visiting order.
     pieces: Vec<(Option<Tensor<I, 1>>, usize)>,
     device: I::Device,
-    /// Flat index before which nothing may be read any more ([`FlatPieces::release_before`]).
-    released: usize,
+    /// What may not be read any more ([`FlatPieces::release_read`]): the elements before this
+    /// offset of every share of that many elements.
+    released: Released,
+}
+
+/// The elements a [`FlatPieces`] has let go of: those before offset `end` of every share of
+/// `share` elements (the flat vector cut into consecutive shares).
+#[derive(Debug, Clone, Copy)]
+struct Released {
+    share: usize,
+    end: usize,
+}
+
+impl Released {
+    /// Whether every element of `range` (not empty) lies before `end` in its share.
+    fn covers(&self, range: &Range<usize>) -> bool {
+        let one_share = range.start / self.share == (range.end - 1) / self.share;
+        (one_share && (range.end - 1) % self.share < self.end) || self.end >= self.share
+    }
+
+    /// Whether some element of `range` (not empty) lies before `end` in its share.
+    fn touches(&self, range: &Range<usize>) -> bool {
+        let one_share = range.start / self.share == (range.end - 1) / self.share;
+        !one_share && self.end > 0 || range.start % self.share < self.end
+    }
 }
 
 impl<I: Backend> FlatPieces<I> {
@@ -53,23 +78,32 @@ impl<I: Backend> FlatPieces<I> {
         Self {
             pieces: visitor.pieces,
             device: visitor.device.unwrap_or_default(),
-            released: 0,
+            released: Released {
+                share: usize::MAX,
+                end: 0,
+            },
         }
     }
 
-    /// Lets go of every piece that lies wholly before flat index `end`: a streamed step that has
-    /// read its chunks up to `end` needs them no more, and their memory can serve what the step
-    /// makes next (the new weights). Reading before `end` afterwards is a caller's bug.
-    pub fn release_before(&mut self, end: usize) {
+    /// Lets go of every piece whose elements all lie before offset `end` of their share, the
+    /// flat vector being cut into shares of `share` elements (one share: flat indices before
+    /// `end`): a pass that reads every share in order up to `end` (a streamed step's chunks, the
+    /// gradients' sum's buckets) needs them no more, and their memory can serve what it makes
+    /// next. Reading such elements afterwards is a caller's bug. Every call of one pass names
+    /// the same `share` (at least 1), with `end` growing.
+    pub fn release_read(&mut self, share: usize, end: usize) {
+        self.released = Released {
+            share: share.max(1),
+            end: end.max(self.released.end),
+        };
         let mut offset = 0;
         for (piece, len) in &mut self.pieces {
-            if offset + *len > end {
-                break;
+            let range = offset..offset + *len;
+            if range.is_empty() || self.released.covers(&range) {
+                *piece = None;
             }
-            *piece = None;
             offset += *len;
         }
-        self.released = self.released.max(end);
     }
 
     /// The device the pieces are on.
@@ -78,20 +112,45 @@ impl<I: Backend> FlatPieces<I> {
     }
 
     /// Elements `range` of the flat vector in f32, zeros past the parameters (the padding): the
-    /// same values as the same range of [`FlatLayout::gradients`](super::FlatLayout::gradients)
-    /// or [`FlatLayout::weights`](super::FlatLayout::weights).
+    /// same values as the same range of [`FlatLayout::weights`](super::FlatLayout::weights) (or
+    /// of the gradients laid end to end).
     ///
     /// # Panics
     ///
-    /// When `range` starts before what [`release_before`](Self::release_before) let go of.
+    /// When `range` holds elements [`release_read`](Self::release_read) let go of.
     pub fn range(&self, range: Range<usize>) -> Tensor<I, 1> {
-        assert!(
-            range.start >= self.released,
-            "elements {range:?} read after the pieces before {} were released",
-            self.released
-        );
+        self.gather([range])
+    }
+
+    /// [`range`](Self::range) of each of `ranges`, concatenated in order (one concatenation, no
+    /// f32 copy of each range first).
+    ///
+    /// # Panics
+    ///
+    /// As [`range`](Self::range).
+    pub fn gather(&self, ranges: impl IntoIterator<Item = Range<usize>>) -> Tensor<I, 1> {
         let mut parts = Vec::new();
+        for range in ranges {
+            self.parts(range, &mut parts);
+        }
+        match parts.len() {
+            0 => f32_zeros(0, &self.device),
+            1 => parts.pop().expect("one part"),
+            _ => Tensor::cat(parts, 0),
+        }
+    }
+
+    /// Pushes onto `parts` the f32 parts making elements `range` (see [`range`](Self::range)).
+    fn parts(&self, range: Range<usize>, parts: &mut Vec<Tensor<I, 1>>) {
+        assert!(
+            range.is_empty() || !self.released.touches(&range),
+            "elements {range:?} read after the elements before offset {} of every share of {} \
+             were released",
+            self.released.end,
+            self.released.share
+        );
         let mut offset = 0;
+        let mut covered = 0;
         for (piece, len) in &self.pieces {
             let (start, end) = (range.start.max(offset), range.end.min(offset + len));
             if start < end {
@@ -102,16 +161,12 @@ impl<I: Backend> FlatPieces<I> {
                         .cast(DType::F32),
                     None => f32_zeros(end - start, &self.device),
                 });
+                covered += end - start;
             }
             offset += len;
         }
-        let covered = parts.iter().map(|p| p.dims()[0]).sum::<usize>();
         if covered < range.len() {
             parts.push(f32_zeros(range.len() - covered, &self.device));
-        }
-        match parts.len() {
-            1 => parts.pop().expect("one part"),
-            _ => Tensor::cat(parts, 0),
         }
     }
 }
@@ -168,13 +223,40 @@ mod tests {
         let pieces = FlatPieces::weights::<Cpu, _>(&two());
         let whole = values(pieces.range(0..32));
         let mut released = FlatPieces::weights::<Cpu, _>(&two());
-        // 0..18 covers the first weight (15) but not the first bias (15..20): the bias stays.
-        released.release_before(18);
+        // One share of 33 (32 elements and a padding one): 0..18 covers the first weight (15)
+        // but not the first bias (15..20): the bias stays.
+        released.release_read(33, 18);
         assert!(released.pieces[0].0.is_none() && released.pieces[1].0.is_some());
         assert_eq!(values(released.range(18..32)), whole[18..32]);
         assert_eq!(values(released.range(20..33))[..12], whole[20..32]);
         let early =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| released.range(17..20)));
         assert!(early.is_err(), "a read before the released bound must fail");
+    }
+
+    #[test]
+    fn pieces_read_in_every_share_are_released_and_the_rest_read_together() {
+        let whole = values(FlatPieces::weights::<Cpu, _>(&two()).range(0..32));
+        // Two shares of 16: weight 0..15, bias 15..20 (across the shares), weight 20..30 (16
+        // to 30 in the second share: offsets 4..14), bias 30..32 (offsets 14..16).
+        let mut pieces = FlatPieces::weights::<Cpu, _>(&two());
+        pieces.release_read(16, 10);
+        assert!(
+            pieces.pieces.iter().all(|(p, _)| p.is_some()),
+            "none read whole"
+        );
+        pieces.release_read(16, 15);
+        let held: Vec<bool> = pieces.pieces.iter().map(|(p, _)| p.is_some()).collect();
+        assert_eq!(held, [false, true, false, true]);
+        let read = values(pieces.gather([15..16, 31..32, 15..15]));
+        assert_eq!(read, [whole[15], whole[31]]);
+        for early in [14..16, 16..18, 15..18, 30..32] {
+            let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                pieces.range(early.clone())
+            }));
+            assert!(read.is_err(), "{early:?} holds released elements");
+        }
+        pieces.release_read(16, 16);
+        assert!(pieces.pieces.iter().all(|(p, _)| p.is_none()), "all read");
     }
 }

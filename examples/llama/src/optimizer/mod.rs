@@ -7,9 +7,11 @@
 //!
 //! [`ShardedAdamW`] is the mixed-precision alternative for groups: f32 master weights and
 //! moments split over the ranks ([`ZeroStage`] 1 and 2). Its checkpoints are one file per rank
-//! ([`write_shard_file`], [`ShardFile`]), read back at any world size ([`ShardSet`]). Its state
-//! may live in host memory instead of on the device ([`StatePlacement::Host`]), streamed through
-//! the device in chunks at every step, with bitwise the same results and the same files.
+//! ([`write_shard_file`], [`ShardFile`]), read back at any world size ([`ShardSet`]). It sums the
+//! gradients over the group in buckets of a byte budget, never as one f32 vector of the whole
+//! model. Its state may live in host memory instead of on the device ([`StatePlacement::Host`]),
+//! streamed through the device in chunks at every step, with bitwise the same results and the
+//! same files.
 
 mod flat;
 mod flat_pieces;
@@ -20,6 +22,7 @@ mod shard_set;
 mod sharded;
 mod state_chunks;
 mod state_placement;
+mod summed_share;
 mod weight_writer;
 mod zero_stage;
 
@@ -31,7 +34,9 @@ pub use shard_file::{
 };
 pub use shard_set::ShardSet;
 pub use sharded::{AdamWSettings, ShardedAdamW};
-pub use state_chunks::{chunk_elements, STATE_BYTES_PER_ELEMENT};
+pub use state_chunks::{
+    bucket_elements, chunk_elements, DEFAULT_GRAD_BUCKET_BYTES, STATE_BYTES_PER_ELEMENT,
+};
 pub use state_placement::{StatePlacement, DEFAULT_STATE_CHUNK_BYTES};
 pub use zero_stage::ZeroStage;
 

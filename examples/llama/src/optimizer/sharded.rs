@@ -5,26 +5,28 @@
 //! model's float parameters are laid end to end in a [`FlatLayout`]; rank `r` of `P` owns
 //! elements `r * n .. (r + 1) * n` of it as f32 master weights and f32 moments. One step:
 //!
-//! 1. the gradients are gathered into one f32 vector;
-//! 2. stage 2 reduce-scatters it (each rank receives only its share of the sum); stage 1
-//!    all-reduces it and keeps its share;
-//! 3. the global gradient norm comes from the shares' squares (summed in fixed blocks, then the
+//! 1. this rank's share of the gradients' sum is made bucket by bucket ([`summed_share`]): each
+//!    bucket gathers the same range of every rank's share in f32 from the parameters' gradients,
+//!    stage 2 reduce-scatters it (each rank receives only its range of the sum), stage 1
+//!    all-reduces it and keeps its range; no f32 vector of the whole model is made;
+//! 2. the global gradient norm comes from the shares' squares (summed in fixed blocks, then the
 //!    blocks' sums) with one all-reduce of a scalar, and the share is scaled down when the norm
 //!    exceeds the clipping norm;
-//! 4. AdamW updates the share in f32 (Burn's `AdamW` formulas);
-//! 5. the updated shares, cast to the weights' type, are all-gathered and written back into the
+//! 3. AdamW updates the share in f32 (Burn's `AdamW` formulas);
+//! 4. the updated shares, cast to the weights' type, are all-gathered and written back into the
 //!    parameters.
 //!
 //! Every step is Burn tensor operations on the device; only the norm comes to the host. With
 //! [`StatePlacement::Host`] the master weights and moments live in host memory ([`HostShard`])
-//! and steps 4 and 5 run chunk by chunk as the chunks stream through the device, and on one
+//! and steps 3 and 4 run chunk by chunk as the chunks stream through the device, and on one
 //! device step 1 too (each chunk's gradient read from the parameters' gradients): element-wise
-//! the same operations, so bitwise the same results.
+//! the same operations, so bitwise the same results. The bucket size changes no number on
+//! in-process groups, on one device and over NCCL at two ranks (see [`summed_share`]).
 
 use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{ElementConversion, Tensor, TensorPrimitive};
+use burn::tensor::{ElementConversion, Tensor};
 use burn_distflash::{DeviceGroup, Error as PluginError};
 
 use std::ops::Range;
@@ -39,8 +41,11 @@ use super::host_shard::{HostShard, StateVectors};
 use super::optimizer_shard::OptimizerShard;
 use super::shard_file::{ShardData, ShardTensor};
 use super::shard_set::ShardSet;
-use super::state_chunks::{chunk_elements, norm_blocks};
+use super::state_chunks::{
+    bucket_elements, chunk_elements, norm_blocks, DEFAULT_GRAD_BUCKET_BYTES,
+};
 use super::state_placement::{StatePlacement, DEFAULT_STATE_CHUNK_BYTES};
+use super::summed_share::{collective, primitive, summed_share};
 use super::weight_writer::WeightWriter;
 use super::zero_stage::ZeroStage;
 use crate::Error;
@@ -81,6 +86,7 @@ where
     group: Option<DeviceGroup<B::InnerBackend>>,
     placement: StatePlacement,
     chunk_bytes: u64,
+    bucket_bytes: u64,
     state: Option<State<B>>,
 }
 
@@ -114,6 +120,7 @@ where
             group,
             placement: StatePlacement::Gpu,
             chunk_bytes: DEFAULT_STATE_CHUNK_BYTES,
+            bucket_bytes: DEFAULT_GRAD_BUCKET_BYTES,
             state: None,
         })
     }
@@ -126,6 +133,22 @@ where
         self.placement = placement;
         self.chunk_bytes = chunk_bytes;
         self
+    }
+
+    /// This optimizer summing the gradients over the group in buckets of `bytes` of f32 (every
+    /// rank's range of a bucket together, the input of one collective: `bytes / (4 P)` elements
+    /// of each share, rounded down to a multiple of 1024, at least 1024; default
+    /// [`DEFAULT_GRAD_BUCKET_BYTES`](super::DEFAULT_GRAD_BUCKET_BYTES)). Memory only: the steps'
+    /// numbers do not depend on it (but over NCCL at more than two ranks, see
+    /// [`summed_share`]). May change between steps.
+    pub fn with_grad_bucket_bytes(mut self, bytes: u64) -> Self {
+        self.set_grad_bucket_bytes(bytes);
+        self
+    }
+
+    /// Sets the bucket size of [`with_grad_bucket_bytes`](Self::with_grad_bucket_bytes).
+    pub fn set_grad_bucket_bytes(&mut self, bytes: u64) {
+        self.bucket_bytes = bytes;
     }
 
     /// The stage.
@@ -400,7 +423,7 @@ where
             // The chunks come in order: the gradients before this one's end are read for good,
             // and their memory can hold the new weights the writer is assembling.
             if let Some(pieces) = pieces.as_mut() {
-                pieces.release_before(r.end);
+                pieces.release_read(n, r.end);
             }
             let updated = self.settings.update_vectors(vectors, grad, lr, time);
             let chunk = updated[0].clone().cast(layout.wire_dtype());
@@ -420,26 +443,18 @@ where
         Ok((writer.into_model::<B, M>(model), norm))
     }
 
-    /// This rank's share of the gradients summed over the group, in f32: stage 2
-    /// reduce-scatters the flat f32 gradient, stage 1 all-reduces it and keeps its share; on
-    /// one device the flat gradient itself.
+    /// This rank's share of the gradients (taken out of `grads`) summed over the group, in f32,
+    /// in buckets of the optimizer's size ([`summed_share`]); on one device the gradients laid
+    /// end to end.
     fn summed_share<M: AutodiffModule<B>>(
         &self,
         layout: &FlatLayout,
         model: &M,
         grads: &mut GradientsParams,
     ) -> Result<Tensor<B::InnerBackend, 1>, Error> {
-        let (rank, _) = self.rank();
-        let flat = layout.gradients::<B, M>(model, grads);
-        let n = layout.shard_len();
-        Ok(match (&self.group, self.stage) {
-            (None, _) => flat,
-            (Some(group), ZeroStage::Gradients) => {
-                collective(group.reduce_scatter(primitive(flat)), "the gradients")?
-            }
-            (Some(group), _) => collective(group.all_reduce(primitive(flat)), "the gradients")?
-                .narrow(0, rank * n, n),
-        })
+        let pieces = FlatPieces::gradients::<B, M>(model, grads);
+        let bucket = bucket_elements(self.bucket_bytes, self.rank().1);
+        summed_share(pieces, layout, self.group.as_ref(), self.stage, bucket)
     }
 
     /// The global L2 norm of the summed gradients, from this rank's share (`n` elements) read by
@@ -542,7 +557,7 @@ where
     ) -> OptimizerShard<B> {
         let (rank, _) = self.rank();
         let n = layout.shard_len();
-        let master = layout.weights::<B, M>(model).narrow(0, rank * n, n);
+        let master = FlatPieces::weights::<B, M>(model).range(rank * n..(rank + 1) * n);
         let zeros = master.zeros_like();
         OptimizerShard {
             layout,
@@ -609,23 +624,6 @@ fn clipped<I: Backend>(grad: Tensor<I, 1>, scale: Option<f64>) -> Tensor<I, 1> {
 /// (`clip <= 0` never clips).
 fn clip_scale(clip: f64, norm: f64) -> Option<f64> {
     (clip > 0.0 && norm > clip).then(|| clip / norm)
-}
-
-/// A tensor's primitive, for the collectives.
-fn primitive<I: burn::tensor::backend::Backend>(
-    tensor: Tensor<I, 1>,
-) -> burn::tensor::ops::FloatTensor<I> {
-    tensor.into_primitive().tensor()
-}
-
-/// A collective's result as a tensor, or its failure as an [`Error::Comm`] about `what`.
-fn collective<I: burn::tensor::backend::Backend>(
-    result: Result<burn::tensor::ops::FloatTensor<I>, PluginError>,
-    what: &'static str,
-) -> Result<Tensor<I, 1>, Error> {
-    result
-        .map(|t| Tensor::from_primitive(TensorPrimitive::Float(t)))
-        .map_err(|source| Error::Comm { what, source })
 }
 
 /// Gathered values, or the failure as an [`Error::Comm`].

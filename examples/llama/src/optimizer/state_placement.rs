@@ -18,7 +18,8 @@ pub const DEFAULT_STATE_CHUNK_BYTES: u64 = 512 << 20;
 /// - [`Host`](Self::Host): in host memory (pinned on CUDA), streamed through the device in
 ///   chunks of a byte budget: a chunk comes in while the one before is updated, and goes back
 ///   once updated. Bitwise the same results; the device holds two chunks of state instead of
-///   all of it, and at one rank no f32 copy of the whole gradient.
+///   all of it, and at one rank no f32 share of the gradient (each chunk's read from the
+///   parameters' gradients).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 pub enum StatePlacement {
     /// On the device (the default).

@@ -13,12 +13,14 @@ use crate::Error;
 ///   weights' type and applies the whole update (the trainer's original optimizer).
 /// - [`OptimizerStates`](Self::OptimizerStates) (stage 1): each rank owns `1/P` of the
 ///   flattened parameters as f32 master weights and f32 moments; the gradients are all-reduced
-///   whole and each rank updates its share.
-/// - [`Gradients`](Self::Gradients) (stage 2): as stage 1, but the gradients are
-///   reduce-scattered, so no rank holds the whole summed gradient.
+///   (bucket by bucket, each rank keeping its range of each bucket's sum) and each rank updates
+///   its share.
+/// - [`Gradients`](Self::Gradients) (stage 2): as stage 1, but each bucket is
+///   reduce-scattered: a rank receives only its range of the sum (half the traffic, and a
+///   bucket's sum of `1/P` the size).
 ///
 /// Stages 1 and 2 compute the same update ([`ShardedAdamW`](super::ShardedAdamW)); in-process
-/// groups give bitwise the same weights under both.
+/// groups and NCCL at two ranks give bitwise the same weights under both.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ZeroStage {
     /// Stage 0: replicated optimizer state.

@@ -7,16 +7,16 @@
 //! | stage | weights | gradients (backward) | summed f32 gradient kept | optimizer state |
 //! |---|---|---|---|---|
 //! | 0 | `w` | `w` | 0 (summed in place) | `2w`: both moments in the weights' types |
-//! | 1 | `w` | `w` | `4 P s`: the whole all-reduced vector | `12 s`: f32 master and moments |
-//! | 2 | `w` | `w` | `4 s`: the reduce-scattered share | `12 s` |
+//! | 1 | `w` | `w` | `4 s`: the share, all-reduced bucket by bucket | `12 s`: f32 master and moments |
+//! | 2 | `w` | `w` | `4 s`: the share, reduce-scattered bucket by bucket | `12 s` |
 //!
 //! With the sharded state in host memory ([`StatePlacement::Host`]), the `12 s` bytes move to the
 //! host and the device holds two chunks of it; on one rank the summed gradient is read from the
 //! parameters' gradients chunk by chunk (no f32 copy of it kept).
 //!
 //! Every rank holds the whole model and Burn's backward yields every parameter's whole gradient
-//! in the weights' types, at every stage. Activations, and the transient f32 copy of the
-//! gradients a sharded step gathers before its collective, are not counted.
+//! in the weights' types, at every stage. Activations, and the transient buckets of f32 gradients
+//! a sharded step gathers for its collectives, are not counted.
 
 use std::fmt;
 
@@ -72,8 +72,9 @@ impl MemoryReport {
         let share = (padded / world) as u64;
         let (summed_gradients, optimizer) = match stage {
             ZeroStage::Replicated => (0, 2 * weights),
-            ZeroStage::OptimizerStates => (F32_BYTES * padded as u64, 3 * F32_BYTES * share),
-            ZeroStage::Gradients => (F32_BYTES * share, 3 * F32_BYTES * share),
+            ZeroStage::OptimizerStates | ZeroStage::Gradients => {
+                (F32_BYTES * share, 3 * F32_BYTES * share)
+            }
         };
         Self {
             stage,

@@ -1,6 +1,7 @@
 //! Reading a `trainer.json` written before some of [`TrainOptions`]' fields existed: Burn's
 //! `Config` deserialisation requires every field, so each defaulted field the file lacks (the ZeRO
-//! stage, the loss and feed-forward chunks, the optimizer state's placement) is filled with its default before the file is read.
+//! stage, the loss and feed-forward chunks, the optimizer state's placement, the gradient sum's
+//! bucket size) is filled with its default before the file is read.
 
 use burn::config::config_to_json;
 use serde_json::{Map, Value};
@@ -64,19 +65,22 @@ mod tests {
         assert_eq!(state.options.ffn_chunks, defaults.ffn_chunks);
         assert_eq!(state.options.optimizer_state, StatePlacement::Gpu);
         assert_eq!(state.options.state_chunk_bytes, defaults.state_chunk_bytes);
+        assert_eq!(state.options.grad_bucket_bytes, 256 << 20);
     }
 
     #[test]
     fn written_fields_are_kept_and_unreadable_files_are_left_to_the_reader() {
         let options = (TrainOptions::new(5, 1, 8).with_zero(ZeroStage::Gradients))
             .with_optimizer_state(StatePlacement::Host)
-            .with_state_chunk_bytes(1 << 20);
+            .with_state_chunk_bytes(1 << 20)
+            .with_grad_bucket_bytes(3 << 20);
         let state = TrainerState::new(3, options).with_optimizer_shards(Some(2));
         let json = config_to_json(&state);
         let read = TrainerState::load_binary(with_option_defaults(&json).as_bytes()).unwrap();
         assert_eq!(read.options.zero, ZeroStage::Gradients);
         assert_eq!(read.options.optimizer_state, StatePlacement::Host);
         assert_eq!(read.options.state_chunk_bytes, 1 << 20);
+        assert_eq!(read.options.grad_bucket_bytes, 3 << 20);
         assert_eq!(read.optimizer_shards, Some(2));
         for text in ["not json", r#"{"step":1}"#, r#"{"options":{"batch":1}}"#] {
             assert_eq!(with_option_defaults(text), text);

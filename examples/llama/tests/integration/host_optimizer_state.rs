@@ -4,8 +4,11 @@
 //! 2 and 3 ranks, at both ZeRO stages, with clipping active and inactive and chunks that do not
 //! divide the shards; a run resumes with its state moved from the device to the host and back,
 //! bitwise as the uninterrupted run; the optimizer alone on two linear layers, on ndarray and wgpu,
-//! streams its state bitwise like the device-resident one. On CUDA (pinned memory, a copy stream) the same for a bf16
-//! model on one GPU.
+//! streams its state bitwise like the device-resident one. The gradients summed in buckets that
+//! divide no share give bitwise the steps and shard files of one bucket per share, on 1, 2 and 3
+//! ranks, at both stages, with the state on the device and in host memory, clipping active; the
+//! optimizer alone sums in buckets bitwise on ndarray and wgpu. On CUDA (pinned memory, a copy
+//! stream) the same for a bf16 model on one GPU.
 
 use std::path::Path;
 use std::time::Duration;
@@ -18,7 +21,9 @@ use crate::train::{dataset, on_ranks, zero_options};
 use burn::tensor::backend::Backend;
 use burn_distflash::AttentionContext;
 use distflash_llama::data::TokenDataset;
-use distflash_llama::optimizer::{ShardFile, ShardHeader, ShardTensor, StatePlacement, ZeroStage};
+use distflash_llama::optimizer::{
+    bucket_elements, ShardFile, ShardHeader, ShardTensor, StatePlacement, ZeroStage,
+};
 use distflash_llama::train::{TrainBackend, TrainOptions, Trainer};
 use distflash_llama::Llama;
 
@@ -85,8 +90,13 @@ fn runs(
     placement: StatePlacement,
     dir: &Path,
 ) -> Vec<Run> {
-    let data = dataset();
     let options = placed(zero_options(STEPS, zero).with_grad_clip(clip), placement);
+    runs_of(world, options, dir)
+}
+
+/// Every rank's [`Run`] of `world` ranks trained with `options`, checkpointed under `dir`.
+fn runs_of(world: usize, options: TrainOptions, dir: &Path) -> Vec<Run> {
+    let data = dataset();
     on_ranks(seeded(&padded(), 7, world), |context, model| {
         let mut trainer = Trainer::new(model, context, options.clone());
         run(&mut trainer, &data, STEPS, dir)
@@ -136,6 +146,41 @@ fn host_state_steps_bitwise_like_device_state_with_the_same_shard_files() {
                     "{what}: clipping never acted: {norms:?}"
                 );
             }
+        }
+    });
+}
+
+/// Buckets of 4 x 3 x 2048 bytes and a few: 6144 elements of each share on one rank, 3072 on
+/// two, 2048 on three, dividing none of the shares (90496, 45248, 30166).
+const BUCKET_BYTES: u64 = 4 * 3 * 2048 + 5;
+
+#[test]
+fn gradient_sums_in_buckets_step_bitwise_like_one_bucket_a_share() {
+    within(Duration::from_secs(900), || {
+        let cases = [
+            (1, ZeroStage::OptimizerStates, StatePlacement::Gpu),
+            (2, ZeroStage::Gradients, StatePlacement::Gpu),
+            (2, ZeroStage::OptimizerStates, StatePlacement::Host),
+            (3, ZeroStage::OptimizerStates, StatePlacement::Gpu),
+            (3, ZeroStage::Gradients, StatePlacement::Host),
+        ];
+        for (world, zero, placement) in cases {
+            let share = 90496usize.div_ceil(world);
+            let k = bucket_elements(BUCKET_BYTES, world);
+            assert!(k < share && share % k != 0, "{k} of {share}");
+            let what = format!("{world} rank(s), stage {zero}, state on the {placement}");
+            let tmp = TempDir::new("grad-buckets");
+            let [whole, buckets] = [1 << 30, BUCKET_BYTES].map(|bytes| {
+                let options = placed(zero_options(STEPS, zero).with_grad_clip(0.05), placement)
+                    .with_grad_bucket_bytes(bytes);
+                runs_of(world, options, &tmp.path().join(bytes.to_string()))
+            });
+            assert_same_runs(&whole, &buckets, &what);
+            let norms: Vec<f64> = whole[0].0.iter().map(|s| f64::from_bits(s[1])).collect();
+            assert!(
+                norms.iter().any(|&n| n > 0.05),
+                "{what}: clipping never acted: {norms:?}"
+            );
         }
     });
 }
@@ -190,10 +235,12 @@ fn a_run_resumes_with_its_state_moved_between_the_device_and_the_host() {
 type Layers<B> = (burn::nn::Linear<B>, burn::nn::Linear<B>);
 
 /// The master weights and the weights' bits after `steps` steps of [`ShardedAdamW`] (stage 1, one
-/// device, clipping at 0.5) on `sum((x W1 W2)^2)`, the state at `placement`.
+/// device, clipping at 0.5) on `sum((x W1 W2)^2)`, the state at `placement`, the gradients laid
+/// end to end in buckets of `bucket_bytes`.
 fn sharded_steps<B: TrainBackend>(
     device: &B::Device,
     placement: StatePlacement,
+    bucket_bytes: u64,
     steps: usize,
 ) -> (Vec<u32>, Vec<ParamValues>, Vec<u64>) {
     use burn::nn::LinearConfig;
@@ -212,7 +259,8 @@ fn sharded_steps<B: TrainBackend>(
         weight_decay: 0.1,
     };
     let optim = ShardedAdamW::<B>::new(ZeroStage::OptimizerStates, settings, None).unwrap();
-    let mut optim = optim.with_state_placement(placement, 12 * 1024);
+    let optim = optim.with_state_placement(placement, 12 * 1024);
+    let mut optim = optim.with_grad_bucket_bytes(bucket_bytes);
     let mut norms = Vec::new();
     for _ in 0..steps {
         let x = Tensor::<B, 2>::random([7, 64], Distribution::Normal(0.0, 1.0), device);
@@ -231,10 +279,15 @@ fn sharded_steps<B: TrainBackend>(
     (master, float_params(&model), norms)
 }
 
-/// [`sharded_steps`] with the state on the device and in host memory give the same bits.
+/// [`sharded_steps`] with the state on the device and in host memory, and on the device with
+/// buckets of 1024 elements (5080 parameters: the last bucket short), give the same bits.
 fn check_sharded_steps<B: TrainBackend>(device: &B::Device) {
     let [gpu, host] = [StatePlacement::Gpu, StatePlacement::Host]
-        .map(|placement| sharded_steps::<B>(device, placement, 3));
+        .map(|placement| sharded_steps::<B>(device, placement, 1 << 30, 3));
+    let buckets = sharded_steps::<B>(device, StatePlacement::Gpu, 4 * 1024, 3);
+    assert_eq!(gpu.2, buckets.2, "gradient norms, in buckets");
+    assert!(gpu.1 == buckets.1, "weights, in buckets");
+    assert!(gpu.0 == buckets.0, "master weights, in buckets");
     assert!(
         gpu.2.iter().any(|&n| f64::from_bits(n) > 0.5),
         "clipping acts"
@@ -245,7 +298,7 @@ fn check_sharded_steps<B: TrainBackend>(device: &B::Device) {
 }
 
 #[test]
-fn the_sharded_optimizer_streams_its_state_bitwise_on_ndarray_and_wgpu() {
+fn the_sharded_optimizer_streams_its_state_and_sums_in_buckets_bitwise_on_ndarray_and_wgpu() {
     within(Duration::from_secs(300), || {
         check_sharded_steps::<crate::train::Cpu>(&crate::train::DEVICE);
         type Wgpu = burn::backend::Autodiff<
@@ -255,15 +308,17 @@ fn the_sharded_optimizer_streams_its_state_bitwise_on_ndarray_and_wgpu() {
     });
 }
 
-/// [`runs`] on one CUDA GPU for a bf16 model of the small shape.
-fn cuda_runs(placement: StatePlacement, dir: &Path) -> Vec<Run> {
+/// [`runs`] on one CUDA GPU for a bf16 model of the small shape, stage 1, clipping at 0.05, the
+/// state at `placement`, buckets of `bucket_bytes`.
+fn cuda_runs(placement: StatePlacement, bucket_bytes: u64, dir: &Path) -> Vec<Run> {
     type Cuda = burn::backend::Autodiff<
         burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, half::bf16, i32, u8>,
     >;
     let device = cubecl::cuda::CudaDevice::new(0);
     let model: Llama<Cuda> = padded().try_init_seeded::<Cuda>(&device, 7).unwrap();
     let options = zero_options(STEPS, ZeroStage::OptimizerStates).with_grad_clip(0.05);
-    let mut trainer = Trainer::new(model, AttentionContext::Local, placed(options, placement));
+    let options = placed(options, placement).with_grad_bucket_bytes(bucket_bytes);
+    let mut trainer = Trainer::new(model, AttentionContext::Local, options);
     let run = run(&mut trainer, &dataset(), STEPS, dir);
     <Cuda as Backend>::sync(&device).unwrap();
     vec![run]
@@ -274,11 +329,26 @@ fn cuda_runs(placement: StatePlacement, dir: &Path) -> Vec<Run> {
 fn cuda_host_state_steps_bitwise_like_device_state() {
     let tmp = TempDir::new("cuda-host-state");
     let [gpu, host] = [StatePlacement::Gpu, StatePlacement::Host]
-        .map(|placement| cuda_runs(placement, &tmp.path().join(placement.to_string())));
+        .map(|placement| cuda_runs(placement, 1 << 30, &tmp.path().join(placement.to_string())));
     assert_same_runs(
         &gpu,
         &host,
         "CUDA, bf16 weights, one GPU, stage 1, clip 0.05",
     );
     println!("CUDA: 3 steps bitwise the same, norms {:?}", gpu[0].0);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_gradient_buckets_step_bitwise_like_one_bucket() {
+    let tmp = TempDir::new("cuda-grad-buckets");
+    let [whole, buckets] = [1 << 30, BUCKET_BYTES].map(|bytes| {
+        cuda_runs(
+            StatePlacement::Gpu,
+            bytes,
+            &tmp.path().join(bytes.to_string()),
+        )
+    });
+    let what = "CUDA, bf16 gradients cast bucket by bucket, one GPU, stage 1, clip 0.05";
+    assert_same_runs(&whole, &buckets, what);
 }

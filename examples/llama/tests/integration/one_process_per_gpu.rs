@@ -2,8 +2,10 @@
 //! the same losses, step for step and bit for bit, as one process driving both GPUs with the
 //! same seed and data; when one rank's process is killed mid-run the other exits with code 1
 //! within `--group-timeout` (plus NCCL's abort), its last line naming the step and the silent
-//! rank; a rank whose rank 0 never starts exits with code 2 naming the rendezvous address.
-//! `#[ignore]`d: two CUDA GPUs and NCCL (`.ci/gpu-tests -f nccl`).
+//! rank; a rank whose rank 0 never starts exits with code 2 naming the rendezvous address. One
+//! process driving both GPUs under ZeRO 1 and 2 trains bit for bit the same losses and gradient
+//! norms with the gradients summed in small buckets as in one bucket (at two ranks an element's
+//! sum is one addition, whatever NCCL's algorithm). `#[ignore]`d: two CUDA GPUs and NCCL (`.ci/gpu-tests -f nccl`).
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
@@ -124,6 +126,35 @@ fn nccl_one_process_per_gpu_trains_the_losses_of_one_process_driving_both() {
         expected.iter().map(|l| l.to_bits()).collect::<Vec<_>>(),
         "one process per GPU {got:?}, one process driving both {expected:?}"
     );
+}
+
+/// The losses' and gradient norms' bits `metrics.jsonl` in `out` records, in step order.
+fn loss_and_norm_bits(out: &Path) -> Vec<[u64; 2]> {
+    let records = read_metrics(&out.join("metrics.jsonl")).expect("metrics.jsonl");
+    (records.iter())
+        .map(|m| [m.loss.to_bits(), m.grad_norm.to_bits()])
+        .collect()
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs and NCCL: run with --ignored on the GPU machine"]
+fn nccl_gradient_sums_in_buckets_train_bitwise_like_one_bucket_on_two_gpus() {
+    let dir = TempDir::new("nccl-grad-buckets");
+    for zero in ["1", "2"] {
+        // 8 KiB: buckets of 1024 elements of each share, many per step; 1 GiB: one.
+        let [small, whole] = ["8KiB", "1GiB"].map(|bucket| {
+            let out = dir.path().join(format!("zero{zero}-{bucket}"));
+            let output = Command::new(env!("CARGO_BIN_EXE_llama_train"))
+                .args(shared_options(STEPS, &out))
+                .args(["--gpus", "2", "--zero", zero, "--grad-bucket", bucket])
+                .output()
+                .expect("llama_train starts");
+            stderr_of(&output, 0);
+            loss_and_norm_bits(&out)
+        });
+        assert_eq!(whole.len(), STEPS.parse::<usize>().unwrap(), "zero {zero}");
+        assert_eq!(small, whole, "zero {zero}: buckets of 8 KiB against one");
+    }
 }
 
 /// The group timeout of the fault tests, in seconds.

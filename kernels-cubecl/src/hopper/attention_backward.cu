@@ -11,22 +11,18 @@
 //   DISTFLASH_HEAD_DIM  64 or 128
 //   DISTFLASH_F16       0: q, k, v, dO and the gradients are bf16; 1: f16
 //   DISTFLASH_CAUSAL    1: query row i sees key j only if j <= i + shift
-//   DISTFLASH_ACCUMULATE  1: a backward step: dQ, dK and dV are added to f32 accumulators
-//                       [B * Hq, Sq, D] and [B * Hkv, Skv, D] instead of stored in the inputs'
-//                       type, and this is the step's only launch
+//   DISTFLASH_ACCUMULATE  1: a backward step: dK and dV are added to f32 accumulators
+//                       [B * Hkv, Skv, D] instead of stored in the inputs' type
 //
 // Tensors are row-major: q and dO [B * Hq, Sq, D], k, v, dK and dV [B * Hkv, Skv, D], seen
 // through three-dimensional tensor maps whose boxes are 64 columns (128 bytes, the 128-byte
 // swizzle) of 64 rows (q, dO, the stores of dK and dV) or 128 rows (k, v) of one (batch, head)
-// slice: rows past a slice's length arrive as zeros and are never stored. Each query row's
-// natural log-sum-exp and its delta = rowsum(dO * O) come as f32 [B * Hq, Sq] (a step's as
-// given; a whole attention's delta from the row kernels), read with bounds checks: rows past a
-// slice's length, and rows that saw no key (lse = -inf), get a base-2 log-sum-exp of FLT_MAX and
-// a delta of 0, so their probabilities are exactly 0. For a whole attention the row kernels of
-// `backward_rows.cu` run before and after this one: before, they write the deltas and zero the
-// f32 sum of dQ, [B * Hq, Tq, 64 * D] in fragment order with every slice padded to whole tiles
-// of 64 rows (see `add_query_grads`); after, they turn that sum into dQ. A step adds dQ, times
-// the score scale, straight into its accumulator's rows.
+// slice: rows past a slice's length arrive as zeros and are never stored. The row kernels of
+// `backward_rows.cu` run before and after this one: before, they write each query row's
+// log-sum-exp in base 2 and its delta, f32 [B * Hq, Tq * 64] with every slice padded to whole
+// tiles of 64 rows (padding rows: a log-sum-exp of FLT_MAX and a delta of 0, so their
+// probabilities are exactly 0), and zero the f32 sum of dQ, [B * Hq, Tq, 64 * D] in fragment
+// order (see `add_query_grads`); after, they turn that sum into dQ.
 //
 // A cube (CTA) of 384 threads takes 128 keys of one key/value slice, keeps their K and V in
 // shared memory, and walks the 64-row query tiles of every query head of the slice's group that
@@ -37,9 +33,8 @@
 // of slices whose queries, output gradients and dQ sums fit in L2 together, the blocks of a group
 // by rank, the first (under a causal mask the heaviest) first (see `grouped_cube`).
 // - Warpgroup 0 (producer) keeps 24 registers; one thread has the copy engine fetch K and V
-//   once, then each tile's Q and dO into two stages, on `full` barriers, reusing a stage once
-//   its consumers arrive on its `empty` barrier; meanwhile the lanes of its first warp stage the
-//   tile's base-2 log-sum-exps beside Q and its deltas beside dO, and arrive on those barriers.
+//   once, then each tile's Q with its base-2 log-sum-exp and dO with its delta into two stages,
+//   on `full` barriers, reusing a stage once its consumers arrive on its `empty` barrier.
 // - Warpgroups 1 and 2 (consumers) take 240 registers each and own keys 0-63 and 64-127 of the
 //   block. Per tile: S^T = K Q^T and dP^T = V dO^T (`wgmma.m64n64k16`, both operands in shared
 //   memory, 32 f32 per thread each: keys are the fragment's rows, queries its columns), then in
@@ -47,8 +42,7 @@
 //   dK += dS^T Q with P^T and dS^T from registers (the accumulator fragment of a product is the A
 //   fragment of the next once packed to 16 bits); dS^T goes to shared memory, and once both
 //   warpgroups have written theirs, dQ = dS K (each warpgroup 64 columns of the head dim; at head
-//   dim 64 the first alone), added with vector atomics to the tile's f32 sum (a whole
-//   attention) or, times the score scale, to the accumulator's rows below `q_len` (a step).
+//   dim 64 the first alone), added to the tile's f32 sum with vector atomics.
 // - The epilogue scales dK by the score scale, writes dK and dV into the warpgroup's rows of K's
 //   and V's shared memory and has the copy engine store them (rows past the keys clipped); a
 //   block no query sees stores zeros. With DISTFLASH_ACCUMULATE each thread instead adds its
@@ -115,14 +109,6 @@ struct BackwardInfo {
 #define DF_STORE_BARRIER 3
 // Larger than any column offset of a tile: a key no query row of the tile sees.
 #define DF_NO_COLUMN (1 << 20)
-// The base-2 log-sum-exp of a row whose probabilities are all 0, log2(e), and the natural
-// log-sum-exp below which a row saw no key.
-#define DF_FLT_MAX 3.402823466e38f
-#define DF_LOG2_E 1.44269504088896341f
-#define DF_FINITE_FLOOR -3.0e38f
-// Threads of the producer that stage the log-sum-exps and deltas (its first warp), each two
-// rows of a tile.
-#define DF_ROW_LANES 32
 
 // ---- warpgroup MMA ----------------------------------------------------------------------------
 
@@ -264,41 +250,6 @@ __device__ __forceinline__ void add_query_grads(float* block, const float (&dq)[
     }
 }
 
-// The base-2 log-sum-exp of a query row from its natural one: FLT_MAX where it saw no key.
-__device__ __forceinline__ float lse_in_base_2(float natural) {
-    return natural >= DF_FINITE_FLOOR ? natural * DF_LOG2_E : DF_FLT_MAX;
-}
-
-// Stages rows `row0 + lane` and `row0 + lane + 32` of query slice `q_slice`: their base-2
-// log-sum-exps (from the natural ones of `lse`) into the stage's 64 at `lse_rows`, their deltas
-// into those at `delta_rows` (FLT_MAX and 0 for rows from `q_len` on), then arrives on `q_full`
-// and `do_full`, whose consumers see the writes once the barrier's phase completes.
-__device__ __forceinline__ void stage_rows(u32 lse_rows, u32 delta_rows, const float* lse,
-                                           const float* delta, const BackwardInfo& info,
-                                           u32 q_slice, u32 row0, u32 lane, u32 q_full,
-                                           u32 do_full) {
-    float row_lse[2], row_delta[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const u32 i = row0 + lane + DF_ROW_LANES * h;
-        const u64 at = static_cast<u64>(q_slice) * info.q_len + i;
-        const bool query = i < info.q_len;
-        row_lse[h] = query ? lse[at] : DF_NEG_INF;
-        row_delta[h] = query ? delta[at] : 0.0f;
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const u32 offset = (lane + DF_ROW_LANES * h) * 4;
-        asm volatile("st.shared.f32 [%0], %1;" ::"r"(lse_rows + offset),
-                     "f"(lse_in_base_2(row_lse[h]))
-                     : "memory");
-        asm volatile("st.shared.f32 [%0], %1;" ::"r"(delta_rows + offset), "f"(row_delta[h])
-                     : "memory");
-    }
-    barrier_arrive(q_full);
-    barrier_arrive(do_full);
-}
-
 // ---- pipeline ---------------------------------------------------------------------------------
 
 // The shared memory of one cube, from its first 1024-byte boundary: K, V, the stages of Q, dO
@@ -399,35 +350,11 @@ __device__ __forceinline__ void add_key_grads(float* grads, const float (&acc)[D
         }
     }
 }
-
-// Adds a warpgroup's dQ fragment, times `scale`, to the f32 accumulator [B * Hq, Sq, D] at
-// `grads` with atomics (the cubes of every key block add to the same rows): the thread's rows
-// `row` and `row + 8` of slice `q_slice` (rows from `q_len` on left alone), the warpgroup's 64
-// columns from `column0`; element pair 4j + 2r, 4j + 2r + 1 belongs to row `row + 8 r`,
-// columns 8 j + 2 quad past them.
-__device__ __forceinline__ void add_query_rows(float* grads, const float (&dq)[DF_DQ_REGS],
-                                               float scale, const BackwardInfo& info,
-                                               u32 q_slice, u32 row, u32 column0, u32 quad) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const u32 at_row = row + 8 * r;
-        if (at_row < info.q_len) {
-            float* pairs = grads + (static_cast<u64>(q_slice) * info.q_len + at_row) * DF_D +
-                           column0 + 2 * quad;
-#pragma unroll
-            for (int j = 0; j < DF_DQ_REGS / 4; ++j) {
-                reduce_add_2(pairs + 8 * j, dq[4 * j + 2 * r] * scale,
-                             dq[4 * j + 2 * r + 1] * scale);
-            }
-        }
-    }
-}
 #endif
 
 // The parameters (see `hopper/backward.rs`): q, k, v, dO and, stored in the inputs' type, dK and
-// dV through tensor maps, their buffers, the natural log-sum-exps and the deltas, the f32 dQ sum
-// (a whole attention's scratch; a step's accumulator) and for a step the f32 dK and dV
-// accumulators, then the scalars.
+// dV through tensor maps, their buffers, the row kernels' buffers, and for a step the f32 dK and
+// dV accumulators, then the scalars.
 extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
     distflash_hopper_attention_backward(
         const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
@@ -439,7 +366,7 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
 #if !DISTFLASH_ACCUMULATE
         void* dk_buffer, void* dv_buffer,
 #endif
-        const float* lse, const float* delta, float* dq_sum,
+        const float* lse_log2, const float* delta, float* dq_sum,
 #if DISTFLASH_ACCUMULATE
         float* dk_sum, float* dv_sum,
 #endif
@@ -458,9 +385,8 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
     if (threadIdx.x == 0) {
         barrier_init(at.kv_full, 1);
         for (u32 s = 0; s < DF_STAGES; ++s) {
-            // The lanes that stage the rows' log-sum-exps and deltas arrive.
-            barrier_init(at.q_full + 8 * s, DF_ROW_LANES);
-            barrier_init(at.do_full + 8 * s, DF_ROW_LANES);
+            barrier_init(at.q_full + 8 * s, 1);
+            barrier_init(at.do_full + 8 * s, 1);
             barrier_init(at.empty + 8 * s, 8);
         }
         publish_barrier_inits();
@@ -470,37 +396,32 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
     const u32 warpgroup = threadIdx.x / 128;
     if (warpgroup == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
-        if (threadIdx.x >= DF_ROW_LANES || walk.count == 0) {
+        if (threadIdx.x != 0 || walk.count == 0) {
             return;
         }
-        const u32 lane = threadIdx.x;
-        if (lane == 0) {
-            prefetch_map(&q_map);
-            prefetch_map(&k_map);
-            prefetch_map(&v_map);
-            prefetch_map(&do_map);
-            barrier_expect_bytes(at.kv_full, 2 * DF_KV_BYTES);
-            copy_halves(at.k, DF_KV_HALF, &k_map, at.kv_full, key0, kv_slice);
-            copy_halves(at.v, DF_KV_HALF, &v_map, at.kv_full, key0, kv_slice);
-        }
+        prefetch_map(&q_map);
+        prefetch_map(&k_map);
+        prefetch_map(&v_map);
+        prefetch_map(&do_map);
+        barrier_expect_bytes(at.kv_full, 2 * DF_KV_BYTES);
+        copy_halves(at.k, DF_KV_HALF, &k_map, at.kv_full, key0, kv_slice);
+        copy_halves(at.v, DF_KV_HALF, &v_map, at.kv_full, key0, kv_slice);
         for (int t = 0; t < walk.count; ++t) {
             const u32 s = stage_of(t), free_parity = parity_of(t) ^ 1;
             u32 q_slice;
             int tile;
             tile_of(info, walk, kv_slice, t, q_slice, tile);
             const u32 row0 = static_cast<u32>(tile) * DF_BM;
+            const u64 rows = static_cast<u64>(q_slice) * info.q_tiles * DF_BM + row0;
             barrier_wait(at.empty + 8 * s, free_parity);
-            // Q, then dO, each on its own barrier, whose phase also waits for the lanes'
-            // log-sum-exps (Q's) or deltas (dO's).
+            // Q with its log-sum-exps, then dO with its deltas, each on its own barrier.
             const u32 q_full = at.q_full + 8 * s, do_full = at.do_full + 8 * s;
-            if (lane == 0) {
-                barrier_expect_bytes_only(q_full, DF_Q_BYTES);
-                copy_halves(at.q + s * DF_Q_BYTES, DF_Q_HALF, &q_map, q_full, row0, q_slice);
-                barrier_expect_bytes_only(do_full, DF_Q_BYTES);
-                copy_halves(at.d_o + s * DF_Q_BYTES, DF_Q_HALF, &do_map, do_full, row0, q_slice);
-            }
-            stage_rows(at.lse + s * DF_ROW_BYTES, at.delta + s * DF_ROW_BYTES, lse, delta, info,
-                       q_slice, row0, lane, q_full, do_full);
+            barrier_expect_bytes(q_full, DF_Q_BYTES + DF_ROW_BYTES);
+            copy_halves(at.q + s * DF_Q_BYTES, DF_Q_HALF, &q_map, q_full, row0, q_slice);
+            copy_bytes(at.lse + s * DF_ROW_BYTES, lse_log2 + rows, DF_ROW_BYTES, q_full);
+            barrier_expect_bytes(do_full, DF_Q_BYTES + DF_ROW_BYTES);
+            copy_halves(at.d_o + s * DF_Q_BYTES, DF_Q_HALF, &do_map, do_full, row0, q_slice);
+            copy_bytes(at.delta + s * DF_ROW_BYTES, delta + rows, DF_ROW_BYTES, do_full);
         }
         return;
     }
@@ -516,7 +437,6 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
     // The byte offset of the warpgroup's rows of K and V within each half.
     const u32 key_rows = wg * 64 * 128;
     const float scale_log2 = __uint_as_float(info.scale_log2_bits);
-    const float scale = __uint_as_float(info.scale_bits);
 
     // For each of the thread's keys: whether it is below the key count, and the first query row
     // that sees it.
@@ -563,7 +483,7 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
 
         wgmma_wait<1>();
         fence_registers(s);
-        const u32 stage_lse = at.lse + stage * DF_ROW_BYTES;
+        const u32 lse = at.lse + stage * DF_ROW_BYTES;
         if (tile < walk.unmasked_from) {
             int first_visible[2];
             const int column0 = tile * DF_BM + 2 * static_cast<int>(quad);
@@ -571,10 +491,10 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
             for (int r = 0; r < 2; ++r) {
                 first_visible[r] = first_visible_column(sees_from[r], key_in[r], column0);
             }
-            probabilities<true>(s, stage_lse, quad, scale_log2, first_visible);
+            probabilities<true>(s, lse, quad, scale_log2, first_visible);
         } else {
             const int every[2] = {-1, -1};
-            probabilities<false>(s, stage_lse, quad, scale_log2, every);
+            probabilities<false>(s, lse, quad, scale_log2, every);
         }
         wgmma_wait<0>();
         fence_registers(dp);
@@ -609,18 +529,14 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         }
         if (computes_dq) {
             fence_registers(dq);
-#if DISTFLASH_ACCUMULATE
-            add_query_rows(dq_sum, dq, scale, info, q_slice, static_cast<u32>(tile) * DF_BM + local,
-                           wg * 64, quad);
-#else
             float* block_sum = dq_sum +
                                (static_cast<u64>(q_slice) * info.q_tiles + tile) * DF_DQ_TILE +
                                wg * (DF_BM * 64);
             add_query_grads(block_sum, dq, thread);
-#endif
         }
     }
 
+    const float scale = __uint_as_float(info.scale_bits);
 #if DISTFLASH_ACCUMULATE
     // A step: dK scaled and dV added to the accumulators (nothing where no query sees the block).
     if (walk.count > 0) {

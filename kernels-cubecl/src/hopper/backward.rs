@@ -1,9 +1,9 @@
 //! The Hopper attention backward on the host: when a call runs on it (`Variant::Hopper`, or
 //! `Variant::Auto` where it covers the call), a whole attention's backward or a backward step
 //! (gradients added to f32 accumulators), its checks against the device and the buffers, the
-//! sources of its kernels (a whole attention's: the row kernels of `backward_rows.cu` before and
-//! after the main kernel of `attention_backward.cu`; a step's: the main kernel alone), their
-//! scratch buffers, tensor maps and grids, and the launches.
+//! sources of its three kernels (the row kernels of `backward_rows.cu` before and after the
+//! main kernel of `attention_backward.cu`), their scratch buffers, tensor maps and grids, and
+//! the launches.
 
 use cubecl::prelude::*;
 
@@ -22,15 +22,17 @@ use crate::tensor::{DeviceTensor, ElemType};
 
 /// The main kernel's device code, compiled per variant with [`BackwardVariant::switches`].
 const BACKWARD_CU: &str = include_str!("attention_backward.cu");
-/// The row kernels' device code (a whole attention's), compiled per head dim and type.
+/// The row kernels' device code, compiled per head dim and type.
 const ROWS_CU: &str = include_str!("backward_rows.cu");
 
 /// The main kernel's entry point in `attention_backward.cu`.
 const ENTRY_POINT: &str = "distflash_hopper_attention_backward";
-/// The row kernels' entry points in `backward_rows.cu`: before and after a whole attention's
-/// main kernel.
+/// The row kernels' entry points in `backward_rows.cu`: before and after the main kernel, for a
+/// whole attention and for a step.
 const PREPARE_ENTRY_POINT: &str = "distflash_hopper_backward_prepare";
 const DQ_ENTRY_POINT: &str = "distflash_hopper_backward_dq";
+const PREPARE_STEP_ENTRY_POINT: &str = "distflash_hopper_backward_prepare_step";
+const DQ_ADD_ENTRY_POINT: &str = "distflash_hopper_backward_dq_add";
 
 /// What the kernel names in its messages.
 const KERNEL: &str = "the Hopper attention backward";
@@ -64,25 +66,13 @@ pub fn backward_rows_source(variant: &BackwardVariant) -> String {
     )
 }
 
-/// The main kernel of `variant`, built and fingerprinted on its first launch in the process and
-/// shared after.
-fn main_kernel(variant: &BackwardVariant) -> CudaSource {
+/// The three kernels of `variant`, each built and fingerprinted on its first launch in the
+/// process and shared after: the prepare kernel, the main kernel, the dQ kernel (a step's row
+/// kernels take the given delta and add to the dQ accumulator).
+fn kernels(variant: &BackwardVariant) -> [CudaSource; 3] {
     static MAIN: KernelCache<BackwardVariant> = KernelCache::new();
-    MAIN.get(*variant, || {
-        CudaSource::new(
-            ENTRY_POINT,
-            backward_source(variant),
-            UNITS as u32,
-            backward_plan::shared_bytes(variant.head_dim),
-        )
-    })
-}
-
-/// The row kernels of a whole attention's `variant` (the prepare kernel and the dQ kernel), as
-/// [`main_kernel`] builds them, shared by every variant of one head dim and type.
-fn row_kernels(variant: &BackwardVariant) -> [CudaSource; 2] {
     static ROWS: KernelCache<(BackwardVariant, &'static str)> = KernelCache::new();
-    [PREPARE_ENTRY_POINT, DQ_ENTRY_POINT].map(|entry_point| {
+    let row_kernel = |entry_point| {
         ROWS.get((rows_variant(variant), entry_point), || {
             // The row kernels declare no shared memory; the shell asks a word per thread.
             let shared = ROW_UNITS * 4;
@@ -93,16 +83,28 @@ fn row_kernels(variant: &BackwardVariant) -> [CudaSource; 2] {
                 shared,
             )
         })
-    })
+    };
+    let main = MAIN.get(*variant, || {
+        CudaSource::new(
+            ENTRY_POINT,
+            backward_source(variant),
+            UNITS as u32,
+            backward_plan::shared_bytes(variant.head_dim),
+        )
+    });
+    let (prepare, dq) = if variant.accumulate {
+        (PREPARE_STEP_ENTRY_POINT, DQ_ADD_ENTRY_POINT)
+    } else {
+        (PREPARE_ENTRY_POINT, DQ_ENTRY_POINT)
+    };
+    [row_kernel(prepare), main, row_kernel(dq)]
 }
 
-/// A Hopper backward ready to launch on one device: the variant, the main kernel's grid and, for
-/// a whole attention, the prepare and dQ kernels' grids.
+/// A Hopper backward ready to launch on one device: the variant and the three kernels' grids.
 #[derive(Debug, Clone)]
 pub(crate) struct BackwardLaunch {
     variant: BackwardVariant,
-    main_grid: CubeCount,
-    row_grids: Option<[CubeCount; 2]>,
+    grids: [CubeCount; 3],
 }
 
 /// The launch of a whole attention's backward (or, to `accumulate`, a backward step) of `dims`
@@ -119,18 +121,6 @@ fn plan<R: Runtime>(
     let scale = options.resolved_scale(dims.head_dim);
     let mask = (&options.mask, scale);
     let variant = BackwardVariant::for_call(dims, elem, mask, options.deterministic, accumulate)?;
-    // One cube per block of keys of each key/value slice, in one dimension (see
-    // `grouped_cube` in the kernel).
-    let main_grid = super::device_grid(
-        client,
-        KERNEL,
-        UNITS,
-        backward_plan::shared_bytes(dims.head_dim),
-        (
-            dims.batch * dims.kv_heads * dims.kv_len.div_ceil(BLOCK_KEYS),
-            "batch x key/value heads x blocks of 128 keys",
-        ),
-    )?;
     let row_grid = |what: &str, threads: usize| {
         super::device_grid(
             client,
@@ -140,24 +130,29 @@ fn plan<R: Runtime>(
             (threads.div_ceil(ROW_UNITS), what),
         )
     };
-    let row_grids = if accumulate {
-        None
-    } else {
-        Some([
-            row_grid(
-                "a warp per padded query row",
-                backward_plan::prepared_rows(dims) * 32,
-            )?,
-            row_grid(
-                "a thread per two values of dQ",
-                dims.batch * dims.q_heads * dims.q_len * dims.head_dim / 2,
-            )?,
-        ])
-    };
+    let prepare = row_grid(
+        "a warp per padded query row",
+        backward_plan::prepared_rows(dims) * 32,
+    )?;
+    // One cube per block of keys of each key/value slice, in one dimension (see
+    // `grouped_cube` in the kernel).
+    let main = super::device_grid(
+        client,
+        KERNEL,
+        UNITS,
+        backward_plan::shared_bytes(dims.head_dim),
+        (
+            dims.batch * dims.kv_heads * dims.kv_len.div_ceil(BLOCK_KEYS),
+            "batch x key/value heads x blocks of 128 keys",
+        ),
+    )?;
+    let dq = row_grid(
+        "a thread per two values of dQ",
+        dims.batch * dims.q_heads * dims.q_len * dims.head_dim / 2,
+    )?;
     Ok(BackwardLaunch {
         variant,
-        main_grid,
-        row_grids,
+        grids: [prepare, main, dq],
     })
 }
 
@@ -234,7 +229,8 @@ pub(crate) struct ForwardTensors<'a> {
 /// Queues `launch` (a whole attention's) from the forward's `tensors` and the output gradient
 /// `grad_out`, writing every element of `dq` (`[B, Hq, Sq, D]`), `dk` and `dv`
 /// (`[B, Hkv, Skv, D]`), all the inputs' type; arguments checked by the caller. Three launches:
-/// the prepare kernel (the deltas, the zeroed dQ sum), the main kernel, the dQ kernel.
+/// the prepare kernel (deltas, base-2 log-sum-exps, the zeroed dQ sum), the main kernel, the dQ
+/// kernel.
 pub(crate) fn enqueue<R: Runtime>(
     client: &ComputeClient<R>,
     launch: &BackwardLaunch,
@@ -244,95 +240,76 @@ pub(crate) fn enqueue<R: Runtime>(
     dims: &AttentionDims,
     options: &StepOptions,
 ) {
-    let [prepare_grid, dq_grid] = launch
-        .row_grids
-        .clone()
-        .expect("a whole attention's launch plans its row kernels");
-    let scale = options.resolved_scale(dims.head_dim);
-    let delta = DeviceTensor::empty(client, dims.row_shape(), ElemType::F32);
-    let dq_sum = DeviceTensor::empty(
+    debug_assert!(!launch.variant.accumulate);
+    let inputs = (tensors.q, tensors.k, tensors.v, grad_out);
+    let prepare_inputs = [tensors.out, grad_out, tensors.lse];
+    let grads = (dq, dk, dv);
+    enqueue_launches(
         client,
-        vec![backward_plan::prepared_rows(dims), dims.head_dim],
-        ElemType::F32,
-    );
-    let [prepare_kernel, dq_kernel] = row_kernels(&launch.variant);
-    let row_scalars = backward_plan::row_scalars(dims, scale);
-    let row_arguments = |buffers: &[&DeviceTensor]| {
-        let mut arguments = SourceArguments::new();
-        buffers.iter().for_each(|buffer| arguments.buffer(buffer));
-        row_scalars
-            .into_iter()
-            .for_each(|value| arguments.scalar(value));
-        arguments
-    };
-    let prepare = row_arguments(&[tensors.out, grad_out, &delta, &dq_sum]);
-    let main = main_arguments(
-        (tensors.q, tensors.k, tensors.v, grad_out),
-        Some((dk, dv)),
-        &[tensors.lse, &delta, &dq_sum],
+        launch,
+        inputs,
+        &prepare_inputs,
+        grads,
         dims,
         options,
     );
-    let finish = row_arguments(&[&dq_sum, dq]);
-    // SAFETY: `plan` checked that the runtime is CUDA on an sm_90 device and that the cubes,
-    // shared memory and grids fit it; the arguments follow the three kernels' parameters (the
-    // prepare kernel's two inputs, two buffers and four scalars; see `main_arguments`; the dQ
-    // kernel's two buffers and four scalars). The deltas hold a value per query row, the dQ sum
-    // the padded rows the kernels index (`prepared_rows`); the row kernels guard their rows and
-    // values.
-    unsafe {
-        source_task::launch(client, prepare_kernel, prepare_grid, prepare);
-        source_task::launch(
-            client,
-            main_kernel(&launch.variant),
-            launch.main_grid.clone(),
-            main,
-        );
-        source_task::launch(client, dq_kernel, dq_grid, finish);
-    }
 }
 
 /// Queues `launch` (a step's) for q, k, v and the output gradient `grad_out` with the full-row
 /// `lse` and `delta` (`[B, Hq, Sq]`, f32), adding the pair's gradients to the f32 accumulators
-/// `grads`; arguments checked by the caller. One launch: the main kernel reads `lse` and `delta`
-/// as given and adds to `grads.dq` (atomically), `grads.dk` and `grads.dv`.
+/// `grads`; arguments checked by the caller. The same three launches as [`enqueue`]: the
+/// prepare kernel pads the given delta, the dQ kernel adds to `grads.dq`, the main kernel adds
+/// to `grads.dk` and `grads.dv`.
 pub(crate) fn enqueue_step<R: Runtime>(
     client: &ComputeClient<R>,
     launch: &BackwardLaunch,
-    inputs: (&DeviceTensor, &DeviceTensor, &DeviceTensor, &DeviceTensor),
+    (q, k, v, grad_out): (&DeviceTensor, &DeviceTensor, &DeviceTensor, &DeviceTensor),
     (lse, delta): (&DeviceTensor, &DeviceTensor),
     grads: &crate::GradAccumulators,
     dims: &AttentionDims,
     options: &StepOptions,
 ) {
-    debug_assert!(launch.variant.accumulate && launch.row_grids.is_none());
-    let buffers = [lse, delta, &grads.dq, &grads.dk, &grads.dv];
-    let main = main_arguments(inputs, None, &buffers, dims, options);
-    // SAFETY: as in `enqueue` for the main kernel; the accumulators have the shapes the caller
-    // checked, and the kernel adds to rows below `q_len` (dQ) and `kv_len` (dK, dV) only.
-    unsafe {
-        source_task::launch(
-            client,
-            main_kernel(&launch.variant),
-            launch.main_grid.clone(),
-            main,
-        );
-    }
+    debug_assert!(launch.variant.accumulate);
+    let grads = (&grads.dq, &grads.dk, &grads.dv);
+    let inputs = (q, k, v, grad_out);
+    enqueue_launches(client, launch, inputs, &[lse, delta], grads, dims, options);
 }
 
-/// The main kernel's arguments: tensor maps of q, k, v and `grad_out` (and of the `stored` dK
-/// and dV of a whole attention), their buffers, then `buffers` (the log-sum-exps, the deltas,
-/// the dQ sum or accumulator, and a step's dK and dV accumulators), then its ten scalars. The
-/// tensor maps bound every copy to its tensor (rows past a slice read as zeros and are not
-/// stored), the kernel reads the log-sum-exps and deltas with bounds checks, and its loops are
-/// bounded by the tile counts.
-fn main_arguments(
+/// The three launches of `launch` for q, k, v and `grad_out`: the prepare kernel reading
+/// `prepare_inputs` (a whole attention's output, output gradient and lse; a step's lse and
+/// delta), the main kernel storing (a whole attention) or adding (a step) dK and dV, the dQ
+/// kernel writing or adding dQ.
+fn enqueue_launches<R: Runtime>(
+    client: &ComputeClient<R>,
+    launch: &BackwardLaunch,
     (q, k, v, grad_out): (&DeviceTensor, &DeviceTensor, &DeviceTensor, &DeviceTensor),
-    stored: Option<(&DeviceTensor, &DeviceTensor)>,
-    buffers: &[&DeviceTensor],
+    prepare_inputs: &[&DeviceTensor],
+    (dq, dk, dv): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
     dims: &AttentionDims,
     options: &StepOptions,
-) -> SourceArguments {
+) {
+    let scale = options.resolved_scale(dims.head_dim);
+    let rows = backward_plan::prepared_rows(dims);
+    let lse_log2 = DeviceTensor::empty(client, vec![rows], ElemType::F32);
+    let delta = DeviceTensor::empty(client, vec![rows], ElemType::F32);
+    let dq_sum = DeviceTensor::empty(client, vec![rows, dims.head_dim], ElemType::F32);
+    let [prepare_kernel, main_kernel, dq_kernel] = kernels(&launch.variant);
+    let [prepare_grid, main_grid, dq_grid] = launch.grids.clone();
+    let row_scalars = backward_plan::row_scalars(dims, scale);
+    let accumulate = launch.variant.accumulate;
+
+    let mut prepare = SourceArguments::new();
+    for buffer in prepare_inputs
+        .iter()
+        .copied()
+        .chain([&lse_log2, &delta, &dq_sum])
+    {
+        prepare.buffer(buffer);
+    }
+    row_scalars
+        .into_iter()
+        .for_each(|value| prepare.scalar(value));
+
     let q_view = [dims.batch * dims.q_heads, dims.q_len, dims.head_dim];
     let kv_view = [dims.batch * dims.kv_heads, dims.kv_len, dims.head_dim];
     let mut maps = vec![
@@ -341,7 +318,7 @@ fn main_arguments(
         (v, &kv_view, BLOCK_KEYS),
         (grad_out, &q_view, TILE_ROWS),
     ];
-    if let Some((dk, dv)) = stored {
+    if !accumulate {
         // Each consumer warpgroup stores its 64 keys.
         maps.extend([
             (dk, &kv_view, BLOCK_KEYS / 2),
@@ -359,12 +336,38 @@ fn main_arguments(
             },
         );
     }
-    buffers.iter().for_each(|buffer| main.buffer(buffer));
-    let scale = options.resolved_scale(dims.head_dim);
+    for buffer in [&lse_log2, &delta, &dq_sum] {
+        main.buffer(buffer);
+    }
+    if accumulate {
+        main.buffer(dk);
+        main.buffer(dv);
+    }
     backward_plan::scalars(dims, &options.mask, scale)
         .into_iter()
         .for_each(|value| main.scalar(value));
-    main
+
+    let mut finish = SourceArguments::new();
+    finish.buffer(&dq_sum);
+    finish.buffer(dq);
+    row_scalars
+        .into_iter()
+        .for_each(|value| finish.scalar(value));
+
+    // SAFETY: `plan` checked that the runtime is CUDA on an sm_90 device and that the cubes,
+    // shared memory and grids fit it; the arguments follow the three kernels' parameters for the
+    // variant (the prepare kernel's inputs, its three buffers and four scalars; the main kernel's
+    // tensor maps, their buffers, its three buffers, a step's two accumulators and ten scalars;
+    // the dQ kernel's two buffers and four scalars). The scratch buffers hold the padded rows the
+    // kernels index (`prepared_rows`), the tensor maps bound every copy to its tensor (rows past
+    // a slice read as zeros and are not stored), the row kernels guard their rows and values,
+    // the main kernel adds to accumulator rows below `kv_len` only, and its loops are bounded by
+    // the tile counts.
+    unsafe {
+        source_task::launch(client, prepare_kernel, prepare_grid, prepare);
+        source_task::launch(client, main_kernel, main_grid, main);
+        source_task::launch(client, dq_kernel, dq_grid, finish);
+    }
 }
 
 /// The gradients of the whole attention `out = attention(q, k, v)` (with its f32 log-sum-exp
@@ -456,7 +459,11 @@ mod tests {
             "const __grid_constant__ TensorMap dv_map",
         ];
         let stored_buffers = ["void* dk_buffer", "void* dv_buffer"];
-        let rows = ["const float* lse", "const float* delta", "float* dq_sum"];
+        let scratch = [
+            "const float* lse_log2",
+            "const float* delta",
+            "float* dq_sum",
+        ];
         let accumulators = ["float* dk_sum", "float* dv_sum"];
         let info = ["const __grid_constant__ BackwardInfo info"];
         assert_eq!(
@@ -466,21 +473,41 @@ mod tests {
                 &stored_maps,
                 &buffers,
                 &stored_buffers,
-                &rows,
+                &scratch,
                 &info
             ]
             .concat()
         );
-        // A step's dq_sum is its dQ accumulator.
         assert_eq!(
             main_parameters(true),
-            [&maps[..], &buffers, &rows, &accumulators, &info].concat()
+            [&maps[..], &buffers, &scratch, &accumulators, &info].concat()
+        );
+        assert_eq!(
+            parameters(ROWS_CU, PREPARE_STEP_ENTRY_POINT),
+            [
+                "const float* lse",
+                "const float* given_delta",
+                "float* lse_log2",
+                "float* delta",
+                "float* dq_sum",
+                "const __grid_constant__ RowsInfo info",
+            ]
+        );
+        assert_eq!(
+            parameters(ROWS_CU, DQ_ADD_ENTRY_POINT),
+            [
+                "const float* dq_sum",
+                "float* dq",
+                "const __grid_constant__ RowsInfo info",
+            ]
         );
         assert_eq!(
             parameters(ROWS_CU, PREPARE_ENTRY_POINT),
             [
                 "const u32* out",
                 "const u32* grad_out",
+                "const float* lse",
+                "float* lse_log2",
                 "float* delta",
                 "float* dq_sum",
                 "const __grid_constant__ RowsInfo info",
@@ -495,7 +522,7 @@ mod tests {
             ]
         );
         assert_eq!(BACKWARD_CU.matches("__global__").count(), 1);
-        assert_eq!(ROWS_CU.matches("__global__").count(), 2);
+        assert_eq!(ROWS_CU.matches("__global__").count(), 4);
         for source in [BACKWARD_CU, ROWS_CU] {
             assert!(!source.contains("#include"));
         }
@@ -510,15 +537,10 @@ mod tests {
             causal,
             accumulate: false,
         };
-        let main = main_kernel(&variant(true));
-        let [prepare, dq] = row_kernels(&variant(true));
-        let [prepare_again, dq_again] = row_kernels(&variant(true));
-        let [other_prepare, _] = row_kernels(&variant(false));
-        let other_main = main_kernel(&variant(false));
-        assert_eq!(
-            main.source().as_ptr(),
-            main_kernel(&variant(true)).source().as_ptr()
-        );
+        let [prepare, main, dq] = kernels(&variant(true));
+        let [prepare_again, main_again, dq_again] = kernels(&variant(true));
+        let [other_prepare, other_main, _] = kernels(&variant(false));
+        assert_eq!(main.source().as_ptr(), main_again.source().as_ptr());
         assert_eq!(prepare.source().as_ptr(), prepare_again.source().as_ptr());
         assert_eq!(dq.source().as_ptr(), dq_again.source().as_ptr());
         assert_eq!(prepare.source().as_ptr(), other_prepare.source().as_ptr());
@@ -535,15 +557,18 @@ mod tests {
             (PREPARE_ENTRY_POINT, DQ_ENTRY_POINT)
         );
         assert_eq!(prepare.units, 256);
-        // A step's: its own main kernel, and no row kernel.
+        // A step's: its own main kernel, the same row source with the step's entry points.
         let step = BackwardVariant {
             accumulate: true,
             ..variant(true)
         };
-        assert_ne!(main_kernel(&step).fingerprint(), main.fingerprint());
-        assert!(main_kernel(&step)
-            .source()
-            .contains("#define DISTFLASH_ACCUMULATE 1\n"));
+        let [step_prepare, step_main, step_dq] = kernels(&step);
+        assert_eq!(
+            (step_prepare.entry_point, step_dq.entry_point),
+            (PREPARE_STEP_ENTRY_POINT, DQ_ADD_ENTRY_POINT)
+        );
+        assert_eq!(step_prepare.source(), prepare.source());
+        assert_ne!(step_main.fingerprint(), main.fingerprint());
     }
 
     #[test]

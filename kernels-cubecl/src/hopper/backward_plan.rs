@@ -1,8 +1,7 @@
 //! The Hopper attention backward's constants and what it covers, pure logic: which calls
 //! `attention_backward.cu` takes (element types, head dims, masks, scales, determinism), the
 //! switches of the variant compiled for a call, its shared memory, the order of its cubes, the
-//! dQ sum a whole attention's row kernels (`backward_rows.cu`) zero and read, and the scalars
-//! the kernels read.
+//! buffers its row kernels (`backward_rows.cu`) prepare, and the scalars all three read.
 
 use crate::dims::AttentionDims;
 use crate::kernel_error::KernelError;
@@ -13,8 +12,8 @@ use crate::Mask;
 
 /// Keys per cube (two consumer warpgroups of 64 keys).
 pub const BLOCK_KEYS: usize = 128;
-/// Query rows per tile of the walk (the `n` of the score products `wgmma.m64n64k16`); a whole
-/// attention's dQ sum pads every slice to whole tiles.
+/// Query rows per tile of the walk (the `n` of the score products `wgmma.m64n64k16`); the row
+/// kernels pad every slice to whole tiles.
 pub const TILE_ROWS: usize = 64;
 /// Pipeline stages of Q, dO (with their log-sum-exps and deltas) and dS in shared memory.
 pub const STAGES: usize = 2;
@@ -49,8 +48,8 @@ pub struct BackwardVariant {
     pub elem: ElemType,
     /// Whether query row `i` sees key `j` only if `j <= i + shift`.
     pub causal: bool,
-    /// A backward step's: dQ, dK and dV added to f32 accumulators by the main kernel alone,
-    /// else stored in the inputs' type (a whole attention's, with the row kernels).
+    /// A backward step's: dK and dV added to f32 accumulators (and dQ, by the dQ kernel),
+    /// else stored in the inputs' type (a whole attention's).
     pub accumulate: bool,
 }
 
@@ -98,21 +97,21 @@ impl BackwardVariant {
     }
 }
 
-/// Tiles of [`TILE_ROWS`] query rows per slice: the padded length of a whole attention's dQ sum
+/// Tiles of [`TILE_ROWS`] query rows per slice: the padded length of the row kernels' buffers
 /// over [`TILE_ROWS`].
 pub fn query_tiles(dims: &AttentionDims) -> usize {
     dims.q_len.div_ceil(TILE_ROWS)
 }
 
-/// The padded query rows of a whole attention's f32 dQ sum (`head_dim` values each), which the
-/// prepare kernel zeroes a warp per row.
+/// The f32 elements of the buffers the prepare kernel writes: the base-2 log-sum-exp and the
+/// delta of every padded query row, and the dQ sum (`head_dim` values a padded row).
 pub fn prepared_rows(dims: &AttentionDims) -> usize {
     dims.batch * dims.q_heads * query_tiles(dims) * TILE_ROWS
 }
 
 /// Key/value slices per launch group: as many as share [`L2_BUDGET`] bytes of what their cubes
-/// read and add to, the queries and output gradients (16-bit) and the dQ sums or accumulators
-/// (f32) of their query heads; at least one.
+/// read and add to, the queries and output gradients (16-bit) and the dQ sums (f32) of their
+/// query heads; at least one.
 pub fn slice_group(dims: &AttentionDims) -> usize {
     let per_query_head = (2 * 2 + 4) * dims.q_len * dims.head_dim;
     let per_slice = per_query_head * dims.group_size();

@@ -1,11 +1,16 @@
-// The row kernels of a whole attention's Hopper backward, around `attention_backward.cu` (a
-// backward step, whose delta is given and whose dQ is an f32 accumulator, needs neither):
+// The row kernels of the Hopper attention backward, around `attention_backward.cu`:
 // - `distflash_hopper_backward_prepare` (before), one warp per query row of every slice padded
-//   to whole tiles of 64 rows: delta = rowsum(dO * O) in f32 into [B * Hq, Sq] for the rows
-//   below `q_len`, and the row's share of the f32 dQ sum [B * Hq, Tq, 64 * D] zeroed.
+//   to whole tiles of 64 rows: delta = rowsum(dO * O) in f32 and the log-sum-exp in base 2
+//   (lse log2(e); FLT_MAX for a row that saw no key, lse = -inf, so that its probabilities are
+//   exactly 0), both [B * Hq, Tq * 64] f32, and for padding rows a delta of 0 and FLT_MAX; it
+//   also zeroes the row's share of the f32 dQ sum [B * Hq, Tq, 64 * D].
 // - `distflash_hopper_backward_dq` (after), one thread per pair of dQ values: the f32 sum read
 //   back from its fragment order (see `add_query_grads` in `attention_backward.cu`), times the
 //   score scale, written as the inputs' 16-bit type into dQ [B * Hq, Sq, D].
+// - For a backward step, whose delta is given ([B * Hq, Sq] f32) and whose dQ is an f32
+//   accumulator: `distflash_hopper_backward_prepare_step` (before) pads the given delta as the
+//   prepare kernel writes its own, and `distflash_hopper_backward_dq_add` (after) adds the
+//   scaled sum to the accumulator.
 //
 // CUDA C++ with inline PTX, no headers: the host (`hopper/backward.rs`) prepends the variant's
 // switches (DISTFLASH_HEAD_DIM 64 or 128, DISTFLASH_F16), `ptx.cuh` and `attention.cuh`.
@@ -30,6 +35,10 @@ struct RowsInfo {
 // Threads per cube of both kernels; the prepare kernel's rows per cube (one per warp).
 #define DF_ROW_UNITS 256
 #define DF_ROWS_PER_CUBE (DF_ROW_UNITS / 32)
+#define DF_FLT_MAX 3.402823466e38f
+#define DF_LOG2_E 1.44269504088896341f
+// Below this a log-sum-exp means "no key seen" (as the other kernels' `lse_log2` reads it).
+#define DF_FINITE_FLOOR -3.0e38f
 
 // The two 16-bit values of a register as f32, the low one first.
 __device__ __forceinline__ float2 unpack(u32 pair) {
@@ -73,30 +82,55 @@ __device__ __forceinline__ bool padded_row(const RowsInfo& info, float* dq_sum, 
     return true;
 }
 
+// The base-2 log-sum-exp of a query row from its natural one: FLT_MAX where it saw no key.
+__device__ __forceinline__ float lse_in_base_2(float natural) {
+    return natural >= DF_FINITE_FLOOR ? natural * DF_LOG2_E : DF_FLT_MAX;
+}
+
 extern "C" __global__ void __launch_bounds__(DF_ROW_UNITS)
-    distflash_hopper_backward_prepare(const u32* out, const u32* grad_out, float* delta,
-                                      float* dq_sum, const __grid_constant__ RowsInfo info) {
+    distflash_hopper_backward_prepare(const u32* out, const u32* grad_out, const float* lse,
+                                      float* lse_log2, float* delta, float* dq_sum,
+                                      const __grid_constant__ RowsInfo info) {
     const u32 lane = threadIdx.x % 32;
     PaddedRow at;
-    if (!padded_row(info, dq_sum, at) || at.i >= info.q_len) {
+    if (!padded_row(info, dq_sum, at)) {
         return;
     }
-    const u64 row = at.slice * info.q_len + at.i;
-    const u64 first = row * (DF_D / 2);
+    const u64 slice = at.slice, i = at.i;
     float sum = 0.0f;
+    float row_lse = DF_FLT_MAX;
+    if (i < info.q_len) {
+        const u64 first = (slice * info.q_len + i) * (DF_D / 2);
 #pragma unroll
-    for (u32 pair = lane; pair < DF_D / 2; pair += 32) {
-        const float2 o = unpack(out[first + pair]);
-        const float2 g = unpack(grad_out[first + pair]);
-        sum = fmaf(o.x, g.x, fmaf(o.y, g.y, sum));
-    }
+        for (u32 pair = lane; pair < DF_D / 2; pair += 32) {
+            const float2 o = unpack(out[first + pair]);
+            const float2 g = unpack(grad_out[first + pair]);
+            sum = fmaf(o.x, g.x, fmaf(o.y, g.y, sum));
+        }
 #pragma unroll
-    for (u32 offset = 16; offset > 0; offset /= 2) {
-        sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+        for (u32 offset = 16; offset > 0; offset /= 2) {
+            sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+        }
+        row_lse = lse_in_base_2(lse[slice * info.q_len + i]);
     }
     if (lane == 0) {
-        delta[row] = sum;
+        lse_log2[at.row] = row_lse;
+        delta[at.row] = sum;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(DF_ROW_UNITS)
+    distflash_hopper_backward_prepare_step(const float* lse, const float* given_delta,
+                                           float* lse_log2, float* delta, float* dq_sum,
+                                           const __grid_constant__ RowsInfo info) {
+    PaddedRow at;
+    if (!padded_row(info, dq_sum, at) || threadIdx.x % 32 != 0) {
+        return;
+    }
+    const bool query = at.i < info.q_len;
+    const u64 row = at.slice * info.q_len + at.i;
+    lse_log2[at.row] = query ? lse_in_base_2(lse[row]) : DF_FLT_MAX;
+    delta[at.row] = query ? given_delta[row] : 0.0f;
 }
 
 // The scaled dQ sum of value pair `pair` of dQ [B * Hq, Sq, D]; false past the last pair.
@@ -128,5 +162,17 @@ extern "C" __global__ void __launch_bounds__(DF_ROW_UNITS)
     float2 value;
     if (scaled_pair(dq_sum, info, pair, value)) {
         dq[pair] = pack(value.x, value.y);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(DF_ROW_UNITS)
+    distflash_hopper_backward_dq_add(const float* dq_sum, float* dq,
+                                     const __grid_constant__ RowsInfo info) {
+    const u64 pair = static_cast<u64>(blockIdx.x) * DF_ROW_UNITS + threadIdx.x;
+    float2 value;
+    if (scaled_pair(dq_sum, info, pair, value)) {
+        float2* at = reinterpret_cast<float2*>(dq) + pair;
+        const float2 sum = *at;
+        *at = make_float2(sum.x + value.x, sum.y + value.y);
     }
 }

@@ -32,12 +32,6 @@ __device__ __forceinline__ void barrier_expect_bytes(u32 bar, u32 bytes) {
                  : "memory");
 }
 
-// Raises the bytes the barrier's current phase waits for, without arriving.
-__device__ __forceinline__ void barrier_expect_bytes_only(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes)
-                 : "memory");
-}
-
 __device__ __forceinline__ void barrier_arrive(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
@@ -117,13 +111,6 @@ __device__ __forceinline__ void store_boxes_read() {
 // Makes this thread's ordinary writes to shared memory visible to the copy engine.
 __device__ __forceinline__ void fence_shared_for_copies() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
-// Adds two f32 values to global memory at `address` (8-byte aligned) atomically, without
-// waiting for the result.
-__device__ __forceinline__ void reduce_add_2(float* address, float a, float b) {
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(address), "f"(a), "f"(b)
-                 : "memory");
 }
 
 // Adds four f32 values to global memory at `address` (16-byte aligned) atomically, without

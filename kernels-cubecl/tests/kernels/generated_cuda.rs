@@ -60,10 +60,10 @@ fn the_hopper_shell_gives_hand_written_kernels_the_shared_memory_they_ask_for() 
 fn every_hopper_source_has_no_include_and_its_entry_points() {
     for (name, source) in cuda_source::hopper_sources() {
         assert!(!source.contains("#include"), "{name}");
-        // A whole attention's backward row kernels: one before the main kernel, one after (a
-        // step runs the main kernel alone).
+        // The backward's row kernels: one before the main kernel and one after, for a whole
+        // attention and for a step.
         let entry_points = if name.starts_with("hopper_backward_rows") {
-            2
+            4
         } else {
             1
         };

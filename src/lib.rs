@@ -37,6 +37,7 @@ mod attention_tensor_ops;
 mod backends;
 pub mod collective;
 pub mod cube_support;
+pub mod device_faults;
 mod error;
 mod extension;
 mod inputs;

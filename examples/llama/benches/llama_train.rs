@@ -159,6 +159,8 @@ struct RankRun {
 }
 
 fn main() {
+    // A failed device thread (the GPU out of memory) ends its step with that error, not NaN.
+    burn_distflash::device_faults::watch_device_faults();
     std::env::set_var("NCCL_NVLS_ENABLE", "0");
     let args = Args::parse();
     let mut config = LlamaConfig::preset(&args.config).unwrap_or_else(|e| {

@@ -140,6 +140,14 @@ pub enum Error {
         /// What the failed pass said.
         message: String,
     },
+    /// A device thread failed during a step (above all, the GPU ran out of memory): the step's
+    /// numbers are not valid ([`burn_distflash::device_faults`]).
+    Device {
+        /// The phase whose end found it ("the forward", "the backward", "the optimizer step").
+        during: &'static str,
+        /// The first fault.
+        fault: burn_distflash::device_faults::DeviceFault,
+    },
     /// Summing over the device group failed.
     Comm {
         /// What was being summed ("the gradients").
@@ -278,6 +286,7 @@ impl fmt::Display for Error {
             } => write!(f, "checkpoint {}: cannot {action}: {source}", dir.display()),
             Self::Attention { during, source } => write!(f, "{during}: {source}"),
             Self::Backward { message } => write!(f, "the backward pass failed: {message}"),
+            Self::Device { during, fault } => write!(f, "during {during}, {fault}"),
             Self::Comm { what, source } => {
                 write!(f, "summing {what} over the group: {source}")
             }
@@ -296,6 +305,7 @@ impl std::error::Error for Error {
             Self::Comm { source, .. } => Some(source),
             Self::NotFound { .. }
             | Self::Backward { .. }
+            | Self::Device { .. }
             | Self::MissingField { .. }
             | Self::Invalid { .. }
             | Self::Unsupported { .. }

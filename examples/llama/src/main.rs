@@ -11,12 +11,13 @@
 //! as does any check of the options against the model, the data or a checkpoint before work
 //! starts.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use burn::config::Config;
 use burn::module::Module;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn_distflash::collective::on_each_rank;
+use burn_distflash::device_faults;
 use burn_distflash::layers::replicate;
 use burn_distflash::{AttentionContext, DeviceGroup, Documents};
 use distflash_llama::cli::{BackendKind, Dtype, TrainArgs};
@@ -58,8 +59,16 @@ fn fail(message: impl std::fmt::Display) -> ! {
 
 /// Ends a run whose training step failed (a peer that went silent or died, a device error):
 /// exit code 1, the step and the error on standard error.
+/// A failed device thread (the GPU out of memory) is the cause of whatever the step then
+/// reported, so its message replaces the step's.
 fn fail_step(step: u64, message: impl std::fmt::Display) -> ! {
-    eprintln!("llama_train: step {step}: {message}");
+    let message = message.to_string();
+    match device_faults::device_fault() {
+        Some(fault) if !message.contains(&fault.to_string()) => {
+            eprintln!("llama_train: step {step}: {fault}")
+        }
+        _ => eprintln!("llama_train: step {step}: {message}"),
+    }
     std::process::exit(1)
 }
 
@@ -433,6 +442,16 @@ fn train_rank<B: TrainBackend>(
         let documents = documents(run, &x, o.seq_len).unwrap_or_else(|e| fail(e));
         let stats = (trainer.train_step_packed(&x, &y, documents.as_ref()))
             .unwrap_or_else(|e| fail_step(trainer.step + 1, e));
+        if !stats.loss.is_finite() {
+            fail_step(
+                trainer.step,
+                format!(
+                    "the loss is {}, not a finite number: the run stops here (the last checkpoint \
+                     is unchanged; a lower --lr or a --grad-clip may help)",
+                    stats.loss
+                ),
+            );
+        }
         let tokens_per_s = (o.batch * o.seq_len) as f64 / step_start.elapsed().as_secs_f64();
         if let (Some(bar), true) = (bar.as_ref(), trainer.step == first_step + 1) {
             // After the first step, so that the device's count includes the optimizer's state.
@@ -623,7 +642,29 @@ fn backend_name(backend: BackendKind) -> &'static str {
     }
 }
 
+/// How long a step that met a failed device thread has to end by itself (with its error)
+/// before the process ends: a read of a buffer the failure left missing may wait forever.
+const DEVICE_FAULT_GRACE: Duration = Duration::from_secs(30);
+
+/// Ends the process (exit code 1) once a device thread has failed and [`DEVICE_FAULT_GRACE`]
+/// has passed without the step ending on its own error.
+fn end_runs_stuck_on_device_faults() {
+    device_faults::watch_device_faults();
+    std::thread::spawn(|| loop {
+        std::thread::sleep(Duration::from_secs(1));
+        if let Some(fault) = device_faults::device_fault() {
+            std::thread::sleep(DEVICE_FAULT_GRACE);
+            eprintln!(
+                "llama_train: {fault} (the step did not end within {} s of it)",
+                DEVICE_FAULT_GRACE.as_secs()
+            );
+            std::process::exit(1);
+        }
+    });
+}
+
 fn main() {
+    end_runs_stuck_on_device_faults();
     let mut run = parse();
     let tokenizer = tokenizer(&run.args);
     let mut config = model_config(&run.args, &tokenizer);

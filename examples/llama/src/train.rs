@@ -11,6 +11,7 @@
 
 mod backward_guard;
 mod checkpoint;
+mod device_guard;
 mod export;
 mod memory;
 mod options_check;
@@ -33,6 +34,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData, TensorPrimitive};
 
 use self::backward_guard::gradients_of;
+use self::device_guard::{device_healthy, unless_device_failed};
 use super::loss::CrossEntropyBackend;
 use super::lr_schedule::learning_rate;
 use super::model::{Llama, LlamaInput};
@@ -384,6 +386,18 @@ impl<B: TrainBackend> Trainer<B> {
         inputs: &[u32],
         targets: &[u32],
         documents: Option<&Documents>,
+        clock: Option<&mut PhaseClock<B>>,
+    ) -> Result<StepStats, Error> {
+        unless_device_failed("the training step", || {
+            self.unguarded_step(inputs, targets, documents, clock)
+        })
+    }
+
+    fn unguarded_step(
+        &mut self,
+        inputs: &[u32],
+        targets: &[u32],
+        documents: Option<&Documents>,
         mut clock: Option<&mut PhaseClock<B>>,
     ) -> Result<StepStats, Error> {
         let mut lap = |phase: fn(&mut PhaseTimes) -> &mut f64| {
@@ -401,6 +415,7 @@ impl<B: TrainBackend> Trainer<B> {
         let grads = GradientsParams::from_grads(gradients_of(&loss)?, &self.model);
         lap(|t| &mut t.backward);
         let loss = self.group_loss(loss)?;
+        device_healthy("the forward and backward passes")?;
         let o = &self.options;
         let lr = learning_rate(self.step, o.steps, o.warmup, o.lr, o.min_lr_ratio);
         let clip = o.grad_clip;
@@ -431,6 +446,7 @@ impl<B: TrainBackend> Trainer<B> {
             }
         };
         lap(|t| &mut t.optimizer);
+        device_healthy("the optimizer step")?;
         self.step += 1;
         Ok(StepStats {
             loss,

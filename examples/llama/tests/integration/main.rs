@@ -11,6 +11,7 @@ mod common;
 mod checkpoints;
 mod chunked_loss;
 mod command_line;
+mod device_faults;
 mod generate;
 mod host_optimizer_state;
 mod loss;

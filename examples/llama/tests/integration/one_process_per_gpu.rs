@@ -9,27 +9,18 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use crate::command_line::{stderr_of, QUIET};
+use crate::common::data_file;
 use crate::common::temp_dir::TempDir;
 use distflash_llama::metrics::read_metrics;
 
 /// Steps each run trains: enough for the optimizer's moments and the gradient sums to matter.
 const STEPS: &str = "6";
-
-/// The bundled text: where this crate was built, or (test binaries copied to a GPU machine, run
-/// from the repository's root) under the working directory.
-fn data_file() -> PathBuf {
-    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/tiny_shakespeare.txt");
-    match built.exists() {
-        true => built,
-        false => PathBuf::from("examples/llama/data/tiny_shakespeare.txt"),
-    }
-}
 
 /// The options every run here shares: a small model on CUDA, a sequence split over the two
 /// GPUs, `steps` steps.

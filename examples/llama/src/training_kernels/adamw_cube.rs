@@ -17,6 +17,12 @@ use burn_distflash::cube_support::{
     array, contiguous, empty_like, is_kernel_float, vector_size, with_float_type,
 };
 
+/// A one-dimensional tensor of a CubeCL backend.
+type CubeVector<R, F, I, BT> = Tensor<CubeBackend<R, F, I, BT>, 1>;
+
+/// AdamW's two moments, as [`CubeVector`]s.
+type CubeMoments<R, F, I, BT> = (CubeVector<R, F, I, BT>, CubeVector<R, F, I, BT>);
+
 /// A parameter's AdamW tensors after one update: `(param, moment_1, moment_2)`.
 pub type AdamWTensors<B> = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
 
@@ -90,14 +96,11 @@ pub(crate) fn fused_adamw<R: CubeRuntime>(
 /// [`TrainingKernels::adamw_update`](super::TrainingKernels::adamw_update) on a CubeCL backend:
 /// [`launch_adamw`] where the kernel takes the tensors, else the portable passes.
 pub(crate) fn adamw_update_cube<R, F, I, BT>(
-    param: Tensor<CubeBackend<R, F, I, BT>, 1>,
-    grad: Tensor<CubeBackend<R, F, I, BT>, 1>,
-    (moment_1, moment_2): (
-        Tensor<CubeBackend<R, F, I, BT>, 1>,
-        Tensor<CubeBackend<R, F, I, BT>, 1>,
-    ),
+    param: CubeVector<R, F, I, BT>,
+    grad: CubeVector<R, F, I, BT>,
+    (moment_1, moment_2): CubeMoments<R, F, I, BT>,
     step: &AdamWStep,
-) -> [Tensor<CubeBackend<R, F, I, BT>, 1>; 3]
+) -> [CubeVector<R, F, I, BT>; 3]
 where
     R: CubeRuntime,
     F: FloatElement,
@@ -108,7 +111,7 @@ where
     let Some(dtype) = adamw_kernel_dtype(described) else {
         return adamw_update_portable(param, grad, (moment_1, moment_2), step);
     };
-    let primitive = |t: Tensor<CubeBackend<R, F, I, BT>, 1>| t.into_primitive().tensor();
+    let primitive = |t: CubeVector<R, F, I, BT>| t.into_primitive().tensor();
     let moments = (primitive(moment_1), primitive(moment_2));
     let (p, m1, m2) = launch_adamw(primitive(param), primitive(grad), moments, step, dtype);
     [p, m1, m2].map(|t| Tensor::from_primitive(TensorPrimitive::Float(t)))

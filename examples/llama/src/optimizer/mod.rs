@@ -11,7 +11,8 @@
 //! gradients over the group in buckets of a byte budget, never as one f32 vector of the whole
 //! model. Its state may live in host memory instead of on the device ([`StatePlacement::Host`]),
 //! streamed through the device in chunks at every step, with bitwise the same results and the
-//! same files.
+//! same files. Its update is the same kernel, writing the master weights and moments over
+//! themselves ([`AdamWSettings`], [`TrainingKernels::adamw_update`]).
 
 mod adamw_settings;
 mod flat;

@@ -25,6 +25,11 @@
 //!   vectors), the state's bytes counted on the host beside the offloaded checkpoints. The
 //!   backward's transients are freed before it runs: the step's peak is the largest phase, not
 //!   their sum.
+//!
+//! Given the GPU's memory ([`MemoryPlanner::gpu_memory`]), the buffers of CubeCL's top pool class
+//! and the largest sliced class's near-page ones (`pool_classes`, listed by `step_buffers`) are
+//! counted by the pages they take, each class holding its most pages of any phase through
+//! every phase; `chunk_classes` keeps the loss and feed-forward chunks out of the top class.
 
 mod activations;
 mod chunk_classes;
@@ -47,6 +52,7 @@ use activations::Widths;
 use sequence_parallel::SequenceSplit;
 use step_buffers::{ActivationShapes, StepBuffers};
 
+pub use chunk_classes::ChunkCaps;
 pub use optimizer_step::OptimizerStepMemory;
 pub use pool_classes::{PoolClass, PoolClasses, CUDA_ALIGNMENT};
 pub use search::{FittedMemory, AUTO_MIN_CHUNK_ROWS, FIT_FRACTION};

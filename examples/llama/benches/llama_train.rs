@@ -64,6 +64,10 @@ use distflash_llama::LlamaConfig;
 type Inner = burn_cubecl::CubeBackend<CudaRuntime, half::bf16, i32, u8>;
 type Train = burn_autodiff::Autodiff<Inner>;
 
+/// The total memory CubeCL's pools are cut from on the H200s measured (the quarter and 64th of
+/// it are the pages they allocated), for the planner's pool classes.
+const H200_POOL_MEMORY: u64 = 150_109_880_320;
+
 const H200_BF16_PEAK: f64 = 989e12;
 
 /// Untimed steps before the timed ones: the first tunes Burn's kernels and compiles ours, the
@@ -294,7 +298,8 @@ fn main() {
     );
     // The planner's prediction for this setting beside what rank 0's pool reserved (its peak:
     // the weights' replica, gradients, optimizer state and the step's activations).
-    let planner = MemoryPlanner::new(config.clone(), options.clone(), gpus, 2);
+    let mut planner = MemoryPlanner::new(config.clone(), options.clone(), gpus, 2);
+    planner.gpu_memory = Some(H200_POOL_MEMORY);
     match planner.plan() {
         Ok(plan) => println!(
             "memory planner (rank 0's pool): predicted peak {:.2} GiB ({}), reserved {:.2} GiB \

@@ -261,6 +261,7 @@ fn memory_planner(run: &Run, config: &LlamaConfig) -> MemoryPlanner {
     check_optimizer_state(&options);
     let mut planner = MemoryPlanner::new(config.clone(), options, world, elem_bytes);
     planner.host_limit = host_limit_per_gpu(run);
+    planner.gpu_memory = run.args.memory.gpu_memory;
     planner.schedule = devices.schedule.into();
     planner
 }
@@ -314,8 +315,14 @@ fn plan_memory(run: &mut Run, config: &mut LlamaConfig) {
         config.offload = fitted.offload;
     }
     if run.args.devices.backend == BackendKind::Cuda {
+        // Chunks whose tensors would take pages of CubeCL's top class are refused before the
+        // step (with --gpu-memory, which the classes are cut from).
+        let planner = memory_planner(run, config);
+        if let Err(e) = planner.check_chunks() {
+            fail(format!("--loss-chunk / --ffn-chunk: {e}"));
+        }
         // Printed for every CUDA run, to stand beside the memory report after the first step.
-        match memory_planner(run, config).plan() {
+        match planner.plan() {
             Ok(plan) => eprintln!(
                 "memory planner: predicted peak {} per GPU, {} of checkpoints in host memory",
                 distflash_llama::format_bytes(plan.peak),

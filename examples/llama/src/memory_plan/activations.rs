@@ -70,19 +70,20 @@ impl Widths {
         2 * self.model * self.elem + 3 * F32
     }
 
-    /// Bytes of the busiest moment of one block's backward over `rows` tokens at `positions`
-    /// positions, beyond its checkpoint, with `ffn_rows` rows per feed-forward chunk: the
-    /// larger of attention's backward (with `sequence_parallel` bytes per token more on a
-    /// group: [`sequence_parallel_backward`](Self::sequence_parallel_backward)) and the
-    /// feed-forward's.
-    pub fn layer_backward(
+    /// Bytes of the two busiest moments of one block's backward over `rows` tokens at
+    /// `positions` positions, beyond its checkpoint, with `ffn_rows` rows per feed-forward
+    /// chunk, each with the rotary tables: attention's backward (with `sequence_parallel`
+    /// bytes per token more on a group:
+    /// [`sequence_parallel_backward`](Self::sequence_parallel_backward)) and the
+    /// feed-forward's. The larger is the block's transient.
+    pub fn layer_backward_halves(
         &self,
         placement: CheckpointPlacement,
         rows: u64,
         positions: u64,
         ffn_rows: u64,
         sequence_parallel: u64,
-    ) -> u64 {
+    ) -> (u64, u64) {
         let (d, q, kv, e) = (self.model, self.query, self.key, self.elem);
         let h = self.heads;
         // The recomputed attention half: the norm's output, rotated q and k, v, and (unless
@@ -101,9 +102,11 @@ impl Widths {
         let ffn = half + 5 * d * e;
         let chunk =
             feed_forward_bytes_per_row(self.hidden as usize, e as usize) * ffn_rows.min(rows);
-        let busiest =
-            (attention * rows).max(ffn * rows + chunk + self.ffn_weight_sums(rows, ffn_rows));
-        busiest + self.rotary_tables(positions)
+        let tables = self.rotary_tables(positions);
+        (
+            attention * rows + tables,
+            ffn * rows + chunk + self.ffn_weight_sums(rows, ffn_rows) + tables,
+        )
     }
 
     /// Bytes of the feed-forward's weight gradients while they are summed over chunks: the f32

@@ -25,12 +25,20 @@
 //!   the state (and on one GPU instead of the f32 vectors), the state's bytes counted on the host
 //!   beside the offloaded checkpoints. The backward's transients are freed before it runs: the
 //!   step's peak is the largest phase, not their sum.
+//!
+//! Given the GPU's memory ([`MemoryPlanner::gpu_memory`]), the buffers of CubeCL's top pool class
+//! and the largest sliced class's near-page ones (`pool_classes`, listed by `step_buffers`) are
+//! counted by the pages they take, each class holding its most pages of any phase through
+//! every phase; `chunk_classes` keeps the loss and feed-forward chunks out of the top class.
 
 mod activations;
+mod chunk_classes;
 mod optimizer_step;
+mod pool_classes;
 mod report;
 mod search;
 mod sequence_parallel;
+mod step_buffers;
 
 use std::fmt;
 
@@ -42,9 +50,13 @@ use crate::train::{MemoryReport, TrainOptions};
 use crate::Error;
 use activations::Widths;
 use sequence_parallel::SequenceSplit;
+use step_buffers::{ActivationShapes, StepBuffers};
 
+pub use chunk_classes::ChunkCaps;
 pub use optimizer_step::OptimizerStepMemory;
+pub use pool_classes::{PoolClass, PoolClasses, CUDA_ALIGNMENT};
 pub use search::{FittedMemory, AUTO_MIN_CHUNK_ROWS, FIT_FRACTION};
+pub use step_buffers::LargeClassPages;
 
 /// Bytes of f32.
 const F32: u64 = 4;
@@ -98,6 +110,9 @@ pub struct MemoryPlanner {
     /// Whether a step's inputs travel while the previous step computes (the attention
     /// context's overlap, on by default).
     pub overlap: bool,
+    /// The GPU's total memory, which CubeCL's pool classes are cut from ([`PoolClasses::cuda`]);
+    /// `None`: bytes are counted without the classes (the searches use the memory they fit).
+    pub gpu_memory: Option<u64>,
 }
 
 /// Which phase of a step holds the most.
@@ -148,6 +163,10 @@ pub struct MemoryPlan {
     /// What the pools hold beyond the counted tensors in a block's backward (measured; see
     /// `POOL_SLACK_OF_CHECKPOINTS`), part of that phase's peak.
     pub pool_slack: u64,
+    /// The pages CubeCL's pools hold for the step's buffers in the top class and the largest
+    /// sliced class's near-page ones, which replace those buffers' bytes in every phase (zero
+    /// without [`MemoryPlanner::gpu_memory`]).
+    pub large_pages: LargeClassPages,
     /// The most the GPU holds at once.
     pub peak: u64,
 }
@@ -169,6 +188,7 @@ impl MemoryPlanner {
             host_limit: None,
             schedule: ScheduleKind::Auto,
             overlap: true,
+            gpu_memory: None,
         }
     }
 
@@ -202,15 +222,17 @@ impl MemoryPlanner {
         let loss_phase = resident + checkpoints + kept + loss_transient;
         let sequence_parallel_per_row = widths.sequence_parallel_backward(self.split());
         let sequence_parallel = sequence_parallel_per_row * rows;
-        let block_transient = widths.layer_backward(
+        let (attention_backward, ffn_backward) = widths.layer_backward_halves(
             placement,
             rows,
             positions,
             ffn_rows,
             sequence_parallel_per_row,
         );
+        let block_transient = attention_backward.max(ffn_backward);
         let optimizer_step =
             OptimizerStepMemory::of(&state, o.state_chunk_bytes, o.grad_bucket_bytes);
+        let pools = self.pool_classes();
         // The first block's backward, with every gradient made and every checkpoint counted:
         // the pages of the checkpoints freed during the backward are not counted as free for
         // the gradients, whose buffers have other sizes (see the module's documentation).
@@ -222,9 +244,18 @@ impl MemoryPlanner {
             CheckpointPlacement::None => 0.0,
             _ => POOL_SLACK_OF_CHECKPOINTS * (checkpoints + prefetched) as f64,
         };
+        // The step's f32 vectors in the largest classes are counted by their pages below.
+        let share_in_large_class = pools.as_ref().is_some_and(|p| {
+            let share = F32 * state.parameters.div_ceil(self.world) as u64;
+            p.paged_class(share).is_some()
+        });
+        let sliced_f32_vectors = match share_in_large_class {
+            true => optimizer_step.f32_vectors() - optimizer_step.share,
+            false => optimizer_step.f32_vectors(),
+        };
         let pool_slack = (slack_of_checkpoints
             + POOL_SLACK_HIDDEN_ROWS * (rows * widths.model * widths.elem) as f64
-            + POOL_SLACK_OF_OPTIMIZER_VECTORS * optimizer_step.f32_vectors() as f64)
+            + POOL_SLACK_OF_OPTIMIZER_VECTORS * sliced_f32_vectors as f64)
             as u64;
         let block_phase = resident
             + checkpoints
@@ -235,6 +266,31 @@ impl MemoryPlanner {
             + pool_slack;
         let optimizer_phase = optimizer_step.total();
         let optimizer_transient = optimizer_phase.saturating_sub(state.total());
+        let (large_pages, counted) = match &pools {
+            None => (LargeClassPages::default(), [0; 3]),
+            Some(pools) => {
+                let shapes = ActivationShapes {
+                    widths,
+                    placement,
+                    rows,
+                    layers_on_gpu: layers - offloaded,
+                    layers_in_backward: layers - offloaded + offloaded.min(2),
+                    loss_rows,
+                    ffn_rows,
+                };
+                let attention_is_busiest = attention_backward >= ffn_backward;
+                let buffers =
+                    StepBuffers::of(&shapes, attention_is_busiest, &state, &optimizer_step);
+                LargeClassPages::of(pools, &buffers)
+            }
+        };
+        let paged =
+            |bytes: u64, phase: usize| bytes.saturating_sub(counted[phase]) + large_pages.reserved;
+        let (loss_phase, block_phase, optimizer_phase) = (
+            paged(loss_phase, 0),
+            paged(block_phase, 1),
+            paged(optimizer_phase, 2),
+        );
         let (peak_phase, peak, transient) = [
             (StepPhase::LossBackward, loss_phase, loss_transient),
             (StepPhase::BlockBackward, block_phase, block_transient),
@@ -258,6 +314,7 @@ impl MemoryPlanner {
             peak_phase,
             transient,
             pool_slack,
+            large_pages,
             peak,
         })
     }
@@ -272,6 +329,11 @@ impl MemoryPlanner {
             helpers: kind == ScheduleKind::Balanced && self.world > 2,
             overlap: self.overlap,
         }
+    }
+
+    /// CubeCL's pool classes on a GPU of [`gpu_memory`](Self::gpu_memory), when given.
+    fn pool_classes(&self) -> Option<PoolClasses> {
+        self.gpu_memory.map(PoolClasses::cuda)
     }
 
     /// The weights, gradients and optimizer state, from the configuration's parameter count.
@@ -356,9 +418,12 @@ impl MemoryPlanner {
 }
 
 impl MemoryPlan {
-    /// Whether the peak fits `gpu_bytes`, keeping [`FIT_FRACTION`] of it.
+    /// Whether the peak fits `gpu_bytes`, keeping [`FIT_FRACTION`] of it, and no buffer is
+    /// larger than a top-class page (which CubeCL cannot allocate).
     pub fn fits(&self, gpu_bytes: u64) -> bool {
+        let pages = &self.large_pages;
         self.peak as f64 <= gpu_bytes as f64 * FIT_FRACTION
+            && pages.largest_top_buffer <= pages.top_page
     }
 }
 
@@ -426,6 +491,18 @@ impl fmt::Display for MemoryPlan {
             "pool slack          {} (in a block's backward)",
             b(self.pool_slack)
         )?;
+        let pages = &self.large_pages;
+        if pages.reserved > 0 {
+            writeln!(
+                f,
+                "large pool pages    {} ({} top-class page(s) of {}, largest top-class buffer \
+                 {}; with near-page buffers of the largest sliced class)",
+                b(pages.reserved),
+                pages.top_pages,
+                b(pages.top_page),
+                b(pages.largest_top_buffer)
+            )?;
+        }
         writeln!(f, "optimizer step      {}", self.optimizer_step)?;
         writeln!(f, "peak                {}", b(self.peak))?;
         write!(
@@ -448,6 +525,10 @@ mod tests {
         let options = TrainOptions::new(1, 2, seq_len);
         MemoryPlanner::new(config, options, world, 2)
     }
+
+    /// The total memory CubeCL's pools were cut from on the H200s measured: their pages (a
+    /// 37,527,470,080-byte top page, a 2,345,466,880-byte one) are its quarter and 64th.
+    const H200_CUDA_TOTAL: u64 = 150_109_880_320;
 
     #[test]
     fn layer_checkpoints_are_each_blocks_input() {
@@ -621,7 +702,11 @@ mod tests {
                 StatePlacement::Gpu,
             );
             planner.config.offload = offload;
+            // No buffer of these steps lands in the top class or fills a page of the largest
+            // sliced one: the pools' classes leave the prediction as fitted.
+            planner.gpu_memory = Some(H200_CUDA_TOTAL);
             let plan = planner.plan().unwrap();
+            assert_eq!(plan.large_pages.reserved, 0);
             let predicted = plan.peak as f64 / (1u64 << 30) as f64;
             assert!(
                 (predicted - gib).abs() < 0.006,
@@ -658,6 +743,7 @@ mod tests {
             let mut planner =
                 bench_row(4, seq, placement, ZeroStage::Gradients, StatePlacement::Gpu);
             planner.world = 2;
+            planner.gpu_memory = Some(H200_CUDA_TOTAL);
             let plan = planner.plan().unwrap();
             let predicted = plan.peak as f64 / (1u64 << 30) as f64;
             let setting = format!("{placement:?}, {seq}: {predicted:.3} GiB");
@@ -771,5 +857,75 @@ mod tests {
             let err = planner.plan().unwrap_err().to_string();
             assert!(err.contains(named), "{named}: {err}");
         }
+    }
+
+    /// LLaMA-7B, 32 layers, one sequence of `seq_len` over `world` GPUs, ZeRO 2 with the state
+    /// at `state`, attention-output checkpoints, on the measured H200s' pools.
+    fn seven_b_zero_2(
+        seq_len: usize,
+        world: usize,
+        state: crate::optimizer::StatePlacement,
+    ) -> MemoryPlanner {
+        let mut planner = planner(CheckpointPlacement::AttentionOutput, seq_len, world);
+        planner.options = (planner.options.clone())
+            .with_zero(crate::optimizer::ZeroStage::Gradients)
+            .with_optimizer_state(state);
+        planner.options.batch = 1;
+        planner.gpu_memory = Some(H200_CUDA_TOTAL);
+        planner
+    }
+
+    #[test]
+    fn a_summed_share_in_the_top_class_reserves_a_whole_top_page() {
+        use crate::optimizer::StatePlacement;
+        let mut with = seven_b_zero_2(131072, 2, StatePlacement::Host);
+        with.options.loss_chunks = RowChunks::rows(32768).unwrap();
+        with.options.ffn_chunks = RowChunks::rows(65536).unwrap();
+        let mut without = with.clone();
+        without.gpu_memory = None;
+        let (with, without) = (with.plan().unwrap(), without.plan().unwrap());
+        // The summed f32 share, 4 x 3,369,207,808 bytes, alone in a top page of 37,527,470,080.
+        let share = 4 * 3_369_207_808u64;
+        let top = 37_527_470_080u64;
+        assert_eq!(with.large_pages.top_pages, 1);
+        assert_eq!(with.large_pages.largest_top_buffer, share);
+        assert_eq!(with.large_pages.reserved, top);
+        // Its page is counted instead of the measured slack's share of it in a block's backward.
+        let slack = (POOL_SLACK_OF_OPTIMIZER_VECTORS * share as f64) as u64;
+        assert!(without.pool_slack.abs_diff(with.pool_slack + slack) <= 2);
+        assert_eq!(with.peak_phase, StepPhase::BlockBackward);
+        assert!((with.peak + slack).abs_diff(without.peak + top) <= 2);
+        assert!(with.to_string().contains("1 top-class page(s)"), "{with}");
+    }
+
+    #[test]
+    fn seven_b_optimizer_vectors_take_top_pages_at_two_and_four_gpus() {
+        use crate::optimizer::StatePlacement::{Gpu, Host};
+        // (GPUs, state, top pages): on the GPU the master share and moments, the summed share
+        // and the update's temporary (12.55 GiB each at two GPUs, 6.27 at four) and the
+        // gathered weights (12.55 GiB): two a page at two GPUs; in host memory the summed
+        // share alone; at eight GPUs (3.14 GiB) it is a slice of the largest sliced class.
+        let cases = [
+            (2, Gpu, 3),
+            (2, Host, 1),
+            (4, Gpu, 2),
+            (4, Host, 1),
+            (8, Host, 0),
+        ];
+        for (world, state, pages) in cases {
+            let plan = seven_b_zero_2(4096 * world, world, state).plan().unwrap();
+            assert_eq!(plan.large_pages.top_pages, pages, "{world} GPUs, {state:?}");
+        }
+    }
+
+    #[test]
+    fn a_buffer_larger_than_a_top_page_never_fits() {
+        use crate::optimizer::StatePlacement;
+        // One GPU of 40 GiB: top pages of 10 GiB, against a 25 GiB f32 master share.
+        let mut planner = one_gpu_7b(StatePlacement::Gpu, 4096);
+        planner.gpu_memory = Some(40 << 30);
+        let plan = planner.plan().unwrap();
+        assert!(plan.large_pages.largest_top_buffer > plan.large_pages.top_page);
+        assert!(!plan.fits(u64::MAX / 2));
     }
 }

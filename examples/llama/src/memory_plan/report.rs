@@ -20,6 +20,14 @@ impl MemoryPlanner {
     /// Those of [`plan`](Self::plan), [`longest_sequence`](Self::longest_sequence) and
     /// [`fitting_memory`](Self::fitting_memory) other than not fitting (which the text says).
     pub fn report(&self, gpu_bytes: Option<u64>, choose_offload: bool) -> Result<String, Error> {
+        match gpu_bytes {
+            Some(gpu) => self.on_gpu(gpu).report_on(gpu_bytes, choose_offload),
+            None => self.report_on(None, choose_offload),
+        }
+    }
+
+    /// [`report`](Self::report) with the pool classes, if any, already set.
+    fn report_on(&self, gpu_bytes: Option<u64>, choose_offload: bool) -> Result<String, Error> {
         let (c, o) = (&self.config, &self.options);
         let plan = self.plan()?;
         let mut text = format!(
@@ -49,6 +57,22 @@ impl MemoryPlanner {
             false => "does not fit",
         };
         let _ = writeln!(text, "this step {verdict} in {usable}");
+        if let (Some(caps), Some(total)) = (self.chunk_caps()?, self.gpu_memory) {
+            let pools = super::PoolClasses::cuda(total);
+            let _ = writeln!(
+                text,
+                "chunks kept out of CubeCL's top pool class (pages of {}): loss at most {} rows \
+                 (f32 logits within the largest sliced class's {} a buffer), feed-forward at \
+                 most {} rows",
+                format_bytes(pools.top().page),
+                caps.loss_rows,
+                format_bytes(pools.largest_sliced_slice()),
+                caps.ffn_rows
+            );
+        }
+        if let Err(refused) = self.check_chunks() {
+            let _ = writeln!(text, "training refuses these chunks: {refused}");
+        }
         if let Some(limit) = self.host_limit {
             let _ = writeln!(
                 text,

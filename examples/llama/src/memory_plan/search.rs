@@ -45,6 +45,14 @@ impl MemoryPlanner {
         planner
     }
 
+    /// This planner with CubeCL's pool classes of a GPU of `gpu_bytes`, unless it has its own
+    /// [`gpu_memory`](Self::gpu_memory).
+    pub(super) fn on_gpu(&self, gpu_bytes: u64) -> Self {
+        let mut planner = self.clone();
+        planner.gpu_memory.get_or_insert(gpu_bytes);
+        planner
+    }
+
     /// This planner with `offload` as the model's offload policy.
     fn with_offload(&self, offload: Offload) -> Self {
         let mut planner = self.clone();
@@ -63,11 +71,15 @@ impl MemoryPlanner {
         Ok(planner)
     }
 
-    /// Whether this planner's step fits: its peak within [`FIT_FRACTION`] of `gpu_bytes` and
-    /// its host memory (offloaded checkpoints, host-resident optimizer state) within the
-    /// [`host_limit`](Self::host_limit).
+    /// Whether this planner's step fits: its chunks out of the top pool class, its peak within
+    /// [`FIT_FRACTION`] of `gpu_bytes` and its host memory (offloaded checkpoints, host-resident
+    /// optimizer state) within the [`host_limit`](Self::host_limit).
     fn step_fits(&self, gpu_bytes: u64) -> Result<bool, Error> {
-        let plan = self.plan()?;
+        let planner = self.on_gpu(gpu_bytes);
+        let plan = planner.plan()?;
+        if planner.check_chunks().is_err() {
+            return Ok(false);
+        }
         Ok(plan.fits(gpu_bytes) && self.host_limit.is_none_or(|limit| plan.host <= limit))
     }
 
@@ -79,7 +91,8 @@ impl MemoryPlanner {
     ///
     /// Those of [`plan`](Self::plan) other than the sequence's.
     pub fn longest_sequence(&self, gpu_bytes: u64) -> Result<Option<usize>, Error> {
-        self.longest_where(|planner| planner.step_fits(gpu_bytes))
+        self.on_gpu(gpu_bytes)
+            .longest_where(|planner| planner.step_fits(gpu_bytes))
     }
 
     /// The longest whole sequence `llama_train --memory auto` can train on a GPU of
@@ -94,15 +107,16 @@ impl MemoryPlanner {
         gpu_bytes: u64,
         choose_offload: bool,
     ) -> Result<Option<(usize, FittedMemory)>, Error> {
+        let this = self.on_gpu(gpu_bytes);
         let fitted = |planner: &Self| match planner.fitting_memory(gpu_bytes, choose_offload) {
             Ok(fitted) => Ok(Some(fitted)),
             Err(Error::Invalid { .. }) => Ok(None),
             Err(other) => Err(other),
         };
-        let Some(longest) = self.longest_where(|planner| Ok(fitted(planner)?.is_some()))? else {
+        let Some(longest) = this.longest_where(|planner| Ok(fitted(planner)?.is_some()))? else {
             return Ok(None);
         };
-        let fitted = fitted(&self.at_length(longest))?.expect("the longest fits");
+        let fitted = fitted(&this.at_length(longest))?.expect("the longest fits");
         Ok(Some((longest, fitted)))
     }
 
@@ -134,8 +148,9 @@ impl MemoryPlanner {
     }
 
     /// The largest rows per chunk of the loss, then of the feed-forward blocks (each the whole
-    /// of a GPU's tokens or a power of two below it), whose step fits `gpu_bytes`, and the plan
-    /// with them.
+    /// of a GPU's tokens or a power of two below it, and within the [`chunk_caps`](Self::chunk_caps)
+    /// that keep their tensors out of the top pool class), whose step fits `gpu_bytes`, and the
+    /// plan with them.
     ///
     /// # Errors
     ///
@@ -146,18 +161,23 @@ impl MemoryPlanner {
         &self,
         gpu_bytes: u64,
     ) -> Result<(RowChunks, RowChunks, MemoryPlan), Error> {
-        let tokens = self.plan()?.tokens;
-        let smallest = self.with_chunk_rows(1, 1)?;
+        let this = self.on_gpu(gpu_bytes);
+        let tokens = this.with_chunk_rows(1, 1)?.plan()?.tokens;
+        let smallest = this.with_chunk_rows(1, 1)?;
         if !smallest.step_fits(gpu_bytes)? {
-            return Err(self.refusal(gpu_bytes, &smallest.plan()?)?);
+            return Err(this.refusal(gpu_bytes, &smallest.plan()?)?);
         }
-        let largest = |fits: &dyn Fn(u64) -> Result<bool, Error>| -> Result<u64, Error> {
-            let candidates = std::iter::once(tokens).chain(
-                (0..u64::BITS)
-                    .rev()
-                    .map(|bit| 1u64 << bit)
-                    .filter(|&c| c < tokens),
-            );
+        let caps = this.chunk_caps()?;
+        let (loss_cap, ffn_cap) = caps.map_or((u64::MAX, u64::MAX), |c| (c.loss_rows, c.ffn_rows));
+        let largest = |cap: u64, fits: &dyn Fn(u64) -> Result<bool, Error>| -> Result<u64, Error> {
+            let candidates = std::iter::once(tokens)
+                .chain(
+                    (0..u64::BITS)
+                        .rev()
+                        .map(|bit| 1u64 << bit)
+                        .filter(|&c| c < tokens),
+                )
+                .filter(|&c| c <= cap);
             for rows in candidates {
                 if fits(rows)? {
                     return Ok(rows);
@@ -165,9 +185,13 @@ impl MemoryPlanner {
             }
             Ok(1)
         };
-        let loss = largest(&|rows| self.with_chunk_rows(rows, 1)?.step_fits(gpu_bytes))?;
-        let ffn = largest(&|rows| self.with_chunk_rows(loss, rows)?.step_fits(gpu_bytes))?;
-        let planner = self.with_chunk_rows(loss, ffn)?;
+        let loss = largest(loss_cap, &|rows| {
+            this.with_chunk_rows(rows, 1)?.step_fits(gpu_bytes)
+        })?;
+        let ffn = largest(ffn_cap, &|rows| {
+            this.with_chunk_rows(loss, rows)?.step_fits(gpu_bytes)
+        })?;
+        let planner = this.with_chunk_rows(loss, ffn)?;
         let chunks = (planner.options.loss_chunks, planner.options.ffn_chunks);
         Ok((chunks.0, chunks.1, planner.plan()?))
     }
@@ -234,6 +258,7 @@ impl MemoryPlanner {
         gpu_bytes: u64,
         choose_offload: bool,
     ) -> Result<FittedMemory, Error> {
+        let this = self.on_gpu(gpu_bytes);
         let layers = self.config.n_layers;
         let choose = choose_offload && self.config.checkpoint != CheckpointPlacement::None;
         let policies: Vec<Offload> = match choose {
@@ -247,11 +272,11 @@ impl MemoryPlanner {
                 .collect(),
             false => vec![self.config.offload],
         };
-        let wanted = AUTO_MIN_CHUNK_ROWS.min(self.plan()?.tokens);
+        let wanted = AUTO_MIN_CHUNK_ROWS.min(this.with_chunk_rows(1, 1)?.plan()?.tokens);
         let mut fallback = None;
         let mut most_offload_tried = None;
         for offload in policies {
-            let planner = self.with_offload(offload);
+            let planner = this.with_offload(offload);
             most_offload_tried = Some(planner.clone());
             // The quick test first: one-row chunks (the smallest peak) must fit.
             if !planner.with_chunk_rows(1, 1)?.step_fits(gpu_bytes)? {

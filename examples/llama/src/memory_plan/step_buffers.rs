@@ -1,0 +1,245 @@
+//! The buffers of each phase of a step one by one, by size, as far as the planner counts them
+//! as single tensors (`activations` and `optimizer_step` count their bytes): what
+//! [`PoolClasses`] places into size classes. The per-parameter tensors (weights, gradients,
+//! replicated moments, a bucket's pieces) and the pool slack are left out: each is at most one
+//! parameter's matrix, and what the fitted slack stands for has no shape.
+
+use burn_distflash::layers::CheckpointPlacement;
+
+use super::activations::Widths;
+use super::pool_classes::PoolClasses;
+use super::OptimizerStepMemory;
+use crate::train::MemoryReport;
+
+/// Bytes of f32.
+const F32: u64 = 4;
+
+/// The single buffers of one phase, by size (a size repeated once per buffer).
+pub(crate) type Buffers = Vec<u64>;
+
+/// What a step's phases hold as single buffers, beside the bytes the planner counts.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct StepBuffers {
+    /// The loss's backward.
+    pub loss: Buffers,
+    /// A block's backward.
+    pub block: Buffers,
+    /// The optimizer step.
+    pub optimizer: Buffers,
+}
+
+/// The sizes a step's activations take, for [`StepBuffers`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ActivationShapes {
+    /// The model's widths.
+    pub widths: Widths,
+    /// Where the blocks keep their checkpoints.
+    pub placement: CheckpointPlacement,
+    /// Tokens of the rank.
+    pub rows: u64,
+    /// Blocks whose checkpoints are on the GPU in the loss's backward.
+    pub layers_on_gpu: u64,
+    /// Blocks whose checkpoints are on the GPU in a block's backward (with the prefetched).
+    pub layers_in_backward: u64,
+    /// Rows per chunk of the loss.
+    pub loss_rows: u64,
+    /// Rows per chunk of the feed-forward blocks.
+    pub ffn_rows: u64,
+}
+
+impl ActivationShapes {
+    /// `[rows, width]` of `bytes` a element, `count` times.
+    fn rows_of(&self, rows: u64, width: u64, bytes: u64, count: usize) -> Buffers {
+        vec![rows * width * bytes; count]
+    }
+
+    /// One block's checkpoint, tensor by tensor.
+    fn checkpoint(&self) -> Buffers {
+        let w = &self.widths;
+        let (r, e) = (self.rows, w.elem);
+        match self.placement {
+            CheckpointPlacement::Layer => self.rows_of(r, w.model, e, 1),
+            CheckpointPlacement::AttentionOutput => [
+                self.rows_of(r, w.model, e, 1),
+                self.rows_of(r, w.query, e, 1),
+                self.rows_of(r, w.heads, F32, 1),
+            ]
+            .concat(),
+            CheckpointPlacement::None => [
+                self.rows_of(r, w.model, e, 4),
+                self.rows_of(r, w.query, e, 3),
+                self.rows_of(r, w.key, e, 2),
+                self.rows_of(r, w.hidden, e, 3),
+                self.rows_of(r, w.heads, F32, 1),
+            ]
+            .concat(),
+        }
+    }
+
+    /// `layers` blocks' checkpoints.
+    fn checkpoints(&self, layers: u64) -> Buffers {
+        (0..layers).flat_map(|_| self.checkpoint()).collect()
+    }
+
+    /// What the model keeps beside the blocks: the final norm's input and output.
+    fn kept_beside_blocks(&self) -> Buffers {
+        self.rows_of(self.rows, self.widths.model, self.widths.elem, 2)
+    }
+
+    /// The loss's backward: one chunk's logits and their gradient, two f32 rows of the
+    /// vocabulary per row, the weight's f32 gradient sum and one chunk's, the hidden states'
+    /// gradient (its chunks and their concatenation).
+    fn loss_backward(&self) -> Buffers {
+        let w = &self.widths;
+        [
+            self.rows_of(self.loss_rows, w.vocab, w.elem, 2),
+            self.rows_of(self.loss_rows, w.vocab, F32, 2),
+            vec![w.vocab * w.model * F32, w.vocab * w.model * w.elem],
+            self.rows_of(self.rows, w.model, w.elem, 2),
+        ]
+        .concat()
+    }
+
+    /// A block's backward at its busiest: attention's (the recomputed half, the gradients of
+    /// the output, the residual and the merged output, the f32 accumulators) or the
+    /// feed-forward's (the half, five `[rows, d_model]` tensors and one chunk's six `[rows,
+    /// d_ff]` ones), whichever [`Widths::layer_backward`] counts larger.
+    fn block_backward(&self, attention_is_busiest: bool) -> Buffers {
+        let w = &self.widths;
+        let (r, e) = (self.rows, w.elem);
+        let mut half = match self.placement {
+            CheckpointPlacement::None => Vec::new(),
+            _ => [
+                self.rows_of(r, w.model, e, 1),
+                self.rows_of(r, w.query, e, 1),
+                self.rows_of(r, w.key, e, 2),
+            ]
+            .concat(),
+        };
+        if self.placement == CheckpointPlacement::Layer {
+            half.extend(self.rows_of(r, w.query, e, 1));
+            half.extend(self.rows_of(r, w.heads, F32, 1));
+        }
+        let rest = match attention_is_busiest {
+            true => [
+                self.rows_of(r, w.model, e, 2),
+                self.rows_of(r, w.query, e, 2),
+                self.rows_of(r, w.query, F32, 1),
+                self.rows_of(r, w.key, F32, 2),
+                self.rows_of(r, w.heads, F32, 1),
+            ]
+            .concat(),
+            false => [
+                self.rows_of(r, w.model, e, 5),
+                self.rows_of(self.ffn_rows.min(r), w.hidden, e, 6),
+            ]
+            .concat(),
+        };
+        [half, rest].concat()
+    }
+}
+
+impl StepBuffers {
+    /// The buffers of a step with these activations, `attention_is_busiest` saying which half
+    /// of a block's backward the planner counted, and the optimizer step `step` of the state
+    /// `report` counts.
+    pub fn of(
+        shapes: &ActivationShapes,
+        attention_is_busiest: bool,
+        report: &MemoryReport,
+        step: &OptimizerStepMemory,
+    ) -> Self {
+        let (state, vectors) = optimizer_vectors(report, step);
+        let loss = [
+            state.clone(),
+            shapes.checkpoints(shapes.layers_on_gpu),
+            shapes.kept_beside_blocks(),
+            shapes.loss_backward(),
+        ]
+        .concat();
+        let block = [
+            state.clone(),
+            shapes.checkpoints(shapes.layers_in_backward),
+            shapes.block_backward(attention_is_busiest),
+        ]
+        .concat();
+        Self {
+            loss,
+            block,
+            optimizer: [state, vectors].concat(),
+        }
+    }
+}
+
+/// A sharded optimizer's flat vectors: its state on the GPU (the f32 master share and the two
+/// moments, or two chunks of three vectors each when the state lives in host memory), and the
+/// step's own (the summed f32 share, the update writing the state in place; the bucket counted
+/// as one buffer, the updated weights as one vector of the whole model when the state is on the GPU:
+/// cast and, on a group, all-gathered). A replicated state is per parameter: none.
+fn optimizer_vectors(report: &MemoryReport, step: &OptimizerStepMemory) -> (Buffers, Buffers) {
+    if !report.stage.is_sharded() {
+        return (Vec::new(), Vec::new());
+    }
+    let share = F32 * (report.parameters as u64).div_ceil(report.world.max(1) as u64);
+    let on_host = report.host_optimizer > 0;
+    let state = match on_host {
+        true => vec![step.state / 6; 6],
+        false => vec![step.state / 3; 3],
+    };
+    let mut vectors = vec![share; (step.share / share.max(1)) as usize];
+    vectors.push(step.bucket);
+    if !on_host {
+        vectors.push(step.updated_weights);
+    }
+    (state, vectors)
+}
+
+/// What CubeCL's pools reserve for a step's buffers that the planner counts by pages
+/// ([`PoolClasses::paged_class`]: the top class's, and the largest sliced class's near-page
+/// ones), against the bytes it counts for those buffers in each phase.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LargeClassPages {
+    /// Bytes of the pages those classes hold for them at the steady state: for each class,
+    /// its most pages in any phase (the pools keep every page they allocate).
+    pub reserved: u64,
+    /// Pages of the top class among them.
+    pub top_pages: u64,
+    /// Bytes of one top page.
+    pub top_page: u64,
+    /// The largest buffer in the top class (0 when none is); one larger than a top page
+    /// cannot be allocated.
+    pub largest_top_buffer: u64,
+}
+
+impl LargeClassPages {
+    /// The pages `pools` reserve for `buffers`' paged ones, and for each phase the bytes of
+    /// those buffers (what `reserved` replaces in the phase's count), in the order loss,
+    /// block, optimizer.
+    pub(crate) fn of(pools: &PoolClasses, buffers: &StepBuffers) -> (Self, [u64; 3]) {
+        let phases = [&buffers.loss, &buffers.block, &buffers.optimizer];
+        let mut counted = [0u64; 3];
+        let mut pages = Self {
+            top_page: pools.top().page,
+            ..Self::default()
+        };
+        for class in 0..pools.classes().len() {
+            let mut most = 0;
+            for (phase, sizes) in phases.iter().enumerate() {
+                let mine: Vec<u64> = (sizes.iter().copied())
+                    .filter(|&s| pools.paged_class(s) == Some(class))
+                    .collect();
+                counted[phase] += mine.iter().sum::<u64>();
+                most = most.max(pools.pages_reserved(class, &mine));
+                if pools.is_top(class) {
+                    let largest = mine.iter().copied().max().unwrap_or(0);
+                    pages.largest_top_buffer = pages.largest_top_buffer.max(largest);
+                }
+            }
+            pages.reserved += most;
+            if pools.is_top(class) {
+                pages.top_pages = most / pools.top().page.max(1);
+            }
+        }
+        (pages, counted)
+    }
+}

@@ -6,6 +6,7 @@
 //! naming the file, and a failed resume or save changes nothing on disk; the memory report's
 //! arithmetic by stage, and CubeCL's device count on wgpu.
 
+use crate::common::exclusive_wgpu;
 use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -467,6 +468,7 @@ fn the_memory_report_counts_each_stage_per_rank() {
 
 #[test]
 fn cubecl_backends_report_their_device_memory() {
+    let _wgpu = exclusive_wgpu();
     type Wgpu = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>;
     let device = cubecl::wgpu::WgpuDevice::Cpu;
     let tensor = burn::tensor::Tensor::<Wgpu, 1>::ones([1 << 20], &device);

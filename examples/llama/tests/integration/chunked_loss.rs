@@ -7,6 +7,7 @@
 //! tiny Llama's loss and every weight's gradient, tied and untied, and one trainer step whose
 //! chunk options change nothing but memory.
 
+use crate::common::exclusive_wgpu;
 use crate::common::host_values::host;
 use crate::loss::{spread_targets, values};
 use burn::module::{Module, ModuleVisitor, Param};
@@ -135,6 +136,7 @@ fn ndarray_chunked_loss_equals_the_whole_sequence_loss() {
 
 #[test]
 fn wgpu_chunked_loss_equals_the_whole_sequence_loss() {
+    let _wgpu = exclusive_wgpu();
     // One shape: each new product shape is autotuned on wgpu, slowly on a CPU (the fused
     // kernels' vector widths are `loss`'s tests).
     let shapes = [(13, 16, 30)];
@@ -169,6 +171,7 @@ fn a_budget_smaller_than_one_row_still_takes_one_row_at_a_time() {
 
 #[test]
 fn wgpu_chunked_loss_of_an_out_of_range_target_is_nan_as_unchunked() {
+    let _wgpu = exclusive_wgpu();
     // The crate has no ignored labels: every target counts, and the trainer refuses ids outside
     // the vocabulary before any work; the fused kernels make such a row's loss NaN, never a
     // silent number, chunked or not.

@@ -10,6 +10,7 @@
 //! optimizer alone sums in buckets bitwise on ndarray and wgpu. On CUDA (pinned memory, a copy
 //! stream) the same for a bf16 model on one GPU.
 
+use crate::common::exclusive_wgpu;
 use std::path::Path;
 use std::time::Duration;
 
@@ -299,6 +300,7 @@ fn check_sharded_steps<B: TrainBackend>(device: &B::Device) {
 
 #[test]
 fn the_sharded_optimizer_streams_its_state_and_sums_in_buckets_bitwise_on_ndarray_and_wgpu() {
+    let _wgpu = exclusive_wgpu();
     within(Duration::from_secs(300), || {
         check_sharded_steps::<crate::train::Cpu>(&crate::train::DEVICE);
         type Wgpu = burn::backend::Autodiff<

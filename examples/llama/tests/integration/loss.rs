@@ -3,6 +3,7 @@
 //! ndarray (Burn's log-softmax) and, with `--ignored` on the GPU machine, on CUDA in f32, f16 and
 //! bf16; vocabularies that take every vector width, and a target in the first and last column.
 
+use crate::common::exclusive_wgpu;
 use crate::common::host_values::host;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Int, Tensor, TensorData};
@@ -89,6 +90,7 @@ fn check<B: AutodiffBackend + CrossEntropyBackend>(device: &B::Device, dtype: DT
 
 #[test]
 fn wgpu_fused_cross_entropy_matches_f64() {
+    let _wgpu = exclusive_wgpu();
     check::<WgpuF32>(&cubecl::wgpu::WgpuDevice::Cpu, DType::F32, 1e-4);
 }
 
@@ -108,6 +110,7 @@ fn cuda_fused_cross_entropy_matches_f64_in_every_dtype() {
 
 #[test]
 fn wgpu_fused_loss_of_an_out_of_range_target_is_nan() {
+    let _wgpu = exclusive_wgpu();
     let device = cubecl::wgpu::WgpuDevice::Cpu;
     let logits =
         Tensor::<WgpuF32, 2>::from_floats([[1.0, 2.0, 3.0, 4.0], [1.0, 0.0, 0.0, 0.0]], &device);

@@ -5,6 +5,7 @@
 //! the gradients a backward leaves match the prediction within the allocator's rounding; the
 //! host memory planned for offloaded checkpoints is what the model asks the host for.
 
+use crate::common::exclusive_wgpu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_autodiff::Autodiff;
@@ -132,6 +133,7 @@ const SLACK: u64 = 512;
 
 #[test]
 fn wgpu_kept_activations_and_gradients_are_as_planned() {
+    let _wgpu = exclusive_wgpu();
     for (placement, tied) in [
         (CheckpointPlacement::Layer, true),
         (CheckpointPlacement::AttentionOutput, false),

@@ -3,6 +3,7 @@
 //! f32, f16 and bf16; lengths that take every vector width; and the whole `FusedAdamW` over
 //! three steps against Burn's `AdamW` (the first step is Burn's own, the next two fused).
 
+use crate::common::exclusive_wgpu;
 use crate::common::host_values::{host, upload};
 use burn::optim::{AdamWConfig, AdamWState, SimpleOptimizer};
 use burn::tensor::backend::Backend;
@@ -163,16 +164,19 @@ fn check_against_burn<B: TrainingKernels>(device: &B::Device) {
 
 #[test]
 fn wgpu_fused_adamw_matches_f64() {
+    let _wgpu = exclusive_wgpu();
     check_adamw::<WgpuF32>(&cubecl::wgpu::WgpuDevice::Cpu, DType::F32);
 }
 
 #[test]
 fn wgpu_squared_norm_matches_f64() {
+    let _wgpu = exclusive_wgpu();
     check_squared_norm::<WgpuF32>(&cubecl::wgpu::WgpuDevice::Cpu, DType::F32);
 }
 
 #[test]
 fn wgpu_fused_adamw_steps_like_burn_adamw() {
+    let _wgpu = exclusive_wgpu();
     check_against_burn::<WgpuF32>(&cubecl::wgpu::WgpuDevice::Cpu);
 }
 

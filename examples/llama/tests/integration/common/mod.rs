@@ -1,9 +1,9 @@
 //! Helpers shared by the Llama tests: the workspace's test support under its usual names (tensors
-//! to and from f64, module visitors, scratch directories, the wall-clock limit), the bundled
-//! training text, and reading an input error.
+//! to and from f64, module visitors, scratch directories, the wall-clock limit, one test at a
+//! time on wgpu), the bundled training text, and reading an input error.
 #![allow(dead_code)]
 
-pub use distflash_test_support::{host_values, modules, temp_dir, within};
+pub use distflash_test_support::{exclusive_wgpu, host_values, modules, temp_dir, within};
 
 use std::path::{Path, PathBuf};
 

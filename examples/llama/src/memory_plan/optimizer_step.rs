@@ -12,9 +12,9 @@
 //! | the backward's gradients | `w` | `w` | `w` |
 //! | f32 copies of one bucket's gradients (none of f32 ones) | `4Pk` | 0 | `4Pk` |
 //! | one bucket end to end, and its sum | `4Pk + 4k` (stage 2), `4Pk` (stage 1), `4k` (one GPU) | 0 | as on the GPU |
-//! | the summed share and the update's temporary | `4s + 4s` | 0 | `4s` |
+//! | the summed share | `4s` | 0 | `4s` |
 //! | optimizer state | `12s` | two chunks, `24c` | `24c` |
-//! | a chunk's gradient, temporaries, cast weights | 0 | `8c + (w/n) c` | `8c + (w/n) c P` |
+//! | a chunk's gradient, cast weights | 0 | `4c + (w/n) c` | `4c + (w/n) c P` |
 //!
 //! Where they come from: the summed share is made bucket by bucket (`summed_share`): for each
 //! bucket the same `k` elements of every rank's share are read from the gradients in f32 (each
@@ -22,15 +22,16 @@
 //! that into `k` elements of its own (`4k`), stage 1 all-reduces it (in place over NCCL, which
 //! gets the only handle) and keeps its `k`; on one GPU the concatenation is the bucket's share. Each bucket's sum is written into the share
 //! (`4s`, allocated once); with a single bucket whose sum is a tensor of its own (one GPU, or
-//! stage 2) that sum is the share. The update (`AdamWSettings::update`) runs Burn's element-wise
-//! operations, which write in place when they hold the only handle: beside the state it makes
-//! one temporary of the share while the summed gradient is alive (its first moment's increment),
-//! then two (the bias-corrected moments); so the share's vectors peak at the summed gradient and
-//! one temporary. The updated weights are cast (and on a group all-gathered) into one new vector
+//! stage 2) that sum is the share. The update (`AdamWSettings::update`) is one fused CUDA kernel
+//! that writes the master weights and moments over themselves (the optimizer holds their only
+//! handles), so it makes no vector beside the state and the summed gradient (the clipping scales
+//! the gradient in place too). Under `DISTFLASH_UNFUSED_OPTIMIZER=1` Burn's element-wise operations
+//! run instead, which make one temporary of the share beside the summed gradient (`4s` more than
+//! counted here). The updated weights are cast (and on a group all-gathered) into one new vector
 //! of the model's size while the trainer still holds the old weights. A host-resident state
-//! streams chunk by chunk: the same update over a chunk, its gradient read from the parameters'
-//! gradients on one GPU (held whole until the pass ends) or from the summed share on a group,
-//! and its updated weights written parameter by parameter (`WeightWriter`).
+//! streams chunk by chunk: the same update over a chunk, in place, its f32 gradient read from
+//! the parameters' gradients on one GPU (held whole until the pass ends) or from the summed share
+//! on a group (a range of it, clipped into a chunk of its own), and its updated weights written parameter by parameter (`WeightWriter`).
 //!
 //! The terms are added although some are never alive together (a bucket's copies are freed once
 //! concatenated, the temporaries before the updated weights are made): CUDA's pools serve each
@@ -61,13 +62,13 @@ pub struct OptimizerStepMemory {
     pub gradient_copies: u64,
     /// One bucket of the gradient sum: every rank's range of it end to end, and its sum.
     pub bucket: u64,
-    /// The summed share of the gradients and, with the state on the GPU, the update's
-    /// temporary of its size.
+    /// The summed share of the gradients (the update writes the state in place: no temporary
+    /// of its size).
     pub share: u64,
     /// The optimizer state on the GPU: replicated moments, the f32 share, or two chunks of it.
     pub state: u64,
-    /// A host-resident state's chunk: its f32 gradient and the update's temporaries, its
-    /// updated weights cast (and gathered over the group).
+    /// A host-resident state's chunk: its f32 gradient, its updated weights cast (and gathered
+    /// over the group).
     pub chunk: u64,
 }
 
@@ -96,7 +97,7 @@ impl OptimizerStepMemory {
         let wire = w.div_ceil((report.parameters as u64).max(1));
         let summed = SummedShare::of(report.stage, world, share, bucket_bytes, wire);
         let (gradient_copies, bucket, share_vectors, chunk) = match (on_host, world > 1) {
-            (false, _) => (summed.copies, summed.bucket, summed.share + F32 * share, 0),
+            (false, _) => (summed.copies, summed.bucket, summed.share, 0),
             (true, false) => (0, 0, 0, chunk_transients(chunk_bytes, share, wire, 1)),
             (true, true) => (
                 summed.copies,
@@ -117,8 +118,8 @@ impl OptimizerStepMemory {
         }
     }
 
-    /// The step's f32 vectors of the gradient sum and the update (a bucket's copies, the
-    /// bucket and its sum, the summed share and the update's temporary): the buffers whose pool
+    /// The step's f32 vectors of the gradient sum (a bucket's copies, the bucket and its sum,
+    /// the summed share): the buffers whose pool
     /// pages the next backward inherits (see the planner's pool slack).
     pub fn f32_vectors(&self) -> u64 {
         self.gradient_copies + self.bucket + self.share
@@ -172,12 +173,12 @@ impl SummedShare {
     }
 }
 
-/// Bytes of one chunk's transients (`min(chunk, share)` elements): its f32 gradient and one
-/// temporary of the update (or two temporaries), and its updated weights cast to `wire` bytes an
-/// element, gathered over `world` ranks.
+/// Bytes of one chunk's transients (`min(chunk, share)` elements): its f32 gradient (the update
+/// runs in place) and its updated weights cast to `wire` bytes an element, gathered over `world`
+/// ranks.
 fn chunk_transients(chunk_bytes: u64, share: u64, wire: u64, world: u64) -> u64 {
     let c = (chunk_elements(chunk_bytes) as u64).min(share);
-    2 * F32 * c + wire * c * world
+    F32 * c + wire * c * world
 }
 
 impl fmt::Display for OptimizerStepMemory {
@@ -231,51 +232,52 @@ mod tests {
     }
 
     #[test]
-    fn a_device_state_adds_one_bucket_the_share_its_temporary_and_the_updated_weights() {
+    fn a_device_state_adds_one_bucket_the_share_and_the_updated_weights() {
         // One GPU, share 10,000, buckets of 4096: the bucket's copies and its concatenation
-        // (4 x 4096 each, no collective), the share and one temporary (40,000 each).
+        // (4 x 4096 each, no collective), the share (40,000); the update in place, no
+        // temporary.
         let one = step(1, ZeroStage::OptimizerStates, StatePlacement::Gpu, BUCKET);
         assert_eq!((one.gradient_copies, one.bucket), (16_384, 16_384));
-        assert_eq!((one.share, one.state), (80_000, 120_000));
-        assert_eq!(one.total(), 3 * 20_000 + 32_768 + 80_000 + 120_000);
+        assert_eq!((one.share, one.state), (40_000, 120_000));
+        assert_eq!(one.total(), 3 * 20_000 + 32_768 + 40_000 + 120_000);
         // One bucket of the whole share: the concatenation is the share.
         let whole = step(1, ZeroStage::OptimizerStates, StatePlacement::Gpu, 1 << 30);
         assert_eq!((whole.gradient_copies, whole.bucket), (40_000, 40_000));
-        assert_eq!(whole.share, 40_000);
-        assert_eq!(whole.total(), 3 * 20_000 + 120_000 + 120_000);
+        assert_eq!(whole.share, 0);
+        assert_eq!(whole.total(), 3 * 20_000 + 80_000 + 120_000);
         // Three GPUs: share 3334, buckets of 1024 of every share (4 x 3 x 1024 = 12,288 end to
         // end), summed into 1024 of its own (stage 2) or in place (stage 1).
         let second = step(3, ZeroStage::Gradients, StatePlacement::Gpu, BUCKET);
         let first = step(3, ZeroStage::OptimizerStates, StatePlacement::Gpu, BUCKET);
         for s in [&first, &second] {
             assert_eq!(s.gradient_copies, 12_288);
-            assert_eq!((s.share, s.state), (2 * 13_336, 12 * 3334));
+            assert_eq!((s.share, s.state), (13_336, 12 * 3334));
         }
         assert_eq!((second.bucket, first.bucket), (12_288 + 4096, 12_288));
-        assert_eq!(second.total(), 60_000 + 12_288 + 16_384 + 26_672 + 40_008);
+        assert_eq!(second.total(), 60_000 + 12_288 + 16_384 + 13_336 + 40_008);
         assert_eq!(first.total(), second.total() - 4096);
     }
 
     #[test]
     fn a_host_state_streams_chunks_and_on_a_group_sums_its_share_in_buckets() {
         // One GPU: no f32 copy; two chunks of 1024 elements on the device, one chunk's
-        // gradient and temporary (8 x 1024) and its bf16 weights (2 x 1024).
+        // gradient (4 x 1024; the update in place) and its bf16 weights (2 x 1024).
         let one = step(1, ZeroStage::OptimizerStates, StatePlacement::Host, BUCKET);
         assert_eq!((one.gradient_copies, one.bucket, one.share), (0, 0, 0));
-        assert_eq!((one.state, one.chunk), (24_576, 8192 + 2048));
-        assert_eq!(one.total(), 60_000 + 24_576 + 10_240);
+        assert_eq!((one.state, one.chunk), (24_576, 4096 + 2048));
+        assert_eq!(one.total(), 60_000 + 24_576 + 6144);
         // Two GPUs, share 5000, buckets of 2048: 4 x 2 x 2048 copied and end to end, summed
-        // into 2048 (stage 2) or in place (stage 1); the share (20,000) without the update's
-        // temporary (the update runs chunk by chunk); each chunk's weights gathered from both.
+        // into 2048 (stage 2) or in place (stage 1); the share (20,000); each chunk's
+        // gradient and its weights gathered from both.
         let first = step(2, ZeroStage::OptimizerStates, StatePlacement::Host, BUCKET);
         let second = step(2, ZeroStage::Gradients, StatePlacement::Host, BUCKET);
         assert_eq!((first.gradient_copies, first.bucket), (16_384, 16_384));
         assert_eq!((second.gradient_copies, second.bucket), (16_384, 24_576));
         assert_eq!((first.share, second.share), (20_000, 20_000));
-        assert_eq!((second.state, second.chunk), (24_576, 8192 + 4096));
+        assert_eq!((second.state, second.chunk), (24_576, 4096 + 4096));
         assert_eq!(
             second.total(),
-            60_000 + 16_384 + 24_576 + 20_000 + 24_576 + 12_288
+            60_000 + 16_384 + 24_576 + 20_000 + 24_576 + 8192
         );
     }
 
@@ -284,9 +286,9 @@ mod tests {
         let report = MemoryReport::for_parameters(10_000, 40_000, 2, ZeroStage::Gradients);
         let s = OptimizerStepMemory::of(&report, 12 * 1024, 1 << 30);
         // Both shares end to end (40,000) and the reduce-scattered sum (20,000), which is the
-        // share; the update's temporary beside it.
-        assert_eq!((s.gradient_copies, s.bucket, s.share), (0, 60_000, 20_000));
-        assert_eq!(s.total(), 3 * 40_000 + 80_000 + 12 * 5000);
+        // share; no temporary beside it (the update runs in place).
+        assert_eq!((s.gradient_copies, s.bucket, s.share), (0, 60_000, 0));
+        assert_eq!(s.total(), 3 * 40_000 + 60_000 + 12 * 5000);
     }
 
     #[test]
@@ -298,13 +300,15 @@ mod tests {
         let s = OptimizerStepMemory::of(&report, 512 << 20, 256 << 20);
         let (share, k) = (n / 2, 32u64 << 20);
         assert_eq!((s.gradient_copies, s.bucket), (8 * k, 8 * k + 4 * k));
-        assert_eq!(s.share, 8 * share);
-        assert_eq!(s.total(), 6 * n + 20 * k + 8 * share + 12 * share);
-        // 138.06 GiB before (the whole vector's f32 copies and concatenation, 4n each, the
-        // reduce-scattered share beside them, no temporary counted); now 101.04 GiB.
+        // The share (13.48 GB), no temporary beside it: the fused update runs in place.
+        assert_eq!(s.share, 4 * share);
+        assert_eq!(s.share, 13_476_831_232);
+        assert_eq!(s.total(), 6 * n + 20 * k + 4 * share + 12 * share);
+        // 138.06 GiB with the whole vector's f32 copies and concatenation (4n each) and the
+        // reduce-scattered share beside them; now 88.48 GiB.
         let before = 6 * n + 4 * n + 4 * n + 4 * share + 12 * share;
-        assert_eq!(before - s.total(), 8 * n - 4 * share - 20 * k);
-        assert_eq!(before - s.total(), 39_759_405_056);
+        assert_eq!(before - s.total(), 8 * n - 20 * k);
+        assert_eq!(before - s.total(), 53_236_236_288);
     }
 
     #[test]

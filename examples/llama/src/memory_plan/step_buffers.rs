@@ -173,8 +173,8 @@ impl StepBuffers {
 
 /// A sharded optimizer's flat vectors: its state on the GPU (the f32 master share and the two
 /// moments, or two chunks of three vectors each when the state lives in host memory), and the
-/// step's own (the summed f32 share and the update's temporary, the bucket counted as one
-/// buffer, the updated weights as one vector of the whole model when the state is on the GPU:
+/// step's own (the summed f32 share, the update writing the state in place; the bucket counted
+/// as one buffer, the updated weights as one vector of the whole model when the state is on the GPU:
 /// cast and, on a group, all-gathered). A replicated state is per parameter: none.
 fn optimizer_vectors(report: &MemoryReport, step: &OptimizerStepMemory) -> (Buffers, Buffers) {
     if !report.stage.is_sharded() {

@@ -11,8 +11,10 @@
 //! gradients over the group in buckets of a byte budget, never as one f32 vector of the whole
 //! model. Its state may live in host memory instead of on the device ([`StatePlacement::Host`]),
 //! streamed through the device in chunks at every step, with bitwise the same results and the
-//! same files.
+//! same files. Its update is the same kernel, writing the master weights and moments over
+//! themselves ([`AdamWSettings`], [`TrainingKernels::adamw_update`]).
 
+mod adamw_settings;
 mod flat;
 mod flat_pieces;
 mod host_shard;
@@ -27,13 +29,14 @@ mod weight_writer;
 mod zero_stage;
 
 pub use crate::training_kernels::{unfused_optimizer_forced, AdamWStep, AdamWTensors};
+pub use adamw_settings::AdamWSettings;
 pub use flat::FlatLayout;
 pub use optimizer_shard::OptimizerShard;
 pub use shard_file::{
     shard_file_name, write_shard_file, ShardData, ShardFile, ShardHeader, ShardTensor,
 };
 pub use shard_set::ShardSet;
-pub use sharded::{AdamWSettings, ShardedAdamW};
+pub use sharded::ShardedAdamW;
 pub use state_chunks::{
     bucket_elements, chunk_elements, DEFAULT_GRAD_BUCKET_BYTES, STATE_BYTES_PER_ELEMENT,
 };
@@ -54,10 +57,7 @@ use crate::TrainingKernels;
 /// on backends that have one.
 #[derive(Clone)]
 pub struct FusedAdamW {
-    beta_1: f32,
-    beta_2: f32,
-    epsilon: f32,
-    weight_decay: f32,
+    settings: AdamWSettings,
     /// Burn's AdamW with the same settings: the first step and the portable path.
     reference: AdamW,
 }
@@ -70,11 +70,14 @@ impl FusedAdamW {
             .with_beta_2(beta_2)
             .with_epsilon(epsilon)
             .with_weight_decay(weight_decay);
-        Self {
+        let settings = AdamWSettings {
             beta_1,
             beta_2,
             epsilon,
             weight_decay,
+        };
+        Self {
+            settings,
             reference: config.build(),
         }
     }
@@ -86,21 +89,6 @@ impl FusedAdamW {
         M: AutodiffModule<B>,
     {
         OptimizerAdaptor::from(self)
-    }
-
-    /// The kernel's constants for the update that makes a state of `time` steps `time + 1`.
-    fn step_constants(&self, lr: LearningRate, time: usize) -> AdamWStep {
-        let t = (time + 1) as i32;
-        let (beta_1, beta_2) = (self.beta_1, self.beta_2);
-        AdamWStep {
-            beta_1,
-            beta_2,
-            bias_1: 1.0 - beta_1.powi(t),
-            bias_2: 1.0 - beta_2.powi(t),
-            epsilon: self.epsilon,
-            decay: (1.0 - lr * self.weight_decay as f64) as f32,
-            lr: lr as f32,
-        }
     }
 }
 
@@ -120,7 +108,7 @@ impl<B: TrainingKernels> SimpleOptimizer<B> for FusedAdamW {
         if momentum.max_moment_2.is_some() {
             return self.reference.step(lr, tensor, grad, state);
         }
-        let constants = self.step_constants(lr, momentum.time);
+        let constants = (self.settings).step_constants(lr, (momentum.time + 1) as i32);
         let moments = (
             momentum.moment_1.into_primitive().tensor(),
             momentum.moment_2.into_primitive().tensor(),

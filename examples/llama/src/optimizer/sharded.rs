@@ -9,14 +9,16 @@
 //!    bucket gathers the same range of every rank's share in f32 from the parameters' gradients,
 //!    stage 2 reduce-scatters it (each rank receives only its range of the sum), stage 1
 //!    all-reduces it and keeps its range; no f32 vector of the whole model is made;
-//! 2. the global gradient norm comes from the shares' squares (summed in fixed blocks, then the
-//!    blocks' sums) with one all-reduce of a scalar, and the share is scaled down when the norm
-//!    exceeds the clipping norm;
-//! 3. AdamW updates the share in f32 (Burn's `AdamW` formulas);
+//! 2. the global gradient norm comes from the shares' squares (summed in fixed blocks, each one
+//!    pass of [`TrainingKernels::squared_norm`], then the blocks' sums) with one all-reduce of a
+//!    scalar, and the share is scaled down when the norm exceeds the clipping norm;
+//! 3. AdamW updates the share in f32 (Burn's `AdamW` formulas, [`AdamWSettings::update`]): on
+//!    the CubeCL backends one kernel pass that writes the master weights and moments over
+//!    themselves, elsewhere (and under `DISTFLASH_UNFUSED_OPTIMIZER=1`) Burn tensor operations;
 //! 4. the updated shares, cast to the weights' type, are all-gathered and written back into the
 //!    parameters.
 //!
-//! Every step is Burn tensor operations on the device; only the norm comes to the host. With
+//! Every step runs on the device; only the norm comes to the host. With
 //! [`StatePlacement::Host`] the master weights and moments live in host memory ([`HostShard`])
 //! and steps 3 and 4 run chunk by chunk as the chunks stream through the device, and on one
 //! device step 1 too (each chunk's gradient read from the parameters' gradients): element-wise
@@ -35,6 +37,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Device, TensorData};
 use burn_distflash::offload::HostOffload;
 
+use super::adamw_settings::AdamWSettings;
 use super::flat::FlatLayout;
 use super::flat_pieces::FlatPieces;
 use super::host_shard::{HostShard, StateVectors};
@@ -48,25 +51,12 @@ use super::state_placement::{StatePlacement, DEFAULT_STATE_CHUNK_BYTES};
 use super::summed_share::{collective, primitive, summed_share};
 use super::weight_writer::WeightWriter;
 use super::zero_stage::ZeroStage;
-use crate::Error;
-
-/// AdamW's settings (decoupled weight decay, no AMSGrad).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AdamWSettings {
-    /// Decay of the first moment.
-    pub beta_1: f32,
-    /// Decay of the second moment.
-    pub beta_2: f32,
-    /// Added to the corrected second moment's square root.
-    pub epsilon: f32,
-    /// Decoupled weight decay (the weights shrink by `lr * weight_decay` each step).
-    pub weight_decay: f32,
-}
+use crate::{Error, TrainingKernels};
 
 /// Where a [`ShardedAdamW`]'s state is, once made.
 enum State<B: AutodiffBackend>
 where
-    B::InnerBackend: HostOffload,
+    B::InnerBackend: HostOffload + TrainingKernels,
 {
     /// On the device.
     Device(OptimizerShard<B>),
@@ -79,7 +69,7 @@ where
 /// the first step checks that they do.
 pub struct ShardedAdamW<B: AutodiffBackend>
 where
-    B::InnerBackend: HostOffload,
+    B::InnerBackend: HostOffload + TrainingKernels,
 {
     stage: ZeroStage,
     settings: AdamWSettings,
@@ -92,7 +82,7 @@ where
 
 impl<B: AutodiffBackend> ShardedAdamW<B>
 where
-    B::InnerBackend: HostOffload,
+    B::InnerBackend: HostOffload + TrainingKernels,
 {
     /// A sharded AdamW at `stage` over `group` (`None`: one device, which owns everything), its
     /// state on the device. The state is created at the first [`step`](Self::step) (or
@@ -468,7 +458,7 @@ where
         read: impl Fn(Range<usize>) -> Tensor<B::InnerBackend, 1>,
     ) -> Result<f64, Error> {
         let mut partials: Vec<_> = (norm_blocks(n).into_iter())
-            .map(|r| read(r).square().sum())
+            .map(|r| B::InnerBackend::squared_norm(read(r)))
             .collect();
         let squared = match partials.len() {
             1 => partials.pop().expect("one block"),
@@ -558,57 +548,15 @@ where
         let (rank, _) = self.rank();
         let n = layout.shard_len();
         let master = FlatPieces::weights::<B, M>(model).range(rank * n..(rank + 1) * n);
-        let zeros = master.zeros_like();
+        // Two vectors of zeros, not one shared: the first update may then write over each.
+        let [moment_1, moment_2] = [(); 2].map(|_| master.zeros_like());
         OptimizerShard {
             layout,
             master,
-            moment_1: zeros.clone(),
-            moment_2: zeros,
-            time: 0,
-        }
-    }
-}
-
-impl AdamWSettings {
-    /// One AdamW update of `shard` from its (summed, clipped) f32 gradient `grad`, with Burn's
-    /// `AdamW` formulas: `m = b1 m + (1 - b1) g`, `v = b2 v + (1 - b2) g^2`,
-    /// `p = p (1 - lr wd) - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)`.
-    fn update<B: AutodiffBackend>(
-        &self,
-        shard: OptimizerShard<B>,
-        grad: Tensor<B::InnerBackend, 1>,
-        lr: f64,
-    ) -> OptimizerShard<B> {
-        let time = shard.time + 1;
-        let vectors = [shard.master, shard.moment_1, shard.moment_2];
-        let [master, moment_1, moment_2] = self.update_vectors(vectors, grad, lr, time);
-        OptimizerShard {
-            layout: shard.layout,
-            master,
             moment_1,
             moment_2,
-            time,
+            time: 0,
         }
-    }
-
-    /// [`update`](Self::update) of master weights and moments `[p, m, v]` (any range of a
-    /// shard: the update is element-wise) into step `time`.
-    fn update_vectors<I: Backend>(
-        &self,
-        [master, moment_1, moment_2]: [Tensor<I, 1>; 3],
-        grad: Tensor<I, 1>,
-        lr: f64,
-        time: i32,
-    ) -> [Tensor<I, 1>; 3] {
-        let moment_1 =
-            moment_1.mul_scalar(self.beta_1) + grad.clone().mul_scalar(1.0 - self.beta_1);
-        let moment_2 =
-            moment_2.mul_scalar(self.beta_2) + grad.square().mul_scalar(1.0 - self.beta_2);
-        let corrected_1 = moment_1.clone().div_scalar(1.0 - self.beta_1.powi(time));
-        let corrected_2 = moment_2.clone().div_scalar(1.0 - self.beta_2.powi(time));
-        let delta = corrected_1 / corrected_2.sqrt().add_scalar(self.epsilon);
-        let decayed = master.mul_scalar(1.0 - lr * f64::from(self.weight_decay));
-        [decayed - delta.mul_scalar(lr), moment_1, moment_2]
     }
 }
 

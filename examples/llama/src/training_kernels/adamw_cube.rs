@@ -11,11 +11,17 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 use cubecl::prelude::*;
 
 use super::adamw_kernels::{adamw_update, sum_of_squares, AdamWStep};
-use super::portable::squared_norm_portable;
+use super::portable::{adamw_update_portable, squared_norm_portable};
 use burn_distflash::cube_support::CUBE_UNITS;
 use burn_distflash::cube_support::{
     array, contiguous, empty_like, is_kernel_float, vector_size, with_float_type,
 };
+
+/// A one-dimensional tensor of a CubeCL backend.
+type CubeVector<R, F, I, BT> = Tensor<CubeBackend<R, F, I, BT>, 1>;
+
+/// AdamW's two moments, as [`CubeVector`]s.
+type CubeMoments<R, F, I, BT> = (CubeVector<R, F, I, BT>, CubeVector<R, F, I, BT>);
 
 /// A parameter's AdamW tensors after one update: `(param, moment_1, moment_2)`.
 pub type AdamWTensors<B> = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
@@ -78,29 +84,88 @@ where
 pub(crate) fn fused_adamw<R: CubeRuntime>(
     param: CubeTensor<R>,
     grad: CubeTensor<R>,
-    (moment_1, moment_2): (CubeTensor<R>, CubeTensor<R>),
+    moments: (CubeTensor<R>, CubeTensor<R>),
     step: &AdamWStep,
 ) -> Option<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>)> {
-    if unfused_optimizer_forced() {
-        return None;
-    }
-    let dtype = kernel_dtype(&[&param, &grad, &moment_1, &moment_2])?;
+    let described = [&param, &grad, &moments.0, &moments.1]
+        .map(|t| (t.dtype, t.meta.shape().iter().copied().collect()));
+    let dtype = adamw_kernel_dtype(described)?;
+    Some(launch_adamw(param, grad, moments, step, dtype))
+}
+
+/// [`TrainingKernels::adamw_update`](super::TrainingKernels::adamw_update) on a CubeCL backend:
+/// [`launch_adamw`] where the kernel takes the tensors, else the portable passes.
+pub(crate) fn adamw_update_cube<R, F, I, BT>(
+    param: CubeVector<R, F, I, BT>,
+    grad: CubeVector<R, F, I, BT>,
+    (moment_1, moment_2): CubeMoments<R, F, I, BT>,
+    step: &AdamWStep,
+) -> [CubeVector<R, F, I, BT>; 3]
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    let described = [&param, &grad, &moment_1, &moment_2].map(|t| (t.dtype(), t.dims().to_vec()));
+    let Some(dtype) = adamw_kernel_dtype(described) else {
+        return adamw_update_portable(param, grad, (moment_1, moment_2), step);
+    };
+    let primitive = |t: CubeVector<R, F, I, BT>| t.into_primitive().tensor();
+    let moments = (primitive(moment_1), primitive(moment_2));
+    let (p, m1, m2) = launch_adamw(primitive(param), primitive(grad), moments, step, dtype);
+    [p, m1, m2].map(|t| Tensor::from_primitive(TensorPrimitive::Float(t)))
+}
+
+/// The element type of the update's four tensors `(dtype, shape)` when the kernel takes them
+/// (one type among f32, f16 and bf16, one shape), `None` otherwise and under
+/// `DISTFLASH_UNFUSED_OPTIMIZER=1`.
+fn adamw_kernel_dtype(tensors: [(DType, Vec<usize>); 4]) -> Option<DType> {
+    let (dtype, shape) = &tensors[0];
+    let same = tensors.iter().all(|(d, s)| d == dtype && s == shape);
+    (!unfused_optimizer_forced() && is_kernel_float(*dtype) && same).then_some(*dtype)
+}
+
+/// The fused AdamW update of four tensors of `dtype` and one shape, in one kernel pass:
+/// `(param, moment_1, moment_2)` after the step.
+///
+/// Each result is written over its input when this call holds the input's only handle
+/// (CubeCL's `can_mut`: nothing else can see the buffer change), else into a new tensor: the
+/// same kernel, its output aliasing the input, so the numbers are bitwise the same either way.
+/// Tensors updated step after step (a sharded optimizer's master weights and moments) thus
+/// allocate nothing.
+fn launch_adamw<R: CubeRuntime>(
+    param: CubeTensor<R>,
+    grad: CubeTensor<R>,
+    (moment_1, moment_2): (CubeTensor<R>, CubeTensor<R>),
+    step: &AdamWStep,
+    dtype: DType,
+) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
     let shape = param.meta.shape().clone();
-    if [&grad, &moment_1, &moment_2]
-        .iter()
-        .any(|t| *t.meta.shape() != shape)
-    {
-        return None;
-    }
     let [param, grad, moment_1, moment_2] = [param, grad, moment_1, moment_2].map(contiguous);
     let len = param.meta.num_elements();
     let vector = vector_size(len, dtype);
     let vectors = len / vector;
-    let outputs = [0; 3].map(|_| empty_like(&param, shape.clone(), dtype));
+    // The kernel's inputs in order (param 0, grad 1, moment_1 2, moment_2 3): each result's
+    // input and its position, and whether the result may overwrite it (asked before any clone).
+    let updated = [(&param, 0), (&moment_1, 2), (&moment_2, 3)];
+    let in_place = updated.map(|(input, _)| input.can_mut());
+    let outputs = [0, 1, 2].map(|k| match in_place[k] {
+        true => updated[k].0.clone(),
+        false => empty_like(&param, shape.clone(), dtype),
+    });
+    // SAFETY: every output is contiguous with `len` elements of `dtype` (an input made
+    // contiguous above, or a new tensor); an aliased one is the input at its position.
+    let output = |k: usize| match in_place[k] {
+        true => ArrayArg::Alias {
+            input_pos: updated[k].1,
+            length: [len],
+        },
+        false => unsafe { array(&outputs[k], len) },
+    };
     let client = param.client.clone();
     let dim = CubeDim::new_1d(CUBE_UNITS as u32);
     let count = cubecl::calculate_cube_count_elemwise(&client, vectors, dim);
-    let [p_out, m1_out, m2_out] = &outputs;
     macro_rules! launch_as {
         ($F:ty) => {
             adamw_update::launch_unchecked::<$F, R>(
@@ -112,9 +177,9 @@ pub(crate) fn fused_adamw<R: CubeRuntime>(
                 array(&grad, len),
                 array(&moment_1, len),
                 array(&moment_2, len),
-                array(p_out, len),
-                array(m1_out, len),
-                array(m2_out, len),
+                output(0),
+                output(1),
+                output(2),
                 step.beta_1,
                 step.beta_2,
                 step.bias_1,
@@ -125,15 +190,10 @@ pub(crate) fn fused_adamw<R: CubeRuntime>(
             )
         };
     }
-    // SAFETY: all seven arrays are contiguous with `len` elements of `dtype`;
-    // the kernel guards every access by the array length.
+    // SAFETY: all arrays are contiguous with `len` elements of `dtype`; the kernel guards every
+    // access by the array length, and each unit reads element `i` of every input before it
+    // writes element `i` of the outputs (an aliased output is never read by another unit).
     unsafe { with_float_type!(dtype, launch_as) }
     let [p, m1, m2] = outputs;
-    Some((p, m1, m2))
-}
-
-/// The element type every tensor shares, if the kernels take it (f32, f16, bf16).
-fn kernel_dtype<R: CubeRuntime>(tensors: &[&CubeTensor<R>]) -> Option<DType> {
-    let dtype = tensors.first()?.dtype;
-    (is_kernel_float(dtype) && tensors.iter().all(|t| t.dtype == dtype)).then_some(dtype)
+    (p, m1, m2)
 }

@@ -28,7 +28,9 @@ pub struct AdamWStep {
 /// One AdamW update of a parameter, element by element, with Burn's `AdamW` formulas:
 /// `m = m b1 + g (1 - b1)`, `v = v b2 + g^2 (1 - b2)`,
 /// `p = p decay - lr (m / bias_1) / (sqrt(v / bias_2) + eps)`, reading each input and writing
-/// each output once (Burn's tensor-op AdamW runs 15 passes).
+/// each output once (Burn's tensor-op AdamW runs 15 passes). An output may alias its input (the
+/// launcher passes CubeCL's `ArrayArg::Alias`): unit `i` reads every input's element `i` before
+/// it writes any output's.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn adamw_update<F: Float, N: Size>(

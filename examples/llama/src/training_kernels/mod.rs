@@ -38,7 +38,8 @@ pub trait TrainingKernels: Backend {
 
     /// One AdamW update of `param` from `grad` and the moments `(moment_1, moment_2)` in one
     /// pass, or `None` where this backend has no fused update for these tensors (the caller then
-    /// runs Burn's `AdamW`). All four tensors have the same shape.
+    /// runs Burn's `AdamW`). All four tensors have the same shape. Where the caller held the
+    /// only handle of `param` or a moment, the CubeCL backends write its result over it.
     fn fused_adamw(
         _param: FloatTensor<Self>,
         _grad: FloatTensor<Self>,
@@ -46,6 +47,20 @@ pub trait TrainingKernels: Backend {
         _step: &AdamWStep,
     ) -> Option<AdamWTensors<Self>> {
         None
+    }
+
+    /// One AdamW update of `param` from `grad` and the moments `(moment_1, moment_2)`, all of
+    /// one shape: `[param, moment_1, moment_2]` after the step. One fused pass where
+    /// [`fused_adamw`](Self::fused_adamw) takes the tensors, writing each result over its input
+    /// when the caller held that input's only handle; Burn tensor operations otherwise (the
+    /// same formulas, the results within f32 rounding).
+    fn adamw_update(
+        param: Tensor<Self, 1>,
+        grad: Tensor<Self, 1>,
+        moments: (Tensor<Self, 1>, Tensor<Self, 1>),
+        step: &AdamWStep,
+    ) -> [Tensor<Self, 1>; 3] {
+        portable::adamw_update_portable(param, grad, moments, step)
     }
 
     /// Per row of logits `[rows, vocab]` against targets `[rows]` (every id below `vocab`),
@@ -97,6 +112,15 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> TrainingKe
         step: &AdamWStep,
     ) -> Option<AdamWTensors<Self>> {
         adamw_cube::fused_adamw(param, grad, moments, step)
+    }
+
+    fn adamw_update(
+        param: Tensor<Self, 1>,
+        grad: Tensor<Self, 1>,
+        moments: (Tensor<Self, 1>, Tensor<Self, 1>),
+        step: &AdamWStep,
+    ) -> [Tensor<Self, 1>; 3] {
+        adamw_cube::adamw_update_cube(param, grad, moments, step)
     }
 
     fn cross_entropy_forward(

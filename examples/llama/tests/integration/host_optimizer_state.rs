@@ -18,12 +18,18 @@ use crate::checkpoints::{padded, seeded};
 use crate::common::modules::{float_params, ParamValues};
 use crate::common::temp_dir::TempDir;
 use crate::common::within::within;
+use crate::optimizer::values;
 use crate::train::{dataset, on_ranks, zero_options};
+use burn::module::Param;
+use burn::nn::{Initializer, Linear, LinearConfig};
+use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
 use burn_distflash::AttentionContext;
 use distflash_llama::data::TokenDataset;
 use distflash_llama::optimizer::{
-    bucket_elements, ShardFile, ShardHeader, ShardTensor, StatePlacement, ZeroStage,
+    bucket_elements, AdamWSettings, FusedAdamW, ShardFile, ShardHeader, ShardTensor, ShardedAdamW,
+    StatePlacement, ZeroStage,
 };
 use distflash_llama::train::{TrainBackend, TrainOptions, Trainer};
 use distflash_llama::Llama;
@@ -235,41 +241,63 @@ fn a_run_resumes_with_its_state_moved_between_the_device_and_the_host() {
 /// Two linear layers of 5,000 parameters: five chunks of 1024 elements, the last one short.
 type Layers<B> = (burn::nn::Linear<B>, burn::nn::Linear<B>);
 
+/// The AdamW settings of the optimizer-alone checks.
+const SETTINGS: AdamWSettings = AdamWSettings {
+    beta_1: 0.9,
+    beta_2: 0.95,
+    epsilon: 1e-8,
+    weight_decay: 0.1,
+};
+
+/// A linear layer `d_in -> d_out` with weights and bias from [`values`] seeded with `seed`
+/// (not the backend's random generator, which tests running at the same time share).
+fn linear<B: Backend>(d_in: usize, d_out: usize, seed: u64, device: &B::Device) -> Linear<B> {
+    let mut layer = LinearConfig::new(d_in, d_out)
+        .with_initializer(Initializer::Zeros)
+        .init(device);
+    let data = |len, seed| TensorData::new(values(len, seed, -0.125, 0.125), [len]);
+    let weight = Tensor::<B, 1>::from_data(data(d_in * d_out, seed), device);
+    layer.weight = Param::from_tensor(weight.reshape([d_in, d_out]));
+    let bias = Tensor::<B, 1>::from_data(data(d_out, seed + 1), device);
+    layer.bias = Some(Param::from_tensor(bias));
+    layer
+}
+
+/// The layers and the bits of each step's gradient norm after `steps` steps of `optimize`
+/// (model and gradients in, the updated model and the norm out) on `sum((x W1 W2)^2)`, from
+/// layers and inputs `x` of fixed values.
+fn layer_steps<B: TrainBackend>(
+    device: &B::Device,
+    steps: usize,
+    mut optimize: impl FnMut(Layers<B>, GradientsParams) -> (Layers<B>, f64),
+) -> (Layers<B>, Vec<u64>) {
+    let mut model: Layers<B> = (linear(64, 48, 5, device), linear(48, 40, 7, device));
+    let mut norms = Vec::new();
+    for step in 0..steps as u64 {
+        let x = TensorData::new(values(7 * 64, 100 + step, -2.0, 2.0), [7, 64]);
+        let x = Tensor::<B, 2>::from_data(x, device);
+        let y = model.1.forward(model.0.forward(x));
+        let grads = GradientsParams::from_grads(y.powf_scalar(2.0).sum().backward(), &model);
+        let (next, norm) = optimize(model, grads);
+        (model, norms) = (next, [norms, vec![norm.to_bits()]].concat());
+    }
+    (model, norms)
+}
+
 /// The master weights and the weights' bits after `steps` steps of [`ShardedAdamW`] (stage 1, one
-/// device, clipping at 0.5) on `sum((x W1 W2)^2)`, the state at `placement`, the gradients laid
+/// device, clipping at `clip`) in [`layer_steps`], the state at `placement`, the gradients laid
 /// end to end in buckets of `bucket_bytes`.
 fn sharded_steps<B: TrainBackend>(
     device: &B::Device,
-    placement: StatePlacement,
-    bucket_bytes: u64,
+    (placement, bucket_bytes, clip): (StatePlacement, u64, f64),
     steps: usize,
 ) -> (Vec<u32>, Vec<ParamValues>, Vec<u64>) {
-    use burn::nn::LinearConfig;
-    use burn::optim::GradientsParams;
-    use burn::tensor::{Distribution, Tensor};
-    use distflash_llama::optimizer::{AdamWSettings, ShardedAdamW};
-    B::seed(device, 5);
-    let mut model: Layers<B> = (
-        LinearConfig::new(64, 48).init(device),
-        LinearConfig::new(48, 40).init(device),
-    );
-    let settings = AdamWSettings {
-        beta_1: 0.9,
-        beta_2: 0.95,
-        epsilon: 1e-8,
-        weight_decay: 0.1,
-    };
-    let optim = ShardedAdamW::<B>::new(ZeroStage::OptimizerStates, settings, None).unwrap();
+    let optim = ShardedAdamW::<B>::new(ZeroStage::OptimizerStates, SETTINGS, None).unwrap();
     let optim = optim.with_state_placement(placement, 12 * 1024);
     let mut optim = optim.with_grad_bucket_bytes(bucket_bytes);
-    let mut norms = Vec::new();
-    for _ in 0..steps {
-        let x = Tensor::<B, 2>::random([7, 64], Distribution::Normal(0.0, 1.0), device);
-        let y = model.1.forward(model.0.forward(x));
-        let grads = GradientsParams::from_grads(y.powf_scalar(2.0).sum().backward(), &model);
-        let (next, norm) = optim.step(1e-2, 0.5, model, grads).unwrap();
-        (model, norms) = (next, [norms, vec![norm.to_bits()]].concat());
-    }
+    let (model, norms) = layer_steps::<B>(device, steps, |model, grads| {
+        optim.step(1e-2, clip, model, grads).unwrap()
+    });
     let master = optim
         .master_weights()
         .unwrap()
@@ -280,12 +308,37 @@ fn sharded_steps<B: TrainBackend>(
     (master, float_params(&model), norms)
 }
 
+/// [`ShardedAdamW`] on one device (no clipping, the state on the device and in host memory)
+/// and the replicated [`FusedAdamW`] with the same settings take [`layer_steps`] to the same
+/// f32 weights within f32 rounding (3 steps: Burn's AdamW first, then the fused update).
+pub(crate) fn check_sharded_like_replicated<B: TrainBackend>(device: &B::Device) {
+    let s = SETTINGS;
+    let fused = FusedAdamW::new(s.beta_1, s.beta_2, s.epsilon, s.weight_decay);
+    let mut replicated = fused.into_optimizer::<B, Layers<B>>();
+    let (model, _) = layer_steps::<B>(device, 3, |model, grads| {
+        (replicated.step(1e-2, model, grads), 0.0)
+    });
+    let want = float_params(&model);
+    for placement in [StatePlacement::Gpu, StatePlacement::Host] {
+        let (_, got, _) = sharded_steps::<B>(device, (placement, 1 << 30, 0.0), 3);
+        for ((shape, got), (_, want)) in got.iter().zip(&want) {
+            let worst = (got.iter().zip(want))
+                .map(|(g, w)| (g - w).abs() / w.abs().max(1e-3))
+                .fold(0.0f32, f32::max);
+            assert!(
+                worst <= 1e-5,
+                "state on the {placement}, {shape:?}: sharded differs from replicated by {worst:.2e}"
+            );
+        }
+    }
+}
+
 /// [`sharded_steps`] with the state on the device and in host memory, and on the device with
 /// buckets of 1024 elements (5080 parameters: the last bucket short), give the same bits.
-fn check_sharded_steps<B: TrainBackend>(device: &B::Device) {
+pub(crate) fn check_sharded_steps<B: TrainBackend>(device: &B::Device) {
     let [gpu, host] = [StatePlacement::Gpu, StatePlacement::Host]
-        .map(|placement| sharded_steps::<B>(device, placement, 1 << 30, 3));
-    let buckets = sharded_steps::<B>(device, StatePlacement::Gpu, 4 * 1024, 3);
+        .map(|placement| sharded_steps::<B>(device, (placement, 1 << 30, 0.5), 3));
+    let buckets = sharded_steps::<B>(device, (StatePlacement::Gpu, 4 * 1024, 0.5), 3);
     assert_eq!(gpu.2, buckets.2, "gradient norms, in buckets");
     assert!(gpu.1 == buckets.1, "weights, in buckets");
     assert!(gpu.0 == buckets.0, "master weights, in buckets");
@@ -307,6 +360,17 @@ fn the_sharded_optimizer_streams_its_state_and_sums_in_buckets_bitwise_on_ndarra
             burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>,
         >;
         check_sharded_steps::<Wgpu>(&cubecl::wgpu::WgpuDevice::Cpu);
+    });
+}
+
+#[test]
+fn the_sharded_optimizer_steps_like_the_replicated_one_on_ndarray_and_wgpu() {
+    within(Duration::from_secs(300), || {
+        check_sharded_like_replicated::<crate::train::Cpu>(&crate::train::DEVICE);
+        type Wgpu = burn::backend::Autodiff<
+            burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>,
+        >;
+        check_sharded_like_replicated::<Wgpu>(&cubecl::wgpu::WgpuDevice::Cpu);
     });
 }
 

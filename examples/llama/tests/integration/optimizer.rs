@@ -1,13 +1,18 @@
 //! The optimizer's fused passes against f64: the AdamW update and the squared gradient norm, on
 //! wgpu (f32; Mesa's software Vulkan in CI) and, with `--ignored` on the GPU machine, on CUDA in
 //! f32, f16 and bf16; lengths that take every vector width; and the whole `FusedAdamW` over
-//! three steps against Burn's `AdamW` (the first step is Burn's own, the next two fused).
+//! three steps against Burn's `AdamW` (the first step is Burn's own, the next two fused). The
+//! update writes over its parameter and moments when the call holds their only handles, bitwise
+//! as into new tensors, and agrees with the portable update (Burn tensor operations) within f32
+//! rounding; on CUDA also the sharded optimizer's steps (device and host state, buckets) and
+//! their agreement with the replicated `FusedAdamW`.
 
 use crate::common::exclusive_wgpu;
 use crate::common::host_values::{host, upload};
 use burn::optim::{AdamWConfig, AdamWState, SimpleOptimizer};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use distflash_llama::optimizer::{AdamWStep, FusedAdamW};
 use distflash_llama::TrainingKernels;
 
@@ -19,7 +24,7 @@ type CudaF32 = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>
 const LENGTHS: [usize; 5] = [1, 7, 1030, 4098, 70_000];
 
 /// Deterministic values in `[lo, hi)` (a 64-bit LCG's high bits).
-fn values(len: usize, seed: u64, lo: f64, hi: f64) -> Vec<f64> {
+pub(crate) fn values(len: usize, seed: u64, lo: f64, hi: f64) -> Vec<f64> {
     let mut state = seed
         .wrapping_mul(6364136223846793005)
         .wrapping_add(1442695040888963407);
@@ -60,15 +65,7 @@ fn tolerance(dtype: DType) -> f64 {
 }
 
 fn check_adamw<B: TrainingKernels>(device: &B::Device, dtype: DType) {
-    let step = AdamWStep {
-        beta_1: 0.9,
-        beta_2: 0.95,
-        bias_1: 1.0 - 0.9f32.powi(3),
-        bias_2: 1.0 - 0.95f32.powi(3),
-        epsilon: 1e-8,
-        decay: 1.0 - 3e-4 * 0.1,
-        lr: 3e-4,
-    };
+    let step = third_step();
     for (i, &len) in LENGTHS.iter().enumerate() {
         let seed = 10 * i as u64;
         let (p, p0) = upload::<B, 1>(values(len, seed, -1.0, 1.0), [len], dtype, device);
@@ -118,6 +115,106 @@ fn check_squared_norm<B: TrainingKernels>(device: &B::Device, dtype: DType) {
             err <= 1e-5,
             "{dtype:?}, {len} elements: squared norm {got} against f64 {expected} ({err:.2e})"
         );
+    }
+}
+
+/// The step constants of the update checks (step 3, lr 3e-4, weight decay 0.1).
+fn third_step() -> AdamWStep {
+    AdamWStep {
+        beta_1: 0.9,
+        beta_2: 0.95,
+        bias_1: 1.0 - 0.9f32.powi(3),
+        bias_2: 1.0 - 0.95f32.powi(3),
+        epsilon: 1e-8,
+        decay: 1.0 - 3e-4 * 0.1,
+        lr: 3e-4,
+    }
+}
+
+/// The id of the device buffer `t` is in (the memory handle's, without its location in the
+/// pool), read after the device has finished its work.
+fn buffer_id<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    t: &Tensor<CubeBackend<R, F, I, BT>, 1>,
+) -> String {
+    let memory = format!("{:?}", t.clone().into_primitive().tensor().handle.memory);
+    memory
+        .split("location")
+        .next()
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// `TrainingKernels::adamw_update` on a CubeCL backend, for every length of [`LENGTHS`] in
+/// `dtype`: with the inputs held elsewhere too it writes three new tensors; with them held by
+/// the call alone it writes over the parameter and both moments (the same buffers come back),
+/// bitwise the same numbers; and the portable update (Burn tensor operations, on ndarray) agrees
+/// within f32 rounding.
+fn check_in_place_update<R, F, I, BT>(device: &R::Device, dtype: DType)
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    type Portable = burn::backend::NdArray<f32>;
+    let step = third_step();
+    for (i, &len) in LENGTHS.iter().enumerate() {
+        let seed = 40 + 4 * i as u64;
+        let ranges = [(-1.0, 1.0), (-0.1, 0.1), (-0.05, 0.05), (1e-6, 1e-2)];
+        let data = ranges.map(|(lo, hi)| values(len, seed, lo, hi));
+        let [p, g, m, v] = data
+            .clone()
+            .map(|d| upload::<CubeBackend<R, F, I, BT>, 1>(d, [len], dtype, device).0);
+        let kept = [&p, &m, &v].map(|t| (*t).clone());
+        let copied = CubeBackend::<R, F, I, BT>::adamw_update(
+            p.clone(),
+            g.clone(),
+            (m.clone(), v.clone()),
+            &step,
+        );
+        let ids = [&p, &m, &v].map(buffer_id);
+        assert!(
+            (0..3).all(|k| buffer_id(&copied[k]) != ids[k]),
+            "{dtype:?}, {len} elements: the update wrote over inputs held elsewhere"
+        );
+        drop(kept);
+        let in_place = CubeBackend::<R, F, I, BT>::adamw_update(p, g, (m, v), &step);
+        let _ = CubeBackend::<R, F, I, BT>::sync(device);
+        for (k, name) in ["param", "moment_1", "moment_2"].into_iter().enumerate() {
+            let what = format!("{dtype:?}, {len} elements, {name}");
+            assert_eq!(
+                buffer_id(&in_place[k]),
+                ids[k],
+                "{what}: not written in place"
+            );
+            let bits = |t: &Tensor<CubeBackend<R, F, I, BT>, 1>| t.clone().into_data().bytes;
+            assert!(
+                bits(&in_place[k]) == bits(&copied[k]),
+                "{what}: in place differs from out of place"
+            );
+        }
+        // The portable passes on the same values (f32 on the host).
+        let [p, g, m, v] = data.map(|d| {
+            let cast = host(upload::<CubeBackend<R, F, I, BT>, 1>(d, [len], dtype, device).0);
+            Tensor::<Portable, 1>::from_data(TensorData::new(cast, [len]), &Default::default())
+                .cast(DType::F32)
+        });
+        let portable = Portable::adamw_update(p, g, (m, v), &step);
+        for (k, (name, floor)) in [("param", 1e-3), ("moment_1", 1e-3), ("moment_2", 1e-6)]
+            .into_iter()
+            .enumerate()
+        {
+            let err = worst(
+                &host(in_place[k].clone()),
+                &host(portable[k].clone()),
+                floor,
+            );
+            let tol = tolerance(dtype);
+            assert!(
+                err <= tol,
+                "{dtype:?}, {len} elements, {name}: fused differs from portable by {err:.2e}"
+            );
+        }
     }
 }
 
@@ -181,6 +278,14 @@ fn wgpu_fused_adamw_steps_like_burn_adamw() {
 }
 
 #[test]
+fn wgpu_adamw_update_writes_in_place_bitwise_like_out_of_place() {
+    check_in_place_update::<cubecl::wgpu::WgpuRuntime, f32, i32, u32>(
+        &cubecl::wgpu::WgpuDevice::Cpu,
+        DType::F32,
+    );
+}
+
+#[test]
 fn ndarray_runs_burn_adamw_and_the_portable_norm() {
     type Cpu = burn::backend::NdArray<f32>;
     let device = Default::default();
@@ -211,4 +316,16 @@ fn cuda_fused_adamw_matches_f64_in_every_dtype() {
     check_squared_norm::<CudaBf16>(&device, DType::BF16);
     check_squared_norm::<CudaBf16>(&device, DType::F16);
     check_against_burn::<CudaF32>(&device);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
+fn cuda_sharded_fused_step_in_place_bitwise_and_like_replicated() {
+    use crate::host_optimizer_state::{check_sharded_like_replicated, check_sharded_steps};
+    type Train = burn::backend::Autodiff<CudaF32>;
+    let device = cubecl::cuda::CudaDevice::new(0);
+    check_in_place_update::<cubecl::cuda::CudaRuntime, f32, i32, u8>(&device, DType::F32);
+    check_in_place_update::<cubecl::cuda::CudaRuntime, half::bf16, i32, u8>(&device, DType::BF16);
+    check_sharded_steps::<Train>(&device);
+    check_sharded_like_replicated::<Train>(&device);
 }

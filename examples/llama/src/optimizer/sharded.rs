@@ -220,9 +220,10 @@ where
         }
     }
 
-    /// Replaces this rank's share of the state by `shard` (read from a checkpoint); the next
-    /// [`step`](Self::step) continues from it. Under [`StatePlacement::Host`] the shard moves
-    /// to host memory.
+    /// Replaces this rank's share of the state by `shard` (whole vectors, such as
+    /// [`ShardSet::shard`] reads); the next [`step`](Self::step) continues from it. Its vectors
+    /// are copied into the state's chunks, under [`StatePlacement::Host`] into host memory
+    /// ([`load`](Self::load) reads a checkpoint chunk by chunk instead).
     ///
     /// # Errors
     ///

@@ -42,7 +42,7 @@
 
 use std::fmt;
 
-use crate::optimizer::{bucket_elements, chunk_elements, gather_elements};
+use crate::optimizer::{bucket_elements, chunk_elements, gather_elements, MAX_STEP_BUFFER_BYTES};
 use crate::train::MemoryReport;
 
 /// Bytes of f32.
@@ -127,7 +127,8 @@ impl OptimizerStepMemory {
             share,
             bucket: summed.k,
             chunk,
-            gather: (gather_elements(wire as usize, world as usize) as u64).min(chunk),
+            gather: (gather_elements(MAX_STEP_BUFFER_BYTES, wire as usize, world as usize) as u64)
+                .min(chunk),
             wire,
             on_host: report.host_optimizer > 0,
         };
@@ -273,7 +274,7 @@ impl fmt::Display for OptimizerStepMemory {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::optimizer::{StatePlacement, ZeroStage, MAX_STEP_BUFFER_BYTES};
+    use crate::optimizer::{StatePlacement, ZeroStage};
 
     /// 16 KiB of f32 per bucket: 2048 elements of each share on two GPUs, 1024 on three (1365
     /// rounded down to the alignment).

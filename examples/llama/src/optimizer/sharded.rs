@@ -53,7 +53,7 @@ use super::shard_file::{ShardData, ShardTensor};
 use super::shard_set::ShardSet;
 use super::state_chunks::{
     bucket_elements, chunk_elements, gather_elements, norm_blocks, ranges,
-    DEFAULT_GRAD_BUCKET_BYTES,
+    DEFAULT_GRAD_BUCKET_BYTES, MAX_STEP_BUFFER_BYTES,
 };
 use super::state_placement::{StatePlacement, DEFAULT_STATE_CHUNK_BYTES};
 use super::summed_share::{collective, primitive, summed_share, SummedShare};
@@ -85,6 +85,7 @@ where
     placement: StatePlacement,
     chunk_bytes: u64,
     bucket_bytes: u64,
+    gather_bytes: u64,
     state: Option<State<B>>,
 }
 
@@ -119,6 +120,7 @@ where
             placement: StatePlacement::Gpu,
             chunk_bytes: DEFAULT_STATE_CHUNK_BYTES,
             bucket_bytes: DEFAULT_GRAD_BUCKET_BYTES,
+            gather_bytes: MAX_STEP_BUFFER_BYTES,
             state: None,
         })
     }
@@ -150,6 +152,15 @@ where
     /// Sets the bucket size of [`with_grad_bucket_bytes`](Self::with_grad_bucket_bytes).
     pub fn set_grad_bucket_bytes(&mut self, bytes: u64) {
         self.bucket_bytes = bytes;
+    }
+
+    /// This optimizer all-gathering the updated weights on a group in pieces of at most `bytes`
+    /// (every rank's piece together; by default and at most
+    /// [`MAX_STEP_BUFFER_BYTES`](super::MAX_STEP_BUFFER_BYTES)). Memory only: the weights are
+    /// the same bits.
+    pub fn with_weight_gather_bytes(mut self, bytes: u64) -> Self {
+        self.gather_bytes = bytes;
+        self
     }
 
     /// The stage.
@@ -436,7 +447,8 @@ where
             return Ok(());
         };
         let (world, n) = (group.world_size(), layout.shard_len());
-        let pieces = ranges(range.len(), gather_elements(wire.size(), world));
+        let gather = gather_elements(self.gather_bytes, wire.size(), world);
+        let pieces = ranges(range.len(), gather);
         let whole = pieces.len() == 1;
         for piece in pieces {
             let (start, len) = (range.start + piece.start, piece.len());
@@ -609,4 +621,75 @@ fn collective_values(result: Result<Vec<Vec<u64>>, PluginError>) -> Result<Vec<V
         what: "the parameter layouts",
         source,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::{Autodiff, NdArray};
+    use burn::nn::Linear;
+
+    use crate::optimizer::summed_share::tests::{linears, on_ranks};
+
+    type Cpu = Autodiff<NdArray<f32>>;
+    type Layers = (Linear<Cpu>, Linear<Cpu>);
+
+    /// Two linear layers (64 x 48 + 48, then 48 x 40 + 40: 5080 elements) of set values (no
+    /// draw from NdArray's shared generator).
+    fn layers() -> Layers {
+        linears([(64, 48), (48, 40)], |e| {
+            ((e * 37) % 101) as f32 / 400.0 - 0.125
+        })
+    }
+
+    /// Rank `rank`'s inputs at `step`: 5 rows of 64.
+    fn inputs(rank: usize, step: usize) -> Tensor<Cpu, 2> {
+        let x: Vec<f32> = (0..5 * 64)
+            .map(|e| ((e * 13 + rank * 7 + step * 3) % 17) as f32 / 8.0 - 1.0)
+            .collect();
+        Tensor::<Cpu, 1>::from_floats(x.as_slice(), &Default::default()).reshape([5, 64])
+    }
+
+    /// Every rank's weights' bits after two steps of `sum((x W1 W2)^2)` at stage 2 over `world`
+    /// in-process ranks, the state on the device in chunks of 2048 elements, the updated
+    /// weights gathered in pieces of `gather_bytes`.
+    fn weights_after_steps(world: usize, gather_bytes: u64) -> Vec<Vec<u32>> {
+        let settings = AdamWSettings {
+            beta_1: 0.9,
+            beta_2: 0.99,
+            epsilon: 1e-8,
+            weight_decay: 0.01,
+        };
+        on_ranks(world, |rank, group| {
+            let optim = ShardedAdamW::<Cpu>::new(ZeroStage::Gradients, settings, Some(group));
+            let optim = optim.unwrap();
+            let optim = optim.with_state_placement(StatePlacement::Gpu, 12 * 2048);
+            let mut optim = optim.with_weight_gather_bytes(gather_bytes);
+            let mut model = layers();
+            for step in 0..2 {
+                let y = model.1.forward(model.0.forward(inputs(rank, step)));
+                let loss = y.powf_scalar(2.0).sum();
+                let grads = GradientsParams::from_grads(loss.backward(), &model);
+                model = optim.step(1e-2, 0.0, model, grads).unwrap().0;
+            }
+            let flat = FlatLayout::of::<Cpu, _>(&model, 1).weights::<Cpu, _>(&model);
+            let flat = flat.into_data().to_vec::<f32>().unwrap();
+            flat.iter().map(|v| v.to_bits()).collect()
+        })
+    }
+
+    #[test]
+    fn weights_gathered_in_pieces_are_bitwise_those_gathered_whole_on_every_rank() {
+        for world in [2, 3] {
+            let whole = weights_after_steps(world, MAX_STEP_BUFFER_BYTES);
+            assert!(whole.iter().all(|w| *w == whole[0]), "{world} ranks agree");
+            // Pieces of 1024 elements of each share: two a chunk of 2048 (shares of 2540 and
+            // 1694 elements: the last chunk one piece, or two of which the last is short).
+            let pieces = weights_after_steps(world, (4 * 1024 * world) as u64);
+            assert!(
+                pieces == whole,
+                "{world} ranks, gathers of 1024 elements a share"
+            );
+        }
+    }
 }

@@ -47,10 +47,12 @@ pub fn bucket_elements(budget: u64, world: usize) -> usize {
 }
 
 /// Elements of each rank's share that one all-gather of the updated weights carries, the weights
-/// travelling in `wire_bytes` bytes an element over `world` ranks: at most
-/// [`MAX_STEP_BUFFER_BYTES`] gathered, rounded down to a multiple of 1024, at least 1024.
-pub fn gather_elements(wire_bytes: usize, world: usize) -> usize {
-    aligned(MAX_STEP_BUFFER_BYTES / (wire_bytes.max(1) * world.max(1)) as u64)
+/// travelling in `wire_bytes` bytes an element over `world` ranks: at most `budget` bytes
+/// gathered (the budget at most [`MAX_STEP_BUFFER_BYTES`]), rounded down to a multiple of 1024,
+/// at least 1024.
+pub fn gather_elements(budget: u64, wire_bytes: usize, world: usize) -> usize {
+    let budget = budget.min(MAX_STEP_BUFFER_BYTES);
+    aligned(budget / (wire_bytes.max(1) * world.max(1)) as u64)
 }
 
 /// `elements` rounded down to a multiple of [`CHUNK_ALIGN`], at least one.
@@ -99,21 +101,21 @@ mod tests {
     }
 
     #[test]
-    fn a_gather_of_the_updated_weights_stays_within_the_bound() {
-        assert_eq!(gather_elements(2, 2), 64 << 20);
-        assert_eq!(gather_elements(2, 8), 16 << 20);
-        assert_eq!(gather_elements(4, 3), (256 << 20) / 12 / 1024 * 1024);
+    fn a_gather_of_the_updated_weights_stays_within_its_budget_and_the_bound() {
+        let max = MAX_STEP_BUFFER_BYTES;
+        assert_eq!(gather_elements(max, 2, 2), 64 << 20);
+        assert_eq!(gather_elements(max, 2, 8), 16 << 20);
+        assert_eq!(gather_elements(max, 4, 3), (256 << 20) / 12 / 1024 * 1024);
         assert_eq!(
-            gather_elements(2, 1 << 20),
+            gather_elements(max, 2, 1 << 20),
             1024,
             "at least one aligned block"
         );
+        assert_eq!(gather_elements(4 * 2 * 3000, 4, 2), 2048);
+        assert_eq!(gather_elements(1 << 40, 2, 2), 64 << 20, "within the bound");
         for (wire, world) in [(2, 1), (2, 3), (4, 7), (2, 64)] {
-            let gathered = (gather_elements(wire, world) * wire * world) as u64;
-            assert!(
-                gathered <= MAX_STEP_BUFFER_BYTES,
-                "{wire} bytes, {world} ranks"
-            );
+            let gathered = (gather_elements(1 << 40, wire, world) * wire * world) as u64;
+            assert!(gathered <= max, "{wire} bytes, {world} ranks");
         }
     }
 

@@ -140,7 +140,7 @@ pub(super) fn collective<I: Backend>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use burn::backend::{Autodiff, NdArray};
     use burn::module::Param;
@@ -152,13 +152,22 @@ mod tests {
     /// Two linear layers (3x5 + 5, then 5x2 + 2: 32 elements) whose weights are rank `rank`'s
     /// values of [`value`] (set, not drawn from NdArray's shared generator).
     fn two(rank: usize) -> (Linear<Cpu>, Linear<Cpu>) {
+        linears([(3, 5), (5, 2)], |e| value(rank, e))
+    }
+
+    /// Two linear layers of `dims` (inputs, outputs) whose flat vector's element `e` (weight,
+    /// then bias, of each in turn) is `value(e)`.
+    pub(in crate::optimizer) fn linears(
+        dims: [(usize, usize); 2],
+        value: impl Fn(usize) -> f32,
+    ) -> (Linear<Cpu>, Linear<Cpu>) {
         let device = Default::default();
         let mut next = 0;
-        let mut linear = |i, o| {
+        let mut linear = |(i, o): (usize, usize)| {
             let mut layer: Linear<Cpu> = LinearConfig::new(i, o).init(&device);
             let mut values = |len: usize| -> Vec<f32> {
                 next += len;
-                (next - len..next).map(|e| value(rank, e)).collect()
+                (next - len..next).map(&value).collect()
             };
             let weight = Tensor::<Cpu, 1>::from_floats(values(i * o).as_slice(), &device);
             layer.weight = Param::from_tensor(weight.reshape([i, o]));
@@ -166,7 +175,7 @@ mod tests {
             layer.bias = Some(Param::from_tensor(bias));
             layer
         };
-        (linear(3, 5), linear(5, 2))
+        (linear(dims[0]), linear(dims[1]))
     }
 
     /// Element `e` of rank `rank`'s flat vector: values of many magnitudes, so that the order
@@ -192,20 +201,28 @@ mod tests {
 
     /// Every rank's [`summed_share`] of [`two`]'s weights over an in-process group of `world`.
     fn shares(world: usize, stage: ZeroStage, bucket: usize) -> Vec<Vec<u32>> {
+        on_ranks(world, |rank, group| {
+            let model = two(rank);
+            let layout = FlatLayout::of::<Cpu, _>(&model, world);
+            let pieces = FlatPieces::weights::<Cpu, _>(&model);
+            let share = summed_share(pieces, &layout, Some(&group), stage, bucket);
+            let share = share.unwrap().range(0..layout.shard_len());
+            let share = share.into_data().to_vec::<f32>().unwrap();
+            share.iter().map(|v| v.to_bits()).collect()
+        })
+    }
+
+    /// `run(rank, group)` on every rank of an in-process group of `world`, each on a thread of
+    /// its own, the ranks' results in rank order.
+    pub(in crate::optimizer) fn on_ranks<T: Send>(
+        world: usize,
+        run: impl Fn(usize, DeviceGroup<Inner>) -> T + Sync,
+    ) -> Vec<T> {
         let groups = DeviceGroup::<Inner>::in_process(vec![Default::default(); world]);
+        let run = &run;
         std::thread::scope(|scope| {
             let ranks: Vec<_> = (groups.into_iter().enumerate())
-                .map(|(rank, group)| {
-                    scope.spawn(move || {
-                        let model = two(rank);
-                        let layout = FlatLayout::of::<Cpu, _>(&model, world);
-                        let pieces = FlatPieces::weights::<Cpu, _>(&model);
-                        let share = summed_share(pieces, &layout, Some(&group), stage, bucket);
-                        let share = share.unwrap().range(0..layout.shard_len());
-                        let share = share.into_data().to_vec::<f32>().unwrap();
-                        share.iter().map(|v| v.to_bits()).collect()
-                    })
-                })
+                .map(|(rank, group)| scope.spawn(move || run(rank, group)))
                 .collect();
             ranks.into_iter().map(|r| r.join().unwrap()).collect()
         })

@@ -103,8 +103,9 @@ pub struct TrainOptions {
     /// existed mean the device.
     #[config(default = "StatePlacement::Gpu")]
     pub optimizer_state: StatePlacement,
-    /// Bytes of state (12 per element) one chunk of a host-resident optimizer state brings to
-    /// the device at a time.
+    /// Bytes of state (12 per element) one chunk of a sharded optimizer's state holds: the
+    /// unit it updates, and a host-resident state brings to the device at a time (each vector's
+    /// chunk at most [`MAX_STEP_BUFFER_BYTES`](crate::optimizer::MAX_STEP_BUFFER_BYTES)).
     #[config(default = "crate::optimizer::DEFAULT_STATE_CHUNK_BYTES")]
     pub state_chunk_bytes: u64,
     /// Bytes of f32 one bucket of a sharded optimizer's gradient sum gathers (every rank's range

@@ -32,15 +32,16 @@ pub struct MemoryArgs {
     #[arg(long, value_enum, value_name = "gpu|host")]
     pub optimizer_state: Option<OptimizerState>,
 
-    /// Bytes of optimizer state one chunk of --optimizer-state host brings to the GPU (12 per
-    /// parameter of the rank's share): bytes, or with a unit (512MiB, 1GiB) [default: 512MiB]
+    /// Bytes of optimizer state one chunk of the sharded optimizer holds (12 per parameter of
+    /// the rank's share; the unit it updates, and --optimizer-state host brings to the GPU; at
+    /// most 768MiB): bytes, or with a unit (512MiB, 1GiB) [default: 512MiB]
     #[arg(long, value_name = "BYTES", value_parser = bytes)]
     pub optimizer_chunk: Option<u64>,
 
     /// Bytes of f32 one bucket of the sharded optimizer's (--zero 1|2) gradient sum gathers,
     /// every GPU's range of it together (one collective's input): memory only, the steps'
-    /// numbers do not change; bytes, or with a unit (64MiB, 1GiB) (default: 256MiB, or beside
-    /// --resume the checkpoint's)
+    /// numbers do not change; at most 256MiB; bytes, or with a unit (64MiB, 1GiB) (default:
+    /// 256MiB, or beside --resume the checkpoint's)
     #[arg(long, value_name = "BYTES", value_parser = bytes)]
     pub grad_bucket: Option<u64>,
 

@@ -245,4 +245,19 @@ mod tests {
         assert_eq!(pages, [16 << 20, 64 << 20, 256 << 20]);
         assert_eq!(pools.largest_sliced().unwrap().max_slice, 32 << 20);
     }
+
+    #[test]
+    fn a_sharded_step_buffers_bound_is_half_the_largest_slice_of_a_16_gib_gpu_or_more() {
+        use crate::optimizer::MAX_STEP_BUFFER_BYTES;
+        assert_eq!(
+            PoolClasses::cuda(16 << 30).largest_sliced_slice(),
+            512 << 20
+        );
+        for gib in [16u64, 24, 40, 80, 139, 192] {
+            let pools = PoolClasses::cuda(gib << 30);
+            let slice = pools.largest_sliced_slice();
+            assert!(2 * MAX_STEP_BUFFER_BYTES <= slice, "{gib} GiB");
+            assert_eq!(pools.paged_class(MAX_STEP_BUFFER_BYTES), None, "{gib} GiB");
+        }
+    }
 }

@@ -9,7 +9,6 @@ use burn_distflash::layers::CheckpointPlacement;
 use super::activations::Widths;
 use super::pool_classes::PoolClasses;
 use super::OptimizerStepMemory;
-use crate::train::MemoryReport;
 
 /// Bytes of f32.
 const F32: u64 = 4;
@@ -141,15 +140,14 @@ impl ActivationShapes {
 
 impl StepBuffers {
     /// The buffers of a step with these activations, `attention_is_busiest` saying which half
-    /// of a block's backward the planner counted, and the optimizer step `step` of the state
-    /// `report` counts.
+    /// of a block's backward the planner counted, and the optimizer step `step` (a sharded
+    /// state's chunks in every phase, the step's own buffers in its phase).
     pub fn of(
         shapes: &ActivationShapes,
         attention_is_busiest: bool,
-        report: &MemoryReport,
         step: &OptimizerStepMemory,
     ) -> Self {
-        let (state, vectors) = optimizer_vectors(report, step);
+        let (state, vectors) = (step.state_buffers(), step.step_buffers());
         let loss = [
             state.clone(),
             shapes.checkpoints(shapes.layers_on_gpu),
@@ -169,29 +167,6 @@ impl StepBuffers {
             optimizer: [state, vectors].concat(),
         }
     }
-}
-
-/// A sharded optimizer's flat vectors: its state on the GPU (the f32 master share and the two
-/// moments, or two chunks of three vectors each when the state lives in host memory), and the
-/// step's own (the summed f32 share, the update writing the state in place; the bucket counted
-/// as one buffer, the updated weights as one vector of the whole model when the state is on the GPU:
-/// cast and, on a group, all-gathered). A replicated state is per parameter: none.
-fn optimizer_vectors(report: &MemoryReport, step: &OptimizerStepMemory) -> (Buffers, Buffers) {
-    if !report.stage.is_sharded() {
-        return (Vec::new(), Vec::new());
-    }
-    let share = F32 * (report.parameters as u64).div_ceil(report.world.max(1) as u64);
-    let on_host = report.host_optimizer > 0;
-    let state = match on_host {
-        true => vec![step.state / 6; 6],
-        false => vec![step.state / 3; 3],
-    };
-    let mut vectors = vec![share; (step.share / share.max(1)) as usize];
-    vectors.push(step.bucket);
-    if !on_host {
-        vectors.push(step.updated_weights);
-    }
-    (state, vectors)
 }
 
 /// What CubeCL's pools reserve for a step's buffers that the planner counts by pages

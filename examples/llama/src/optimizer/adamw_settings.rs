@@ -2,10 +2,8 @@
 //! sharded optimizer's update of its f32 vectors from them: one fused pass in place on the CubeCL
 //! backends ([`TrainingKernels::adamw_update`]), Burn tensor operations elsewhere.
 
-use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 
-use super::optimizer_shard::OptimizerShard;
 use crate::training_kernels::AdamWStep;
 use crate::TrainingKernels;
 
@@ -39,29 +37,10 @@ impl AdamWSettings {
         }
     }
 
-    /// One AdamW update of `shard` from its (summed, clipped) f32 gradient `grad`, with Burn's
-    /// `AdamW` formulas: `m = b1 m + (1 - b1) g`, `v = b2 v + (1 - b2) g^2`,
-    /// `p = p (1 - lr wd) - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)`.
-    pub(crate) fn update<B: AutodiffBackend<InnerBackend: TrainingKernels>>(
-        &self,
-        shard: OptimizerShard<B>,
-        grad: Tensor<B::InnerBackend, 1>,
-        lr: f64,
-    ) -> OptimizerShard<B> {
-        let time = shard.time + 1;
-        let vectors = [shard.master, shard.moment_1, shard.moment_2];
-        let [master, moment_1, moment_2] = self.update_vectors(vectors, grad, lr, time);
-        OptimizerShard {
-            layout: shard.layout,
-            master,
-            moment_1,
-            moment_2,
-            time,
-        }
-    }
-
-    /// [`update`](Self::update) of master weights and moments `[p, m, v]` (any range of a
-    /// shard: the update is element-wise) into step `time`, through
+    /// One AdamW update of master weights and moments `[p, m, v]` (any range of a shard: the
+    /// update is element-wise) into step `time` from their (summed, clipped) f32 gradient `grad`,
+    /// with Burn's `AdamW` formulas: `m = b1 m + (1 - b1) g`, `v = b2 v + (1 - b2) g^2`,
+    /// `p = p (1 - lr wd) - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)`, through
     /// [`TrainingKernels::adamw_update`]: where the vectors are this call's alone, the CubeCL
     /// backends write the results over them.
     pub(crate) fn update_vectors<I: TrainingKernels>(

@@ -8,13 +8,16 @@
 //! [`ShardedAdamW`] is the mixed-precision alternative for groups: f32 master weights and
 //! moments split over the ranks ([`ZeroStage`] 1 and 2). Its checkpoints are one file per rank
 //! ([`write_shard_file`], [`ShardFile`]), read back at any world size ([`ShardSet`]). It sums the
-//! gradients over the group in buckets of a byte budget, never as one f32 vector of the whole
-//! model. Its state may live in host memory instead of on the device ([`StatePlacement::Host`]),
-//! streamed through the device in chunks at every step, with bitwise the same results and the
-//! same files. Its update is the same kernel, writing the master weights and moments over
-//! themselves ([`AdamWSettings`], [`TrainingKernels::adamw_update`]).
+//! gradients over the group in buckets of a byte budget and keeps its state in chunks, updated
+//! and written back chunk by chunk: no buffer of its step is larger than
+//! [`MAX_STEP_BUFFER_BYTES`] but the model's own tensors. Its state may live in host memory
+//! instead of on the device ([`StatePlacement::Host`]), streamed through the device chunk by
+//! chunk at every step, with bitwise the same results and the same files. Its update is the same
+//! kernel, writing each chunk's master weights and moments over themselves ([`AdamWSettings`],
+//! [`TrainingKernels::adamw_update`]).
 
 mod adamw_settings;
+mod device_shard;
 mod flat;
 mod flat_pieces;
 mod host_shard;
@@ -38,7 +41,8 @@ pub use shard_file::{
 pub use shard_set::ShardSet;
 pub use sharded::ShardedAdamW;
 pub use state_chunks::{
-    bucket_elements, chunk_elements, DEFAULT_GRAD_BUCKET_BYTES, STATE_BYTES_PER_ELEMENT,
+    bucket_elements, chunk_elements, gather_elements, DEFAULT_GRAD_BUCKET_BYTES,
+    MAX_STEP_BUFFER_BYTES, STATE_BYTES_PER_ELEMENT,
 };
 pub use state_placement::{StatePlacement, DEFAULT_STATE_CHUNK_BYTES};
 pub use zero_stage::ZeroStage;

@@ -1,5 +1,6 @@
-//! [`OptimizerShard`]: one rank's share of a sharded optimizer's f32 state on the device, the
-//! form in which it is restored from a checkpoint and handed out.
+//! [`OptimizerShard`]: one rank's share of a sharded optimizer's f32 state on the device as whole
+//! vectors, the form in which it is handed out and restored (the optimizer itself keeps it in
+//! chunks).
 
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;

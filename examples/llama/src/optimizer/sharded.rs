@@ -5,25 +5,31 @@
 //! model's float parameters are laid end to end in a [`FlatLayout`]; rank `r` of `P` owns
 //! elements `r * n .. (r + 1) * n` of it as f32 master weights and f32 moments. One step:
 //!
-//! 1. this rank's share of the gradients' sum is made bucket by bucket ([`summed_share`]): each
-//!    bucket gathers the same range of every rank's share in f32 from the parameters' gradients,
-//!    stage 2 reduce-scatters it (each rank receives only its range of the sum), stage 1
-//!    all-reduces it and keeps its range; no f32 vector of the whole model is made;
+//! 1. on a group, this rank's share of the gradients' sum is made bucket by bucket
+//!    ([`summed_share`]): each bucket gathers the same range of every rank's share in f32 from
+//!    the parameters' gradients, stage 2 reduce-scatters it (each rank receives only its range of
+//!    the sum), stage 1 all-reduces it and keeps its range; each bucket's sum stays a tensor of
+//!    its own. On one device the gradients are read in ranges straight from the parameters'
+//!    gradients ([`FlatPieces`]);
 //! 2. the global gradient norm comes from the shares' squares (summed in fixed blocks, each one
 //!    pass of [`TrainingKernels::squared_norm`], then the blocks' sums) with one all-reduce of a
-//!    scalar, and the share is scaled down when the norm exceeds the clipping norm;
-//! 3. AdamW updates the share in f32 (Burn's `AdamW` formulas, [`AdamWSettings::update`]): on
-//!    the CubeCL backends one kernel pass that writes the master weights and moments over
-//!    themselves, elsewhere (and under `DISTFLASH_UNFUSED_OPTIMIZER=1`) Burn tensor operations;
-//! 4. the updated shares, cast to the weights' type, are all-gathered and written back into the
-//!    parameters.
+//!    scalar, and the gradient is scaled down when the norm exceeds the clipping norm;
+//! 3. the state, in chunks of the same byte budget wherever it lives, is updated chunk by chunk
+//!    in f32 (Burn's `AdamW` formulas, [`AdamWSettings::update_vectors`]): on the CubeCL backends
+//!    one kernel pass that writes the chunk's master weights and moments over themselves,
+//!    elsewhere (and under `DISTFLASH_UNFUSED_OPTIMIZER=1`) Burn tensor operations;
+//! 4. each chunk's updated master weights, cast to the weights' type, are all-gathered (in
+//!    pieces of at most [`MAX_STEP_BUFFER_BYTES`](super::MAX_STEP_BUFFER_BYTES)) and written
+//!    into the parameters as they complete ([`WeightWriter`]).
 //!
-//! Every step runs on the device; only the norm comes to the host. With
-//! [`StatePlacement::Host`] the master weights and moments live in host memory ([`HostShard`])
-//! and steps 3 and 4 run chunk by chunk as the chunks stream through the device, and on one
-//! device step 1 too (each chunk's gradient read from the parameters' gradients): element-wise
-//! the same operations, so bitwise the same results. The bucket size changes no number on
-//! in-process groups, on one device and over NCCL at two ranks (see [`summed_share`]).
+//! No buffer of the step is larger than
+//! [`MAX_STEP_BUFFER_BYTES`](super::MAX_STEP_BUFFER_BYTES) but the model's own tensors (a
+//! parameter, its gradient, its updated value): no f32 vector of the whole share, no vector of
+//! the whole model. Every step runs on the device; only the norm comes to the host. The state
+//! lives on the device ([`DeviceShard`]) or, with [`StatePlacement::Host`], in host memory
+//! ([`HostShard`]), each chunk streamed through the device for its update: element-wise the same
+//! operations, so bitwise the same results. The bucket size changes no number on in-process
+//! groups, on one device and over NCCL at two ranks (see [`summed_share`]).
 
 use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;
@@ -38,6 +44,7 @@ use burn::tensor::{DType, Device, TensorData};
 use burn_distflash::offload::HostOffload;
 
 use super::adamw_settings::AdamWSettings;
+use super::device_shard::{owned_f32, DeviceShard};
 use super::flat::FlatLayout;
 use super::flat_pieces::FlatPieces;
 use super::host_shard::{HostShard, StateVectors};
@@ -45,10 +52,11 @@ use super::optimizer_shard::OptimizerShard;
 use super::shard_file::{ShardData, ShardTensor};
 use super::shard_set::ShardSet;
 use super::state_chunks::{
-    bucket_elements, chunk_elements, norm_blocks, DEFAULT_GRAD_BUCKET_BYTES,
+    bucket_elements, chunk_elements, gather_elements, norm_blocks, ranges,
+    DEFAULT_GRAD_BUCKET_BYTES, MAX_STEP_BUFFER_BYTES,
 };
 use super::state_placement::{StatePlacement, DEFAULT_STATE_CHUNK_BYTES};
-use super::summed_share::{collective, primitive, summed_share};
+use super::summed_share::{collective, primitive, summed_share, SummedShare};
 use super::weight_writer::WeightWriter;
 use super::zero_stage::ZeroStage;
 use crate::{Error, TrainingKernels};
@@ -59,7 +67,7 @@ where
     B::InnerBackend: HostOffload + TrainingKernels,
 {
     /// On the device.
-    Device(OptimizerShard<B>),
+    Device(DeviceShard<B::InnerBackend>),
     /// In host memory, streamed through the device.
     Host(HostShard<B::InnerBackend>),
 }
@@ -77,6 +85,7 @@ where
     placement: StatePlacement,
     chunk_bytes: u64,
     bucket_bytes: u64,
+    gather_bytes: u64,
     state: Option<State<B>>,
 }
 
@@ -111,13 +120,16 @@ where
             placement: StatePlacement::Gpu,
             chunk_bytes: DEFAULT_STATE_CHUNK_BYTES,
             bucket_bytes: DEFAULT_GRAD_BUCKET_BYTES,
+            gather_bytes: MAX_STEP_BUFFER_BYTES,
             state: None,
         })
     }
 
-    /// This optimizer with its state kept at `placement`; under [`StatePlacement::Host`],
-    /// streamed through the device in chunks of `chunk_bytes` of state (12 bytes an element,
-    /// rounded down to a multiple of 1024 elements, at least 1024). Set before the state exists
+    /// This optimizer with its state kept at `placement`, in chunks of `chunk_bytes` of state
+    /// (12 bytes an element, rounded down to a multiple of 1024 elements, at least 1024, each
+    /// vector's chunk at most [`MAX_STEP_BUFFER_BYTES`](super::MAX_STEP_BUFFER_BYTES)), updated
+    /// chunk by chunk; under [`StatePlacement::Host`] streamed through the device chunk by
+    /// chunk. Set before the state exists
     /// (the first step, [`prepare`](Self::prepare) or [`load`](Self::load)).
     pub fn with_state_placement(mut self, placement: StatePlacement, chunk_bytes: u64) -> Self {
         self.placement = placement;
@@ -127,7 +139,8 @@ where
 
     /// This optimizer summing the gradients over the group in buckets of `bytes` of f32 (every
     /// rank's range of a bucket together, the input of one collective: `bytes / (4 P)` elements
-    /// of each share, rounded down to a multiple of 1024, at least 1024; default
+    /// of each share, rounded down to a multiple of 1024, at least 1024, the budget at most
+    /// [`MAX_STEP_BUFFER_BYTES`](super::MAX_STEP_BUFFER_BYTES); default
     /// [`DEFAULT_GRAD_BUCKET_BYTES`](super::DEFAULT_GRAD_BUCKET_BYTES)). Memory only: the steps'
     /// numbers do not depend on it (but over NCCL at more than two ranks, see
     /// [`summed_share`]). May change between steps.
@@ -139,6 +152,15 @@ where
     /// Sets the bucket size of [`with_grad_bucket_bytes`](Self::with_grad_bucket_bytes).
     pub fn set_grad_bucket_bytes(&mut self, bytes: u64) {
         self.bucket_bytes = bytes;
+    }
+
+    /// This optimizer all-gathering the updated weights on a group in pieces of at most `bytes`
+    /// (every rank's piece together; by default and at most
+    /// [`MAX_STEP_BUFFER_BYTES`](super::MAX_STEP_BUFFER_BYTES)). Memory only: the weights are
+    /// the same bits.
+    pub fn with_weight_gather_bytes(mut self, bytes: u64) -> Self {
+        self.gather_bytes = bytes;
+        self
     }
 
     /// The stage.
@@ -166,47 +188,53 @@ where
         }
     }
 
-    /// This rank's f32 master weights, on the device (`None` before the first step).
+    /// This rank's f32 master weights, whole, on the device (`None` before the first step).
     pub fn master_weights(&self) -> Option<Tensor<B::InnerBackend, 1>> {
         match self.state.as_ref()? {
-            State::Device(shard) => Some(shard.master.clone()),
+            State::Device(shard) => Some(shard.vector(0)),
             State::Host(host) => Some(host.vector(0)),
         }
     }
 
     /// This rank's share of the state on the device: the one the steps built, or before the
     /// first step the one the first step would start from (`model`'s weights, zero moments, no
-    /// step taken). A host-resident state is copied whole to the device.
+    /// step taken), its vectors whole (the chunks concatenated, or a host-resident state copied
+    /// to the device).
     pub fn shard<M: AutodiffModule<B>>(&self, model: &M) -> OptimizerShard<B> {
+        let whole =
+            |layout: &FlatLayout, time, vector: &dyn Fn(usize) -> Tensor<_, 1>| OptimizerShard {
+                layout: layout.clone(),
+                master: vector(0),
+                moment_1: vector(1),
+                moment_2: vector(2),
+                time,
+            };
         match &self.state {
-            Some(State::Device(shard)) => shard.clone(),
-            Some(State::Host(host)) => OptimizerShard {
-                layout: host.layout.clone(),
-                master: host.vector(0),
-                moment_1: host.vector(1),
-                moment_2: host.vector(2),
-                time: host.time,
-            },
+            Some(State::Device(shard)) => whole(&shard.layout, shard.time, &|v| shard.vector(v)),
+            Some(State::Host(host)) => whole(&host.layout, host.time, &|v| host.vector(v)),
             None => self.first_shard(model, FlatLayout::of::<B, M>(model, self.rank().1)),
         }
     }
 
-    /// This rank's share of the state read into host memory, for a checkpoint (a host-resident
-    /// state is read chunk by chunk, never brought to the device whole).
+    /// This rank's share of the state read into host memory, for a checkpoint (read chunk by
+    /// chunk, never made whole on the device).
     pub fn shard_data<M: AutodiffModule<B>>(&self, model: &M) -> ShardData {
-        match &self.state {
-            Some(State::Host(host)) => ShardData {
-                layout: host.layout.clone(),
-                time: host.time,
-                vectors: [0, 1, 2].map(|v| host.read(v)),
-            },
-            _ => ShardData::of(&self.shard(model)),
+        let (layout, time, read): (_, _, &dyn Fn(usize) -> TensorData) = match &self.state {
+            Some(State::Host(host)) => (&host.layout, host.time, &|v| host.read(v)),
+            Some(State::Device(shard)) => (&shard.layout, shard.time, &|v| shard.read(v)),
+            None => return ShardData::of(&self.shard(model)),
+        };
+        ShardData {
+            layout: layout.clone(),
+            time,
+            vectors: [0, 1, 2].map(read),
         }
     }
 
-    /// Replaces this rank's share of the state by `shard` (read from a checkpoint); the next
-    /// [`step`](Self::step) continues from it. Under [`StatePlacement::Host`] the shard moves
-    /// to host memory.
+    /// Replaces this rank's share of the state by `shard` (whole vectors, such as
+    /// [`ShardSet::shard`] reads); the next [`step`](Self::step) continues from it. Its vectors
+    /// are copied into the state's chunks, under [`StatePlacement::Host`] into host memory
+    /// ([`load`](Self::load) reads a checkpoint chunk by chunk instead).
     ///
     /// # Errors
     ///
@@ -235,24 +263,19 @@ where
                 ));
             }
         }
-        self.state = Some(match self.placement {
-            StatePlacement::Gpu => State::Device(shard),
-            StatePlacement::Host => {
-                let device = shard.master.device();
-                let vectors = [&shard.master, &shard.moment_1, &shard.moment_2];
-                State::Host(
-                    self.host_shard(shard.layout.clone(), shard.time, &device, |r| {
-                        vectors.map(|v| v.clone().narrow(0, r.start, r.len()))
-                    })?,
-                )
-            }
-        });
+        let device = shard.master.device();
+        let vectors = [&shard.master, &shard.moment_1, &shard.moment_2];
+        // Each chunk a copy of its own: a view would keep the whole vector allocated.
+        let state = self.placed_state(shard.layout.clone(), shard.time, &device, |r| {
+            vectors.map(|v| owned_f32(v.clone().narrow(0, r.start, r.len())))
+        })?;
+        self.state = Some(state);
         Ok(())
     }
 
     /// Replaces this rank's share of the state by its share of `layout` (the loaded model's,
-    /// over this group's world size) in the checkpoint `set`, on `device`: under
-    /// [`StatePlacement::Host`] chunk by chunk into host memory, never whole on the device.
+    /// over this group's world size) in the checkpoint `set`, on `device`, chunk by chunk (into
+    /// host memory under [`StatePlacement::Host`]), never whole on the device.
     ///
     /// # Errors
     ///
@@ -263,27 +286,21 @@ where
         layout: FlatLayout,
         device: &Device<B::InnerBackend>,
     ) -> Result<(), Error> {
-        let rank = self.rank().0;
-        match self.placement {
-            StatePlacement::Gpu => self.restore(set.shard::<B>(layout, rank, device)),
-            StatePlacement::Host => {
-                let start = rank * layout.shard_len();
-                let time = set.header().optimizer_step;
-                let shard = self.host_shard(layout, time, device, |r| {
-                    ShardTensor::ALL.map(|t| {
-                        let values = set.read(t, start + r.start, r.len());
-                        let data = TensorData::new(values, [r.len()]);
-                        Tensor::from_data(data, (device, DType::F32))
-                    })
-                })?;
-                self.state = Some(State::Host(shard));
-                Ok(())
-            }
-        }
+        let start = self.rank().0 * layout.shard_len();
+        let time = set.header().optimizer_step;
+        let state = self.placed_state(layout, time, device, |r| {
+            ShardTensor::ALL.map(|t| {
+                let values = set.read(t, start + r.start, r.len());
+                let data = TensorData::new(values, [r.len()]);
+                Tensor::from_data(data, (device, DType::F32))
+            })
+        })?;
+        self.state = Some(state);
+        Ok(())
     }
 
-    /// Makes the state from `model`'s weights unless it exists: on the device, or under
-    /// [`StatePlacement::Host`] chunk by chunk in host memory, which is first checked against
+    /// Makes the state from `model`'s weights unless it exists, chunk by chunk: on the device,
+    /// or under [`StatePlacement::Host`] in host memory, which is first checked against
     /// what the host has available (less the offload's headroom) and on CUDA pinned, so that a
     /// host without enough fails here, before a step's work. [`step`](Self::step) calls it;
     /// call it before the first step's forward to fail before any work.
@@ -302,32 +319,35 @@ where
         let layout = FlatLayout::of::<B, M>(model, world);
         // Every rank's model has the same structure (one collective), before any state exists.
         self.check(&layout)?;
-        self.state = Some(match self.placement {
-            StatePlacement::Gpu => State::Device(self.first_shard(model, layout)),
-            StatePlacement::Host => {
-                let weights = FlatPieces::weights::<B, M>(model);
-                let start = rank * layout.shard_len();
-                let device = weights.device().clone();
-                State::Host(self.host_shard(layout, 0, &device, |r| {
-                    let master = weights.range(start + r.start..start + r.end);
-                    let zeros = master.zeros_like();
-                    [master, zeros.clone(), zeros]
-                })?)
-            }
-        });
+        let weights = FlatPieces::weights::<B, M>(model);
+        let start = rank * layout.shard_len();
+        let device = weights.device().clone();
+        let state = self.placed_state(layout, 0, &device, |r| {
+            let master = weights.range(start + r.start..start + r.end);
+            // Two vectors of zeros, not one shared: the first update may then write over each.
+            let [moment_1, moment_2] = [(); 2].map(|_| master.zeros_like());
+            [master, moment_1, moment_2]
+        })?;
+        self.state = Some(state);
         Ok(())
     }
 
-    /// A host-resident state of `layout`'s share at step `time`, each chunk made by `make`.
-    fn host_shard(
+    /// A state of `layout`'s share at step `time` at this optimizer's placement, in chunks of
+    /// its budget, each chunk made on `device` by `make`.
+    fn placed_state(
         &self,
         layout: FlatLayout,
         time: i32,
         device: &Device<B::InnerBackend>,
         make: impl FnMut(Range<usize>) -> StateVectors<B::InnerBackend>,
-    ) -> Result<HostShard<B::InnerBackend>, Error> {
+    ) -> Result<State<B>, Error> {
         let chunk = chunk_elements(self.chunk_bytes);
-        HostShard::build(layout, time, chunk, device, make)
+        Ok(match self.placement {
+            StatePlacement::Gpu => State::Device(DeviceShard::build(layout, time, chunk, make)),
+            StatePlacement::Host => {
+                State::Host(HostShard::build(layout, time, chunk, device, make)?)
+            }
+        })
     }
 
     /// One step: `model` updated from its gradients `grads` (this rank's, summed over the group
@@ -348,7 +368,7 @@ where
         lr: f64,
         clip: f64,
         model: M,
-        mut grads: GradientsParams,
+        grads: GradientsParams,
     ) -> Result<(M, f64), Error> {
         let world = self.rank().1;
         let layout = FlatLayout::of::<B, M>(&model, world);
@@ -356,92 +376,102 @@ where
         // model's with the state's.
         self.prepare(&model)?;
         self.check(&layout)?;
-        let state = self.state.take().expect("prepared");
-        let (state, model, norm) = match state {
-            State::Device(shard) => {
-                let grad = self.summed_share(&layout, &model, &mut grads)?;
-                let n = layout.shard_len();
-                let norm = self.global_norm(n, |r| grad.clone().narrow(0, r.start, r.len()))?;
-                let grad = clipped(grad, clip_scale(clip, norm));
-                let shard = self.settings.update(shard, grad, lr);
-                let model = self.write_back(&layout, model, shard.master.clone())?;
-                (State::Device(shard), model, norm)
-            }
-            State::Host(mut host) => {
-                let (model, norm) = self.step_streamed(&mut host, lr, clip, model, grads)?;
-                (State::Host(host), model, norm)
-            }
-        };
+        let mut state = self.state.take().expect("prepared");
+        let (model, norm) = self.step_chunks(&mut state, lr, clip, model, grads)?;
         self.state = Some(state);
         Ok((model, norm))
     }
 
-    /// [`step`](Self::step) of a host-resident state: the gradient norm from the gradient's
-    /// blocks, then each chunk of state streamed through the device with its chunk of the
-    /// gradient, its updated weights (gathered over the group chunk by chunk) written into the
-    /// parameters as they complete ([`WeightWriter`]: no vector of the whole model's weights).
-    /// On one device the gradient's chunks are read from the parameters' gradients (no f32 copy
-    /// of the whole gradient); on a group the summed share is made as on the device.
-    fn step_streamed<M: AutodiffModule<B>>(
+    /// [`step`](Self::step) of the state `state`: the gradient norm from the gradient's blocks,
+    /// then each chunk of state updated with its chunk of the gradient (streamed through the
+    /// device when in host memory), its updated weights (gathered over the group) written into
+    /// the parameters as they complete ([`WeightWriter`]: no vector of the whole model's
+    /// weights). On one device the gradient's chunks are read from the parameters' gradients (no
+    /// f32 copy of the whole gradient); on a group from the summed share, made bucket by bucket.
+    fn step_chunks<M: AutodiffModule<B>>(
         &self,
-        host: &mut HostShard<B::InnerBackend>,
+        state: &mut State<B>,
         lr: f64,
         clip: f64,
         model: M,
         mut grads: GradientsParams,
     ) -> Result<(M, f64), Error> {
-        let layout = host.layout.clone();
-        let share = match &self.group {
-            None => None,
-            Some(_) => Some(self.summed_share(&layout, &model, &mut grads)?),
+        let (layout, time) = match state {
+            State::Device(shard) => (shard.layout.clone(), shard.time + 1),
+            State::Host(host) => (host.layout.clone(), host.time + 1),
         };
-        let mut pieces =
-            (share.is_none()).then(|| FlatPieces::gradients::<B, M>(&model, &mut grads));
-        let read = |pieces: &Option<FlatPieces<_>>, r: Range<usize>| match (&share, pieces) {
-            (Some(share), _) => share.clone().narrow(0, r.start, r.len()),
-            (None, Some(pieces)) => pieces.range(r),
-            (None, None) => unreachable!("the gradients are read from the share or the pieces"),
+        let mut gradient = match &self.group {
+            None => Gradient::Pieces(FlatPieces::gradients::<B, M>(&model, &mut grads)),
+            Some(_) => Gradient::Share(self.summed_share(&layout, &model, &mut grads)?),
         };
         let n = layout.shard_len();
-        let norm = self.global_norm(n, |r| read(&pieces, r))?;
+        let norm = self.global_norm(n, |r| gradient.range(r))?;
         let scale = clip_scale(clip, norm);
-        let world = self.rank().1;
         let mut writer = WeightWriter::new(&layout);
-        let time = host.time + 1;
-        host.stream(|r, vectors| {
-            let grad = clipped(read(&pieces, r.clone()), scale);
+        let mut update = |r: Range<usize>, vectors: StateVectors<B::InnerBackend>| {
+            let grad = clipped(gradient.range(r.clone()), scale);
             // The chunks come in order: the gradients before this one's end are read for good,
             // and their memory can hold the new weights the writer is assembling.
-            if let Some(pieces) = pieces.as_mut() {
-                pieces.release_read(n, r.end);
-            }
+            gradient.release_read(n, r.end);
             let updated = self.settings.update_vectors(vectors, grad, lr, time);
-            let chunk = updated[0].clone().cast(layout.wire_dtype());
-            match &self.group {
-                None => writer.write(r.start, chunk),
-                Some(group) => {
-                    let all = collective(group.all_gather(primitive(chunk)), "the weights")?;
-                    for rank in 0..world {
-                        let theirs = all.clone().narrow(0, rank * r.len(), r.len());
-                        writer.write(rank * n + r.start, theirs);
-                    }
-                }
+            self.write_weights(&mut writer, &layout, r, updated[0].clone())?;
+            Ok::<_, Error>(updated)
+        };
+        match state {
+            State::Device(shard) => {
+                shard.stream(&mut update)?;
+                shard.time = time;
             }
-            Ok(updated)
-        })?;
-        host.time = time;
+            State::Host(host) => {
+                host.stream(&mut update)?;
+                host.time = time;
+            }
+        }
         Ok((writer.into_model::<B, M>(model), norm))
     }
 
+    /// Writes the updated master weights `master` of elements `range` of this rank's share into
+    /// `writer`, cast to the weights' wire type; on a group every rank's same range, all-gathered
+    /// in pieces of at most [`MAX_STEP_BUFFER_BYTES`](super::MAX_STEP_BUFFER_BYTES).
+    fn write_weights(
+        &self,
+        writer: &mut WeightWriter<B::InnerBackend>,
+        layout: &FlatLayout,
+        range: Range<usize>,
+        master: Tensor<B::InnerBackend, 1>,
+    ) -> Result<(), Error> {
+        let wire = layout.wire_dtype();
+        let chunk = master.cast(wire);
+        let Some(group) = &self.group else {
+            writer.write(range.start, chunk);
+            return Ok(());
+        };
+        let (world, n) = (group.world_size(), layout.shard_len());
+        let gather = gather_elements(self.gather_bytes, wire.size(), world);
+        let pieces = ranges(range.len(), gather);
+        let whole = pieces.len() == 1;
+        for piece in pieces {
+            let (start, len) = (range.start + piece.start, piece.len());
+            let mine = match whole {
+                true => chunk.clone(),
+                false => chunk.clone().narrow(0, piece.start, len),
+            };
+            let all = collective(group.all_gather(primitive(mine)), "the weights")?;
+            for rank in 0..world {
+                writer.write(rank * n + start, all.clone().narrow(0, rank * len, len));
+            }
+        }
+        Ok(())
+    }
+
     /// This rank's share of the gradients (taken out of `grads`) summed over the group, in f32,
-    /// in buckets of the optimizer's size ([`summed_share`]); on one device the gradients laid
-    /// end to end.
+    /// in buckets of the optimizer's size ([`summed_share`]).
     fn summed_share<M: AutodiffModule<B>>(
         &self,
         layout: &FlatLayout,
         model: &M,
         grads: &mut GradientsParams,
-    ) -> Result<Tensor<B::InnerBackend, 1>, Error> {
+    ) -> Result<SummedShare<B::InnerBackend>, Error> {
         let pieces = FlatPieces::gradients::<B, M>(model, grads);
         let bucket = bucket_elements(self.bucket_bytes, self.rank().1);
         summed_share(pieces, layout, self.group.as_ref(), self.stage, bucket)
@@ -469,22 +499,6 @@ where
             Some(group) => collective(group.all_reduce(primitive(squared)), "the gradient norm")?,
         };
         Ok(squared.into_scalar().elem::<f64>().sqrt())
-    }
-
-    /// `model` with the updated master weights `master` (this rank's share, any float type)
-    /// gathered over the group and written back in the weights' types.
-    fn write_back<M: AutodiffModule<B>>(
-        &self,
-        layout: &FlatLayout,
-        model: M,
-        master: Tensor<B::InnerBackend, 1>,
-    ) -> Result<M, Error> {
-        let update = master.cast(layout.wire_dtype());
-        let weights = match &self.group {
-            None => update,
-            Some(group) => collective(group.all_gather(primitive(update)), "the weights")?,
-        };
-        Ok(layout.write_back::<B, M>(model, weights))
     }
 
     /// Refuses a model whose structure differs from the first step's on this rank, or (at the
@@ -560,6 +574,33 @@ where
     }
 }
 
+/// Where a step reads this rank's share of the summed gradients.
+enum Gradient<I: Backend> {
+    /// One device's: the parameters' gradients, read in ranges.
+    Pieces(FlatPieces<I>),
+    /// A group's: the summed share, in buckets.
+    Share(SummedShare<I>),
+}
+
+impl<I: Backend> Gradient<I> {
+    /// Elements `range` of the share, in f32.
+    fn range(&self, range: Range<usize>) -> Tensor<I, 1> {
+        match self {
+            Self::Pieces(pieces) => pieces.range(range),
+            Self::Share(share) => share.range(range),
+        }
+    }
+
+    /// Lets go of what lies wholly before offset `end` of the share (`n` elements), read for
+    /// good.
+    fn release_read(&mut self, n: usize, end: usize) {
+        match self {
+            Self::Pieces(pieces) => pieces.release_read(n, end),
+            Self::Share(share) => share.release_before(end),
+        }
+    }
+}
+
 /// `grad` scaled by `scale`, when there is one.
 fn clipped<I: Backend>(grad: Tensor<I, 1>, scale: Option<f64>) -> Tensor<I, 1> {
     match scale {
@@ -580,4 +621,75 @@ fn collective_values(result: Result<Vec<Vec<u64>>, PluginError>) -> Result<Vec<V
         what: "the parameter layouts",
         source,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::{Autodiff, NdArray};
+    use burn::nn::Linear;
+
+    use crate::optimizer::summed_share::tests::{linears, on_ranks};
+
+    type Cpu = Autodiff<NdArray<f32>>;
+    type Layers = (Linear<Cpu>, Linear<Cpu>);
+
+    /// Two linear layers (64 x 48 + 48, then 48 x 40 + 40: 5080 elements) of set values (no
+    /// draw from NdArray's shared generator).
+    fn layers() -> Layers {
+        linears([(64, 48), (48, 40)], |e| {
+            ((e * 37) % 101) as f32 / 400.0 - 0.125
+        })
+    }
+
+    /// Rank `rank`'s inputs at `step`: 5 rows of 64.
+    fn inputs(rank: usize, step: usize) -> Tensor<Cpu, 2> {
+        let x: Vec<f32> = (0..5 * 64)
+            .map(|e| ((e * 13 + rank * 7 + step * 3) % 17) as f32 / 8.0 - 1.0)
+            .collect();
+        Tensor::<Cpu, 1>::from_floats(x.as_slice(), &Default::default()).reshape([5, 64])
+    }
+
+    /// Every rank's weights' bits after two steps of `sum((x W1 W2)^2)` at stage 2 over `world`
+    /// in-process ranks, the state on the device in chunks of 2048 elements, the updated
+    /// weights gathered in pieces of `gather_bytes`.
+    fn weights_after_steps(world: usize, gather_bytes: u64) -> Vec<Vec<u32>> {
+        let settings = AdamWSettings {
+            beta_1: 0.9,
+            beta_2: 0.99,
+            epsilon: 1e-8,
+            weight_decay: 0.01,
+        };
+        on_ranks(world, |rank, group| {
+            let optim = ShardedAdamW::<Cpu>::new(ZeroStage::Gradients, settings, Some(group));
+            let optim = optim.unwrap();
+            let optim = optim.with_state_placement(StatePlacement::Gpu, 12 * 2048);
+            let mut optim = optim.with_weight_gather_bytes(gather_bytes);
+            let mut model = layers();
+            for step in 0..2 {
+                let y = model.1.forward(model.0.forward(inputs(rank, step)));
+                let loss = y.powf_scalar(2.0).sum();
+                let grads = GradientsParams::from_grads(loss.backward(), &model);
+                model = optim.step(1e-2, 0.0, model, grads).unwrap().0;
+            }
+            let flat = FlatLayout::of::<Cpu, _>(&model, 1).weights::<Cpu, _>(&model);
+            let flat = flat.into_data().to_vec::<f32>().unwrap();
+            flat.iter().map(|v| v.to_bits()).collect()
+        })
+    }
+
+    #[test]
+    fn weights_gathered_in_pieces_are_bitwise_those_gathered_whole_on_every_rank() {
+        for world in [2, 3] {
+            let whole = weights_after_steps(world, MAX_STEP_BUFFER_BYTES);
+            assert!(whole.iter().all(|w| *w == whole[0]), "{world} ranks agree");
+            // Pieces of 1024 elements of each share: two a chunk of 2048 (shares of 2540 and
+            // 1694 elements: the last chunk one piece, or two of which the last is short).
+            let pieces = weights_after_steps(world, (4 * 1024 * world) as u64);
+            assert!(
+                pieces == whole,
+                "{world} ranks, gathers of 1024 elements a share"
+            );
+        }
+    }
 }

@@ -9,17 +9,17 @@ use serde::{Deserialize, Serialize};
 use crate::Error;
 
 /// Bytes of optimizer state (master weights and both moments together, 12 bytes per element)
-/// one chunk of a host-resident state brings to the device at a time, by default: 512 MiB.
+/// one chunk holds (the unit the step updates, and a host-resident state brings to the device),
+/// by default: 512 MiB.
 pub const DEFAULT_STATE_CHUNK_BYTES: u64 = 512 << 20;
 
 /// Where [`ShardedAdamW`](super::ShardedAdamW) keeps each rank's f32 master weights and moments.
 ///
-/// - [`Gpu`](Self::Gpu): on the device, updated in one pass.
+/// - [`Gpu`](Self::Gpu): on the device, in chunks of a byte budget updated one by one.
 /// - [`Host`](Self::Host): in host memory (pinned on CUDA), streamed through the device in
-///   chunks of a byte budget: a chunk comes in while the one before is updated, and goes back
-///   once updated. Bitwise the same results; the device holds two chunks of state instead of
-///   all of it, and at one rank no f32 share of the gradient (each chunk's read from the
-///   parameters' gradients).
+///   the same chunks: a chunk comes in while the one before is updated, and goes back once
+///   updated. Bitwise the same results; the device holds two chunks of state instead of all of
+///   it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 pub enum StatePlacement {
     /// On the device (the default).

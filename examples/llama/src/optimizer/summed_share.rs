@@ -1,14 +1,16 @@
 //! [`summed_share`]: this rank's share of the gradients summed over a group, in f32, made bucket
-//! by bucket straight from the gradients in their own float types ([`FlatPieces`]), so that no
-//! f32 vector of the whole model is ever made.
+//! by bucket straight from the gradients in their own float types ([`FlatPieces`]) and kept as
+//! one tensor per bucket ([`SummedShare`]), so that no f32 vector of the whole model or of the
+//! whole share is ever made.
 //!
 //! Each rank's share is cut into buckets of `k` elements (the same offsets in every share). For
 //! a bucket at offsets `a .. a + k`, the ranges `r s + a .. r s + a + k` of every rank `r` (`s`
 //! the share's length) are read in f32 and concatenated (`P k` elements, the gradient pieces
 //! cast as they are read), and one collective sums them: stage 2 reduce-scatters the bucket (each
-//! rank receives its `k` elements of the sum), stage 1 all-reduces it and keeps its `k`. The sum
-//! is written into the share at `a` (a share of its own, allocated once). A gradient piece is let
-//! go once the last bucket that reads it is read.
+//! rank receives its `k` elements of the sum), stage 1 all-reduces it and copies its `k` out (so
+//! that the whole bucket's sum is let go). Each bucket's sum is kept as a tensor of its own, read
+//! back in any ranges ([`SummedShare::range`]). A gradient piece is let go once the last bucket
+//! that reads it is read.
 //!
 //! The sums are element-wise, so the buckets change no number where a collective's order of
 //! addition does not depend on the tensor's size: in-process groups add every element's
@@ -19,21 +21,71 @@
 //! element's place in the buffer: the sum may differ in its last bits from an unbucketed one (and
 //! between stages), by reassociation only.
 //!
-//! On one device the share is the gradients laid end to end, copied bucket by bucket the same
-//! way (no collective).
+//! On one device the share is the gradients laid end to end, read bucket by bucket the same way
+//! (no collective).
 
 use std::ops::Range;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Tensor, TensorPrimitive};
+use burn::tensor::{Tensor, TensorPrimitive};
 use burn_distflash::{DeviceGroup, Error as PluginError};
 
+use super::device_shard::owned_f32;
 use super::flat::FlatLayout;
 use super::flat_pieces::FlatPieces;
 use super::state_chunks::ranges;
 use super::zero_stage::ZeroStage;
 use crate::Error;
+
+/// This rank's share of the gradients summed over a group, in f32, one tensor per bucket (see
+/// the module's documentation).
+pub struct SummedShare<I: Backend> {
+    /// Each bucket's range of the share and its sum (`None` once let go).
+    buckets: Vec<(Range<usize>, Option<Tensor<I, 1>>)>,
+}
+
+impl<I: Backend> SummedShare<I> {
+    /// Elements `range` of the share: a view of one bucket's sum, or the buckets' parts
+    /// concatenated when `range` spans several.
+    ///
+    /// # Panics
+    ///
+    /// When `range` holds elements [`release_before`](Self::release_before) let go of, or lies
+    /// past the share (a caller's bug).
+    pub fn range(&self, range: Range<usize>) -> Tensor<I, 1> {
+        let mut parts = Vec::new();
+        for (bucket, sum) in &self.buckets {
+            let (start, end) = (range.start.max(bucket.start), range.end.min(bucket.end));
+            if start < end {
+                let sum = sum.as_ref().unwrap_or_else(|| {
+                    panic!("elements {range:?} of the summed share read after being let go")
+                });
+                parts.push(sum.clone().narrow(0, start - bucket.start, end - start));
+            }
+        }
+        let covered: usize = parts.iter().map(|p| p.dims()[0]).sum();
+        assert_eq!(
+            covered,
+            range.len(),
+            "elements {range:?} of the summed share"
+        );
+        match parts.len() {
+            1 => parts.pop().expect("one part"),
+            _ => Tensor::cat(parts, 0),
+        }
+    }
+
+    /// Lets go of every bucket whose elements all lie before `end`: a pass reading the share in
+    /// order up to `end` needs them no more.
+    pub fn release_before(&mut self, end: usize) {
+        for (bucket, sum) in &mut self.buckets {
+            if bucket.end <= end {
+                *sum = None;
+            }
+        }
+    }
+}
 
 /// This rank's share of the gradients `pieces` (laid out as `layout`) summed over `group`
 /// (`None`: one device, whose share is the whole vector), in f32, in buckets of `bucket` elements
@@ -49,48 +101,27 @@ pub fn summed_share<I: Backend>(
     group: Option<&DeviceGroup<I>>,
     stage: ZeroStage,
     bucket: usize,
-) -> Result<Tensor<I, 1>, Error> {
+) -> Result<SummedShare<I>, Error> {
     let (rank, world) = group.map_or((0, 1), |g| (g.rank(), g.world_size()));
     let n = layout.shard_len();
-    let buckets = ranges(n, bucket);
-    let mut share: Option<Tensor<I, 1>> = None;
-    for range in buckets {
+    let mut buckets = Vec::new();
+    for range in ranges(n, bucket) {
         let k = range.len();
         let input = pieces.gather((0..world).map(|r| r * n + range.start..r * n + range.end));
         pieces.release_read(n, range.end);
-        let (sum, own) = match (group, stage) {
-            (None, _) => (input, true),
-            (Some(group), ZeroStage::Gradients) => (
-                collective(group.reduce_scatter(primitive(input)), "the gradients")?,
-                true,
-            ),
+        let sum = match (group, stage) {
+            (None, _) => input,
+            (Some(group), ZeroStage::Gradients) => {
+                collective(group.reduce_scatter(primitive(input)), "the gradients")?
+            }
             (Some(group), _) => {
                 let all = collective(group.all_reduce(primitive(input)), "the gradients")?;
-                (all.narrow(0, rank * k, k), false)
+                owned_f32(all.narrow(0, rank * k, k))
             }
         };
-        share = Some(match share {
-            // One bucket whose sum is a tensor of its own: that is the share.
-            None if own && k == n => sum,
-            None => written(empty_f32(n, &sum.device()), range, sum),
-            Some(share) => written(share, range, sum),
-        });
+        buckets.push((range, Some(sum)));
     }
-    Ok(share.expect("a layout with elements has at least one bucket"))
-}
-
-/// `share` with elements `range` replaced by `values` (in place where `share` is not shared).
-fn written<I: Backend>(
-    share: Tensor<I, 1>,
-    range: Range<usize>,
-    values: Tensor<I, 1>,
-) -> Tensor<I, 1> {
-    share.slice_assign([range], values)
-}
-
-/// An f32 vector of `len` elements, each written before it is read.
-fn empty_f32<I: Backend>(len: usize, device: &I::Device) -> Tensor<I, 1> {
-    Tensor::empty([len], (device, DType::F32))
+    Ok(SummedShare { buckets })
 }
 
 /// A tensor's primitive, for the collectives.
@@ -109,7 +140,7 @@ pub(super) fn collective<I: Backend>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use burn::backend::{Autodiff, NdArray};
     use burn::module::Param;
@@ -121,13 +152,22 @@ mod tests {
     /// Two linear layers (3x5 + 5, then 5x2 + 2: 32 elements) whose weights are rank `rank`'s
     /// values of [`value`] (set, not drawn from NdArray's shared generator).
     fn two(rank: usize) -> (Linear<Cpu>, Linear<Cpu>) {
+        linears([(3, 5), (5, 2)], |e| value(rank, e))
+    }
+
+    /// Two linear layers of `dims` (inputs, outputs) whose flat vector's element `e` (weight,
+    /// then bias, of each in turn) is `value(e)`.
+    pub(in crate::optimizer) fn linears(
+        dims: [(usize, usize); 2],
+        value: impl Fn(usize) -> f32,
+    ) -> (Linear<Cpu>, Linear<Cpu>) {
         let device = Default::default();
         let mut next = 0;
-        let mut linear = |i, o| {
+        let mut linear = |(i, o): (usize, usize)| {
             let mut layer: Linear<Cpu> = LinearConfig::new(i, o).init(&device);
             let mut values = |len: usize| -> Vec<f32> {
                 next += len;
-                (next - len..next).map(|e| value(rank, e)).collect()
+                (next - len..next).map(&value).collect()
             };
             let weight = Tensor::<Cpu, 1>::from_floats(values(i * o).as_slice(), &device);
             layer.weight = Param::from_tensor(weight.reshape([i, o]));
@@ -135,7 +175,7 @@ mod tests {
             layer.bias = Some(Param::from_tensor(bias));
             layer
         };
-        (linear(3, 5), linear(5, 2))
+        (linear(dims[0]), linear(dims[1]))
     }
 
     /// Element `e` of rank `rank`'s flat vector: values of many magnitudes, so that the order
@@ -161,19 +201,28 @@ mod tests {
 
     /// Every rank's [`summed_share`] of [`two`]'s weights over an in-process group of `world`.
     fn shares(world: usize, stage: ZeroStage, bucket: usize) -> Vec<Vec<u32>> {
+        on_ranks(world, |rank, group| {
+            let model = two(rank);
+            let layout = FlatLayout::of::<Cpu, _>(&model, world);
+            let pieces = FlatPieces::weights::<Cpu, _>(&model);
+            let share = summed_share(pieces, &layout, Some(&group), stage, bucket);
+            let share = share.unwrap().range(0..layout.shard_len());
+            let share = share.into_data().to_vec::<f32>().unwrap();
+            share.iter().map(|v| v.to_bits()).collect()
+        })
+    }
+
+    /// `run(rank, group)` on every rank of an in-process group of `world`, each on a thread of
+    /// its own, the ranks' results in rank order.
+    pub(in crate::optimizer) fn on_ranks<T: Send>(
+        world: usize,
+        run: impl Fn(usize, DeviceGroup<Inner>) -> T + Sync,
+    ) -> Vec<T> {
         let groups = DeviceGroup::<Inner>::in_process(vec![Default::default(); world]);
+        let run = &run;
         std::thread::scope(|scope| {
             let ranks: Vec<_> = (groups.into_iter().enumerate())
-                .map(|(rank, group)| {
-                    scope.spawn(move || {
-                        let model = two(rank);
-                        let layout = FlatLayout::of::<Cpu, _>(&model, world);
-                        let pieces = FlatPieces::weights::<Cpu, _>(&model);
-                        let share = summed_share(pieces, &layout, Some(&group), stage, bucket);
-                        let share = share.unwrap().into_data().to_vec::<f32>().unwrap();
-                        share.iter().map(|v| v.to_bits()).collect()
-                    })
-                })
+                .map(|(rank, group)| scope.spawn(move || run(rank, group)))
                 .collect();
             ranks.into_iter().map(|r| r.join().unwrap()).collect()
         })
@@ -205,7 +254,34 @@ mod tests {
         for bucket in [1, 6, 32, 100] {
             let pieces = FlatPieces::weights::<Cpu, _>(&model);
             let share = summed_share(pieces, &layout, None, ZeroStage::Gradients, bucket);
-            assert_eq!(share.unwrap().into_data(), whole, "buckets of {bucket}");
+            let share = share.unwrap();
+            assert_eq!(share.range(0..32).into_data(), whole, "buckets of {bucket}");
         }
+    }
+
+    #[test]
+    fn a_share_reads_back_in_ranges_across_buckets_and_refuses_released_ones() {
+        let model = two(0);
+        let layout = FlatLayout::of::<Cpu, _>(&model, 1);
+        let whole = layout
+            .weights::<Cpu, _>(&model)
+            .to_data()
+            .to_vec::<f32>()
+            .unwrap();
+        let pieces = FlatPieces::weights::<Cpu, _>(&model);
+        let mut share = summed_share(pieces, &layout, None, ZeroStage::Gradients, 5).unwrap();
+        for range in [0..5, 3..4, 3..17, 9..32, 31..32] {
+            let got = share
+                .range(range.clone())
+                .into_data()
+                .to_vec::<f32>()
+                .unwrap();
+            assert_eq!(got, whole[range.clone()], "{range:?}");
+        }
+        share.release_before(12);
+        let later = share.range(10..32).into_data().to_vec::<f32>().unwrap();
+        assert_eq!(later, whole[10..32], "the bucket 10..15 is kept");
+        let early = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| share.range(9..11)));
+        assert!(early.is_err(), "a read of a released bucket must fail");
     }
 }

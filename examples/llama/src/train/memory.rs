@@ -10,9 +10,10 @@
 //! | 1 | `w` | `w` | `4 s`: the share, all-reduced bucket by bucket | `12 s`: f32 master and moments |
 //! | 2 | `w` | `w` | `4 s`: the share, reduce-scattered bucket by bucket | `12 s` |
 //!
-//! With the sharded state in host memory ([`StatePlacement::Host`]), the `12 s` bytes move to the
-//! host and the device holds two chunks of it; on one rank the summed gradient is read from the
-//! parameters' gradients chunk by chunk (no f32 copy of it kept).
+//! On one rank (stages 1 and 2) the update's gradient is read from the parameters' gradients
+//! chunk by chunk: no f32 copy of it is kept (0). With the sharded state in host memory
+//! ([`StatePlacement::Host`]), the `12 s` bytes move to the host and the device holds two chunks
+//! of it.
 //!
 //! Every rank holds the whole model and Burn's backward yields every parameter's whole gradient
 //! in the weights' types, at every stage. Activations, and the transient buckets of f32 gradients
@@ -44,7 +45,8 @@ pub struct MemoryReport {
     pub weights: u64,
     /// Every parameter's gradient from the backward pass, in the weights' types.
     pub gradients: u64,
-    /// The f32 sum of the gradients a sharded step keeps for its update (0 at stage 0).
+    /// The f32 sum of the gradients a sharded step keeps for its update (0 at stage 0 and on
+    /// one rank, which reads the gradients themselves).
     pub summed_gradients: u64,
     /// The optimizer's state on the device: both moments in the weights' types (stage 0), or
     /// this rank's share of the f32 master weights and moments (stages 1 and 2), or with that
@@ -70,11 +72,14 @@ impl MemoryReport {
         let world = world.max(1);
         let padded = parameters.div_ceil(world) * world;
         let share = (padded / world) as u64;
+        // One rank reads its update's gradient straight from the parameters' gradients: no f32
+        // sum is kept.
         let (summed_gradients, optimizer) = match stage {
             ZeroStage::Replicated => (0, 2 * weights),
-            ZeroStage::OptimizerStates | ZeroStage::Gradients => {
-                (F32_BYTES * share, 3 * F32_BYTES * share)
-            }
+            ZeroStage::OptimizerStates | ZeroStage::Gradients => match world {
+                1 => (0, 3 * F32_BYTES * share),
+                _ => (F32_BYTES * share, 3 * F32_BYTES * share),
+            },
         };
         Self {
             stage,
@@ -90,8 +95,8 @@ impl MemoryReport {
     }
 
     /// These counts with a sharded state (stages 1 and 2) in host memory, streamed through the
-    /// device in chunks of `chunk_bytes` of state: two chunks of it on the device, and on one
-    /// rank no summed f32 gradient kept. Stage 0 is left as it is (its state is not sharded).
+    /// device in chunks of `chunk_bytes` of state: two chunks of it on the device. Stage 0 is
+    /// left as it is (its state is not sharded).
     pub fn with_state_on_host(self, chunk_bytes: u64) -> Self {
         if !self.stage.is_sharded() {
             return self;
@@ -100,10 +105,6 @@ impl MemoryReport {
         Self {
             optimizer: (2 * chunk).min(self.optimizer),
             host_optimizer: self.optimizer,
-            summed_gradients: match self.world {
-                1 => 0,
-                _ => self.summed_gradients,
-            },
             ..self
         }
     }

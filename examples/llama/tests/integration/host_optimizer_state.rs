@@ -365,6 +365,7 @@ fn the_sharded_optimizer_streams_its_state_and_sums_in_buckets_bitwise_on_ndarra
 
 #[test]
 fn the_sharded_optimizer_steps_like_the_replicated_one_on_ndarray_and_wgpu() {
+    let _wgpu = exclusive_wgpu();
     within(Duration::from_secs(300), || {
         check_sharded_like_replicated::<crate::train::Cpu>(&crate::train::DEVICE);
         type Wgpu = burn::backend::Autodiff<

@@ -279,6 +279,7 @@ fn wgpu_fused_adamw_steps_like_burn_adamw() {
 
 #[test]
 fn wgpu_adamw_update_writes_in_place_bitwise_like_out_of_place() {
+    let _wgpu = exclusive_wgpu();
     check_in_place_update::<cubecl::wgpu::WgpuRuntime, f32, i32, u32>(
         &cubecl::wgpu::WgpuDevice::Cpu,
         DType::F32,

@@ -16,7 +16,7 @@ use super::source_task::{
 use crate::dims::AttentionDims;
 use crate::inputs::check_backward;
 use crate::kernel_error::{launch_result, KernelError};
-use crate::mask::KernelMask;
+use crate::mask::{DocumentTable, KernelMask, MaskKind};
 use crate::step_options::{StepOptions, Variant};
 use crate::tensor::{DeviceTensor, ElemType};
 
@@ -46,10 +46,10 @@ pub fn backward_source(variant: &BackwardVariant) -> String {
 }
 
 /// The variant whose switches the row kernels are compiled with: `variant`'s head dim and type
-/// (its causality and accumulation do not enter them).
+/// (its mask and accumulation do not enter them).
 fn rows_variant(variant: &BackwardVariant) -> BackwardVariant {
     BackwardVariant {
-        causal: false,
+        mask: MaskKind::default(),
         accumulate: false,
         ..*variant
     }
@@ -267,6 +267,7 @@ pub(crate) fn enqueue<R: Runtime>(
     };
     let prepare = row_arguments(&[tensors.out, grad_out, &delta, &dq_sum]);
     let main = main_arguments(
+        client,
         (tensors.q, tensors.k, tensors.v, grad_out),
         Some((dk, dv)),
         &[tensors.lse, &delta, &dq_sum],
@@ -307,7 +308,7 @@ pub(crate) fn enqueue_step<R: Runtime>(
 ) {
     debug_assert!(launch.variant.accumulate && launch.row_grids.is_none());
     let buffers = [lse, delta, &grads.dq, &grads.dk, &grads.dv];
-    let main = main_arguments(inputs, None, &buffers, dims, options);
+    let main = main_arguments(client, inputs, None, &buffers, dims, options);
     // SAFETY: as in `enqueue` for the main kernel; the accumulators have the shapes the caller
     // checked, and the kernel adds to rows below `q_len` (dQ) and `kv_len` (dK, dV) only.
     unsafe {
@@ -322,11 +323,13 @@ pub(crate) fn enqueue_step<R: Runtime>(
 
 /// The main kernel's arguments: tensor maps of q, k, v and `grad_out` (and of the `stored` dK
 /// and dV of a whole attention), their buffers, then `buffers` (the log-sum-exps, the deltas,
-/// the dQ sum or accumulator, and a step's dK and dV accumulators), then its ten scalars. The
-/// tensor maps bound every copy to its tensor (rows past a slice read as zeros and are not
-/// stored), the kernel reads the log-sum-exps and deltas with bounds checks, and its loops are
-/// bounded by the tile counts.
-fn main_arguments(
+/// the dQ sum or accumulator, and a step's dK and dV accumulators), the documents' table with
+/// documents (uploaded on `client`), then its sixteen scalars. The tensor maps bound every copy
+/// to its tensor (rows past a slice read as zeros and are not stored), the kernel reads the
+/// log-sum-exps and deltas with bounds checks and the table at positions `Mask::check_call`
+/// checked against it (rows below `kv_len`), and its loops are bounded by the tile counts.
+fn main_arguments<R: Runtime>(
+    client: &ComputeClient<R>,
     (q, k, v, grad_out): (&DeviceTensor, &DeviceTensor, &DeviceTensor, &DeviceTensor),
     stored: Option<(&DeviceTensor, &DeviceTensor)>,
     buffers: &[&DeviceTensor],
@@ -360,6 +363,10 @@ fn main_arguments(
         );
     }
     buffers.iter().for_each(|buffer| main.buffer(buffer));
+    // Kept alive by the launch's binding.
+    if options.mask.documents.is_some() {
+        main.table(&DocumentTable::of(client, &options.mask, &q.handle));
+    }
     let scale = options.resolved_scale(dims.head_dim);
     backward_plan::scalars(dims, &options.mask, scale)
         .into_iter()
@@ -376,8 +383,7 @@ fn main_arguments(
 /// # Errors
 ///
 /// Shapes and types that disagree, bad options, and everything [`Variant::Hopper`] refuses
-/// (the device, the element type, the head dim, masks other than causal, the deterministic
-/// backward, unaligned buffers), before anything runs; a launch the runtime reports as failed
+/// (the device, the element type, the head dim, the deterministic backward, unaligned buffers), before anything runs; a launch the runtime reports as failed
 /// is [`KernelError::Launch`].
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward<R: Runtime>(
@@ -426,11 +432,12 @@ mod tests {
     use crate::hopper::source_task::{parameters, preprocessed_parameters};
 
     /// The main kernel's parameters as the preprocessor leaves them, for a step (`accumulate`)
-    /// or a whole attention.
-    fn main_parameters(accumulate: bool) -> Vec<String> {
+    /// or a whole attention, with or without `documents`.
+    fn main_parameters(accumulate: bool, documents: bool) -> Vec<String> {
         preprocessed_parameters(BACKWARD_CU, ENTRY_POINT, |condition| match condition {
             "DISTFLASH_ACCUMULATE" => accumulate,
             "!DISTFLASH_ACCUMULATE" => !accumulate,
+            "DISTFLASH_DOCUMENTS" => documents,
             other => panic!("unexpected condition `{other}`"),
         })
     }
@@ -458,24 +465,28 @@ mod tests {
         let stored_buffers = ["void* dk_buffer", "void* dv_buffer"];
         let rows = ["const float* lse", "const float* delta", "float* dq_sum"];
         let accumulators = ["float* dk_sum", "float* dv_sum"];
+        let docs = ["const u32* docs"];
         let info = ["const __grid_constant__ BackwardInfo info"];
-        assert_eq!(
-            main_parameters(false),
-            [
-                &maps[..],
-                &stored_maps,
-                &buffers,
-                &stored_buffers,
-                &rows,
-                &info
-            ]
-            .concat()
-        );
-        // A step's dq_sum is its dQ accumulator.
-        assert_eq!(
-            main_parameters(true),
-            [&maps[..], &buffers, &rows, &accumulators, &info].concat()
-        );
+        for (documents, table) in [(false, &[][..]), (true, &docs[..])] {
+            assert_eq!(
+                main_parameters(false, documents),
+                [
+                    &maps[..],
+                    &stored_maps,
+                    &buffers,
+                    &stored_buffers,
+                    &rows,
+                    table,
+                    &info
+                ]
+                .concat()
+            );
+            // A step's dq_sum is its dQ accumulator.
+            assert_eq!(
+                main_parameters(true, documents),
+                [&maps[..], &buffers, &rows, &accumulators, table, &info].concat()
+            );
+        }
         assert_eq!(
             parameters(ROWS_CU, PREPARE_ENTRY_POINT),
             [
@@ -503,11 +514,14 @@ mod tests {
     }
 
     #[test]
-    fn each_variant_is_built_once_and_the_row_kernels_are_shared_by_causality() {
+    fn each_variant_is_built_once_and_the_row_kernels_are_shared_by_masks() {
         let variant = |causal| BackwardVariant {
             head_dim: 64,
             elem: ElemType::BF16,
-            causal,
+            mask: MaskKind {
+                upper: causal,
+                ..MaskKind::default()
+            },
             accumulate: false,
         };
         let main = main_kernel(&variant(true));
@@ -551,7 +565,11 @@ mod tests {
         let variant = BackwardVariant {
             head_dim: 128,
             elem: ElemType::F16,
-            causal: true,
+            mask: MaskKind {
+                upper: true,
+                lower: true,
+                documents: true,
+            },
             accumulate: true,
         };
         let main = backward_source(&variant);
@@ -559,7 +577,8 @@ mod tests {
         assert!(main.ends_with(&format!("{PTX_PRELUDE}{ATTENTION_PRELUDE}{BACKWARD_CU}")));
         let rows = backward_rows_source(&variant);
         assert!(rows.starts_with(
-            "#define DISTFLASH_HEAD_DIM 128\n#define DISTFLASH_F16 1\n#define DISTFLASH_CAUSAL 0\n\
+            "#define DISTFLASH_HEAD_DIM 128\n#define DISTFLASH_F16 1\n#define DISTFLASH_UPPER 0\n\
+             #define DISTFLASH_LOWER 0\n#define DISTFLASH_DOCUMENTS 0\n\
              #define DISTFLASH_ACCUMULATE 0\n"
         ));
         assert!(rows.ends_with(ROWS_CU));

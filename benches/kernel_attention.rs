@@ -22,8 +22,9 @@
 //! and queued, the backward alone queued (2.5 times the forward's FLOPs), and, where the variant
 //! has one, the deterministic backward. `--mask-seqs 32768` adds the masks long-context training uses, both causal: a sliding
 //! window of `--window` keys (4096) and packed documents of 2K-8K tokens (the lengths of
-//! [`DOCUMENT_LENGTHS`], repeated and cut at the sequence's end), with TFLOP/s counted on the
-//! visible (query, key) pairs only (forward `4 * pairs * H * D`). Prints a markdown table.
+//! [`DOCUMENT_LENGTHS`], repeated and cut at the sequence's end), forward and forward+backward on
+//! each variant of `--variants`, with TFLOP/s counted on the visible (query, key) pairs only
+//! (forward `4 * pairs * H * D`). Prints a markdown table.
 
 mod common;
 
@@ -755,14 +756,16 @@ fn main() {
             random_tensor(&client, kv_dims, 3, elem),
             random_tensor(&client, q_dims, 4, elem),
         );
-        for (name, mask) in masks {
-            let flops = visible_forward_flops(&mask, seq, shape);
+        // Each mask on each variant of `--variants` (Auto's rows keep their name).
+        let runs = || forward_runs.iter().filter(|run| run.schedule.is_none());
+        for ((name, mask), run) in masks.iter().flat_map(|m| runs().map(move |run| (m, run))) {
+            let flops = visible_forward_flops(mask, seq, shape);
             let options = StepOptions {
-                mask,
-                variant: Variant::TensorCore,
+                mask: mask.clone(),
+                variant: run.variant,
                 ..options.clone()
             };
-            let name = format!("distflash (bf16), {name}");
+            let name = format!("{}, {name}", run.name);
             let secs = median_seconds(iters, || {
                 let _ = distflash_kernels::attention(&client, &q, &k, &v, &options).unwrap();
                 sync(&client);

@@ -21,9 +21,9 @@ pub enum Variant {
     /// capability 9.0) for whole attentions, forward ([`crate::attention`]) and backward
     /// ([`crate::attention_backward`], dQ added with atomics), and for the steps
     /// ([`crate::forward_first_step`], [`crate::forward_step`], [`crate::forward_last_step`],
-    /// [`crate::backward_step`]): f16 or bf16, head dim 64 or 128, no mask or a causal one at any
-    /// offsets. An error where unavailable and for what they do not cover (other masks, types,
-    /// head dims, the deterministic backward).
+    /// [`crate::backward_step`]): f16 or bf16, head dim 64 or 128, every mask (causal, sliding
+    /// windows, documents) at any offsets. An error where unavailable and for what they do not
+    /// cover (other types, head dims and scales, the deterministic backward).
     Hopper,
 }
 

@@ -159,9 +159,9 @@ pub fn hopper_shell_shared_bytes(bytes: usize) -> usize {
 }
 
 /// The CUDA sources of the Hopper kernels' variants, by name: the attention forward's (each head
-/// dim, type and mask with the default schedule, and the other schedules for bf16, head dim 128,
-/// causal), the attention backward's (each head dim, type and mask, and its row kernels per head
-/// dim and type), then the matrix product's.
+/// dim, type and mask with the default schedule, the other schedules for bf16, head dim 128,
+/// causal, and the steps for bf16, each head dim and mask), the attention backward's (each head
+/// dim, type and mask, and its row kernels per head dim and type), then the matrix product's.
 pub fn hopper_sources() -> Vec<(String, String)> {
     let mut sources = Vec::new();
     // The slices' order is not part of the source.
@@ -191,8 +191,9 @@ pub fn hopper_sources() -> Vec<(String, String)> {
     for (schedule_name, schedule) in schedules {
         for head_dim in hopper::HEAD_DIMS {
             for (elem_name, elem) in [("bf16", ElemType::BF16), ("f16", ElemType::F16)] {
-                for (mask_name, causal) in [("causal", true), ("full", false)] {
+                for (mask_name, mask) in mask_kinds() {
                     let default = schedule == ForwardSchedule::default();
+                    let causal = mask_name == "causal";
                     if !default && (head_dim, elem, causal) != (128, ElemType::BF16, true) {
                         continue;
                     }
@@ -202,7 +203,7 @@ pub fn hopper_sources() -> Vec<(String, String)> {
                     let variant = ForwardVariant {
                         head_dim,
                         elem,
-                        causal,
+                        mask,
                         schedule,
                         ends: ForwardEnds::Whole,
                     };
@@ -218,25 +219,27 @@ pub fn hopper_sources() -> Vec<(String, String)> {
             ("step", ForwardEnds::Step),
             ("last_step", ForwardEnds::LastStep),
         ] {
-            let variant = ForwardVariant {
-                head_dim,
-                elem: ElemType::BF16,
-                causal: true,
-                schedule: ForwardSchedule::default(),
-                ends,
-            };
-            let name = format!("hopper_attention_{ends_name}_causal_d{head_dim}_bf16");
-            sources.push((name, hopper::forward_source(&variant)));
+            for (mask_name, mask) in mask_kinds() {
+                let variant = ForwardVariant {
+                    head_dim,
+                    elem: ElemType::BF16,
+                    mask,
+                    schedule: ForwardSchedule::default(),
+                    ends,
+                };
+                let name = format!("hopper_attention_{ends_name}_{mask_name}_d{head_dim}_bf16");
+                sources.push((name, hopper::forward_source(&variant)));
+            }
         }
     }
     for head_dim in hopper::HEAD_DIMS {
         for (elem_name, elem) in [("bf16", ElemType::BF16), ("f16", ElemType::F16)] {
-            for (mask_name, causal) in [("causal", true), ("full", false)] {
+            for (mask_name, mask) in mask_kinds() {
                 for (step_name, accumulate) in [("", false), ("_step", true)] {
                     let variant = BackwardVariant {
                         head_dim,
                         elem,
-                        causal,
+                        mask,
                         accumulate,
                     };
                     let name =
@@ -247,7 +250,7 @@ pub fn hopper_sources() -> Vec<(String, String)> {
             let variant = BackwardVariant {
                 head_dim,
                 elem,
-                causal: false,
+                mask: MaskKind::default(),
                 accumulate: false,
             };
             let name = format!("hopper_backward_rows_d{head_dim}_{elem_name}");

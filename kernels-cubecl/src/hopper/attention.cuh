@@ -2,7 +2,8 @@
 // operand type of the variant, shared-memory matrix descriptors of 64-column swizzled tiles, the
 // warpgroup MMA forms with A in registers, register fences for the asynchronous products, `exp2`,
 // packing to 16 bits, named barriers, the cubes' launch order, bulk copies of 64-column halves,
-// and the store of an accumulator fragment into a swizzled tile. The host prepends it after `ptx.cuh` (and after the variant's switches, which select
+// the store of an accumulator fragment into a swizzled tile, and the search of a position's
+// document. The host prepends it after `ptx.cuh` (and after the variant's switches, which select
 // DISTFLASH_F16) to each attention kernel's source.
 
 #ifndef DISTFLASH_F16
@@ -11,6 +12,19 @@
 #ifndef DISTFLASH_HEAD_DIM
 #define DISTFLASH_HEAD_DIM 128
 #endif
+// The mask's parts (see `hopper/band.rs`): an upper and a lower bound per row, documents; and
+// whether a row's visible range may start after the first key (a query's) or end before the last
+// row (a key's).
+#ifndef DISTFLASH_UPPER
+#define DISTFLASH_UPPER 0
+#endif
+#ifndef DISTFLASH_LOWER
+#define DISTFLASH_LOWER 0
+#endif
+#ifndef DISTFLASH_DOCUMENTS
+#define DISTFLASH_DOCUMENTS 0
+#endif
+#define DF_BANDED (DISTFLASH_LOWER || DISTFLASH_DOCUMENTS)
 
 #if DISTFLASH_F16
 #define DF_AB "f16"
@@ -185,4 +199,25 @@ __device__ __forceinline__ void store_rows_swizzled(const u32 (&packed)[PACKED],
                             (((block % 8) ^ (row % 8)) * 16) + quad * 4;
         asm volatile("st.shared.b32 [%0], %1;" ::"r"(address), "r"(packed[j]) : "memory");
     }
+}
+
+// ---- documents --------------------------------------------------------------------------------
+
+// The document [start, end) (absolute positions) of absolute position `pos` in one batch row's
+// `count` bounds at `bounds`: a binary search (as `document_of` in `mask.rs`). `pos` lies before
+// the row's last bound.
+__device__ __forceinline__ void document_of(const u32* bounds, u32 count, u32 pos, u32& start,
+                                            u32& end) {
+    // Invariant: bounds[lo] <= pos < bounds[hi].
+    u32 lo = 0, hi = count - 1;
+    while (hi - lo > 1) {
+        const u32 mid = (lo + hi) / 2;
+        if (bounds[mid] <= pos) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    start = bounds[lo];
+    end = bounds[hi];
 }

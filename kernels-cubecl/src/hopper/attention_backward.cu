@@ -10,7 +10,10 @@
 // (`attention.cuh`). The switches:
 //   DISTFLASH_HEAD_DIM  64 or 128
 //   DISTFLASH_F16       0: q, k, v, dO and the gradients are bf16; 1: f16
-//   DISTFLASH_CAUSAL    1: query row i sees key j only if j <= i + shift
+//   DISTFLASH_UPPER     1: query row i sees key j only if j <= i + upper (causal: the shift
+//                       q_offset - kv_offset; a window adds the keys after the diagonal)
+//   DISTFLASH_LOWER     1: ... and only if j >= i + lower (a sliding window)
+//   DISTFLASH_DOCUMENTS 1: ... and only if i and j lie in one document (a table argument)
 //   DISTFLASH_ACCUMULATE  1: a backward step: dK and dV are added to f32 accumulators
 //                       [B * Hkv, Skv, D] instead of stored in the inputs' type
 //
@@ -26,10 +29,13 @@
 //
 // A cube (CTA) of 384 threads takes 128 keys of one key/value slice, keeps their K and V in
 // shared memory, and walks the 64-row query tiles of every query head of the slice's group that
-// see them: under a causal mask from the tile holding the first row that sees the block's first
-// key, else from the first tile, to the last. The first tiles of each head's walk (those that
-// do not see every key of the block, and every tile of a block that ends past the keys) compare
-// keys against each row's visible range; the others run without a mask. Cubes start in groups
+// see them: from the tile holding the first row that sees the block's first key (under a causal
+// mask; else the first tile) to the tile holding the last row that sees its last key (with a
+// window or documents; else the last tile). Every mask is a band (`kernels-cubecl/src/mask.rs`):
+// key j is seen by the query rows [from(j), until(j)), both ends non-decreasing in j. The tiles
+// at either edge of each head's walk (those that do not see every key of the block, and every
+// tile of a block that ends past the keys) compare query rows against each key's range; the
+// others run without a mask. Cubes start in groups
 // of slices whose queries, output gradients and dQ sums fit in L2 together, the blocks of a group
 // by rank, the first (under a causal mask the heaviest) first (see `grouped_cube`).
 // - Warpgroup 0 (producer) keeps 24 registers; one thread has the copy engine fetch K and V
@@ -53,22 +59,21 @@
 #ifndef DISTFLASH_HEAD_DIM
 #define DISTFLASH_HEAD_DIM 128
 #endif
-#ifndef DISTFLASH_CAUSAL
-#define DISTFLASH_CAUSAL 0
-#endif
 #ifndef DISTFLASH_ACCUMULATE
 #define DISTFLASH_ACCUMULATE 0
 #endif
 
-// The scalars, as CubeCL packs ten u32 scalars (40 bytes).
+// The scalars, as CubeCL packs sixteen u32 scalars (64 bytes).
 struct BackwardInfo {
     u32 q_len;
     u32 kv_len;
     u32 kv_heads;
     // Query heads per key/value head.
     u32 group_size;
-    // Query row i sees key j (causal) iff j <= i + shift.
-    int shift;
+    // Query row i sees key j only if j <= i + upper (DISTFLASH_UPPER) and j >= i + lower
+    // (DISTFLASH_LOWER).
+    int upper;
+    int lower;
     // The score scale times log2(e), and the score scale, as f32 bits.
     u32 scale_log2_bits;
     u32 scale_bits;
@@ -77,6 +82,13 @@ struct BackwardInfo {
     u32 kv_slices;
     // Query tiles of 64 rows per slice (the padded row count of lse and delta over 64).
     u32 q_tiles;
+    // The documents (DISTFLASH_DOCUMENTS): absolute positions of query row 0 and key row 0,
+    // entries between two batch rows' bounds (0 when shared) and bounds per batch row.
+    u32 q_pos0;
+    u32 kv_pos0;
+    u32 doc_stride;
+    u32 doc_count;
+    u32 unused;
 };
 
 #define DF_D DISTFLASH_HEAD_DIM
@@ -200,13 +212,31 @@ __device__ __forceinline__ int first_visible_column(long long sees_from, bool ke
         min(max(sees_from - column0, -1ll), static_cast<long long>(DF_NO_COLUMN)));
 }
 
+#if DF_BANDED
+// The column offset (as `first_visible_column`) from which the query rows no longer see the key
+// of a thread's fragment row: `sees_until` is the end of the rows that see it.
+__device__ __forceinline__ int end_visible_column(long long sees_until, int column0) {
+    return static_cast<int>(
+        min(max(sees_until - column0, -1ll), static_cast<long long>(DF_NO_COLUMN)));
+}
+#endif
+
+// The columns of a thread's fragment rows that see their keys: from `first[r]` on and (with a
+// lower bound or documents) before `end[r]`.
+struct VisibleColumns {
+    int first[2];
+#if DF_BANDED
+    int end[2];
+#endif
+};
+
 // P^T in place of S^T: 2^(s scale log2(e) - lse) for each (key row, query column), the lse of
 // the stage's columns at `lse`; with MASKED, 0 where the column's query row does not see the
 // row's key (element i of the fragment is column 8 (i / 4) + i % 2 past the thread's first,
-// visible from `first_visible[r]` on).
+// visible in `visible`'s range).
 template <bool MASKED>
 __device__ __forceinline__ void probabilities(float (&s)[DF_S_REGS], u32 lse, u32 quad,
-                                              float scale_log2, const int (&first_visible)[2]) {
+                                              float scale_log2, const VisibleColumns& visible) {
 #pragma unroll
     for (int j = 0; j < DF_S_REGS / 4; ++j) {
         const float2 lse_pair = load_shared_pair(lse + (8 * j + 2 * quad) * 4);
@@ -214,8 +244,15 @@ __device__ __forceinline__ void probabilities(float (&s)[DF_S_REGS], u32 lse, u3
         for (int e = 0; e < 4; ++e) {
             const int i = 4 * j + e;
             float p = fast_exp2(fmaf(s[i], scale_log2, -(e % 2 ? lse_pair.y : lse_pair.x)));
-            if (MASKED && 8 * j + e % 2 < first_visible[DF_ROW_OF(i)]) {
-                p = 0.0f;
+            if (MASKED) {
+                const int column = 8 * j + e % 2;
+                bool hidden = column < visible.first[DF_ROW_OF(i)];
+#if DF_BANDED
+                hidden = hidden || column >= visible.end[DF_ROW_OF(i)];
+#endif
+                if (hidden) {
+                    p = 0.0f;
+                }
             }
             s[i] = p;
         }
@@ -284,23 +321,78 @@ __device__ __forceinline__ Layout layout_from(u32 base) {
     return at;
 }
 
-// Which query tiles one cube walks: for each query head of the group, tiles `first` to the
-// last; tiles from `unmasked_from` on see every key of the block.
+// Which query tiles one cube walks: for each query head of the group, `per_head` tiles from
+// `first`; tiles from `unmasked_from` on (and, with a lower bound or documents, before
+// `masked_from`) see every key of the block.
 struct Walk {
     int first;
     int per_head;
     int count;
     int unmasked_from;
+#if DF_BANDED
+    int masked_from;
+#endif
 };
 
-__device__ __forceinline__ Walk block_walk(const BackwardInfo& info, u32 key0) {
+__device__ __forceinline__ long long clamp_rows(long long row, u32 q_len) {
+    return min(max(row, 0ll), static_cast<long long>(q_len));
+}
+
+// The query rows that see key `key` (below `kv_len`) of batch row `batch`, [from, until) within
+// [0, q_len] (`until` q_len without a lower bound or documents), as `key_query_range` in
+// `mask.rs`.
+__device__ __forceinline__ void rows_seeing_key(const BackwardInfo& info, const u32* docs,
+                                                u32 batch, long long key, long long& from,
+                                                long long& until) {
+    long long lo = 0, hi = info.q_len;
+#if DISTFLASH_UPPER
+    lo = key - info.upper;
+#endif
+#if DISTFLASH_LOWER
+    hi = key - info.lower + 1;
+#endif
+#if DISTFLASH_DOCUMENTS
+    u32 doc_start, doc_end;
+    document_of(docs + batch * info.doc_stride, info.doc_count,
+                static_cast<u32>(key) + info.kv_pos0, doc_start, doc_end);
+    lo = max(lo, static_cast<long long>(doc_start) - info.q_pos0);
+    hi = min(hi, static_cast<long long>(doc_end) - info.q_pos0);
+#endif
+    from = clamp_rows(lo, info.q_len);
+    until = max(clamp_rows(hi, info.q_len), from);
+    (void)batch;
+    (void)docs;
+}
+
+__device__ __forceinline__ Walk block_walk(const BackwardInfo& info, const u32* docs, u32 batch,
+                                           u32 key0) {
     Walk walk;
     walk.first = 0;
     walk.unmasked_from = 0;
-#if DISTFLASH_CAUSAL
+    walk.per_head = static_cast<int>(info.q_tiles);
+#if DF_BANDED
+    // As `band_tiles` in `geometry.rs`: every tile from the first key's first row to the last
+    // key's last row; unmasked the tiles between the last key's first row and the first key's
+    // last row (which see every key of the block).
+    const long long last_key = min(key0 + DF_BN, info.kv_len) - 1;
+    long long first_from, first_until, last_from, last_until;
+    rows_seeing_key(info, docs, batch, key0, first_from, first_until);
+    rows_seeing_key(info, docs, batch, last_key, last_from, last_until);
+    walk.first = static_cast<int>(first_from / DF_BM);
+    const int end = last_until > first_from ? static_cast<int>((last_until + DF_BM - 1) / DF_BM)
+                                            : walk.first;
+    walk.unmasked_from = min(static_cast<int>((last_from + DF_BM - 1) / DF_BM), end);
+    walk.masked_from = max(static_cast<int>(first_until / DF_BM), walk.unmasked_from);
+    walk.per_head = end - walk.first;
+    if (key0 + DF_BN > info.kv_len) {
+        // Keys past the end are masked in every tile.
+        walk.unmasked_from = end;
+    }
+#else
+#if DISTFLASH_UPPER
     // The first query rows that see the block's first and last keys.
-    const long long sees_first = max(static_cast<long long>(key0) - info.shift, 0ll);
-    const long long sees_last = max(static_cast<long long>(key0) + DF_BN - 1 - info.shift, 0ll);
+    const long long sees_first = max(static_cast<long long>(key0) - info.upper, 0ll);
+    const long long sees_last = max(static_cast<long long>(key0) + DF_BN - 1 - info.upper, 0ll);
     const long long tiles = info.q_tiles;
     walk.first = static_cast<int>(min(sees_first / DF_BM, tiles));
     walk.unmasked_from = static_cast<int>(min((sees_last + DF_BM - 1) / DF_BM, tiles));
@@ -310,6 +402,9 @@ __device__ __forceinline__ Walk block_walk(const BackwardInfo& info, u32 key0) {
         walk.unmasked_from = static_cast<int>(info.q_tiles);
     }
     walk.per_head = static_cast<int>(info.q_tiles) - walk.first;
+    (void)docs;
+    (void)batch;
+#endif
     walk.count = walk.per_head * static_cast<int>(info.group_size);
     return walk;
 }
@@ -370,7 +465,13 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
 #if DISTFLASH_ACCUMULATE
         float* dk_sum, float* dv_sum,
 #endif
+#if DISTFLASH_DOCUMENTS
+        const u32* docs,
+#endif
         const __grid_constant__ BackwardInfo info) {
+#if !DISTFLASH_DOCUMENTS
+    const u32* docs = nullptr;
+#endif
     extern __shared__ __align__(1024) unsigned char shared[];
     // Tiles on 1024-byte boundaries (the host asks for the slack).
     const Layout at =
@@ -380,7 +481,8 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
     u32 kv_slice, block;
     grouped_cube(blockIdx.x, blocks, info.slice_group, info.kv_slices, kv_slice, block);
     const u32 key0 = block * DF_BN;
-    const Walk walk = block_walk(info, key0);
+    const u32 batch = kv_slice / info.kv_heads;
+    const Walk walk = block_walk(info, docs, batch, key0);
 
     if (threadIdx.x == 0) {
         barrier_init(at.kv_full, 1);
@@ -439,15 +541,22 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
     const float scale_log2 = __uint_as_float(info.scale_log2_bits);
 
     // For each of the thread's keys: whether it is below the key count, and the first query row
-    // that sees it.
+    // that sees it (and, with a lower bound or documents, the end of those rows).
     bool key_in[2];
     long long sees_from[2];
+#if DF_BANDED
+    long long sees_until[2];
+#endif
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const long long key = key0 + wg * 64 + local + 8 * r;
         key_in[r] = key < info.kv_len;
-#if DISTFLASH_CAUSAL
-        sees_from[r] = key - info.shift;
+#if DF_BANDED
+        // Keys past the end take the last one's rows (they are hidden by `key_in`).
+        rows_seeing_key(info, docs, batch, min(key, static_cast<long long>(info.kv_len) - 1),
+                        sees_from[r], sees_until[r]);
+#elif DISTFLASH_UPPER
+        sees_from[r] = key - info.upper;
 #else
         sees_from[r] = 0;
 #endif
@@ -484,17 +593,24 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         wgmma_wait<1>();
         fence_registers(s);
         const u32 lse = at.lse + stage * DF_ROW_BYTES;
-        if (tile < walk.unmasked_from) {
-            int first_visible[2];
+#if DF_BANDED
+        const bool masked = tile < walk.unmasked_from || tile >= walk.masked_from;
+#else
+        const bool masked = tile < walk.unmasked_from;
+#endif
+        VisibleColumns visible;
+        if (masked) {
             const int column0 = tile * DF_BM + 2 * static_cast<int>(quad);
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                first_visible[r] = first_visible_column(sees_from[r], key_in[r], column0);
+                visible.first[r] = first_visible_column(sees_from[r], key_in[r], column0);
+#if DF_BANDED
+                visible.end[r] = end_visible_column(sees_until[r], column0);
+#endif
             }
-            probabilities<true>(s, lse, quad, scale_log2, first_visible);
+            probabilities<true>(s, lse, quad, scale_log2, visible);
         } else {
-            const int every[2] = {-1, -1};
-            probabilities<false>(s, lse, quad, scale_log2, every);
+            probabilities<false>(s, lse, quad, scale_log2, visible);
         }
         wgmma_wait<0>();
         fence_registers(dp);

@@ -10,13 +10,17 @@
 // (`attention.cuh`). The switches:
 //   DISTFLASH_HEAD_DIM       64 or 128
 //   DISTFLASH_F16            0: q, k, v and O are bf16; 1: f16
-//   DISTFLASH_CAUSAL         1: query row i sees key j only if j <= i + shift
+//   DISTFLASH_UPPER          1: query row i sees key j only if j <= i + upper (causal: the shift
+//                            q_offset - kv_offset; a window adds the keys after the diagonal)
+//   DISTFLASH_LOWER          1: ... and only if j >= i + lower (a sliding window)
+//   DISTFLASH_DOCUMENTS      1: ... and only if i and j lie in one document (a table argument)
 //   DISTFLASH_INTRA_OVERLAP  1: a warpgroup's softmax of tile t runs under its P V of tile t - 1
 //   DISTFLASH_PINGPONG       1: the two consumer warpgroups take turns to issue their products
 //   DISTFLASH_STATE_IN       1: start from the running state (o, m, l) instead of the empty one
 //   DISTFLASH_STATE_OUT      1: write the running state (o, m, l) instead of O and lse
 // (both 0: a whole attention; OUT alone: a first step; both: a step; IN alone: a last step),
-// and refuses what the kernel does not cover (other head dims and types, windows, documents).
+// and refuses what the kernel does not cover (other head dims and types). Every mask is a band
+// (`kernels-cubecl/src/mask.rs`): row i sees the keys [lo(i), hi(i)), both ends non-decreasing in i.
 //
 // Tensors are row-major: q and O [B * Hq, Sq, D], k and v [B * Hkv, Skv, D], lse [B * Hq, Sq] in
 // f32, the state's o [B * Hq, Sq, D], m and l [B * Hq, Sq] in f32 (m in natural units, the
@@ -24,9 +28,11 @@
 // 128-byte swizzle) of 128 rows (q, k, v) or 64 rows (O) of one (batch, head) slice: rows past a
 // slice's length arrive as zeros and are never stored.
 //
-// A cube (CTA) of 384 threads takes 128 query rows of one slice and walks its key tiles of 128
-// keys from the last to the first, so that the masked tiles (the causal diagonal, a partial last
-// tile) come first and the others run without a mask. Cubes start in launch order: the slices
+// A cube (CTA) of 384 threads takes 128 query rows of one slice and walks the key tiles of 128
+// keys its rows' band reaches (none outside it) from the last to the first, so that the masked
+// tiles of the band's trailing edge (the causal diagonal, a partial last tile) come first, then
+// the tiles every row sees whole, unmasked, then those of its leading edge (a window's far end,
+// a document's start), masked. Cubes start in launch order: the slices
 // in groups whose keys and values fit in L2 together, and within a group the blocks by rank,
 // heaviest (the last causal block) first, each rank over the group's slices (see `cube_work`).
 // - Warpgroup 0 (producer) keeps 24 registers; one thread has the copy engine fetch Q once and
@@ -51,9 +57,6 @@
 #ifndef DISTFLASH_F16
 #define DISTFLASH_F16 0
 #endif
-#ifndef DISTFLASH_CAUSAL
-#define DISTFLASH_CAUSAL 0
-#endif
 #ifndef DISTFLASH_INTRA_OVERLAP
 #define DISTFLASH_INTRA_OVERLAP 1
 #endif
@@ -67,20 +70,29 @@
 #define DISTFLASH_STATE_OUT 0
 #endif
 
-// The scalars, as CubeCL packs eight u32 scalars (32 bytes).
+// The scalars, as CubeCL packs fourteen u32 scalars (56 bytes).
 struct ForwardInfo {
     u32 q_len;
     u32 kv_len;
     u32 q_heads;
     // Query heads per key/value head.
     u32 group_size;
-    // Query row i sees key j (causal) iff j <= i + shift.
-    int shift;
+    // Query row i sees key j only if j <= i + upper (DISTFLASH_UPPER) and j >= i + lower
+    // (DISTFLASH_LOWER).
+    int upper;
+    int lower;
     // The score scale times log2(e), as f32 bits.
     u32 scale_log2_bits;
     // (batch, head) slices per launch group (see `cube_work`).
     u32 slice_group;
     u32 slices;
+    // The documents (DISTFLASH_DOCUMENTS): absolute positions of query row 0 and key row 0,
+    // entries between two batch rows' bounds (0 when shared) and bounds per batch row.
+    u32 q_pos0;
+    u32 kv_pos0;
+    u32 doc_stride;
+    u32 doc_count;
+    u32 unused;
 };
 
 #define DF_D DISTFLASH_HEAD_DIM
@@ -150,33 +162,48 @@ __device__ __forceinline__ void issue_values(float (&o)[DF_O_REGS], const u32 (&
 // The running statistics of the two rows a consumer thread holds (`r` = 0: its fragment row
 // lane / 4, `r` = 1: that row + 8), identical in the four threads of a quad: the max the weights
 // are taken against (base 2, `-inf` before any visible key), the thread's partial row sum, and the
-// end of the keys the row sees; with DISTFLASH_STATE_OUT also the exact running max (base 2).
+// keys the row sees, [key_start, key_end) (key_start with a lower bound only); with
+// DISTFLASH_STATE_OUT also the exact running max (base 2).
 struct Rows {
     float max[2];
     float sum[2];
     int key_end[2];
+#if DF_BANDED
+    int key_start[2];
+#endif
 #if DISTFLASH_STATE_OUT
     float seen[2];
 #endif
 };
 
-// Turns the scores of one tile (keys from `key0`) into weights in place: masks keys at or past
-// each row's end (MASKED only), moves the rows' maxima, and adds the weights to the row sums.
+// Turns the scores of one tile (keys from `key0`) into weights in place: masks keys outside each
+// row's range (MASKED only), moves the rows' maxima, and adds the weights to the row sums.
 // Returns whether the warp moved its maxima (then `factor` holds each row's rescale factor for
 // the output and the sums are already rescaled).
 template <bool MASKED>
 __device__ __forceinline__ bool softmax_tile(float (&s)[DF_S_REGS], Rows& rows, int key0,
                                              u32 quad, float scale_log2, float (&factor)[2]) {
     if (MASKED) {
+        // The row's range in the thread's columns of the tile.
         int visible[2];
+#if DF_BANDED
+        int hidden_below[2];
+#endif
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             visible[r] = rows.key_end[r] - key0 - 2 * static_cast<int>(quad);
+#if DF_BANDED
+            hidden_below[r] = rows.key_start[r] - key0 - 2 * static_cast<int>(quad);
+#endif
         }
 #pragma unroll
         for (int i = 0; i < DF_S_REGS; ++i) {
             const int column = 8 * (i / 4) + i % 2;
-            if (column >= visible[DF_ROW_OF(i)]) {
+            bool hidden = column >= visible[DF_ROW_OF(i)];
+#if DF_BANDED
+            hidden = hidden || column < hidden_below[DF_ROW_OF(i)];
+#endif
+            if (hidden) {
                 s[i] = DF_NEG_INF;
             }
         }
@@ -260,35 +287,68 @@ __device__ __forceinline__ Layout layout_from(u32 base) {
     return at;
 }
 
-// Which key tiles one cube walks: `count` tiles of DF_BN keys, taken from the last to the first;
-// the first `masked` of the walk (the highest tiles) compare keys against each row's end.
+// Which key tiles one cube walks: `count` tiles of DF_BN keys, taken from tile `last` down; the
+// first `masked` of the walk (the trailing edge, the highest tiles) and those from `masked_from`
+// on (the leading edge, with a lower bound only) compare keys against each row's range.
 struct Walk {
     int count;
+    int last;
     int masked;
+#if DF_BANDED
+    int masked_from;
+#endif
 };
 
 __device__ __forceinline__ long long clamp_keys(long long end, u32 kv_len) {
     return min(max(end, 0ll), static_cast<long long>(kv_len));
 }
 
-// The end of the keys query row `row` sees.
-__device__ __forceinline__ int row_key_end(const ForwardInfo& info, long long row) {
-#if DISTFLASH_CAUSAL
-    return static_cast<int>(clamp_keys(row + info.shift + 1, info.kv_len));
-#else
-    return static_cast<int>(info.kv_len);
+// The keys query row `row` (below `q_len`) of batch row `batch` sees, [start, end) within
+// [0, kv_len] (`start` 0 without a lower bound; empty when equal), as `row_key_range` in
+// `mask.rs`.
+__device__ __forceinline__ void row_keys(const ForwardInfo& info, const u32* docs, u32 batch,
+                                         long long row, int& start, int& end) {
+    long long lo = 0, hi = info.kv_len;
+#if DISTFLASH_UPPER
+    hi = row + info.upper + 1;
 #endif
+#if DISTFLASH_LOWER
+    lo = row + info.lower;
+#endif
+#if DISTFLASH_DOCUMENTS
+    u32 doc_start, doc_end;
+    document_of(docs + batch * info.doc_stride, info.doc_count,
+                static_cast<u32>(row) + info.q_pos0, doc_start, doc_end);
+    lo = max(lo, static_cast<long long>(doc_start) - info.kv_pos0);
+    hi = min(hi, static_cast<long long>(doc_end) - info.kv_pos0);
+#endif
+    start = static_cast<int>(clamp_keys(lo, info.kv_len));
+    end = static_cast<int>(max(clamp_keys(hi, info.kv_len), static_cast<long long>(start)));
+    (void)batch;
+    (void)docs;
 }
 
-// The walk of the block of query rows from `block_start`: every tile up to its last row's end,
-// and unmasked the tiles its first row (so every row) sees whole.
-__device__ __forceinline__ Walk block_walk(const ForwardInfo& info, u32 block_start) {
+// The walk of the block of query rows from `block_start` (as `band_tiles` in `geometry.rs`):
+// every tile from its first row's start to its last row's end, unmasked the tiles between the
+// last row's start and the first row's end (which every row sees whole).
+__device__ __forceinline__ Walk block_walk(const ForwardInfo& info, const u32* docs, u32 batch,
+                                           u32 block_start) {
     const long long last = min(block_start + DF_BM, info.q_len) - 1;
-    const int end = row_key_end(info, last);
-    const int whole = row_key_end(info, block_start) / DF_BN;
+    int first_start, first_end, last_start, last_end;
+    row_keys(info, docs, batch, block_start, first_start, first_end);
+    row_keys(info, docs, batch, last, last_start, last_end);
+    const int first = first_start / DF_BN;
+    // Every row's keys lie in [first_start, last_end): none when that is empty.
+    const int end = last_end > first_start ? (last_end + DF_BN - 1) / DF_BN : first;
+    const int lead_end = min((last_start + DF_BN - 1) / DF_BN, end);
+    const int trail_start = max(first_end / DF_BN, lead_end);
     Walk walk;
-    walk.count = (end + DF_BN - 1) / DF_BN;
-    walk.masked = walk.count - whole;
+    walk.count = end - first;
+    walk.last = end - 1;
+    walk.masked = end - trail_start;
+#if DF_BANDED
+    walk.masked_from = end - lead_end;
+#endif
     return walk;
 }
 
@@ -334,8 +394,13 @@ __device__ __forceinline__ void cube_work(const ForwardInfo& info, u32 cube, u32
 __device__ __forceinline__ bool softmax_of(float (&s)[DF_S_REGS], Rows& rows, const Walk& walk,
                                            int t, u32 quad, float scale_log2,
                                            float (&factor)[2]) {
-    const int key0 = (walk.count - 1 - t) * DF_BN;
-    return t < walk.masked ? softmax_tile<true>(s, rows, key0, quad, scale_log2, factor)
+    const int key0 = (walk.last - t) * DF_BN;
+#if DF_BANDED
+    const bool masked = t < walk.masked || t >= walk.masked_from;
+#else
+    const bool masked = t < walk.masked;
+#endif
+    return masked ? softmax_tile<true>(s, rows, key0, quad, scale_log2, factor)
                            : softmax_tile<false>(s, rows, key0, quad, scale_log2, factor);
 }
 
@@ -452,7 +517,13 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
 #if DISTFLASH_STATE_IN || DISTFLASH_STATE_OUT
         float* state_o, float* state_m, float* state_l,
 #endif
+#if DISTFLASH_DOCUMENTS
+        const u32* docs,
+#endif
         const __grid_constant__ ForwardInfo info) {
+#if !DISTFLASH_DOCUMENTS
+    const u32* docs = nullptr;
+#endif
     extern __shared__ __align__(1024) unsigned char shared[];
     // Tiles on 1024-byte boundaries (the host asks for the slack).
     const Layout at =
@@ -465,7 +536,8 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
     const u32 kv_slice =
         (slice / info.q_heads) * (info.q_heads / info.group_size) +
         (slice % info.q_heads) / info.group_size;
-    const Walk walk = block_walk(info, block_start);
+    const u32 batch = slice / info.q_heads;
+    const Walk walk = block_walk(info, docs, batch, block_start);
 
     if (threadIdx.x == 0) {
         barrier_init(at.q_full, 1);
@@ -492,7 +564,7 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         copy_halves(at.q, DF_Q_HALF, &q_map, at.q_full, block_start, slice);
         for (int t = 0; t < walk.count; ++t) {
             const u32 s = stage_of(t), free_parity = parity_of(t) ^ 1;
-            const u32 key0 = static_cast<u32>(walk.count - 1 - t) * DF_BN;
+            const u32 key0 = static_cast<u32>(walk.last - t) * DF_BN;
             barrier_wait(at.k_empty + 8 * s, free_parity);
             barrier_expect_bytes(at.k_full + 8 * s, DF_KV_BYTES);
             copy_halves(at.k + s * DF_KV_BYTES, DF_KV_HALF, &k_map, at.k_full + 8 * s, key0,
@@ -522,7 +594,14 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
     for (int r = 0; r < 2; ++r) {
         rows.max[r] = DF_NEG_INF;
         rows.sum[r] = 0.0f;
-        rows.key_end[r] = row_key_end(info, block_start + wg * 64 + local + 8 * r);
+        // Rows past the queries take the last one's keys (never stored).
+        const long long row =
+            min(block_start + wg * 64 + local + 8 * r, info.q_len - 1);
+        int key_start;
+        row_keys(info, docs, batch, row, key_start, rows.key_end[r]);
+#if DF_BANDED
+        rows.key_start[r] = key_start;
+#endif
         m_in[r] = DF_NEG_INF;
     }
     float o[DF_O_REGS];

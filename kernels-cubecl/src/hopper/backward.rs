@@ -16,7 +16,7 @@ use super::source_task::{
 use crate::dims::AttentionDims;
 use crate::inputs::check_backward;
 use crate::kernel_error::{launch_result, KernelError};
-use crate::mask::KernelMask;
+use crate::mask::{DocumentTable, KernelMask, MaskKind};
 use crate::step_options::{StepOptions, Variant};
 use crate::tensor::{DeviceTensor, ElemType};
 
@@ -48,10 +48,10 @@ pub fn backward_source(variant: &BackwardVariant) -> String {
 }
 
 /// The variant whose switches the row kernels are compiled with: `variant`'s head dim and type
-/// (its causality and accumulation do not enter them).
+/// (its mask and accumulation do not enter them).
 fn rows_variant(variant: &BackwardVariant) -> BackwardVariant {
     BackwardVariant {
-        causal: false,
+        mask: MaskKind::default(),
         accumulate: false,
         ..*variant
     }
@@ -343,6 +343,10 @@ fn enqueue_launches<R: Runtime>(
         main.buffer(dk);
         main.buffer(dv);
     }
+    // Kept alive by the launch's binding.
+    if options.mask.documents.is_some() {
+        main.table(&DocumentTable::of(client, &options.mask, &q.handle));
+    }
     backward_plan::scalars(dims, &options.mask, scale)
         .into_iter()
         .for_each(|value| main.scalar(value));
@@ -357,12 +361,13 @@ fn enqueue_launches<R: Runtime>(
     // SAFETY: `plan` checked that the runtime is CUDA on an sm_90 device and that the cubes,
     // shared memory and grids fit it; the arguments follow the three kernels' parameters for the
     // variant (the prepare kernel's inputs, its three buffers and four scalars; the main kernel's
-    // tensor maps, their buffers, its three buffers, a step's two accumulators and ten scalars;
-    // the dQ kernel's two buffers and four scalars). The scratch buffers hold the padded rows the
-    // kernels index (`prepared_rows`), the tensor maps bound every copy to its tensor (rows past
-    // a slice read as zeros and are not stored), the row kernels guard their rows and values,
-    // the main kernel adds to accumulator rows below `kv_len` only, and its loops are bounded by
-    // the tile counts.
+    // tensor maps, their buffers, its three buffers, a step's two accumulators, the documents'
+    // table with documents, and sixteen scalars; the dQ kernel's two buffers and four scalars).
+    // The scratch buffers hold the padded rows the kernels index (`prepared_rows`), the tensor
+    // maps bound every copy to its tensor (rows past a slice read as zeros and are not stored),
+    // the row kernels guard their rows and values, the main kernel reads the table at positions
+    // `Mask::check_call` checked against it and adds to accumulator rows below `kv_len` only,
+    // and its loops are bounded by the tile counts.
     unsafe {
         source_task::launch(client, prepare_kernel, prepare_grid, prepare);
         source_task::launch(client, main_kernel, main_grid, main);
@@ -379,9 +384,9 @@ fn enqueue_launches<R: Runtime>(
 /// # Errors
 ///
 /// Shapes and types that disagree, bad options, and everything [`Variant::Hopper`] refuses
-/// (the device, the element type, the head dim, masks other than causal, the deterministic
-/// backward, unaligned buffers), before anything runs; a launch the runtime reports as failed
-/// is [`KernelError::Launch`].
+/// (the device, the element type, the head dim, the deterministic backward, unaligned
+/// buffers), before anything runs; a launch the runtime reports as failed is
+/// [`KernelError::Launch`].
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward<R: Runtime>(
     client: &ComputeClient<R>,
@@ -429,11 +434,12 @@ mod tests {
     use crate::hopper::source_task::{parameters, preprocessed_parameters};
 
     /// The main kernel's parameters as the preprocessor leaves them, for a step (`accumulate`)
-    /// or a whole attention.
-    fn main_parameters(accumulate: bool) -> Vec<String> {
+    /// or a whole attention, with or without `documents`.
+    fn main_parameters(accumulate: bool, documents: bool) -> Vec<String> {
         preprocessed_parameters(BACKWARD_CU, ENTRY_POINT, |condition| match condition {
             "DISTFLASH_ACCUMULATE" => accumulate,
             "!DISTFLASH_ACCUMULATE" => !accumulate,
+            "DISTFLASH_DOCUMENTS" => documents,
             other => panic!("unexpected condition `{other}`"),
         })
     }
@@ -465,23 +471,27 @@ mod tests {
             "float* dq_sum",
         ];
         let accumulators = ["float* dk_sum", "float* dv_sum"];
+        let docs = ["const u32* docs"];
         let info = ["const __grid_constant__ BackwardInfo info"];
-        assert_eq!(
-            main_parameters(false),
-            [
-                &maps[..],
-                &stored_maps,
-                &buffers,
-                &stored_buffers,
-                &scratch,
-                &info
-            ]
-            .concat()
-        );
-        assert_eq!(
-            main_parameters(true),
-            [&maps[..], &buffers, &scratch, &accumulators, &info].concat()
-        );
+        for (documents, table) in [(false, &[][..]), (true, &docs[..])] {
+            assert_eq!(
+                main_parameters(false, documents),
+                [
+                    &maps[..],
+                    &stored_maps,
+                    &buffers,
+                    &stored_buffers,
+                    &scratch,
+                    table,
+                    &info
+                ]
+                .concat()
+            );
+            assert_eq!(
+                main_parameters(true, documents),
+                [&maps[..], &buffers, &scratch, &accumulators, table, &info].concat()
+            );
+        }
         assert_eq!(
             parameters(ROWS_CU, PREPARE_STEP_ENTRY_POINT),
             [
@@ -530,11 +540,14 @@ mod tests {
     }
 
     #[test]
-    fn each_variant_is_built_once_and_the_row_kernels_are_shared_by_causality() {
+    fn each_variant_is_built_once_and_the_row_kernels_are_shared_by_masks() {
         let variant = |causal| BackwardVariant {
             head_dim: 64,
             elem: ElemType::BF16,
-            causal,
+            mask: MaskKind {
+                upper: causal,
+                ..MaskKind::default()
+            },
             accumulate: false,
         };
         let [prepare, main, dq] = kernels(&variant(true));
@@ -576,7 +589,11 @@ mod tests {
         let variant = BackwardVariant {
             head_dim: 128,
             elem: ElemType::F16,
-            causal: true,
+            mask: MaskKind {
+                upper: true,
+                lower: true,
+                documents: true,
+            },
             accumulate: true,
         };
         let main = backward_source(&variant);
@@ -584,7 +601,8 @@ mod tests {
         assert!(main.ends_with(&format!("{PTX_PRELUDE}{ATTENTION_PRELUDE}{BACKWARD_CU}")));
         let rows = backward_rows_source(&variant);
         assert!(rows.starts_with(
-            "#define DISTFLASH_HEAD_DIM 128\n#define DISTFLASH_F16 1\n#define DISTFLASH_CAUSAL 0\n\
+            "#define DISTFLASH_HEAD_DIM 128\n#define DISTFLASH_F16 1\n#define DISTFLASH_UPPER 0\n\
+             #define DISTFLASH_LOWER 0\n#define DISTFLASH_DOCUMENTS 0\n\
              #define DISTFLASH_ACCUMULATE 0\n"
         ));
         assert!(rows.ends_with(ROWS_CU));

@@ -3,9 +3,10 @@
 //! switches of the variant compiled for a call, its shared memory, the order of its cubes, the
 //! buffers its row kernels (`backward_rows.cu`) prepare, and the scalars all three read.
 
+use super::band::{self, BandScalars};
 use crate::dims::AttentionDims;
 use crate::kernel_error::KernelError;
-use crate::mask::KernelMask;
+use crate::mask::{KernelMask, MaskKind};
 use crate::stats::LOG2_E;
 use crate::tensor::ElemType;
 use crate::Mask;
@@ -46,8 +47,9 @@ pub struct BackwardVariant {
     pub head_dim: usize,
     /// f16 or bf16 (q, k, v, dO and the gradients).
     pub elem: ElemType,
-    /// Whether query row `i` sees key `j` only if `j <= i + shift`.
-    pub causal: bool,
+    /// The parts of the mask compiled in: an upper bound per row (causal, a window), a lower one
+    /// (a window), documents (a table argument).
+    pub mask: MaskKind,
     /// A backward step's: dK and dV added to f32 accumulators (and dQ, by the dQ kernel),
     /// else stored in the inputs' type (a whole attention's).
     pub accumulate: bool,
@@ -56,9 +58,9 @@ pub struct BackwardVariant {
 impl BackwardVariant {
     /// The variant that computes the gradients of attention of `dims` in `elem` under `mask`
     /// with score `scale` (added to f32 accumulators where it is to `accumulate`), or why the
-    /// kernel does not cover the call: another element type or head dim, a sliding window or
-    /// documents, a scale that is not positive and finite, or a `deterministic` backward (the
-    /// kernel adds dQ with atomics in no fixed order).
+    /// kernel does not cover the call: another element type or head dim, a scale that is not
+    /// positive and finite, or a `deterministic` backward (the kernel adds dQ with atomics in no
+    /// fixed order).
     pub fn for_call(
         dims: &AttentionDims,
         elem: ElemType,
@@ -66,7 +68,7 @@ impl BackwardVariant {
         deterministic: bool,
         accumulate: bool,
     ) -> Result<Self, KernelError> {
-        super::coverage::check("the Hopper attention backward", dims, elem, mask, scale)?;
+        super::coverage::check("the Hopper attention backward", dims, elem, scale)?;
         if deterministic {
             return Err(KernelError::Unsupported {
                 what: "the Hopper attention backward adds dQ with f32 atomics in no fixed order; \
@@ -78,7 +80,7 @@ impl BackwardVariant {
         Ok(Self {
             head_dim: dims.head_dim,
             elem,
-            causal: mask.causal,
+            mask: mask.kind(),
             accumulate,
         })
     }
@@ -87,11 +89,11 @@ impl BackwardVariant {
     /// kernels read the first two).
     pub fn switches(&self) -> String {
         format!(
-            "#define DISTFLASH_HEAD_DIM {}\n#define DISTFLASH_F16 {}\n#define DISTFLASH_CAUSAL {}\n\
+            "#define DISTFLASH_HEAD_DIM {}\n#define DISTFLASH_F16 {}\n{}\
              #define DISTFLASH_ACCUMULATE {}\n",
             self.head_dim,
             u8::from(self.elem == ElemType::F16),
-            u8::from(self.causal),
+            band::switches(self.mask),
             u8::from(self.accumulate),
         )
     }
@@ -118,23 +120,34 @@ pub fn slice_group(dims: &AttentionDims) -> usize {
     (L2_BUDGET / per_slice).clamp(1, dims.batch * dims.kv_heads)
 }
 
-/// The ten `u32` scalars the main kernel reads, in its `BackwardInfo` order: `q_len`, `kv_len`,
-/// the key/value heads, the query heads per key/value head, the causal shift (`q_offset -
-/// kv_offset`, clamped as [`Mask::bounds`] clamps it, as `i32` bits), the scale times `log2(e)`
-/// and the scale (as `f32` bits), the slices per launch group ([`slice_group`]), the key/value
-/// slices, and the query tiles per slice ([`query_tiles`]).
-pub fn scalars(dims: &AttentionDims, mask: &Mask, scale: f32) -> [u32; 10] {
+/// The sixteen `u32` scalars the main kernel reads, in its `BackwardInfo` order: `q_len`,
+/// `kv_len`, the key/value heads, the query heads per key/value head, the band's upper and lower
+/// offsets from the diagonal ([`BandScalars`]), the scale times `log2(e)` and the scale (as `f32`
+/// bits), the slices per launch group ([`slice_group`]), the key/value slices, the query tiles
+/// per slice ([`query_tiles`]), the documents' four scalars, and 0.
+pub fn scalars(dims: &AttentionDims, mask: &Mask, scale: f32) -> [u32; 16] {
+    let BandScalars {
+        upper,
+        lower,
+        documents: [q_pos0, kv_pos0, doc_stride, doc_count],
+    } = band::scalars(dims, mask);
     [
         dims.q_len as u32,
         dims.kv_len as u32,
         dims.kv_heads as u32,
         dims.group_size() as u32,
-        mask.bounds(dims).shift as u32,
+        upper,
+        lower,
         (scale * LOG2_E).to_bits(),
         scale.to_bits(),
         slice_group(dims) as u32,
         (dims.batch * dims.kv_heads) as u32,
         query_tiles(dims) as u32,
+        q_pos0,
+        kv_pos0,
+        doc_stride,
+        doc_count,
+        0,
     ]
 }
 
@@ -167,15 +180,25 @@ mod tests {
     }
 
     #[test]
-    fn both_head_dims_and_16_bit_types_with_or_without_causality_are_covered() {
+    fn both_head_dims_16_bit_types_and_every_mask_are_covered() {
+        let documents = Documents::from_cu_seqlens(&[0, 1, 200, 517, 700]).unwrap();
+        let masks = [
+            Mask::none(),
+            Mask::causal().at(40, 0),
+            Mask::causal().with_window(SlidingWindow::causal(64).unwrap()),
+            Mask::none().with_documents(documents.clone()),
+            Mask::causal()
+                .with_window(SlidingWindow::causal(100).unwrap())
+                .with_documents(documents)
+                .at(100, 50),
+        ];
         for head_dim in HEAD_DIMS {
             for elem in [ElemType::BF16, ElemType::F16] {
-                for (mask, accumulate) in [(Mask::none(), false), (Mask::causal().at(40, 0), true)]
-                {
+                for (mask, accumulate) in masks.iter().zip([false, true].into_iter().cycle()) {
                     let variant = BackwardVariant::for_call(
                         &dims(head_dim),
                         elem,
-                        (&mask, 0.1),
+                        (mask, 0.1),
                         false,
                         accumulate,
                     )
@@ -185,7 +208,7 @@ mod tests {
                         BackwardVariant {
                             head_dim,
                             elem,
-                            causal: mask.causal,
+                            mask: mask.kind(),
                             accumulate,
                         }
                     );
@@ -196,8 +219,6 @@ mod tests {
 
     #[test]
     fn what_the_kernel_does_not_cover_is_refused_by_name() {
-        let window = Mask::causal().with_window(SlidingWindow::causal(64).unwrap());
-        let documents = Mask::none().with_documents(Documents::from_cu_seqlens(&[0, 517]).unwrap());
         let cases = [
             (
                 refusal(dims(128), ElemType::F32, Mask::none(), 0.1, false),
@@ -206,14 +227,6 @@ mod tests {
             (
                 refusal(dims(96), ElemType::BF16, Mask::none(), 0.1, false),
                 "got 96",
-            ),
-            (
-                refusal(dims(128), ElemType::BF16, window, 0.1, false),
-                "sliding windows",
-            ),
-            (
-                refusal(dims(64), ElemType::F16, documents, 0.1, false),
-                "documents",
             ),
             (
                 refusal(dims(128), ElemType::BF16, Mask::causal(), 0.1, true),
@@ -239,12 +252,13 @@ mod tests {
         let variant = BackwardVariant {
             head_dim: 64,
             elem: ElemType::F16,
-            causal: true,
+            mask: Mask::causal().kind(),
             accumulate: false,
         };
         assert_eq!(
             variant.switches(),
-            "#define DISTFLASH_HEAD_DIM 64\n#define DISTFLASH_F16 1\n#define DISTFLASH_CAUSAL 1\n\
+            "#define DISTFLASH_HEAD_DIM 64\n#define DISTFLASH_F16 1\n#define DISTFLASH_UPPER 1\n\
+             #define DISTFLASH_LOWER 0\n#define DISTFLASH_DOCUMENTS 0\n\
              #define DISTFLASH_ACCUMULATE 0\n"
         );
         let step = BackwardVariant {
@@ -257,18 +271,25 @@ mod tests {
     }
 
     #[test]
-    fn scalars_carry_the_shift_the_scales_and_the_padded_tiles() {
+    fn scalars_carry_the_band_the_scales_and_the_padded_tiles() {
         let d = dims(128);
-        let [q_len, kv_len, kv_heads, group, shift, scale_log2, scale, slice_group, slices, tiles] =
-            scalars(&d, &Mask::causal().at(217, 0), 0.125);
+        let documents = Documents::from_cu_seqlens(&[0, 1, 200, 700]).unwrap();
+        let mask = Mask::causal()
+            .with_window(SlidingWindow::causal(64).unwrap())
+            .with_documents(documents)
+            .at(217, 0);
+        let [q_len, kv_len, kv_heads, group, upper, lower, scale_log2, scale, rest @ ..] =
+            scalars(&d, &mask, 0.125);
         assert_eq!([q_len, kv_len, kv_heads, group], [300, 517, 2, 4]);
-        assert_eq!(shift as i32, 217);
+        let band = band::scalars(&d, &mask);
+        assert_eq!([upper, lower], [band.upper, band.lower]);
+        assert_eq!([upper as i32, lower as i32], [217, 217 - 63]);
         assert_eq!(f32::from_bits(scale_log2), 0.125 * LOG2_E);
         assert_eq!(f32::from_bits(scale), 0.125);
-        // 300 rows: 5 tiles of 64, the last holding 44 rows.
-        assert_eq!([slice_group, slices, tiles], [4, 4, 5]);
-        let [.., shift, _, _, _, _, _] = scalars(&d, &Mask::causal().at(0, 40), 0.125);
-        assert_eq!(shift as i32, -40);
+        // 300 rows: 5 tiles of 64, the last holding 44 rows; then the documents.
+        assert_eq!(rest, [4, 4, 5, 217, 0, 0, 4, 0]);
+        let [_, _, _, _, upper, ..] = scalars(&d, &Mask::causal().at(0, 40), 0.125);
+        assert_eq!(upper as i32, -40);
         assert_eq!(row_scalars(&d, 0.5), [300, 5, 16, 0.5f32.to_bits()]);
         assert_eq!(prepared_rows(&d), 16 * 5 * 64);
     }

@@ -1,24 +1,22 @@
 //! What the Hopper attention kernels cover, pure logic the forward and the backward share:
-//! f16 or bf16, head dim 64 or 128, no mask or a causal one, a positive and finite score scale.
-//! Each refusal names the kernel and says what runs such calls instead.
+//! f16 or bf16, head dim 64 or 128, a positive and finite score scale, and every mask (causal,
+//! sliding windows, documents, combined, at any offsets). Each refusal names the kernel and says
+//! what runs such calls instead.
 
 use crate::dims::AttentionDims;
 use crate::kernel_error::KernelError;
 use crate::tensor::ElemType;
-use crate::Mask;
 
 /// Head dimensions the Hopper attention kernels are compiled for.
 pub const HEAD_DIMS: [usize; 2] = [64, 128];
 
-/// Errors unless `kernel` (its name in the messages) covers attention of `dims` in `elem` under
-/// `mask` with score `scale`: [`KernelError::Unsupported`] for another element type or head dim,
-/// a sliding window or documents; [`KernelError::BadOption`] for a scale that is not positive
-/// and finite.
+/// Errors unless `kernel` (its name in the messages) covers attention of `dims` in `elem` with
+/// score `scale`: [`KernelError::Unsupported`] for another element type or head dim;
+/// [`KernelError::BadOption`] for a scale that is not positive and finite. Every mask is covered.
 pub(crate) fn check(
     kernel: &str,
     dims: &AttentionDims,
     elem: ElemType,
-    mask: &Mask,
     scale: f32,
 ) -> Result<(), KernelError> {
     let unsupported = |what: String| Err(KernelError::Unsupported { what });
@@ -31,12 +29,6 @@ pub(crate) fn check(
         return unsupported(format!(
             "{kernel} is built for head dims {HEAD_DIMS:?}, got {}",
             dims.head_dim
-        ));
-    }
-    if mask.window.is_some() || mask.documents.is_some() {
-        return unsupported(format!(
-            "{kernel} applies no mask or a causal one; sliding windows and documents run on \
-             Variant::TensorCore (Variant::Auto picks it)"
         ));
     }
     if !(scale > 0.0 && scale.is_finite()) {

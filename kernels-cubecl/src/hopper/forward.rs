@@ -16,7 +16,7 @@ use super::source_task::{
 use crate::dims::AttentionDims;
 use crate::inputs::check_qkv;
 use crate::kernel_error::{launch_result, KernelError};
-use crate::mask::KernelMask;
+use crate::mask::{DocumentTable, KernelMask};
 use crate::step_options::{StepOptions, Variant};
 use crate::tensor::{DeviceTensor, ElemType};
 use crate::tensor_core::ForwardTarget;
@@ -203,6 +203,10 @@ pub(crate) fn enqueue<R: Runtime>(
             arguments.buffer(tensor);
         }
     }
+    // Kept alive by the launch's binding.
+    if launch.variant.mask.documents {
+        arguments.table(&DocumentTable::of(client, &options.mask, &q.handle));
+    }
     let scale = options.resolved_scale(dims.head_dim);
     let grouped = launch.variant.schedule.grouped_slices;
     for value in forward_plan::scalars(dims, &options.mask, scale, grouped) {
@@ -211,11 +215,12 @@ pub(crate) fn enqueue<R: Runtime>(
     let kernel = kernel(&launch.variant);
     // SAFETY: `plan` checked that the runtime is CUDA on an sm_90 device and that the cubes,
     // shared memory and grid fit it; the arguments follow `distflash_hopper_attention_forward`'s
-    // parameters for the variant's ends (the tensor maps of q, k, v and a finished output, their
-    // buffers, lse for a finished output, the state's o, m and l for a step, the eight scalars).
-    // The tensor maps bound every copy to its tensor (rows past a slice read as zeros and are not
-    // stored), lse and the state are read and written only at rows below `q_len`, and the loops
-    // are bounded by the tile counts.
+    // parameters for the variant's ends and mask (the tensor maps of q, k, v and a finished
+    // output, their buffers, lse for a finished output, the state's o, m and l for a step, the
+    // documents' table with documents, the fourteen scalars). The tensor maps bound every copy to
+    // its tensor (rows past a slice read as zeros and are not stored), lse and the state are read
+    // and written only at rows below `q_len`, the table only at positions `Mask::check_call`
+    // checked against it (rows below `q_len`), and the loops are bounded by the tile counts.
     unsafe { source_task::launch(client, kernel, launch.grid.clone(), arguments) };
 }
 
@@ -227,7 +232,7 @@ pub(crate) fn enqueue<R: Runtime>(
 /// # Errors
 ///
 /// Shapes and types that disagree, bad options, and everything [`Variant::Hopper`] refuses
-/// (the device, the element type, the head dim, masks other than causal, unaligned buffers),
+/// (the device, the element type, the head dim, unaligned buffers),
 /// before anything runs; a launch the runtime reports as failed is [`KernelError::Launch`].
 pub fn attention_forward<R: Runtime>(
     client: &ComputeClient<R>,
@@ -253,13 +258,17 @@ pub fn attention_forward<R: Runtime>(
 mod tests {
     use super::*;
     use crate::hopper::source_task::preprocessed_parameters;
+    use crate::mask::MaskKind;
+    use crate::Mask;
 
-    /// The entry point's parameters as the preprocessor leaves them for `ends`.
-    fn parameters_for(ends: ForwardEnds) -> Vec<String> {
+    /// The entry point's parameters as the preprocessor leaves them for `ends`, with or without
+    /// `documents`.
+    fn parameters_for(ends: ForwardEnds, documents: bool) -> Vec<String> {
         let (state_in, state_out) = (ends.reads_state(), ends.writes_state());
         preprocessed_parameters(FORWARD_CU, ENTRY_POINT, |condition| match condition {
             "!DISTFLASH_STATE_OUT" => !state_out,
             "DISTFLASH_STATE_IN || DISTFLASH_STATE_OUT" => state_in || state_out,
+            "DISTFLASH_DOCUMENTS" => documents,
             other => panic!("unexpected condition `{other}`"),
         })
     }
@@ -281,23 +290,26 @@ mod tests {
         let output_map = ["const __grid_constant__ TensorMap o_map"];
         let output = ["void* o_buffer", "float* lse"];
         let state = ["float* state_o", "float* state_m", "float* state_l"];
+        let docs = ["const u32* docs"];
         let info = ["const __grid_constant__ ForwardInfo info"];
         let expected = |parts: &[&[&str]]| -> Vec<String> {
             parts.concat().into_iter().map(String::from).collect()
         };
-        assert_eq!(
-            parameters_for(ForwardEnds::Whole),
-            expected(&[&maps, &output_map, &buffers, &output, &info])
-        );
-        assert_eq!(
-            parameters_for(ForwardEnds::LastStep),
-            expected(&[&maps, &output_map, &buffers, &output, &state, &info])
-        );
-        for ends in [ForwardEnds::FirstStep, ForwardEnds::Step] {
+        for (documents, table) in [(false, &[][..]), (true, &docs[..])] {
             assert_eq!(
-                parameters_for(ends),
-                expected(&[&maps, &buffers, &state, &info])
+                parameters_for(ForwardEnds::Whole, documents),
+                expected(&[&maps, &output_map, &buffers, &output, table, &info])
             );
+            assert_eq!(
+                parameters_for(ForwardEnds::LastStep, documents),
+                expected(&[&maps, &output_map, &buffers, &output, &state, table, &info])
+            );
+            for ends in [ForwardEnds::FirstStep, ForwardEnds::Step] {
+                assert_eq!(
+                    parameters_for(ends, documents),
+                    expected(&[&maps, &buffers, &state, table, &info])
+                );
+            }
         }
         assert_eq!(FORWARD_CU.matches("__global__").count(), 1);
         assert!(!FORWARD_CU.contains("#include"));
@@ -309,7 +321,10 @@ mod tests {
         let variant = |causal| ForwardVariant {
             head_dim: 64,
             elem: ElemType::F16,
-            causal,
+            mask: MaskKind {
+                upper: causal,
+                ..MaskKind::default()
+            },
             schedule: schedule::ForwardSchedule::default(),
             ends: ForwardEnds::Whole,
         };
@@ -332,7 +347,7 @@ mod tests {
         let variant = ForwardVariant {
             head_dim: 128,
             elem: ElemType::BF16,
-            causal: true,
+            mask: Mask::causal().kind(),
             schedule: schedule::ForwardSchedule::default(),
             ends: ForwardEnds::Step,
         };

@@ -1,12 +1,13 @@
 //! The Hopper attention forward's constants and what it covers, pure logic: which calls
-//! `attention_forward.cu` takes (element types, head dims, masks, scales), what it starts from
+//! `attention_forward.cu` takes (element types, head dims, scales; every mask), what it starts from
 //! and writes (a whole attention or one of the three steps of the stat-carrying contract), the
 //! switches of the variant compiled for a call, its shared memory and the scalars it reads.
 
+use super::band::{self, BandScalars};
 use super::schedule::ForwardSchedule;
 use crate::dims::AttentionDims;
 use crate::kernel_error::KernelError;
-use crate::mask::KernelMask;
+use crate::mask::{KernelMask, MaskKind};
 use crate::stats::LOG2_E;
 use crate::tensor::ElemType;
 use crate::Mask;
@@ -69,8 +70,9 @@ pub struct ForwardVariant {
     pub head_dim: usize,
     /// f16 or bf16 (q, k, v and O).
     pub elem: ElemType,
-    /// Whether query row `i` sees key `j` only if `j <= i + shift`.
-    pub causal: bool,
+    /// The parts of the mask compiled in: an upper bound per row (causal, a window), a lower one
+    /// (a window), documents (a table argument).
+    pub mask: MaskKind,
     /// How the consumer warpgroups order their work.
     pub schedule: ForwardSchedule,
     /// What it starts from and writes.
@@ -80,7 +82,7 @@ pub struct ForwardVariant {
 impl ForwardVariant {
     /// The variant that computes attention of `dims` in `elem` under `mask` with score `scale`
     /// from and to `ends`, or why the kernel does not cover the call: another element type or
-    /// head dim, a sliding window or documents, a scale that is not positive and finite.
+    /// head dim, a scale that is not positive and finite.
     pub fn for_call(
         dims: &AttentionDims,
         elem: ElemType,
@@ -88,11 +90,11 @@ impl ForwardVariant {
         schedule: ForwardSchedule,
         ends: ForwardEnds,
     ) -> Result<Self, KernelError> {
-        super::coverage::check("the Hopper attention forward", dims, elem, mask, scale)?;
+        super::coverage::check("the Hopper attention forward", dims, elem, scale)?;
         Ok(Self {
             head_dim: dims.head_dim,
             elem,
-            causal: mask.causal,
+            mask: mask.kind(),
             schedule,
             ends,
         })
@@ -102,12 +104,12 @@ impl ForwardVariant {
     pub fn switches(&self) -> String {
         let flag = |on: bool| u8::from(on);
         format!(
-            "#define DISTFLASH_HEAD_DIM {}\n#define DISTFLASH_F16 {}\n#define DISTFLASH_CAUSAL {}\n\
+            "#define DISTFLASH_HEAD_DIM {}\n#define DISTFLASH_F16 {}\n{}\
              #define DISTFLASH_INTRA_OVERLAP {}\n#define DISTFLASH_PINGPONG {}\n\
              #define DISTFLASH_STATE_IN {}\n#define DISTFLASH_STATE_OUT {}\n",
             self.head_dim,
             flag(self.elem == ElemType::F16),
-            flag(self.causal),
+            super::band::switches(self.mask),
             flag(self.schedule.intra_overlap),
             flag(self.schedule.pingpong),
             flag(self.ends.reads_state()),
@@ -128,21 +130,31 @@ pub fn slice_group(dims: &AttentionDims, grouped: bool) -> usize {
     (kv_heads * dims.group_size()).min(slices)
 }
 
-/// The eight `u32` scalars the kernel reads, in its `ForwardInfo` order: `q_len`, `kv_len`,
-/// the query heads, the query heads per key/value head, the causal shift (`q_offset -
-/// kv_offset`, clamped as [`Mask::bounds`] clamps it, as `i32` bits), the scale times
-/// `log2(e)` (as `f32` bits), the slices per launch group ([`slice_group`]) and the slices.
-pub fn scalars(dims: &AttentionDims, mask: &Mask, scale: f32, grouped: bool) -> [u32; 8] {
-    let shift = mask.bounds(dims).shift;
+/// The fourteen `u32` scalars the kernel reads, in its `ForwardInfo` order: `q_len`, `kv_len`,
+/// the query heads, the query heads per key/value head, the band's upper and lower offsets
+/// from the diagonal ([`BandScalars`]), the scale times `log2(e)` (as `f32` bits), the slices
+/// per launch group ([`slice_group`]) and the slices, the documents' four scalars, and 0.
+pub fn scalars(dims: &AttentionDims, mask: &Mask, scale: f32, grouped: bool) -> [u32; 14] {
+    let BandScalars {
+        upper,
+        lower,
+        documents: [q_pos0, kv_pos0, doc_stride, doc_count],
+    } = band::scalars(dims, mask);
     [
         dims.q_len as u32,
         dims.kv_len as u32,
         dims.q_heads as u32,
         dims.group_size() as u32,
-        shift as u32,
+        upper,
+        lower,
         (scale * LOG2_E).to_bits(),
         slice_group(dims, grouped) as u32,
         (dims.batch * dims.q_heads) as u32,
+        q_pos0,
+        kv_pos0,
+        doc_stride,
+        doc_count,
+        0,
     ]
 }
 
@@ -158,11 +170,28 @@ mod tests {
         ForwardVariant::for_call(&d, elem, (&mask, scale), schedule, ForwardEnds::Step).unwrap_err()
     }
 
+    /// Every form of mask: none, causal, a causal window, a two-sided window, documents, and
+    /// documents under a causal window at offsets.
+    fn every_mask() -> Vec<Mask> {
+        let documents = Documents::from_cu_seqlens(&[0, 1, 200, 517, 700]).unwrap();
+        vec![
+            Mask::none(),
+            Mask::causal().at(40, 0),
+            Mask::causal().with_window(SlidingWindow::causal(64).unwrap()),
+            Mask::none().with_window(SlidingWindow::two_sided(3, 5)),
+            Mask::none().with_documents(documents.clone()),
+            Mask::causal()
+                .with_window(SlidingWindow::causal(100).unwrap())
+                .with_documents(documents)
+                .at(100, 50),
+        ]
+    }
+
     #[test]
-    fn both_head_dims_and_16_bit_types_with_or_without_causality_are_covered() {
+    fn both_head_dims_16_bit_types_and_every_mask_are_covered() {
         for head_dim in HEAD_DIMS {
             for elem in [ElemType::BF16, ElemType::F16] {
-                for mask in [Mask::none(), Mask::causal().at(40, 0)] {
+                for mask in every_mask() {
                     let schedule = ForwardSchedule::default();
                     let ends = ForwardEnds::LastStep;
                     let variant = ForwardVariant::for_call(
@@ -178,7 +207,7 @@ mod tests {
                         ForwardVariant {
                             head_dim,
                             elem,
-                            causal: mask.causal,
+                            mask: mask.kind(),
                             schedule,
                             ends,
                         }
@@ -198,24 +227,6 @@ mod tests {
             (
                 refusal(dims(96), ElemType::BF16, Mask::none(), 0.1),
                 "got 96",
-            ),
-            (
-                refusal(
-                    dims(128),
-                    ElemType::BF16,
-                    Mask::causal().with_window(SlidingWindow::causal(64).unwrap()),
-                    0.1,
-                ),
-                "sliding windows",
-            ),
-            (
-                refusal(
-                    dims(64),
-                    ElemType::F16,
-                    Mask::none().with_documents(Documents::from_cu_seqlens(&[0, 517]).unwrap()),
-                    0.1,
-                ),
-                "documents",
             ),
         ];
         for (err, what) in cases {
@@ -237,7 +248,7 @@ mod tests {
         let variant = ForwardVariant {
             head_dim: 64,
             elem: ElemType::F16,
-            causal: true,
+            mask: Mask::causal().kind(),
             schedule: ForwardSchedule {
                 intra_overlap: false,
                 pingpong: true,
@@ -247,9 +258,33 @@ mod tests {
         };
         assert_eq!(
             variant.switches(),
-            "#define DISTFLASH_HEAD_DIM 64\n#define DISTFLASH_F16 1\n#define DISTFLASH_CAUSAL 1\n\
+            "#define DISTFLASH_HEAD_DIM 64\n#define DISTFLASH_F16 1\n#define DISTFLASH_UPPER 1\n\
+             #define DISTFLASH_LOWER 0\n#define DISTFLASH_DOCUMENTS 0\n\
              #define DISTFLASH_INTRA_OVERLAP 0\n#define DISTFLASH_PINGPONG 1\n\
              #define DISTFLASH_STATE_IN 0\n#define DISTFLASH_STATE_OUT 0\n"
+        );
+        // The mask's parts.
+        let mask_switches = |mask: &Mask| {
+            let switches = ForwardVariant {
+                mask: mask.kind(),
+                ..variant
+            }
+            .switches();
+            let flag = |name: &str| switches.contains(&format!("#define DISTFLASH_{name} 1\n"));
+            (flag("UPPER"), flag("LOWER"), flag("DOCUMENTS"))
+        };
+        let masks = every_mask();
+        let parts: Vec<_> = masks.iter().map(mask_switches).collect();
+        assert_eq!(
+            parts,
+            [
+                (false, false, false),
+                (true, false, false),
+                (true, true, false),
+                (true, true, false),
+                (false, false, true),
+                (true, true, true),
+            ]
         );
         // The steps: what each reads and writes.
         let state_switches = |ends| {
@@ -263,17 +298,22 @@ mod tests {
     }
 
     #[test]
-    fn scalars_carry_the_shift_and_the_base_2_scale() {
+    fn scalars_carry_the_band_and_the_base_2_scale() {
         let d = dims(128);
-        let [q_len, kv_len, heads, group, shift, scale, slice_group, slices] =
-            scalars(&d, &Mask::causal().at(217, 0), 0.125, true);
+        let documents = Documents::from_cu_seqlens(&[0, 1, 200, 700]).unwrap();
+        let mask = Mask::causal()
+            .with_window(SlidingWindow::causal(64).unwrap())
+            .with_documents(documents)
+            .at(217, 0);
+        let [q_len, kv_len, heads, group, upper, lower, scale, slice_group, slices, rest @ ..] =
+            scalars(&d, &mask, 0.125, true);
         assert_eq!([q_len, kv_len, heads, group], [300, 517, 8, 4]);
-        assert_eq!(shift as i32, 217);
+        let band = band::scalars(&d, &mask);
+        assert_eq!([upper, lower], [band.upper, band.lower]);
+        assert_eq!([upper as i32, lower as i32], [217, 217 - 63]);
         assert_eq!(f32::from_bits(scale), 0.125 * LOG2_E);
         assert_eq!([slice_group, slices], [16, 16]);
-        // Keys ahead of the queries: a negative shift.
-        let [.., shift, _, _, _] = scalars(&d, &Mask::causal().at(0, 40), 0.125, true);
-        assert_eq!(shift as i32, -40);
+        assert_eq!(rest, [217, 0, 0, 4, 0]);
     }
 
     #[test]

@@ -13,6 +13,7 @@
 
 mod backward;
 mod backward_plan;
+mod band;
 mod coverage;
 mod forward;
 mod forward_plan;

@@ -290,6 +290,11 @@ impl SourceArguments {
         self.buffers.push(tensor.handle.clone().binding());
     }
 
+    /// Registers `table`'s buffer as the next plain buffer parameter.
+    pub(crate) fn table(&mut self, table: &crate::mask::DocumentTable) {
+        self.buffers.push(table.handle.clone().binding());
+    }
+
     /// Registers the next `u32` scalar (the kernel's struct of scalars lists them in order).
     pub(crate) fn scalar(&mut self, value: u32) {
         self.info.scalars.push(value);

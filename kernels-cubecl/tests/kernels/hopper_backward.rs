@@ -2,14 +2,15 @@
 //! f64 reference, into gradients poisoned with NaN: both head dims and 16-bit types, causal and
 //! not, GQA and MQA, odd lengths (partial query tiles and key blocks), a later query chunk whose
 //! causal diagonal crosses tiles, keys ahead of the queries (rows that see nothing), key blocks
-//! no query sees (zero gradients), and extreme scores beside a partial key block;
-//! `Variant::Auto` running it where it covers a call and the tensor-core kernels where not (the
-//! deterministic backward among them); and its refusals. The backward runs on an H100/H200 only;
+//! no query sees (zero gradients), extreme scores beside a partial key block, and sliding
+//! windows and packed documents (alone, combined, at offsets, at their edges); `Variant::Auto`
+//! running it where it covers a call (masked calls included) and the tensor-core kernels where
+//! not (the deterministic backward among them); and its refusals. The backward runs on an H100/H200 only;
 //! elsewhere it must refuse the device.
 
 use super::hopper_cases::{
     auto_case, bits, check_all, common_cases, compare, every_type_and_head_dim, hopper_client,
-    named, Named, Quantity,
+    masked_cases, named, Named, Quantity,
 };
 use super::*;
 use distflash_kernels::hopper;
@@ -101,6 +102,24 @@ pub fn backward_matches_the_f64_reference<R: Runtime>(client: &ComputeClient<R>)
     check_all("hopper backward", &all, |case| check_case(client, case));
 }
 
+/// `attention_backward` of q, k, v and the forward's output, log-sum-exp and output gradient
+/// under `options`: `(dq, dk, dv)`.
+fn backward_of<R: Runtime>(
+    client: &ComputeClient<R>,
+    (q, k, v): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
+    (out, lse, grad_out): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
+    options: &StepOptions,
+) -> (DeviceTensor, DeviceTensor, DeviceTensor) {
+    distflash_kernels::attention_backward(client, q, k, v, out, lse, grad_out, options).unwrap()
+}
+
+/// The masked cases ([`masked_cases`]): windows and documents, forward and backward on Hopper.
+pub fn masks_match_the_f64_reference<R: Runtime>(client: &ComputeClient<R>) {
+    check_all("hopper backward, masks", &masked_cases(), |case| {
+        check_case(client, case)
+    });
+}
+
 /// `attention_backward` under `Variant::Hopper` and `Variant::Auto` runs the Hopper backward
 /// where it covers the call (dK and dV bitwise the direct call's, dQ, whose atomics add in no
 /// fixed order, within the tolerance of it), and `Variant::Auto` runs the deterministic
@@ -111,10 +130,8 @@ pub fn auto_runs_it_where_it_covers_the_call<R: Runtime>(client: &ComputeClient<
     let (q, k, v) = case.qkv(client);
     let (out, lse, grad_out) = forward_of(client, &case, (&q, &k, &v));
     let direct = hopper_gradients(client, &case, (&q, &k, &v), (&out, &lse, &grad_out)).unwrap();
-    let backward = |options: &StepOptions| {
-        distflash_kernels::attention_backward(client, &q, &k, &v, &out, &lse, &grad_out, options)
-            .unwrap()
-    };
+    let backward =
+        |options: &StepOptions| backward_of(client, (&q, &k, &v), (&out, &lse, &grad_out), options);
     for variant in [Variant::Hopper, Variant::Auto] {
         let (dq, dk, dv) = backward(&options(&case, variant));
         assert!(
@@ -136,6 +153,26 @@ pub fn auto_runs_it_where_it_covers_the_call<R: Runtime>(client: &ComputeClient<
         bits(&tc_dk) != bits(&direct[1]),
         "the tensor-core backward gave bitwise the Hopper dK: the comparison above proves nothing"
     );
+
+    // Masked calls: Auto runs the Hopper backward there too (dK and dV bitwise the direct call's).
+    let documents = Documents::from_cu_seqlens(&[0, 1, 100, 250, 300]).unwrap();
+    for mask in [
+        Mask::causal().with_window(SlidingWindow::causal(100).unwrap()),
+        Mask::causal().with_documents(documents),
+    ] {
+        let masked = Case::new(9, (1, 4, 2), (300, 300, 128), mask, ElemType::BF16);
+        let (q, k, v) = masked.qkv(client);
+        let (out, lse, grad_out) = forward_of(client, &masked, (&q, &k, &v));
+        let direct =
+            hopper_gradients(client, &masked, (&q, &k, &v), (&out, &lse, &grad_out)).unwrap();
+        let auto = options(&masked, Variant::Auto);
+        let (_, dk, dv) = backward_of(client, (&q, &k, &v), (&out, &lse, &grad_out), &auto);
+        assert!(
+            bits(&dk) == bits(&direct[1]) && bits(&dv) == bits(&direct[2]),
+            "Auto is not the Hopper backward under {:?}",
+            masked.mask
+        );
+    }
 
     let deterministic = |variant| StepOptions {
         deterministic: true,
@@ -177,7 +214,6 @@ pub fn uncovered_calls_are_refused<R: Runtime>(client: &ComputeClient<R>) {
         options
     };
     let deterministic = with(&|o| o.deterministic = true);
-    let window = with(&|o| o.mask = Mask::causal().with_window(SlidingWindow::causal(8).unwrap()));
     let negative = with(&|o| o.scale = Some(-0.5));
     let backward = |options: &StepOptions| {
         distflash_kernels::attention_backward(client, &q, &k, &v, &out, &lse, &grad_out, options)
@@ -198,13 +234,11 @@ pub fn uncovered_calls_are_refused<R: Runtime>(client: &ComputeClient<R>) {
             backward(&deterministic),
             "deterministic backward runs on Variant::TensorCore",
         ),
-        (backward(&window), "sliding windows"),
         (backward(&negative), "positive, finite score scale"),
         (
             backward_step(&deterministic),
             "deterministic backward runs on Variant::TensorCore",
         ),
-        (backward_step(&window), "sliding windows"),
     ];
     for (err, what) in refusals {
         let err = err.unwrap_or_else(|| panic!("not refused: {what}"));
@@ -214,7 +248,7 @@ pub fn uncovered_calls_are_refused<R: Runtime>(client: &ComputeClient<R>) {
     if !supports(client, ElemType::F16) {
         return;
     }
-    for options in [&deterministic, &window, &negative] {
+    for options in [&deterministic, &negative] {
         let auto = StepOptions {
             variant: Variant::Auto,
             ..options.clone()
@@ -227,6 +261,12 @@ pub fn uncovered_calls_are_refused<R: Runtime>(client: &ComputeClient<R>) {
 #[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
 fn cuda_hopper_backward_matches_f64_reference() {
     backward_matches_the_f64_reference(&hopper_client());
+}
+
+#[test]
+#[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
+fn cuda_hopper_backward_masks_match_f64_reference() {
+    masks_match_the_f64_reference(&hopper_client());
 }
 
 #[test]

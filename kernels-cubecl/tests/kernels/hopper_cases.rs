@@ -94,6 +94,43 @@ pub fn common_cases(elem: ElemType, d: usize) -> Vec<Named> {
     cases
 }
 
+/// Sliding windows (1 key, 37, 200 over several tiles, wider than the sequence, two-sided) and
+/// packed documents (lengths 1, odd and longer than a tile; shared and one list per batch row;
+/// bidirectional; under a window), each call's query and key chunks ending at the sequence's
+/// last position, then the edges of a band: keys ahead of every query, the diagonal alone,
+/// documents that start inside the key chunk or end inside the query chunk, runs of one-token
+/// documents. Both 16-bit types and head dims, GQA, two batch rows.
+pub fn masked_cases() -> Vec<Named> {
+    let mut cases = Vec::new();
+    let shapes = [
+        (ElemType::BF16, (1, 4, 2), (383, 517, 128)),
+        (ElemType::F16, (1, 4, 2), (383, 517, 64)),
+        (ElemType::F16, (2, 3, 3), (300, 300, 128)),
+        (ElemType::BF16, (2, 3, 3), (300, 300, 64)),
+    ];
+    for (elem, heads, lens) in shapes {
+        for group in [BandGroup::Windows, BandGroup::Documents] {
+            for mask in band_masks(group, heads.0, lens.0, lens.1) {
+                cases.push(named(53, heads, lens, mask, elem));
+            }
+        }
+    }
+    let mut edges = band_edges();
+    edges.push((
+        (1100, 1100),
+        Mask::causal().with_window(SlidingWindow::causal(200).unwrap()),
+    ));
+    for (i, ((q_len, kv_len), mask)) in edges.into_iter().enumerate() {
+        let (elem, head_dim) = if i % 2 == 0 {
+            (ElemType::BF16, 128)
+        } else {
+            (ElemType::F16, 64)
+        };
+        cases.push(named(61, (1, 2, 1), (q_len, kv_len, head_dim), mask, elem));
+    }
+    cases
+}
+
 /// `per_head_dim`'s cases for every element type and head dim of the Hopper attention kernels,
 /// then two in the benchmarks' configuration: many tiles and blocks, and GQA 32 / 8.
 pub fn every_type_and_head_dim(per_head_dim: impl Fn(ElemType, usize) -> Vec<Named>) -> Vec<Named> {

@@ -3,13 +3,14 @@
 //! GQA and MQA, odd lengths (partial query blocks and key tiles), a later query chunk whose
 //! causal diagonal crosses tiles, keys ahead of the queries (rows that see nothing), extreme
 //! scores beside a partial key tile, and scores that rise from tile to tile (the stale row max);
-//! every schedule of the kernel; `Variant::Auto` running it where it covers a call and the
-//! tensor-core kernels where not; and its refusals. The forward runs on an H100/H200 only;
-//! elsewhere it must refuse the device.
+//! sliding windows and packed documents (alone, combined, at offsets, at their edges); every
+//! schedule of the kernel; `Variant::Auto` running it where it covers a call (masked calls
+//! included) and the tensor-core kernels where not; and its refusals. The forward runs on an
+//! H100/H200 only; elsewhere it must refuse the device.
 
 use super::hopper_cases::{
-    auto_case, bits, common_cases, compare, every_type_and_head_dim, hopper_client, named, Named,
-    Quantity,
+    auto_case, bits, common_cases, compare, every_type_and_head_dim, hopper_client, masked_cases,
+    named, Named, Quantity,
 };
 use super::*;
 use distflash_kernels::hopper::{self, schedule, ForwardSchedule};
@@ -86,6 +87,11 @@ pub fn forward_matches_the_f64_reference<R: Runtime>(client: &ComputeClient<R>) 
     check_all(client, "default schedule", &every_type_and_head_dim(cases));
 }
 
+/// The masked cases ([`masked_cases`]) with the default schedule.
+pub fn masks_match_the_f64_reference<R: Runtime>(client: &ComputeClient<R>) {
+    check_all(client, "masks", &masked_cases());
+}
+
 /// The schedules other than the default, on a few cases each.
 pub fn every_schedule_matches_the_f64_reference<R: Runtime>(client: &ComputeClient<R>) {
     struct Restore;
@@ -123,6 +129,15 @@ pub fn every_schedule_matches_the_f64_reference<R: Runtime>(client: &ComputeClie
                     elem,
                 ));
                 some.push(rising_scores(Mask::causal().at(40, 0), elem, head_dim));
+                some.push(named(
+                    7,
+                    (1, 4, 2),
+                    (700, 1100, head_dim),
+                    Mask::causal()
+                        .with_window(SlidingWindow::causal(150).unwrap())
+                        .at(400, 0),
+                    elem,
+                ));
             }
             check_all(client, &format!("{forced:?}"), &some);
         }
@@ -157,8 +172,8 @@ pub fn every_schedule_matches_the_f64_reference<R: Runtime>(client: &ComputeClie
 }
 
 /// `attention` under `Variant::Hopper` and `Variant::Auto` runs the Hopper forward where it
-/// covers the call (bitwise the same results as `hopper::attention_forward`), and
-/// `Variant::Auto` runs a sliding window on the tensor-core kernels (bitwise theirs).
+/// covers the call (bitwise the same results as `hopper::attention_forward`): unmasked, causal,
+/// under a sliding window and over packed documents.
 pub fn auto_runs_it_where_it_covers_the_call<R: Runtime>(client: &ComputeClient<R>) {
     let bits = |t: &DeviceTensor| bits(client, t);
     let case = auto_case();
@@ -166,35 +181,33 @@ pub fn auto_runs_it_where_it_covers_the_call<R: Runtime>(client: &ComputeClient<
     let dims = case.dims;
     let out = nan_tensor(client, dims.q_shape(), case.elem);
     let lse = nan_tensor(client, dims.row_shape(), ElemType::F32);
-    let hopper_options = options(&case, Variant::Hopper);
-    hopper::attention_forward(client, (&q, &k, &v), &out, &lse, &hopper_options).unwrap();
-    for variant in [Variant::Hopper, Variant::Auto] {
-        let (o, l) =
-            distflash_kernels::attention(client, &q, &k, &v, &options(&case, variant)).unwrap();
+    let documents = Documents::from_cu_seqlens(&[0, 1, 100, 250, 300]).unwrap();
+    for mask in [
+        case.mask.clone(),
+        Mask::causal().with_window(SlidingWindow::causal(100).unwrap()),
+        Mask::causal().with_documents(documents),
+    ] {
+        let with = |variant| StepOptions {
+            mask: mask.clone(),
+            ..options(&case, variant)
+        };
+        hopper::attention_forward(client, (&q, &k, &v), &out, &lse, &with(Variant::Hopper))
+            .unwrap();
+        for variant in [Variant::Hopper, Variant::Auto] {
+            let (o, l) = distflash_kernels::attention(client, &q, &k, &v, &with(variant)).unwrap();
+            assert!(
+                bits(&o) == bits(&out) && bits(&l) == bits(&lse),
+                "{variant:?} is not the Hopper forward under {mask:?}"
+            );
+        }
+        let (tc_out, _) =
+            distflash_kernels::attention(client, &q, &k, &v, &with(Variant::TensorCore)).unwrap();
         assert!(
-            bits(&o) == bits(&out) && bits(&l) == bits(&lse),
-            "{variant:?} is not the Hopper forward"
+            bits(&tc_out) != bits(&out),
+            "the tensor-core forward gave bitwise the Hopper output under {mask:?}: the \
+             comparison above proves nothing"
         );
     }
-    let (tc_out, _) =
-        distflash_kernels::attention(client, &q, &k, &v, &options(&case, Variant::TensorCore))
-            .unwrap();
-    assert!(bits(&tc_out) != bits(&out), "the tensor-core forward gave bitwise the Hopper output: the comparison above proves nothing");
-
-    let windowed = StepOptions {
-        mask: Mask::causal().with_window(SlidingWindow::causal(100).unwrap()),
-        ..options(&case, Variant::Auto)
-    };
-    let tensor_core = StepOptions {
-        variant: Variant::TensorCore,
-        ..windowed.clone()
-    };
-    let (auto_out, _) = distflash_kernels::attention(client, &q, &k, &v, &windowed).unwrap();
-    let (tc_out, _) = distflash_kernels::attention(client, &q, &k, &v, &tensor_core).unwrap();
-    assert!(
-        bits(&auto_out) == bits(&tc_out),
-        "Auto does not run a window on the tensor cores"
-    );
 }
 
 /// What the Hopper forward does not cover is refused naming it, before anything runs, whatever
@@ -203,10 +216,6 @@ pub fn uncovered_calls_are_refused<R: Runtime>(client: &ComputeClient<R>) {
     let case = Case::new(13, (1, 2, 1), (64, 64, 64), Mask::causal(), ElemType::F16);
     let (q, k, v) = case.qkv(client);
     let hopper_options = options(&case, Variant::Hopper);
-    let window = StepOptions {
-        mask: Mask::causal().with_window(SlidingWindow::causal(8).unwrap()),
-        ..hopper_options.clone()
-    };
     let negative = StepOptions {
         scale: Some(-0.5),
         ..hopper_options.clone()
@@ -218,21 +227,13 @@ pub fn uncovered_calls_are_refused<R: Runtime>(client: &ComputeClient<R>) {
     let (q96, k96, v96) = d96.qkv(client);
     let refusals = [
         (
-            distflash_kernels::forward_step(client, &q, &k, &v, &state, &window).err(),
-            "sliding windows",
-        ),
-        (
-            distflash_kernels::forward_first_step(client, &q, &k, &v, &window).err(),
-            "sliding windows",
+            distflash_kernels::forward_step(client, &q, &k, &v, &state, &negative).err(),
+            "positive, finite score scale",
         ),
         (
             distflash_kernels::forward_last_step(client, &q, &k, &v, state.clone(), &negative)
                 .err(),
             "positive, finite score scale",
-        ),
-        (
-            distflash_kernels::attention(client, &q, &k, &v, &window).err(),
-            "sliding windows",
         ),
         (
             distflash_kernels::attention(client, &q, &k, &v, &negative).err(),
@@ -247,8 +248,8 @@ pub fn uncovered_calls_are_refused<R: Runtime>(client: &ComputeClient<R>) {
             "got 96",
         ),
         (
-            distflash_kernels::check_launch(client, &case.dims, ElemType::F16, &window).err(),
-            "sliding windows",
+            distflash_kernels::check_launch(client, &case.dims, ElemType::F16, &negative).err(),
+            "positive, finite score scale",
         ),
     ];
     for (err, what) in refusals {
@@ -259,19 +260,23 @@ pub fn uncovered_calls_are_refused<R: Runtime>(client: &ComputeClient<R>) {
     if !supports(client, ElemType::F16) {
         return;
     }
-    for options in [&window, &negative] {
-        let auto = StepOptions {
-            variant: Variant::Auto,
-            ..options.clone()
-        };
-        distflash_kernels::attention(client, &q, &k, &v, &auto).unwrap();
-    }
+    let auto = StepOptions {
+        variant: Variant::Auto,
+        ..negative
+    };
+    distflash_kernels::attention(client, &q, &k, &v, &auto).unwrap();
 }
 
 #[test]
 #[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
 fn cuda_hopper_forward_matches_f64_reference() {
     forward_matches_the_f64_reference(&hopper_client());
+}
+
+#[test]
+#[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
+fn cuda_hopper_forward_masks_match_f64_reference() {
+    masks_match_the_f64_reference(&hopper_client());
 }
 
 #[test]

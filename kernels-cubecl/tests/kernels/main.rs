@@ -498,15 +498,15 @@ fn band_masks_match_reference<R: Runtime>(
     }
 }
 
-/// Band masks at their edges, forward and backward, against the reference: keys that lie ahead of
-/// every query (a window sees a few, a two-sided window none), a window wider before than after,
-/// the diagonal alone, documents that start inside the key chunk or end inside the query chunk,
-/// and runs of one-token documents with and without a window.
-pub fn band_mask_edges_match_reference<R: Runtime>(client: &ComputeClient<R>, elem: ElemType) {
+/// Band masks at their edges, each with its `(q_len, kv_len)`: keys that lie ahead of every query
+/// (a window sees a few, a two-sided window none), a window wider before than after, the diagonal
+/// alone, documents that start inside the key chunk or end inside the query chunk, and runs of
+/// one-token documents with and without a window.
+fn band_edges() -> Vec<((usize, usize), Mask)> {
     let window = |before, after| Mask::none().with_window(SlidingWindow::two_sided(before, after));
     let split = Documents::from_cu_seqlens(&[0, 250, 350, 600]).unwrap();
     let tiny = Documents::from_cu_seqlens(&packed(&[1, 1, 2, 1, 150, 1, 3], 300)).unwrap();
-    let cases: Vec<((usize, usize), Mask)> = vec![
+    vec![
         (
             (300, 300),
             Mask::causal()
@@ -528,7 +528,12 @@ pub fn band_mask_edges_match_reference<R: Runtime>(client: &ComputeClient<R>, el
                 .with_documents(tiny)
                 .with_window(SlidingWindow::causal(2).unwrap()),
         ),
-    ];
+    ]
+}
+
+/// The band masks at their edges ([`band_edges`]), forward and backward, against the reference.
+pub fn band_mask_edges_match_reference<R: Runtime>(client: &ComputeClient<R>, elem: ElemType) {
+    let cases = band_edges();
     for (elem, variant) in configurations(client, elem) {
         for ((q_len, kv_len), mask) in &cases {
             let case = Case::new(61, (1, 2, 1), (*q_len, *kv_len, 64), mask.clone(), elem);

@@ -11,6 +11,7 @@
 //! as does any check of the options against the model, the data or a checkpoint before work
 //! starts.
 
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use burn::config::Config;
@@ -18,7 +19,6 @@ use burn::module::Module;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn_distflash::collective::on_each_rank;
 use burn_distflash::device_faults;
-use burn_distflash::layers::replicate;
 use burn_distflash::{AttentionContext, DeviceGroup, Documents};
 use distflash_llama::cli::{BackendKind, Dtype, TrainArgs};
 use distflash_llama::data::{Packing, TokenDataset};
@@ -54,7 +54,21 @@ const SAMPLE_TEMPERATURE: f64 = 0.8;
 
 fn fail(message: impl std::fmt::Display) -> ! {
     eprintln!("llama_train: {message}");
-    std::process::exit(2)
+    exit_now(2)
+}
+
+/// Ends the process with `code` at once, its standard streams flushed, without C's `atexit`
+/// handlers or any destructor: a failed run can leave other threads at work (a rank's, CubeCL's
+/// device threads, the CUDA driver's), and running those handlers beside them corrupted the heap
+/// on the way out (a GPU out of memory on two H200s: `malloc(): unaligned tcache chunk
+/// detected`, exit code 134 instead of 1, after the error line).
+fn exit_now(code: i32) -> ! {
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    // SAFETY: `_exit` ends the process on the spot; the metrics log is written unbuffered and
+    // nothing else needs to run.
+    unsafe { libc::_exit(code) }
 }
 
 /// Ends a run whose training step failed (a peer that went silent or died, a device error):
@@ -69,7 +83,7 @@ fn fail_step(step: u64, message: impl std::fmt::Display) -> ! {
         }
         _ => eprintln!("llama_train: step {step}: {message}"),
     }
-    std::process::exit(1)
+    exit_now(1)
 }
 
 /// The command line read, and its options that need no model or data checked.
@@ -624,20 +638,27 @@ where
     let devices: Vec<_> = (0..run.args.devices.gpus)
         .map(cubecl::cuda::CudaDevice::new)
         .collect();
-    let model = load_model::<Cuda<F>>(run, config, weights, &devices[0]);
     if devices.len() == 1 {
+        let model = load_model::<Cuda<F>>(run, config, weights, &devices[0]);
         return train_rank(run, config, model, AttentionContext::Local);
     }
     let groups =
         DeviceGroup::<CudaInner<F>>::nccl_with_timeout(&devices, run.args.devices.group_timeout())
             .unwrap_or_else(|e| fail(e));
-    // One trainable copy of the model per GPU, all with the same weights.
-    let models = replicate(&model, &devices);
-    drop(model);
-    on_each_rank(
-        groups.into_iter().zip(models).collect(),
-        |_, (group, model)| train_rank(run, config, model, context(group)),
-    );
+    // Each rank makes its copy of the model on its own thread. CubeCL's CUDA memory pools belong
+    // to a stream, and each thread has a stream of its own: weights made on this thread would
+    // keep pages in pools that no rank allocates from again (about 30 GiB per GPU for
+    // LLaMA-7B over two GPUs, seen as device memory beyond what the ranks' pools reserve).
+    // The backend's generator is shared by the process, so the ranks draw one at a time, each
+    // from the seed: every rank gets the same weights.
+    let one_at_a_time = Mutex::new(());
+    on_each_rank(groups, |_, group| {
+        let model = {
+            let _drawing = one_at_a_time.lock().unwrap_or_else(PoisonError::into_inner);
+            load_model::<Cuda<F>>(run, config, weights, group.device())
+        };
+        train_rank(run, config, model, context(group))
+    });
 }
 
 /// The backend's name as `--backend` spells it.
@@ -665,7 +686,7 @@ fn end_runs_stuck_on_device_faults() {
                 "llama_train: {fault} (the step did not end within {} s of it)",
                 DEVICE_FAULT_GRACE.as_secs()
             );
-            std::process::exit(1);
+            exit_now(1);
         }
     });
 }

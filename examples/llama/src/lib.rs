@@ -17,6 +17,7 @@ mod device_memory;
 mod error;
 pub mod generate;
 pub mod hf_config;
+pub mod host_usage;
 pub mod loss;
 pub mod loss_plot;
 pub mod lr_schedule;

@@ -477,6 +477,9 @@ fn train_rank<B: TrainBackend>(
         if let (Some(bar), true) = (bar.as_ref(), trainer.step == first_step + 1) {
             // After the first step, so that the device's count includes the optimizer's state.
             bar.message(&trainer.memory_report().to_string());
+            if let Some(host) = distflash_llama::host_usage::host_usage_line() {
+                bar.message(&host);
+            }
         }
         let last = trainer.step == o.steps;
         let validate =

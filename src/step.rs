@@ -1,17 +1,21 @@
 //! Step-by-step attention: the running softmax state ([`AttentionState`]) that
 //! [`AttentionBackend`](crate::AttentionBackend)'s step methods (`attention_state_empty`,
-//! `attention_forward_step`, `attention_merge`, `attention_finalize`, `attention_backward_step`)
-//! take and return; sequence-parallel attention is built from them. A step takes the same
+//! `attention_forward_step`, `attention_merge`, `attention_finalize`, `attention_backward_step`,
+//! `attention_backward_step_add`) take and return, and where a backward step's rows sit in the
+//! gradient accumulators it adds into ([`StepRows`]); sequence-parallel attention is built from
+//! them. A step takes the same
 //! [`FlashAttentionOptions`](crate::FlashAttentionOptions) as a one-shot call, its mask at the
 //! step's chunks' absolute offsets ([`Mask::at`](crate::Mask::at)).
 //!
-//! The state's operations from tensor operations (empty, merge, finalize, delta) are the
-//! trait's defaults, which every backend gets; the CubeCL backends override them with the
+//! The state's operations from tensor operations (empty, merge, finalize, delta, adding a step's
+//! gradients into rows of the accumulators) are the trait's defaults, which every backend gets; the CubeCL backends override them with the
 //! kernels. The tensor-op forward step is in the crate's `attention_tensor_ops` module.
+
+use core::ops::Range;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, FloatDType, Tensor, TensorPrimitive};
+use burn::tensor::{DType, FloatDType, Slice, Tensor, TensorMetadata, TensorPrimitive};
 
 /// Running state of a block of query rows, all f32 where the backend allows: `o`
 /// (unnormalised output, `[B, H, S, D]`), `m` (running max) and `l` (running sum), `[B, H, S]`.
@@ -23,6 +27,77 @@ pub struct AttentionState<B: Backend> {
     pub m: FloatTensor<B>,
     /// Running sum of `exp(score - m)`.
     pub l: FloatTensor<B>,
+}
+
+/// Where one backward step's rows sit in the f32 gradient accumulators it adds into, along the
+/// sequence dimension (2) of `[batch, heads, seq, head_dim]`: the step's query rows are rows
+/// `query` of the dq accumulator, its key/value rows rows `kv` of the dk and dv accumulators.
+/// Ranges that cover an accumulator's every row name the accumulator itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepRows {
+    /// Rows of the dq accumulator the step's query rows are.
+    pub query: Range<usize>,
+    /// Rows of the dk and dv accumulators the step's key/value rows are.
+    pub kv: Range<usize>,
+}
+
+impl StepRows {
+    /// Steps whose rows are the accumulators' every row: `query_len` query rows, `kv_len`
+    /// key/value rows.
+    pub fn whole(query_len: usize, kv_len: usize) -> Self {
+        Self {
+            query: 0..query_len,
+            kv: 0..kv_len,
+        }
+    }
+}
+
+/// Whether `rows` are all of `t`'s rows (dimension 2).
+pub(crate) fn covers<B: Backend>(t: &FloatTensor<B>, rows: &Range<usize>) -> bool {
+    rows.start == 0 && rows.end == t.shape()[2]
+}
+
+/// The slices selecting rows `rows` (dimension 2) of `t`.
+pub(crate) fn row_slices<B: Backend>(t: &FloatTensor<B>, rows: &Range<usize>) -> Vec<Slice> {
+    (t.shape().iter().enumerate())
+        .map(|(d, &n)| match d {
+            2 => Slice::new(rows.start as isize, Some(rows.end as isize), 1),
+            _ => Slice::new(0, Some(n as isize), 1),
+        })
+        .collect()
+}
+
+/// `grad` (as f32) added into rows `rows` of the f32 accumulator `acc`: in place where the
+/// backend allows, when the caller holds `acc` alone.
+fn add_into_rows<B: Backend>(
+    acc: FloatTensor<B>,
+    rows: &Range<usize>,
+    grad: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let grad = match grad.dtype() {
+        DType::F32 => grad,
+        _ => B::float_cast(grad, FloatDType::F32),
+    };
+    if covers::<B>(&acc, rows) {
+        return B::float_add(acc, grad);
+    }
+    let slices = row_slices::<B>(&acc, rows);
+    let sum = B::float_add(B::float_slice(acc.clone(), &slices), grad);
+    B::float_slice_assign(acc, &slices, sum)
+}
+
+/// A backward step's `(dq, dk, dv)` added into rows `rows` of the f32 accumulators `acc`
+/// (see [`StepRows`]): the default of `attention_backward_step_add`.
+pub fn add_step_grads<B: Backend>(
+    (dq, dk, dv): (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>),
+    rows: &StepRows,
+    (gq, gk, gv): (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>),
+) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+    (
+        add_into_rows::<B>(dq, &rows.query, gq),
+        add_into_rows::<B>(dk, &rows.kv, gk),
+        add_into_rows::<B>(dv, &rows.kv, gv),
+    )
 }
 
 fn t4<B: Backend>(p: FloatTensor<B>) -> Tensor<B, 4> {

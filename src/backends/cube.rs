@@ -9,12 +9,13 @@ use distflash_kernels::{
     AttentionDims, DeviceTensor, ElemType, GradAccumulators, SoftmaxState, StepOptions, Variant,
 };
 
+use super::cube_accumulators::{exclusive, AccumulatorRows};
 use crate::extension::{
     AttentionBackend, CheckpointBackend, LayerOpsBackend, SequenceParallelBackend,
 };
 use crate::layer_ops;
 use crate::options::FlashAttentionOptions;
-use crate::step::AttentionState;
+use crate::step::{AttentionState, StepRows};
 
 /// The kernel element type of a Burn float dtype.
 pub fn elem_type(dtype: DType) -> Option<ElemType> {
@@ -72,39 +73,33 @@ fn step_options(options: &FlashAttentionOptions) -> StepOptions {
     }
 }
 
-/// A tensor this call may overwrite in place: itself when it is contiguous and nothing else
-/// holds its buffer, else a contiguous copy in a buffer of its own. (Burn's own copy may come
-/// back pitched on CUDA, rows padded to an alignment; the kernels would then write a further
-/// contiguous copy and the caller's tensor would never see the writes.)
-fn exclusive<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
-    if tensor.is_contiguous() && tensor.can_mut() {
-        return tensor;
-    }
-    let (client, device, dtype) = (tensor.client.clone(), tensor.device.clone(), tensor.dtype);
-    let copy = cubecl::std::tensor::into_contiguous(&client, tensor.binding(), dtype.into());
-    CubeTensor::new(client, copy.handle, *copy.metadata, device, dtype)
-}
-
 /// The kernels' view of a state `(o, m, l)` that they write in place (from [`exclusive`]): its
-/// own buffers, never copies.
-///
-/// # Panics
-/// If a tensor is not contiguous (its view would be a copy that takes the writes).
+/// own buffers, never copies ([`in_place`], which panics on a tensor that is not contiguous).
 fn in_place_state<R: CubeRuntime>(
     o: &CubeTensor<R>,
     m: &CubeTensor<R>,
     l: &CubeTensor<R>,
 ) -> SoftmaxState {
-    for tensor in [o, m, l] {
-        assert!(
-            tensor.is_contiguous(),
-            "flash attention: a tensor written in place must be contiguous, got shape {:?} with \
-             strides {:?}",
-            tensor.shape(),
-            tensor.meta.strides()
-        );
+    SoftmaxState {
+        o: in_place(o),
+        m: in_place(m),
+        l: in_place(l),
     }
-    state_view(o, m, l)
+}
+
+/// The kernels' view of a tensor they write in place (from [`exclusive`]): its own buffer.
+///
+/// # Panics
+/// If the tensor is not contiguous (its view would be a copy that takes the writes).
+fn in_place<R: CubeRuntime>(tensor: &CubeTensor<R>) -> DeviceTensor {
+    assert!(
+        tensor.is_contiguous(),
+        "flash attention: a tensor written in place must be contiguous, got shape {:?} with \
+         strides {:?}",
+        tensor.shape(),
+        tensor.meta.strides()
+    );
+    device_tensor(tensor.clone())
 }
 
 /// The kernels' view of a state `(o, m, l)` (contiguous copies where needed: read-only use).
@@ -339,6 +334,45 @@ where
             cube_tensor(&like, grads.dk),
             cube_tensor(&like, grads.dv),
         )
+    }
+
+    /// The kernels add into the accumulators themselves ([`AccumulatorRows`]): no gradient of
+    /// the pair's size is made beside them when the step covers all their rows.
+    fn attention_backward_step_add(
+        q: CubeTensor<R>,
+        k: CubeTensor<R>,
+        v: CubeTensor<R>,
+        grad_out: CubeTensor<R>,
+        lse: CubeTensor<R>,
+        delta: CubeTensor<R>,
+        (dq, dk, dv): (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>),
+        rows: &StepRows,
+        options: FlashAttentionOptions,
+    ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+        let client = q.client.clone();
+        let targets = [(dq, &rows.query), (dk, &rows.kv), (dv, &rows.kv)]
+            .map(|(accumulator, rows)| AccumulatorRows::new::<Self>(accumulator, rows));
+        let grads = GradAccumulators {
+            dq: in_place(targets[0].target()),
+            dk: in_place(targets[1].target()),
+            dv: in_place(targets[2].target()),
+        };
+        distflash_kernels::backward_step(
+            &client,
+            &device_tensor(q),
+            &device_tensor(k),
+            &device_tensor(v),
+            &device_tensor(grad_out),
+            &device_tensor(lse),
+            &device_tensor(delta),
+            &grads,
+            &step_options(&options),
+        )
+        .unwrap_or_else(|e| fail("backward step", e));
+        // The kernels' handles go before the rows are written back, which is then in place.
+        drop(grads);
+        let [dq, dk, dv] = targets.map(AccumulatorRows::finish::<Self>);
+        (dq, dk, dv)
     }
 }
 

@@ -47,6 +47,7 @@ macro_rules! computes_itself {
 mod autodiff;
 mod checkpoint_node;
 pub mod cube;
+mod cube_accumulators;
 mod fusion;
 mod fusion_group;
 mod fusion_product;

@@ -8,14 +8,14 @@ use burn::tensor::{DType, TensorMetadata};
 use distflash_kernels::AttentionDims;
 
 use crate::options::FlashAttentionOptions;
-use crate::step::{self, AttentionState};
+use crate::step::{self, AttentionState, StepRows};
 use crate::Error;
 
 /// Attention on a Burn backend: the one-shot `(O, lse)` and its backward, and the step
 /// operations sequence-parallel attention is built from (an empty state, folding one key/value
 /// chunk in, merging partial states, finishing a state, the backward's `delta` and one pair's
-/// gradients). The defaults are Burn tensor operations (every backend has them); the CubeCL
-/// backends run this project's kernels instead.
+/// gradients, returned or added into the caller's accumulators). The defaults are Burn tensor
+/// operations (every backend has them); the CubeCL backends run this project's kernels instead.
 ///
 /// # Shapes
 ///
@@ -210,5 +210,38 @@ pub trait AttentionBackend: Backend {
         options: FlashAttentionOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         crate::attention_tensor_ops::gradients::<Self>(q, k, v, grad_out, lse, delta, options)
+    }
+
+    /// One (query chunk, key chunk) pair's `(dq, dk, dv)`, as
+    /// [`attention_backward_step`](Self::attention_backward_step) computes them, added into rows
+    /// `rows` of the caller's f32 accumulators `grads` (shaped like the whole query and
+    /// key/value shards; see [`StepRows`]); returns the accumulators. The default is the step
+    /// and then a tensor-op addition into the rows ([`step::add_step_grads`]). The kernel
+    /// backends add into the accumulators themselves, in place when the caller holds them alone
+    /// (no gradient of the pair's size beside them; rows that are not all of an accumulator go
+    /// through a contiguous copy of those rows).
+    ///
+    /// # Shapes
+    ///
+    /// - q, grad_out: `[batch, q_heads, seq_q, head_dim]`
+    /// - k, v: `[batch, kv_heads, seq_kv, head_dim]`
+    /// - lse, delta: `[batch, q_heads, seq_q]`
+    /// - grads: dq `[batch, q_heads, rows_q, head_dim]` with `rows.query` of length `seq_q`
+    ///   within `0..rows_q`; dk, dv `[batch, kv_heads, rows_kv, head_dim]` with `rows.kv` of
+    ///   length `seq_kv` within `0..rows_kv`; all f32
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward_step_add(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        grad_out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        delta: FloatTensor<Self>,
+        grads: (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>),
+        rows: &StepRows,
+        options: FlashAttentionOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let step = Self::attention_backward_step(q, k, v, grad_out, lse, delta, options);
+        step::add_step_grads::<Self>(grads, rows, step)
     }
 }

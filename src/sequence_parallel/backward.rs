@@ -1,6 +1,8 @@
 //! The distributed backward: each rank computes `(dq, dk, dv)` for the pairs its schedule
 //! assigns, from the forward's lse and `delta = rowsum(dO * O)`, and returns the gradients that
-//! belong to other ranks' chunks to their owners. Gradients are accumulated in f32.
+//! belong to other ranks' chunks to their owners. Gradients are accumulated in f32, and each step
+//! is handed the accumulators themselves (never a second handle on them), so the kernel backends
+//! add into them in place.
 
 use crate::Error;
 use burn::tensor::ops::FloatTensor;
@@ -20,9 +22,11 @@ struct BackwardPass<B: FlashAttentionBackend> {
     kv: [FloatTensor<B>; 2],
     /// `[q, dO, lse, delta]`.
     query: [FloatTensor<B>; 4],
-    dq: FloatTensor<B>,
-    dk: FloatTensor<B>,
-    dv: FloatTensor<B>,
+    /// This rank's f32 accumulators of `dq, dk, dv`; each is `None` only while a step adds
+    /// into it.
+    dq: Option<FloatTensor<B>>,
+    dk: Option<FloatTensor<B>>,
+    dv: Option<FloatTensor<B>>,
     schedule: Schedule,
     chunks: Chunks,
     options: SequenceParallelOptions,
@@ -41,6 +45,19 @@ fn zeros_like<B: FlashAttentionBackend>(t: &FloatTensor<B>) -> FloatTensor<B> {
     B::float_zeros(t.shape(), &B::float_device(t), FloatDType::F32)
 }
 
+/// The accumulator in `slot`, moved out (the pass holds no other handle on it while a step or
+/// a sum writes it).
+fn take<B: FlashAttentionBackend>(slot: &mut Option<FloatTensor<B>>) -> FloatTensor<B> {
+    slot.take()
+        .expect("the rank's accumulator is back after each step")
+}
+
+/// The accumulator in `slot` (for its layout).
+fn held<B: FlashAttentionBackend>(slot: &Option<FloatTensor<B>>) -> FloatTensor<B> {
+    slot.clone()
+        .expect("the rank's accumulator is back after each step")
+}
+
 impl<B: FlashAttentionBackend> Pass<B> for BackwardPass<B> {
     fn inputs(&self, plan: &RankStep) -> (Vec<Outgoing<B>>, Vec<Incoming>) {
         input_messages(plan, &self.kv, &self.query, MessageKind::QueryBundle)
@@ -57,20 +74,21 @@ impl<B: FlashAttentionBackend> Pass<B> for BackwardPass<B> {
         let blocks = self.schedule.blocks(pair);
         let query = [&q, &grad_out, &lse, &delta];
         let (own_query, own_kv) = (pair.query == self.rank, pair.kv == self.rank);
-        // This rank's own accumulators where a side is its own, fresh ones for the other side.
+        // This rank's own accumulators where a side is its own (moved, not cloned: the step
+        // adds into them in place), fresh ones for the other side.
         let acc = (
             if own_query {
-                self.dq.clone()
+                take::<B>(&mut self.dq)
             } else {
                 zeros_like::<B>(&q)
             },
             if own_kv {
-                self.dk.clone()
+                take::<B>(&mut self.dk)
             } else {
                 zeros_like::<B>(&k)
             },
             if own_kv {
-                self.dv.clone()
+                take::<B>(&mut self.dv)
             } else {
                 zeros_like::<B>(&v)
             },
@@ -79,13 +97,13 @@ impl<B: FlashAttentionBackend> Pass<B> for BackwardPass<B> {
             backward_pair::<B>(query, [&k, &v], acc, &blocks, self.chunks, &self.options);
         let mut results = Vec::new();
         if own_query {
-            self.dq = dq;
+            self.dq = Some(dq);
         } else {
             results.push(outgoing(pair.query, MessageKind::QueryGrad, &[dq]));
         }
         if own_kv {
-            self.dk = dk;
-            self.dv = dv;
+            self.dk = Some(dk);
+            self.dv = Some(dv);
         } else {
             results.push(outgoing(pair.kv, MessageKind::KeyValueGrad, &[dk, dv]));
         }
@@ -93,8 +111,8 @@ impl<B: FlashAttentionBackend> Pass<B> for BackwardPass<B> {
     }
 
     fn result_receives(&self, plan: &RankStep) -> Vec<Incoming> {
-        let dq = [self.dq.clone()];
-        let dkv = [self.dk.clone(), self.dv.clone()];
+        let dq = [held::<B>(&self.dq)];
+        let dkv = [held::<B>(&self.dk), held::<B>(&self.dv)];
         (plan.query_to.iter())
             .map(|&p| incoming::<B>(p, MessageKind::QueryGrad, &dq))
             .chain((plan.kv_to.iter()).map(|&p| incoming::<B>(p, MessageKind::KeyValueGrad, &dkv)))
@@ -105,10 +123,10 @@ impl<B: FlashAttentionBackend> Pass<B> for BackwardPass<B> {
         for message in results {
             let mut t = message.tensors.into_iter();
             if message.kind == MessageKind::QueryGrad {
-                self.dq = B::float_add(self.dq.clone(), t.next().expect("dq"));
+                self.dq = Some(B::float_add(take::<B>(&mut self.dq), t.next().expect("dq")));
             } else {
-                self.dk = B::float_add(self.dk.clone(), t.next().expect("dk"));
-                self.dv = B::float_add(self.dv.clone(), t.next().expect("dv"));
+                self.dk = Some(B::float_add(take::<B>(&mut self.dk), t.next().expect("dk")));
+                self.dv = Some(B::float_add(take::<B>(&mut self.dv), t.next().expect("dv")));
             }
         }
     }
@@ -134,9 +152,9 @@ pub(crate) fn run<B: FlashAttentionBackend>(
     let delta = B::attention_delta(out, grad_out.clone());
     let mut pass = BackwardPass {
         rank: group.rank(),
-        dq: zeros_like::<B>(&q),
-        dk: zeros_like::<B>(&k),
-        dv: zeros_like::<B>(&v),
+        dq: Some(zeros_like::<B>(&q)),
+        dk: Some(zeros_like::<B>(&k)),
+        dv: Some(zeros_like::<B>(&v)),
         kv: [k, v],
         query: [q, grad_out, lse, delta],
         schedule: schedule.clone(),
@@ -145,8 +163,8 @@ pub(crate) fn run<B: FlashAttentionBackend>(
     };
     pipeline::run(group, schedule, &mut pass, options.overlap)?;
     Ok((
-        cast::<B>(pass.dq, dtype),
-        cast::<B>(pass.dk, dtype),
-        cast::<B>(pass.dv, dtype),
+        cast::<B>(take::<B>(&mut pass.dq), dtype),
+        cast::<B>(take::<B>(&mut pass.dk), dtype),
+        cast::<B>(take::<B>(&mut pass.dv), dtype),
     ))
 }

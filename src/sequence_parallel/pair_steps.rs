@@ -2,13 +2,13 @@
 //! [`crate::schedule::blocks`]). Partial states and gradients stay f32.
 
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, FloatDType, Slice, TensorMetadata};
+use burn::tensor::{Slice, TensorMetadata};
 
 use crate::extension::{FlashAttentionBackend, Grads};
 use crate::options::FlashAttentionOptions;
 use crate::options::SequenceParallelOptions;
 use crate::schedule::Block;
-use crate::step::AttentionState;
+use crate::step::{self, AttentionState, StepRows};
 
 /// Where a pair's blocks cut its shards: `per_rank` chunks of `chunk` rows each.
 #[derive(Debug, Clone, Copy)]
@@ -56,22 +56,17 @@ impl Chunks {
         B::float_slice_assign(t, &slices, value)
     }
 
+    /// Rows (along dimension 2) of the chunks `range`.
+    fn row_range(&self, range: &core::ops::Range<usize>) -> core::ops::Range<usize> {
+        range.start * self.chunk..range.end * self.chunk
+    }
+
     fn slices<B: FlashAttentionBackend>(
         &self,
         t: &FloatTensor<B>,
         range: &core::ops::Range<usize>,
     ) -> Vec<Slice> {
-        let dims = t.shape().to_vec();
-        (dims.iter().enumerate())
-            .map(|(d, &n)| {
-                let (start, end) = if d == 2 {
-                    (range.start * self.chunk, range.end * self.chunk)
-                } else {
-                    (0, n)
-                };
-                Slice::new(start as isize, Some(end as isize), 1)
-            })
-            .collect()
+        step::row_slices::<B>(t, &self.row_range(range))
     }
 }
 
@@ -129,28 +124,11 @@ pub(crate) fn forward_pair<B: FlashAttentionBackend>(
     state.unwrap_or_else(empty)
 }
 
-/// `t` as f32 (itself when it already is).
-pub(crate) fn to_f32<B: FlashAttentionBackend>(t: FloatTensor<B>) -> FloatTensor<B> {
-    if t.dtype() == DType::F32 {
-        t
-    } else {
-        B::float_cast(t, FloatDType::F32)
-    }
-}
-
-/// Adds `grad` into rows `range` of the f32 accumulator `acc`.
-fn add_rows<B: FlashAttentionBackend>(
-    chunks: Chunks,
-    acc: FloatTensor<B>,
-    range: &core::ops::Range<usize>,
-    grad: FloatTensor<B>,
-) -> FloatTensor<B> {
-    let sum = B::float_add(chunks.rows::<B>(&acc, range), to_f32::<B>(grad));
-    chunks.assign::<B>(acc, range, sum)
-}
-
 /// A pair's `(dq, dk, dv)` added into the f32 accumulators `acc` (shaped like the whole
-/// shards): `[q, dO, lse, delta]` of the query shard, `[k, v]` of the key/value shard.
+/// shards): `[q, dO, lse, delta]` of the query shard, `[k, v]` of the key/value shard. Each
+/// block's step adds into the accumulators' rows it covers
+/// ([`attention_backward_step_add`](crate::AttentionBackend::attention_backward_step_add)); the
+/// caller hands over accumulators it holds alone, so the kernel backends write them in place.
 pub(crate) fn backward_pair<B: FlashAttentionBackend>(
     query: [&FloatTensor<B>; 4],
     [k, v]: [&FloatTensor<B>; 2],
@@ -162,19 +140,20 @@ pub(crate) fn backward_pair<B: FlashAttentionBackend>(
     let [q, grad_out, lse, delta] = query;
     for block in blocks {
         let (qr, kr) = (&block.query, &block.kv);
-        let (dq, dk, dv) = B::attention_backward_step(
+        let rows = StepRows {
+            query: chunks.row_range(qr),
+            kv: chunks.row_range(kr),
+        };
+        acc = B::attention_backward_step_add(
             chunks.rows::<B>(q, qr),
             chunks.rows::<B>(k, kr),
             chunks.rows::<B>(v, kr),
             chunks.rows::<B>(grad_out, qr),
             chunks.rows::<B>(lse, qr),
             chunks.rows::<B>(delta, qr),
+            acc,
+            &rows,
             block_step(block, options),
-        );
-        acc = (
-            add_rows::<B>(chunks, acc.0, qr, dq),
-            add_rows::<B>(chunks, acc.1, kr, dk),
-            add_rows::<B>(chunks, acc.2, kr, dv),
         );
     }
     acc

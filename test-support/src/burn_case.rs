@@ -2,6 +2,7 @@
 //! output and the gradients of `sum(O * dO)` through `Autodiff`) and stepped (the step
 //! operations chunk by chunk).
 
+use crate::accumulating_steps::{check_accumulating_steps, BackwardInputs};
 use crate::attention as oracle;
 use crate::{assert_close, exact, naive_rounding, Rng};
 use burn::tensor::backend::{AutodiffBackend, Backend};
@@ -228,7 +229,8 @@ pub fn check_steps<B: FlashAttentionBackend>(device: &B::Device, elem: ElemType)
 
 /// The step operations on one shape: keys split into three chunks at absolute offsets (`mask`
 /// gives the queries' offset), stepped into one state and merged from independent partials,
-/// then the backward step per chunk, all against the f64 reference.
+/// then the backward step per chunk and the accumulating backward step per block of query and
+/// key rows ([`check_accumulating_steps`]), all against the f64 reference.
 pub fn check_steps_case<B: FlashAttentionBackend>(
     device: &B::Device,
     elem: ElemType,
@@ -275,12 +277,13 @@ pub fn check_steps_case<B: FlashAttentionBackend>(
         );
         merged = B::attention_merge(merged, partial);
     }
+    let expected = case.expected(&mask, elem);
     let Expected {
         fwd,
         naive_fwd: naive,
         grads: g,
         naive_grads: ng,
-    } = case.expected(&mask, elem);
+    } = &expected;
     let host = |p: burn::tensor::ops::FloatTensor<B>| -> Vec<f64> {
         to_host(Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(p)))
     };
@@ -337,4 +340,13 @@ pub fn check_steps_case<B: FlashAttentionBackend>(
     assert_close(&format!("{what} steps: dq"), &dq, &g.dq, &ng.dq, elem);
     assert_close(&format!("{what} steps: dk"), &dk, &g.dk, &ng.dk, elem);
     assert_close(&format!("{what} steps: dv"), &dv, &g.dv, &ng.dv, elem);
+    let inputs = BackwardInputs {
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+    };
+    check_accumulating_steps::<B>(device, elem, &case, &inputs, (&mask, &bounds), &expected);
 }

@@ -12,6 +12,7 @@
 
 mod common;
 
+mod accumulating_step_memory;
 mod attention_module;
 mod blocks_repeated;
 mod burn_op;

@@ -5,21 +5,25 @@
 //! backward's accumulators).
 //!
 //! The busiest moment is a pair whose key/value chunk is another rank's (ring and zigzag: every
-//! step after the first). The rank then holds:
+//! step after the first). Each block's step adds into the f32 accumulators themselves
+//! (`attention_backward_step_add`; the pass moves the rank's own accumulators into the step, so
+//! nothing copies them), and the rank then holds:
 //! - the received `k, v` (`2 kv` elements of the activations' type);
-//! - the remote chunk's `dk, dv` in f32 twice: the zeros the pass starts them from and the step's
-//!   own accumulators (`GradAccumulators::zeros` of the backward step), summed into one another;
-//! - the step's `dq` in f32 for the block's query rows (one chunk of the shard's `chunks`);
-//! - under a layout of several chunks per rank (zigzag), the block covers part of the shard's
-//!   rows: its `q` and `dO` rows are copied into contiguous buffers, and adding the block's `dq`
-//!   into rows of the rank's accumulator copies the whole accumulator once (the pass still holds
-//!   it, so the slice assignment cannot write in place);
+//! - the remote chunk's `dk, dv` in f32, the accumulators the pass starts from zeros and sends
+//!   back to the owner;
+//! - under a layout of several chunks per rank (zigzag), a block covers part of one shard's rows
+//!   (the late queries against every key, or every query against the early keys): the kernels
+//!   take contiguous buffers, and the rows of a chunk in `[batch, heads, seq, head_dim]` are
+//!   `batch x heads` separate runs, so the block's rows of its inputs (`q` and `dO`, or `k` and
+//!   `v`) are copied contiguous, and its rows of the f32 accumulators it adds into (`dq`, or
+//!   `dk` and `dv`) are a contiguous copy written back in place; the larger of the two sides
+//!   counts;
 //! - with overlap over more than two ranks, the next step's `k, v` arriving and the previous
 //!   step's `dk, dv` still on their way back to their owner.
 //!
 //! A helper of the balanced schedule instead receives another rank's query bundle (`q, dO` and
-//! the f32 lse and delta) and makes its `dq` in f32 (zeros and the step's), beside the step's
-//! `dk, dv` of its own rows; the larger of the two moments counts.
+//! the f32 lse and delta) and makes its `dq` in f32, while the step adds its own rows' `dk, dv`
+//! into the rank's accumulators; the larger of the two moments counts.
 
 use super::activations::Widths;
 
@@ -48,26 +52,23 @@ impl Widths {
         }
         let (q, kv, e, h) = (self.query, self.key, self.elem, self.heads);
         let chunks = split.chunks.max(1);
-        let partial_rows = chunks > 1;
         let received_kv = 2 * kv * e;
-        let remote_kv_grads = 2 * (2 * kv * F32);
-        let block_dq = F32 * q / chunks;
-        let (accumulator_copy, operand_copies) = match partial_rows {
-            true => (F32 * q, 2 * q * e / chunks),
-            false => (0, 0),
+        let remote_kv_grads = 2 * kv * F32;
+        let partial_rows = match chunks > 1 {
+            true => {
+                let query_rows = (2 * q * e + F32 * q) / chunks;
+                let kv_rows = (2 * kv * e + 2 * F32 * kv) / chunks;
+                query_rows.max(kv_rows)
+            }
+            false => 0,
         };
         let in_flight = match split.overlap && split.world > 2 {
             true => 2 * kv * e + 2 * kv * F32,
             false => 0,
         };
-        let remote_pair = received_kv
-            + remote_kv_grads
-            + block_dq
-            + accumulator_copy
-            + operand_copies
-            + in_flight;
+        let remote_pair = received_kv + remote_kv_grads + partial_rows + in_flight;
         let helper_pair = match split.helpers {
-            true => (2 * q * e + 2 * F32 * h) + 2 * F32 * q + 2 * kv * F32,
+            true => (2 * q * e + 2 * F32 * h) + F32 * q,
             false => 0,
         };
         remote_pair.max(helper_pair)
@@ -111,44 +112,53 @@ mod tests {
 
     #[test]
     fn zigzag_on_two_ranks_counts_the_remote_pair_by_hand() {
-        // k, v received: 2 x 16 x 2 = 64; dk, dv in f32 twice: 2 x 2 x 16 x 4 = 256; the
-        // step's dq over half the rows: 4 x 32 / 2 = 64; the dq accumulator's copy: 4 x 32 =
-        // 128; q and dO rows copied: 2 x 32 x 2 / 2 = 64. Two ranks: nothing in flight.
+        // k, v received: 2 x 16 x 2 = 64; dk, dv in f32: 2 x 16 x 4 = 128; the larger side of
+        // a partial block: the late queries (q and dO rows 2 x 32 x 2 / 2 = 64, the dq rows'
+        // copy 4 x 32 / 2 = 64) against every query and the early keys (k and v rows
+        // 2 x 16 x 2 / 2 = 32, the dk and dv rows' copies 2 x 4 x 16 / 2 = 64). Two ranks:
+        // nothing in flight.
         let zigzag = split(2, 2, false, true);
         assert_eq!(
             widths().sequence_parallel_backward(zigzag),
-            64 + 256 + 64 + 128 + 64
+            64 + 128 + (64 + 64).max(32 + 64)
         );
         // Without overlap the same: the next step's inputs exist only from four ranks on.
         let quiet = split(2, 2, false, false);
-        assert_eq!(widths().sequence_parallel_backward(quiet), 576);
+        assert_eq!(widths().sequence_parallel_backward(quiet), 320);
+        // Wide key/value heads make the early keys' side the larger.
+        let wide = Widths {
+            key: 64,
+            ..widths()
+        };
+        // k, v 256; dk, dv 512; k and v rows 128 and their gradients' rows 256.
+        assert_eq!(wide.sequence_parallel_backward(quiet), 256 + 512 + 384);
     }
 
     #[test]
     fn a_contiguous_ring_copies_nothing_and_overlap_adds_the_next_and_previous_steps() {
-        // k, v 64, dk, dv twice 256, dq over all rows 128.
+        // k, v 64 and dk, dv 128; dq is added into the rank's accumulator in place.
         let ring = split(4, 1, false, false);
-        assert_eq!(widths().sequence_parallel_backward(ring), 64 + 256 + 128);
+        assert_eq!(widths().sequence_parallel_backward(ring), 64 + 128);
         // With overlap: the next k, v (64) and the previous dk, dv in f32 (128).
         let overlapped = split(4, 1, false, true);
         assert_eq!(
             widths().sequence_parallel_backward(overlapped),
-            448 + 64 + 128
+            192 + 64 + 128
         );
     }
 
     #[test]
     fn a_helper_counts_the_larger_of_its_two_moments() {
-        // A helper: q, dO (2 x 32 x 2 = 128) and f32 lse, delta (2 x 4 x 4 = 32), dq in f32
-        // twice (256), its own rows' dk, dv from the step (128): 544, above the ring's 448.
+        // A helper: q, dO (2 x 32 x 2 = 128), f32 lse, delta (2 x 4 x 4 = 32) and dq in f32
+        // (128): 288, above the ring's 192.
         let balanced = split(4, 1, true, false);
-        assert_eq!(widths().sequence_parallel_backward(balanced), 544);
+        assert_eq!(widths().sequence_parallel_backward(balanced), 288);
         // Wide key/value heads make the remote pair the larger.
         let wide = Widths {
             key: 64,
             ..widths()
         };
-        // k, v 256; dk, dv twice 1024; dq 128: 1408, against the helper's 160 + 256 + 512.
-        assert_eq!(wide.sequence_parallel_backward(balanced), 1408);
+        // k, v 256; dk, dv 512: 768, against the helper's 288.
+        assert_eq!(wide.sequence_parallel_backward(balanced), 768);
     }
 }

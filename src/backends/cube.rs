@@ -141,6 +141,20 @@ fn fail(what: &str, e: distflash_kernels::KernelError) -> ! {
     panic!("flash attention {what}: {e}")
 }
 
+/// The kernels' backward step of `[q, k, v]` with the query rows' `[dO, lse, delta]`, adding
+/// into `grads`.
+fn add_backward_step<R: CubeRuntime>(
+    client: &cubecl::prelude::ComputeClient<R>,
+    [q, k, v]: [DeviceTensor; 3],
+    [grad_out, lse, delta]: [DeviceTensor; 3],
+    grads: &GradAccumulators,
+    options: &FlashAttentionOptions,
+) {
+    let options = step_options(options);
+    distflash_kernels::backward_step(client, &q, &k, &v, &grad_out, &lse, &delta, grads, &options)
+        .unwrap_or_else(|e| fail("backward step", e));
+}
+
 impl<R, F, I, BT> AttentionBackend for CubeBackend<R, F, I, BT>
 where
     R: CubeRuntime,
@@ -317,18 +331,8 @@ where
             .unwrap_or_else(|e| fail("backward step", e));
         let grads =
             GradAccumulators::zeros(&client, &dims).unwrap_or_else(|e| fail("backward step", e));
-        distflash_kernels::backward_step(
-            &client,
-            &q,
-            &k,
-            &v,
-            &device_tensor(grad_out),
-            &device_tensor(lse),
-            &device_tensor(delta),
-            &grads,
-            &step_options(&options),
-        )
-        .unwrap_or_else(|e| fail("backward step", e));
+        let rows = [grad_out, lse, delta].map(device_tensor);
+        add_backward_step(&client, [q, k, v], rows, &grads, &options);
         (
             cube_tensor(&like, grads.dq),
             cube_tensor(&like, grads.dk),
@@ -357,18 +361,9 @@ where
             dk: in_place(targets[1].target()),
             dv: in_place(targets[2].target()),
         };
-        distflash_kernels::backward_step(
-            &client,
-            &device_tensor(q),
-            &device_tensor(k),
-            &device_tensor(v),
-            &device_tensor(grad_out),
-            &device_tensor(lse),
-            &device_tensor(delta),
-            &grads,
-            &step_options(&options),
-        )
-        .unwrap_or_else(|e| fail("backward step", e));
+        let (inputs, rows) = ([q, k, v], [grad_out, lse, delta]);
+        let (inputs, rows) = (inputs.map(device_tensor), rows.map(device_tensor));
+        add_backward_step(&client, inputs, rows, &grads, &options);
         // The kernels' handles go before the rows are written back, which is then in place.
         drop(grads);
         let [dq, dk, dv] = targets.map(AccumulatorRows::finish::<Self>);

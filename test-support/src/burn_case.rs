@@ -1,14 +1,17 @@
 //! The Burn-op checks shared by the test binaries, against the f64 reference: one-shot (forward
 //! output and the gradients of `sum(O * dO)` through `Autodiff`) and stepped (the step
-//! operations chunk by chunk).
+//! operations chunk by chunk, and the accumulating backward step block by block:
+//! [`accumulating_steps`]).
 
-use crate::accumulating_steps::{check_accumulating_steps, BackwardInputs};
 use crate::attention as oracle;
 use crate::{assert_close, exact, naive_rounding, Rng};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Tensor, TensorData};
 use burn_distflash::{flash_attention_with_lse, FlashAttentionBackend, FlashAttentionOptions};
 use distflash_kernels::{AttentionDims, ElemType, Mask};
+
+pub mod accumulating_steps;
+use accumulating_steps::{check_accumulating_steps, BackwardInputs};
 
 /// Host values as a tensor of `B`'s default float type on `device`.
 pub fn to_tensor<B: Backend>(data: &[f64], shape: [usize; 4], device: &B::Device) -> Tensor<B, 4> {

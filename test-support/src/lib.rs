@@ -22,8 +22,6 @@ mod tolerance;
 pub mod within;
 
 #[cfg(feature = "burn")]
-pub mod accumulating_steps;
-#[cfg(feature = "burn")]
 pub mod burn_case;
 #[cfg(feature = "burn")]
 pub mod collective_case;

@@ -79,7 +79,7 @@ fn the_accumulating_step_reserves_no_gradient_of_the_accumulators_size() {
         )
     };
     let whole = StepRows::whole(s, s);
-    let added = reserved_by(s, |acc| {
+    let add = |acc: Grads, rows: &StepRows| {
         let (q, k, v, grad_out, lse, delta) = inputs();
         WgpuF32::attention_backward_step_add(
             q,
@@ -89,46 +89,23 @@ fn the_accumulating_step_reserves_no_gradient_of_the_accumulators_size() {
             lse,
             delta,
             acc,
-            &whole,
+            rows,
             options.clone(),
         )
-    });
+    };
+    let added = reserved_by(s, |acc| add(acc, &whole));
     // The step's query rows as the second half of a dq accumulator twice as long: a copy of
     // those rows, written back in place.
     let second_half = StepRows {
         query: s..2 * s,
         kv: 0..s,
     };
-    let added_to_rows = reserved_by(2 * s, |acc| {
-        let (q, k, v, grad_out, lse, delta) = inputs();
-        WgpuF32::attention_backward_step_add(
-            q,
-            k,
-            v,
-            grad_out,
-            lse,
-            delta,
-            acc,
-            &second_half,
-            options.clone(),
-        )
-    });
+    let added_to_rows = reserved_by(2 * s, |acc| add(acc, &second_half));
     // Accumulators the caller still holds a handle on are copied first (what the distributed
     // pass avoids by moving its accumulators into the step).
     let added_while_held = reserved_by(s, |acc| {
         let held = acc.clone();
-        let (q, k, v, grad_out, lse, delta) = inputs();
-        let grads = WgpuF32::attention_backward_step_add(
-            q,
-            k,
-            v,
-            grad_out,
-            lse,
-            delta,
-            acc,
-            &whole,
-            options.clone(),
-        );
+        let grads = add(acc, &whole);
         drop(held);
         grads
     });

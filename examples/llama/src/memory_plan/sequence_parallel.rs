@@ -118,10 +118,7 @@ mod tests {
         // 2 x 16 x 2 / 2 = 32, the dk and dv rows' copies 2 x 4 x 16 / 2 = 64). Two ranks:
         // nothing in flight.
         let zigzag = split(2, 2, false, true);
-        assert_eq!(
-            widths().sequence_parallel_backward(zigzag),
-            64 + 128 + (64 + 64).max(32 + 64)
-        );
+        assert_eq!(widths().sequence_parallel_backward(zigzag), 64 + 128 + 128);
         // Without overlap the same: the next step's inputs exist only from four ranks on.
         let quiet = split(2, 2, false, false);
         assert_eq!(widths().sequence_parallel_backward(quiet), 320);

@@ -12,7 +12,7 @@ use burn_distflash::step::StepRows;
 use burn_distflash::{FlashAttentionBackend, FlashAttentionOptions};
 use distflash_kernels::{ElemType, Mask};
 
-use crate::burn_case::{to_host, typed_tensor, Expected, HostCase};
+use super::{to_host, typed_tensor, Expected, HostCase};
 use crate::{assert_close, Rng};
 
 /// One case's backward inputs on `B`: q, k, v and dO as tensors, the forward's lse and delta.

@@ -6,7 +6,7 @@
 
 use crate::byte_units::format_bytes;
 
-/// The value of a `NAME:   1234 kB` line of a `/proc` text, in bytes.
+/// The value of a `NAME:   1234 kB` line of `/proc/self/status`, in bytes.
 fn kib_field(text: &str, name: &str) -> Option<u64> {
     let line = text.lines().find(|l| l.split(':').next() == Some(name))?;
     let kib = line.split_whitespace().nth(1)?.parse::<u64>().ok()?;
@@ -14,13 +14,12 @@ fn kib_field(text: &str, name: &str) -> Option<u64> {
 }
 
 /// `(resident bytes of this process, bytes the host has available)`, `None` where `/proc` does
-/// not say (not Linux).
+/// not say (not Linux). The available bytes are those the offload's host-memory check reads.
 pub fn host_usage() -> Option<(u64, u64)> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
     Some((
         kib_field(&status, "VmRSS")?,
-        kib_field(&meminfo, "MemAvailable")?,
+        burn_distflash::offload::host_memory_available()?,
     ))
 }
 

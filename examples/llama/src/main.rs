@@ -22,6 +22,7 @@ use burn_distflash::device_faults;
 use burn_distflash::{AttentionContext, DeviceGroup, Documents};
 use distflash_llama::cli::{BackendKind, Dtype, TrainArgs};
 use distflash_llama::data::{Packing, TokenDataset};
+use distflash_llama::format_bytes;
 use distflash_llama::generate::{generate, Sampling};
 use distflash_llama::loss_plot::{write_loss_plot_svg, Curve};
 use distflash_llama::memory_plan::MemoryPlanner;
@@ -229,6 +230,15 @@ fn load_model<B: TrainBackend>(
         .load_record(record)
 }
 
+/// The CUDA device of `model`, whose offload pool's pinned bytes the log reports after the first
+/// step (`None` on the other backends).
+fn pinned_memory_device<B: TrainBackend>(model: &Llama<B>) -> Option<cubecl::cuda::CudaDevice> {
+    let device = model.devices().into_iter().next()?;
+    (&device as &dyn std::any::Any)
+        .downcast_ref::<cubecl::cuda::CudaDevice>()
+        .cloned()
+}
+
 /// `--zero`, or by default: several ranks shard the optimizer (f32 master weights, 1/P of the
 /// memory each), one rank keeps the replicated optimizer.
 fn zero_stage(args: &TrainArgs, world: usize) -> ZeroStage {
@@ -362,6 +372,7 @@ fn train_rank<B: TrainBackend>(
     let (output, out) = (&args.output, args.out_dir());
     let options = run.options.clone().with_zero(zero_stage(args, world));
     check_optimizer_state(&options);
+    let pinned_device = pinned_memory_device(&model);
     let mut trainer = Trainer::new(model, context, options);
     let (rank, world) = trainer.rank();
     let leader = rank == 0;
@@ -478,7 +489,13 @@ fn train_rank<B: TrainBackend>(
             // After the first step, so that the device's count includes the optimizer's state.
             bar.message(&trainer.memory_report().to_string());
             if let Some(host) = distflash_llama::host_usage::host_usage_line() {
-                bar.message(&host);
+                let pinned = pinned_device
+                    .as_ref()
+                    .map(burn_distflash::offload::pinned_bytes);
+                let pinned = pinned.map_or(String::new(), |b| {
+                    format!("; {} pinned by the offload pool", format_bytes(b))
+                });
+                bar.message(&format!("{host}{pinned}"));
             }
         }
         let last = trainer.step == o.steps;
@@ -650,8 +667,8 @@ where
             .unwrap_or_else(|e| fail(e));
     // Each rank makes its copy of the model on its own thread. CubeCL's CUDA memory pools belong
     // to a stream, and each thread has a stream of its own: weights made on this thread would
-    // keep pages in pools that no rank allocates from again (about 30 GiB per GPU for
-    // LLaMA-7B over two GPUs, seen as device memory beyond what the ranks' pools reserve).
+    // keep pages in pools that no rank allocates from again (LLaMA-7B over two H200s: the
+    // device held 32-44 GiB beyond the rank's pools; made here, 2.2 GiB).
     // The backend's generator is shared by the process, so the ranks draw one at a time, each
     // from the seed: every rank gets the same weights.
     let one_at_a_time = Mutex::new(());

@@ -684,17 +684,15 @@ fn main() {
                     first: seq == bwd_seqs[0],
                 };
                 backward_rows.print(&options, &row);
-                // The deterministic backward (dQ in its own kernel, no atomics), which the
-                // Hopper kernels do not cover.
-                if run.variant != Variant::Hopper {
-                    let exact = StepOptions {
-                        deterministic: true,
-                        ..options.clone()
-                    };
-                    let secs = backward_rows.forward_backward_seconds(&exact, false);
-                    let name = format!("{}, deterministic", run.name);
-                    row(&name, "fwd+bwd", seq, secs, 3.5 * flops);
-                }
+                // The deterministic backward: dQ in its own kernel on the tensor cores, dQ
+                // added in a fixed order on Hopper.
+                let exact = StepOptions {
+                    deterministic: true,
+                    ..options.clone()
+                };
+                let secs = backward_rows.forward_backward_seconds(&exact, false);
+                let name = format!("{}, deterministic", run.name);
+                row(&name, "fwd+bwd", seq, secs, 3.5 * flops);
             }
         }
         drop((q, k, v));

@@ -625,7 +625,15 @@ pub fn backward_step<R: Runtime>(
     ];
     if let Some(launch) = hopper::choose_backward_step(client, &dims, options, &buffers)? {
         let inputs = (q, k, v, grad_out);
-        hopper::enqueue_backward_step(client, &launch, inputs, (lse, delta), grads, &dims, options);
+        hopper::enqueue_backward_step(
+            client,
+            &launch,
+            inputs,
+            (lse, delta),
+            grads,
+            &dims,
+            options,
+        )?;
         return launch_result(client, "backward_step");
     }
     let (limits, plan) = LaunchPlan::for_call(client, &dims, q.elem, options)?;
@@ -717,7 +725,7 @@ pub fn attention_backward<R: Runtime>(
         let dk = DeviceTensor::empty(client, dims.kv_shape(), q.elem);
         let dv = DeviceTensor::empty(client, dims.kv_shape(), q.elem);
         let grads = (&dq, &dk, &dv);
-        hopper::enqueue_backward(client, &launch, &tensors, grad_out, grads, &dims, options);
+        hopper::enqueue_backward(client, &launch, &tensors, grad_out, grads, &dims, options)?;
         launch_result(client, "attention_backward")?;
         return Ok((dq, dk, dv));
     }

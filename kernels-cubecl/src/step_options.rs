@@ -9,7 +9,7 @@ use distflash_schedule::Mask;
 pub enum Variant {
     /// The fastest variant that covers the call: on a Hopper GPU the Hopper forward and backward
     /// for the whole attentions and steps they cover (see [`Variant::Hopper`]; the deterministic
-    /// backward is not among them), elsewhere and for everything else the tensor-core variant
+    /// backward under packed documents is not among them), elsewhere and for everything else the tensor-core variant
     /// where the runtime and shapes allow it, the portable one otherwise.
     #[default]
     Auto,
@@ -19,11 +19,13 @@ pub enum Variant {
     TensorCore,
     /// The Hopper kernels (`wgmma`, bulk tensor copies, warp specialisation; CUDA compute
     /// capability 9.0) for whole attentions, forward ([`crate::attention`]) and backward
-    /// ([`crate::attention_backward`], dQ added with atomics), and for the steps
+    /// ([`crate::attention_backward`], dQ added with atomics, in a fixed order when
+    /// deterministic), and for the steps
     /// ([`crate::forward_first_step`], [`crate::forward_step`], [`crate::forward_last_step`],
     /// [`crate::backward_step`]): f16 or bf16, head dim 64 or 128, every mask (causal, sliding
     /// windows, documents) at any offsets. An error where unavailable and for what they do not
-    /// cover (other types, head dims and scales, the deterministic backward).
+    /// cover (other types, head dims and scales, the deterministic backward under packed
+    /// documents).
     Hopper,
 }
 
@@ -36,9 +38,11 @@ pub struct StepOptions {
     pub scale: Option<f32>,
     /// Kernel variant.
     pub variant: Variant,
-    /// Backward without atomics: the tensor-core backward then computes dQ in its own kernel
-    /// (recomputing scores, seven GEMMs instead of five) and gives bitwise the same gradients on
-    /// every run. Off by default: one kernel adds dQ with f32 atomics, in no fixed order, as
+    /// A backward that gives bitwise the same gradients on every run: the tensor-core backward
+    /// then computes dQ in its own kernel (recomputing scores, seven GEMMs instead of five); the
+    /// Hopper backward keeps its five, its cubes adding to each dQ tile one after another in a
+    /// fixed order (not under packed documents, which `Variant::Auto` then runs on the tensor
+    /// cores). Off by default: dQ is added with f32 atomics in no fixed order, as
     /// FlashAttention-2 does. The portable kernels are always deterministic.
     pub deterministic: bool,
 }

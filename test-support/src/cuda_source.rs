@@ -236,15 +236,24 @@ pub fn hopper_sources() -> Vec<(String, String)> {
         for (elem_name, elem) in [("bf16", ElemType::BF16), ("f16", ElemType::F16)] {
             for (mask_name, mask) in mask_kinds() {
                 for (step_name, accumulate) in [("", false), ("_step", true)] {
-                    let variant = BackwardVariant {
-                        head_dim,
-                        elem,
-                        mask,
-                        accumulate,
+                    // The deterministic variants: every mask but packed documents.
+                    let orders: &[(&str, bool)] = match mask.documents {
+                        false => &[("", false), ("_deterministic", true)],
+                        true => &[("", false)],
                     };
-                    let name =
-                        format!("hopper_backward{step_name}_{mask_name}_d{head_dim}_{elem_name}");
-                    sources.push((name, hopper::backward_source(&variant)));
+                    for &(order_name, deterministic) in orders {
+                        let variant = BackwardVariant {
+                            head_dim,
+                            elem,
+                            mask,
+                            accumulate,
+                            deterministic,
+                        };
+                        let name = format!(
+                            "hopper_backward{step_name}{order_name}_{mask_name}_d{head_dim}_{elem_name}"
+                        );
+                        sources.push((name, hopper::backward_source(&variant)));
+                    }
                 }
             }
             let variant = BackwardVariant {
@@ -252,6 +261,7 @@ pub fn hopper_sources() -> Vec<(String, String)> {
                 elem,
                 mask: MaskKind::default(),
                 accumulate: false,
+                deterministic: false,
             };
             let name = format!("hopper_backward_rows_d{head_dim}_{elem_name}");
             sources.push((name, hopper::backward_rows_source(&variant)));

@@ -16,6 +16,8 @@
 //   DISTFLASH_DOCUMENTS 1: ... and only if i and j lie in one document (a table argument)
 //   DISTFLASH_ACCUMULATE  1: a backward step: dK and dV are added to f32 accumulators
 //                       [B * Hkv, Skv, D] instead of stored in the inputs' type
+//   DISTFLASH_DETERMINISTIC 1: the cubes add to each tile's dQ sum in a fixed order (below), so
+//                       that the gradients are bitwise the same from run to run
 //
 // Tensors are row-major: q and dO [B * Hq, Sq, D], k, v, dK and dV [B * Hkv, Skv, D], seen
 // through three-dimensional tensor maps whose boxes are 64 columns (128 bytes, the 128-byte
@@ -55,12 +57,25 @@
 //   fragment of dK and dV to the f32 accumulators (the cube owns its keys' rows: one cube per
 //   key block and key/value slice, every query head of the group summed in its registers, so
 //   no two cubes add to one element); a block no query sees adds nothing.
+// - DISTFLASH_DETERMINISTIC: the cubes of one key/value slice that walk a query tile form a run
+//   of consecutive key blocks (every mask here is a band whose ends rise with the key; packed
+//   documents, whose gaps break the run, are refused on the host). They add their dQ to the
+//   tile's sum from the last block of the run down, each warpgroup waiting on its own counter
+//   [B * Hq, Tq, DF_DQ_WARPGROUPS] (zeroed by the host) until the blocks above it have added,
+//   then adding and counting itself in. Cubes start last block first (lightest first under a
+//   causal mask), so a cube only ever waits on cubes that started before it.
 
 #ifndef DISTFLASH_HEAD_DIM
 #define DISTFLASH_HEAD_DIM 128
 #endif
 #ifndef DISTFLASH_ACCUMULATE
 #define DISTFLASH_ACCUMULATE 0
+#endif
+#ifndef DISTFLASH_DETERMINISTIC
+#define DISTFLASH_DETERMINISTIC 0
+#endif
+#if DISTFLASH_DETERMINISTIC && DISTFLASH_DOCUMENTS
+#error "the deterministic backward does not cover packed documents"
 #endif
 
 // The scalars, as CubeCL packs sixteen u32 scalars (64 bytes).
@@ -119,6 +134,11 @@ struct BackwardInfo {
 #define DF_DS_BARRIER 1
 #define DF_DONE_BARRIER 2
 #define DF_STORE_BARRIER 3
+// 5 and 6 (DISTFLASH_DETERMINISTIC): one warpgroup around its ordered dQ adds.
+#define DF_ORDER_BARRIER 5
+// Nanoseconds a warpgroup waits for its turn to add dQ before it traps (a launch error, not a
+// hang): far beyond any cube's walk.
+#define DF_ORDER_TIMEOUT_NS 20000000000ull
 // Larger than any column offset of a tile: a key no query row of the tile sees.
 #define DF_NO_COLUMN (1 << 20)
 
@@ -426,6 +446,54 @@ __device__ __forceinline__ u32 parity_of(int t) {
     return (static_cast<u32>(t) / DF_STAGES) & 1;
 }
 
+#if DISTFLASH_DETERMINISTIC
+// Whether the cube of key block `block` walks query tile `tile` (of every query head).
+__device__ __forceinline__ bool walks_tile(const BackwardInfo& info, const u32* docs, u32 batch,
+                                          u32 block, int tile) {
+    const Walk walk = block_walk(info, docs, batch, block * DF_BN);
+    return walk.first <= tile && tile < walk.first + walk.per_head;
+}
+
+// Ends the launch with an error (out of line: inlined, the trap costs the consumers spills).
+__device__ __noinline__ void give_up_waiting() {
+    asm volatile("trap;");
+}
+
+__device__ __forceinline__ u32 load_acquire(const u32* address) {
+    u32 value;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
+    return value;
+}
+
+__device__ __forceinline__ u64 global_nanoseconds() {
+    u64 now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    return now;
+}
+
+// Waits until the counter at `turn` reads `position` (one thread), trapping past
+// DF_ORDER_TIMEOUT_NS.
+__device__ __forceinline__ void wait_for_turn(const u32* turn, u32 position) {
+    if (load_acquire(turn) == position) {
+        return;
+    }
+    const u64 start = global_nanoseconds();
+    while (load_acquire(turn) != position) {
+        asm volatile("nanosleep.u32 64;");
+        if (global_nanoseconds() - start > DF_ORDER_TIMEOUT_NS) {
+            give_up_waiting();
+        }
+    }
+}
+
+// Counts the calling warpgroup's adds in (one thread, after the warpgroup's barrier): its adds
+// happen before any add of the cube whose turn this makes.
+__device__ __forceinline__ void end_turn(u32* turn) {
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(turn) : "memory");
+}
+#endif
+
 #if DISTFLASH_ACCUMULATE
 // Adds a warpgroup's fragment of 64 key rows (`acc`, times `factor`) to the f32 rows of `grads`
 // from `key` (the thread's fragment row; then `key + 8`) of slice `kv_slice`, rows past the keys
@@ -462,6 +530,9 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         void* dk_buffer, void* dv_buffer,
 #endif
         const float* lse_log2, const float* delta, float* dq_sum,
+#if DISTFLASH_DETERMINISTIC
+        u32* dq_turns,
+#endif
 #if DISTFLASH_ACCUMULATE
         float* dk_sum, float* dv_sum,
 #endif
@@ -480,6 +551,10 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
     const u32 blocks = (info.kv_len + DF_BN - 1) / DF_BN;
     u32 kv_slice, block;
     grouped_cube(blockIdx.x, blocks, info.slice_group, info.kv_slices, kv_slice, block);
+#if DISTFLASH_DETERMINISTIC
+    // Last block first: the blocks a cube waits on (see the ordered adds) start before it.
+    block = blocks - 1 - block;
+#endif
     const u32 key0 = block * DF_BN;
     const u32 batch = kv_slice / info.kv_heads;
     const Walk walk = block_walk(info, docs, batch, key0);
@@ -575,6 +650,9 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
     if (walk.count > 0) {
         barrier_wait(at.kv_full, 0);
     }
+#if DISTFLASH_DETERMINISTIC
+    u32 last_walker = block;
+#endif
 #pragma unroll 1
     for (int t = 0; t < walk.count; ++t) {
         const u32 stage = stage_of(t), parity = parity_of(t);
@@ -584,6 +662,17 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         const u32 q_rows = at.q + stage * DF_Q_BYTES;
         const u32 do_rows = at.d_o + stage * DF_Q_BYTES;
         const u32 ds_tile = at.ds + stage * DF_DS_BYTES;
+#if DISTFLASH_DETERMINISTIC
+        // The blocks above this one that walk the tile add their dQ first: `last_walker` is the
+        // last of the run (rising with the tile; from this block again at each head). Found
+        // here, where few registers are live.
+        if (tile == walk.first) {
+            last_walker = block;
+        }
+        while (last_walker + 1 < blocks && walks_tile(info, docs, batch, last_walker + 1, tile)) {
+            ++last_walker;
+        }
+#endif
 
         barrier_wait(at.q_full + 8 * stage, parity);
         issue_transposed_scores(s, at.k + key_rows, q_rows);
@@ -645,10 +734,22 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         }
         if (computes_dq) {
             fence_registers(dq);
-            float* block_sum = dq_sum +
-                               (static_cast<u64>(q_slice) * info.q_tiles + tile) * DF_DQ_TILE +
-                               wg * (DF_BM * 64);
+            const u64 tile_index = static_cast<u64>(q_slice) * info.q_tiles + tile;
+            float* block_sum = dq_sum + tile_index * DF_DQ_TILE + wg * (DF_BM * 64);
+#if DISTFLASH_DETERMINISTIC
+            u32* turn = dq_turns + tile_index * DF_DQ_WARPGROUPS + wg;
+            if (thread == 0) {
+                wait_for_turn(turn, last_walker - block);
+            }
+            named_sync(DF_ORDER_BARRIER + wg, 128);
             add_query_grads(block_sum, dq, thread);
+            named_sync(DF_ORDER_BARRIER + wg, 128);
+            if (thread == 0) {
+                end_turn(turn);
+            }
+#else
+            add_query_grads(block_sum, dq, thread);
+#endif
         }
     }
 

@@ -13,9 +13,11 @@ use super::source_task::{
     self, check_alignment, CudaSource, KernelCache, SourceArguments, TiledMap, ATTENTION_PRELUDE,
     PTX_PRELUDE,
 };
+use crate::buffers::enqueue_filled;
 use crate::dims::AttentionDims;
 use crate::inputs::check_backward;
 use crate::kernel_error::{launch_result, KernelError};
+use crate::limits::DeviceLimits;
 use crate::mask::{DocumentTable, KernelMask, MaskKind};
 use crate::step_options::{StepOptions, Variant};
 use crate::tensor::{DeviceTensor, ElemType};
@@ -48,11 +50,12 @@ pub fn backward_source(variant: &BackwardVariant) -> String {
 }
 
 /// The variant whose switches the row kernels are compiled with: `variant`'s head dim and type
-/// (its mask and accumulation do not enter them).
+/// (its mask, accumulation and determinism do not enter them).
 fn rows_variant(variant: &BackwardVariant) -> BackwardVariant {
     BackwardVariant {
         mask: MaskKind::default(),
         accumulate: false,
+        deterministic: false,
         ..*variant
     }
 }
@@ -230,7 +233,7 @@ pub(crate) struct ForwardTensors<'a> {
 /// `grad_out`, writing every element of `dq` (`[B, Hq, Sq, D]`), `dk` and `dv`
 /// (`[B, Hkv, Skv, D]`), all the inputs' type; arguments checked by the caller. Three launches:
 /// the prepare kernel (deltas, base-2 log-sum-exps, the zeroed dQ sum), the main kernel, the dQ
-/// kernel.
+/// kernel (after a fill of the deterministic backward's zeroed counters).
 pub(crate) fn enqueue<R: Runtime>(
     client: &ComputeClient<R>,
     launch: &BackwardLaunch,
@@ -239,7 +242,7 @@ pub(crate) fn enqueue<R: Runtime>(
     (dq, dk, dv): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
     dims: &AttentionDims,
     options: &StepOptions,
-) {
+) -> Result<(), KernelError> {
     debug_assert!(!launch.variant.accumulate);
     let inputs = (tensors.q, tensors.k, tensors.v, grad_out);
     let prepare_inputs = [tensors.out, grad_out, tensors.lse];
@@ -252,7 +255,7 @@ pub(crate) fn enqueue<R: Runtime>(
         grads,
         dims,
         options,
-    );
+    )
 }
 
 /// Queues `launch` (a step's) for q, k, v and the output gradient `grad_out` with the full-row
@@ -268,17 +271,18 @@ pub(crate) fn enqueue_step<R: Runtime>(
     grads: &crate::GradAccumulators,
     dims: &AttentionDims,
     options: &StepOptions,
-) {
+) -> Result<(), KernelError> {
     debug_assert!(launch.variant.accumulate);
     let grads = (&grads.dq, &grads.dk, &grads.dv);
     let inputs = (q, k, v, grad_out);
-    enqueue_launches(client, launch, inputs, &[lse, delta], grads, dims, options);
+    enqueue_launches(client, launch, inputs, &[lse, delta], grads, dims, options)
 }
 
 /// The three launches of `launch` for q, k, v and `grad_out`: the prepare kernel reading
 /// `prepare_inputs` (a whole attention's output, output gradient and lse; a step's lse and
 /// delta), the main kernel storing (a whole attention) or adding (a step) dK and dV, the dQ
-/// kernel writing or adding dQ.
+/// kernel writing or adding dQ; a deterministic variant's counters are zeroed first. Only the
+/// fill can fail (a grid past the device's limits), before anything else is queued.
 fn enqueue_launches<R: Runtime>(
     client: &ComputeClient<R>,
     launch: &BackwardLaunch,
@@ -287,7 +291,17 @@ fn enqueue_launches<R: Runtime>(
     (dq, dk, dv): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
     dims: &AttentionDims,
     options: &StepOptions,
-) {
+) -> Result<(), KernelError> {
+    // Zero bits: the kernel reads these f32 zeros as u32 counters.
+    let dq_turns = match launch.variant.deterministic {
+        true => Some(enqueue_filled(
+            client,
+            &DeviceLimits::of(client),
+            vec![backward_plan::dq_turns(dims)],
+            0.0,
+        )?),
+        false => None,
+    };
     let scale = options.resolved_scale(dims.head_dim);
     let rows = backward_plan::prepared_rows(dims);
     let lse_log2 = DeviceTensor::empty(client, vec![rows], ElemType::F32);
@@ -336,7 +350,7 @@ fn enqueue_launches<R: Runtime>(
             },
         );
     }
-    for buffer in [&lse_log2, &delta, &dq_sum] {
+    for buffer in [&lse_log2, &delta, &dq_sum].into_iter().chain(&dq_turns) {
         main.buffer(buffer);
     }
     if accumulate {
@@ -361,8 +375,10 @@ fn enqueue_launches<R: Runtime>(
     // SAFETY: `plan` checked that the runtime is CUDA on an sm_90 device and that the cubes,
     // shared memory and grids fit it; the arguments follow the three kernels' parameters for the
     // variant (the prepare kernel's inputs, its three buffers and four scalars; the main kernel's
-    // tensor maps, their buffers, its three buffers, a step's two accumulators, the documents'
-    // table with documents, and sixteen scalars; the dQ kernel's two buffers and four scalars).
+    // tensor maps, their buffers, its three buffers, the deterministic variant's counters, a
+    // step's two accumulators, the documents' table with documents, and sixteen scalars; the dQ
+    // kernel's two buffers and four scalars). The counters hold one per tile and 64 columns the
+    // kernel indexes (`dq_turns`), and a wait that outlives any walk traps instead of hanging.
     // The scratch buffers hold the padded rows the kernels index (`prepared_rows`), the tensor
     // maps bound every copy to its tensor (rows past a slice read as zeros and are not stored),
     // the row kernels guard their rows and values, the main kernel reads the table at positions
@@ -373,6 +389,7 @@ fn enqueue_launches<R: Runtime>(
         source_task::launch(client, main_kernel, main_grid, main);
         source_task::launch(client, dq_kernel, dq_grid, finish);
     }
+    Ok(())
 }
 
 /// The gradients of the whole attention `out = attention(q, k, v)` (with its f32 log-sum-exp
@@ -384,8 +401,8 @@ fn enqueue_launches<R: Runtime>(
 /// # Errors
 ///
 /// Shapes and types that disagree, bad options, and everything [`Variant::Hopper`] refuses
-/// (the device, the element type, the head dim, the deterministic backward, unaligned
-/// buffers), before anything runs; a launch the runtime reports as failed is
+/// (the device, the element type, the head dim, the deterministic backward under packed
+/// documents, unaligned buffers), before anything runs; a launch the runtime reports as failed is
 /// [`KernelError::Launch`].
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward<R: Runtime>(
@@ -424,7 +441,7 @@ pub fn attention_backward<R: Runtime>(
         (dq, dk, dv),
         &dims,
         options,
-    );
+    )?;
     launch_result(client, KERNEL)
 }
 
@@ -434,12 +451,13 @@ mod tests {
     use crate::hopper::source_task::{parameters, preprocessed_parameters};
 
     /// The main kernel's parameters as the preprocessor leaves them, for a step (`accumulate`)
-    /// or a whole attention, with or without `documents`.
-    fn main_parameters(accumulate: bool, documents: bool) -> Vec<String> {
+    /// or a whole attention, with or without `documents`, `deterministic` or not.
+    fn main_parameters(accumulate: bool, documents: bool, deterministic: bool) -> Vec<String> {
         preprocessed_parameters(BACKWARD_CU, ENTRY_POINT, |condition| match condition {
             "DISTFLASH_ACCUMULATE" => accumulate,
             "!DISTFLASH_ACCUMULATE" => !accumulate,
             "DISTFLASH_DOCUMENTS" => documents,
+            "DISTFLASH_DETERMINISTIC" => deterministic,
             other => panic!("unexpected condition `{other}`"),
         })
     }
@@ -473,23 +491,40 @@ mod tests {
         let accumulators = ["float* dk_sum", "float* dv_sum"];
         let docs = ["const u32* docs"];
         let info = ["const __grid_constant__ BackwardInfo info"];
-        for (documents, table) in [(false, &[][..]), (true, &docs[..])] {
+        let turns = ["u32* dq_turns"];
+        let cases = [
+            (false, &[][..], &[][..]),
+            (false, &docs[..], &[][..]),
+            (true, &[][..], &turns[..]),
+        ];
+        for (deterministic, table, counters) in cases {
+            let documents = !table.is_empty();
             assert_eq!(
-                main_parameters(false, documents),
+                main_parameters(false, documents, deterministic),
                 [
                     &maps[..],
                     &stored_maps,
                     &buffers,
                     &stored_buffers,
                     &scratch,
+                    counters,
                     table,
                     &info
                 ]
                 .concat()
             );
             assert_eq!(
-                main_parameters(true, documents),
-                [&maps[..], &buffers, &scratch, &accumulators, table, &info].concat()
+                main_parameters(true, documents, deterministic),
+                [
+                    &maps[..],
+                    &buffers,
+                    &scratch,
+                    counters,
+                    &accumulators,
+                    table,
+                    &info
+                ]
+                .concat()
             );
         }
         assert_eq!(
@@ -549,6 +584,7 @@ mod tests {
                 ..MaskKind::default()
             },
             accumulate: false,
+            deterministic: false,
         };
         let [prepare, main, dq] = kernels(&variant(true));
         let [prepare_again, main_again, dq_again] = kernels(&variant(true));
@@ -582,6 +618,15 @@ mod tests {
         );
         assert_eq!(step_prepare.source(), prepare.source());
         assert_ne!(step_main.fingerprint(), main.fingerprint());
+        // The deterministic variant: its own main kernel, the same row kernels.
+        let deterministic = BackwardVariant {
+            deterministic: true,
+            ..variant(true)
+        };
+        let [det_prepare, det_main, det_dq] = kernels(&deterministic);
+        assert_eq!(det_prepare.fingerprint(), prepare.fingerprint());
+        assert_eq!(det_dq.fingerprint(), dq.fingerprint());
+        assert_ne!(det_main.fingerprint(), main.fingerprint());
     }
 
     #[test]
@@ -595,6 +640,7 @@ mod tests {
                 documents: true,
             },
             accumulate: true,
+            deterministic: true,
         };
         let main = backward_source(&variant);
         assert!(main.starts_with(&variant.switches()));
@@ -603,7 +649,7 @@ mod tests {
         assert!(rows.starts_with(
             "#define DISTFLASH_HEAD_DIM 128\n#define DISTFLASH_F16 1\n#define DISTFLASH_UPPER 0\n\
              #define DISTFLASH_LOWER 0\n#define DISTFLASH_DOCUMENTS 0\n\
-             #define DISTFLASH_ACCUMULATE 0\n"
+             #define DISTFLASH_ACCUMULATE 0\n#define DISTFLASH_DETERMINISTIC 0\n"
         ));
         assert!(rows.ends_with(ROWS_CU));
     }

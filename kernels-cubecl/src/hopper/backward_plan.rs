@@ -53,14 +53,18 @@ pub struct BackwardVariant {
     /// A backward step's: dK and dV added to f32 accumulators (and dQ, by the dQ kernel),
     /// else stored in the inputs' type (a whole attention's).
     pub accumulate: bool,
+    /// The cubes add to each tile's dQ sum in a fixed order (bitwise the same gradients from
+    /// run to run), else as they come.
+    pub deterministic: bool,
 }
 
 impl BackwardVariant {
     /// The variant that computes the gradients of attention of `dims` in `elem` under `mask`
-    /// with score `scale` (added to f32 accumulators where it is to `accumulate`), or why the
-    /// kernel does not cover the call: another element type or head dim, a scale that is not
-    /// positive and finite, or a `deterministic` backward (the kernel adds dQ with atomics in no
-    /// fixed order).
+    /// with score `scale` (added to f32 accumulators where it is to `accumulate`; dQ added in a
+    /// fixed order where `deterministic`), or why the kernel does not cover the call: another
+    /// element type or head dim, a scale that is not positive and finite, or a `deterministic`
+    /// backward under packed documents (the fixed order takes the key blocks that walk a query
+    /// tile to be consecutive, which a document's gaps break).
     pub fn for_call(
         dims: &AttentionDims,
         elem: ElemType,
@@ -69,11 +73,10 @@ impl BackwardVariant {
         accumulate: bool,
     ) -> Result<Self, KernelError> {
         super::coverage::check("the Hopper attention backward", dims, elem, scale)?;
-        if deterministic {
+        if deterministic && mask.documents.is_some() {
             return Err(KernelError::Unsupported {
-                what: "the Hopper attention backward adds dQ with f32 atomics in no fixed order; \
-                       the deterministic backward runs on Variant::TensorCore (Variant::Auto \
-                       picks it)"
+                what: "the deterministic Hopper attention backward does not cover packed \
+                       documents; Variant::TensorCore runs it (Variant::Auto picks it)"
                     .into(),
             });
         }
@@ -82,6 +85,7 @@ impl BackwardVariant {
             elem,
             mask: mask.kind(),
             accumulate,
+            deterministic,
         })
     }
 
@@ -90,11 +94,12 @@ impl BackwardVariant {
     pub fn switches(&self) -> String {
         format!(
             "#define DISTFLASH_HEAD_DIM {}\n#define DISTFLASH_F16 {}\n{}\
-             #define DISTFLASH_ACCUMULATE {}\n",
+             #define DISTFLASH_ACCUMULATE {}\n#define DISTFLASH_DETERMINISTIC {}\n",
             self.head_dim,
             u8::from(self.elem == ElemType::F16),
             band::switches(self.mask),
             u8::from(self.accumulate),
+            u8::from(self.deterministic),
         )
     }
 }
@@ -109,6 +114,12 @@ pub fn query_tiles(dims: &AttentionDims) -> usize {
 /// delta of every padded query row, and the dQ sum (`head_dim` values a padded row).
 pub fn prepared_rows(dims: &AttentionDims) -> usize {
     dims.batch * dims.q_heads * query_tiles(dims) * TILE_ROWS
+}
+
+/// The counters of the deterministic backward's ordered dQ adds: one per 64 columns of the
+/// head dim of every padded query tile of every slice.
+pub fn dq_turns(dims: &AttentionDims) -> usize {
+    dims.batch * dims.q_heads * query_tiles(dims) * (dims.head_dim / 64)
 }
 
 /// Key/value slices per launch group: as many as share [`L2_BUDGET`] bytes of what their cubes
@@ -210,8 +221,21 @@ mod tests {
                             elem,
                             mask: mask.kind(),
                             accumulate,
+                            deterministic: false,
                         }
                     );
+                    // Deterministic wherever there are no documents.
+                    let deterministic = BackwardVariant::for_call(
+                        &dims(head_dim),
+                        elem,
+                        (mask, 0.1),
+                        true,
+                        accumulate,
+                    );
+                    match mask.documents {
+                        None => assert!(deterministic.unwrap().deterministic),
+                        Some(_) => assert!(deterministic.is_err()),
+                    }
                 }
             }
         }
@@ -229,8 +253,14 @@ mod tests {
                 "got 96",
             ),
             (
-                refusal(dims(128), ElemType::BF16, Mask::causal(), 0.1, true),
-                "deterministic backward runs on Variant::TensorCore",
+                refusal(
+                    dims(128),
+                    ElemType::BF16,
+                    Mask::causal().with_documents(Documents::from_cu_seqlens(&[0, 9]).unwrap()),
+                    0.1,
+                    true,
+                ),
+                "deterministic Hopper attention backward does not cover packed documents",
             ),
         ];
         for (err, what) in cases {
@@ -254,20 +284,22 @@ mod tests {
             elem: ElemType::F16,
             mask: Mask::causal().kind(),
             accumulate: false,
+            deterministic: false,
         };
         assert_eq!(
             variant.switches(),
             "#define DISTFLASH_HEAD_DIM 64\n#define DISTFLASH_F16 1\n#define DISTFLASH_UPPER 1\n\
              #define DISTFLASH_LOWER 0\n#define DISTFLASH_DOCUMENTS 0\n\
-             #define DISTFLASH_ACCUMULATE 0\n"
+             #define DISTFLASH_ACCUMULATE 0\n#define DISTFLASH_DETERMINISTIC 0\n"
         );
         let step = BackwardVariant {
             accumulate: true,
+            deterministic: true,
             ..variant
         };
         assert!(step
             .switches()
-            .ends_with("#define DISTFLASH_ACCUMULATE 1\n"));
+            .ends_with("#define DISTFLASH_ACCUMULATE 1\n#define DISTFLASH_DETERMINISTIC 1\n"));
     }
 
     #[test]

@@ -4,9 +4,11 @@
 //! causal diagonal crosses tiles, keys ahead of the queries (rows that see nothing), key blocks
 //! no query sees (zero gradients), extreme scores beside a partial key block, and sliding
 //! windows and packed documents (alone, combined, at offsets, at their edges); `Variant::Auto`
-//! running it where it covers a call (masked calls included) and the tensor-core kernels where
-//! not (the deterministic backward among them); and its refusals. The backward runs on an H100/H200 only;
-//! elsewhere it must refuse the device.
+//! running it where it covers a call (masked calls included, and the deterministic backward)
+//! and the tensor-core kernels where not (the deterministic backward under packed documents);
+//! the deterministic backward (dQ added in a fixed order) against the reference and bitwise
+//! the same twice; and its refusals. The backward runs on an H100/H200 only; elsewhere it must
+//! refuse the device.
 
 use super::hopper_cases::{
     auto_case, bits, check_all, common_cases, compare, every_type_and_head_dim, hopper_client,
@@ -28,11 +30,20 @@ fn forward_of<R: Runtime>(
     (out, lse, grad_out)
 }
 
-/// `[dq, dk, dv]` of `case` by `hopper::attention_backward`, from q, k, v and the forward's
-/// output, log-sum-exp and output gradient, into gradients poisoned with NaN.
+/// The options of the Hopper backward of `case`, `deterministic` or not.
+fn hopper_options(case: &Case, deterministic: bool) -> StepOptions {
+    StepOptions {
+        deterministic,
+        ..options(case, Variant::Hopper)
+    }
+}
+
+/// `[dq, dk, dv]` of `case` by `hopper::attention_backward` (`deterministic` or not), from q, k,
+/// v and the forward's output, log-sum-exp and output gradient, into gradients poisoned with
+/// NaN.
 fn hopper_gradients<R: Runtime>(
     client: &ComputeClient<R>,
-    case: &Case,
+    (case, deterministic): (&Case, bool),
     (q, k, v): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
     (out, lse, grad_out): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
 ) -> Result<[DeviceTensor; 3], KernelError> {
@@ -46,7 +57,7 @@ fn hopper_gradients<R: Runtime>(
         lse,
         grad_out,
         (&grads[0], &grads[1], &grads[2]),
-        &options(case, Variant::Hopper),
+        &hopper_options(case, deterministic),
     )?;
     Ok(grads)
 }
@@ -56,12 +67,21 @@ fn hopper_gradients<R: Runtime>(
 /// it lies, if they differ.
 fn check_case<R: Runtime>(client: &ComputeClient<R>, case: &Case) -> Result<(), String> {
     let (q, k, v) = case.qkv(client);
-    let dims = &case.dims;
     let (out, lse, grad_out) = forward_of(client, case, (&q, &k, &v));
-    let [got_dq, got_dk, got_dv] =
-        hopper_gradients(client, case, (&q, &k, &v), (&out, &lse, &grad_out))
-            .map_err(|e| format!("refused: {e}"))?
-            .map(|grad| read(client, &grad));
+    let grads = hopper_gradients(client, (case, false), (&q, &k, &v), (&out, &lse, &grad_out))
+        .map_err(|e| format!("refused: {e}"))?;
+    compare_with_reference(client, case, &grads)
+}
+
+/// dQ, dK and dV of `case` against the f64 reference; the error, with a map of where it lies,
+/// if they differ.
+fn compare_with_reference<R: Runtime>(
+    client: &ComputeClient<R>,
+    case: &Case,
+    grads: &[DeviceTensor; 3],
+) -> Result<(), String> {
+    let dims = &case.dims;
+    let [got_dq, got_dk, got_dv] = [&grads[0], &grads[1], &grads[2]].map(|g| read(client, g));
     let (exact, naive) = case.reference_backward();
     let quantity = |name, got, exact, naive, slice_rows, block_rows| Quantity {
         name,
@@ -129,7 +149,13 @@ pub fn auto_runs_it_where_it_covers_the_call<R: Runtime>(client: &ComputeClient<
     let case = auto_case();
     let (q, k, v) = case.qkv(client);
     let (out, lse, grad_out) = forward_of(client, &case, (&q, &k, &v));
-    let direct = hopper_gradients(client, &case, (&q, &k, &v), (&out, &lse, &grad_out)).unwrap();
+    let direct = hopper_gradients(
+        client,
+        (&case, false),
+        (&q, &k, &v),
+        (&out, &lse, &grad_out),
+    )
+    .unwrap();
     let backward =
         |options: &StepOptions| backward_of(client, (&q, &k, &v), (&out, &lse, &grad_out), options);
     for variant in [Variant::Hopper, Variant::Auto] {
@@ -163,8 +189,13 @@ pub fn auto_runs_it_where_it_covers_the_call<R: Runtime>(client: &ComputeClient<
         let masked = Case::new(9, (1, 4, 2), (300, 300, 128), mask, ElemType::BF16);
         let (q, k, v) = masked.qkv(client);
         let (out, lse, grad_out) = forward_of(client, &masked, (&q, &k, &v));
-        let direct =
-            hopper_gradients(client, &masked, (&q, &k, &v), (&out, &lse, &grad_out)).unwrap();
+        let direct = hopper_gradients(
+            client,
+            (&masked, false),
+            (&q, &k, &v),
+            (&out, &lse, &grad_out),
+        )
+        .unwrap();
         let auto = options(&masked, Variant::Auto);
         let (_, dk, dv) = backward_of(client, (&q, &k, &v), (&out, &lse, &grad_out), &auto);
         assert!(
@@ -174,22 +205,107 @@ pub fn auto_runs_it_where_it_covers_the_call<R: Runtime>(client: &ComputeClient<
         );
     }
 
+    // The deterministic backward: Auto runs the Hopper one (bitwise, dQ included) ...
     let deterministic = |variant| StepOptions {
         deterministic: true,
         ..options(&case, variant)
     };
     let auto = backward(&deterministic(Variant::Auto));
+    let hopper = backward(&deterministic(Variant::Hopper));
     let tensor_core = backward(&deterministic(Variant::TensorCore));
-    for (name, a, b) in [
-        ("dq", &auto.0, &tensor_core.0),
-        ("dk", &auto.1, &tensor_core.1),
-        ("dv", &auto.2, &tensor_core.2),
+    for (name, a, b, c) in [
+        ("dq", &auto.0, &hopper.0, &tensor_core.0),
+        ("dk", &auto.1, &hopper.1, &tensor_core.1),
+        ("dv", &auto.2, &hopper.2, &tensor_core.2),
     ] {
         assert!(
             bits(a) == bits(b),
-            "Auto does not run the deterministic backward on the tensor cores ({name})"
+            "Auto does not run the deterministic Hopper backward ({name})"
+        );
+        assert!(
+            name == "dv" || bits(b) != bits(c),
+            "the deterministic tensor-core backward gave bitwise the Hopper {name}: the \
+             comparison above proves nothing"
         );
     }
+    // ... and under packed documents, which it does not cover, the tensor-core one.
+    let documents = Documents::from_cu_seqlens(&[0, 1, 100, 250, 300]).unwrap();
+    let packed = Case::new(
+        9,
+        (1, 4, 2),
+        (300, 300, 128),
+        Mask::causal().with_documents(documents),
+        ElemType::BF16,
+    );
+    let (q, k, v) = packed.qkv(client);
+    let (out, lse, grad_out) = forward_of(client, &packed, (&q, &k, &v));
+    let packed_backward = |variant| {
+        let options = StepOptions {
+            deterministic: true,
+            ..options(&packed, variant)
+        };
+        let grads = backward_of(client, (&q, &k, &v), (&out, &lse, &grad_out), &options);
+        [grads.0, grads.1, grads.2].map(|g| bits(&g))
+    };
+    assert!(
+        packed_backward(Variant::Auto) == packed_backward(Variant::TensorCore),
+        "Auto does not run the deterministic backward under documents on the tensor cores"
+    );
+}
+
+/// The cases of the deterministic backward: every case of the default backward's tables but
+/// those with packed documents, and a long causal GQA call whose query tiles each take adds
+/// from up to nine key blocks in turn.
+fn deterministic_cases() -> Vec<Named> {
+    let mut all = every_type_and_head_dim(cases);
+    all.extend(masked_cases());
+    all.retain(|named| named.case.mask.documents.is_none());
+    all.push(named(
+        71,
+        (1, 4, 2),
+        (1100, 1100, 128),
+        Mask::causal(),
+        ElemType::BF16,
+    ));
+    all
+}
+
+/// The deterministic Hopper backward against the f64 reference, into poisoned gradients;
+/// bitwise the same gradients on a second run; dK and dV bitwise those of the default backward
+/// (the same products: only the order of dQ's adds differs).
+pub fn deterministic_backward_matches_the_f64_reference_bitwise_twice<R: Runtime>(
+    client: &ComputeClient<R>,
+) {
+    check_all(
+        "hopper deterministic backward",
+        &deterministic_cases(),
+        |case| {
+            let (q, k, v) = case.qkv(client);
+            let (out, lse, grad_out) = forward_of(client, case, (&q, &k, &v));
+            let run = |deterministic| {
+                hopper_gradients(
+                    client,
+                    (case, deterministic),
+                    (&q, &k, &v),
+                    (&out, &lse, &grad_out),
+                )
+                .map_err(|e| format!("refused: {e}"))
+            };
+            let first = run(true)?;
+            compare_with_reference(client, case, &first)?;
+            let second = run(true)?;
+            let default = run(false)?;
+            let bits_of = |grads: &[DeviceTensor; 3]| grads.each_ref().map(|g| bits(client, g));
+            let (first, second, default) = (bits_of(&first), bits_of(&second), bits_of(&default));
+            if first != second {
+                return Err("a second run gave other gradients".into());
+            }
+            if first[1..] != default[1..] {
+                return Err("dK or dV differ from the default backward's".into());
+            }
+            Ok(())
+        },
+    );
 }
 
 /// What the Hopper backward does not cover is refused naming it, before anything runs, whatever
@@ -213,7 +329,11 @@ pub fn uncovered_calls_are_refused<R: Runtime>(client: &ComputeClient<R>) {
         change(&mut options);
         options
     };
-    let deterministic = with(&|o| o.deterministic = true);
+    let documents = Mask::causal().with_documents(Documents::from_cu_seqlens(&[0, 9, 64]).unwrap());
+    let deterministic = with(&|o| {
+        o.deterministic = true;
+        o.mask = documents.clone();
+    });
     let negative = with(&|o| o.scale = Some(-0.5));
     let backward = |options: &StepOptions| {
         distflash_kernels::attention_backward(client, &q, &k, &v, &out, &lse, &grad_out, options)
@@ -232,12 +352,12 @@ pub fn uncovered_calls_are_refused<R: Runtime>(client: &ComputeClient<R>) {
     let refusals = [
         (
             backward(&deterministic),
-            "deterministic backward runs on Variant::TensorCore",
+            "deterministic Hopper attention backward does not cover packed documents",
         ),
         (backward(&negative), "positive, finite score scale"),
         (
             backward_step(&deterministic),
-            "deterministic backward runs on Variant::TensorCore",
+            "deterministic Hopper attention backward does not cover packed documents",
         ),
     ];
     for (err, what) in refusals {
@@ -267,6 +387,12 @@ fn cuda_hopper_backward_matches_f64_reference() {
 #[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
 fn cuda_hopper_backward_masks_match_f64_reference() {
     masks_match_the_f64_reference(&hopper_client());
+}
+
+#[test]
+#[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
+fn cuda_hopper_deterministic_backward_matches_f64_reference_bitwise_twice() {
+    deterministic_backward_matches_the_f64_reference_bitwise_twice(&hopper_client());
 }
 
 #[test]

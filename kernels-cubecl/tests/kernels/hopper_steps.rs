@@ -8,20 +8,22 @@
 //! accumulators bit for bit as they were) and pairs in which some rows see nothing (they must not
 //! turn into NaN) come with the chunks. Beside them: `Variant::Auto` running the steps on the
 //! Hopper kernels where they cover the call (bitwise the same as `Variant::Hopper`, masked steps
-//! included), and the refusals, on a device without `wgmma` too.
+//! included), the deterministic backward step (the same cases without packed documents, and
+//! bitwise the same twice), and the refusals, on a device without `wgmma` too.
 
 use super::hopper_cases::{bits, check_each, compare, hopper_client, Quantity};
 use super::*;
 
 /// A whole sequence's attention computed in chunks: the case (query and key lengths equal), the
 /// bounds of the query chunks and of the key chunks, and whether each query chunk steps over the
-/// key chunks from the last to the first.
+/// key chunks from the last to the first; and whether its backward steps are deterministic.
 struct Chunked {
     name: String,
     case: Case,
     q_bounds: Vec<usize>,
     kv_bounds: Vec<usize>,
     reversed: bool,
+    deterministic: bool,
 }
 
 /// The rows `[start, end)` of each of the `slices` slices of `data` (`len` rows of `cols` a
@@ -83,6 +85,7 @@ impl Chunked {
             q_bounds: q_bounds.to_vec(),
             kv_bounds: kv_bounds.to_vec(),
             reversed,
+            deterministic: false,
         }
     }
 
@@ -118,6 +121,7 @@ impl Chunked {
             mask: mask
                 .clone()
                 .at(mask.q_offset + q.0 as i64, mask.kv_offset + kv.0 as i64),
+            deterministic: self.deterministic,
             ..options(&self.case, variant)
         }
     }
@@ -444,6 +448,57 @@ pub fn chunked_steps_match_the_f64_reference<R: Runtime>(client: &ComputeClient<
     });
 }
 
+/// The chunked cases without packed documents on the deterministic Hopper backward steps
+/// against the f64 reference; then one pair's deterministic backward step twice into zeroed
+/// accumulators: bitwise the same.
+pub fn deterministic_steps_match_the_f64_reference_bitwise_twice<R: Runtime>(
+    client: &ComputeClient<R>,
+) {
+    let all: Vec<Chunked> = cases()
+        .into_iter()
+        .filter(|chunked| chunked.case.mask.documents.is_none())
+        .map(|mut chunked| {
+            chunked.deterministic = true;
+            chunked.name.push_str(" deterministic");
+            chunked
+        })
+        .collect();
+    let named = all.iter().map(|chunked| (chunked.name.as_str(), chunked));
+    check_each("hopper deterministic steps", named, |chunked| {
+        check_chunked(client, chunked)
+    });
+
+    let chunked = &all[0];
+    let case = &chunked.case;
+    let d = case.dims;
+    let (q_chunk, kv) = ((131, 700), (0, 450));
+    let q = chunked.upload_rows(client, &case.q, d.q_heads, q_chunk);
+    let grad_out = chunked.upload_rows(client, &case.grad_out, d.q_heads, q_chunk);
+    let k = chunked.upload_rows(client, &case.k, d.kv_heads, kv);
+    let v = chunked.upload_rows(client, &case.v, d.kv_heads, kv);
+    let opts = chunked.step_options(q_chunk, kv, Variant::Hopper);
+    let (out, lse) = distflash_kernels::attention(client, &q, &k, &v, &opts).unwrap();
+    let delta = distflash_kernels::backward_delta(client, &out, &grad_out).unwrap();
+    let rows = AttentionDims {
+        q_len: q_chunk.1 - q_chunk.0,
+        kv_len: kv.1 - kv.0,
+        ..d
+    };
+    let run = || {
+        let grads = GradAccumulators::zeros(client, &rows).unwrap();
+        distflash_kernels::backward_step(
+            client, &q, &k, &v, &grad_out, &lse, &delta, &grads, &opts,
+        )
+        .unwrap();
+        [&grads.dq, &grads.dk, &grads.dv].map(|t| bits(client, t))
+    };
+    assert!(
+        run() == run(),
+        "the deterministic backward step gave other gradients on a second run ({})",
+        chunked.name
+    );
+}
+
 /// `values` (f32) uploaded into the middle of a larger f32 buffer, after `before` random values
 /// (a multiple of 4: the view starts on a 16-byte boundary) and before 37 more: the view of
 /// `shape`, the whole buffer, and the whole buffer's values.
@@ -693,6 +748,12 @@ pub fn auto_runs_the_hopper_steps_where_they_cover_the_call<R: Runtime>(client: 
 #[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
 fn cuda_hopper_steps_match_f64_reference() {
     chunked_steps_match_the_f64_reference(&hopper_client());
+}
+
+#[test]
+#[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
+fn cuda_hopper_deterministic_steps_match_f64_reference_bitwise_twice() {
+    deterministic_steps_match_the_f64_reference_bitwise_twice(&hopper_client());
 }
 
 #[test]

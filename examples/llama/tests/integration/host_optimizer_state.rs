@@ -310,8 +310,13 @@ fn sharded_steps<B: TrainBackend>(
 
 /// [`ShardedAdamW`] on one device (no clipping, the state on the device and in host memory)
 /// and the replicated [`FusedAdamW`] with the same settings take [`layer_steps`] to the same
-/// f32 weights within f32 rounding (3 steps: Burn's AdamW first, then the fused update).
-pub(crate) fn check_sharded_like_replicated<B: TrainBackend>(device: &B::Device) {
+/// f32 weights within `tolerance`, relative to each weight (at least 1e-3): 3 steps, Burn's AdamW
+/// first, then the fused update, so the two differ in the last bits of the first step's weights,
+/// which the next steps' gradients carry at the precision of the backend's matrix products. On
+/// CPU backends those are f32 (1e-5 holds); CUDA's f32 products may run on TF32 tensor cores
+/// (cubek-matmul's accelerated kernels: 10 bits of mantissa), and on an H200 the worst weight
+/// was 2.03e-5 off (9 of the first layer's 3072 past 1e-5, the worst one near the floor).
+pub(crate) fn check_sharded_like_replicated<B: TrainBackend>(device: &B::Device, tolerance: f32) {
     let s = SETTINGS;
     let fused = FusedAdamW::new(s.beta_1, s.beta_2, s.epsilon, s.weight_decay);
     let mut replicated = fused.into_optimizer::<B, Layers<B>>();
@@ -322,12 +327,15 @@ pub(crate) fn check_sharded_like_replicated<B: TrainBackend>(device: &B::Device)
     for placement in [StatePlacement::Gpu, StatePlacement::Host] {
         let (_, got, _) = sharded_steps::<B>(device, (placement, 1 << 30, 0.0), 3);
         for ((shape, got), (_, want)) in got.iter().zip(&want) {
-            let worst = (got.iter().zip(want))
-                .map(|(g, w)| (g - w).abs() / w.abs().max(1e-3))
-                .fold(0.0f32, f32::max);
+            let relative = |(g, w): (&f32, &f32)| (g - w).abs() / w.abs().max(1e-3);
+            let (at, worst) = (got.iter().zip(want).map(relative).enumerate())
+                .fold((0, 0.0f32), |a, b| if b.1 > a.1 { b } else { a });
             assert!(
-                worst <= 1e-5,
-                "state on the {placement}, {shape:?}: sharded differs from replicated by {worst:.2e}"
+                worst <= tolerance,
+                "state on the {placement}, {shape:?}: sharded differs from replicated by \
+                 {worst:.2e} (element {at}: {} against {})",
+                got[at],
+                want[at]
             );
         }
     }
@@ -367,11 +375,11 @@ fn the_sharded_optimizer_streams_its_state_and_sums_in_buckets_bitwise_on_ndarra
 fn the_sharded_optimizer_steps_like_the_replicated_one_on_ndarray_and_wgpu() {
     let _wgpu = exclusive_wgpu();
     within(Duration::from_secs(300), || {
-        check_sharded_like_replicated::<crate::train::Cpu>(&crate::train::DEVICE);
+        check_sharded_like_replicated::<crate::train::Cpu>(&crate::train::DEVICE, 1e-5);
         type Wgpu = burn::backend::Autodiff<
             burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>,
         >;
-        check_sharded_like_replicated::<Wgpu>(&cubecl::wgpu::WgpuDevice::Cpu);
+        check_sharded_like_replicated::<Wgpu>(&cubecl::wgpu::WgpuDevice::Cpu, 1e-5);
     });
 }
 

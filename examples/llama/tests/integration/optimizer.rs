@@ -328,5 +328,6 @@ fn cuda_sharded_fused_step_in_place_bitwise_and_like_replicated() {
     check_in_place_update::<cubecl::cuda::CudaRuntime, f32, i32, u8>(&device, DType::F32);
     check_in_place_update::<cubecl::cuda::CudaRuntime, half::bf16, i32, u8>(&device, DType::BF16);
     check_sharded_steps::<Train>(&device);
-    check_sharded_like_replicated::<Train>(&device);
+    // TF32 products (see `check_sharded_like_replicated`).
+    check_sharded_like_replicated::<Train>(&device, 1e-4);
 }

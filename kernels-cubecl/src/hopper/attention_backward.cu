@@ -58,8 +58,9 @@
 //   key block and key/value slice, every query head of the group summed in its registers, so
 //   no two cubes add to one element); a block no query sees adds nothing.
 // - DISTFLASH_DETERMINISTIC: the cubes of one key/value slice that walk a query tile form a run
-//   of consecutive key blocks (every mask here is a band whose ends rise with the key; packed
-//   documents, whose gaps break the run, are refused on the host). They add their dQ to the
+//   of consecutive key blocks (every mask here is a band whose ends rise with the key, and a
+//   block that walks nothing lies before or after every block that walks something; packed
+//   documents are refused on the host until this form has run under them). They add their dQ to the
 //   tile's sum from the last block of the run down, each warpgroup waiting on its own counter
 //   [B * Hq, Tq, DF_DQ_WARPGROUPS] (zeroed by the host) until the blocks above it have added,
 //   then adding and counting itself in. Cubes start last block first (lightest first under a

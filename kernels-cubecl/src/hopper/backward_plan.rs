@@ -63,8 +63,8 @@ impl BackwardVariant {
     /// with score `scale` (added to f32 accumulators where it is to `accumulate`; dQ added in a
     /// fixed order where `deterministic`), or why the kernel does not cover the call: another
     /// element type or head dim, a scale that is not positive and finite, or a `deterministic`
-    /// backward under packed documents (the fixed order takes the key blocks that walk a query
-    /// tile to be consecutive, which a document's gaps break).
+    /// backward under packed documents (its order holds there too, as the test of the walks
+    /// shows, but it has not run on a GPU under documents).
     pub fn for_call(
         dims: &AttentionDims,
         elem: ElemType,
@@ -275,6 +275,99 @@ mod tests {
                 "{err}"
             );
         }
+    }
+
+    /// The query rows that see key `key` of batch row 0, `[from, until)`, clamped to the call's
+    /// rows as the kernel's `rows_seeing_key` clamps them (a key no row sees gets an empty range
+    /// at 0 or at `q_len`).
+    fn rows_seeing_key(mask: &Mask, key: usize, q_len: usize) -> (usize, usize) {
+        let (before, after) = mask.reach();
+        let position = key as i64 + mask.kv_offset;
+        let mut lo = position - after - mask.q_offset;
+        let mut hi = position + before + 1 - mask.q_offset;
+        if let Some(documents) = &mask.documents {
+            let document = documents.document(0, position as usize);
+            lo = lo.max(document.start as i64 - mask.q_offset);
+            hi = hi.min(document.end as i64 - mask.q_offset);
+        }
+        let clamp = |row: i64| row.clamp(0, q_len as i64) as usize;
+        let from = clamp(lo);
+        (from, clamp(hi).max(from))
+    }
+
+    /// The query tiles (of `TILE_ROWS`) each key block (of `BLOCK_KEYS`) walks, as the kernel's
+    /// `block_walk` takes them: from the tile of the first row that sees the block's first key
+    /// to the tile of the last row that sees its last key; none where that is empty.
+    fn walks(mask: &Mask, q_len: usize, kv_len: usize) -> Vec<std::ops::Range<usize>> {
+        (0..kv_len.div_ceil(BLOCK_KEYS))
+            .map(|block| {
+                let first_key = block * BLOCK_KEYS;
+                let last_key = (first_key + BLOCK_KEYS).min(kv_len) - 1;
+                let (first_from, _) = rows_seeing_key(mask, first_key, q_len);
+                let (_, last_until) = rows_seeing_key(mask, last_key, q_len);
+                let first = first_from / TILE_ROWS;
+                match last_until > first_from {
+                    true => first..last_until.div_ceil(TILE_ROWS),
+                    false => first..first,
+                }
+            })
+            .collect()
+    }
+
+    /// Whether, for every query tile, the key blocks that walk it are consecutive: what the
+    /// deterministic backward's order of dQ adds takes for granted.
+    fn walkers_are_runs(walks: &[std::ops::Range<usize>]) -> bool {
+        let tiles = walks.iter().map(|w| w.end).max().unwrap_or(0);
+        (0..tiles).all(|tile| {
+            let walkers: Vec<usize> = (0..walks.len())
+                .filter(|&b| walks[b].contains(&tile))
+                .collect();
+            walkers.windows(2).all(|pair| pair[1] == pair[0] + 1)
+        })
+    }
+
+    #[test]
+    fn the_blocks_that_walk_a_query_tile_are_consecutive() {
+        // Causal at offsets (keys ahead of the queries, queries ahead of the keys), windows
+        // (one key, short, wider than the sequence, two-sided), no mask, and packed documents
+        // (one-token ones, documents that hold no query row of the call before and after those
+        // that do, under a window, bidirectional); odd lengths.
+        let documents = Documents::from_cu_seqlens(&[0, 1, 40, 300, 301, 700, 1500, 2600]).unwrap();
+        let masks = [
+            Mask::none(),
+            Mask::causal(),
+            Mask::causal().at(300, 0),
+            Mask::causal().at(0, 200),
+            Mask::causal().at(517, 900),
+            Mask::causal().with_window(SlidingWindow::causal(1).unwrap()),
+            Mask::causal().with_window(SlidingWindow::causal(100).unwrap()),
+            Mask::causal().with_window(SlidingWindow::causal(5000).unwrap()),
+            Mask::causal()
+                .with_window(SlidingWindow::causal(150).unwrap())
+                .at(250, 0),
+            Mask::none().with_window(SlidingWindow::two_sided(70, 130)),
+            Mask::causal().with_documents(documents.clone()),
+            Mask::causal().with_documents(documents.clone()).at(400, 0),
+            Mask::causal()
+                .with_documents(documents.clone())
+                .at(1000, 300),
+            Mask::none().with_documents(documents.clone()).at(350, 0),
+            Mask::causal()
+                .with_window(SlidingWindow::causal(90).unwrap())
+                .with_documents(documents)
+                .at(600, 250),
+        ];
+        for mask in &masks {
+            for (q_len, kv_len) in [(700, 700), (383, 1100), (1100, 383), (64, 513)] {
+                let walks = walks(mask, q_len, kv_len);
+                assert!(
+                    walkers_are_runs(&walks),
+                    "{mask:?} {q_len} x {kv_len}: {walks:?}"
+                );
+            }
+        }
+        // The check itself: a block that walks nothing between two that walk tile 1.
+        assert!(!walkers_are_runs(&[0..2, 0..0, 1..2]));
     }
 
     #[test]

@@ -62,6 +62,17 @@ fn hopper_gradients<R: Runtime>(
     Ok(grads)
 }
 
+/// `[dq, dk, dv]` of `case` by the default (not deterministic) Hopper backward, as
+/// [`hopper_gradients`] gives them; panics where it refuses the call.
+fn direct_gradients<R: Runtime>(
+    client: &ComputeClient<R>,
+    case: &Case,
+    qkv: (&DeviceTensor, &DeviceTensor, &DeviceTensor),
+    forward: (&DeviceTensor, &DeviceTensor, &DeviceTensor),
+) -> [DeviceTensor; 3] {
+    hopper_gradients(client, (case, false), qkv, forward).unwrap()
+}
+
 /// Runs the Hopper backward of `case` (from the Hopper forward's output) into poisoned
 /// gradients and compares dQ, dK and dV with the f64 reference; the error, with a map of where
 /// it lies, if they differ.
@@ -142,20 +153,15 @@ pub fn masks_match_the_f64_reference<R: Runtime>(client: &ComputeClient<R>) {
 
 /// `attention_backward` under `Variant::Hopper` and `Variant::Auto` runs the Hopper backward
 /// where it covers the call (dK and dV bitwise the direct call's, dQ, whose atomics add in no
-/// fixed order, within the tolerance of it), and `Variant::Auto` runs the deterministic
-/// backward on the tensor-core kernels (bitwise theirs).
+/// fixed order, within the tolerance of it); `Variant::Auto` runs the deterministic backward
+/// on the Hopper kernels (bitwise theirs), and under packed documents on the tensor-core
+/// kernels (bitwise theirs).
 pub fn auto_runs_it_where_it_covers_the_call<R: Runtime>(client: &ComputeClient<R>) {
     let bits = |t: &DeviceTensor| bits(client, t);
     let case = auto_case();
     let (q, k, v) = case.qkv(client);
     let (out, lse, grad_out) = forward_of(client, &case, (&q, &k, &v));
-    let direct = hopper_gradients(
-        client,
-        (&case, false),
-        (&q, &k, &v),
-        (&out, &lse, &grad_out),
-    )
-    .unwrap();
+    let direct = direct_gradients(client, &case, (&q, &k, &v), (&out, &lse, &grad_out));
     let backward =
         |options: &StepOptions| backward_of(client, (&q, &k, &v), (&out, &lse, &grad_out), options);
     for variant in [Variant::Hopper, Variant::Auto] {
@@ -189,13 +195,7 @@ pub fn auto_runs_it_where_it_covers_the_call<R: Runtime>(client: &ComputeClient<
         let masked = Case::new(9, (1, 4, 2), (300, 300, 128), mask, ElemType::BF16);
         let (q, k, v) = masked.qkv(client);
         let (out, lse, grad_out) = forward_of(client, &masked, (&q, &k, &v));
-        let direct = hopper_gradients(
-            client,
-            (&masked, false),
-            (&q, &k, &v),
-            (&out, &lse, &grad_out),
-        )
-        .unwrap();
+        let direct = direct_gradients(client, &masked, (&q, &k, &v), (&out, &lse, &grad_out));
         let auto = options(&masked, Variant::Auto);
         let (_, dk, dv) = backward_of(client, (&q, &k, &v), (&out, &lse, &grad_out), &auto);
         assert!(

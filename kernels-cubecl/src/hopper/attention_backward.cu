@@ -63,8 +63,10 @@
 //   documents are refused on the host until this form has run under them). They add their dQ to the
 //   tile's sum from the last block of the run down, each warpgroup waiting on its own counter
 //   [B * Hq, Tq, DF_DQ_WARPGROUPS] (zeroed by the host) until the blocks above it have added,
-//   then adding and counting itself in. Cubes start last block first (lightest first under a
-//   causal mask), so a cube only ever waits on cubes that started before it.
+//   then adding and counting itself in. Off the critical path where it can be: the counter is
+//   read while the dQ product runs, and the count (a fence, then a release) goes in once the
+//   next tile's score products are issued. Cubes start last block first (lightest first under
+//   a causal mask), so a cube only ever waits on cubes that started before it.
 
 #ifndef DISTFLASH_HEAD_DIM
 #define DISTFLASH_HEAD_DIM 128
@@ -472,10 +474,10 @@ __device__ __forceinline__ u64 global_nanoseconds() {
     return now;
 }
 
-// Waits until the counter at `turn` reads `position` (one thread), trapping past
-// DF_ORDER_TIMEOUT_NS.
-__device__ __forceinline__ void wait_for_turn(const u32* turn, u32 position) {
-    if (load_acquire(turn) == position) {
+// Waits until the counter at `turn` reads `position` (one thread; `seen`, an acquiring read of
+// it already made), trapping past DF_ORDER_TIMEOUT_NS.
+__device__ __forceinline__ void wait_for_turn(const u32* turn, u32 position, u32 seen) {
+    if (seen == position) {
         return;
     }
     const u64 start = global_nanoseconds();
@@ -488,8 +490,11 @@ __device__ __forceinline__ void wait_for_turn(const u32* turn, u32 position) {
 }
 
 // Counts the calling warpgroup's adds in (one thread, after the warpgroup's barrier): its adds
-// happen before any add of the cube whose turn this makes.
+// happen before any add of the cube whose turn this makes. Nothing to count where `turn` is null.
 __device__ __forceinline__ void end_turn(u32* turn) {
+    if (turn == nullptr) {
+        return;
+    }
     asm volatile("fence.acq_rel.gpu;" ::: "memory");
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(turn) : "memory");
 }
@@ -653,6 +658,10 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
     }
 #if DISTFLASH_DETERMINISTIC
     u32 last_walker = block;
+    // The counter of the tile whose dQ this warpgroup added last, counted in (by thread 0) once
+    // the next tile's score products are issued, so that the fence's round trip runs under them;
+    // the last one after the walk. Null when none waits.
+    u32* pending_turn = nullptr;
 #endif
 #pragma unroll 1
     for (int t = 0; t < walk.count; ++t) {
@@ -679,6 +688,12 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         issue_transposed_scores(s, at.k + key_rows, q_rows);
         barrier_wait(at.do_full + 8 * stage, parity);
         issue_transposed_scores(dp, at.v + key_rows, do_rows);
+#if DISTFLASH_DETERMINISTIC
+        if (thread == 0) {
+            end_turn(pending_turn);
+        }
+        pending_turn = nullptr;
+#endif
 
         wgmma_wait<1>();
         fence_registers(s);
@@ -722,9 +737,18 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         // value of dq lives from one tile to the next.
         float dq[DF_DQ_REGS];
         const bool computes_dq = DF_DQ_WARPGROUPS == 2 || wg == 0;
+        const u64 tile_index = static_cast<u64>(q_slice) * info.q_tiles + tile;
         if (computes_dq) {
             issue_query_grads(dq, ds_tile, at.k + wg * DF_KV_HALF);
         }
+#if DISTFLASH_DETERMINISTIC
+        // The tile's counter, read while the dQ product runs: mostly the turn has come by then.
+        u32* turn = dq_turns + tile_index * DF_DQ_WARPGROUPS + wg;
+        u32 seen = 0;
+        if (computes_dq && thread == 0) {
+            seen = load_acquire(turn);
+        }
+#endif
         wgmma_wait<0>();
         fence_registers(dv);
         fence_registers(dk);
@@ -735,24 +759,26 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         }
         if (computes_dq) {
             fence_registers(dq);
-            const u64 tile_index = static_cast<u64>(q_slice) * info.q_tiles + tile;
             float* block_sum = dq_sum + tile_index * DF_DQ_TILE + wg * (DF_BM * 64);
 #if DISTFLASH_DETERMINISTIC
-            u32* turn = dq_turns + tile_index * DF_DQ_WARPGROUPS + wg;
             if (thread == 0) {
-                wait_for_turn(turn, last_walker - block);
+                wait_for_turn(turn, last_walker - block, seen);
             }
             named_sync(DF_ORDER_BARRIER + wg, 128);
             add_query_grads(block_sum, dq, thread);
             named_sync(DF_ORDER_BARRIER + wg, 128);
-            if (thread == 0) {
-                end_turn(turn);
-            }
+            pending_turn = turn;
 #else
             add_query_grads(block_sum, dq, thread);
 #endif
         }
     }
+
+#if DISTFLASH_DETERMINISTIC
+    if (thread == 0) {
+        end_turn(pending_turn);
+    }
+#endif
 
     const float scale = __uint_as_float(info.scale_bits);
 #if DISTFLASH_ACCUMULATE

@@ -236,12 +236,7 @@ pub fn hopper_sources() -> Vec<(String, String)> {
         for (elem_name, elem) in [("bf16", ElemType::BF16), ("f16", ElemType::F16)] {
             for (mask_name, mask) in mask_kinds() {
                 for (step_name, accumulate) in [("", false), ("_step", true)] {
-                    // The deterministic variants: every mask but packed documents.
-                    let orders: &[(&str, bool)] = match mask.documents {
-                        false => &[("", false), ("_deterministic", true)],
-                        true => &[("", false)],
-                    };
-                    for &(order_name, deterministic) in orders {
+                    for (order_name, deterministic) in [("", false), ("_deterministic", true)] {
                         let variant = BackwardVariant {
                             head_dim,
                             elem,

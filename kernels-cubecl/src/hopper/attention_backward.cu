@@ -58,9 +58,9 @@
 //   key block and key/value slice, every query head of the group summed in its registers, so
 //   no two cubes add to one element); a block no query sees adds nothing.
 // - DISTFLASH_DETERMINISTIC: the cubes of one key/value slice that walk a query tile form a run
-//   of consecutive key blocks (every mask here is a band whose ends rise with the key, and a
-//   block that walks nothing lies before or after every block that walks something; packed
-//   documents are refused on the host until this form has run under them). They add their dQ to the
+//   of consecutive key blocks (every mask here is a band whose ends rise with the key, packed
+//   documents included, and a block that walks nothing lies before or after every block that
+//   walks something). They add their dQ to the
 //   tile's sum from the last block of the run down, each warpgroup waiting on its own counter
 //   [B * Hq, Tq, DF_DQ_WARPGROUPS] (zeroed by the host) until the blocks above it have added,
 //   then adding and counting itself in. Off the critical path where it can be: the counter is
@@ -76,9 +76,6 @@
 #endif
 #ifndef DISTFLASH_DETERMINISTIC
 #define DISTFLASH_DETERMINISTIC 0
-#endif
-#if DISTFLASH_DETERMINISTIC && DISTFLASH_DOCUMENTS
-#error "the deterministic backward does not cover packed documents"
 #endif
 
 // The scalars, as CubeCL packs sixteen u32 scalars (64 bytes).

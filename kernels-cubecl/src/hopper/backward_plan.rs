@@ -62,9 +62,7 @@ impl BackwardVariant {
     /// The variant that computes the gradients of attention of `dims` in `elem` under `mask`
     /// with score `scale` (added to f32 accumulators where it is to `accumulate`; dQ added in a
     /// fixed order where `deterministic`), or why the kernel does not cover the call: another
-    /// element type or head dim, a scale that is not positive and finite, or a `deterministic`
-    /// backward under packed documents (its order holds there too, as the test of the walks
-    /// shows, but it has not run on a GPU under documents).
+    /// element type or head dim, or a scale that is not positive and finite.
     pub fn for_call(
         dims: &AttentionDims,
         elem: ElemType,
@@ -73,13 +71,6 @@ impl BackwardVariant {
         accumulate: bool,
     ) -> Result<Self, KernelError> {
         super::coverage::check("the Hopper attention backward", dims, elem, scale)?;
-        if deterministic && mask.documents.is_some() {
-            return Err(KernelError::Unsupported {
-                what: "the deterministic Hopper attention backward does not cover packed \
-                       documents; Variant::TensorCore runs it (Variant::Auto picks it)"
-                    .into(),
-            });
-        }
         Ok(Self {
             head_dim: dims.head_dim,
             elem,
@@ -180,14 +171,8 @@ mod tests {
     use crate::hopper::source_task::assert_defines;
     use crate::{Documents, SlidingWindow};
 
-    fn refusal(
-        d: AttentionDims,
-        elem: ElemType,
-        mask: Mask,
-        scale: f32,
-        deterministic: bool,
-    ) -> KernelError {
-        BackwardVariant::for_call(&d, elem, (&mask, scale), deterministic, true).unwrap_err()
+    fn refusal(d: AttentionDims, elem: ElemType, mask: Mask, scale: f32) -> KernelError {
+        BackwardVariant::for_call(&d, elem, (&mask, scale), true, true).unwrap_err()
     }
 
     #[test]
@@ -224,7 +209,7 @@ mod tests {
                             deterministic: false,
                         }
                     );
-                    // Deterministic wherever there are no documents.
+                    // Deterministic under every mask, packed documents included.
                     let deterministic = BackwardVariant::for_call(
                         &dims(head_dim),
                         elem,
@@ -232,10 +217,7 @@ mod tests {
                         true,
                         accumulate,
                     );
-                    match mask.documents {
-                        None => assert!(deterministic.unwrap().deterministic),
-                        Some(_) => assert!(deterministic.is_err()),
-                    }
+                    assert!(deterministic.unwrap().deterministic);
                 }
             }
         }
@@ -245,22 +227,12 @@ mod tests {
     fn what_the_kernel_does_not_cover_is_refused_by_name() {
         let cases = [
             (
-                refusal(dims(128), ElemType::F32, Mask::none(), 0.1, false),
+                refusal(dims(128), ElemType::F32, Mask::none(), 0.1),
                 "got F32",
             ),
             (
-                refusal(dims(96), ElemType::BF16, Mask::none(), 0.1, false),
+                refusal(dims(96), ElemType::BF16, Mask::none(), 0.1),
                 "got 96",
-            ),
-            (
-                refusal(
-                    dims(128),
-                    ElemType::BF16,
-                    Mask::causal().with_documents(Documents::from_cu_seqlens(&[0, 9]).unwrap()),
-                    0.1,
-                    true,
-                ),
-                "deterministic Hopper attention backward does not cover packed documents",
             ),
         ];
         for (err, what) in cases {
@@ -269,7 +241,7 @@ mod tests {
             assert!(message.contains(what), "{what}: {message}");
         }
         for scale in [0.0, -0.5, f32::INFINITY, f32::NAN] {
-            let err = refusal(dims(128), ElemType::BF16, Mask::causal(), scale, false);
+            let err = refusal(dims(128), ElemType::BF16, Mask::causal(), scale);
             assert!(
                 matches!(err, KernelError::BadOption { .. }) && err.to_string().contains("scale"),
                 "{err}"

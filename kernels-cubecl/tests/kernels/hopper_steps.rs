@@ -8,8 +8,8 @@
 //! accumulators bit for bit as they were) and pairs in which some rows see nothing (they must not
 //! turn into NaN) come with the chunks. Beside them: `Variant::Auto` running the steps on the
 //! Hopper kernels where they cover the call (bitwise the same as `Variant::Hopper`, masked steps
-//! included), the deterministic backward step (the same cases without packed documents, and
-//! bitwise the same twice), and the refusals, on a device without `wgmma` too.
+//! included), the deterministic backward step (the same cases, and bitwise the same twice), and
+//! the refusals, on a device without `wgmma` too.
 
 use super::hopper_cases::{bits, check_each, compare, hopper_client, Quantity};
 use super::*;
@@ -448,7 +448,7 @@ pub fn chunked_steps_match_the_f64_reference<R: Runtime>(client: &ComputeClient<
     });
 }
 
-/// The chunked cases without packed documents on the deterministic Hopper backward steps
+/// The chunked cases (packed documents included) on the deterministic Hopper backward steps
 /// against the f64 reference; then one pair's deterministic backward step twice into zeroed
 /// accumulators: bitwise the same.
 pub fn deterministic_steps_match_the_f64_reference_bitwise_twice<R: Runtime>(
@@ -456,7 +456,6 @@ pub fn deterministic_steps_match_the_f64_reference_bitwise_twice<R: Runtime>(
 ) {
     let all: Vec<Chunked> = cases()
         .into_iter()
-        .filter(|chunked| chunked.case.mask.documents.is_none())
         .map(|mut chunked| {
             chunked.deterministic = true;
             chunked.name.push_str(" deterministic");

@@ -28,6 +28,7 @@ pub mod optimizer;
 pub mod progress;
 mod rng;
 pub mod safetensors;
+pub mod safetensors_streamed;
 mod staged_dir;
 pub mod tokenizer;
 pub mod train;

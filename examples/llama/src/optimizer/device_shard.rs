@@ -7,11 +7,12 @@
 use std::ops::Range;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::{DType, Tensor};
 
 use super::flat::FlatLayout;
 use super::host_shard::StateVectors;
 use super::state_chunks::ranges;
+use crate::safetensors_streamed::PieceSink;
 use crate::Error;
 
 /// One rank's optimizer state on the device, in chunks (see the module's documentation).
@@ -60,15 +61,23 @@ impl<I: Backend> DeviceShard<I> {
         Ok(())
     }
 
-    /// One of the three vectors (0: master weights, 1: first moment, 2: second moment), whole,
-    /// read into host memory chunk by chunk.
-    pub fn read(&self, vector: usize) -> TensorData {
-        let mut bytes = Vec::with_capacity(self.layout.shard_len() * 4);
+    /// One of the three vectors (0: master weights, 1: first moment, 2: second moment) read
+    /// into host memory chunk by chunk, each chunk (in f32) handed to `sink` as it is read.
+    ///
+    /// # Errors
+    ///
+    /// The errors `sink` returns.
+    pub fn pieces(&self, vector: usize, sink: &mut PieceSink<'_>) -> Result<(), Error> {
         for (_, vectors) in &self.chunks {
-            let data = vectors[vector].to_data().convert_dtype(DType::F32);
-            bytes.extend_from_slice(&data.bytes);
+            sink(vectors[vector].to_data().convert_dtype(DType::F32))?;
         }
-        TensorData::from_bytes_vec(bytes, [self.layout.shard_len()], DType::F32)
+        Ok(())
+    }
+
+    /// One of the three vectors, whole, read into host memory chunk by chunk.
+    #[cfg(test)]
+    pub fn read(&self, vector: usize) -> burn::tensor::TensorData {
+        super::shard_file::whole_vector(self.layout.shard_len(), |sink| self.pieces(vector, sink))
     }
 
     /// One of the three vectors, whole, on the device (its chunks concatenated: a vector of the

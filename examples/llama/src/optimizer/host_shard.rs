@@ -11,11 +11,13 @@
 use std::ops::Range;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 use burn_distflash::offload::{HostOffload, HostTensor};
 
 use super::flat::FlatLayout;
+use super::shard_file::whole_vector;
 use super::state_chunks::ranges;
+use crate::safetensors_streamed::PieceSink;
 use crate::Error;
 
 /// Master weights, first moment and second moment of one range of a shard, on the device.
@@ -109,17 +111,26 @@ impl<I: HostOffload> HostShard<I> {
         Ok(())
     }
 
-    /// One of the three vectors (0: master weights, 1: first moment, 2: second moment), whole,
-    /// read from host memory.
-    pub fn read(&self, vector: usize) -> TensorData {
-        let mut bytes = Vec::with_capacity(self.layout.shard_len() * 4);
+    /// One of the three vectors (0: master weights, 1: first moment, 2: second moment) read
+    /// from host memory chunk by chunk, each chunk handed to `sink` as it is read (so that a
+    /// checkpoint never holds a second copy of the state: see `write_shard_file`).
+    ///
+    /// # Errors
+    ///
+    /// The errors `sink` returns.
+    pub fn pieces(&self, vector: usize, sink: &mut PieceSink<'_>) -> Result<(), Error> {
         for (_, vectors) in &self.chunks {
             let chunk = vectors
                 .as_ref()
                 .expect("between passes every chunk is held");
-            bytes.extend_from_slice(&chunk[vector].to_data().bytes);
+            sink(chunk[vector].to_data())?;
         }
-        TensorData::from_bytes_vec(bytes, [self.layout.shard_len()], DType::F32)
+        Ok(())
+    }
+
+    /// One of the three vectors, whole, read from host memory.
+    pub fn read(&self, vector: usize) -> TensorData {
+        whole_vector(self.layout.shard_len(), |sink| self.pieces(vector, sink))
     }
 
     /// One of the three vectors, whole, on the device.

@@ -5,18 +5,19 @@
 //! optimizer's and the trainer's step counts). Opening a file checks it against its own header;
 //! [`ShardSet`](super::ShardSet) checks a checkpoint's files against each other and the model.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::{DType, TensorData};
 
 use super::flat::FlatLayout;
 use super::optimizer_shard::OptimizerShard;
 use super::zero_stage::ZeroStage;
-use crate::safetensors::{write_safetensors_with_metadata, Checkpoint};
+use crate::safetensors::Checkpoint;
+use crate::safetensors_streamed::{write_safetensors_streamed, PieceSink, StreamedTensor};
 use crate::Error;
 
 /// The `format` this crate writes in a shard file's `__metadata__` (safetensors readers that
@@ -48,27 +49,57 @@ impl ShardTensor {
     }
 }
 
-/// One rank's optimizer shard read into host memory, as a shard file holds it.
-#[derive(Debug, Clone)]
-pub struct ShardData {
+/// Where a shard file's vectors come from: `pieces(vector, sink)` hands vector `vector`'s
+/// elements ([`ShardTensor::ALL`]'s order) to `sink` in consecutive f32 pieces.
+pub type VectorPieces<'a> = Box<dyn Fn(usize, &mut PieceSink<'_>) -> Result<(), Error> + 'a>;
+
+/// One rank's optimizer shard as a shard file holds it, its vectors read piece by piece as the
+/// file is written: no whole vector is made in host memory (at long sequences the state is tens
+/// of GiB, in host memory already, and the host may not hold a second copy of it).
+pub struct ShardData<'a> {
     /// The layout of the model's parameters over the group.
     pub layout: FlatLayout,
     /// Optimizer steps taken.
     pub time: i32,
-    /// The master weights and both moments, in [`ShardTensor::ALL`]'s order, `[shard_len]`.
-    pub vectors: [TensorData; 3],
+    /// The master weights and both moments, each `[shard_len]`.
+    pub vectors: VectorPieces<'a>,
 }
 
-impl ShardData {
-    /// `shard`'s vectors read from the device, in f32.
-    pub fn of<B: AutodiffBackend>(shard: &OptimizerShard<B>) -> Self {
-        let read = |t: &Tensor<B::InnerBackend, 1>| t.clone().into_data().convert_dtype(DType::F32);
+impl ShardData<'static> {
+    /// `shard`'s vectors, each read from the device (in f32) when the file takes it.
+    pub fn of<B: AutodiffBackend>(shard: OptimizerShard<B>) -> Self {
+        let (layout, time) = (shard.layout.clone(), shard.time);
+        let vectors: VectorPieces<'static> = Box::new(move |vector, sink| {
+            let tensor = [&shard.master, &shard.moment_1, &shard.moment_2][vector];
+            sink(tensor.clone().into_data().convert_dtype(DType::F32))
+        });
         Self {
-            layout: shard.layout.clone(),
-            time: shard.time,
-            vectors: [&shard.master, &shard.moment_1, &shard.moment_2].map(read),
+            layout,
+            time,
+            vectors,
         }
     }
+}
+
+/// A vector of `len` f32 elements made whole from the pieces `pieces` hands over, for callers
+/// that want a whole vector (a state copied to the device, tests).
+///
+/// # Panics
+///
+/// When the pieces are not f32 or do not make up `len` elements (a caller's bug).
+pub fn whole_vector(
+    len: usize,
+    pieces: impl FnOnce(&mut PieceSink<'_>) -> Result<(), Error>,
+) -> TensorData {
+    let mut bytes = Vec::with_capacity(len * 4);
+    pieces(&mut |piece: TensorData| {
+        assert_eq!(piece.dtype, DType::F32, "a state vector's piece");
+        bytes.extend_from_slice(&piece.bytes);
+        Ok(())
+    })
+    .expect("collecting pieces does not fail");
+    assert_eq!(bytes.len(), len * 4, "a state vector's pieces");
+    TensorData::from_bytes_vec(bytes, [len], DType::F32)
 }
 
 /// What a shard file records about its vectors.
@@ -189,13 +220,28 @@ pub fn shard_file_name(rank: usize, world: usize) -> String {
 }
 
 /// Writes `shard` with `header` to `path` (through a temporary name: an interrupted write
-/// leaves no file under `path`).
-pub fn write_shard_file(path: &Path, header: &ShardHeader, shard: ShardData) -> Result<(), Error> {
-    let tensors: BTreeMap<String, _> = (ShardTensor::ALL.into_iter())
-        .zip(shard.vectors)
-        .map(|(t, data)| (t.name().to_string(), data))
+/// leaves no file under `path`), each vector piece by piece as `shard` reads it.
+///
+/// # Errors
+///
+/// As [`write_safetensors_streamed`]: a vector whose pieces do not make up `[shard_len]` f32
+/// elements, a failed write.
+pub fn write_shard_file(
+    path: &Path,
+    header: &ShardHeader,
+    shard: ShardData<'_>,
+) -> Result<(), Error> {
+    let tensors: Vec<StreamedTensor> = ShardTensor::ALL
+        .into_iter()
+        .map(|t| StreamedTensor {
+            name: t.name().to_string(),
+            dtype: DType::F32,
+            shape: vec![header.shard_len()],
+        })
         .collect();
-    write_safetensors_with_metadata(path, &tensors, header.to_metadata())
+    write_safetensors_streamed(path, &tensors, header.to_metadata(), &mut |i, sink| {
+        (shard.vectors)(i, sink)
+    })
 }
 
 /// One shard file, mapped, its header read and its three vectors checked against it.

@@ -216,18 +216,21 @@ where
         }
     }
 
-    /// This rank's share of the state read into host memory, for a checkpoint (read chunk by
-    /// chunk, never made whole on the device).
-    pub fn shard_data<M: AutodiffModule<B>>(&self, model: &M) -> ShardData {
-        let (layout, time, read): (_, _, &dyn Fn(usize) -> TensorData) = match &self.state {
-            Some(State::Host(host)) => (&host.layout, host.time, &|v| host.read(v)),
-            Some(State::Device(shard)) => (&shard.layout, shard.time, &|v| shard.read(v)),
-            None => return ShardData::of(&self.shard(model)),
-        };
-        ShardData {
-            layout: layout.clone(),
-            time,
-            vectors: [0, 1, 2].map(read),
+    /// This rank's share of the state for a checkpoint, its vectors read chunk by chunk as the
+    /// file takes them (never made whole, on the device or in host memory).
+    pub fn shard_data<M: AutodiffModule<B>>(&self, model: &M) -> ShardData<'_> {
+        match &self.state {
+            Some(State::Host(host)) => ShardData {
+                layout: host.layout.clone(),
+                time: host.time,
+                vectors: Box::new(|v, sink| host.pieces(v, sink)),
+            },
+            Some(State::Device(shard)) => ShardData {
+                layout: shard.layout.clone(),
+                time: shard.time,
+                vectors: Box::new(|v, sink| shard.pieces(v, sink)),
+            },
+            None => ShardData::of(self.shard(model)),
         }
     }
 

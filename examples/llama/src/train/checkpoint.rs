@@ -23,6 +23,7 @@ use burn::tensor::backend::Backend;
 
 use super::options_defaults::with_option_defaults;
 use super::{replicated_adamw, sharded_adamw, StepOptimizer, TrainBackend, TrainOptions, Trainer};
+use crate::byte_units::format_bytes;
 use crate::optimizer::{
     shard_file_name, write_shard_file, FlatLayout, ShardHeader, ShardSet, StatePlacement,
 };
@@ -157,6 +158,14 @@ impl<B: TrainBackend> Trainer<B> {
         if rank != 0 {
             return Ok(());
         }
+        let parameters = self.model.num_params() as u64;
+        let available = burn_distflash::offload::host_memory_available();
+        check_host_room_for_model(parameters, available).map_err(|why| Error::Invalid {
+            path: Some(staging.to_path_buf()),
+            what: "the host memory to write the model file".into(),
+            expected: why.needed,
+            got: why.available,
+        })?;
         let recorder = BinFileRecorder::<FullPrecisionSettings>::new();
         self.model
             .clone()
@@ -326,6 +335,38 @@ fn check_shards(staging: &Path) -> Result<(), Error> {
 }
 
 /// An [`Error::Checkpoint`] for a failure of Burn's recorder or config files in `dir`.
+/// What the model file's record needs of host memory and what the host has, where it is short.
+#[derive(Debug)]
+struct HostShort {
+    needed: String,
+    available: String,
+}
+
+/// Whether the host can hold the model file's record: Burn's full-precision recorder widens
+/// every weight to f32 and holds them all before writing (`4 x parameters` bytes), and the
+/// offload's [`HEADROOM`](burn_distflash::offload::HEADROOM) stays free. A host filled by
+/// offloaded checkpoints and an optimizer state in host memory then ends the save with an error
+/// instead of the out-of-memory killer; `available` `None` (not Linux) accepts.
+fn check_host_room_for_model(parameters: u64, available: Option<u64>) -> Result<(), HostShort> {
+    let needed = 4 * parameters;
+    let headroom = burn_distflash::offload::HEADROOM;
+    match available {
+        Some(available) if needed + headroom > available => Err(HostShort {
+            needed: format!(
+                "{} for the weights in f32 ({parameters} parameters) and {} left to the machine",
+                format_bytes(needed),
+                format_bytes(headroom)
+            ),
+            available: format!(
+                "{} available (MemAvailable); free host memory, or keep the optimizer state on \
+                 the device (--optimizer-state gpu) or fewer checkpoints in host memory",
+                format_bytes(available)
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
 pub(super) fn checkpoint_error<'a, E: std::error::Error + Send + Sync + 'static>(
     action: &'static str,
     dir: &'a Path,
@@ -334,5 +375,28 @@ pub(super) fn checkpoint_error<'a, E: std::error::Error + Send + Sync + 'static>
         action,
         dir: dir.to_path_buf(),
         source: Box::new(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_host_room_for_model;
+
+    #[test]
+    fn the_model_file_is_refused_where_the_host_cannot_hold_its_f32_record() {
+        let gib = 1u64 << 30;
+        // 1 GiB of parameters: 4 GiB in f32, and 2 GiB of headroom.
+        let parameters = gib;
+        assert!(check_host_room_for_model(parameters, Some(6 * gib)).is_ok());
+        assert!(check_host_room_for_model(parameters, None).is_ok());
+        let short = check_host_room_for_model(parameters, Some(6 * gib - 1)).unwrap_err();
+        assert!(
+            short.needed.contains("4.00 GiB for the weights in f32"),
+            "{short:?}"
+        );
+        assert!(
+            short.available.contains("available (MemAvailable)"),
+            "{short:?}"
+        );
     }
 }

@@ -67,6 +67,18 @@ pub(crate) fn row_slices<B: Backend>(t: &FloatTensor<B>, rows: &Range<usize>) ->
         .collect()
 }
 
+/// `t` as `chunks` slices of equal length along dimension 2, in order (`t` itself for one
+/// chunk): the default of `attention_chunks`.
+pub(crate) fn chunk_slices<B: Backend>(t: FloatTensor<B>, chunks: usize) -> Vec<FloatTensor<B>> {
+    if chunks == 1 {
+        return vec![t];
+    }
+    let len = t.shape()[2] / chunks;
+    (0..chunks)
+        .map(|c| B::float_slice(t.clone(), &row_slices::<B>(&t, &(c * len..(c + 1) * len))))
+        .collect()
+}
+
 /// `grad` (as f32) added into rows `rows` of the f32 accumulator `acc`: in place where the
 /// backend allows, when the caller holds `acc` alone.
 fn add_into_rows<B: Backend>(

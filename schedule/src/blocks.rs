@@ -24,6 +24,12 @@
 //! sequence on both sides (always true of one chunk; under the zigzag layout, of the middle
 //! rank's two). Causal order alone depends only on the order of positions, so a shard against
 //! itself is one block causal over its local rows whatever its chunks.
+//!
+//! A block over some of a shard's chunks is some rows of the shard's tensors, which a kernel
+//! taking contiguous buffers gets as copies. [`Schedule::cells`](crate::Schedule::cells)
+//! covers the same chunk pairs one call each (in the example above, rank 2 against itself is
+//! three calls: `2 x 2` and `5 x 5` causal, `5 x 2` with no mask), so a pass that keeps each
+//! chunk a tensor of its own computes every call on whole tensors.
 
 use core::ops::Range;
 
@@ -157,16 +163,20 @@ impl<'a> Grid<'a> {
         }
     }
 
-    /// The chunk pairs of these local chunks, row by row.
-    fn cells(&self, query: &Range<usize>, kv: &Range<usize>) -> impl Iterator<Item = Seen> + '_ {
+    /// How the chunk pairs of these local chunks are seen, row by row.
+    fn seen_over(
+        &self,
+        query: &Range<usize>,
+        kv: &Range<usize>,
+    ) -> impl Iterator<Item = Seen> + '_ {
         let kv = kv.clone();
         (query.clone()).flat_map(move |i| kv.clone().map(move |j| self.seen[i][j]))
     }
 
     /// A block over these local chunks (its mask: none where every chunk pair is whole).
     fn block(&self, query: Range<usize>, kv: Range<usize>, mask: Mask) -> Block {
-        let cost = self.cells(&query, &kv).map(Seen::cost).sum();
-        let mask = if self.cells(&query, &kv).all(|s| s == Seen::Whole) {
+        let cost = self.seen_over(&query, &kv).map(Seen::cost).sum();
+        let mask = if self.seen_over(&query, &kv).all(|s| s == Seen::Whole) {
             Mask::none()
         } else {
             mask
@@ -214,11 +224,11 @@ impl<'a> Grid<'a> {
     /// As few blocks as the grid allows, covering every chunk pair with a visible score once.
     fn covered(&self) -> Vec<Block> {
         let (n, m) = (self.query_chunks.len(), self.kv_chunks.len());
-        if self.cells(&(0..n), &(0..m)).all(|s| s == Seen::Hidden) {
+        if self.seen_over(&(0..n), &(0..m)).all(|s| s == Seen::Hidden) {
             return Vec::new();
         }
         // A block with no mask may span any chunks.
-        if self.cells(&(0..n), &(0..m)).all(|s| s == Seen::Whole) {
+        if self.seen_over(&(0..n), &(0..m)).all(|s| s == Seen::Whole) {
             return vec![self.block(0..n, 0..m, Mask::none())];
         }
         if self.one_step(&(0..n), &(0..m)) {
@@ -227,7 +237,10 @@ impl<'a> Grid<'a> {
         let mut out = Vec::new();
         // Query chunks that see every key chunk whole: one block per such row.
         let whole_rows: Vec<bool> = (0..n)
-            .map(|i| self.cells(&(i..i + 1), &(0..m)).all(|s| s == Seen::Whole))
+            .map(|i| {
+                self.seen_over(&(i..i + 1), &(0..m))
+                    .all(|s| s == Seen::Whole)
+            })
             .collect();
         for i in (0..n).filter(|&i| whole_rows[i]) {
             out.push(self.block(i..i + 1, 0..m, Mask::none()));
@@ -249,6 +262,17 @@ impl<'a> Grid<'a> {
         }
         out
     }
+
+    /// One block per chunk pair with a visible score, row by row (query chunk, then key/value
+    /// chunk), each with its own mask.
+    fn cells(&self) -> Vec<Block> {
+        let (n, m) = (self.query_chunks.len(), self.kv_chunks.len());
+        (0..n)
+            .flat_map(|i| (0..m).map(move |j| (i, j)))
+            .filter(|&(i, j)| self.seen[i][j] != Seen::Hidden)
+            .map(|(i, j)| self.block(i..i + 1, j..j + 1, self.mask_at(i, j)))
+            .collect()
+    }
 }
 
 /// The blocks computing `pair` (query rank, key/value rank) under `layout` and `visibility`;
@@ -260,4 +284,17 @@ pub(crate) fn blocks(
     pair: Pair,
 ) -> Vec<Block> {
     Grid::new(layout, world, visibility, pair).covered()
+}
+
+/// The chunk pairs of `pair` with a visible score, one [`Block`] of one query chunk and one
+/// key/value chunk each (with that chunk pair's mask and cost), row by row; none when no score
+/// of the pair is visible. Together they compute what [`blocks`] does, in calls that each cover
+/// whole chunks on both sides.
+pub(crate) fn cells(
+    layout: Layout,
+    world: usize,
+    visibility: &Visibility,
+    pair: Pair,
+) -> Vec<Block> {
+    Grid::new(layout, world, visibility, pair).cells()
 }

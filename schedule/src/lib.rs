@@ -9,7 +9,9 @@
 //! [`Layout`] says which positions a shard holds (one contiguous chunk, or two zigzag chunks).
 //! Attention needs every pair (query shard `i`, key/value shard `j`) that has a visible score;
 //! [`blocks`] splits a pair into step calls (chunk pairs partly visible stepped with the mask,
-//! wholly visible ones with none, invisible ones skipped). A schedule says, for every rank and
+//! wholly visible ones with none, invisible ones skipped), or into one call per visible chunk
+//! pair ([`Schedule::cells`], for a pass that keeps each chunk a tensor of its own). A schedule
+//! says, for every rank and
 //! step, which pair that rank computes; [`RankStep`] derives what it must then send and
 //! receive. Each schedule is one file implementing [`ScheduleRule`]: [`ring`] (the paper's
 //! Algorithm 1), [`balanced`] (Algorithm 2, helper workers), both over the contiguous layout,
@@ -332,6 +334,16 @@ impl Schedule {
             Some(calls) => calls.clone(),
             None => blocks::blocks(self.layout, self.world, &self.visibility, pair),
         }
+    }
+
+    /// The chunk pairs of `pair` with a visible score, one step call each, with its mask: a
+    /// call of one query chunk against one key/value chunk (local indices), so a pass that
+    /// keeps each chunk of a shard as a tensor of its own computes every call on whole
+    /// tensors. They compute what [`blocks`](Self::blocks) does (one call per chunk pair
+    /// instead of as few as the grid allows); none when no score of the pair is visible. Under
+    /// the contiguous layout (one chunk per rank) they are the blocks.
+    pub fn cells(&self, pair: Pair) -> Vec<Block> {
+        blocks::cells(self.layout, self.world, &self.visibility, pair)
     }
 
     /// Work of `pair` in units of one full pair of shards.

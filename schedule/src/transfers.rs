@@ -63,19 +63,24 @@ impl RankStep {
 /// What a message between the ranks carries; a receiver checks that it gets the kind it expects.
 /// The first six are a step's messages ([`RankStep`]), the last three the collectives' (the Burn
 /// plugin's `collective::Transport`).
+///
+/// A step's message is a flat list of tensors. The forward sends each of a shard's tensors
+/// whole; the backward keeps a shard as its [`Layout`](crate::Layout)'s chunks and sends each
+/// tensor as its chunks, one after the other (`[k, v]` is `[k_0, k_1, v_0, v_1]` under zigzag,
+/// `[k, v]` under the contiguous layout's one chunk).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum MessageKind {
-    /// A key/value chunk: `[k, v]`.
+    /// A key/value shard: `[k, v]` (forward: whole; backward: each as its chunks).
     KeyValue,
-    /// A query chunk for a helper's forward: `[q]`.
+    /// A query shard for a helper's forward: `[q]`.
     Query,
     /// A helper's partial forward result, f32: `[o, m, l]`.
     PartialState,
-    /// A query chunk for a backward step: `[q, dO, lse, delta]`.
+    /// A query shard for a backward step: `[q, dO, lse, delta]`, each as its chunks.
     QueryBundle,
-    /// Query gradient computed elsewhere, f32: `[dq]`.
+    /// Query gradient computed elsewhere, f32: `[dq]`, as its chunks.
     QueryGrad,
-    /// Key/value gradients computed elsewhere, f32: `[dk, dv]`.
+    /// Key/value gradients computed elsewhere, f32: `[dk, dv]`, each as its chunks.
     KeyValueGrad,
     /// Small host values every rank gathers (the ranks' agreement on a call).
     Values,

@@ -10,12 +10,13 @@ use distflash_kernels::{
 };
 
 use super::cube_accumulators::{exclusive, AccumulatorRows};
+use crate::cube_support::contiguous;
 use crate::extension::{
     AttentionBackend, CheckpointBackend, LayerOpsBackend, SequenceParallelBackend,
 };
 use crate::layer_ops;
 use crate::options::FlashAttentionOptions;
-use crate::step::{AttentionState, StepRows};
+use crate::step::{self, AttentionState, StepRows};
 
 /// The kernel element type of a Burn float dtype.
 pub fn elem_type(dtype: DType) -> Option<ElemType> {
@@ -338,6 +339,17 @@ where
             cube_tensor(&like, grads.dk),
             cube_tensor(&like, grads.dv),
         )
+    }
+
+    /// Each chunk contiguous ([`contiguous`]: a copy of its rows unless `batch x heads` is 1),
+    /// so the kernels read it as it is.
+    fn attention_chunks(t: CubeTensor<R>, chunks: usize) -> Vec<CubeTensor<R>> {
+        if chunks == 1 {
+            return vec![t];
+        }
+        (step::chunk_slices::<Self>(t, chunks).into_iter())
+            .map(contiguous)
+            .collect()
     }
 
     /// The kernels add into the accumulators themselves ([`AccumulatorRows`]): no gradient of

@@ -189,6 +189,21 @@ pub trait AttentionBackend: Backend {
         step::delta::<Self>(out, grad_out)
     }
 
+    /// `t` cut along the sequence (dimension 2) into `chunks` tensors of equal length, in order,
+    /// each of which the step operations take as it is. The kernel backends make each chunk
+    /// contiguous (the kernels take contiguous buffers, and a chunk's rows of
+    /// `[batch, heads, seq, ..]` are `batch x heads` separate runs: copied into a buffer of
+    /// their own unless `batch x heads` is 1), so `t`'s buffer is then freed with its last
+    /// handle; the default is the chunks' slices of `t`. One chunk is `t` itself, never copied.
+    ///
+    /// # Shapes
+    ///
+    /// - t: `[batch, heads, seq, ..]`, `seq` a multiple of `chunks`
+    /// - each chunk: `[batch, heads, seq / chunks, ..]`
+    fn attention_chunks(t: FloatTensor<Self>, chunks: usize) -> Vec<FloatTensor<Self>> {
+        step::chunk_slices::<Self>(t, chunks)
+    }
+
     /// One (query chunk, key chunk) pair's `(dq, dk, dv)` from the full rows' lse and delta
     /// (f32 on the kernel backends, for accumulation across steps), under `options` whose mask
     /// sits at the chunks' absolute offsets.

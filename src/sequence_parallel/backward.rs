@@ -1,34 +1,41 @@
 //! The distributed backward: each rank computes `(dq, dk, dv)` for the pairs its schedule
 //! assigns, from the forward's lse and `delta = rowsum(dO * O)`, and returns the gradients that
-//! belong to other ranks' chunks to their owners. Gradients are accumulated in f32, and each step
-//! is handed the accumulators themselves (never a second handle on them), so the kernel backends
-//! add into them in place.
+//! belong to other ranks' chunks to their owners.
+//!
+//! A rank's shard stays cut into its layout's chunks for the whole pass (one chunk under the
+//! contiguous layout, two under zigzag): q, dO, lse, delta, k, v and the f32 accumulators of
+//! `dq, dk, dv` are one tensor per chunk, and so are the messages. Every step call is one
+//! visible chunk pair ([`Schedule::cells`]) on whole tensors, and each call is handed the
+//! accumulators themselves (never a second handle on them), so the kernel backends add into
+//! them in place and nothing is sliced or copied between calls. The inputs are cut on entry,
+//! one at a time (each whole shard goes as its chunks are made), and the gradients joined on
+//! exit.
+
+use std::mem;
 
 use crate::Error;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, TensorMetadata};
 
-use super::pair_steps::{backward_pair, Chunks};
+use super::pair_steps::{backward_pair, ChunkGrads};
 use super::pipeline::{self, incoming, input_messages, outgoing, step_operands, Pass};
 use crate::collective::{DeviceGroup, Incoming, MessageKind, Outgoing, Received};
 use crate::extension::{FlashAttentionBackend, Grads};
 use crate::options::SequenceParallelOptions;
 use crate::schedule::{RankStep, Schedule};
 
-/// One rank's backward: its chunks, the query-side bundle, and f32 gradient accumulators.
+/// One rank's backward: its inputs and its f32 gradient accumulators, each as its shard's chunks.
 struct BackwardPass<B: FlashAttentionBackend> {
     rank: usize,
-    /// `[k, v]`.
-    kv: [FloatTensor<B>; 2],
-    /// `[q, dO, lse, delta]`.
-    query: [FloatTensor<B>; 4],
-    /// This rank's f32 accumulators of `dq, dk, dv`; each is `None` only while a step adds
-    /// into it.
-    dq: Option<FloatTensor<B>>,
-    dk: Option<FloatTensor<B>>,
-    dv: Option<FloatTensor<B>>,
+    /// Chunks per shard.
+    chunks: usize,
+    /// `[k.., v..]`, each by chunk: the key/value message.
+    kv: Vec<FloatTensor<B>>,
+    /// `[q.., dO.., lse.., delta..]`, each by chunk: the query bundle.
+    query: Vec<FloatTensor<B>>,
+    /// This rank's accumulators; a side's are empty only while a step adds into them.
+    grads: ChunkGrads<B>,
     schedule: Schedule,
-    chunks: Chunks,
     options: SequenceParallelOptions,
 }
 
@@ -41,21 +48,39 @@ fn cast<B: FlashAttentionBackend>(t: FloatTensor<B>, dtype: DType) -> FloatTenso
     }
 }
 
-fn zeros_like<B: FlashAttentionBackend>(t: &FloatTensor<B>) -> FloatTensor<B> {
-    B::float_zeros(t.shape(), &B::float_device(t), FloatDType::F32)
+/// Fresh f32 zeros shaped like each of `chunks`.
+fn zeros_like<B: FlashAttentionBackend>(chunks: &[FloatTensor<B>]) -> Vec<FloatTensor<B>> {
+    (chunks.iter())
+        .map(|t| B::float_zeros(t.shape(), &B::float_device(t), FloatDType::F32))
+        .collect()
 }
 
-/// The accumulator in `slot`, moved out (the pass holds no other handle on it while a step or
-/// a sum writes it).
-fn take<B: FlashAttentionBackend>(slot: &mut Option<FloatTensor<B>>) -> FloatTensor<B> {
-    slot.take()
-        .expect("the rank's accumulator is back after each step")
+/// A message's tensors, `N` kinds one after the other, each as `chunks` chunks: one slice per
+/// kind.
+fn by_kind<const N: usize, T>(flat: &[T], chunks: usize) -> [&[T]; N] {
+    let mut kinds = flat.chunks_exact(chunks);
+    core::array::from_fn(|_| kinds.next().expect("a message holds every kind's chunks"))
 }
 
-/// The accumulator in `slot` (for its layout).
-fn held<B: FlashAttentionBackend>(slot: &Option<FloatTensor<B>>) -> FloatTensor<B> {
-    slot.clone()
-        .expect("the rank's accumulator is back after each step")
+/// `received` chunks added into the accumulator chunks `acc` (in place where the backend
+/// allows: the pass holds them alone).
+fn add_chunks<B: FlashAttentionBackend>(
+    acc: &mut Vec<FloatTensor<B>>,
+    received: impl Iterator<Item = FloatTensor<B>>,
+) {
+    *acc = (mem::take(acc).into_iter().zip(received))
+        .map(|(a, r)| B::float_add(a, r))
+        .collect();
+}
+
+/// The whole shard of a gradient from its f32 chunks, in float type `dtype` (each chunk cast
+/// first, so the join makes the shard in `dtype` only).
+fn join<B: FlashAttentionBackend>(chunks: Vec<FloatTensor<B>>, dtype: DType) -> FloatTensor<B> {
+    let mut parts: Vec<_> = chunks.into_iter().map(|c| cast::<B>(c, dtype)).collect();
+    match parts.len() {
+        1 => parts.pop().expect("one chunk"),
+        _ => B::float_cat(parts, 2),
+    }
 }
 
 impl<B: FlashAttentionBackend> Pass<B> for BackwardPass<B> {
@@ -68,65 +93,63 @@ impl<B: FlashAttentionBackend> Pass<B> for BackwardPass<B> {
             return Vec::new();
         };
         let (kv, query) = step_operands(&self.kv, &self.query, inputs);
-        let [k, v]: [FloatTensor<B>; 2] = kv.try_into().expect("k, v");
-        let [q, grad_out, lse, delta]: [FloatTensor<B>; 4] =
-            query.try_into().expect("q, dO, lse, delta");
-        let blocks = self.schedule.blocks(pair);
-        let query = [&q, &grad_out, &lse, &delta];
+        let [k, v] = by_kind::<2, _>(&kv, self.chunks);
+        let query = by_kind::<4, _>(&query, self.chunks);
         let (own_query, own_kv) = (pair.query == self.rank, pair.kv == self.rank);
-        // This rank's own accumulators where a side is its own (moved, not cloned: the step
-        // adds into them in place), fresh ones for the other side.
-        let acc = (
-            if own_query {
-                take::<B>(&mut self.dq)
-            } else {
-                zeros_like::<B>(&q)
+        // This rank's own accumulators where a side is its own (moved, not cloned: the steps
+        // add into them in place), fresh ones for the other side.
+        let acc = ChunkGrads {
+            dq: match own_query {
+                true => mem::take(&mut self.grads.dq),
+                false => zeros_like::<B>(query[0]),
             },
-            if own_kv {
-                take::<B>(&mut self.dk)
-            } else {
-                zeros_like::<B>(&k)
+            dk: match own_kv {
+                true => mem::take(&mut self.grads.dk),
+                false => zeros_like::<B>(k),
             },
-            if own_kv {
-                take::<B>(&mut self.dv)
-            } else {
-                zeros_like::<B>(&v)
+            dv: match own_kv {
+                true => mem::take(&mut self.grads.dv),
+                false => zeros_like::<B>(v),
             },
-        );
-        let (dq, dk, dv) =
-            backward_pair::<B>(query, [&k, &v], acc, &blocks, self.chunks, &self.options);
+        };
+        let cells = self.schedule.cells(pair);
+        let grads = backward_pair::<B>(query, [k, v], acc, &cells, &self.options);
         let mut results = Vec::new();
         if own_query {
-            self.dq = Some(dq);
+            self.grads.dq = grads.dq;
         } else {
-            results.push(outgoing(pair.query, MessageKind::QueryGrad, &[dq]));
+            results.push(outgoing(pair.query, MessageKind::QueryGrad, &grads.dq));
         }
         if own_kv {
-            self.dk = Some(dk);
-            self.dv = Some(dv);
+            self.grads.dk = grads.dk;
+            self.grads.dv = grads.dv;
         } else {
-            results.push(outgoing(pair.kv, MessageKind::KeyValueGrad, &[dk, dv]));
+            let dkv: Vec<_> = grads.dk.into_iter().chain(grads.dv).collect();
+            results.push(outgoing(pair.kv, MessageKind::KeyValueGrad, &dkv));
         }
         results
     }
 
     fn result_receives(&self, plan: &RankStep) -> Vec<Incoming> {
-        let dq = [held::<B>(&self.dq)];
-        let dkv = [held::<B>(&self.dk), held::<B>(&self.dv)];
+        let ChunkGrads { dq, dk, dv } = &self.grads;
         (plan.query_to.iter())
-            .map(|&p| incoming::<B>(p, MessageKind::QueryGrad, &dq))
-            .chain((plan.kv_to.iter()).map(|&p| incoming::<B>(p, MessageKind::KeyValueGrad, &dkv)))
+            .map(|&p| incoming::<B>(p, MessageKind::QueryGrad, dq))
+            .chain(
+                (plan.kv_to.iter())
+                    .map(|&p| incoming::<B>(p, MessageKind::KeyValueGrad, dk.iter().chain(dv))),
+            )
             .collect()
     }
 
     fn absorb(&mut self, results: Vec<Received<B>>) {
         for message in results {
-            let mut t = message.tensors.into_iter();
+            let mut received = message.tensors.into_iter();
+            let n = self.chunks;
             if message.kind == MessageKind::QueryGrad {
-                self.dq = Some(B::float_add(take::<B>(&mut self.dq), t.next().expect("dq")));
+                add_chunks::<B>(&mut self.grads.dq, received.by_ref().take(n));
             } else {
-                self.dk = Some(B::float_add(take::<B>(&mut self.dk), t.next().expect("dk")));
-                self.dv = Some(B::float_add(take::<B>(&mut self.dv), t.next().expect("dv")));
+                add_chunks::<B>(&mut self.grads.dk, received.by_ref().take(n));
+                add_chunks::<B>(&mut self.grads.dv, received.by_ref().take(n));
             }
         }
     }
@@ -148,23 +171,41 @@ pub(crate) fn run<B: FlashAttentionBackend>(
     let dtype = q.dtype();
     let shard_len = q.shape().dims::<4>()[2];
     let schedule = &options.schedule_for(group.world_size(), shard_len)?;
-    let chunks = Chunks::new(schedule.layout().chunks_per_rank(), shard_len);
+    let chunks = schedule.layout().chunks_per_rank();
     let delta = B::attention_delta(out, grad_out.clone());
+    // Cut one input at a time, each moved in, so at most one whole shard is held beside its
+    // chunks.
+    let cut = |kinds: Vec<FloatTensor<B>>| -> Vec<FloatTensor<B>> {
+        (kinds.into_iter())
+            .flat_map(|t| B::attention_chunks(t, chunks))
+            .collect()
+    };
+    let kv = cut(vec![k, v]);
+    let query = cut(vec![q, grad_out, lse, delta]);
+    let grads = ChunkGrads {
+        dq: zeros_like::<B>(&query[..chunks]),
+        dk: zeros_like::<B>(&kv[..chunks]),
+        dv: zeros_like::<B>(&kv[chunks..]),
+    };
     let mut pass = BackwardPass {
         rank: group.rank(),
-        dq: Some(zeros_like::<B>(&q)),
-        dk: Some(zeros_like::<B>(&k)),
-        dv: Some(zeros_like::<B>(&v)),
-        kv: [k, v],
-        query: [q, grad_out, lse, delta],
-        schedule: schedule.clone(),
         chunks,
+        kv,
+        query,
+        grads,
+        schedule: schedule.clone(),
         options: options.clone(),
     };
     pipeline::run(group, schedule, &mut pass, options.overlap)?;
+    // The inputs go before the gradients are joined.
+    let BackwardPass {
+        kv, query, grads, ..
+    } = pass;
+    drop((kv, query));
+    let ChunkGrads { dq, dk, dv } = grads;
     Ok((
-        cast::<B>(take::<B>(&mut pass.dq), dtype),
-        cast::<B>(take::<B>(&mut pass.dk), dtype),
-        cast::<B>(take::<B>(&mut pass.dv), dtype),
+        join::<B>(dq, dtype),
+        join::<B>(dk, dtype),
+        join::<B>(dv, dtype),
     ))
 }

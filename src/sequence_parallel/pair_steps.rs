@@ -1,10 +1,12 @@
-//! One scheduled pair as step calls: the pair's [`Block`]s, each on the rows it covers (see
-//! [`crate::schedule::blocks`]). Partial states and gradients stay f32.
+//! One scheduled pair as step calls. The forward runs the pair's [`Block`]s, each on the rows
+//! of the shards it covers (see [`crate::schedule::blocks`]); the backward runs its cells, one
+//! call per visible chunk pair, on shards kept as one tensor per chunk. Partial states and
+//! gradients stay f32.
 
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Slice, TensorMetadata};
 
-use crate::extension::{FlashAttentionBackend, Grads};
+use crate::extension::FlashAttentionBackend;
 use crate::options::FlashAttentionOptions;
 use crate::options::SequenceParallelOptions;
 use crate::schedule::Block;
@@ -124,37 +126,64 @@ pub(crate) fn forward_pair<B: FlashAttentionBackend>(
     state.unwrap_or_else(empty)
 }
 
-/// A pair's `(dq, dk, dv)` added into the f32 accumulators `acc` (shaped like the whole
-/// shards): `[q, dO, lse, delta]` of the query shard, `[k, v]` of the key/value shard. Each
-/// block's step adds into the accumulators' rows it covers
-/// ([`attention_backward_step_add`](crate::AttentionBackend::attention_backward_step_add)); the
-/// caller hands over accumulators it holds alone, so the kernel backends write them in place.
+/// A shard's f32 gradient accumulators, one tensor per chunk (local order) of the query shard
+/// (`dq`) and of the key/value shard (`dk`, `dv`).
+pub(crate) struct ChunkGrads<B: FlashAttentionBackend> {
+    /// `dq` of each query chunk.
+    pub dq: Vec<FloatTensor<B>>,
+    /// `dk` of each key/value chunk.
+    pub dk: Vec<FloatTensor<B>>,
+    /// `dv` of each key/value chunk.
+    pub dv: Vec<FloatTensor<B>>,
+}
+
+/// A pair's `(dq, dk, dv)` added into the f32 accumulators `acc`, every tensor one chunk of its
+/// shard: `[q, dO, lse, delta]` of the query shard and `[k, v]` of the key/value shard, each as
+/// its chunks. One step call per cell (a query chunk against a key/value chunk,
+/// [`Schedule::cells`](crate::schedule::Schedule::cells)), each on whole tensors and adding into
+/// its chunks' accumulators themselves
+/// ([`attention_backward_step_add`](crate::AttentionBackend::attention_backward_step_add) over
+/// all their rows): the caller hands over accumulators it holds alone, so the kernel backends
+/// write them in place and copy nothing.
 pub(crate) fn backward_pair<B: FlashAttentionBackend>(
-    query: [&FloatTensor<B>; 4],
-    [k, v]: [&FloatTensor<B>; 2],
-    mut acc: Grads<B>,
-    blocks: &[Block],
-    chunks: Chunks,
+    [q, grad_out, lse, delta]: [&[FloatTensor<B>]; 4],
+    [k, v]: [&[FloatTensor<B>]; 2],
+    acc: ChunkGrads<B>,
+    cells: &[Block],
     options: &SequenceParallelOptions,
-) -> Grads<B> {
-    let [q, grad_out, lse, delta] = query;
-    for block in blocks {
-        let (qr, kr) = (&block.query, &block.kv);
-        let rows = StepRows {
-            query: chunks.row_range(qr),
-            kv: chunks.row_range(kr),
-        };
-        acc = B::attention_backward_step_add(
-            chunks.rows::<B>(q, qr),
-            chunks.rows::<B>(k, kr),
-            chunks.rows::<B>(v, kr),
-            chunks.rows::<B>(grad_out, qr),
-            chunks.rows::<B>(lse, qr),
-            chunks.rows::<B>(delta, qr),
-            acc,
-            &rows,
-            block_step(block, options),
+) -> ChunkGrads<B> {
+    let slots = |chunks: Vec<FloatTensor<B>>| chunks.into_iter().map(Some).collect::<Vec<_>>();
+    let (mut dq, mut dk, mut dv) = (slots(acc.dq), slots(acc.dk), slots(acc.dv));
+    let moved = |slot: &mut Option<FloatTensor<B>>| {
+        slot.take()
+            .expect("a chunk's accumulator is back after each call")
+    };
+    for cell in cells {
+        let (i, j) = (cell.query.start, cell.kv.start);
+        debug_assert_eq!(
+            (cell.query.len(), cell.kv.len()),
+            (1, 1),
+            "a cell is one chunk pair"
         );
+        let rows = StepRows::whole(q[i].shape()[2], k[j].shape()[2]);
+        let (gq, gk, gv) = B::attention_backward_step_add(
+            q[i].clone(),
+            k[j].clone(),
+            v[j].clone(),
+            grad_out[i].clone(),
+            lse[i].clone(),
+            delta[i].clone(),
+            (moved(&mut dq[i]), moved(&mut dk[j]), moved(&mut dv[j])),
+            &rows,
+            block_step(cell, options),
+        );
+        (dq[i], dk[j], dv[j]) = (Some(gq), Some(gk), Some(gv));
     }
-    acc
+    let back =
+        |mut slots: Vec<Option<FloatTensor<B>>>| slots.iter_mut().map(moved).collect::<Vec<_>>();
+    ChunkGrads {
+        dq: back(dq),
+        dk: back(dk),
+        dv: back(dv),
+    }
 }

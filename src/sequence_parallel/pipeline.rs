@@ -85,22 +85,23 @@ pub(crate) fn outgoing<B: Backend>(
     }
 }
 
-/// An expected message from `peer` whose tensors are laid out like `like`.
-pub(crate) fn incoming<B: Backend>(
+/// An expected message from `peer` whose tensors are laid out like `like`, in order.
+pub(crate) fn incoming<'a, B: Backend>(
     peer: usize,
     kind: MessageKind,
-    like: &[FloatTensor<B>],
+    like: impl IntoIterator<Item = &'a FloatTensor<B>>,
 ) -> Incoming {
     Incoming {
         peer,
         kind,
-        layouts: like.iter().map(TensorLayout::of::<B>).collect(),
+        layouts: like.into_iter().map(TensorLayout::of::<B>).collect(),
     }
 }
 
 /// A step's input messages: this rank's key/value tensors `kv` and query-side tensors `query`
-/// (sent as `query_kind`) for the ranks computing with them, and the same layouts expected from
-/// the owners of the chunks this rank computes with (all shards share one layout).
+/// (sent as `query_kind`; flat lists, a pass's own order, such as each tensor's chunks one
+/// after the other) for the ranks computing with them, and the same layouts expected from the
+/// owners of the shards this rank computes with (all shards share one layout).
 pub(crate) fn input_messages<B: Backend>(
     plan: &RankStep,
     kv: &[FloatTensor<B>],

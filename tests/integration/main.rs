@@ -43,3 +43,4 @@ mod readme_snippets;
 mod replicate;
 mod schedule;
 mod schedule_masks;
+mod zigzag_backward_memory;

@@ -1,12 +1,12 @@
 //! Schedules under sliding windows and documents (pure logic, no tensors): every visible score
-//! is computed exactly once and no scheduled pair is wasted, for P = 1..8, every schedule and
-//! masks of every shape; a short window needs only the neighbours' chunks (steps, messages and
+//! is computed exactly once, by a pair's blocks and by its cells (one call per chunk pair), and
+//! no scheduled pair is wasted, for P = 1..8, every schedule and masks of every shape; a short window needs only the neighbours' chunks (steps, messages and
 //! the time model say so); documents inside shards need no messages; bad masks are refused.
 
 use std::collections::BTreeMap;
 
 use crate::common::distributed_case::documents_of;
-use burn_distflash::schedule::{Layout, Schedule, ScheduleError, ScheduleKind};
+use burn_distflash::schedule::{Block, Layout, Pair, Schedule, ScheduleError, ScheduleKind};
 use burn_distflash::{Documents, Mask, SlidingWindow};
 
 /// Tokens per shard: chunks of 3 under zigzag (odd, so a halved chunk would show).
@@ -47,8 +47,13 @@ fn batch_rows(mask: &Mask) -> usize {
 }
 
 /// How many times each (batch row, query position, key position) is computed by `s`'s step
-/// calls, each block applying its own mask to its rows.
-fn computed(s: &Schedule, rows: usize) -> BTreeMap<(usize, usize, usize), usize> {
+/// calls (`calls` of a pair: its blocks or its cells), each block applying its own mask to its
+/// rows.
+fn computed(
+    s: &Schedule,
+    rows: usize,
+    calls: impl Fn(&Schedule, Pair) -> Vec<Block>,
+) -> BTreeMap<(usize, usize, usize), usize> {
     let (world, layout) = (s.world_size(), s.layout());
     let chunk = SHARD / layout.chunks_per_rank();
     let mut count = BTreeMap::new();
@@ -59,7 +64,7 @@ fn computed(s: &Schedule, rows: usize) -> BTreeMap<(usize, usize, usize), usize>
             };
             let qpos = layout.positions(world, pair.query, SHARD).unwrap();
             let kpos = layout.positions(world, pair.kv, SHARD).unwrap();
-            let blocks = s.blocks(pair);
+            let blocks = calls(s, pair);
             assert!(!blocks.is_empty(), "{s:?}: pair {pair:?} has no step call");
             for block in blocks {
                 let rows_of = |r: &std::ops::Range<usize>| r.start * chunk..r.end * chunk;
@@ -85,6 +90,22 @@ fn computed(s: &Schedule, rows: usize) -> BTreeMap<(usize, usize, usize), usize>
     count
 }
 
+/// Checks that `s`'s step calls (`calls` of each pair) compute every score `mask` shows once
+/// and no other.
+fn assert_computed_once(s: &Schedule, mask: &Mask, calls: impl Fn(&Schedule, Pair) -> Vec<Block>) {
+    let (rows, len) = (batch_rows(mask), s.world_size() * SHARD);
+    let count = computed(s, rows, calls);
+    for b in 0..rows {
+        for q in 0..len {
+            for k in 0..len {
+                let got = count.get(&(b, q, k)).copied().unwrap_or(0);
+                let needed = mask.visible(b, q, k) as usize;
+                assert_eq!(got, needed, "{s:?}: row {b}, query {q}, key {k}");
+            }
+        }
+    }
+}
+
 #[test]
 fn every_visible_score_is_computed_once_and_every_scheduled_pair_sees_one() {
     for world in 1..=8 {
@@ -92,17 +113,7 @@ fn every_visible_score_is_computed_once_and_every_scheduled_pair_sees_one() {
         for mask in masks(len) {
             for kind in KINDS {
                 let s = Schedule::for_mask(kind, world, SHARD, &mask).unwrap();
-                let rows = batch_rows(&mask);
-                let count = computed(&s, rows);
-                for b in 0..rows {
-                    for q in 0..len {
-                        for k in 0..len {
-                            let got = count.get(&(b, q, k)).copied().unwrap_or(0);
-                            let needed = mask.visible(b, q, k) as usize;
-                            assert_eq!(got, needed, "{s:?}: row {b}, query {q}, key {k}");
-                        }
-                    }
-                }
+                assert_computed_once(&s, &mask, Schedule::blocks);
                 // Under the contiguous layout every pair is one step call.
                 if s.layout() == Layout::Contiguous {
                     for step in 0..s.num_steps() {
@@ -111,6 +122,51 @@ fn every_visible_score_is_computed_once_and_every_scheduled_pair_sees_one() {
                                 assert_eq!(s.blocks(pair).len(), 1, "{s:?} {pair:?}");
                             }
                         }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A pair's cells: one step call per chunk pair with a visible score (one query chunk against
+/// one key/value chunk, so a call covers whole chunks), computing every visible score once
+/// under causal order alone, no mask, windows and documents, with the blocks' total cost; under
+/// the contiguous layout they are the blocks.
+#[test]
+fn the_cells_of_a_pair_compute_its_visible_scores_once_one_chunk_pair_each() {
+    for world in 1..=8 {
+        let len = world * SHARD;
+        let plain = [Mask::causal(), Mask::none()];
+        for mask in plain.into_iter().chain(masks(len)) {
+            for kind in KINDS {
+                let s = Schedule::for_mask(kind, world, SHARD, &mask).unwrap();
+                assert_computed_once(&s, &mask, Schedule::cells);
+                let per_rank = s.layout().chunks_per_rank();
+                for (rank, step) in (0..world).flat_map(|r| (0..s.num_steps()).map(move |t| (r, t)))
+                {
+                    let Some(pair) = s.pair(rank, step) else {
+                        continue;
+                    };
+                    let cells = s.cells(pair);
+                    let mut seen = Vec::new();
+                    for cell in &cells {
+                        assert_eq!((cell.query.len(), cell.kv.len()), (1, 1), "{s:?}: {cell:?}");
+                        assert!(cell.query.end <= per_rank && cell.kv.end <= per_rank);
+                        seen.push((cell.query.start, cell.kv.start));
+                    }
+                    seen.sort_unstable();
+                    seen.dedup();
+                    assert_eq!(
+                        seen.len(),
+                        cells.len(),
+                        "{s:?} {pair:?}: a chunk pair twice"
+                    );
+                    let cost = |calls: Vec<Block>| calls.iter().map(|b| b.cost).sum::<f64>();
+                    let (by_cells, by_blocks) = (cost(cells), cost(s.blocks(pair)));
+                    assert!((by_cells - by_blocks).abs() < 1e-12, "{s:?} {pair:?}");
+                    if s.layout() == Layout::Contiguous {
+                        assert_eq!(s.cells(pair), s.blocks(pair), "{s:?} {pair:?}");
                     }
                 }
             }

@@ -6,15 +6,14 @@
 //! Pages are never given back without an explicit cleanup, so the bytes a call makes the pools
 //! reserve, from pools cleaned up before it, bound its peak from below.
 
-use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Distribution, Tensor};
+use burn::tensor::{DType, Tensor};
 use burn_distflash::step::{self, StepRows};
 use burn_distflash::{AttentionBackend, FlashAttentionOptions, Mask};
-use cubecl::Runtime;
 use distflash_test_support::exclusive_wgpu;
 
-type WgpuF32 = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>;
+use crate::common::wgpu_pools::{clean_up, device, random, reserved, WgpuF32};
+
 type Grads = (
     FloatTensor<WgpuF32>,
     FloatTensor<WgpuF32>,
@@ -25,30 +24,13 @@ type Grads = (
 const SHAPE: [usize; 4] = [1, 32, 256, 64];
 const TENSOR_BYTES: u64 = 32 * 256 * 64 * 4;
 
-fn device() -> cubecl::wgpu::WgpuDevice {
-    cubecl::wgpu::WgpuDevice::Cpu
-}
-
-fn random(shape: [usize; 4]) -> FloatTensor<WgpuF32> {
-    let t = Tensor::<WgpuF32, 4>::random(shape, Distribution::Uniform(-1.0, 1.0), &device());
-    t.into_primitive().tensor()
-}
-
-/// The pools' reserved bytes on this thread's stream, after finishing what is queued.
-fn reserved() -> u64 {
-    WgpuF32::sync(&device()).unwrap();
-    let client = cubecl::wgpu::WgpuRuntime::client(&device());
-    client.memory_usage().unwrap().bytes_reserved
-}
-
 /// The bytes the pools reserve while `step` adds into fresh accumulators (dq of `query_rows`
 /// rows, dk and dv like the keys), from pools cleaned up before it (the step's inputs are made
 /// before).
 fn reserved_by(query_rows: usize, step: impl FnOnce(Grads) -> Grads) -> u64 {
     let [b, h, _, d] = SHAPE;
     let accumulators = (random([b, h, query_rows, d]), random(SHAPE), random(SHAPE));
-    WgpuF32::sync(&device()).unwrap();
-    cubecl::wgpu::WgpuRuntime::client(&device()).memory_cleanup();
+    clean_up();
     let before = reserved();
     let grads = step(accumulators);
     let after = reserved();

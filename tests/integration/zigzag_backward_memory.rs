@@ -11,37 +11,17 @@
 //! page serves either size; so the bytes a rank's backward makes the pools reserve, from pools
 //! cleaned up before it, are whole shards, and bound what it holds at its busiest from below.
 
-use burn::tensor::backend::Backend;
-use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Distribution, Tensor};
 use burn_distflash::collective::on_each_rank;
 use burn_distflash::schedule::ScheduleKind;
 use burn_distflash::sequence_parallel::SequenceParallelOptions;
 use burn_distflash::{DeviceGroup, SequenceParallelBackend};
-use cubecl::Runtime;
 use distflash_test_support::exclusive_wgpu;
 
-type WgpuF32 = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>;
+use crate::common::wgpu_pools::{clean_up, device, random, reserved, WgpuF32};
 
 /// 2048 heads of 64 rows of 64 (chunks of 32 rows): 32 MiB of f32 a shard, 16 MiB a chunk.
 const SHARD: [usize; 4] = [32, 64, 64, 64];
 const SHARD_BYTES: u64 = 32 * 64 * 64 * 64 * 4;
-
-fn device() -> cubecl::wgpu::WgpuDevice {
-    cubecl::wgpu::WgpuDevice::Cpu
-}
-
-fn random() -> FloatTensor<WgpuF32> {
-    let t = Tensor::<WgpuF32, 4>::random(SHARD, Distribution::Uniform(-1.0, 1.0), &device());
-    t.into_primitive().tensor()
-}
-
-/// The pools' reserved bytes on this thread's stream, after finishing what is queued.
-fn reserved() -> u64 {
-    WgpuF32::sync(&device()).unwrap();
-    let client = cubecl::wgpu::WgpuRuntime::client(&device());
-    client.memory_usage().unwrap().bytes_reserved
-}
 
 #[test]
 fn a_zigzag_backward_reserves_only_the_shards_the_pass_holds() {
@@ -49,13 +29,12 @@ fn a_zigzag_backward_reserves_only_the_shards_the_pass_holds() {
     let options = SequenceParallelOptions::causal().with_schedule(ScheduleKind::Zigzag);
     let groups = DeviceGroup::<WgpuF32>::in_process(vec![device(); 2]);
     let reserved_by_rank = on_each_rank(groups, |_, group| {
-        let (q, k, v) = (random(), random(), random());
+        let (q, k, v) = (random(SHARD), random(SHARD), random(SHARD));
         let (out, lse) =
             WgpuF32::sequence_parallel_attention(q.clone(), k.clone(), v.clone(), &group, &options)
                 .unwrap();
-        let grad_out = random();
-        WgpuF32::sync(&device()).unwrap();
-        cubecl::wgpu::WgpuRuntime::client(&device()).memory_cleanup();
+        let grad_out = random(SHARD);
+        clean_up();
         let before = reserved();
         // The inputs are moved in, as the autodiff node moves its saved tensors.
         let grads =

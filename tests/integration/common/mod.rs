@@ -11,6 +11,7 @@ pub mod matrix;
 pub mod nccl_case;
 pub mod repeated_case;
 pub mod schedules;
+pub mod wgpu_pools;
 
 pub use distflash_test_support::{
     assert_close, burn_case, collective_case, host_values, modules, within, Rng,

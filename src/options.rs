@@ -146,7 +146,7 @@ impl FlashAttentionOptions {
 
 /// Options of
 /// [`sequence_parallel_attention`](crate::sequence_parallel::sequence_parallel_attention).
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SequenceParallelOptions {
     /// The mask over the whole sequence (causal order, a sliding window, documents at absolute
     /// positions `0..world * shard_len`, offsets 0), the score scale and determinism. Every rank
@@ -160,6 +160,32 @@ pub struct SequenceParallelOptions {
     /// Overlap communication with computation (prefetch the next step's chunk). Off only to
     /// measure what the overlap saves.
     pub overlap: bool,
+    /// Row parts in which the backward streams another rank's key/value shard: each of its
+    /// layout chunks travels, is computed with and has its `dk, dv` returned in this many equal
+    /// row parts, one exchange each, so a rank holds a part of the remote `k, v` and of their
+    /// f32 gradients instead of the whole shard (more, smaller messages and step calls). 1 (the
+    /// default) sends the whole shard at once. Must divide the rows of each layout chunk
+    /// (checked, [`SequenceParallelOptions::check_backward_parts`]); every rank passes the same
+    /// value. The forward and the query bundles of helpers are never cut.
+    #[serde(default = "one_part")]
+    pub backward_parts: usize,
+}
+
+/// The serialized default of [`SequenceParallelOptions::backward_parts`].
+fn one_part() -> usize {
+    1
+}
+
+impl Default for SequenceParallelOptions {
+    /// No mask, `Auto` schedule, overlap off, the backward's remote shard whole.
+    fn default() -> Self {
+        Self {
+            attention: FlashAttentionOptions::default(),
+            schedule: ScheduleKind::default(),
+            overlap: false,
+            backward_parts: one_part(),
+        }
+    }
 }
 
 impl SequenceParallelOptions {
@@ -170,6 +196,7 @@ impl SequenceParallelOptions {
             attention: FlashAttentionOptions::causal(),
             schedule: ScheduleKind::Auto,
             overlap: true,
+            backward_parts: one_part(),
         }
     }
 
@@ -181,6 +208,44 @@ impl SequenceParallelOptions {
     /// The same options with overlap switched on or off.
     pub fn with_overlap(self, overlap: bool) -> Self {
         Self { overlap, ..self }
+    }
+
+    /// The same options with the backward streaming another rank's key/value shard in `parts`
+    /// row parts (see [`SequenceParallelOptions::backward_parts`]).
+    pub fn with_backward_parts(self, parts: usize) -> Self {
+        Self {
+            backward_parts: parts,
+            ..self
+        }
+    }
+
+    /// Errors unless [`SequenceParallelOptions::backward_parts`] cuts each layout chunk of a
+    /// shard of `shard_len` tokens on `world` ranks into equal row parts.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] naming `backward_parts` and the values allowed (the divisors of a
+    /// chunk's rows) when it is 0 or does not divide them.
+    pub fn check_backward_parts(&self, world: usize, shard_len: usize) -> Result<(), Error> {
+        let chunks = self.layout(world, shard_len).chunks_per_rank();
+        let rows = shard_len / chunks.max(1);
+        let parts = self.backward_parts;
+        if parts > 0 && rows.is_multiple_of(parts) {
+            return Ok(());
+        }
+        let allowed: Vec<String> = (1..=rows)
+            .filter(|&d| rows.is_multiple_of(d))
+            .map(|d| d.to_string())
+            .collect();
+        Err(Error::config(
+            "backward_parts",
+            format!(
+                "a divisor of the {rows} rows of each of a shard's {chunks} layout chunk(s): one \
+                 of {}",
+                allowed.join(", ")
+            ),
+            parts,
+        ))
     }
 
     /// The schedule these options mean on `world` ranks holding shards of `shard_len` tokens

@@ -81,7 +81,7 @@ pub(crate) fn chunk_slices<B: Backend>(t: FloatTensor<B>, chunks: usize) -> Vec<
 
 /// `grad` (as f32) added into rows `rows` of the f32 accumulator `acc`: in place where the
 /// backend allows, when the caller holds `acc` alone.
-fn add_into_rows<B: Backend>(
+pub(crate) fn add_into_rows<B: Backend>(
     acc: FloatTensor<B>,
     rows: &Range<usize>,
     grad: FloatTensor<B>,

@@ -128,6 +128,7 @@ impl<B: SequenceParallelBackend> AttentionContext<B> {
                     attention,
                     schedule: *schedule,
                     overlap: *overlap,
+                    ..SequenceParallelOptions::default()
                 },
             )),
         }

@@ -10,6 +10,15 @@
 //! them in place and nothing is sliced or copied between calls. The inputs are cut on entry,
 //! one at a time (each whole shard goes as its chunks are made), and the gradients joined on
 //! exit.
+//!
+//! With [`SequenceParallelOptions::backward_parts`] above 1, another rank's key/value shard is
+//! streamed in row parts ([`KvParts`]): each step is that many stages, and at each a rank
+//! computing with a remote shard receives one part of every chunk, runs its cells restricted to
+//! the part (the mask's key offset moved to the part's rows, parts no query sees skipped), adds
+//! into fresh f32 `dk, dv` of the part's rows and returns them; the owner adds them into those
+//! rows of its accumulators. The pair's `dq` accumulates across the parts; a pair on the rank's
+//! own shards (its diagonal, a helper's) runs whole at the first part, and helpers' query
+//! bundles travel with it.
 
 use std::mem;
 
@@ -17,8 +26,9 @@ use crate::Error;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, TensorMetadata};
 
+use super::kv_parts::KvParts;
 use super::pair_steps::{backward_pair, ChunkGrads};
-use super::pipeline::{self, incoming, input_messages, outgoing, step_operands, Pass};
+use super::pipeline::{self, incoming, input_messages, outgoing, step_operands, Pass, Stage};
 use crate::collective::{DeviceGroup, Incoming, MessageKind, Outgoing, Received};
 use crate::extension::{FlashAttentionBackend, Grads};
 use crate::options::SequenceParallelOptions;
@@ -35,6 +45,8 @@ struct BackwardPass<B: FlashAttentionBackend> {
     query: Vec<FloatTensor<B>>,
     /// This rank's accumulators; a side's are empty only while a step adds into them.
     grads: ChunkGrads<B>,
+    /// The row parts in which another rank's key/value shard is streamed.
+    parts: KvParts,
     schedule: Schedule,
     options: SequenceParallelOptions,
 }
@@ -84,20 +96,38 @@ fn join<B: FlashAttentionBackend>(chunks: Vec<FloatTensor<B>>, dtype: DType) -> 
 }
 
 impl<B: FlashAttentionBackend> Pass<B> for BackwardPass<B> {
-    fn inputs(&self, plan: &RankStep) -> (Vec<Outgoing<B>>, Vec<Incoming>) {
-        input_messages(plan, &self.kv, &self.query, MessageKind::QueryBundle)
+    fn inputs(&self, stage: &Stage) -> (Vec<Outgoing<B>>, Vec<Incoming>) {
+        // The key/value shard travels part by part; a helper's query bundle with the first.
+        let kv = self.parts.slice::<B>(&self.kv, stage.part);
+        let plan = match stage.part {
+            0 => stage.plan.clone(),
+            _ => RankStep {
+                query_to: Vec::new(),
+                query_from: None,
+                ..stage.plan.clone()
+            },
+        };
+        input_messages(&plan, &kv, &self.query, MessageKind::QueryBundle)
     }
 
-    fn compute(&mut self, plan: &RankStep, inputs: Vec<Received<B>>) -> Vec<Outgoing<B>> {
-        let Some(pair) = plan.compute else {
+    fn compute(&mut self, stage: &Stage, inputs: Vec<Received<B>>) -> Vec<Outgoing<B>> {
+        let Some(pair) = stage.plan.compute else {
             return Vec::new();
         };
+        let (own_query, own_kv) = (pair.query == self.rank, pair.kv == self.rank);
+        // A pair on this rank's own key/value shard runs whole, at its step's first part.
+        if own_kv && stage.part > 0 {
+            return Vec::new();
+        }
+        assert!(
+            own_query || own_kv,
+            "every schedule has a rank compute with its own queries or its own keys"
+        );
         let (kv, query) = step_operands(&self.kv, &self.query, inputs);
         let [k, v] = by_kind::<2, _>(&kv, self.chunks);
         let query = by_kind::<4, _>(&query, self.chunks);
-        let (own_query, own_kv) = (pair.query == self.rank, pair.kv == self.rank);
         // This rank's own accumulators where a side is its own (moved, not cloned: the steps
-        // add into them in place), fresh ones for the other side.
+        // add into them in place), fresh ones (of the received part's rows) for the other side.
         let acc = ChunkGrads {
             dq: match own_query {
                 true => mem::take(&mut self.grads.dq),
@@ -113,6 +143,10 @@ impl<B: FlashAttentionBackend> Pass<B> for BackwardPass<B> {
             },
         };
         let cells = self.schedule.cells(pair);
+        let cells = match own_kv {
+            true => cells,
+            false => (self.parts).cells(&cells, stage.part, query[0][0].shape()[0]),
+        };
         let grads = backward_pair::<B>(query, [k, v], acc, &cells, &self.options);
         let mut results = Vec::new();
         if own_query {
@@ -130,26 +164,32 @@ impl<B: FlashAttentionBackend> Pass<B> for BackwardPass<B> {
         results
     }
 
-    fn result_receives(&self, plan: &RankStep) -> Vec<Incoming> {
+    fn result_receives(&self, stage: &Stage) -> Vec<Incoming> {
         let ChunkGrads { dq, dk, dv } = &self.grads;
-        (plan.query_to.iter())
+        let query_to = match stage.part {
+            0 => &stage.plan.query_to[..],
+            _ => &[],
+        };
+        (query_to.iter())
             .map(|&p| incoming::<B>(p, MessageKind::QueryGrad, dq))
-            .chain(
-                (plan.kv_to.iter())
-                    .map(|&p| incoming::<B>(p, MessageKind::KeyValueGrad, dk.iter().chain(dv))),
-            )
+            .chain((stage.plan.kv_to.iter()).map(|&peer| Incoming {
+                peer,
+                kind: MessageKind::KeyValueGrad,
+                layouts: self.parts.layouts::<B>(dk.iter().chain(dv)),
+            }))
             .collect()
     }
 
-    fn absorb(&mut self, results: Vec<Received<B>>) {
+    fn absorb(&mut self, stage: &Stage, results: Vec<Received<B>>) {
         for message in results {
             let mut received = message.tensors.into_iter();
             let n = self.chunks;
             if message.kind == MessageKind::QueryGrad {
                 add_chunks::<B>(&mut self.grads.dq, received.by_ref().take(n));
             } else {
-                add_chunks::<B>(&mut self.grads.dk, received.by_ref().take(n));
-                add_chunks::<B>(&mut self.grads.dv, received.by_ref().take(n));
+                let part = stage.part;
+                (self.parts).add_into::<B>(&mut self.grads.dk, part, received.by_ref().take(n));
+                (self.parts).add_into::<B>(&mut self.grads.dv, part, received.by_ref().take(n));
             }
         }
     }
@@ -193,10 +233,15 @@ pub(crate) fn run<B: FlashAttentionBackend>(
         kv,
         query,
         grads,
+        parts: KvParts {
+            count: options.backward_parts,
+            chunk_len: shard_len / chunks,
+        },
         schedule: schedule.clone(),
         options: options.clone(),
     };
-    pipeline::run(group, schedule, &mut pass, options.overlap)?;
+    let stages = pipeline::stages(schedule, group.rank(), options.backward_parts);
+    pipeline::run(group, &stages, &mut pass, options.overlap)?;
     // The inputs go before the gradients are joined.
     let BackwardPass {
         kv, query, grads, ..

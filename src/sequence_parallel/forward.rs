@@ -6,11 +6,11 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, TensorMetadata};
 
 use super::pair_steps::{forward_pair, Chunks};
-use super::pipeline::{self, input_messages, outgoing, step_operands, Pass};
+use super::pipeline::{self, input_messages, outgoing, step_operands, Pass, Stage};
 use crate::collective::{DeviceGroup, Incoming, MessageKind, Outgoing, Received, TensorLayout};
 use crate::extension::FlashAttentionBackend;
 use crate::options::SequenceParallelOptions;
-use crate::schedule::{RankStep, Schedule};
+use crate::schedule::Schedule;
 use crate::step::AttentionState;
 
 /// One rank's forward: its own chunks and its running state.
@@ -41,13 +41,18 @@ impl<B: FlashAttentionBackend> ForwardPass<B> {
 }
 
 impl<B: FlashAttentionBackend> Pass<B> for ForwardPass<B> {
-    fn inputs(&self, plan: &RankStep) -> (Vec<Outgoing<B>>, Vec<Incoming>) {
+    fn inputs(&self, stage: &Stage) -> (Vec<Outgoing<B>>, Vec<Incoming>) {
         let kv = [self.k.clone(), self.v.clone()];
-        input_messages(plan, &kv, std::slice::from_ref(&self.q), MessageKind::Query)
+        input_messages(
+            &stage.plan,
+            &kv,
+            std::slice::from_ref(&self.q),
+            MessageKind::Query,
+        )
     }
 
-    fn compute(&mut self, plan: &RankStep, inputs: Vec<Received<B>>) -> Vec<Outgoing<B>> {
-        let Some(pair) = plan.compute else {
+    fn compute(&mut self, stage: &Stage, inputs: Vec<Received<B>>) -> Vec<Outgoing<B>> {
+        let Some(pair) = stage.plan.compute else {
             return Vec::new();
         };
         let own_kv = [self.k.clone(), self.v.clone()];
@@ -67,8 +72,8 @@ impl<B: FlashAttentionBackend> Pass<B> for ForwardPass<B> {
         vec![outgoing(pair.query, MessageKind::PartialState, &tensors)]
     }
 
-    fn result_receives(&self, plan: &RankStep) -> Vec<Incoming> {
-        plan.query_to
+    fn result_receives(&self, stage: &Stage) -> Vec<Incoming> {
+        (stage.plan.query_to)
             .iter()
             .map(|&peer| Incoming {
                 peer,
@@ -78,7 +83,7 @@ impl<B: FlashAttentionBackend> Pass<B> for ForwardPass<B> {
             .collect()
     }
 
-    fn absorb(&mut self, results: Vec<Received<B>>) {
+    fn absorb(&mut self, _stage: &Stage, results: Vec<Received<B>>) {
         for message in results {
             let mut t = message.tensors.into_iter();
             let partial = AttentionState {
@@ -119,7 +124,9 @@ pub(crate) fn run<B: FlashAttentionBackend>(
         chunks,
         options: options.clone(),
     };
-    pipeline::run(group, schedule, &mut pass, options.overlap)?;
+    // The forward never cuts the key/value shards: one stage per step.
+    let stages = pipeline::stages(schedule, group.rank(), 1);
+    pipeline::run(group, &stages, &mut pass, options.overlap)?;
     // Every schedule folds each rank's diagonal, so the state exists; a world that folded
     // nothing would finalise the empty state (zero output, lse -inf).
     let state = pass.state.unwrap_or_else(|| {

@@ -12,6 +12,7 @@
 
 mod backward;
 mod forward;
+mod kv_parts;
 mod pair_steps;
 mod pipeline;
 mod sharding;
@@ -61,7 +62,7 @@ fn documents_fingerprint(documents: Option<&Documents>) -> u64 {
 }
 
 /// How many values each rank contributes to the agreement check of [`validate`].
-const AGREED_VALUES: usize = 15;
+const AGREED_VALUES: usize = 16;
 
 /// What a rank that refused its own input contributes instead (no real first value, a batch
 /// size, comes near it).
@@ -117,6 +118,7 @@ fn local_values<B: FlashAttentionBackend>(
     let schedule = options.resolved_schedule(world, qd[2]);
     (schedule.layout()).check_shard_len(world, qd[2])?;
     mask.check_sequence(world * qd[2])?;
+    options.check_backward_parts(world, qd[2])?;
     let schedule = schedule as u64;
     let scale = (options.attention.scale).map_or(u64::MAX, |s| u64::from(s.to_bits()));
     let [before, after] = window_code(mask.window);
@@ -136,6 +138,7 @@ fn local_values<B: FlashAttentionBackend>(
         after,
         documents_fingerprint(mask.documents.as_ref()),
         options.attention.deterministic as u64,
+        options.backward_parts as u64,
     ])
 }
 
@@ -174,7 +177,7 @@ fn validate<B: FlashAttentionBackend>(
         format!(
             "q [{}, {}, {}, {}], k/v [{}, {}, {}, {}], dtype code {}, causal {}, scale bits {:#x}, \
              schedule {}, overlap {}, window {window}, documents fingerprint {:#x}, \
-             deterministic {}",
+             deterministic {}, backward parts {}",
             m[0],
             m[1],
             m[3],
@@ -189,7 +192,8 @@ fn validate<B: FlashAttentionBackend>(
             m[9],
             m[10],
             m[13],
-            m[14]
+            m[14],
+            m[15]
         )
     };
     if let Some((other, theirs)) = all.iter().enumerate().find(|(_, m)| m[..] != mine[..]) {
@@ -238,7 +242,8 @@ fn validate<B: FlashAttentionBackend>(
 ///   another rank refused its own input; [`Error::RanksDisagree`] when the ranks disagree on
 ///   shapes, float type or options.
 /// - [`Error::Layout`] when `shard_len` does not fit the schedule's layout (zigzag:
-///   an odd length).
+///   an odd length); [`Error::Config`] when `options.backward_parts` is 0 or does not divide
+///   the rows of a layout chunk.
 /// - [`Error::Kernel`] with [`KernelError::BadMask`](crate::kernels::KernelError::BadMask)
 ///   when the documents do not cover exactly the `P * shard_len` positions of the sequence;
 ///   [`Error::RanksDisagree`] when ranks pass different windows or documents.

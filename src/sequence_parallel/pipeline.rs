@@ -1,5 +1,7 @@
-//! The step loop shared by the distributed forward and backward: inputs of the next step travel
-//! while the current step computes, results travel back while the next step computes.
+//! The step loop shared by the distributed forward and backward: inputs of the next stage travel
+//! while the current stage computes, results travel back while the next stage computes. A stage
+//! is a schedule step, or one row part of it where the backward streams another rank's key/value
+//! shard in parts (see [`super::kv_parts`]).
 
 use crate::Error;
 use burn::tensor::backend::Backend;
@@ -10,64 +12,84 @@ use crate::collective::{
 };
 use crate::schedule::{RankStep, Schedule};
 
-/// What a pass does at each step; the [`run`] loop moves the messages.
-pub(crate) trait Pass<B: Backend> {
-    /// Messages with this rank's own chunks for the ranks that compute with them at `plan`'s
-    /// step, and the chunks this rank receives for its own computation.
-    fn inputs(&self, plan: &RankStep) -> (Vec<Outgoing<B>>, Vec<Incoming>);
-    /// Computes the step from the received inputs (launching work, not waiting for it) and
-    /// returns the results that belong to other ranks.
-    fn compute(&mut self, plan: &RankStep, inputs: Vec<Received<B>>) -> Vec<Outgoing<B>>;
-    /// The results other ranks return to this one after `plan`'s step.
-    fn result_receives(&self, plan: &RankStep) -> Vec<Incoming>;
-    /// Folds received results into this rank's own.
-    fn absorb(&mut self, results: Vec<Received<B>>);
+/// One round of exchanges and computation: this rank's part of a schedule step, and which of
+/// the step's `parts` row parts of the key/value shards it moves (always 0 of 1 in the forward).
+#[derive(Debug, Clone)]
+pub(crate) struct Stage {
+    /// This rank's messages and pair at the step.
+    pub plan: RankStep,
+    /// The row part of the key/value shards this stage moves.
+    pub part: usize,
 }
 
-/// Runs `pass` over every step of `schedule` on `group`'s rank. With `overlap`, step `t + 1`'s
-/// inputs are posted before step `t` computes and step `t`'s results are collected after step
-/// `t + 1` computes; without it every exchange completes before the next computation starts
-/// (the baseline for measuring communication overhead). Every rank posts the same sequence of
-/// exchanges, empty ones included.
+/// Every stage of `schedule` for `rank`, in order: each step as `parts` stages, one per row
+/// part (every rank runs the same number, so their exchanges stay matched).
+pub(crate) fn stages(schedule: &Schedule, rank: usize, parts: usize) -> Vec<Stage> {
+    (0..schedule.num_steps())
+        .flat_map(|step| {
+            let plan = schedule.rank_step(rank, step);
+            (0..parts).map(move |part| Stage {
+                plan: plan.clone(),
+                part,
+            })
+        })
+        .collect()
+}
+
+/// What a pass does at each stage; the [`run`] loop moves the messages.
+pub(crate) trait Pass<B: Backend> {
+    /// Messages with this rank's own chunks for the ranks that compute with them at `stage`,
+    /// and the chunks this rank receives for its own computation.
+    fn inputs(&self, stage: &Stage) -> (Vec<Outgoing<B>>, Vec<Incoming>);
+    /// Computes the stage from the received inputs (launching work, not waiting for it) and
+    /// returns the results that belong to other ranks.
+    fn compute(&mut self, stage: &Stage, inputs: Vec<Received<B>>) -> Vec<Outgoing<B>>;
+    /// The results other ranks return to this one after `stage`.
+    fn result_receives(&self, stage: &Stage) -> Vec<Incoming>;
+    /// Folds the results received after `stage` into this rank's own.
+    fn absorb(&mut self, stage: &Stage, results: Vec<Received<B>>);
+}
+
+/// Runs `pass` over `stages` (see [`stages`]) on `group`'s rank. With `overlap`, stage
+/// `t + 1`'s inputs are posted before stage `t` computes and stage `t`'s results are collected
+/// after stage `t + 1` computes; without it every exchange completes before the next
+/// computation starts (the baseline for measuring communication overhead). Every rank posts the
+/// same sequence of exchanges, empty ones included.
 pub(crate) fn run<B: Backend, P: Pass<B>>(
     group: &DeviceGroup<B>,
-    schedule: &Schedule,
+    stages: &[Stage],
     pass: &mut P,
     overlap: bool,
 ) -> Result<(), Error> {
-    let rank = group.rank();
-    let plans: Vec<RankStep> = (0..schedule.num_steps())
-        .map(|step| schedule.rank_step(rank, step))
-        .collect();
-    let post_inputs = |pass: &P, plan: &RankStep| {
-        let (sends, receives) = pass.inputs(plan);
+    let post_inputs = |pass: &P, stage: &Stage| {
+        let (sends, receives) = pass.inputs(stage);
         group.exchange(sends, receives)
     };
-    let mut next_inputs = Some(post_inputs(pass, &plans[0])?);
-    let mut pending_results: Option<Box<dyn Exchange<B> + '_>> = None;
-    for (step, plan) in plans.iter().enumerate() {
+    let mut next_inputs = Some(post_inputs(pass, &stages[0])?);
+    let mut pending_results: Option<(Box<dyn Exchange<B> + '_>, &Stage)> = None;
+    for (index, stage) in stages.iter().enumerate() {
         let inputs = next_inputs.take().expect("inputs posted").wait()?;
-        let following = plans.get(step + 1);
+        let following = stages.get(index + 1);
         if overlap {
-            next_inputs = following.map(|p| post_inputs(pass, p)).transpose()?;
+            next_inputs = following.map(|s| post_inputs(pass, s)).transpose()?;
         }
-        let results = pass.compute(plan, inputs);
-        if let Some(previous) = pending_results.take() {
+        let results = pass.compute(stage, inputs);
+        if let Some((previous, previous_stage)) = pending_results.take() {
             let received = previous.wait()?;
-            pass.absorb(received);
+            pass.absorb(previous_stage, received);
         }
-        let exchange = group.exchange(results, pass.result_receives(plan))?;
+        let exchange = group.exchange(results, pass.result_receives(stage))?;
         if overlap {
-            pending_results = Some(exchange);
+            pending_results = Some((exchange, stage));
         } else {
             let received = exchange.wait()?;
-            pass.absorb(received);
-            next_inputs = following.map(|p| post_inputs(pass, p)).transpose()?;
+            pass.absorb(stage, received);
+            next_inputs = following.map(|s| post_inputs(pass, s)).transpose()?;
         }
     }
-    if let Some(last) = pending_results {
+    if let Some((last, last_stage)) = pending_results {
         let received = last.wait()?;
-        pass.absorb(received);
+        pass.absorb(last_stage, received);
     }
     Ok(())
 }

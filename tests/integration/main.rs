@@ -29,6 +29,7 @@ mod distributed_masks;
 mod distributed_nccl;
 #[cfg(feature = "nccl")]
 mod distributed_nccl_bf16;
+mod distributed_parts;
 mod distributed_repeated;
 mod feed_forward_chunks;
 mod layer_ops;
@@ -40,6 +41,7 @@ mod nccl_faults;
 #[cfg(feature = "nccl")]
 mod nccl_transport;
 mod readme_snippets;
+mod remote_parts_memory;
 mod replicate;
 mod schedule;
 mod schedule_masks;

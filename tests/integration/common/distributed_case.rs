@@ -35,6 +35,8 @@ pub struct Case {
     pub documents: Option<&'static [&'static [usize]]>,
     pub schedule: ScheduleKind,
     pub overlap: bool,
+    /// Row parts in which the backward streams another rank's key/value shard.
+    pub backward_parts: usize,
 }
 
 impl Case {
@@ -52,6 +54,15 @@ impl Case {
             documents: None,
             schedule,
             overlap: true,
+            backward_parts: 1,
+        }
+    }
+
+    /// The same case with the backward streaming remote key/value shards in `parts` row parts.
+    pub fn in_parts(self, parts: usize) -> Self {
+        Self {
+            backward_parts: parts,
+            ..self
         }
     }
 
@@ -72,6 +83,7 @@ impl Case {
             }),
             schedule: self.schedule,
             overlap: self.overlap,
+            backward_parts: self.backward_parts,
         }
     }
 
@@ -151,32 +163,38 @@ pub struct RankResult {
     pub backward_messages: Vec<usize>,
 }
 
-/// Messages one rank sends per exchange, in posting order, as the schedule predicts:
-/// inputs of each step (kv and query chunks) and results after it.
+/// Messages one rank sends per exchange, in posting order, as the schedule predicts: inputs of
+/// each stage (kv and query chunks) and results after it. The forward has one stage per step;
+/// the backward `parts` per step, the key/value chunks and their gradients travelling in each,
+/// query bundles and their gradients only in a step's first.
 pub fn expected_messages(
     schedule: &Schedule,
     rank: usize,
     overlap: bool,
     backward: bool,
+    parts: usize,
 ) -> Vec<usize> {
-    let steps = schedule.num_steps();
-    let plan = |s: usize| schedule.rank_step(rank, s);
-    let inputs = |s: usize| plan(s).kv_to.len() + plan(s).query_to.len();
-    let results = |s: usize| {
-        let p = plan(s);
-        p.query_result_to().is_some() as usize + (backward && p.kv_result_to().is_some()) as usize
+    let parts = if backward { parts } else { 1 };
+    let stages = schedule.num_steps() * parts;
+    let plan = |t: usize| schedule.rank_step(rank, t / parts);
+    let first = |t: usize| t.is_multiple_of(parts) as usize;
+    let inputs = |t: usize| plan(t).kv_to.len() + first(t) * plan(t).query_to.len();
+    let results = |t: usize| {
+        let p = plan(t);
+        first(t) * p.query_result_to().is_some() as usize
+            + (backward && p.kv_result_to().is_some()) as usize
     };
     let mut log = vec![inputs(0)];
-    for s in 0..steps {
+    for t in 0..stages {
         if overlap {
-            if s + 1 < steps {
-                log.push(inputs(s + 1));
+            if t + 1 < stages {
+                log.push(inputs(t + 1));
             }
-            log.push(results(s));
+            log.push(results(t));
         } else {
-            log.push(results(s));
-            if s + 1 < steps {
-                log.push(inputs(s + 1));
+            log.push(results(t));
+            if t + 1 < stages {
+                log.push(inputs(t + 1));
             }
         }
     }
@@ -426,12 +444,12 @@ pub fn assert_messages(case: &Case, results: &[RankResult]) {
     for (rank, r) in results.iter().enumerate() {
         assert_eq!(
             r.forward_messages,
-            expected_messages(&schedule, rank, case.overlap, false),
+            expected_messages(&schedule, rank, case.overlap, false, case.backward_parts),
             "{case:?}: rank {rank} forward messages per exchange"
         );
         assert_eq!(
             r.backward_messages,
-            expected_messages(&schedule, rank, case.overlap, true),
+            expected_messages(&schedule, rank, case.overlap, true, case.backward_parts),
             "{case:?}: rank {rank} backward messages per exchange"
         );
     }

@@ -91,7 +91,7 @@ pub fn check_repeated<B>(
                     let Outcome::Forward { out, messages } = outcome else {
                         unreachable!("every rank makes the same calls")
                     };
-                    let predicted = expected_messages(&schedule, rank, case.overlap, false);
+                    let predicted = expected_messages(&schedule, rank, case.overlap, false, 1);
                     assert_eq!(messages, predicted, "{what}: rank {rank} messages");
                     outs.push(out);
                 }

@@ -321,6 +321,9 @@ impl MemoryPlanner {
             world: self.world as u64,
             helpers: kind == ScheduleKind::Balanced && self.world > 2,
             overlap: self.overlap,
+            // The trainer's attention context streams the remote shard whole (it does not
+            // expose `SequenceParallelOptions::backward_parts` yet).
+            parts: 1,
         }
     }
 

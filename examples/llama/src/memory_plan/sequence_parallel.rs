@@ -20,6 +20,11 @@
 //! step call is one query chunk against one key/value chunk, on whole tensors, so no rows are
 //! copied.
 //!
+//! With the remote shard streamed in row parts (`SequenceParallelOptions::backward_parts`),
+//! the received `k, v` and the remote `dk, dv` are one part of the shard each, and so are the
+//! next part arriving and the previous part's gradients on their way back, which overlap keeps
+//! in flight from two ranks on (the next part is of the same shard).
+//!
 //! A helper of the balanced schedule instead receives another rank's query bundle (`q, dO` and
 //! the f32 lse and delta) and makes its `dq` in f32, while the step adds its own rows' `dk, dv`
 //! into the rank's accumulators; the larger of the two moments counts.
@@ -38,6 +43,8 @@ pub(crate) struct SequenceSplit {
     pub helpers: bool,
     /// Whether a step's inputs travel while the previous step computes.
     pub overlap: bool,
+    /// Row parts in which the backward streams another rank's key/value shard (1: whole).
+    pub parts: u64,
 }
 
 impl Widths {
@@ -48,13 +55,14 @@ impl Widths {
             return 0;
         }
         let (q, kv, e, h) = (self.query, self.key, self.elem, self.heads);
-        let received_kv = 2 * kv * e;
-        let remote_kv_grads = 2 * kv * F32;
-        let in_flight = match split.overlap && split.world > 2 {
-            true => 2 * kv * e + 2 * kv * F32,
+        let parts = split.parts.max(1);
+        // The received k, v and their f32 dk, dv: one part of the shard.
+        let part = (2 * kv * e + 2 * kv * F32).div_ceil(parts);
+        let in_flight = match split.overlap && (split.world > 2 || parts > 1) {
+            true => part,
             false => 0,
         };
-        let remote_pair = received_kv + remote_kv_grads + in_flight;
+        let remote_pair = part + in_flight;
         let helper_pair = match split.helpers {
             true => (2 * q * e + 2 * F32 * h) + F32 * q,
             false => 0,
@@ -86,6 +94,7 @@ mod tests {
             world,
             helpers,
             overlap,
+            parts: 1,
         }
     }
 
@@ -137,5 +146,31 @@ mod tests {
         };
         // k, v 256; dk, dv 512: 768, against the helper's 288.
         assert_eq!(wide.sequence_parallel_backward(balanced), 768);
+    }
+
+    #[test]
+    fn parts_divide_the_remote_pair_and_keep_a_part_in_flight() {
+        let in_parts = |parts, overlap| SequenceSplit {
+            parts,
+            ..split(2, false, overlap)
+        };
+        // Whole on two ranks: k, v 64 and dk, dv 128, nothing in flight (see above).
+        assert_eq!(widths().sequence_parallel_backward(in_parts(1, true)), 192);
+        // In 4 parts: 48 held, and with overlap the next part's k, v and the previous part's
+        // dk, dv (48 more), even on two ranks.
+        assert_eq!(widths().sequence_parallel_backward(in_parts(4, false)), 48);
+        assert_eq!(widths().sequence_parallel_backward(in_parts(4, true)), 96);
+        // A ring of four with overlap: (192 + 192) / 4.
+        let ring = SequenceSplit {
+            parts: 4,
+            ..split(4, false, true)
+        };
+        assert_eq!(widths().sequence_parallel_backward(ring), 96);
+        // A helper's moment is not cut: it becomes the larger one.
+        let balanced = SequenceSplit {
+            parts: 4,
+            ..split(4, true, false)
+        };
+        assert_eq!(widths().sequence_parallel_backward(balanced), 288);
     }
 }

@@ -41,7 +41,6 @@ mod nccl_faults;
 #[cfg(feature = "nccl")]
 mod nccl_transport;
 mod readme_snippets;
-mod remote_parts_memory;
 mod replicate;
 mod schedule;
 mod schedule_masks;

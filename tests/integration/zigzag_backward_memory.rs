@@ -10,6 +10,14 @@
 //! buffer within 20% of the page takes one, slices of at most 16 MiB share one), and a freed
 //! page serves either size; so the bytes a rank's backward makes the pools reserve, from pools
 //! cleaned up before it, are whole shards, and bound what it holds at its busiest from below.
+//!
+//! Streaming the other rank's key/value shard in row parts: the same backward, once with the
+//! remote shard whole and once in 4 row parts ([`SequenceParallelOptions::backward_parts`]), each from pools cleaned up
+//! before it. Whole, the rank holds beside its f32 accumulators (3 shards) the other rank's
+//! `k, v` and their f32 `dk, dv` (2 and 2 shards, less O's page, freed once delta is made): 6
+//! shards of pages measured. In 4 parts it holds a quarter of each, and the next part and the
+//! previous part's gradients in flight, slices of at most 4 MiB that share one page: 4 shards
+//! measured, 2 less, which the test asks for.
 
 use burn_distflash::collective::on_each_rank;
 use burn_distflash::schedule::ScheduleKind;
@@ -19,16 +27,18 @@ use distflash_test_support::exclusive_wgpu;
 
 use crate::common::wgpu_pools::{clean_up, device, random, reserved, WgpuF32};
 
-/// 2048 heads of 64 rows of 64 (chunks of 32 rows): 32 MiB of f32 a shard, 16 MiB a chunk.
+/// 2048 heads of 64 rows of 64 (chunks of 32 rows, parts of 8): 32 MiB of f32 a shard, 16 MiB a
+/// chunk.
 const SHARD: [usize; 4] = [32, 64, 64, 64];
 const SHARD_BYTES: u64 = 32 * 64 * 64 * 64 * 4;
 
-#[test]
-fn a_zigzag_backward_reserves_only_the_shards_the_pass_holds() {
-    let _wgpu = exclusive_wgpu();
-    let options = SequenceParallelOptions::causal().with_schedule(ScheduleKind::Zigzag);
+/// The bytes each rank's backward makes its pools reserve with the remote shard in `parts`.
+fn backward_reserved(parts: usize) -> Vec<u64> {
+    let options = (SequenceParallelOptions::causal())
+        .with_schedule(ScheduleKind::Zigzag)
+        .with_backward_parts(parts);
     let groups = DeviceGroup::<WgpuF32>::in_process(vec![device(); 2]);
-    let reserved_by_rank = on_each_rank(groups, |_, group| {
+    on_each_rank(groups, move |_, group| {
         let (q, k, v) = (random(SHARD), random(SHARD), random(SHARD));
         let (out, lse) =
             WgpuF32::sequence_parallel_attention(q.clone(), k.clone(), v.clone(), &group, &options)
@@ -42,8 +52,15 @@ fn a_zigzag_backward_reserves_only_the_shards_the_pass_holds() {
                 .unwrap();
         let after = reserved();
         drop(grads);
+        clean_up();
         after - before
-    });
+    })
+}
+
+#[test]
+fn a_zigzag_backward_reserves_only_the_shards_the_pass_holds() {
+    let _wgpu = exclusive_wgpu();
+    let reserved_by_rank = backward_reserved(1);
     println!("reserved by each rank's backward: {reserved_by_rank:?} B ({SHARD_BYTES} B a shard)");
     // What the pass holds at its busiest: the rank's f32 accumulators (3 shards), the other
     // rank's k and v (2) and the f32 gradients of one side of the other rank's shard (dk and dv:
@@ -55,6 +72,21 @@ fn a_zigzag_backward_reserves_only_the_shards_the_pass_holds() {
         assert!(
             reserved < 7 * SHARD_BYTES,
             "rank {rank}'s backward reserved {reserved} B, 7 shards of {SHARD_BYTES} B or more"
+        );
+    }
+}
+
+#[test]
+fn streaming_the_remote_shard_in_parts_reserves_less() {
+    let _wgpu = exclusive_wgpu();
+    let whole = backward_reserved(1);
+    let parts = backward_reserved(4);
+    println!("reserved by each rank's backward: whole {whole:?} B, in 4 parts {parts:?} B ({SHARD_BYTES} B a shard)");
+    for (rank, (whole, parts)) in whole.into_iter().zip(parts).enumerate() {
+        assert!(
+            parts + 2 * SHARD_BYTES <= whole,
+            "rank {rank}: in 4 parts {parts} B, whole {whole} B: not 2 shards of {SHARD_BYTES} B \
+             less"
         );
     }
 }

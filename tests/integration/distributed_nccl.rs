@@ -1,4 +1,5 @@
-//! Sequence-parallel attention over NCCL on 2 and 4 GPUs, and many calls (forward-only and
+//! Sequence-parallel attention over NCCL on 2 and 4 GPUs (the backward's remote shard whole and
+//! in row parts), and many calls (forward-only and
 //! training mixed) on every world size from 2 to the number of GPUs, at most 8 (run with
 //! `--ignored` on a machine with several CUDA GPUs; a world size the machine has no GPUs for is
 //! skipped with a message, and a machine without two GPUs fails the test).
@@ -37,6 +38,16 @@ fn nccl_groups_match_single_device_attention() {
                     window: Some(SlidingWindow::causal(9).unwrap()),
                     documents: Some(&[&[1, 40, 23]]),
                     ..Case::new(world, 64, ScheduleKind::Auto)
+                },
+                // The backward streaming the remote key/value shard in row parts.
+                Case::new(world, 64, ScheduleKind::Zigzag).in_parts(4),
+                Case {
+                    documents: Some(&[&[1, 40, 23]]),
+                    ..Case::new(world, 96, ScheduleKind::Ring).in_parts(2)
+                },
+                Case {
+                    overlap: false,
+                    ..Case::new(world, 64, ScheduleKind::Balanced).in_parts(2)
                 },
             ]
         });

@@ -2,6 +2,8 @@
 //! grouped key/value heads (GQA/MQA), rotary embeddings at absolute positions, on one device or on
 //! a rank of a sequence-parallel group.
 
+use std::ops::Range;
+
 use crate::Error;
 use burn::config::Config;
 use burn::module::Module;
@@ -10,8 +12,9 @@ use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
 use super::counter::ForwardCounter;
+use super::head_groups::HeadGroup;
 use super::input::AttentionInput;
-use super::linear_layer::linear;
+use super::linear_layer::{linear, project};
 use super::rope::{RopeConfig, RotaryTables};
 use crate::extension::AttentionContext;
 use crate::extension::FlashAttentionBackend;
@@ -374,26 +377,66 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
         context: &AttentionContext<B>,
         documents: Option<&Documents>,
     ) -> Projected<B> {
+        let rope = self.rotary(&x, context, documents);
+        let all = HeadGroup {
+            query: 0..self.n_heads,
+            key_value: 0..self.n_kv_heads,
+        };
+        self.project_heads(x, &rope, &all)
+    }
+
+    /// The rotary tables of an input `x` `[batch, seq, d_model]`: the positions of the layout
+    /// attention with `documents` runs in.
+    pub(crate) fn rotary(
+        &self,
+        x: &Tensor<B, 3>,
+        context: &AttentionContext<B>,
+        documents: Option<&Documents>,
+    ) -> RotaryTables<B> {
         let [_, seq, _] = x.dims();
         let options = self.options_with(documents);
         // A length the layout cannot split is refused by `check_input` before this runs.
         let positions = (context.positions(seq, options)).unwrap_or_default();
-        let rope = RotaryTables::at_positions(
+        RotaryTables::at_positions(
             &self.rope,
             self.head_dim,
             &positions,
             x.dtype(),
             &x.device(),
-        );
-        let q = split_heads(linear(&self.query, x.clone()), self.n_heads);
-        let k = split_heads(linear(&self.key, x.clone()), self.n_kv_heads);
-        let v = split_heads(linear(&self.value, x), self.n_kv_heads);
+        )
+    }
+
+    /// The rotated queries and keys and the values of `group`'s heads: `x` times column slices
+    /// of the projection weights (all of each weight for a group of every head).
+    pub(crate) fn project_heads(
+        &self,
+        x: Tensor<B, 3>,
+        rope: &RotaryTables<B>,
+        group: &HeadGroup,
+    ) -> Projected<B> {
+        let heads = |layer: &Linear<B>, heads: &Range<usize>| {
+            split_heads(
+                project(x.clone(), self.head_columns(layer, heads)),
+                heads.len(),
+            )
+        };
+        let q = heads(&self.query, &group.query);
+        let k = heads(&self.key, &group.key_value);
+        let v = heads(&self.value, &group.key_value);
         Projected {
             q: rope.apply(q),
             k: rope.apply(k),
             v,
-            rope,
+            rope: rope.clone(),
         }
+    }
+
+    /// The columns of a query, key or value projection's weight `[d_model, heads * head_dim]`
+    /// that project `heads` (a view).
+    pub(crate) fn head_columns(&self, layer: &Linear<B>, heads: &Range<usize>) -> Tensor<B, 2> {
+        let weight = layer.weight.val();
+        let [d_in, _] = weight.dims();
+        weight.slice([0..d_in, HeadGroup::columns(heads, self.head_dim)])
     }
 
     /// `(O, lse)` of the projected heads, within `documents` when given; counts one forward
@@ -405,6 +448,17 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
         documents: Option<&Documents>,
     ) -> Result<(Tensor<B, 4>, Tensor<B, 3>), Error> {
         self.counter.record();
+        self.attend_heads(p, context, documents)
+    }
+
+    /// `(O, lse)` of the projected heads (all, or a group of them), within `documents` when
+    /// given, without counting a forward computation.
+    pub(crate) fn attend_heads(
+        &self,
+        p: &Projected<B>,
+        context: &AttentionContext<B>,
+        documents: Option<&Documents>,
+    ) -> Result<(Tensor<B, 4>, Tensor<B, 3>), Error> {
         let (q, k, v) = (p.q.clone(), p.k.clone(), p.v.clone());
         let options = self.options_with(documents);
         match context.sequence_parallel_options(options.clone()) {

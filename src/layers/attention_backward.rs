@@ -1,10 +1,13 @@
-//! The backward of [`DistFlashAttention`] from its input, the rotated projections and the saved
-//! attention output and lse: what a checkpointed layer runs instead of Burn's autodiff graph.
+//! The backward of [`DistFlashAttention`] from its input, the rotary tables and the saved
+//! attention output and lse, over groups of heads ([`super::head_groups`]): what a checkpointed
+//! layer runs instead of Burn's autodiff graph.
 
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{DType, Tensor, TensorPrimitive};
 
 use super::attention::{merge_heads, split_heads, DistFlashAttention, Projected};
-use super::linear_grad::linear_backward;
+use super::head_groups::{joined, HeadGroup};
+use super::linear_grad::{linear_backward, linear_weight_grad, weight_input_grad};
+use super::rope::RotaryTables;
 use crate::extension::AttentionContext;
 use crate::extension::FlashAttentionBackend;
 use crate::options::Documents;
@@ -17,36 +20,103 @@ pub(crate) struct AttentionGrads<B: FlashAttentionBackend> {
     pub output: Tensor<B, 2>,
 }
 
-/// What the backward needs from the forward: the input, the projections and `(O, lse)`.
+/// What the backward needs from the forward: the normed input, the rotary tables, the
+/// projections when one group of heads computed them (several groups project again, one group
+/// at a time), and `(O, lse)`.
 pub(crate) struct AttentionActivations<B: FlashAttentionBackend> {
+    /// The attention input (the normed residual stream) `[batch, seq, d_model]`.
     pub input: Tensor<B, 3>,
-    pub projected: Projected<B>,
-    pub out: Tensor<B, 4>,
+    /// The rotary tables of the input's positions.
+    pub rope: RotaryTables<B>,
+    /// Every head's projections, kept by a forward over one group of heads.
+    pub projected: Option<Projected<B>>,
+    /// Attention's output, heads merged: `[batch, seq, n_heads * head_dim]`.
+    pub out: Tensor<B, 3>,
+    /// Attention's lse `[batch, n_heads, seq]`.
     pub lse: Tensor<B, 3>,
 }
 
 impl<B: FlashAttentionBackend> DistFlashAttention<B> {
     /// `(dx, weight gradients)` for the gradient `grad` of the module's output. Runs the
     /// attention backward (distributed in a sharded context) from the saved O and lse, with the
-    /// forward's mask (the same `documents`).
+    /// forward's mask (the same `documents`), one group of heads at a time (`groups`, in head
+    /// order, covering every head); `dx` is summed over the groups in f32.
     pub(crate) fn backward(
         &self,
-        acts: AttentionActivations<B>,
+        mut acts: AttentionActivations<B>,
         grad: Tensor<B, 3>,
         context: &AttentionContext<B>,
         documents: Option<&Documents>,
+        groups: &[HeadGroup],
     ) -> (Tensor<B, 3>, AttentionGrads<B>) {
-        let merged = merge_heads(acts.out.clone());
-        let from_output = linear_backward(&self.output, merged, grad);
-        let grad_out = split_heads(from_output.input, self.n_heads);
-        let p = acts.projected;
+        let from_output = linear_backward(&self.output, acts.out.clone(), grad);
+        let grad_out = from_output.input;
+        let dtype = grad_out.dtype();
+        let mut projected = acts.projected.take();
+        let (mut dx, mut weights) = (None::<Tensor<B, 3>>, [(); 3].map(|_| Vec::new()));
+        for group in groups {
+            let p = (projected.take())
+                .unwrap_or_else(|| self.project_heads(acts.input.clone(), &acts.rope, group));
+            let grads = self.heads_backward(p, &acts, grad_out.clone(), group, context, documents);
+            let layers = [
+                (&self.query, &group.query),
+                (&self.key, &group.key_value),
+                (&self.value, &group.key_value),
+            ];
+            let mut term = None::<Tensor<B, 3>>;
+            for (i, ((layer, heads), d)) in layers.into_iter().zip(grads).enumerate() {
+                let input_grad = weight_input_grad(self.head_columns(layer, heads), d.clone());
+                term = Some(match term {
+                    None => input_grad,
+                    Some(t) => t + input_grad,
+                });
+                weights[i].push(linear_weight_grad(acts.input.clone(), d));
+            }
+            let term = term.expect("three projections").cast(DType::F32);
+            dx = Some(match dx {
+                None => term,
+                Some(sum) => sum + term,
+            });
+        }
+        let [query, key, value] = weights.map(|parts| joined(parts, 1));
+        (
+            dx.expect("at least one group of heads").cast(dtype),
+            AttentionGrads {
+                query,
+                key,
+                value,
+                output: from_output.weight,
+            },
+        )
+    }
+
+    /// `[dq, dk, dv]` of `group`'s heads, rotary embedding undone and heads merged
+    /// (`[batch, seq, heads * head_dim]` each), from their projections `p`, the saved output
+    /// and lse, and the gradient of the merged output `grad_out`.
+    fn heads_backward(
+        &self,
+        p: Projected<B>,
+        acts: &AttentionActivations<B>,
+        grad_out: Tensor<B, 3>,
+        group: &HeadGroup,
+        context: &AttentionContext<B>,
+        documents: Option<&Documents>,
+    ) -> [Tensor<B, 3>; 3] {
+        let [batch, seq, _] = grad_out.dims();
+        let columns = HeadGroup::columns(&group.query, self.head_dim);
+        let heads = group.query.len();
+        let of_group =
+            |t: Tensor<B, 3>| split_heads(t.slice([0..batch, 0..seq, columns.clone()]), heads);
         let prim = |t: Tensor<B, 4>| t.into_primitive().tensor();
         let (q, k, v) = (prim(p.q), prim(p.k), prim(p.v));
-        let (out, lse, grad_out) = (
-            prim(acts.out),
-            acts.lse.into_primitive().tensor(),
-            prim(grad_out),
-        );
+        let out = prim(of_group(acts.out.clone()));
+        let grad_out = prim(of_group(grad_out));
+        let lse = (acts
+            .lse
+            .clone()
+            .slice([0..batch, group.query.clone(), 0..seq]))
+        .into_primitive()
+        .tensor();
         let options = self.options_with(documents);
         let (dq, dk, dv) = match context.sequence_parallel_options(options.clone()) {
             None => B::flash_attention_backward(q, k, v, out, lse, grad_out, options),
@@ -57,20 +127,10 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
             }
         };
         let wrap = |t| Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(t));
-        let dq = merge_heads(p.rope.apply_transpose(wrap(dq)));
-        let dk = merge_heads(p.rope.apply_transpose(wrap(dk)));
-        let dv = merge_heads(wrap(dv));
-        let from_query = linear_backward(&self.query, acts.input.clone(), dq);
-        let from_key = linear_backward(&self.key, acts.input.clone(), dk);
-        let from_value = linear_backward(&self.value, acts.input, dv);
-        (
-            from_query.input + from_key.input + from_value.input,
-            AttentionGrads {
-                query: from_query.weight,
-                key: from_key.weight,
-                value: from_value.weight,
-                output: from_output.weight,
-            },
-        )
+        [
+            merge_heads(p.rope.apply_transpose(wrap(dq))),
+            merge_heads(p.rope.apply_transpose(wrap(dk))),
+            merge_heads(wrap(dv)),
+        ]
     }
 }

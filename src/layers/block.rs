@@ -9,9 +9,10 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 
-use super::attention::{merge_heads, DistFlashAttention, DistFlashAttentionConfig};
+use super::attention::{DistFlashAttention, DistFlashAttentionConfig};
 use super::attention_backward::{AttentionActivations, AttentionGrads};
 use super::feed_forward::{FeedForward, FeedForwardConfig, FeedForwardGrads};
+use super::head_groups::{check_head_groups, head_groups, HeadGroup};
 use super::input::AttentionInput;
 use super::linear_layer::linear;
 use super::rms_norm::{RmsNorm, RmsNormConfig};
@@ -49,6 +50,14 @@ pub struct TransformerBlockConfig {
     /// [`feed_forward_bytes_per_row`]: super::feed_forward_bytes_per_row
     #[config(default = "TransformerBlockConfig::DEFAULT_FFN_CHUNKS")]
     pub ffn_chunks: RowChunks,
+    /// How many groups of heads attention runs over, one after another, in the forward, a
+    /// checkpoint's recomputation and the backward: the per-head tensors of attention's
+    /// backward (projections, f32 gradient accumulators, a sequence-parallel group's received
+    /// shards) then exist for one group at a time. A divisor of the key/value heads; the
+    /// outputs and gradients are those of all heads at once (the input gradient summed over
+    /// groups in f32). Default 1.
+    #[config(default = 1)]
+    pub attention_head_groups: usize,
 }
 
 impl TransformerBlockConfig {
@@ -75,6 +84,8 @@ impl TransformerBlockConfig {
             return Err(Error::config("d_ff", "positive", 0));
         }
         check_offload(self.offload, self.checkpoint)?;
+        let (n_kv_heads, _) = self.attention.resolved()?;
+        check_head_groups(self.attention_head_groups, n_kv_heads)?;
         let norm = RmsNormConfig::new(d_model).with_eps(self.norm_eps);
         Ok(TransformerBlock {
             attention_norm: norm.init(device),
@@ -86,6 +97,7 @@ impl TransformerBlockConfig {
             checkpoint: self.checkpoint,
             offload: self.offload,
             ffn_chunks: self.ffn_chunks,
+            attention_head_groups: self.attention_head_groups,
         })
     }
 
@@ -135,6 +147,10 @@ pub struct TransformerBlock<B: Backend> {
     /// ([`TransformerBlockConfig::ffn_chunks`]).
     #[module(skip)]
     pub ffn_chunks: RowChunks,
+    /// How many groups of heads attention runs over, one after another
+    /// ([`TransformerBlockConfig::attention_head_groups`]).
+    #[module(skip)]
+    pub attention_head_groups: usize,
 }
 
 /// The attention half of a block's forward: what its backward starts from.
@@ -249,32 +265,41 @@ impl<B: FlashAttentionBackend> TransformerBlock<B> {
         h + out
     }
 
-    /// Runs the attention half (within `documents` when given); with `saved` `(O, lse)`
-    /// attention itself is not recomputed.
+    /// Runs the attention half (within `documents` when given) over the block's groups of
+    /// heads; with `saved` `(O, lse)` (heads merged) attention itself is not recomputed.
     pub(crate) fn attention_half(
         &self,
         x: Tensor<B, 3>,
         context: &AttentionContext<B>,
         documents: Option<&Documents>,
-        saved: Option<(Tensor<B, 4>, Tensor<B, 3>)>,
+        saved: Option<(Tensor<B, 3>, Tensor<B, 3>)>,
     ) -> Result<AttentionHalf<B>, Error> {
         let input = self.attention_norm.forward(x.clone());
-        let projected = (self.attention).project(input.clone(), context, documents);
-        let (out, lse) = match saved {
-            Some(saved) => saved,
-            None => self.attention.attend(&projected, context, documents)?,
-        };
-        let h = x.clone() + linear(&self.attention.output, merge_heads(out.clone()));
-        Ok(AttentionHalf {
-            attention: AttentionActivations {
+        let rope = self.attention.rotary(&input, context, documents);
+        let attention = match saved {
+            Some((out, lse)) => AttentionActivations {
                 input,
-                projected,
+                rope,
+                projected: None,
                 out,
                 lse,
             },
-            x,
-            h,
-        })
+            None => (self.attention).attend_in_groups(
+                input,
+                rope,
+                context,
+                documents,
+                &self.head_groups(),
+            )?,
+        };
+        let h = x.clone() + linear(&self.attention.output, attention.out.clone());
+        Ok(AttentionHalf { attention, x, h })
+    }
+
+    /// The groups of heads attention runs over ([`Self::attention_head_groups`]).
+    fn head_groups(&self) -> Vec<HeadGroup> {
+        let a = &self.attention;
+        head_groups(a.n_heads, a.n_kv_heads, self.attention_head_groups)
     }
 
     /// Gradients of the input and weights for the output gradient `grad`, from the attention
@@ -292,8 +317,13 @@ impl<B: FlashAttentionBackend> TransformerBlock<B> {
             (self.ffn).backward_chunked(ffn_input, grad.clone(), &self.ffn_chunks);
         let (dh_norm, ffn_norm) = self.ffn_norm.backward(half.h, dffn_input);
         let dh = grad + dh_norm;
-        let (dattention_input, attention) =
-            (self.attention).backward(half.attention, dh.clone(), context, documents);
+        let (dattention_input, attention) = (self.attention).backward(
+            half.attention,
+            dh.clone(),
+            context,
+            documents,
+            &self.head_groups(),
+        );
         let (dx_norm, attention_norm) = self.attention_norm.backward(half.x, dattention_input);
         BlockGrads {
             input: dh + dx_norm,

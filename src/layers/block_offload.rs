@@ -11,7 +11,7 @@ impl<B: FlashAttentionBackend> TransformerBlock<B> {
     /// The bytes of each tensor this block's checkpoint moves to host memory in one training
     /// step on `[batch, seq, d_model]` inputs (`seq` this rank's tokens), in the block's float
     /// type: the block input, and at [`CheckpointPlacement::AttentionOutput`] attention's output
-    /// `[batch, heads, seq, head_dim]` and lse `[batch, heads, seq]`. Empty when the block does
+    /// `[batch, seq, heads * head_dim]` (heads merged) and lse `[batch, heads, seq]`. Empty when the block does
     /// not offload. The sizes to hand
     /// [`prepare_host_offload`](crate::offload::HostOffload::prepare_host_offload) before a step.
     pub fn offloaded_bytes(&self, batch: usize, seq: usize) -> Vec<usize> {

@@ -13,6 +13,7 @@ mod block;
 mod block_offload;
 mod counter;
 mod feed_forward;
+mod head_groups;
 mod input;
 mod linear_grad;
 mod linear_layer;

@@ -1,8 +1,9 @@
 //! Gradient checkpointing on CUDA (run with `--ignored` on a GPU machine): the three placements
-//! give the same gradients on one GPU, and on two GPUs over NCCL the ranks together equal one GPU.
+//! give the same gradients on one GPU, with attention over all heads at once or in groups of
+//! heads, and on two GPUs over NCCL the ranks together equal one GPU.
 
 use crate::common::block_case::{
-    assert_same_step, lift, random_blocks, small_config, step, StepResult,
+    assert_same_step, in_head_groups, lift, random_blocks, small_config, step, StepResult,
 };
 use crate::common::Rng;
 use burn::tensor::{Tensor, TensorData};
@@ -29,14 +30,19 @@ fn random(seed: u64, dims: [usize; 3], device: &CudaDevice) -> Tensor<Inner, 3> 
 }
 
 fn one_gpu(placement: CheckpointPlacement) -> StepResult {
+    one_gpu_in_groups(placement, 1)
+}
+
+/// [`one_gpu`] with attention over `groups` groups of heads.
+fn one_gpu_in_groups(placement: CheckpointPlacement, groups: usize) -> StepResult {
     let device = CudaDevice::new(0);
     let blocks = random_blocks::<Gpu>(&small_config(), 7, &device);
     let (x, r) = (
         random(1, [2, 64, 64], &device),
         random(2, [2, 64, 64], &device),
     );
-    let copy = &lift(&blocks, placement, &[device])[0];
-    step(copy, x, r, &AttentionContext::Local)
+    let copies = in_head_groups(lift(&blocks, placement, &[device]), groups);
+    step(&copies[0], x, r, &AttentionContext::Local)
 }
 
 #[test]
@@ -48,8 +54,11 @@ fn placements_give_the_same_gradients_on_one_gpu() {
         CheckpointPlacement::Layer,
         CheckpointPlacement::AttentionOutput,
     ] {
-        let got = one_gpu(placement);
-        assert_same_step(&format!("{placement:?}"), &got, &none, GPU_TOLERANCE);
+        for groups in [1, 2] {
+            let got = one_gpu_in_groups(placement, groups);
+            let what = format!("{placement:?}, {groups} groups of heads");
+            assert_same_step(&what, &got, &none, GPU_TOLERANCE);
+        }
     }
 }
 
@@ -57,15 +66,16 @@ fn placements_give_the_same_gradients_on_one_gpu() {
 #[ignore = "needs two CUDA GPUs"]
 fn two_gpus_over_nccl_agree_with_one_gpu_at_every_placement() {
     let single = one_gpu(CheckpointPlacement::None);
-    for placement in [
+    let placements = [
         CheckpointPlacement::None,
         CheckpointPlacement::Layer,
         CheckpointPlacement::AttentionOutput,
-    ] {
+    ];
+    for (placement, groups) in placements.into_iter().flat_map(|p| [(p, 1), (p, 2)]) {
         let devices = [CudaDevice::new(0), CudaDevice::new(1)];
         let groups = DeviceGroup::<Inner>::nccl(&devices).expect("NCCL on two GPUs");
         let blocks = random_blocks::<Gpu>(&small_config(), 7, &devices[0]);
-        let copies = lift(&blocks, placement, &devices);
+        let copies = in_head_groups(lift(&blocks, placement, &devices), groups);
         let per_rank = groups.into_iter().zip(devices).zip(copies).collect();
         let ranks: Vec<StepResult> = on_each_rank(per_rank, |rank, ((group, device), blocks)| {
             let layout = ScheduleKind::Auto.resolve(2, true).layout();
@@ -80,7 +90,7 @@ fn two_gpus_over_nccl_agree_with_one_gpu_at_every_placement() {
             ScheduleKind::Auto.resolve(ranks.len(), true).layout(),
         );
         assert_same_step(
-            &format!("2 GPUs, {placement:?}"),
+            &format!("2 GPUs, {groups} groups of heads, {placement:?}"),
             &combined,
             &single,
             GPU_TOLERANCE,

@@ -2,7 +2,7 @@
 //! one device or on each rank of a group, for any checkpoint placement.
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 use burn_distflash::layers::{
     replicate, CheckpointPlacement, ForwardCounter, TransformerBlock, TransformerBlockConfig,
@@ -94,6 +94,17 @@ where
             copy
         })
         .collect()
+}
+
+/// `copies` (as [`lift`] returns them) with attention running over `groups` groups of heads.
+pub fn in_head_groups<B: Backend>(
+    mut copies: Vec<Vec<TransformerBlock<B>>>,
+    groups: usize,
+) -> Vec<Vec<TransformerBlock<B>>> {
+    for block in copies.iter_mut().flatten() {
+        block.attention_head_groups = groups;
+    }
+    copies
 }
 
 /// Collects every float parameter's gradient, in module order.

@@ -71,11 +71,11 @@ fn two_gpus_over_nccl_agree_with_one_gpu_at_every_placement() {
         CheckpointPlacement::Layer,
         CheckpointPlacement::AttentionOutput,
     ];
-    for (placement, groups) in placements.into_iter().flat_map(|p| [(p, 1), (p, 2)]) {
+    for (placement, head_groups) in placements.into_iter().flat_map(|p| [(p, 1), (p, 2)]) {
         let devices = [CudaDevice::new(0), CudaDevice::new(1)];
         let groups = DeviceGroup::<Inner>::nccl(&devices).expect("NCCL on two GPUs");
         let blocks = random_blocks::<Gpu>(&small_config(), 7, &devices[0]);
-        let copies = in_head_groups(lift(&blocks, placement, &devices), groups);
+        let copies = in_head_groups(lift(&blocks, placement, &devices), head_groups);
         let per_rank = groups.into_iter().zip(devices).zip(copies).collect();
         let ranks: Vec<StepResult> = on_each_rank(per_rank, |rank, ((group, device), blocks)| {
             let layout = ScheduleKind::Auto.resolve(2, true).layout();
@@ -90,7 +90,7 @@ fn two_gpus_over_nccl_agree_with_one_gpu_at_every_placement() {
             ScheduleKind::Auto.resolve(ranks.len(), true).layout(),
         );
         assert_same_step(
-            &format!("2 GPUs, {groups} groups of heads, {placement:?}"),
+            &format!("2 GPUs, {head_groups} groups of heads, {placement:?}"),
             &combined,
             &single,
             GPU_TOLERANCE,

@@ -2,11 +2,11 @@
 //! attention output and lse, over groups of heads ([`super::head_groups`]): what a checkpointed
 //! layer runs instead of Burn's autodiff graph.
 
-use burn::tensor::{DType, Tensor, TensorPrimitive};
+use burn::tensor::{Tensor, TensorPrimitive};
 
 use super::attention::{merge_heads, split_heads, DistFlashAttention, Projected};
-use super::head_groups::{joined, HeadGroup};
-use super::linear_grad::{linear_backward, linear_weight_grad, weight_input_grad};
+use super::head_groups::{ColumnJoin, HeadGroup};
+use super::linear_grad::linear_backward;
 use super::rope::RotaryTables;
 use crate::extension::AttentionContext;
 use crate::extension::FlashAttentionBackend;
@@ -40,7 +40,8 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
     /// `(dx, weight gradients)` for the gradient `grad` of the module's output. Runs the
     /// attention backward (distributed in a sharded context) from the saved O and lse, with the
     /// forward's mask (the same `documents`), one group of heads at a time (`groups`, in head
-    /// order, covering every head); `dx` is summed over the groups in f32.
+    /// order, covering every head): each group's `dq, dk, dv` written into their columns of the
+    /// whole gradients, whose products then run once, as for all heads at once.
     pub(crate) fn backward(
         &self,
         mut acts: AttentionActivations<B>,
@@ -51,40 +52,29 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
     ) -> (Tensor<B, 3>, AttentionGrads<B>) {
         let from_output = linear_backward(&self.output, acts.out.clone(), grad);
         let grad_out = from_output.input;
-        let dtype = grad_out.dtype();
+        let [batch, seq, _] = grad_out.dims();
+        let widths = [self.n_heads, self.n_kv_heads, self.n_kv_heads].map(|h| h * self.head_dim);
+        let mut grads = widths.map(|width| ColumnJoin::new([batch, seq, width]));
         let mut projected = acts.projected.take();
-        let (mut dx, mut weights) = (None::<Tensor<B, 3>>, [(); 3].map(|_| Vec::new()));
         for group in groups {
             let p = (projected.take())
                 .unwrap_or_else(|| self.project_heads(acts.input.clone(), &acts.rope, group));
-            let grads = self.heads_backward(p, &acts, grad_out.clone(), group, context, documents);
-            let layers = [
-                (&self.query, &group.query),
-                (&self.key, &group.key_value),
-                (&self.value, &group.key_value),
-            ];
-            let mut term = None::<Tensor<B, 3>>;
-            for (i, ((layer, heads), d)) in layers.into_iter().zip(grads).enumerate() {
-                let input_grad = weight_input_grad(self.head_columns(layer, heads), d.clone());
-                term = Some(match term {
-                    None => input_grad,
-                    Some(t) => t + input_grad,
-                });
-                weights[i].push(linear_weight_grad(acts.input.clone(), d));
+            let parts = self.heads_backward(p, &acts, grad_out.clone(), group, context, documents);
+            let heads = [&group.query, &group.key_value, &group.key_value];
+            for ((join, part), heads) in grads.iter_mut().zip(parts).zip(heads) {
+                join.put(part, HeadGroup::columns(heads, self.head_dim));
             }
-            let term = term.expect("three projections").cast(DType::F32);
-            dx = Some(match dx {
-                None => term,
-                Some(sum) => sum + term,
-            });
         }
-        let [query, key, value] = weights.map(|parts| joined(parts, 1));
+        let [dq, dk, dv] = grads.map(ColumnJoin::finish);
+        let from_query = linear_backward(&self.query, acts.input.clone(), dq);
+        let from_key = linear_backward(&self.key, acts.input.clone(), dk);
+        let from_value = linear_backward(&self.value, acts.input, dv);
         (
-            dx.expect("at least one group of heads").cast(dtype),
+            from_query.input + from_key.input + from_value.input,
             AttentionGrads {
-                query,
-                key,
-                value,
+                query: from_query.weight,
+                key: from_key.weight,
+                value: from_value.weight,
                 output: from_output.weight,
             },
         )

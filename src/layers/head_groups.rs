@@ -3,8 +3,9 @@
 //! of the projection weights, so that the per-head tensors of attention's forward and backward
 //! (the rotated projections, the kernels' f32 gradient accumulators, a sequence-parallel
 //! group's received key/value shards and their gradients) exist for one group at a time. Each
-//! head's attention is independent of the others', so the outputs are the same; the backward's
-//! input gradient is summed over groups in f32.
+//! head's attention is independent of the others', so the outputs are the same; each group's
+//! attention output and `dq, dk, dv` are written into their columns of whole tensors
+//! ([`ColumnJoin`]), whose products then run once, as for all heads at once.
 //!
 //! A group holds whole grouped-query sets: `groups` divides `n_kv_heads`, and group `g` takes
 //! query heads `g * n_heads / groups ..` and key/value heads `g * n_kv_heads / groups ..`.
@@ -83,11 +84,16 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
         groups: &[HeadGroup],
     ) -> Result<AttentionActivations<B>, Error> {
         self.counter.record();
-        let (mut outs, mut lses, mut projected) = (Vec::new(), Vec::new(), None);
+        let [batch, seq, _] = input.dims();
+        let mut out = ColumnJoin::new([batch, seq, self.n_heads * self.head_dim]);
+        let (mut lses, mut projected) = (Vec::new(), None);
         for group in groups {
             let p = self.project_heads(input.clone(), &rope, group);
-            let (out, lse) = self.attend_heads(&p, context, documents)?;
-            outs.push(merge_heads(out));
+            let (group_out, lse) = self.attend_heads(&p, context, documents)?;
+            out.put(
+                merge_heads(group_out),
+                HeadGroup::columns(&group.query, self.head_dim),
+            );
             lses.push(lse);
             projected = (groups.len() == 1).then_some(p);
         }
@@ -95,20 +101,47 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
             input,
             rope,
             projected,
-            out: joined(outs, 2),
-            lse: joined(lses, 1),
+            out: out.finish(),
+            lse: match lses.len() {
+                1 => lses.pop().expect("one group"),
+                _ => Tensor::cat(lses, 1),
+            },
         })
     }
 }
 
-/// The parts joined along `dim`: the one part itself, or their concatenation.
-pub(crate) fn joined<B: FlashAttentionBackend, const D: usize>(
-    mut parts: Vec<Tensor<B, D>>,
-    dim: usize,
-) -> Tensor<B, D> {
-    match parts.len() {
-        1 => parts.pop().expect("one part"),
-        _ => Tensor::cat(parts, dim),
+/// A `[batch, seq, width]` tensor written a range of columns at a time (one group of heads'),
+/// in place: a part that covers every column is the tensor itself.
+pub(crate) struct ColumnJoin<B: FlashAttentionBackend> {
+    dims: [usize; 3],
+    whole: Option<Tensor<B, 3>>,
+}
+
+impl<B: FlashAttentionBackend> ColumnJoin<B> {
+    /// An empty tensor of `dims`, allocated at the first part.
+    pub fn new(dims: [usize; 3]) -> Self {
+        Self { dims, whole: None }
+    }
+
+    /// Writes `part` `[batch, seq, columns.len()]` into `columns`.
+    pub fn put(&mut self, part: Tensor<B, 3>, columns: Range<usize>) {
+        let [batch, seq, width] = self.dims;
+        if columns == (0..width) {
+            self.whole = Some(part);
+            return;
+        }
+        let whole = (self.whole.take())
+            .unwrap_or_else(|| Tensor::empty(self.dims, (&part.device(), part.dtype())));
+        self.whole = Some(whole.slice_assign([0..batch, 0..seq, columns], part));
+    }
+
+    /// The tensor, every column written.
+    ///
+    /// # Panics
+    ///
+    /// When no part was written.
+    pub fn finish(self) -> Tensor<B, 3> {
+        self.whole.expect("every group of heads wrote its columns")
     }
 }
 

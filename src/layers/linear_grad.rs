@@ -32,16 +32,8 @@ pub(crate) fn linear_input_grad<B: LayerOpsBackend>(
     linear: &Linear<B>,
     grad: Tensor<B, 3>,
 ) -> Tensor<B, 3> {
-    weight_input_grad(linear.weight.val(), grad)
-}
-
-/// `dx = dy W^T` `[batch, seq, d_in]` of `y = x W` for any weight `W` `[d_in, d_out]` (a view
-/// too: a slice of a projection's columns) and the output gradient `grad`.
-pub(crate) fn weight_input_grad<B: LayerOpsBackend>(
-    weight: Tensor<B, 2>,
-    grad: Tensor<B, 3>,
-) -> Tensor<B, 3> {
     let [batch, seq, d_out] = grad.dims();
+    let weight = linear.weight.val();
     let d_in = weight.dims()[0];
     let grad = grad.reshape([batch * seq, d_out]);
     product(grad, weight, Transposed::Rhs).reshape([batch, seq, d_in])

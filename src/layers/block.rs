@@ -73,19 +73,13 @@ impl TransformerBlockConfig {
     ///
     /// # Errors
     ///
-    /// [`Error`] when `d_ff` is zero, or where
-    /// [`DistFlashAttentionConfig::resolved`] errs for `attention`.
+    /// As [`check`](Self::check).
     pub fn try_init<B: FlashAttentionBackend>(
         &self,
         device: &B::Device,
     ) -> Result<TransformerBlock<B>, Error> {
+        self.check()?;
         let d_model = self.attention.d_model;
-        if self.d_ff == 0 {
-            return Err(Error::config("d_ff", "positive", 0));
-        }
-        check_offload(self.offload, self.checkpoint)?;
-        let (n_kv_heads, _) = self.attention.resolved()?;
-        check_head_groups(self.attention_head_groups, n_kv_heads)?;
         let norm = RmsNormConfig::new(d_model).with_eps(self.norm_eps);
         Ok(TransformerBlock {
             attention_norm: norm.init(device),
@@ -99,6 +93,22 @@ impl TransformerBlockConfig {
             ffn_chunks: self.ffn_chunks,
             attention_head_groups: self.attention_head_groups,
         })
+    }
+
+    /// What is wrong with the configuration, before anything is allocated.
+    ///
+    /// # Errors
+    ///
+    /// [`Error`] when `d_ff` is zero, when offload is on without a checkpoint, when
+    /// `attention_head_groups` does not divide the key/value heads, or where
+    /// [`DistFlashAttentionConfig::resolved`] errs for `attention`.
+    pub fn check(&self) -> Result<(), Error> {
+        if self.d_ff == 0 {
+            return Err(Error::config("d_ff", "positive", 0));
+        }
+        check_offload(self.offload, self.checkpoint)?;
+        let (n_kv_heads, _) = self.attention.resolved()?;
+        check_head_groups(self.attention_head_groups, n_kv_heads)
     }
 
     /// The block.

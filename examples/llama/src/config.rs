@@ -8,6 +8,7 @@ use burn::config::Config;
 use super::hf_config::HfLlamaConfig;
 use burn_distflash::layers::{
     CheckpointPlacement, DistFlashAttentionConfig, Llama3RopeScaling, Offload, RopeConfig,
+    TransformerBlockConfig,
 };
 use burn_distflash::{Error as PluginError, SlidingWindow};
 
@@ -54,6 +55,14 @@ pub struct LlamaConfig {
     /// attention. Must be at least 1.
     #[config(default = "None")]
     pub window: Option<usize>,
+    /// How many groups of heads each block's attention runs over, one after another, in a
+    /// checkpointed block's forward, recomputation and backward
+    /// ([`TransformerBlockConfig::attention_head_groups`]): attention's per-head backward tensors
+    /// then exist for one group at a time. A divisor of `n_kv_heads`; 1 (the default, and what
+    /// configs written before this field load as) runs every head at once. Changes memory and
+    /// speed, not the results.
+    #[config(default = 1)]
+    pub attention_head_groups: usize,
 }
 
 impl LlamaConfig {
@@ -174,7 +183,16 @@ impl LlamaConfig {
                 format!("{:?} with checkpoint None", self.offload),
             ));
         }
-        self.attention()?.resolved().map(|_| ())
+        self.block()?.check()
+    }
+
+    /// The configuration of every block (its attention, feed-forward width, norm epsilon,
+    /// checkpoint placement and groups of heads; offload is set per layer).
+    pub fn block(&self) -> Result<TransformerBlockConfig, PluginError> {
+        Ok(TransformerBlockConfig::new(self.attention()?, self.d_ff)
+            .with_norm_eps(self.norm_eps)
+            .with_checkpoint(self.checkpoint)
+            .with_attention_head_groups(self.attention_head_groups))
     }
 
     /// Parameters of the model (embedding, blocks, final norm, output projection if untied).

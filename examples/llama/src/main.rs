@@ -139,6 +139,9 @@ fn model_config(args: &TrainArgs, tokenizer: &Tokenizer) -> LlamaConfig {
     if let Some(offload) = args.memory.offload {
         config.offload = offload;
     }
+    if let Some(groups) = args.memory.attention_groups {
+        config.attention_head_groups = groups;
+    }
     if let Some(window) = model.window {
         config.window = Some(window);
     }

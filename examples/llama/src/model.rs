@@ -11,7 +11,7 @@ use super::config::LlamaConfig;
 use super::loss::{CrossEntropyBackend, HeadLayout, DEFAULT_LOSS_CHUNKS};
 use super::rng::SplitMix64;
 use burn_distflash::layers::{
-    linear, project, RmsNorm, RmsNormConfig, RowChunks, TransformerBlock, TransformerBlockConfig,
+    linear, project, RmsNorm, RmsNormConfig, RowChunks, TransformerBlock,
 };
 use burn_distflash::{
     AttentionContext, AttentionInput, Documents, Error as PluginError, FlashAttentionBackend,
@@ -52,12 +52,8 @@ impl LlamaConfig {
             mean: 0.0,
             std: INIT_STD,
         };
-        let block = TransformerBlockConfig::new(
-            self.attention()?.with_initializer(init.clone()),
-            self.d_ff,
-        )
-        .with_norm_eps(self.norm_eps)
-        .with_checkpoint(self.checkpoint);
+        let mut block = self.block()?;
+        block.attention = block.attention.with_initializer(init.clone());
         let blocks = (0..self.n_layers)
             .map(|layer| {
                 let offload = self.offload.offloads(layer, self.n_layers);

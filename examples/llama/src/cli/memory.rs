@@ -25,6 +25,13 @@ pub struct MemoryArgs {
     #[arg(long, value_name = "off|all|N", value_parser = offload)]
     pub offload: Option<Offload>,
 
+    /// Groups of heads each layer's attention runs over one after another in the forward and
+    /// backward, so that attention's per-head backward tensors (projections, f32 gradient
+    /// accumulators, the sequence-parallel buffers) exist for one group at a time: a divisor of
+    /// the key/value heads; memory and speed only (default: the configuration's, 1)
+    #[arg(long, value_name = "N", value_parser = at_least_one())]
+    pub attention_groups: Option<usize>,
+
     /// Where the sharded optimizer (--zero 1|2) keeps its f32 master weights and moments: gpu,
     /// or host (host memory, pinned on CUDA, streamed through the GPU in chunks of
     /// --optimizer-chunk at every step: bitwise the same steps, GPU memory for two chunks)

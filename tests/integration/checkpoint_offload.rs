@@ -36,7 +36,7 @@ const PLACEMENTS: [CheckpointPlacement; 2] = [
 
 /// One copy per device of `layers` random blocks checkpointed at `placement`, each layer
 /// offloading as `policy` says.
-fn model<B: AutodiffBackend + FlashAttentionBackend>(
+pub(crate) fn model<B: AutodiffBackend + FlashAttentionBackend>(
     layers: usize,
     placement: CheckpointPlacement,
     policy: Offload,

@@ -8,9 +8,8 @@
 
 use std::time::Duration;
 
-use crate::common::block_case::{
-    assert_bitwise, lift_offloading, random, random_layers, small_config, step_chained, StepResult,
-};
+use crate::checkpoint_offload::model;
+use crate::common::block_case::{assert_bitwise, random, step_chained, StepResult};
 use crate::common::within::within;
 use crate::common::Rng;
 use burn::backend::ndarray::NdArrayDevice;
@@ -18,9 +17,7 @@ use burn::backend::{Autodiff, NdArray};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 use burn_distflash::collective::on_each_rank;
-use burn_distflash::layers::{
-    BlockChain, BlockPair, CheckpointPlacement, Offload, TransformerBlock,
-};
+use burn_distflash::layers::{BlockChain, BlockPair, CheckpointPlacement, Offload};
 use burn_distflash::offload::{held_bytes, HostOffload};
 use burn_distflash::schedule::ScheduleKind;
 use burn_distflash::sequence_parallel::shard_sequence;
@@ -36,18 +33,6 @@ type Wgpu = Autodiff<WgpuInner>;
 const LIMIT: Duration = Duration::from_secs(300);
 const DEVICE: NdArrayDevice = NdArrayDevice::Cpu;
 const DIMS: [usize; 3] = [2, 24, 64];
-
-/// One copy per device of `layers` random blocks checkpointed at `placement`, offloading as
-/// `policy` says.
-fn model<B: AutodiffBackend + FlashAttentionBackend>(
-    layers: usize,
-    placement: CheckpointPlacement,
-    policy: Offload,
-    devices: &[B::Device],
-) -> Vec<Vec<TransformerBlock<B>>> {
-    let blocks = random_layers::<B>(&small_config(), 13, &devices[0], layers);
-    lift_offloading(&blocks, placement, policy, devices)
-}
 
 /// Documents of unequal lengths in each row of a `[2, 24]` batch.
 fn documents() -> Documents {

@@ -346,7 +346,7 @@ impl<B: FlashAttentionBackend> TransformerBlock<B> {
 }
 
 /// The block input and its nine weights: the parents of a checkpointed block's node.
-const BLOCK_PARENTS: usize = 10;
+pub(crate) const BLOCK_PARENTS: usize = 10;
 
 impl<B: FlashAttentionBackend> BlockGrads<B> {
     /// The input's gradient, and the weights' gradients by parameter id: the list a

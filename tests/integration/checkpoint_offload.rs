@@ -7,19 +7,22 @@
 
 use std::time::Duration;
 
-use crate::common::block_case::{lift, random_layers, small_config, step, StepResult};
+use crate::common::block_case::{
+    assert_bitwise, lift_offloading, random, random_layers, small_config, step, StepResult,
+};
 use crate::common::within::within;
 use crate::common::Rng;
 use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::Tensor;
 use burn_distflash::collective::on_each_rank;
 use burn_distflash::layers::{CheckpointPlacement, Offload, TransformerBlock};
 use burn_distflash::offload::{held_bytes, HostOffload};
 use burn_distflash::schedule::ScheduleKind;
 use burn_distflash::sequence_parallel::shard_sequence;
 use burn_distflash::{AttentionContext, DeviceGroup, Error, FlashAttentionBackend};
+use distflash_test_support::exclusive_wgpu;
 
 type Inner = NdArray<f32>;
 type Cpu = Autodiff<Inner>;
@@ -31,65 +34,16 @@ const PLACEMENTS: [CheckpointPlacement; 2] = [
     CheckpointPlacement::AttentionOutput,
 ];
 
-fn random<B: burn::tensor::backend::Backend>(
-    rng: &mut Rng,
-    dims: [usize; 3],
-    device: &B::Device,
-) -> Tensor<B, 3> {
-    let n = dims.iter().product();
-    let values: Vec<f32> = (0..n).map(|_| rng.uniform() as f32).collect();
-    Tensor::from_data(TensorData::new(values, dims), device)
-}
-
 /// One copy per device of `layers` random blocks checkpointed at `placement`, each layer
 /// offloading as `policy` says.
-fn model<B: AutodiffBackend + FlashAttentionBackend>(
+pub(crate) fn model<B: AutodiffBackend + FlashAttentionBackend>(
     layers: usize,
     placement: CheckpointPlacement,
     policy: Offload,
     devices: &[B::Device],
 ) -> Vec<Vec<TransformerBlock<B>>> {
     let blocks = random_layers::<B>(&small_config(), 11, &devices[0], layers);
-    let mut copies = lift(&blocks, placement, devices);
-    for copy in &mut copies {
-        for (layer, block) in copy.iter_mut().enumerate() {
-            block.offload = policy.offloads(layer, layers);
-        }
-    }
-    copies
-}
-
-fn bits(values: &[f32]) -> Vec<u32> {
-    values.iter().map(|v| v.to_bits()).collect()
-}
-
-/// The output, the input gradient and every weight gradient bit for bit.
-fn assert_bitwise(what: &str, got: &StepResult, expected: &StepResult) {
-    assert!(
-        bits(&got.output) == bits(&expected.output),
-        "{what}: output"
-    );
-    assert!(
-        bits(&got.input_grad) == bits(&expected.input_grad),
-        "{what}: input gradient"
-    );
-    assert_eq!(
-        got.weight_grads.len(),
-        expected.weight_grads.len(),
-        "{what}"
-    );
-    for (i, (g, e)) in got
-        .weight_grads
-        .iter()
-        .zip(&expected.weight_grads)
-        .enumerate()
-    {
-        assert!(bits(g) == bits(e), "{what}: gradient of weight {i}");
-    }
-    assert_eq!(
-        got.attention_forwards, expected.attention_forwards,
-        "{what}"
-    );
+    lift_offloading(&blocks, placement, policy, devices)
 }
 
 /// Every policy against no offload, at both placements, on one device of backend `B`.
@@ -141,6 +95,7 @@ fn offload_gives_bitwise_the_same_step_on_ndarray() {
 
 #[test]
 fn offload_gives_bitwise_the_same_step_on_wgpu() {
+    let _wgpu = exclusive_wgpu();
     within(LIMIT, || {
         offload_changes_no_bit::<Wgpu>(
             Default::default(),

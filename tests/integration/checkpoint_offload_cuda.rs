@@ -3,7 +3,7 @@
 //! gradient of the same step without it, and the device memory in use after a forward drops by
 //! what the offloaded layers keep.
 
-use crate::common::block_case::{lift, random_layers, step, StepResult};
+use crate::common::block_case::{lift_offloading, random_layers, step, StepResult};
 use crate::common::Rng;
 use burn::tensor::{Tensor, TensorData};
 use burn_autodiff::Autodiff;
@@ -47,11 +47,7 @@ fn layers(
     device: &CudaDevice,
 ) -> Vec<TransformerBlock<Gpu>> {
     let blocks = random_layers::<Gpu>(config, 3, device, count);
-    let mut blocks = lift(&blocks, placement, std::slice::from_ref(device)).remove(0);
-    for (layer, block) in blocks.iter_mut().enumerate() {
-        block.offload = policy.offloads(layer, count);
-    }
-    blocks
+    lift_offloading(&blocks, placement, policy, std::slice::from_ref(device)).remove(0)
 }
 
 fn bits(values: &[f32]) -> Vec<u32> {

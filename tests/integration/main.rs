@@ -22,6 +22,7 @@ mod checkpoint_cuda;
 mod checkpoint_offload;
 #[cfg(feature = "pinned-offload")]
 mod checkpoint_offload_cuda;
+mod checkpoint_pairs;
 mod distributed;
 mod distributed_cube;
 mod distributed_masks;

@@ -48,6 +48,14 @@ pub struct LlamaConfig {
     /// placement other than `None`. Changes memory and speed, never the numbers.
     #[config(default = "Offload::Off")]
     pub offload: Offload,
+    /// How many consecutive layers share one gradient checkpoint: 1 (the default, and what
+    /// configs written before this field load as), or 2 with the `Layer` placement: each pair
+    /// of blocks keeps only its input ([`BlockChain`](burn_distflash::layers::BlockChain)),
+    /// half the checkpoints on the device or in host memory, for one more forward of each
+    /// pair's first block without attention in the backward. A pair offloads when its first
+    /// layer does. Changes memory and speed, never the numbers.
+    #[config(default = 1)]
+    pub layers_per_checkpoint: usize,
     /// Mistral-style sliding-window attention in every block: the token at position `i` sees
     /// the `window` tokens `i + 1 - window ..= i` (itself included, see
     /// [`SlidingWindow::causal`]), at absolute positions, also across the ranks of a group.
@@ -127,15 +135,17 @@ impl LlamaConfig {
         })
     }
 
-    /// A preset name or the path of a JSON config file.
+    /// A preset name or the path of a JSON config file. A file needs the fields
+    /// [`LlamaConfig::new`] takes; every other field it lacks (one written before that field
+    /// existed) takes its default.
     pub fn from_name_or_file(name: &str) -> Result<Self, PluginError> {
-        if Path::new(name).exists() {
-            Self::load(name).map_err(|e| {
-                PluginError::config("config file", "a readable Llama configuration (JSON)", e)
-            })
-        } else {
-            Self::preset(name)
+        if !Path::new(name).exists() {
+            return Self::preset(name);
         }
+        let unreadable =
+            |e| PluginError::config("config file", "a readable Llama configuration (JSON)", e);
+        let text = std::fs::read_to_string(name).map_err(|e| unreadable(e.to_string()))?;
+        Self::load_binary(with_defaults(&text).as_bytes()).map_err(|e| unreadable(e.to_string()))
     }
 
     /// The attention configuration of every block.
@@ -173,6 +183,17 @@ impl LlamaConfig {
         ] {
             if value == 0 {
                 return Err(PluginError::config(name, "positive", value));
+            }
+        }
+        match (self.layers_per_checkpoint, self.checkpoint) {
+            (1, _) | (2, CheckpointPlacement::Layer) => {}
+            (layers, placement) => {
+                return Err(PluginError::config(
+                    "layers_per_checkpoint",
+                    "1, or 2 with the layer checkpoint placement (a pair of layers keeps only its \
+                     input; use --checkpoint layer)",
+                    format!("{layers} with checkpoint {placement:?}"),
+                ))
             }
         }
         if self.offload.is_on(self.n_layers) && self.checkpoint == CheckpointPlacement::None {
@@ -233,6 +254,39 @@ impl LlamaConfig {
         .with_rope(rope)
         .with_tie_embeddings(hf.tie_word_embeddings)
     }
+}
+
+/// `text` (a config file's JSON) with every field [`LlamaConfig::new`] does not take filled
+/// with its default where the file lacks it (Burn's `Config` deserialisation requires every
+/// field); `text` itself where it is not a JSON object holding the fields `new` takes (reading it
+/// then says what is wrong).
+fn with_defaults(text: &str) -> String {
+    let Ok(serde_json::Value::Object(mut fields)) = serde_json::from_str(text) else {
+        return text.to_string();
+    };
+    let number = |field: &str| Some(fields.get(field)?.as_u64()? as usize);
+    let required = [
+        "vocab_size",
+        "d_model",
+        "n_layers",
+        "n_heads",
+        "n_kv_heads",
+        "d_ff",
+    ]
+    .map(number);
+    let [Some(vocab), Some(d_model), Some(layers), Some(heads), Some(kv_heads), Some(d_ff)] =
+        required
+    else {
+        return text.to_string();
+    };
+    let defaults = LlamaConfig::new(vocab, d_model, layers, heads, kv_heads, d_ff);
+    let Ok(serde_json::Value::Object(defaults)) = serde_json::to_value(defaults) else {
+        return text.to_string();
+    };
+    for (field, default) in defaults {
+        fields.entry(field).or_insert(default);
+    }
+    serde_json::Value::Object(fields).to_string()
 }
 
 /// The preset names [`LlamaConfig::preset`] knows.

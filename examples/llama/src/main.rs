@@ -142,6 +142,9 @@ fn model_config(args: &TrainArgs, tokenizer: &Tokenizer) -> LlamaConfig {
     if let Some(groups) = args.memory.attention_groups {
         config.attention_head_groups = groups;
     }
+    if let Some(layers) = args.memory.layers_per_checkpoint {
+        config.layers_per_checkpoint = layers;
+    }
     if let Some(window) = model.window {
         config.window = Some(window);
     }
@@ -290,6 +293,7 @@ fn memory_planner(run: &Run, config: &LlamaConfig) -> MemoryPlanner {
     planner.host_limit = host_limit_per_gpu(run);
     planner.gpu_memory = run.args.memory.gpu_memory;
     planner.schedule = devices.schedule.into();
+    planner.choose_layers_per_checkpoint = run.args.memory.layers_per_checkpoint.is_none();
     planner
 }
 
@@ -311,7 +315,8 @@ fn host_limit_per_gpu(run: &Run) -> Option<u64> {
 }
 
 /// `--plan`: prints the plan and exits; `--memory auto`: sets the largest chunks that fit and,
-/// unless `--offload` was given, the fewest layers to offload with them.
+/// unless `--offload` was given, the fewest layers to offload with them (and, unless
+/// `--layers-per-checkpoint` was given, two layers per checkpoint where nothing fits with one).
 fn plan_memory(run: &mut Run, config: &mut LlamaConfig) {
     let planner = memory_planner(run, config);
     let memory = &run.args.memory;
@@ -334,12 +339,17 @@ fn plan_memory(run: &mut Run, config: &mut LlamaConfig) {
             .fitting_memory(gpu, choose_offload)
             .unwrap_or_else(|e| fail(format!("--memory auto: {e}")));
         eprintln!(
-            "--memory auto: loss chunks of {} rows, feed-forward chunks of {} rows, offload {:?}",
-            fitted.plan.loss_rows, fitted.plan.ffn_rows, fitted.offload,
+            "--memory auto: loss chunks of {} rows, feed-forward chunks of {} rows, offload {:?}, \
+             {} layer(s) per checkpoint",
+            fitted.plan.loss_rows,
+            fitted.plan.ffn_rows,
+            fitted.offload,
+            fitted.layers_per_checkpoint,
         );
         run.options.loss_chunks = fitted.loss_chunks;
         run.options.ffn_chunks = fitted.ffn_chunks;
         config.offload = fitted.offload;
+        config.layers_per_checkpoint = fitted.layers_per_checkpoint;
     }
     if run.args.devices.backend == BackendKind::Cuda {
         // Chunks whose tensors would take pages of CubeCL's top class are refused before the
@@ -429,8 +439,8 @@ fn train_rank<B: TrainBackend>(
     if leader {
         eprintln!(
             "training {} params ({} layers, d_model {}, {} heads / {} kv) on {world} {} rank(s), \
-             {} x {} tokens per step, checkpoint {:?}, offload {:?}, ZeRO stage {}, optimizer \
-             state on the {}",
+             {} x {} tokens per step, checkpoint {:?} ({} layer(s) per checkpoint), offload {:?}, \
+             ZeRO stage {}, optimizer state on the {}",
             config.num_params(),
             config.n_layers,
             config.d_model,
@@ -440,6 +450,7 @@ fn train_rank<B: TrainBackend>(
             o.batch,
             o.seq_len,
             config.checkpoint,
+            config.layers_per_checkpoint,
             config.offload,
             trainer.options.zero,
             trainer.options.optimizer_state

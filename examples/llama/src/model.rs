@@ -11,7 +11,7 @@ use super::config::LlamaConfig;
 use super::loss::{CrossEntropyBackend, HeadLayout, DEFAULT_LOSS_CHUNKS};
 use super::rng::SplitMix64;
 use burn_distflash::layers::{
-    linear, project, RmsNorm, RmsNormConfig, RowChunks, TransformerBlock,
+    linear, project, BlockChain, RmsNorm, RmsNormConfig, RowChunks, TransformerBlock,
 };
 use burn_distflash::{
     AttentionContext, AttentionInput, Documents, Error as PluginError, FlashAttentionBackend,
@@ -35,6 +35,10 @@ pub struct Llama<B: Backend> {
     /// sequence's at once.
     #[module(skip)]
     pub loss_chunks: RowChunks,
+    /// How many consecutive blocks share one gradient checkpoint
+    /// ([`LlamaConfig::layers_per_checkpoint`], checked when built).
+    #[module(skip)]
+    layers_per_checkpoint: usize,
 }
 
 /// Standard deviation of the initial weight matrices.
@@ -75,6 +79,7 @@ impl LlamaConfig {
                     .init(device)
             }),
             loss_chunks: DEFAULT_LOSS_CHUNKS,
+            layers_per_checkpoint: self.layers_per_checkpoint,
         })
     }
 
@@ -240,12 +245,22 @@ impl<B: FlashAttentionBackend> Llama<B> {
     ) -> Result<Tensor<B, 3>, PluginError> {
         let LlamaInput { tokens, documents } = input;
         self.check_tokens(&tokens)?;
-        let mut x = self.embedding.forward(tokens);
-        for block in &self.blocks {
-            let documents = documents.clone();
-            x = block.try_forward(AttentionInput { x, documents }, context)?;
-        }
+        let x = self.embedding.forward(tokens);
+        let x = (self.chain()).try_forward(AttentionInput { x, documents }, context)?;
         Ok(self.norm.forward(x))
+    }
+
+    /// How many consecutive blocks share one gradient checkpoint (1 or 2).
+    pub fn layers_per_checkpoint(&self) -> usize {
+        self.layers_per_checkpoint
+    }
+
+    /// The blocks with [`layers_per_checkpoint`](Self::layers_per_checkpoint) layers per
+    /// checkpoint.
+    fn chain(&self) -> BlockChain<'_, B> {
+        BlockChain::try_new(&self.blocks, self.layers_per_checkpoint).expect(
+            "the configuration's layers per checkpoint were checked when the model was built",
+        )
     }
 
     /// The output projection's weight and its layout: the head's `[d_model, vocab]`, or the
@@ -277,14 +292,13 @@ impl<B: FlashAttentionBackend> Llama<B> {
         self
     }
 
-    /// The bytes of each tensor the blocks move to host memory in one training step on
-    /// `[batch, seq]` tokens (`seq` this rank's), for
+    /// The bytes of each tensor the blocks' checkpoints (one per pair of blocks with two layers
+    /// per checkpoint) move to host memory in one training step on `[batch, seq]` tokens (`seq`
+    /// this rank's), for
     /// [`HostOffload::prepare_host_offload`](burn_distflash::offload::HostOffload::prepare_host_offload) before the
     /// step; empty when no block offloads.
     pub fn offloaded_bytes(&self, batch: usize, seq: usize) -> Vec<usize> {
-        (self.blocks.iter())
-            .flat_map(|block| block.offloaded_bytes(batch, seq))
-            .collect()
+        self.chain().offloaded_bytes(batch, seq)
     }
 
     /// Refuses, before any work, tokens that are not `[batch > 0, seq > 0]` on the model's

@@ -5,7 +5,8 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 use burn_distflash::layers::{
-    replicate, CheckpointPlacement, ForwardCounter, TransformerBlock, TransformerBlockConfig,
+    replicate, BlockChain, CheckpointPlacement, ForwardCounter, Offload, TransformerBlock,
+    TransformerBlockConfig,
 };
 use burn_distflash::sequence_parallel::Layout;
 use burn_distflash::{
@@ -22,6 +23,17 @@ pub fn small_config() -> TransformerBlockConfig {
             .with_causal(true),
         96,
     )
+}
+
+/// A tensor of uniform noise (the test data).
+pub fn random<B: burn::tensor::backend::Backend>(
+    rng: &mut Rng,
+    dims: [usize; 3],
+    device: &B::Device,
+) -> Tensor<B, 3> {
+    let n = dims.iter().product();
+    let values: Vec<f32> = (0..n).map(|_| rng.uniform() as f32).collect();
+    Tensor::from_data(TensorData::new(values, dims), device)
 }
 
 /// Replaces every weight with uniform noise of amplitude `amp` (norm scales around 1), so no
@@ -107,6 +119,25 @@ pub fn in_head_groups<B: Backend>(
     copies
 }
 
+/// [`lift`], each copy's layer `l` of `n` offloading its checkpoint where `policy` says.
+pub fn lift_offloading<B>(
+    blocks: &[TransformerBlock<B>],
+    placement: CheckpointPlacement,
+    policy: Offload,
+    devices: &[B::Device],
+) -> Vec<Vec<TransformerBlock<B>>>
+where
+    B: AutodiffBackend + FlashAttentionBackend,
+{
+    let mut copies = lift(blocks, placement, devices);
+    for copy in &mut copies {
+        for (layer, block) in copy.iter_mut().enumerate() {
+            block.offload = policy.offloads(layer, blocks.len());
+        }
+    }
+    copies
+}
+
 /// Collects every float parameter's gradient, in module order.
 struct Collect<'a, B: AutodiffBackend> {
     grads: &'a B::Gradients,
@@ -156,15 +187,30 @@ pub fn step_with_documents<B: AutodiffBackend + FlashAttentionBackend>(
     context: &AttentionContext<B>,
     documents: Option<&Documents>,
 ) -> StepResult {
+    step_chained(blocks, 1, x, r, context, documents)
+}
+
+/// [`step_with_documents`] with `layers_per_checkpoint` layers per checkpoint
+/// ([`BlockChain`]; 1: each block alone).
+pub fn step_chained<B: AutodiffBackend + FlashAttentionBackend>(
+    blocks: &[TransformerBlock<B>],
+    layers_per_checkpoint: usize,
+    x: Tensor<B::InnerBackend, 3>,
+    r: Tensor<B::InnerBackend, 3>,
+    context: &AttentionContext<B>,
+    documents: Option<&Documents>,
+) -> StepResult {
     for block in blocks {
         block.attention.counter.reset();
     }
     let x = Tensor::<B, 3>::from_inner(x).require_grad();
-    let mut y = x.clone();
-    for block in blocks {
-        let documents = documents.cloned();
-        y = block.forward(AttentionInput { x: y, documents }, context);
-    }
+    let input = AttentionInput {
+        x: x.clone(),
+        documents: documents.cloned(),
+    };
+    let y = BlockChain::try_new(blocks, layers_per_checkpoint)
+        .and_then(|chain| chain.try_forward(input, context))
+        .unwrap_or_else(|e| panic!("{e}"));
     let output = y
         .clone()
         .inner()
@@ -226,6 +272,40 @@ pub fn assert_same_step(what: &str, got: &StepResult, expected: &StepResult, tol
             "{what}: gradient of weight {i} differs by {err:e}"
         );
     }
+}
+
+fn bits(values: &[f32]) -> Vec<u32> {
+    values.iter().map(|v| v.to_bits()).collect()
+}
+
+/// The output, the input gradient, every weight gradient and the attention forward counts of
+/// two steps, bit for bit.
+pub fn assert_bitwise(what: &str, got: &StepResult, expected: &StepResult) {
+    assert!(
+        bits(&got.output) == bits(&expected.output),
+        "{what}: output"
+    );
+    assert!(
+        bits(&got.input_grad) == bits(&expected.input_grad),
+        "{what}: input gradient"
+    );
+    assert_eq!(
+        got.weight_grads.len(),
+        expected.weight_grads.len(),
+        "{what}"
+    );
+    for (i, (g, e)) in got
+        .weight_grads
+        .iter()
+        .zip(&expected.weight_grads)
+        .enumerate()
+    {
+        assert!(bits(g) == bits(e), "{what}: gradient of weight {i}");
+    }
+    assert_eq!(
+        got.attention_forwards, expected.attention_forwards,
+        "{what}"
+    );
 }
 
 /// The ranks' outputs and input gradients put back in sequence order for `layout` (`batch` rows

@@ -1,11 +1,14 @@
-//! `llama_train`'s memory options: checkpoint placement and host offload, where the sharded
-//! optimizer's state lives and the buckets of its gradient sum, the loss and feed-forward chunks, and the memory planner (`--plan`, `--memory auto`, `--gpu-memory`,
+//! `llama_train`'s memory options: checkpoint placement, layers per checkpoint and host offload,
+//! where the sharded optimizer's state lives and the buckets of its gradient sum, the loss and
+//! feed-forward chunks, and the memory planner (`--plan`, `--memory auto`, `--gpu-memory`,
 //! `--host-memory`).
 
 use burn_distflash::layers::{CheckpointPlacement, Offload, RowChunks};
 use clap::Args;
 
-use super::values::{at_least_one, bytes, offload, placement, MemoryMode, OptimizerState};
+use super::values::{
+    at_least_one, bytes, layers_per_checkpoint, offload, placement, MemoryMode, OptimizerState,
+};
 use crate::optimizer::{StatePlacement, DEFAULT_STATE_CHUNK_BYTES};
 
 /// What one GPU holds: checkpoints, offload, chunks, and the planner's prediction.
@@ -18,6 +21,13 @@ pub struct MemoryArgs {
     /// configuration's
     #[arg(long, value_name = "PLACEMENT", value_parser = placement())]
     pub checkpoint: Option<CheckpointPlacement>,
+
+    /// Layers per checkpoint: 1, or 2 with --checkpoint layer (each pair of layers keeps only
+    /// its input: half the checkpoints on the GPU or in host memory, for one more forward of the
+    /// pair's first layer without attention; a pair offloads when its first layer does; the same
+    /// numbers) (default: the configuration's)
+    #[arg(long, value_name = "1|2", value_parser = layers_per_checkpoint())]
+    pub layers_per_checkpoint: Option<usize>,
 
     /// Checkpoints wait in host memory between forward and backward: off, all (every layer's),
     /// or N (all but the last N layers'); needs --checkpoint layer|attention-output (default:
@@ -64,7 +74,8 @@ pub struct MemoryArgs {
 
     /// How the loss and feed-forward chunks are chosen (default: --loss-chunk and --ffn-chunk);
     /// auto: the largest that fit 90% of --gpu-memory and, unless --offload is given, the
-    /// fewest layers to offload with them (within the host's memory)
+    /// fewest layers to offload with them (within the host's memory); with --checkpoint layer
+    /// and no --layers-per-checkpoint, 2 layers per checkpoint where nothing fits with 1
     #[arg(long, value_enum, value_name = "MODE", requires = "gpu_memory")]
     pub memory: Option<MemoryMode>,
 

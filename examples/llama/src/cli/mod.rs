@@ -26,8 +26,8 @@ pub use model::ModelArgs;
 pub use optimisation::OptimisationArgs;
 pub use output::OutputArgs;
 pub use values::{
-    at_least_one, bytes, fraction, non_negative, offload, placement, BackendKind, Dtype,
-    MemoryMode, OptimizerState, Schedule, Zero,
+    at_least_one, bytes, fraction, layers_per_checkpoint, non_negative, offload, placement,
+    BackendKind, Dtype, MemoryMode, OptimizerState, Schedule, Zero,
 };
 
 /// Everything `llama_train`'s command line chose.
@@ -186,6 +186,12 @@ mod tests {
             args.memory.offload,
             Some(burn_distflash::layers::Offload::AllButLast(2))
         );
+        assert_eq!(
+            args.memory.layers_per_checkpoint, None,
+            "the configuration's"
+        );
+        let paired = parse(&["--layers-per-checkpoint", "2"]).unwrap();
+        assert_eq!(paired.memory.layers_per_checkpoint, Some(2));
         assert_eq!(args.optimisation.zero, Some(Zero::OptimizerStates));
         assert_eq!(args.devices.schedule, Schedule::Balanced);
         assert!(args.memory.chunks().0.is_some() && args.memory.chunks_given());
@@ -265,6 +271,10 @@ mod tests {
             kind(&["--checkpoint", "attention"]),
             ErrorKind::InvalidValue
         );
+        for layers in ["0", "3", "two"] {
+            let args = ["--layers-per-checkpoint", layers];
+            assert_eq!(kind(&args), ErrorKind::InvalidValue, "{layers}");
+        }
         assert_eq!(kind(&["--eot", "3"]), ErrorKind::MissingRequiredArgument);
         assert_eq!(
             kind(&["--memory", "auto"]),

@@ -1,7 +1,8 @@
 //! The values of `llama_train`'s options that clap checks itself: the named choices (backend,
-//! element type, schedule, ZeRO stage, optimizer state, memory mode) as `ValueEnum`s, and the parsers of
-//! checkpoint placements, sizes, fractions, rates, byte counts and the offload policy, each
-//! refusing what is out of range with a message naming what is allowed.
+//! element type, schedule, ZeRO stage, optimizer state, memory mode) as `ValueEnum`s, and the
+//! parsers of checkpoint placements, layers per checkpoint, sizes, fractions, rates, byte counts
+//! and the offload policy, each refusing what is out of range with a message naming what is
+//! allowed.
 
 use burn_distflash::layers::{CheckpointPlacement, Offload};
 use burn_distflash::schedule::ScheduleKind;
@@ -109,6 +110,11 @@ pub enum MemoryMode {
 /// the help.
 pub fn placement() -> impl TypedValueParser<Value = CheckpointPlacement> {
     PossibleValuesParser::new(CheckpointPlacement::NAMES).try_map(|name| name.parse())
+}
+
+/// Layers per gradient checkpoint, `1` or `2`, its values listed in the help.
+pub fn layers_per_checkpoint() -> impl TypedValueParser<Value = usize> {
+    PossibleValuesParser::new(["1", "2"]).try_map(|n| n.parse::<usize>())
 }
 
 /// A count of at least 1 (layers, tokens, GPUs), as clap checks it.

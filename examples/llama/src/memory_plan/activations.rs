@@ -5,12 +5,14 @@
 //! `seq_len / world`, which the rotary tables are made for).
 //!
 //! The counts follow the code: a checkpointed block keeps its input (and, at the attention
-//! output, attention's output and f32 log-sum-exp); without checkpoints Burn's graph keeps what
-//! each node's backward reads (the norms' inputs, the linear layers' inputs, the rotary tables,
-//! attention's q, k, v, output and lse, SwiGLU's gate and up). Transients are the tensors alive
-//! at once at the busiest moment of a block's backward (attention's backward, or the
-//! feed-forward's chunk) and of the loss's backward (one chunk of logits and its gradient, the
-//! weight's f32 gradient sum, the hidden states' gradient).
+//! output, attention's output and f32 log-sum-exp), a pair of blocks checkpointed together its
+//! input; without checkpoints Burn's graph keeps what each node's backward reads (the norms'
+//! inputs, the linear layers' inputs, the rotary tables, attention's q, k, v, output and lse,
+//! SwiGLU's gate and up). Transients are the tensors alive at once at the busiest moment of a
+//! block's backward (attention's backward, or the feed-forward's chunk; in a pair's backward,
+//! the second block's with what the first block's backward needs beside it) and of the loss's
+//! backward (one chunk of logits and its gradient, the weight's f32 gradient sum, the hidden
+//! states' gradient).
 
 use burn_distflash::layers::{feed_forward_bytes_per_row, CheckpointPlacement};
 
@@ -62,6 +64,14 @@ impl Widths {
                     + self.rotary_tables(positions)
             }
         }
+    }
+
+    /// Bytes a pair's backward (two layers per checkpoint) holds beside its second block's
+    /// backward over `rows` tokens at `positions` positions: the second block's recomputed
+    /// input, and the first block's attention output and f32 lse, kept for its own backward
+    /// (what an attention-output checkpoint keeps).
+    pub fn pair_backward_kept(&self, rows: u64, positions: u64) -> u64 {
+        self.kept_per_layer(CheckpointPlacement::AttentionOutput, rows, positions)
     }
 
     /// Bytes one token keeps beside the blocks: the final norm's input and output (the

@@ -1,22 +1,24 @@
 //! [`MemoryPlanner`]: the bytes one GPU holds while training a Llama, predicted from the model's
 //! configuration and the training options alone, on the host (no device, no tensor): the weights,
 //! gradients and optimizer state (counted as [`MemoryReport`] counts them), the activations kept
-//! for the backward (the blocks' checkpoints, on the GPU or offloaded to host memory, and what
-//! the model keeps beside them), the largest transient and the peak; then (`search`) the longest
-//! sequence that fits a GPU, and the largest chunks of the loss and the feed-forward blocks that
-//! fit.
+//! for the backward (the blocks' checkpoints, one per layer or per pair of layers
+//! (`checkpoint_count`), on the GPU or offloaded to host memory, and what the model keeps beside
+//! them), the largest transient and the peak; then (`search`) the longest sequence that fits a
+//! GPU, and the largest chunks of the loss and the feed-forward blocks that fit.
 //!
 //! The step is modelled phase by phase, the peak being the largest:
 //! - the loss's backward: everything the forward kept, and the loss's transient;
-//! - the blocks' backward: every checkpoint on the GPU (offloaded ones come back one block
+//! - the blocks' backward: every checkpoint on the GPU (offloaded ones come back one checkpoint
 //!   ahead), every gradient, one block's transient (on a group with attention's distributed
-//!   backward: `sequence_parallel`), and what the pools hold beyond the counted tensors there
-//!   (measured on H200s: see `POOL_SLACK_OF_CHECKPOINTS` and
-//!   `POOL_SLACK_OF_OPTIMIZER_VECTORS`). A block's checkpoint is freed once its
-//!   backward has run, but a pool allocator does not hand those pages to the gradients, whose
-//!   buffers have other sizes: on 4 H200s, LLaMA-7B at 256K tokens peaked 2.57 GiB per GPU higher
-//!   per layer (32 layers against 4, `BENCHMARKS.md`), where a layer's checkpoint, weights,
-//!   gradients and AdamW state take 2.51 GiB together and 1.88 GiB without its gradients;
+//!   backward: `sequence_parallel`; in a pair's backward, the second block's, with its
+//!   recomputed input and the first block's attention output and lse beside it), and what the
+//!   pools hold beyond the counted tensors there (measured on H200s: see
+//!   `POOL_SLACK_OF_CHECKPOINTS` and `POOL_SLACK_OF_OPTIMIZER_VECTORS`). A block's checkpoint
+//!   is freed once its backward has run, but a pool allocator does not hand those pages to the
+//!   gradients, whose buffers have other sizes: on 4 H200s, LLaMA-7B at 256K tokens peaked
+//!   2.57 GiB per GPU higher per layer (32 layers against 4, `BENCHMARKS.md`), where a layer's
+//!   checkpoint, weights, gradients and AdamW state take 2.51 GiB together and 1.88 GiB without
+//!   its gradients;
 //! - the optimizer step (`optimizer_step`): the weights and the updated weights made beside them,
 //!   the gradients, and under ZeRO 1/2 on a group one bucket of the gradient sum (its f32
 //!   copies, the bucket end to end and its sum) and the summed f32 share (in buckets; the fused
@@ -33,6 +35,7 @@
 //! every phase; `chunk_classes` keeps the loss and feed-forward chunks out of the top class.
 
 mod activations;
+mod checkpoint_count;
 mod chunk_classes;
 mod optimizer_step;
 mod pool_classes;
@@ -50,6 +53,7 @@ use crate::config::LlamaConfig;
 use crate::train::{MemoryReport, TrainOptions};
 use crate::Error;
 use activations::Widths;
+use checkpoint_count::CheckpointCount;
 use sequence_parallel::SequenceSplit;
 use step_buffers::{ActivationShapes, StepBuffers};
 
@@ -115,6 +119,10 @@ pub struct MemoryPlanner {
     /// The GPU's total memory, which CubeCL's pool classes are cut from ([`PoolClasses::cuda`]);
     /// `None`: bytes are counted without the classes (the searches use the memory they fit).
     pub gpu_memory: Option<u64>,
+    /// Whether [`fitting_memory`](Self::fitting_memory) may train a model of one layer per
+    /// checkpoint at the `Layer` placement with two layers per checkpoint, where nothing fits
+    /// with one (`llama_train --memory auto` without `--layers-per-checkpoint`).
+    pub choose_layers_per_checkpoint: bool,
 }
 
 /// Which phase of a step holds the most.
@@ -139,10 +147,12 @@ pub struct MemoryPlan {
     pub optimizer_step: OptimizerStepMemory,
     /// The blocks' checkpoints held on the GPU after the forward.
     pub checkpoints: u64,
-    /// One block's checkpoint.
-    pub checkpoint_per_layer: u64,
-    /// Blocks whose checkpoints wait in host memory (the first ones in the forward).
-    pub offloaded_layers: usize,
+    /// Layers per checkpoint (`LlamaConfig::layers_per_checkpoint`).
+    pub layers_per_checkpoint: usize,
+    /// One checkpoint: one block's, or with two layers per checkpoint one pair's (its input).
+    pub per_checkpoint: u64,
+    /// Checkpoints waiting in host memory (the first ones in the forward).
+    pub offloaded_checkpoints: u64,
     /// Host memory (pinned on CUDA) in all: the offloaded checkpoints and a host-resident
     /// optimizer state (`state.host_optimizer`).
     pub host: u64,
@@ -191,6 +201,7 @@ impl MemoryPlanner {
             schedule: ScheduleKind::Auto,
             overlap: true,
             gpu_memory: None,
+            choose_layers_per_checkpoint: false,
         }
     }
 
@@ -209,13 +220,14 @@ impl MemoryPlanner {
         let widths = self.widths()?;
         let rows = (o.batch * o.seq_len / self.world) as u64;
         let positions = (o.seq_len / self.world) as u64;
-        let layers = c.n_layers as u64;
         let state = self.state();
         let placement = c.checkpoint;
-        let per_layer = widths.kept_per_layer(placement, rows, positions);
-        let offloaded_layers = c.offload.offloaded_layers(c.n_layers);
-        let offloaded = offloaded_layers as u64;
-        let checkpoints = per_layer * (layers - offloaded);
+        // A pair's checkpoint is its input, a layer checkpoint's.
+        let per_checkpoint = widths.kept_per_layer(placement, rows, positions);
+        let count = CheckpointCount::of(c);
+        let offloaded = count.offloaded;
+        let checkpoints = per_checkpoint * count.on_gpu();
+        let pairs = c.layers_per_checkpoint == 2;
         let kept = widths.kept_beside_blocks() * rows;
         let loss_rows = self.loss_rows(&widths, rows);
         let ffn_rows = self.ffn_rows(&widths, rows);
@@ -231,7 +243,11 @@ impl MemoryPlanner {
             ffn_rows,
             sequence_parallel_per_row,
         );
-        let block_transient = attention_backward.max(ffn_backward);
+        let pair_kept = match pairs {
+            true => widths.pair_backward_kept(rows, positions),
+            false => 0,
+        };
+        let block_transient = attention_backward.max(ffn_backward) + pair_kept;
         let optimizer_step =
             OptimizerStepMemory::of(&state, o.state_chunk_bytes, o.grad_bucket_bytes);
         let pools = self.pool_classes();
@@ -240,8 +256,8 @@ impl MemoryPlanner {
         // the gradients, whose buffers have other sizes (see the module's documentation).
         // Without checkpoints Burn's graph frees its saved tensors as the backward goes, and
         // the gradients, of the same sizes, take their pages: no share of them is added.
-        // Offloaded checkpoints come back one block ahead: two of them on the GPU at once.
-        let prefetched = per_layer * offloaded.min(2);
+        // Offloaded checkpoints come back one checkpoint ahead: two of them on the GPU at once.
+        let prefetched = per_checkpoint * offloaded.min(2);
         let slack_of_checkpoints = match placement {
             CheckpointPlacement::None => 0.0,
             _ => POOL_SLACK_OF_CHECKPOINTS * (checkpoints + prefetched) as f64,
@@ -268,8 +284,9 @@ impl MemoryPlanner {
                     widths,
                     placement,
                     rows,
-                    layers_on_gpu: layers - offloaded,
-                    layers_in_backward: layers - offloaded + offloaded.min(2),
+                    checkpoints_on_gpu: count.on_gpu(),
+                    checkpoints_in_backward: count.on_gpu() + offloaded.min(2),
+                    pairs,
                     loss_rows,
                     ffn_rows,
                 };
@@ -298,9 +315,10 @@ impl MemoryPlanner {
             state,
             optimizer_step,
             checkpoints,
-            checkpoint_per_layer: per_layer,
-            offloaded_layers,
-            host: per_layer * offloaded + state.host_optimizer,
+            layers_per_checkpoint: c.layers_per_checkpoint,
+            per_checkpoint,
+            offloaded_checkpoints: offloaded,
+            host: per_checkpoint * offloaded + state.host_optimizer,
             kept,
             sequence_parallel,
             loss_rows,
@@ -459,9 +477,10 @@ impl fmt::Display for MemoryPlan {
         }
         writeln!(
             f,
-            "checkpoints         {} ({} per layer)",
+            "checkpoints         {} ({} per checkpoint of {} layer(s))",
             b(self.checkpoints),
-            b(self.checkpoint_per_layer)
+            b(self.per_checkpoint),
+            self.layers_per_checkpoint
         )?;
         writeln!(f, "kept beside blocks  {}", b(self.kept))?;
         if self.sequence_parallel > 0 {
@@ -503,9 +522,10 @@ impl fmt::Display for MemoryPlan {
         writeln!(f, "peak                {}", b(self.peak))?;
         write!(
             f,
-            "host (offloaded)    {} ({} layer(s) of checkpoints, optimizer state {})",
+            "host (offloaded)    {} ({} checkpoint(s) of {} layer(s), optimizer state {})",
             b(self.host),
-            self.offloaded_layers,
+            self.offloaded_checkpoints,
+            self.layers_per_checkpoint,
             b(s.host_optimizer)
         )
     }
@@ -531,13 +551,13 @@ mod tests {
         let plan = planner(CheckpointPlacement::Layer, 8192, 4).plan().unwrap();
         // 2 x 8192 / 4 tokens per GPU, 4096 bf16 each, 32 blocks.
         assert_eq!(plan.tokens, 4096);
-        assert_eq!(plan.checkpoint_per_layer, 4096 * 4096 * 2);
-        assert_eq!(plan.checkpoints, 32 * plan.checkpoint_per_layer);
+        assert_eq!(plan.per_checkpoint, 4096 * 4096 * 2);
+        assert_eq!(plan.checkpoints, 32 * plan.per_checkpoint);
         let output = planner(CheckpointPlacement::AttentionOutput, 8192, 4)
             .plan()
             .unwrap();
         // Attention's output (4096 bf16) and f32 lse (32 heads) more per token.
-        assert_eq!(output.checkpoint_per_layer, 4096 * (2 * 4096 * 2 + 4 * 32));
+        assert_eq!(output.per_checkpoint, 4096 * (2 * 4096 * 2 + 4 * 32));
     }
 
     #[test]
@@ -573,8 +593,8 @@ mod tests {
         // The last 12 of 32 layers keep theirs on the GPU.
         planner.config.offload = Offload::AllButLast(12);
         let offloaded = planner.plan().unwrap();
-        assert_eq!(offloaded.offloaded_layers, 20);
-        assert_eq!(offloaded.host, 20 * kept.checkpoint_per_layer);
+        assert_eq!(offloaded.offloaded_checkpoints, 20);
+        assert_eq!(offloaded.host, 20 * kept.per_checkpoint);
         assert_eq!(offloaded.checkpoints + offloaded.host, kept.checkpoints);
         assert!(offloaded.peak < kept.peak);
         planner.config.offload = Offload::All;
@@ -583,6 +603,50 @@ mod tests {
         planner.config = planner.config.with_checkpoint(CheckpointPlacement::None);
         let err = planner.plan().unwrap_err().to_string();
         assert!(err.contains("offload"), "{err}");
+    }
+
+    #[test]
+    fn pairs_halve_the_checkpoints_and_hold_the_first_blocks_tensors_in_the_backward() {
+        use crate::optimizer::{StatePlacement, ZeroStage};
+        // LLaMA-7B, a million tokens over two GPUs, every checkpoint offloaded, ZeRO 2 with the
+        // state in host memory: 32 inputs of 4 GiB each, or 16.
+        let mut planner = planner(CheckpointPlacement::Layer, 1 << 20, 2);
+        planner.options.batch = 1;
+        planner.options = (planner.options.clone())
+            .with_zero(ZeroStage::Gradients)
+            .with_optimizer_state(StatePlacement::Host);
+        planner.config.offload = Offload::All;
+        let layers = planner.plan().unwrap();
+        planner.config.layers_per_checkpoint = 2;
+        let pairs = planner.plan().unwrap();
+        let input = 524288 * 4096 * 2;
+        assert_eq!(
+            (layers.per_checkpoint, pairs.per_checkpoint),
+            (input, input)
+        );
+        assert_eq!(layers.host - layers.state.host_optimizer, 32 * input);
+        assert_eq!(pairs.host - pairs.state.host_optimizer, 16 * input);
+        assert_eq!(pairs.offloaded_checkpoints, 16);
+        assert_eq!(layers.host - pairs.host, 64 << 30);
+        // The second block's input and the first block's attention output (4096 bf16 each)
+        // and f32 lse (32 heads) per token, beside the second block's backward.
+        assert_eq!(
+            pairs.transient - layers.transient,
+            524288 * (2 * 4096 * 2 + 4 * 32)
+        );
+        assert_eq!(pairs.peak - layers.peak, pairs.transient - layers.transient);
+        let text = pairs.to_string();
+        assert!(
+            text.contains("16 checkpoint(s) of 2 layer(s)") && text.contains("101.65 GiB"),
+            "{text}"
+        );
+        // On the GPU too: 16 inputs instead of 32.
+        planner.config.offload = Offload::Off;
+        assert_eq!(planner.plan().unwrap().checkpoints, 16 * input);
+        // Two layers per checkpoint need the layer placement.
+        planner.config.checkpoint = CheckpointPlacement::AttentionOutput;
+        let err = planner.plan().unwrap_err().to_string();
+        assert!(err.contains("layers_per_checkpoint"), "{err}");
     }
 
     #[test]

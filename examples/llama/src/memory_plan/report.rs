@@ -33,7 +33,7 @@ impl MemoryPlanner {
         let mut text = format!(
             "memory plan per GPU: {} layers, d_model {}, {} heads / {} kv, d_ff {}, vocab {}; \
              {} x {} tokens over {} GPU(s); {}-byte elements; ZeRO stage {}; checkpoint {:?}; \
-             offload {:?}\n{plan}\n",
+             {} layer(s) per checkpoint; offload {:?}\n{plan}\n",
             c.n_layers,
             c.d_model,
             c.n_heads,
@@ -46,6 +46,7 @@ impl MemoryPlanner {
             self.elem_bytes,
             o.zero,
             c.checkpoint,
+            c.layers_per_checkpoint,
             c.offload,
         );
         let Some(gpu) = gpu_bytes else {
@@ -120,10 +121,12 @@ impl fmt::Display for Picked<'_> {
         let plan = &self.0.plan;
         write!(
             f,
-            "loss chunks of {} rows, feed-forward chunks of {} rows, offload {:?} (peak {}, host {})",
+            "loss chunks of {} rows, feed-forward chunks of {} rows, offload {:?}, {} layer(s) \
+             per checkpoint (peak {}, host {})",
             plan.loss_rows,
             plan.ffn_rows,
             self.0.offload,
+            self.0.layers_per_checkpoint,
             format_bytes(plan.peak),
             format_bytes(plan.host)
         )

@@ -1,7 +1,8 @@
 //! Searches over [`MemoryPlanner`] predictions: the longest sequence whose step fits a GPU, the
-//! largest loss and feed-forward chunks that fit, and with them the fewest layers to offload
-//! (what `llama_train --memory auto` trains with). A peak grows with the sequence and with the
-//! chunks and falls with every offloaded layer, so all are monotone searches.
+//! largest loss and feed-forward chunks that fit, and with them the fewest layers to offload and,
+//! where nothing fits otherwise, two layers per checkpoint (what `llama_train --memory auto`
+//! trains with). A peak grows with the sequence and with the chunks and falls with every
+//! offloaded layer, so all are monotone searches.
 
 use burn_distflash::layers::{CheckpointPlacement, Offload, RowChunks};
 
@@ -24,7 +25,8 @@ const LONGEST_SEARCHED: usize = 1 << 34;
 /// backward of the layer after it).
 pub const AUTO_MIN_CHUNK_ROWS: u64 = 4096;
 
-/// What [`MemoryPlanner::fitting_memory`] chose: the chunks, the offload policy and their plan.
+/// What [`MemoryPlanner::fitting_memory`] chose: the chunks, the offload policy, the layers per
+/// checkpoint and their plan.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FittedMemory {
     /// Rows per chunk of the loss.
@@ -33,6 +35,8 @@ pub struct FittedMemory {
     pub ffn_chunks: RowChunks,
     /// Which layers offload their checkpoints.
     pub offload: Offload,
+    /// Layers per checkpoint.
+    pub layers_per_checkpoint: usize,
     /// The prediction with them.
     pub plan: MemoryPlan,
 }
@@ -57,6 +61,13 @@ impl MemoryPlanner {
     fn with_offload(&self, offload: Offload) -> Self {
         let mut planner = self.clone();
         planner.config.offload = offload;
+        planner
+    }
+
+    /// This planner with `layers` layers per checkpoint.
+    fn with_layers_per_checkpoint(&self, layers: usize) -> Self {
+        let mut planner = self.clone();
+        planner.config.layers_per_checkpoint = layers;
         planner
     }
 
@@ -248,12 +259,35 @@ impl MemoryPlanner {
     /// fewest offloaded layers with which any chunks fit. The last layers stay on the GPU (the
     /// backward needs them first); the offloaded checkpoints stay within the
     /// [`host_limit`](Self::host_limit). Without `choose_offload` the model's own policy is kept.
+    /// Where nothing fits with one layer per checkpoint at the `Layer` placement (the host's
+    /// memory too small for the offloaded checkpoints, typically) and
+    /// [`choose_layers_per_checkpoint`](Self::choose_layers_per_checkpoint), the same with two
+    /// layers per checkpoint (half the checkpoints).
     ///
     /// # Errors
     ///
-    /// That of [`fitting_chunks`](Self::fitting_chunks) with the most offload tried, when
-    /// nothing fits; those of [`plan`](Self::plan).
+    /// That of [`fitting_chunks`](Self::fitting_chunks) with the most offload tried at the
+    /// model's layers per checkpoint, when nothing fits; those of [`plan`](Self::plan).
     pub fn fitting_memory(
+        &self,
+        gpu_bytes: u64,
+        choose_offload: bool,
+    ) -> Result<FittedMemory, Error> {
+        let c = &self.config;
+        let may_pair = self.choose_layers_per_checkpoint
+            && c.checkpoint == CheckpointPlacement::Layer
+            && c.layers_per_checkpoint == 1;
+        match self.fitting_memory_as_configured(gpu_bytes, choose_offload) {
+            Err(refused @ Error::Invalid { .. }) if may_pair => self
+                .with_layers_per_checkpoint(2)
+                .fitting_memory_as_configured(gpu_bytes, choose_offload)
+                .or(Err(refused)),
+            fitted => fitted,
+        }
+    }
+
+    /// [`fitting_memory`](Self::fitting_memory) with the model's layers per checkpoint.
+    fn fitting_memory_as_configured(
         &self,
         gpu_bytes: u64,
         choose_offload: bool,
@@ -287,6 +321,7 @@ impl MemoryPlanner {
                 loss_chunks,
                 ffn_chunks,
                 offload,
+                layers_per_checkpoint: self.config.layers_per_checkpoint,
                 plan,
             };
             if plan.loss_rows >= wanted && plan.ffn_rows >= wanted {
@@ -387,7 +422,7 @@ mod tests {
         assert!(fitted.plan.fits(H200));
         assert!(fitted.plan.loss_rows >= AUTO_MIN_CHUNK_ROWS);
         assert!(fitted.plan.ffn_rows >= AUTO_MIN_CHUNK_ROWS);
-        assert_eq!(fitted.plan.offloaded_layers, 32 - kept);
+        assert_eq!(fitted.plan.offloaded_checkpoints, 32 - kept as u64);
         // One more layer kept on the GPU does not fit with chunks that large.
         let large = |p: &MemoryPlan| {
             p.loss_rows >= AUTO_MIN_CHUNK_ROWS && p.ffn_rows >= AUTO_MIN_CHUNK_ROWS
@@ -433,5 +468,32 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("the longest sequence that fits is"), "{err}");
+    }
+
+    #[test]
+    fn auto_pairs_the_layers_only_where_nothing_fits_with_one_per_checkpoint() {
+        // Layer checkpoints at 192K tokens per GPU: some layers must offload.
+        let mut planner = planner(2).at_length(3 << 17);
+        planner.config.checkpoint = CheckpointPlacement::Layer;
+        let one = planner.fitting_memory(H200, true).unwrap();
+        assert_eq!(one.layers_per_checkpoint, 1);
+        assert!(one.plan.offloaded_checkpoints > 0, "{:?}", one.offload);
+        // A host with half the memory: nothing fits with one layer per checkpoint, and
+        // without the choice the refusal stands.
+        planner.host_limit = Some(one.plan.host / 2);
+        let refused = planner.fitting_memory(H200, true).unwrap_err().to_string();
+        assert!(refused.contains("host memory"), "{refused}");
+        planner.choose_layers_per_checkpoint = true;
+        let paired = planner.fitting_memory(H200, true).unwrap();
+        assert_eq!(paired.layers_per_checkpoint, 2);
+        assert_eq!(paired.plan.layers_per_checkpoint, 2);
+        assert!(paired.plan.fits(H200) && paired.plan.host <= one.plan.host / 2);
+        // Where one layer per checkpoint fits, it is kept; at another placement too.
+        planner.host_limit = None;
+        assert_eq!(planner.fitting_memory(H200, true).unwrap(), one);
+        planner.host_limit = Some(one.plan.host / 2);
+        planner.config.checkpoint = CheckpointPlacement::AttentionOutput;
+        let fitted = planner.fitting_memory(H200, true);
+        assert!(fitted.is_err() || fitted.unwrap().layers_per_checkpoint == 1);
     }
 }

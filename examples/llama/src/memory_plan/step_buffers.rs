@@ -36,10 +36,13 @@ pub(crate) struct ActivationShapes {
     pub placement: CheckpointPlacement,
     /// Tokens of the rank.
     pub rows: u64,
-    /// Blocks whose checkpoints are on the GPU in the loss's backward.
-    pub layers_on_gpu: u64,
-    /// Blocks whose checkpoints are on the GPU in a block's backward (with the prefetched).
-    pub layers_in_backward: u64,
+    /// Checkpoints on the GPU in the loss's backward.
+    pub checkpoints_on_gpu: u64,
+    /// Checkpoints on the GPU in a block's backward (with the prefetched).
+    pub checkpoints_in_backward: u64,
+    /// Whether two layers share a checkpoint: a pair's backward holds the second block's input
+    /// and the first block's attention output and lse beside the second block's backward.
+    pub pairs: bool,
     /// Rows per chunk of the loss.
     pub loss_rows: u64,
     /// Rows per chunk of the feed-forward blocks.
@@ -52,18 +55,13 @@ impl ActivationShapes {
         vec![rows * width * bytes; count]
     }
 
-    /// One block's checkpoint, tensor by tensor.
+    /// One checkpoint (a block's, or a pair's: its input), tensor by tensor.
     fn checkpoint(&self) -> Buffers {
         let w = &self.widths;
         let (r, e) = (self.rows, w.elem);
         match self.placement {
             CheckpointPlacement::Layer => self.rows_of(r, w.model, e, 1),
-            CheckpointPlacement::AttentionOutput => [
-                self.rows_of(r, w.model, e, 1),
-                self.rows_of(r, w.query, e, 1),
-                self.rows_of(r, w.heads, F32, 1),
-            ]
-            .concat(),
+            CheckpointPlacement::AttentionOutput => self.input_and_attention_output(),
             CheckpointPlacement::None => [
                 self.rows_of(r, w.model, e, 4),
                 self.rows_of(r, w.query, e, 3),
@@ -75,9 +73,21 @@ impl ActivationShapes {
         }
     }
 
-    /// `layers` blocks' checkpoints.
-    fn checkpoints(&self, layers: u64) -> Buffers {
-        (0..layers).flat_map(|_| self.checkpoint()).collect()
+    /// A block's input, attention's output and its f32 lse: an attention-output checkpoint, and
+    /// what a pair's backward holds beside its second block's backward.
+    fn input_and_attention_output(&self) -> Buffers {
+        let w = &self.widths;
+        [
+            self.rows_of(self.rows, w.model, w.elem, 1),
+            self.rows_of(self.rows, w.query, w.elem, 1),
+            self.rows_of(self.rows, w.heads, F32, 1),
+        ]
+        .concat()
+    }
+
+    /// `count` checkpoints.
+    fn checkpoints(&self, count: u64) -> Buffers {
+        (0..count).flat_map(|_| self.checkpoint()).collect()
     }
 
     /// What the model keeps beside the blocks: the final norm's input and output.
@@ -102,7 +112,8 @@ impl ActivationShapes {
     /// A block's backward at its busiest: attention's (the recomputed half, the gradients of
     /// the output, the residual and the merged output, the f32 accumulators) or the
     /// feed-forward's (the half, five `[rows, d_model]` tensors and one chunk's six `[rows,
-    /// d_ff]` ones), whichever [`Widths::layer_backward`] counts larger.
+    /// d_ff]` ones), whichever [`Widths::layer_backward_halves`] counts larger; in a pair, with
+    /// what the first block's backward needs beside it.
     fn block_backward(&self, attention_is_busiest: bool) -> Buffers {
         let w = &self.widths;
         let (r, e) = (self.rows, w.elem);
@@ -134,7 +145,11 @@ impl ActivationShapes {
             ]
             .concat(),
         };
-        [half, rest].concat()
+        let pair = match self.pairs {
+            true => self.input_and_attention_output(),
+            false => Vec::new(),
+        };
+        [half, rest, pair].concat()
     }
 }
 
@@ -150,14 +165,14 @@ impl StepBuffers {
         let (state, vectors) = (step.state_buffers(), step.step_buffers());
         let loss = [
             state.clone(),
-            shapes.checkpoints(shapes.layers_on_gpu),
+            shapes.checkpoints(shapes.checkpoints_on_gpu),
             shapes.kept_beside_blocks(),
             shapes.loss_backward(),
         ]
         .concat();
         let block = [
             state.clone(),
-            shapes.checkpoints(shapes.layers_in_backward),
+            shapes.checkpoints(shapes.checkpoints_in_backward),
             shapes.block_backward(attention_is_busiest),
         ]
         .concat();

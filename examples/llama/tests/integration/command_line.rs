@@ -128,6 +128,7 @@ fn help_lists_every_option_under_its_heading_with_defaults_and_choices() {
         "--seq-len <TOKENS>",
         "--gpu-memory <BYTES>",
         "--offload <off|all|N>",
+        "--layers-per-checkpoint <1|2>",
         "--plan",
         "attention-output",
         "[env: WORLD_SIZE",

@@ -1,9 +1,11 @@
 //! The memory planner against what can be counted without a GPU: its weights, gradients and
 //! optimizer state equal the trainer's [`MemoryReport`] of a built model exactly (every
-//! configuration kind, world size, ZeRO stage and placement of the optimizer state); on wgpu, whose allocator counts its live
-//! bytes, the activations a forward keeps for the backward (at every checkpoint placement) and
-//! the gradients a backward leaves match the prediction within the allocator's rounding; the
-//! host memory planned for offloaded checkpoints is what the model asks the host for.
+//! configuration kind, world size, ZeRO stage and placement of the optimizer state); on wgpu,
+//! whose allocator counts its live bytes, the activations a forward keeps for the backward (at
+//! every checkpoint placement, and with two layers per checkpoint) and the gradients a backward
+//! leaves match the prediction within the allocator's rounding; the host memory planned for
+//! offloaded checkpoints is what the model asks the host for (with one or two layers per
+//! checkpoint).
 
 use crate::common::exclusive_wgpu;
 use burn::tensor::backend::Backend;
@@ -57,30 +59,42 @@ fn the_plans_state_is_the_trainers_memory_report() {
 fn the_plans_host_memory_is_what_the_model_offloads() {
     let (batch, seq) = (2, 48);
     for world in [1, 2, 3] {
-        for (placement, offload) in [
-            (CheckpointPlacement::Layer, Offload::All),
-            (CheckpointPlacement::AttentionOutput, Offload::AllButLast(1)),
-            (CheckpointPlacement::AttentionOutput, Offload::Off),
+        for (placement, offload, layers_per_checkpoint) in [
+            (CheckpointPlacement::Layer, Offload::All, 1),
+            (
+                CheckpointPlacement::AttentionOutput,
+                Offload::AllButLast(1),
+                1,
+            ),
+            (CheckpointPlacement::AttentionOutput, Offload::Off, 1),
+            // A pair (layers 0 and 1), then layer 2 alone.
+            (CheckpointPlacement::Layer, Offload::All, 2),
+            (CheckpointPlacement::Layer, Offload::AllButLast(1), 2),
+            (CheckpointPlacement::Layer, Offload::AllButLast(2), 2),
         ] {
             let config = LlamaConfig::new(300, 64, 3, 4, 2, 96)
                 .with_checkpoint(placement)
-                .with_offload(offload);
+                .with_offload(offload)
+                .with_layers_per_checkpoint(layers_per_checkpoint);
             let model: Llama<Cpu> = config.try_init(&Default::default()).unwrap();
             let options = TrainOptions::new(1, batch, seq);
             let plan = MemoryPlanner::new(config, options, world, 4)
                 .plan()
                 .unwrap();
             // What the trainer pins before a step: each rank's share of the sequence.
-            let asked: usize = model.offloaded_bytes(batch, seq / world).iter().sum();
+            let asked = model.offloaded_bytes(batch, seq / world);
+            let what = format!("{placement:?}, {offload:?}, {layers_per_checkpoint}, {world}");
+            assert_eq!(plan.host, asked.iter().sum::<usize>() as u64, "{what}");
             assert_eq!(
-                plan.host, asked as u64,
-                "{placement:?}, {offload:?}, {world}"
+                plan.offloaded_checkpoints * plan.per_checkpoint,
+                plan.host,
+                "{what}"
             );
-            let layers = offload.offloaded_layers(3);
-            assert_eq!(plan.offloaded_layers, layers);
+            let checkpoints = 3usize.div_ceil(layers_per_checkpoint) as u64;
             assert_eq!(
                 plan.checkpoints,
-                (3 - layers) as u64 * plan.checkpoint_per_layer
+                (checkpoints - plan.offloaded_checkpoints) * plan.per_checkpoint,
+                "{what}"
             );
         }
     }
@@ -95,13 +109,18 @@ fn in_use(device: &cubecl::wgpu::WgpuDevice) -> u64 {
 }
 
 /// `(predicted, measured)` bytes of the activations one forward keeps, then of the gradients
-/// the backward leaves, for a small Llama on wgpu at `placement` (GQA, a batch of two rows:
-/// the rotary tables are per position, the rest per token).
-fn measure(placement: CheckpointPlacement, tied: bool) -> [(u64, u64); 2] {
+/// the backward leaves, for a small Llama on wgpu at `placement` with `layers_per_checkpoint`
+/// (GQA, a batch of two rows: the rotary tables are per position, the rest per token).
+fn measure(
+    placement: CheckpointPlacement,
+    tied: bool,
+    layers_per_checkpoint: usize,
+) -> [(u64, u64); 2] {
     let device = Default::default();
     let config = LlamaConfig::new(300, 64, 2, 4, 2, 96)
         .with_checkpoint(placement)
-        .with_tie_embeddings(tied);
+        .with_tie_embeddings(tied)
+        .with_layers_per_checkpoint(layers_per_checkpoint);
     let (batch, seq) = (2, 48);
     let model: Llama<Wgpu> = config.try_init_seeded(&device, 3).unwrap();
     let plan = MemoryPlanner::new(config, TrainOptions::new(1, batch, seq), 1, 4)
@@ -134,13 +153,15 @@ const SLACK: u64 = 512;
 #[test]
 fn wgpu_kept_activations_and_gradients_are_as_planned() {
     let _wgpu = exclusive_wgpu();
-    for (placement, tied) in [
-        (CheckpointPlacement::Layer, true),
-        (CheckpointPlacement::AttentionOutput, false),
-        (CheckpointPlacement::None, true),
+    for (placement, tied, layers_per_checkpoint) in [
+        (CheckpointPlacement::Layer, true, 1),
+        (CheckpointPlacement::Layer, false, 2),
+        (CheckpointPlacement::AttentionOutput, false, 1),
+        (CheckpointPlacement::None, true, 1),
     ] {
-        let what = format!("{placement:?}, tied {tied}");
-        let [(kept, measured_kept), (grads, measured_grads)] = measure(placement, tied);
+        let what = format!("{placement:?}, tied {tied}, {layers_per_checkpoint} per checkpoint");
+        let [(kept, measured_kept), (grads, measured_grads)] =
+            measure(placement, tied, layers_per_checkpoint);
         eprintln!(
             "{what}: kept {measured_kept} bytes ({kept} predicted), gradients {measured_grads} \
              ({grads} predicted)"

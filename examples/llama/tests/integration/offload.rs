@@ -21,7 +21,7 @@ const LIMIT: Duration = Duration::from_secs(300);
 const STEPS: u64 = 3;
 
 /// A three-layer model checkpointed at `placement`, offloading as `policy` says.
-fn config(placement: CheckpointPlacement, policy: Offload) -> LlamaConfig {
+pub(crate) fn config(placement: CheckpointPlacement, policy: Offload) -> LlamaConfig {
     LlamaConfig {
         n_layers: 3,
         ..small()
@@ -32,7 +32,7 @@ fn config(placement: CheckpointPlacement, policy: Offload) -> LlamaConfig {
 
 /// Per rank: the bits of every step's loss and gradient norm, of the evaluation after them and
 /// of the final weights.
-type Run = (Vec<u64>, Vec<ParamValues>);
+pub(crate) type Run = (Vec<u64>, Vec<ParamValues>);
 
 fn train(trainer: &mut Trainer<Cpu>) -> Run {
     let data = dataset();
@@ -62,11 +62,9 @@ fn options() -> TrainOptions {
     TrainOptions::new(STEPS, 4, 32).with_lr(3e-3).with_warmup(1)
 }
 
-/// `world` ranks (one device when 1) training the same seeded model.
-fn runs(world: usize, placement: CheckpointPlacement, policy: Offload) -> Vec<Run> {
-    let model = (config(placement, policy))
-        .try_init_seeded::<Cpu>(&DEVICE, 3)
-        .unwrap();
+/// `world` ranks (one device when 1) training the same seeded model of `config`.
+pub(crate) fn runs(world: usize, config: &LlamaConfig) -> Vec<Run> {
+    let model = config.try_init_seeded::<Cpu>(&DEVICE, 3).unwrap();
     if world == 1 {
         let mut trainer = Trainer::new(model, AttentionContext::Local, options());
         return vec![train(&mut trainer)];
@@ -82,6 +80,15 @@ fn runs(world: usize, placement: CheckpointPlacement, policy: Offload) -> Vec<Ru
     )
 }
 
+/// Every rank's losses, norms, evaluation and weights, bit for bit.
+pub(crate) fn assert_same_runs(what: &str, got: &[Run], expected: &[Run]) {
+    assert_eq!(got.len(), expected.len(), "{what}: ranks");
+    for (rank, (got, expected)) in got.iter().zip(expected).enumerate() {
+        assert_eq!(got.0, expected.0, "{what}, rank {rank}: losses and norms");
+        assert!(got.1 == expected.1, "{what}, rank {rank}: weights");
+    }
+}
+
 #[test]
 fn offloaded_training_is_bitwise_the_same_on_one_device_and_on_a_group() {
     within(LIMIT, || {
@@ -90,15 +97,11 @@ fn offloaded_training_is_bitwise_the_same_on_one_device_and_on_a_group() {
                 CheckpointPlacement::Layer,
                 CheckpointPlacement::AttentionOutput,
             ] {
-                let expected = runs(world, placement, Offload::Off);
+                let expected = runs(world, &config(placement, Offload::Off));
                 for policy in [Offload::All, Offload::AllButLast(1)] {
-                    let got = runs(world, placement, policy);
-                    for (rank, (got, expected)) in got.iter().zip(&expected).enumerate() {
-                        let what =
-                            format!("{world} rank(s), {placement:?}, {policy:?}, rank {rank}");
-                        assert_eq!(got.0, expected.0, "{what}: losses and norms");
-                        assert!(got.1 == expected.1, "{what}: weights");
-                    }
+                    let got = runs(world, &config(placement, policy));
+                    let what = format!("{world} rank(s), {placement:?}, {policy:?}");
+                    assert_same_runs(&what, &got, &expected);
                 }
             }
         }

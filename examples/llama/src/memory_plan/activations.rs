@@ -40,6 +40,9 @@ pub(crate) struct Widths {
     pub vocab: u64,
     /// Bytes of one element of the activations and weights.
     pub elem: u64,
+    /// Groups of heads attention runs over one after another in a checkpointed block
+    /// (`LlamaConfig::attention_head_groups`): its per-head backward tensors are one group's.
+    pub head_groups: u64,
 }
 
 impl Widths {
@@ -82,8 +85,8 @@ impl Widths {
 
     /// Bytes of the two busiest moments of one block's backward over `rows` tokens at
     /// `positions` positions, beyond its checkpoint, with `ffn_rows` rows per feed-forward
-    /// chunk, each with the rotary tables: attention's backward (with `sequence_parallel`
-    /// bytes per token more on a group:
+    /// chunk, each with the rotary tables: attention's backward over the groups of heads (with
+    /// `sequence_parallel` bytes per token more on a group, for all heads at once:
     /// [`sequence_parallel_backward`](Self::sequence_parallel_backward)) and the
     /// feed-forward's. The larger is the block's transient.
     pub fn layer_backward_halves(
@@ -95,18 +98,26 @@ impl Widths {
         sequence_parallel: u64,
     ) -> (u64, u64) {
         let (d, q, kv, e) = (self.model, self.query, self.key, self.elem);
-        let h = self.heads;
-        // The recomputed attention half: the norm's output, rotated q and k, v, and (unless
-        // kept) attention's output and lse. Without checkpoints nothing is recomputed: Burn's
-        // graph kept them, and `kept_per_layer` counts them.
+        let (h, groups) = (self.heads, self.head_groups.max(1));
+        // The recomputed attention half: the norm's output, rotated q and k, v (one group's at a
+        // time in groups), and (unless kept) attention's output and lse. Without checkpoints
+        // nothing is recomputed: Burn's graph kept them, and `kept_per_layer` counts them.
+        let projections = (q + 2 * kv) * e / groups;
         let half = match placement {
             CheckpointPlacement::None => 0,
-            CheckpointPlacement::AttentionOutput => (d + q + 2 * kv) * e,
-            CheckpointPlacement::Layer => (d + q + 2 * kv) * e + q * e + F32 * h,
+            CheckpointPlacement::AttentionOutput => d * e + projections,
+            CheckpointPlacement::Layer => d * e + projections + q * e + F32 * h,
         };
-        // Attention's backward: the output's and residual's gradients (2d), the merged output and
-        // its gradient (2q), f32 accumulators of dq, dk, dv and the row deltas.
-        let attention = half + (2 * d + 2 * q) * e + F32 * (q + 2 * kv + h) + sequence_parallel;
+        // Attention's backward: the output's and residual's gradients (2d) and the merged
+        // output's (q); one group's output and its gradient (q), f32 accumulators of dq, dk, dv
+        // and the row deltas, and sequence-parallel buffers (`sequence_parallel`, a whole
+        // group's); in groups, the whole dq, dk, dv the groups write their columns of.
+        let whole_gradients = match groups > 1 {
+            true => (q + 2 * kv) * e,
+            false => 0,
+        };
+        let per_group = q * e + F32 * (q + 2 * kv + h) + sequence_parallel;
+        let attention = half + (2 * d + q) * e + whole_gradients + per_group / groups;
         // The feed-forward's: h, its norm, the incoming gradient, the input gradient's chunks
         // and their concatenation; one chunk's activations apart (below).
         let ffn = half + 5 * d * e;

@@ -160,8 +160,8 @@ pub struct MemoryPlan {
     /// log-sum-exp, token and target ids).
     pub kept: u64,
     /// What attention's backward holds on a group beyond a one-GPU backward (received
-    /// key/value chunks, the remote chunk's f32 gradients), part of a block's backward
-    /// transient.
+    /// key/value chunks, the remote chunk's f32 gradients; one group of heads' with several),
+    /// part of a block's backward transient.
     pub sequence_parallel: u64,
     /// Rows per chunk of the loss.
     pub loss_rows: u64,
@@ -235,7 +235,7 @@ impl MemoryPlanner {
         let loss_transient = widths.loss_backward(rows, loss_rows);
         let loss_phase = resident + checkpoints + kept + loss_transient;
         let sequence_parallel_per_row = widths.sequence_parallel_backward(self.split());
-        let sequence_parallel = sequence_parallel_per_row * rows;
+        let sequence_parallel = sequence_parallel_per_row * rows / widths.head_groups;
         let (attention_backward, ffn_backward) = widths.layer_backward_halves(
             placement,
             rows,
@@ -375,6 +375,7 @@ impl MemoryPlanner {
             hidden: c.d_ff as u64,
             vocab: c.vocab_size as u64,
             elem: self.elem_bytes as u64,
+            head_groups: c.attention_head_groups.max(1) as u64,
         })
     }
 

@@ -86,6 +86,7 @@ mod tests {
             hidden: 64,
             vocab: 100,
             elem: 2,
+            head_groups: 1,
         }
     }
 

@@ -117,12 +117,15 @@ impl ActivationShapes {
     fn block_backward(&self, attention_is_busiest: bool) -> Buffers {
         let w = &self.widths;
         let (r, e) = (self.rows, w.elem);
+        // One group of heads' widths (all heads' with one group).
+        let g = w.head_groups.max(1);
+        let (group_query, group_key, group_heads) = (w.query / g, w.key / g, w.heads / g);
         let mut half = match self.placement {
             CheckpointPlacement::None => Vec::new(),
             _ => [
                 self.rows_of(r, w.model, e, 1),
-                self.rows_of(r, w.query, e, 1),
-                self.rows_of(r, w.key, e, 2),
+                self.rows_of(r, group_query, e, 1),
+                self.rows_of(r, group_key, e, 2),
             ]
             .concat(),
         };
@@ -130,13 +133,19 @@ impl ActivationShapes {
             half.extend(self.rows_of(r, w.query, e, 1));
             half.extend(self.rows_of(r, w.heads, F32, 1));
         }
+        let whole_gradients = match g > 1 {
+            true => [self.rows_of(r, w.query, e, 1), self.rows_of(r, w.key, e, 2)].concat(),
+            false => Vec::new(),
+        };
         let rest = match attention_is_busiest {
             true => [
                 self.rows_of(r, w.model, e, 2),
-                self.rows_of(r, w.query, e, 2),
-                self.rows_of(r, w.query, F32, 1),
-                self.rows_of(r, w.key, F32, 2),
-                self.rows_of(r, w.heads, F32, 1),
+                self.rows_of(r, w.query, e, 1),
+                self.rows_of(r, group_query, e, 1),
+                self.rows_of(r, group_query, F32, 1),
+                self.rows_of(r, group_key, F32, 2),
+                self.rows_of(r, group_heads, F32, 1),
+                whole_gradients,
             ]
             .concat(),
             false => [

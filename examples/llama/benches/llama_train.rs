@@ -4,7 +4,8 @@
 //! `cargo bench -p distflash-llama --bench llama_train -- --config llama-7b [--layers 4] --gpus 4
 //!  --seq 32768 [--iters 2] [--checkpoint attention-output|layer|none] [--offload off|all|N]
 //!  [--batch 1] [--zero 0|1|2] [--optimizer-state gpu|host] [--optimizer-chunk BYTES]
-//!  [--grad-bucket BYTES] [--profile-last-step] [--phases]` (`-- --help` lists the options with their defaults)
+//!  [--grad-bucket BYTES] [--attention-groups N] [--layers-per-checkpoint 1|2]
+//!  [--profile-last-step] [--phases]` (`-- --help` lists the options with their defaults)
 //!
 //! `--zero 1|2` trains with the sharded optimizer (f32 master weights and moments, 1/P per
 //! rank); `--optimizer-state host` keeps that state in pinned host memory, streamed through the
@@ -104,6 +105,13 @@ struct Args {
     /// the last N layers')
     #[arg(long, value_name = "off|all|N", value_parser = offload)]
     offload: Option<Offload>,
+    /// Groups of heads each layer's attention runs over one after another (a divisor of the
+    /// key/value heads)
+    #[arg(long, value_name = "N", value_parser = at_least_one(), default_value_t = 1)]
+    attention_groups: usize,
+    /// Layers per checkpoint: 1, or 2 (pairs of layers keep one input; needs --checkpoint layer)
+    #[arg(long, value_name = "N", value_parser = at_least_one(), default_value_t = 1)]
+    layers_per_checkpoint: usize,
     /// The optimizer's ZeRO stage: 0 (replicated, moments in bf16), 1 or 2 (f32 master weights
     /// and moments, 1/P per rank)
     #[arg(long, value_enum, value_name = "STAGE", default_value = "0")]
@@ -177,6 +185,12 @@ fn main() {
     config.checkpoint = args.checkpoint;
     if let Some(offload) = args.offload {
         config.offload = offload;
+    }
+    config.attention_head_groups = args.attention_groups;
+    config.layers_per_checkpoint = args.layers_per_checkpoint;
+    if let Err(e) = config.validate() {
+        eprintln!("{e}");
+        std::process::exit(2)
     }
     let (profile_last_step, phases) = (args.profile_last_step, args.phases);
     let (gpus, seq, iters, batch) = (args.gpus, args.seq, args.iters, args.batch);
@@ -277,6 +291,12 @@ fn main() {
         Offload::Off => format!("{:?}", config.checkpoint),
         offload => format!("{:?}, offload {offload:?}", config.checkpoint),
     };
+    if config.attention_head_groups > 1 {
+        checkpoint += &format!(", {} head groups", config.attention_head_groups);
+    }
+    if config.layers_per_checkpoint > 1 {
+        checkpoint += &format!(", {} layers per checkpoint", config.layers_per_checkpoint);
+    }
     if options.zero.is_sharded() {
         let state = options.optimizer_state;
         checkpoint += &format!(", ZeRO {}, state on the {state}", options.zero);

@@ -294,6 +294,7 @@ fn memory_planner(run: &Run, config: &LlamaConfig) -> MemoryPlanner {
     planner.gpu_memory = run.args.memory.gpu_memory;
     planner.schedule = devices.schedule.into();
     planner.choose_layers_per_checkpoint = run.args.memory.layers_per_checkpoint.is_none();
+    planner.choose_attention_head_groups = run.args.memory.attention_groups.is_none();
     planner
 }
 
@@ -340,16 +341,18 @@ fn plan_memory(run: &mut Run, config: &mut LlamaConfig) {
             .unwrap_or_else(|e| fail(format!("--memory auto: {e}")));
         eprintln!(
             "--memory auto: loss chunks of {} rows, feed-forward chunks of {} rows, offload {:?}, \
-             {} layer(s) per checkpoint",
+             {} layer(s) per checkpoint, {} group(s) of heads",
             fitted.plan.loss_rows,
             fitted.plan.ffn_rows,
             fitted.offload,
             fitted.layers_per_checkpoint,
+            fitted.attention_head_groups,
         );
         run.options.loss_chunks = fitted.loss_chunks;
         run.options.ffn_chunks = fitted.ffn_chunks;
         config.offload = fitted.offload;
         config.layers_per_checkpoint = fitted.layers_per_checkpoint;
+        config.attention_head_groups = fitted.attention_head_groups;
     }
     if run.args.devices.backend == BackendKind::Cuda {
         // Chunks whose tensors would take pages of CubeCL's top class are refused before the

@@ -123,6 +123,10 @@ pub struct MemoryPlanner {
     /// checkpoint at the `Layer` placement with two layers per checkpoint, where nothing fits
     /// with one (`llama_train --memory auto` without `--layers-per-checkpoint`).
     pub choose_layers_per_checkpoint: bool,
+    /// Whether [`fitting_memory`](Self::fitting_memory) may run attention over more groups of
+    /// heads than the model's where fewer fit nothing (`llama_train --memory auto` without
+    /// `--attention-groups`).
+    pub choose_attention_head_groups: bool,
 }
 
 /// Which phase of a step holds the most.
@@ -202,6 +206,7 @@ impl MemoryPlanner {
             overlap: true,
             gpu_memory: None,
             choose_layers_per_checkpoint: false,
+            choose_attention_head_groups: false,
         }
     }
 
@@ -604,6 +609,42 @@ mod tests {
         planner.config = planner.config.with_checkpoint(CheckpointPlacement::None);
         let err = planner.plan().unwrap_err().to_string();
         assert!(err.contains("offload"), "{err}");
+    }
+
+    #[test]
+    fn head_groups_divide_attentions_per_head_backward_tensors() {
+        use crate::optimizer::{StatePlacement, ZeroStage};
+        // LLaMA-7B, a million tokens over two GPUs (512K tokens a GPU), every checkpoint
+        // offloaded, ZeRO 2 with the state in host memory.
+        let mut planner = planner(CheckpointPlacement::Layer, 1 << 20, 2);
+        planner.options.batch = 1;
+        planner.options = (planner.options.clone())
+            .with_zero(ZeroStage::Gradients)
+            .with_optimizer_state(StatePlacement::Host);
+        planner.config.offload = Offload::All;
+        let all_heads = planner.plan().unwrap();
+        planner.config.attention_head_groups = 4;
+        let grouped = planner.plan().unwrap();
+        assert_eq!(grouped.peak_phase, StepPhase::BlockBackward);
+        // The received k, v and their f32 dk, dv: one group's.
+        assert_eq!(all_heads.sequence_parallel, 4 * grouped.sequence_parallel);
+        // Per token: q, k, v (12288 bf16) and o, dO (8192), the f32 accumulators and deltas
+        // (12320 f32) and the sequence-parallel buffers (49152 B) a quarter each; the whole dq,
+        // dk, dv (12288 bf16) more.
+        let per_group = 12288 * 2 + 4096 * 2 + 4 * 12320 + 49152;
+        let saved = 524288 * (per_group - per_group / 4 - 12288 * 2);
+        assert_eq!(all_heads.transient - grouped.transient, saved);
+        assert_eq!(all_heads.peak - grouped.peak, saved);
+        assert_eq!(grouped.host, all_heads.host);
+        // With two layers per checkpoint as well, a million tokens fit 90% of an H200.
+        planner.config.layers_per_checkpoint = 2;
+        let both = planner.plan().unwrap();
+        assert!(both.peak < (139u64 << 30) * 9 / 10, "{both}");
+        assert!(both.host < 121u64 << 30, "{both}");
+        // Groups that split a key/value head are refused.
+        planner.config.attention_head_groups = 3;
+        let err = planner.plan().unwrap_err().to_string();
+        assert!(err.contains("attention_head_groups"), "{err}");
     }
 
     #[test]

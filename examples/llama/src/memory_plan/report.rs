@@ -33,7 +33,7 @@ impl MemoryPlanner {
         let mut text = format!(
             "memory plan per GPU: {} layers, d_model {}, {} heads / {} kv, d_ff {}, vocab {}; \
              {} x {} tokens over {} GPU(s); {}-byte elements; ZeRO stage {}; checkpoint {:?}; \
-             {} layer(s) per checkpoint; offload {:?}\n{plan}\n",
+             {} layer(s) per checkpoint; {} group(s) of heads; offload {:?}\n{plan}\n",
             c.n_layers,
             c.d_model,
             c.n_heads,
@@ -47,6 +47,7 @@ impl MemoryPlanner {
             o.zero,
             c.checkpoint,
             c.layers_per_checkpoint,
+            c.attention_head_groups,
             c.offload,
         );
         let Some(gpu) = gpu_bytes else {
@@ -122,11 +123,12 @@ impl fmt::Display for Picked<'_> {
         write!(
             f,
             "loss chunks of {} rows, feed-forward chunks of {} rows, offload {:?}, {} layer(s) \
-             per checkpoint (peak {}, host {})",
+             per checkpoint, {} group(s) of heads (peak {}, host {})",
             plan.loss_rows,
             plan.ffn_rows,
             self.0.offload,
             self.0.layers_per_checkpoint,
+            self.0.attention_head_groups,
             format_bytes(plan.peak),
             format_bytes(plan.host)
         )

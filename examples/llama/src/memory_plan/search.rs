@@ -18,6 +18,10 @@ pub const FIT_FRACTION: f64 = 0.9;
 /// Sequences longer than this many tokens are not searched.
 const LONGEST_SEARCHED: usize = 1 << 34;
 
+/// The most groups of heads `--memory auto` splits attention into (8: a group of LLaMA-7B's
+/// 32 heads is then 4 heads, whose products of `[tokens, 512]` still fill the GPU).
+pub const AUTO_MAX_HEAD_GROUPS: usize = 8;
+
 /// Rows per chunk below which [`MemoryPlanner::fitting_memory`] offloads one more layer rather
 /// than chunk finer: a chunk of 4096 rows keeps the output projection's and the feed-forward's
 /// products large enough for the tensor cores (their throughput falls off below a few thousand
@@ -37,6 +41,8 @@ pub struct FittedMemory {
     pub offload: Offload,
     /// Layers per checkpoint.
     pub layers_per_checkpoint: usize,
+    /// Groups of heads attention runs over.
+    pub attention_head_groups: usize,
     /// The prediction with them.
     pub plan: MemoryPlan,
 }
@@ -69,6 +75,27 @@ impl MemoryPlanner {
         let mut planner = self.clone();
         planner.config.layers_per_checkpoint = layers;
         planner
+    }
+
+    /// This planner with attention over `groups` groups of heads.
+    fn with_attention_head_groups(&self, groups: usize) -> Self {
+        let mut planner = self.clone();
+        planner.config.attention_head_groups = groups;
+        planner
+    }
+
+    /// The groups of heads [`fitting_memory`](Self::fitting_memory) tries, in order: the
+    /// model's, then (with [`choose_attention_head_groups`](Self::choose_attention_head_groups))
+    /// every larger divisor of the key/value heads up to [`AUTO_MAX_HEAD_GROUPS`].
+    fn head_group_candidates(&self) -> Vec<usize> {
+        let c = &self.config;
+        let configured = c.attention_head_groups;
+        match self.choose_attention_head_groups {
+            false => vec![configured],
+            true => (configured..=AUTO_MAX_HEAD_GROUPS.max(configured))
+                .filter(|&g| g == configured || c.n_kv_heads.is_multiple_of(g))
+                .collect(),
+        }
     }
 
     /// This planner with `loss` and `ffn` rows per chunk.
@@ -262,7 +289,10 @@ impl MemoryPlanner {
     /// Where nothing fits with one layer per checkpoint at the `Layer` placement (the host's
     /// memory too small for the offloaded checkpoints, typically) and
     /// [`choose_layers_per_checkpoint`](Self::choose_layers_per_checkpoint), the same with two
-    /// layers per checkpoint (half the checkpoints).
+    /// layers per checkpoint (half the checkpoints). At each layers per checkpoint, with
+    /// [`choose_attention_head_groups`](Self::choose_attention_head_groups), attention over more
+    /// groups of heads is tried before two layers per checkpoint where fewer fit nothing
+    /// (groups cost next to nothing; a pair recomputes its first block's non-attention forward).
     ///
     /// # Errors
     ///
@@ -277,13 +307,25 @@ impl MemoryPlanner {
         let may_pair = self.choose_layers_per_checkpoint
             && c.checkpoint == CheckpointPlacement::Layer
             && c.layers_per_checkpoint == 1;
-        match self.fitting_memory_as_configured(gpu_bytes, choose_offload) {
-            Err(refused @ Error::Invalid { .. }) if may_pair => self
-                .with_layers_per_checkpoint(2)
-                .fitting_memory_as_configured(gpu_bytes, choose_offload)
-                .or(Err(refused)),
-            fitted => fitted,
+        let layers = match may_pair {
+            true => vec![1, 2],
+            false => vec![c.layers_per_checkpoint],
+        };
+        let groups = self.head_group_candidates();
+        let mut refused = None;
+        for layers in layers {
+            for &groups in &groups {
+                let planner =
+                    (self.with_layers_per_checkpoint(layers)).with_attention_head_groups(groups);
+                match planner.fitting_memory_as_configured(gpu_bytes, choose_offload) {
+                    Err(e @ Error::Invalid { .. }) => {
+                        refused.get_or_insert(e);
+                    }
+                    fitted => return fitted,
+                }
+            }
         }
+        Err(refused.expect("at least one setting is tried"))
     }
 
     /// [`fitting_memory`](Self::fitting_memory) with the model's layers per checkpoint.
@@ -322,6 +364,7 @@ impl MemoryPlanner {
                 ffn_chunks,
                 offload,
                 layers_per_checkpoint: self.config.layers_per_checkpoint,
+                attention_head_groups: self.config.attention_head_groups,
                 plan,
             };
             if plan.loss_rows >= wanted && plan.ffn_rows >= wanted {
@@ -495,5 +538,46 @@ mod tests {
         planner.config.checkpoint = CheckpointPlacement::AttentionOutput;
         let fitted = planner.fitting_memory(H200, true);
         assert!(fitted.is_err() || fitted.unwrap().layers_per_checkpoint == 1);
+    }
+
+    #[test]
+    fn auto_runs_attention_in_more_head_groups_before_pairing_the_layers() {
+        use crate::optimizer::{StatePlacement, ZeroStage};
+        // A million tokens over two GPUs, Layer checkpoints, ZeRO 2 with the state in host
+        // memory: attention's backward over all heads at once does not fit an H200.
+        let mut planner = planner(2).at_length(1 << 20);
+        planner.config.checkpoint = CheckpointPlacement::Layer;
+        planner.options = (planner.options.clone())
+            .with_zero(ZeroStage::Gradients)
+            .with_optimizer_state(StatePlacement::Host);
+        planner.host_limit = Some(400 << 30);
+        assert!(planner.fitting_memory(H200, true).is_err());
+        // With the choice, more groups of heads, and one layer per checkpoint where the host
+        // holds every layer's checkpoint.
+        planner.choose_attention_head_groups = true;
+        planner.choose_layers_per_checkpoint = true;
+        let grouped = planner.fitting_memory(H200, true).unwrap();
+        assert_eq!(grouped.layers_per_checkpoint, 1);
+        assert!(grouped.attention_head_groups > 1, "{grouped:?}");
+        assert_eq!(
+            grouped.plan.sequence_parallel * grouped.attention_head_groups as u64,
+            {
+                let all_heads = planner
+                    .with_attention_head_groups(1)
+                    .with_offload(grouped.offload);
+                all_heads.plan().unwrap().sequence_parallel
+            }
+        );
+        assert!(grouped.plan.fits(H200));
+        // A host of 121 GiB per GPU: two layers per checkpoint as well.
+        planner.host_limit = Some(121 << 30);
+        let paired = planner.fitting_memory(H200, true).unwrap();
+        assert_eq!(paired.layers_per_checkpoint, 2);
+        assert!(paired.attention_head_groups > 1, "{paired:?}");
+        assert!(paired.plan.fits(H200) && paired.plan.host <= 121 << 30);
+        // Only divisors of the key/value heads, at most AUTO_MAX_HEAD_GROUPS.
+        assert_eq!(planner.head_group_candidates(), vec![1, 2, 4, 8]);
+        planner.config.n_kv_heads = 12;
+        assert_eq!(planner.head_group_candidates(), vec![1, 2, 3, 4, 6]);
     }
 }

@@ -17,6 +17,7 @@ mod block_offload;
 mod block_pair;
 mod counter;
 mod feed_forward;
+mod grouped_attention;
 mod head_groups;
 mod input;
 mod linear_grad;

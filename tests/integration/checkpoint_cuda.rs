@@ -1,15 +1,18 @@
 //! Gradient checkpointing on CUDA (run with `--ignored` on a GPU machine): the three placements
 //! give the same gradients on one GPU, with attention over all heads at once or in groups of
-//! heads, and on two GPUs over NCCL the ranks together equal one GPU.
+//! heads, and with two layers per checkpoint, and on two GPUs over NCCL the ranks together equal
+//! one GPU.
 
+use crate::checkpoint_offload::model;
 use crate::common::block_case::{
-    assert_same_step, in_head_groups, lift, random_blocks, small_config, step, StepResult,
+    assert_same_step, in_head_groups, lift, random as block_random, random_blocks, small_config,
+    step, step_chained, StepResult,
 };
 use crate::common::Rng;
 use burn::tensor::{Tensor, TensorData};
 use burn_autodiff::Autodiff;
 use burn_distflash::collective::on_each_rank;
-use burn_distflash::layers::CheckpointPlacement;
+use burn_distflash::layers::{CheckpointPlacement, Offload};
 use burn_distflash::sequence_parallel::{shard_sequence, ScheduleKind};
 use burn_distflash::{AttentionContext, DeviceGroup};
 use cubecl::cuda::{CudaDevice, CudaRuntime};
@@ -95,5 +98,32 @@ fn two_gpus_over_nccl_agree_with_one_gpu_at_every_placement() {
             &single,
             GPU_TOLERANCE,
         );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn pairs_of_layers_in_head_groups_agree_with_one_layer_per_checkpoint_on_one_gpu() {
+    let device = CudaDevice::new(0);
+    let run = |layers_per_checkpoint: usize, head_groups: usize| {
+        let mut rng = Rng::new(31);
+        let x = block_random::<Inner>(&mut rng, [2, 64, 64], &device);
+        let r = block_random::<Inner>(&mut rng, [2, 64, 64], &device);
+        let copies = model::<Gpu>(
+            3,
+            CheckpointPlacement::Layer,
+            Offload::Off,
+            std::slice::from_ref(&device),
+        );
+        let blocks = &in_head_groups(copies, head_groups)[0];
+        let context = AttentionContext::Local;
+        step_chained(blocks, layers_per_checkpoint, x, r, &context, None)
+    };
+    let reference = run(1, 1);
+    for (layers_per_checkpoint, head_groups) in [(2, 1), (2, 2), (1, 2)] {
+        let got = run(layers_per_checkpoint, head_groups);
+        let what = format!("{layers_per_checkpoint} layers per checkpoint, {head_groups} groups");
+        assert_same_step(&what, &got, &reference, GPU_TOLERANCE);
+        assert_eq!(got.attention_forwards, vec![2; 3], "{what}");
     }
 }

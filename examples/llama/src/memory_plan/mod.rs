@@ -611,17 +611,22 @@ mod tests {
         assert!(err.contains("offload"), "{err}");
     }
 
-    #[test]
-    fn head_groups_divide_attentions_per_head_backward_tensors() {
+    /// LLaMA-7B, a million tokens over two GPUs (512K tokens a GPU), layer checkpoints all
+    /// offloaded, ZeRO 2 with the state in host memory.
+    fn a_million_tokens_on_two_gpus() -> MemoryPlanner {
         use crate::optimizer::{StatePlacement, ZeroStage};
-        // LLaMA-7B, a million tokens over two GPUs (512K tokens a GPU), every checkpoint
-        // offloaded, ZeRO 2 with the state in host memory.
         let mut planner = planner(CheckpointPlacement::Layer, 1 << 20, 2);
         planner.options.batch = 1;
         planner.options = (planner.options.clone())
             .with_zero(ZeroStage::Gradients)
             .with_optimizer_state(StatePlacement::Host);
         planner.config.offload = Offload::All;
+        planner
+    }
+
+    #[test]
+    fn head_groups_divide_attentions_per_head_backward_tensors() {
+        let mut planner = a_million_tokens_on_two_gpus();
         let all_heads = planner.plan().unwrap();
         planner.config.attention_head_groups = 4;
         let grouped = planner.plan().unwrap();
@@ -649,15 +654,8 @@ mod tests {
 
     #[test]
     fn pairs_halve_the_checkpoints_and_hold_the_first_blocks_tensors_in_the_backward() {
-        use crate::optimizer::{StatePlacement, ZeroStage};
-        // LLaMA-7B, a million tokens over two GPUs, every checkpoint offloaded, ZeRO 2 with the
-        // state in host memory: 32 inputs of 4 GiB each, or 16.
-        let mut planner = planner(CheckpointPlacement::Layer, 1 << 20, 2);
-        planner.options.batch = 1;
-        planner.options = (planner.options.clone())
-            .with_zero(ZeroStage::Gradients)
-            .with_optimizer_state(StatePlacement::Host);
-        planner.config.offload = Offload::All;
+        // 32 inputs of 4 GiB each, or 16.
+        let mut planner = a_million_tokens_on_two_gpus();
         let layers = planner.plan().unwrap();
         planner.config.layers_per_checkpoint = 2;
         let pairs = planner.plan().unwrap();

@@ -53,9 +53,10 @@ pub struct TransformerBlockConfig {
     /// How many groups of heads attention runs over, one after another, in the forward, a
     /// checkpoint's recomputation and the backward: the per-head tensors of attention's
     /// backward (projections, f32 gradient accumulators, a sequence-parallel group's received
-    /// shards) then exist for one group at a time. A divisor of the key/value heads; the
-    /// outputs and gradients are those of all heads at once (the input gradient summed over
-    /// groups in f32). Default 1.
+    /// shards) then exist for one group at a time. A divisor of the key/value heads; each
+    /// group's output and `dq, dk, dv` are written into their columns of whole tensors, whose
+    /// products then run once, so the outputs and gradients are those of all heads at once.
+    /// Default 1.
     #[config(default = 1)]
     pub attention_head_groups: usize,
 }

@@ -30,8 +30,9 @@ pub(crate) struct AttentionActivations<B: FlashAttentionBackend> {
     pub rope: RotaryTables<B>,
     /// Every head's projections, kept by a forward over one group of heads.
     pub projected: Option<Projected<B>>,
-    /// Attention's output, heads merged: `[batch, seq, n_heads * head_dim]`.
-    pub out: Tensor<B, 3>,
+    /// Attention's output, one tensor per group of heads as the kernel made it:
+    /// `[batch, heads of the group, seq, head_dim]`.
+    pub outs: Vec<Tensor<B, 4>>,
     /// Attention's lse `[batch, n_heads, seq]`.
     pub lse: Tensor<B, 3>,
 }
@@ -50,16 +51,18 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
         documents: Option<&Documents>,
         groups: &[HeadGroup],
     ) -> (Tensor<B, 3>, AttentionGrads<B>) {
-        let from_output = linear_backward(&self.output, acts.out.clone(), grad);
+        let from_output = linear_backward(&self.output, self.merged_output(&acts.outs), grad);
         let grad_out = from_output.input;
         let [batch, seq, _] = grad_out.dims();
         let widths = [self.n_heads, self.n_kv_heads, self.n_kv_heads].map(|h| h * self.head_dim);
         let mut grads = widths.map(|width| ColumnJoin::new([batch, seq, width]));
         let mut projected = acts.projected.take();
-        for group in groups {
+        for (g, group) in groups.iter().enumerate() {
             let p = (projected.take())
                 .unwrap_or_else(|| self.project_heads(acts.input.clone(), &acts.rope, group));
-            let parts = self.heads_backward(p, &acts, grad_out.clone(), group, context, documents);
+            let out = acts.outs[g].clone();
+            let parts =
+                self.heads_backward(p, out, &acts, grad_out.clone(), group, context, documents);
             let heads = [&group.query, &group.key_value, &group.key_value];
             for ((join, part), heads) in grads.iter_mut().zip(parts).zip(heads) {
                 join.put(part, HeadGroup::columns(heads, self.head_dim));
@@ -81,11 +84,13 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
     }
 
     /// `[dq, dk, dv]` of `group`'s heads, rotary embedding undone and heads merged
-    /// (`[batch, seq, heads * head_dim]` each), from their projections `p`, the saved output
-    /// and lse, and the gradient of the merged output `grad_out`.
+    /// (`[batch, seq, heads * head_dim]` each), from their projections `p`, their saved output
+    /// `out`, the saved lse, and the gradient of the merged output `grad_out`.
+    #[allow(clippy::too_many_arguments)]
     fn heads_backward(
         &self,
         p: Projected<B>,
+        out: Tensor<B, 4>,
         acts: &AttentionActivations<B>,
         grad_out: Tensor<B, 3>,
         group: &HeadGroup,
@@ -99,7 +104,7 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
             |t: Tensor<B, 3>| split_heads(t.slice([0..batch, 0..seq, columns.clone()]), heads);
         let prim = |t: Tensor<B, 4>| t.into_primitive().tensor();
         let (q, k, v) = (prim(p.q), prim(p.k), prim(p.v));
-        let out = prim(of_group(acts.out.clone()));
+        let out = prim(out);
         let grad_out = prim(of_group(grad_out));
         let lse = (acts
             .lse

@@ -277,22 +277,23 @@ impl<B: FlashAttentionBackend> TransformerBlock<B> {
     }
 
     /// Runs the attention half (within `documents` when given) over the block's groups of
-    /// heads; with `saved` `(O, lse)` (heads merged) attention itself is not recomputed.
+    /// heads; with `saved` `(O, lse)` (O as one tensor per group of heads) attention itself is
+    /// not recomputed.
     pub(crate) fn attention_half(
         &self,
         x: Tensor<B, 3>,
         context: &AttentionContext<B>,
         documents: Option<&Documents>,
-        saved: Option<(Tensor<B, 3>, Tensor<B, 3>)>,
+        saved: Option<(Vec<Tensor<B, 4>>, Tensor<B, 3>)>,
     ) -> Result<AttentionHalf<B>, Error> {
         let input = self.attention_norm.forward(x.clone());
         let rope = self.attention.rotary(&input, context, documents);
         let attention = match saved {
-            Some((out, lse)) => AttentionActivations {
+            Some((outs, lse)) => AttentionActivations {
                 input,
                 rope,
                 projected: None,
-                out,
+                outs,
                 lse,
             },
             None => (self.attention).attend_in_groups(
@@ -303,7 +304,8 @@ impl<B: FlashAttentionBackend> TransformerBlock<B> {
                 &self.head_groups(),
             )?,
         };
-        let h = x.clone() + linear(&self.attention.output, attention.out.clone());
+        let merged = self.attention.merged_output(&attention.outs);
+        let h = x.clone() + linear(&self.attention.output, merged);
         Ok(AttentionHalf { attention, x, h })
     }
 
@@ -407,9 +409,11 @@ impl<B: FlashAttentionBackend> CheckpointSegment<B, BLOCK_PARENTS> for Transform
         let half = self.attention_half(x, context, documents, None)?;
         let out = self.feed_forward_half(half.h);
         let kept = match placement {
-            CheckpointPlacement::AttentionOutput => {
-                vec![primitive(half.attention.out), primitive(half.attention.lse)]
-            }
+            // Each group's output, then the lse.
+            CheckpointPlacement::AttentionOutput => (half.attention.outs.into_iter())
+                .map(primitive)
+                .chain([primitive(half.attention.lse)])
+                .collect(),
             CheckpointPlacement::None | CheckpointPlacement::Layer => Vec::new(),
         };
         Ok((out, kept))
@@ -423,11 +427,11 @@ impl<B: FlashAttentionBackend> CheckpointSegment<B, BLOCK_PARENTS> for Transform
         context: &AttentionContext<B>,
         documents: Option<&Documents>,
     ) -> Result<(Tensor<B, 3>, Vec<(ParamId, FloatTensor<B>)>), Error> {
-        let mut kept = kept.into_iter();
-        let attention = match (kept.next(), kept.next()) {
-            (Some(out), Some(lse)) => Some((tensor(out), tensor(lse))),
-            _ => None,
-        };
+        // Each group's output, then the lse (nothing at the layer placement).
+        let mut kept = kept;
+        let attention = kept
+            .pop()
+            .map(|lse| (kept.into_iter().map(tensor).collect(), tensor(lse)));
         let half = self.attention_half(x, context, documents, attention)?;
         Ok(TransformerBlock::backward(self, half, grad, context, documents).by_parameter(self))
     }

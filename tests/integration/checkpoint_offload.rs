@@ -8,7 +8,8 @@
 use std::time::Duration;
 
 use crate::common::block_case::{
-    assert_bitwise, lift_offloading, random, random_layers, small_config, step, StepResult,
+    assert_bitwise, in_head_groups, lift_offloading, random, random_layers, small_config, step,
+    StepResult,
 };
 use crate::common::within::within;
 use crate::common::Rng;
@@ -214,6 +215,35 @@ fn the_host_holds_what_the_blocks_plan_until_the_backward_or_the_graph_is_freed(
                 "{placement:?}: an orphaned graph's entries"
             );
         }
+    });
+}
+
+#[test]
+fn in_groups_of_heads_the_host_holds_each_groups_output_as_the_blocks_plan() {
+    within(LIMIT, || {
+        let device = NdArrayDevice::Cpu;
+        let mut rng = Rng::new(8);
+        let [batch, seq] = [2, 24];
+        let x = random::<Inner>(&mut rng, [batch, seq, 64], &device);
+        let placement = CheckpointPlacement::AttentionOutput;
+        let copies = model::<Cpu>(2, placement, Offload::All, &[device]);
+        let blocks = &in_head_groups(copies, 2)[0];
+        let planned: Vec<usize> = (blocks.iter())
+            .flat_map(|b| b.offloaded_bytes(batch, seq))
+            .collect();
+        // The block input; each group's output [2, 2, 24, 16], then the lse [2, 4, 24].
+        let per_layer = vec![2 * 24 * 64 * 4, 1536 * 4, 1536 * 4, 192 * 4];
+        assert_eq!(planned, [per_layer.clone(), per_layer].concat());
+        Cpu::prepare_host_offload(&device, &planned).expect("a few KB of host memory");
+        let input = Tensor::<Cpu, 3>::from_inner(x).require_grad();
+        let y = (blocks.iter()).fold(input.clone(), |y, block| {
+            block.forward(y, &AttentionContext::Local)
+        });
+        let total: usize = planned.iter().sum();
+        assert_eq!(held_bytes::<Inner>(&device), total as u64);
+        let grads = y.sum().backward();
+        assert!(input.grad(&grads).is_some());
+        assert_eq!(held_bytes::<Inner>(&device), 0);
     });
 }
 

@@ -73,13 +73,15 @@ impl ActivationShapes {
         }
     }
 
-    /// A block's input, attention's output and its f32 lse: an attention-output checkpoint, and
-    /// what a pair's backward holds beside its second block's backward.
+    /// A block's input, attention's output (one buffer per group of heads) and its f32 lse: an
+    /// attention-output checkpoint, and what a pair's backward holds beside its second block's
+    /// backward.
     fn input_and_attention_output(&self) -> Buffers {
         let w = &self.widths;
+        let groups = w.head_groups.max(1);
         [
             self.rows_of(self.rows, w.model, w.elem, 1),
-            self.rows_of(self.rows, w.query, w.elem, 1),
+            self.rows_of(self.rows, w.query / groups, w.elem, groups as usize),
             self.rows_of(self.rows, w.heads, F32, 1),
         ]
         .concat()

@@ -57,12 +57,16 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
         let widths = [self.n_heads, self.n_kv_heads, self.n_kv_heads].map(|h| h * self.head_dim);
         let mut grads = widths.map(|width| ColumnJoin::new([batch, seq, width]));
         let mut projected = acts.projected.take();
-        for (g, group) in groups.iter().enumerate() {
+        for (group, out) in groups.iter().zip(&acts.outs) {
             let p = (projected.take())
                 .unwrap_or_else(|| self.project_heads(acts.input.clone(), &acts.rope, group));
-            let out = acts.outs[g].clone();
-            let parts =
-                self.heads_backward(p, out, &acts, grad_out.clone(), group, context, documents);
+            // The group's rows of the lse and columns of the output's gradient.
+            let heads = group.query.clone();
+            let lse = acts.lse.clone().slice([0..batch, heads.clone(), 0..seq]);
+            let columns = HeadGroup::columns(&heads, self.head_dim);
+            let grad_out = grad_out.clone().slice([0..batch, 0..seq, columns]);
+            let grad_out = split_heads(grad_out, heads.len());
+            let parts = self.heads_backward(p, out.clone(), lse, grad_out, context, documents);
             let heads = [&group.query, &group.key_value, &group.key_value];
             for ((join, part), heads) in grads.iter_mut().zip(parts).zip(heads) {
                 join.put(part, HeadGroup::columns(heads, self.head_dim));
@@ -83,35 +87,22 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
         )
     }
 
-    /// `[dq, dk, dv]` of `group`'s heads, rotary embedding undone and heads merged
+    /// `[dq, dk, dv]` of a group of heads, rotary embedding undone and heads merged
     /// (`[batch, seq, heads * head_dim]` each), from their projections `p`, their saved output
-    /// `out`, the saved lse, and the gradient of the merged output `grad_out`.
-    #[allow(clippy::too_many_arguments)]
+    /// `out` and lse `lse`, and their output's gradient `grad_out`.
     fn heads_backward(
         &self,
         p: Projected<B>,
         out: Tensor<B, 4>,
-        acts: &AttentionActivations<B>,
-        grad_out: Tensor<B, 3>,
-        group: &HeadGroup,
+        lse: Tensor<B, 3>,
+        grad_out: Tensor<B, 4>,
         context: &AttentionContext<B>,
         documents: Option<&Documents>,
     ) -> [Tensor<B, 3>; 3] {
-        let [batch, seq, _] = grad_out.dims();
-        let columns = HeadGroup::columns(&group.query, self.head_dim);
-        let heads = group.query.len();
-        let of_group =
-            |t: Tensor<B, 3>| split_heads(t.slice([0..batch, 0..seq, columns.clone()]), heads);
         let prim = |t: Tensor<B, 4>| t.into_primitive().tensor();
         let (q, k, v) = (prim(p.q), prim(p.k), prim(p.v));
-        let out = prim(out);
-        let grad_out = prim(of_group(grad_out));
-        let lse = (acts
-            .lse
-            .clone()
-            .slice([0..batch, group.query.clone(), 0..seq]))
-        .into_primitive()
-        .tensor();
+        let (out, grad_out) = (prim(out), prim(grad_out));
+        let lse = lse.into_primitive().tensor();
         let options = self.options_with(documents);
         let (dq, dk, dv) = match context.sequence_parallel_options(options.clone()) {
             None => B::flash_attention_backward(q, k, v, out, lse, grad_out, options),

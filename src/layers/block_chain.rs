@@ -91,7 +91,8 @@ impl<'a, B: FlashAttentionBackend> BlockChain<'a, B> {
     pub fn offloaded_bytes(&self, batch: usize, seq: usize) -> Vec<usize> {
         (self.segments())
             .flat_map(|segment| match segment {
-                Segment::Pair(first, _) => BlockPair::offloaded_by(first, batch, seq),
+                // A pair's checkpoint is its first block's layer checkpoint: the input.
+                Segment::Pair(first, _) => first.offloaded_bytes(batch, seq),
                 Segment::Alone(block) => block.offloaded_bytes(batch, seq),
             })
             .collect()

@@ -96,17 +96,8 @@ impl<B: FlashAttentionBackend> BlockPair<B> {
     /// on `[batch, seq, d_model]` inputs: the pair's input when the first block offloads,
     /// nothing otherwise (see [`TransformerBlock::offloaded_bytes`]).
     pub fn offloaded_bytes(&self, batch: usize, seq: usize) -> Vec<usize> {
-        Self::offloaded_by(&self.first, batch, seq)
-    }
-
-    /// [`offloaded_bytes`](Self::offloaded_bytes) of a pair whose first block is `first`: a
-    /// layer checkpoint's, its input, which the pair's is.
-    pub(crate) fn offloaded_by(
-        first: &TransformerBlock<B>,
-        batch: usize,
-        seq: usize,
-    ) -> Vec<usize> {
-        first.offloaded_bytes(batch, seq)
+        // A layer checkpoint of the first block keeps its input, which the pair's is.
+        self.first.offloaded_bytes(batch, seq)
     }
 }
 

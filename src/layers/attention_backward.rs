@@ -52,21 +52,30 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
         groups: &[HeadGroup],
     ) -> (Tensor<B, 3>, AttentionGrads<B>) {
         let from_output = linear_backward(&self.output, self.merged_output(&acts.outs), grad);
-        let grad_out = from_output.input;
-        let [batch, seq, _] = grad_out.dims();
+        let [batch, seq, _] = from_output.input.dims();
+        // The whole output gradient, handed by value to the last group's backward (and each
+        // group its own output), so that the attention backward, which copies what it is given
+        // into the layout it runs on, can drop them: a reference kept here would hold them
+        // beside those copies for the whole pass.
+        let mut whole_grad_out = Some(from_output.input);
         let widths = [self.n_heads, self.n_kv_heads, self.n_kv_heads].map(|h| h * self.head_dim);
         let mut grads = widths.map(|width| ColumnJoin::new([batch, seq, width]));
         let mut projected = acts.projected.take();
-        for (group, out) in groups.iter().zip(&acts.outs) {
+        let last = groups.len().saturating_sub(1);
+        for (index, (group, out)) in groups.iter().zip(acts.outs.drain(..)).enumerate() {
             let p = (projected.take())
                 .unwrap_or_else(|| self.project_heads(acts.input.clone(), &acts.rope, group));
             // The group's rows of the lse and columns of the output's gradient.
             let heads = group.query.clone();
             let lse = acts.lse.clone().slice([0..batch, heads.clone(), 0..seq]);
             let columns = HeadGroup::columns(&heads, self.head_dim);
-            let grad_out = grad_out.clone().slice([0..batch, 0..seq, columns]);
-            let grad_out = split_heads(grad_out, heads.len());
-            let parts = self.heads_backward(p, out.clone(), lse, grad_out, context, documents);
+            let grad_out = match index == last {
+                true => whole_grad_out.take(),
+                false => whole_grad_out.clone(),
+            }
+            .expect("the output gradient is taken by the last group only");
+            let grad_out = split_heads(grad_out.slice([0..batch, 0..seq, columns]), heads.len());
+            let parts = self.heads_backward(p, out, lse, grad_out, context, documents);
             let heads = [&group.query, &group.key_value, &group.key_value];
             for ((join, part), heads) in grads.iter_mut().zip(parts).zip(heads) {
                 join.put(part, HeadGroup::columns(heads, self.head_dim));

@@ -30,9 +30,11 @@
 //!   their sum.
 //!
 //! Given the GPU's memory ([`MemoryPlanner::gpu_memory`]), the buffers of CubeCL's top pool class
-//! and the largest sliced class's near-page ones (`pool_classes`, listed by `step_buffers`) are
-//! counted by the pages they take, each class holding its most pages of any phase through
-//! every phase; `chunk_classes` keeps the loss and feed-forward chunks out of the top class.
+//! and the largest sliced class's ones above a third of its page (two to a page at most:
+//! `pool_classes`, listed by `step_buffers`) are counted by the pages they take, each class
+//! holding its most pages of any phase through every phase, the room those pages leave taking
+//! the phase's smaller slices of the class; `chunk_classes` keeps the loss and feed-forward
+//! chunks out of the top class.
 
 mod activations;
 mod checkpoint_count;
@@ -517,7 +519,7 @@ impl fmt::Display for MemoryPlan {
             writeln!(
                 f,
                 "large pool pages    {} ({} top-class page(s) of {}, largest top-class buffer \
-                 {}; with near-page buffers of the largest sliced class)",
+                 {}; with the largest sliced class's buffers above a third of its page)",
                 b(pages.reserved),
                 pages.top_pages,
                 b(pages.top_page),
@@ -1002,12 +1004,62 @@ mod tests {
         }
     }
 
+    /// Llama-3-8B (GQA 32 / 8 heads, vocabulary 128,256), 32 layers, 262,144 tokens over two
+    /// H200s, ZeRO 2 with the state in host memory, layer checkpoints all offloaded, loss chunks
+    /// of 8192 rows and feed-forward chunks of 131,072: what `--memory auto` chose for the run of
+    /// `BENCHMARKS.md` ("Long sequences on two H200s"), whose rank's pools reserved 98.30 GiB.
+    fn llama3_8b_262k(gpu_memory: Option<u64>) -> MemoryPlanner {
+        use crate::optimizer::{StatePlacement, ZeroStage};
+        let mut config = LlamaConfig::llama3_8b().with_checkpoint(CheckpointPlacement::Layer);
+        config.offload = Offload::All;
+        let mut options = (TrainOptions::new(1, 1, 262_144).with_zero(ZeroStage::Gradients))
+            .with_optimizer_state(StatePlacement::Host);
+        options.loss_chunks = RowChunks::rows(8192).unwrap();
+        options.ffn_chunks = RowChunks::rows(131_072).unwrap();
+        let mut planner = MemoryPlanner::new(config, options, 2, 2);
+        planner.gpu_memory = gpu_memory;
+        planner
+    }
+
+    #[test]
+    fn llama3_feed_forward_rows_of_two_to_a_page_are_counted_by_their_pages() {
+        let gib = |bytes: u64| bytes as f64 / (1u64 << 30) as f64;
+        let plan = llama3_8b_262k(Some(139 << 30)).plan().unwrap();
+        let pools = PoolClasses::cuda(139 << 30);
+        let class = pools.largest_sliced().unwrap();
+        // Six [131072, 14336] bf16 tensors of the feed-forward's backward, 3.5 GiB each: above a
+        // third of the 8.69 GiB page, two to a page: three pages.
+        let ffn = 131_072 * 14_336 * 2;
+        assert!(3 * ffn > class.page && 2 * ffn <= class.page);
+        assert_eq!(plan.large_pages.reserved, 3 * class.page);
+        assert_eq!(plan.large_pages.top_pages, 0);
+        // Those pages stay reserved through the optimizer step, which then holds the most
+        // (its 61.79 GiB beside them); without the classes, a block's backward at 79.49 GiB.
+        assert_eq!(plan.peak_phase, StepPhase::Optimizer);
+        assert_eq!(plan.peak, plan.optimizer_step.total() + 3 * class.page);
+        assert!(
+            (gib(plan.peak) - 87.85).abs() < 0.01,
+            "{:.2}",
+            gib(plan.peak)
+        );
+        let bytes = llama3_8b_262k(None).plan().unwrap();
+        assert_eq!(bytes.peak_phase, StepPhase::BlockBackward);
+        assert!(
+            (gib(bytes.peak) - 79.49).abs() < 0.01,
+            "{:.2}",
+            gib(bytes.peak)
+        );
+        // The loss's chunks on CUDA: bf16 logits and their gradient (2 x 1.96 GiB), slices of the
+        // same class below a third of its page, no f32 logits: not paged.
+        assert_eq!(pools.paged_class(8192 * 128_256 * 2), None);
+    }
+
     #[test]
     fn a_buffer_larger_than_a_top_page_never_fits() {
-        // One GPU of 40 GiB: top pages of 10 GiB, against loss chunks of 131,072 rows whose f32
-        // logits take 16.78 GB.
+        // One GPU of 40 GiB: top pages of 10 GiB, against loss chunks of 262,144 rows whose bf16
+        // logits take 16.78 GB (the fused kernels make no f32 copy of them).
         let mut planner = planner(CheckpointPlacement::Layer, 131072, 1);
-        planner.options.loss_chunks = RowChunks::rows(131072).unwrap();
+        planner.options.loss_chunks = RowChunks::rows(262144).unwrap();
         planner.gpu_memory = Some(40 << 30);
         let plan = planner.plan().unwrap();
         assert!(plan.large_pages.largest_top_buffer > plan.large_pages.top_page);

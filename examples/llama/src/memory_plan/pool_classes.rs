@@ -108,17 +108,24 @@ impl PoolClasses {
 
     /// The class whose pages a buffer of `size` bytes is counted by, where the planner counts
     /// pages rather than bytes: the top class (and beyond a top page, which CubeCL refuses), or
-    /// the largest sliced class for a buffer larger than its largest slice (one it fills to
-    /// more than 80%: a page nearly its own). `None` for a slice of a sliced class, whose pages'
-    /// rounding the planner's measured pool slack stands for.
+    /// the largest sliced class for a buffer above a third of its page: one it fills to more
+    /// than 80% (a page nearly its own), or a slice of which a page holds two at most, leaving
+    /// a tail no buffer of that size fits (Llama-3-8B's `[131072, 14336]` bf16 feed-forward
+    /// rows, 3.5 GiB, take an 8.69 GiB page per two). `None` for a smaller slice of a sliced
+    /// class, whose pages' rounding the planner's measured pool slack stands for.
     pub fn paged_class(&self, size: u64) -> Option<usize> {
         let top = self.classes.len() - 1;
         match self.class_of(size) {
             None => Some(top),
             Some(class) if class == top => Some(top),
-            Some(class) if class + 1 == top && size > self.classes[class].max_slice => Some(class),
+            Some(class) if class + 1 == top && size > self.classes[class].page / 3 => Some(class),
             Some(_) => None,
         }
+    }
+
+    /// `size` rounded up to the pools' alignment (what a buffer takes of a page).
+    pub fn aligned(&self, size: u64) -> u64 {
+        size.next_multiple_of(self.alignment)
     }
 
     /// Whether `class` is the top class.
@@ -212,7 +219,12 @@ mod tests {
         // Counted by pages: the top class, and the largest sliced class's near-page buffers.
         assert_eq!(pools.paged_class(4 * 3_369_207_808), Some(top));
         assert_eq!(pools.paged_class(65_536 * 32_000 * 4), Some(5));
-        assert_eq!(pools.paged_class(4_711_088_128), None);
+        // Above a third of the largest sliced class's page (two to a page at most): by pages
+        // too, as Llama-3-8B's feed-forward rows of 131,072 tokens (3.5 GiB) are.
+        assert_eq!(pools.paged_class(4_711_088_128), Some(5));
+        assert_eq!(pools.paged_class(131_072 * 14_336 * 2), Some(5));
+        assert_eq!(pools.paged_class(9_422_176_256 / 3 + 1), Some(5));
+        assert_eq!(pools.paged_class(9_422_176_256 / 3), None);
         assert_eq!(pools.paged_class(2_000_000_000), None);
         assert_eq!(pools.paged_class(u64::MAX), Some(top));
         assert_eq!(pools.class_of(37_688_705_025), None, "beyond a top page");

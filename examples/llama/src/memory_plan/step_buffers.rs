@@ -97,14 +97,16 @@ impl ActivationShapes {
         self.rows_of(self.rows, self.widths.model, self.widths.elem, 2)
     }
 
-    /// The loss's backward: one chunk's logits and their gradient, two f32 rows of the
-    /// vocabulary per row, the weight's f32 gradient sum and one chunk's, the hidden states'
-    /// gradient (its chunks and their concatenation).
+    /// The loss's backward as CUDA's fused kernels run it (the only backend whose pools are
+    /// classed): one chunk's logits and their gradient (`cross_entropy_backward` makes the
+    /// gradient in the logits' type, no f32 row), the weight's f32 gradient sum and one chunk's,
+    /// the hidden states' gradient (its chunks and their concatenation). The two f32 rows of the
+    /// vocabulary that [`loss_bytes_per_row`](crate::loss::loss_bytes_per_row) counts per row
+    /// are Burn's unfused backward's: counted in the phase's bytes, never a buffer here.
     fn loss_backward(&self) -> Buffers {
         let w = &self.widths;
         [
             self.rows_of(self.loss_rows, w.vocab, w.elem, 2),
-            self.rows_of(self.loss_rows, w.vocab, F32, 2),
             vec![w.vocab * w.model * F32, w.vocab * w.model * w.elem],
             self.rows_of(self.rows, w.model, w.elem, 2),
         ]
@@ -225,16 +227,27 @@ impl LargeClassPages {
         };
         for class in 0..pools.classes().len() {
             let mut most = 0;
+            let mut paged = [0u64; 3];
             for (phase, sizes) in phases.iter().enumerate() {
                 let mine: Vec<u64> = (sizes.iter().copied())
                     .filter(|&s| pools.paged_class(s) == Some(class))
                     .collect();
+                paged[phase] = (mine.iter()).map(|&s| pools.aligned(s)).sum();
                 counted[phase] += mine.iter().sum::<u64>();
                 most = most.max(pools.pages_reserved(class, &mine));
                 if pools.is_top(class) {
                     let largest = mine.iter().copied().max().unwrap_or(0);
                     pages.largest_top_buffer = pages.largest_top_buffer.max(largest);
                 }
+            }
+            // The room those pages leave in a phase takes that phase's slices of the same class
+            // (CubeCL slices a page's free space for any buffer of its class): they are in the
+            // pages already, not beside them.
+            for (phase, sizes) in phases.iter().enumerate() {
+                let slices: u64 = (sizes.iter().copied())
+                    .filter(|&s| pools.class_of(s) == Some(class) && pools.paged_class(s).is_none())
+                    .sum();
+                counted[phase] += slices.min(most.saturating_sub(paged[phase]));
             }
             pages.reserved += most;
             if pools.is_top(class) {

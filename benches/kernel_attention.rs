@@ -7,8 +7,8 @@
 //! [--burn-seqs 8192,16384] [--iters 5] [--head-dim 128] [--kv-heads 32] [--chunks 4]
 //! [--mask-seqs 32768] [--window 4096] [--variants auto,hopper,tensor-core]
 //! [--chunk-variants hopper,tensor-core]
-//! [--hopper-schedules overlap+pingpong,overlap+pingpong+grouped,plain]` (`-- --help` lists
-//! them with their defaults).
+//! [--hopper-schedules overlap+pingpong+grouped,overlap+pingpong+grouped+persistent,plain]`
+//! (`-- --help` lists them with their defaults).
 //! `--variants` runs the whole-attention forward rows once per kernel variant (default `auto`),
 //! each with its first call's time (compilation included); `--hopper-schedules` adds rows of
 //! the Hopper forward with each of its schedules forced (see `hopper::ForwardSchedule`).
@@ -91,7 +91,7 @@ struct Args {
     #[arg(long, value_enum, value_name = "VARIANT,..", value_delimiter = ',')]
     chunk_variants: Vec<ForwardVariant>,
     /// Extra Hopper forward rows, each with a forced schedule: `+`-joined overlap, pingpong,
-    /// grouped, or plain for none; comma-separated
+    /// grouped, persistent, or plain for none; comma-separated
     #[arg(long, value_name = "SCHEDULE,..", value_delimiter = ',')]
     hopper_schedules: Vec<HopperSchedule>,
     #[command(flatten)]
@@ -126,15 +126,18 @@ impl FromStr for HopperSchedule {
             intra_overlap: false,
             pingpong: false,
             grouped_slices: false,
+            persistent: false,
         };
         for part in text.split('+').filter(|part| *part != "plain") {
             match part {
                 "overlap" => schedule.intra_overlap = true,
                 "pingpong" => schedule.pingpong = true,
                 "grouped" => schedule.grouped_slices = true,
+                "persistent" => schedule.persistent = true,
                 other => {
                     return Err(format!(
-                        "takes `+`-joined overlap, pingpong, grouped, or plain; got {other:?}"
+                        "takes `+`-joined overlap, pingpong, grouped, persistent, or plain; got \
+                         {other:?}"
                     ))
                 }
             }

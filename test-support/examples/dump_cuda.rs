@@ -9,7 +9,10 @@
 //! atomics, `fused_whole` its whole-attention form), the portable kernels
 //! `portable_{forward,dq,dkdv}_{mask}_d{64,128}.cu` (launched checked, 32-bit indices), and the
 //! Hopper kernels, hand-written and handed to NVRTC as they are: the attention forward's
-//! `hopper_attention_{causal,full}_d{64,128}_{bf16,f16}[_schedule].cu` and its steps'
+//! `hopper_attention_{mask}_d{64,128}_{bf16,f16}[_persistent].cu` (the default schedule, on a
+//! grid of one cube per block or persistent),
+//! `hopper_attention_causal_d128_bf16_{plain,overlap,pingpong}[_persistent].cu` (the other
+//! schedules) and its steps'
 //! `hopper_attention_{first_step,step,last_step}_causal_d{64,128}_bf16.cu`, the attention
 //! backward's `hopper_backward[_step]_{causal,full}_d{64,128}_{bf16,f16}.cu` and its row kernels
 //! `hopper_backward_rows_d{64,128}_{bf16,f16}.cu`, and the matrix product's

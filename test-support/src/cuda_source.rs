@@ -159,8 +159,8 @@ pub fn hopper_shell_shared_bytes(bytes: usize) -> usize {
 }
 
 /// The CUDA sources of the Hopper kernels' variants, by name: the attention forward's (each head
-/// dim, type and mask with the default schedule, the other schedules for bf16, head dim 128,
-/// causal, and the steps for bf16, each head dim and mask), the attention backward's (each head
+/// dim, type and mask with the default schedule and on the persistent grid, the other schedules
+/// for bf16, head dim 128, causal, and the steps for bf16, each head dim and mask), the attention backward's (each head
 /// dim, type and mask, and its row kernels per head dim and type), then the matrix product's.
 pub fn hopper_sources() -> Vec<(String, String)> {
     let mut sources = Vec::new();
@@ -170,31 +170,39 @@ pub fn hopper_sources() -> Vec<(String, String)> {
         pingpong: false,
         ..ForwardSchedule::default()
     };
+    let persistent = ForwardSchedule {
+        persistent: true,
+        ..ForwardSchedule::default()
+    };
+    let overlap = ForwardSchedule {
+        intra_overlap: true,
+        ..plain
+    };
+    let pingpong = ForwardSchedule {
+        pingpong: true,
+        ..plain
+    };
+    let on_persistent = |schedule| ForwardSchedule {
+        persistent: true,
+        ..schedule
+    };
     let schedules = [
         ("", ForwardSchedule::default()),
+        ("_persistent", persistent),
         ("_plain", plain),
-        (
-            "_overlap",
-            ForwardSchedule {
-                intra_overlap: true,
-                ..plain
-            },
-        ),
-        (
-            "_pingpong",
-            ForwardSchedule {
-                pingpong: true,
-                ..plain
-            },
-        ),
+        ("_overlap", overlap),
+        ("_pingpong", pingpong),
+        ("_plain_persistent", on_persistent(plain)),
+        ("_overlap_persistent", on_persistent(overlap)),
+        ("_pingpong_persistent", on_persistent(pingpong)),
     ];
     for (schedule_name, schedule) in schedules {
         for head_dim in hopper::HEAD_DIMS {
             for (elem_name, elem) in [("bf16", ElemType::BF16), ("f16", ElemType::F16)] {
                 for (mask_name, mask) in mask_kinds() {
-                    let default = schedule == ForwardSchedule::default();
+                    let every = schedule == ForwardSchedule::default() || schedule == persistent;
                     let causal = mask_name == "causal";
-                    if !default && (head_dim, elem, causal) != (128, ElemType::BF16, true) {
+                    if !every && (head_dim, elem, causal) != (128, ElemType::BF16, true) {
                         continue;
                     }
                     let name = format!(

@@ -19,6 +19,7 @@
 //   DISTFLASH_STATE_IN       1: start from the running state (o, m, l) instead of the empty one
 //   DISTFLASH_STATE_OUT      1: write the running state (o, m, l) instead of O and lse
 // (both 0: a whole attention; OUT alone: a first step; both: a step; IN alone: a last step),
+//   DISTFLASH_PERSISTENT     1: a persistent grid (a whole attention only; see below)
 // and refuses what the kernel does not cover (other head dims and types). Every mask is a band
 // (`kernels-cubecl/src/mask.rs`): row i sees the keys [lo(i), hi(i)), both ends non-decreasing in i.
 //
@@ -50,6 +51,19 @@
 //   (Q is no longer read) and has the copy engine store them; lse goes out from registers. A
 //   step's epilogue instead rescales o and l to the exact running max and writes o, m and l from
 //   registers (a row no key of the call reaches keeps its m bit for bit).
+//
+// With DISTFLASH_PERSISTENT (a whole attention only) the grid holds one cube per multiprocessor,
+// and each cube walks work items, (slice, block) pairs numbered as the cubes of the grid above
+// (`cube_work`): its first is its own index, each next one claimed from a counter in global
+// memory (zero at launch) once the producer has issued the current item's copies, so the items
+// start in launch order on whichever cube is free first, as the hardware schedules the cubes of
+// the grid above. Q takes two buffers: the producer copies the next item's Q (with its item
+// number, on the buffer's `full` barrier) and then its first K and V tiles while the consumers
+// finish the current item's last P V and store its O; a buffer goes back to the producer (its
+// `empty` barrier, one arrival per consumer warpgroup) once O's store has read it, which the
+// warpgroup's first thread waits for under the next item's first scores. The rings of K and V
+// stages and the consumers' turns run on across items; an item number past the last ends the
+// walk.
 
 #ifndef DISTFLASH_HEAD_DIM
 #define DISTFLASH_HEAD_DIM 128
@@ -68,6 +82,12 @@
 #endif
 #ifndef DISTFLASH_STATE_OUT
 #define DISTFLASH_STATE_OUT 0
+#endif
+#ifndef DISTFLASH_PERSISTENT
+#define DISTFLASH_PERSISTENT 0
+#endif
+#if DISTFLASH_PERSISTENT && (DISTFLASH_STATE_IN || DISTFLASH_STATE_OUT)
+#error "the persistent grid runs a whole attention only"
 #endif
 
 // The scalars, as CubeCL packs fourteen u32 scalars (56 bytes).
@@ -100,6 +120,8 @@ struct ForwardInfo {
 #define DF_BN 128
 #define DF_HALVES (DF_D / 64)
 #define DF_STAGES 2
+// Q tiles in shared memory: a second one lets a persistent cube copy its next item's queries.
+#define DF_Q_BUFFERS (DISTFLASH_PERSISTENT ? 2 : 1)
 #define DF_THREADS 384
 // Bytes of one 64-column half of the Q tile and of one stage's K or V tile (rows of 128 bytes).
 #define DF_Q_HALF (DF_BM * 128)
@@ -261,8 +283,9 @@ __device__ __forceinline__ void rescale_output(float (&o)[DF_O_REGS], const floa
 
 // ---- pipeline ---------------------------------------------------------------------------------
 
-// The shared memory of one cube, from its first 1024-byte boundary: Q, two stages of K and of V,
-// then the barriers.
+// The shared memory of one cube, from its first 1024-byte boundary: Q (DF_Q_BUFFERS tiles), two
+// stages of K and of V, then the barriers (with DISTFLASH_PERSISTENT also each Q buffer's `empty`
+// barrier and item number).
 struct Layout {
     u32 q;
     u32 k;
@@ -272,18 +295,26 @@ struct Layout {
     u32 k_empty;
     u32 v_full;
     u32 v_empty;
+#if DISTFLASH_PERSISTENT
+    u32 q_empty;
+    u32 work;
+#endif
 };
 
 __device__ __forceinline__ Layout layout_from(u32 base) {
     Layout at;
     at.q = base;
-    at.k = at.q + DF_Q_BYTES;
+    at.k = at.q + DF_Q_BUFFERS * DF_Q_BYTES;
     at.v = at.k + DF_STAGES * DF_KV_BYTES;
     at.q_full = at.v + DF_STAGES * DF_KV_BYTES;
-    at.k_full = at.q_full + 8;
+    at.k_full = at.q_full + DF_Q_BUFFERS * 8;
     at.k_empty = at.k_full + DF_STAGES * 8;
     at.v_full = at.k_empty + DF_STAGES * 8;
     at.v_empty = at.v_full + DF_STAGES * 8;
+#if DISTFLASH_PERSISTENT
+    at.q_empty = at.v_empty + DF_STAGES * 8;
+    at.work = at.q_empty + DF_Q_BUFFERS * 8;
+#endif
     return at;
 }
 
@@ -388,6 +419,88 @@ __device__ __forceinline__ void cube_work(const ForwardInfo& info, u32 cube, u32
     grouped_cube(cube, blocks, info.slice_group, info.slices, slice, rank);
     block = blocks - 1 - rank;
 }
+
+// One cube's work (a persistent cube's item): 128 query rows of one slice.
+struct Item {
+    u32 slice;
+    u32 block_start;
+    u32 kv_slice;
+    u32 batch;
+    Walk walk;
+};
+
+// The item of cube (or item number) `work`.
+__device__ __forceinline__ Item item_of(const ForwardInfo& info, const u32* docs, u32 work,
+                                        u32 blocks) {
+    Item item;
+    u32 block;
+    cube_work(info, work, blocks, item.slice, block);
+    item.block_start = block * DF_BM;
+    item.kv_slice = (item.slice / info.q_heads) * (info.q_heads / info.group_size) +
+                    (item.slice % info.q_heads) / info.group_size;
+    item.batch = item.slice / info.q_heads;
+    item.walk = block_walk(info, docs, item.batch, item.block_start);
+    return item;
+}
+
+// The producer's copies of an item's K and V tiles, walk tile `t` into the ring's tile
+// `base + t` (`base`: the tiles of the cube's earlier items); every calling thread waits for
+// the stages, the `leader` alone has them filled.
+__device__ __forceinline__ void load_tiles(const Layout& at, const Walk& walk, int base,
+                                           u32 kv_slice, const TensorMap* k_map,
+                                           const TensorMap* v_map, bool leader) {
+    for (int t = 0; t < walk.count; ++t) {
+        const u32 s = stage_of(base + t), free_parity = parity_of(base + t) ^ 1;
+        const u32 key0 = static_cast<u32>(walk.last - t) * DF_BN;
+        barrier_wait(at.k_empty + 8 * s, free_parity);
+        if (leader) {
+            barrier_expect_bytes(at.k_full + 8 * s, DF_KV_BYTES);
+            copy_halves(at.k + s * DF_KV_BYTES, DF_KV_HALF, k_map, at.k_full + 8 * s, key0,
+                        kv_slice);
+        }
+        barrier_wait(at.v_empty + 8 * s, free_parity);
+        if (leader) {
+            barrier_expect_bytes(at.v_full + 8 * s, DF_KV_BYTES);
+            copy_halves(at.v + s * DF_KV_BYTES, DF_KV_HALF, v_map, at.v_full + 8 * s, key0,
+                        kv_slice);
+        }
+    }
+}
+
+#if DISTFLASH_PERSISTENT
+__device__ __forceinline__ void store_shared_u32(u32 address, u32 value) {
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(address), "r"(value) : "memory");
+}
+__device__ __forceinline__ u32 load_shared_u32(u32 address) {
+    u32 value;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(value) : "r"(address) : "memory");
+    return value;
+}
+
+// The producer warp's next item number, claimed by its `leader` (past the grid's first items, in
+// order, by whichever cube asks first) and broadcast to the warp: warp-uniform, so that the
+// compiler keeps the producer's item in uniform registers (24 registers a thread do not hold it).
+__device__ __forceinline__ u32 claim_item(u32* counter, bool leader) {
+    u32 claimed = 0;
+    if (leader) {
+        asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], 1;"
+                     : "=r"(claimed)
+                     : "l"(counter)
+                     : "memory");
+    }
+    return gridDim.x + __shfl_sync(0xffffffffu, claimed, 0);
+}
+
+// Item `j` of the cube (j > 0) hands the Q buffer of item j - 1 back to the producer once the
+// warpgroup's store of that item's O has read it (one arrival per warpgroup, by the thread that
+// stored).
+__device__ __forceinline__ void hand_back_q(const Layout& at, u32 j, u32 thread) {
+    if (j > 0 && thread == 0) {
+        store_boxes_wait_read();
+        barrier_arrive(at.q_empty + 8 * ((j - 1) % DF_Q_BUFFERS));
+    }
+}
+#endif
 
 // The softmax of walk tile `t` (the tile of keys from (count - 1 - t) DF_BN), with the mask
 // where the walk says so; returns whether the warp moved its maxima (see `softmax_tile`).
@@ -502,7 +615,8 @@ __device__ __forceinline__ void store_state(float* state_o, float* state_m, floa
 #endif
 
 // The parameters (see `hopper/forward.rs`): q, k, v and, for a finished output, O through tensor
-// maps, their buffers, lse (finished output) and the state (a step's), the scalars.
+// maps, their buffers, lse (finished output) and the state (a step's), the documents' table, the
+// item counter (a persistent grid's), the scalars.
 extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
     distflash_hopper_attention_forward(
         const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
@@ -520,6 +634,9 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
 #if DISTFLASH_DOCUMENTS
         const u32* docs,
 #endif
+#if DISTFLASH_PERSISTENT
+        u32* work_counter,
+#endif
         const __grid_constant__ ForwardInfo info) {
 #if !DISTFLASH_DOCUMENTS
     const u32* docs = nullptr;
@@ -530,17 +647,22 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         layout_from((shared_address(shared) + DF_SWIZZLE_SPAN - 1) & ~(DF_SWIZZLE_SPAN - 1));
 
     const u32 blocks = (info.q_len + DF_BM - 1) / DF_BM;
-    u32 slice, block;
-    cube_work(info, blockIdx.x, blocks, slice, block);
-    const u32 block_start = block * DF_BM;
-    const u32 kv_slice =
-        (slice / info.q_heads) * (info.q_heads / info.group_size) +
-        (slice % info.q_heads) / info.group_size;
-    const u32 batch = slice / info.q_heads;
-    const Walk walk = block_walk(info, docs, batch, block_start);
+#if DISTFLASH_PERSISTENT
+    // Item numbers from `items` on end the walk.
+    const u32 items = info.slices * blocks;
+#else
+    const Item item = item_of(info, docs, blockIdx.x, blocks);
+    const u32 slice = item.slice, block_start = item.block_start, batch = item.batch;
+    const Walk walk = item.walk;
+#endif
 
     if (threadIdx.x == 0) {
-        barrier_init(at.q_full, 1);
+        for (u32 b = 0; b < DF_Q_BUFFERS; ++b) {
+            barrier_init(at.q_full + 8 * b, 1);
+#if DISTFLASH_PERSISTENT
+            barrier_init(at.q_empty + 8 * b, 2);
+#endif
+        }
         for (u32 s = 0; s < DF_STAGES; ++s) {
             barrier_init(at.k_full + 8 * s, 1);
             barrier_init(at.v_full + 8 * s, 1);
@@ -554,6 +676,44 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
     const u32 warpgroup = threadIdx.x / 128;
     if (warpgroup == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
+#if DISTFLASH_PERSISTENT
+        // The producer's first warp walks the items, its first thread (the leader) has the copy
+        // engine fill the buffers.
+        if (threadIdx.x >= 32) {
+            return;
+        }
+        const bool leader = threadIdx.x == 0;
+        if (leader) {
+            prefetch_map(&q_map);
+            prefetch_map(&k_map);
+            prefetch_map(&v_map);
+        }
+        // Item `j` of the cube takes Q buffer j % 2; its tiles follow the earlier items' in the
+        // ring of stages.
+        int base = 0;
+        u32 j = 0;
+        for (u32 work = blockIdx.x; work < items; ++j) {
+            const u32 qb = j % DF_Q_BUFFERS;
+            barrier_wait(at.q_empty + 8 * qb, ((j / DF_Q_BUFFERS) & 1) ^ 1);
+            const Item next = item_of(info, docs, work, blocks);
+            if (leader) {
+                store_shared_u32(at.work + 4 * qb, work);
+                barrier_expect_bytes(at.q_full + 8 * qb, DF_Q_BYTES);
+                copy_halves(at.q + qb * DF_Q_BYTES, DF_Q_HALF, &q_map, at.q_full + 8 * qb,
+                            next.block_start, next.slice);
+            }
+            load_tiles(at, next.walk, base, next.kv_slice, &k_map, &v_map, leader);
+            base += next.walk.count;
+            work = claim_item(work_counter, leader);
+        }
+        // The end: an item number past the last, in the next buffer once it is free.
+        const u32 qb = j % DF_Q_BUFFERS;
+        barrier_wait(at.q_empty + 8 * qb, ((j / DF_Q_BUFFERS) & 1) ^ 1);
+        if (leader) {
+            store_shared_u32(at.work + 4 * qb, items);
+            barrier_arrive(at.q_full + 8 * qb);
+        }
+#else
         if (threadIdx.x != 0) {
             return;
         }
@@ -562,18 +722,8 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         prefetch_map(&v_map);
         barrier_expect_bytes(at.q_full, DF_Q_BYTES);
         copy_halves(at.q, DF_Q_HALF, &q_map, at.q_full, block_start, slice);
-        for (int t = 0; t < walk.count; ++t) {
-            const u32 s = stage_of(t), free_parity = parity_of(t) ^ 1;
-            const u32 key0 = static_cast<u32>(walk.last - t) * DF_BN;
-            barrier_wait(at.k_empty + 8 * s, free_parity);
-            barrier_expect_bytes(at.k_full + 8 * s, DF_KV_BYTES);
-            copy_halves(at.k + s * DF_KV_BYTES, DF_KV_HALF, &k_map, at.k_full + 8 * s, key0,
-                        kv_slice);
-            barrier_wait(at.v_empty + 8 * s, free_parity);
-            barrier_expect_bytes(at.v_full + 8 * s, DF_KV_BYTES);
-            copy_halves(at.v + s * DF_KV_BYTES, DF_KV_HALF, &v_map, at.v_full + 8 * s, key0,
-                        kv_slice);
-        }
+        load_tiles(at, walk, 0, item.kv_slice, &k_map, &v_map, true);
+#endif
         return;
     }
 
@@ -587,45 +737,7 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
     const u32 local = warp * 16 + lane / 4;
     const float scale_log2 = __uint_as_float(info.scale_log2_bits);
 
-    Rows rows;
-    // Each row's m as the state held it (natural units) and its max in base 2 at the start.
-    float m_in[2], start[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        rows.max[r] = DF_NEG_INF;
-        rows.sum[r] = 0.0f;
-        // Rows past the queries take the last one's keys (never stored).
-        const long long row =
-            min(block_start + wg * 64 + local + 8 * r, info.q_len - 1);
-        int key_start;
-        row_keys(info, docs, batch, row, key_start, rows.key_end[r]);
-#if DF_BANDED
-        rows.key_start[r] = key_start;
-#endif
-        m_in[r] = DF_NEG_INF;
-    }
-    float o[DF_O_REGS];
-#pragma unroll
-    for (int i = 0; i < DF_O_REGS; ++i) {
-        o[i] = 0.0f;
-    }
-    StateRows state_rows;
-    state_rows.first = static_cast<u64>(slice) * info.q_len;
-    state_rows.row0 = block_start + wg * 64 + local;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        state_rows.exists[r] = state_rows.row0 + 8 * r < info.q_len;
-    }
-#if DISTFLASH_STATE_IN
-    load_state(state_o, state_m, state_l, state_rows, quad, o, rows, m_in);
-#endif
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        start[r] = rows.max[r];
-#if DISTFLASH_STATE_OUT
-        rows.seen[r] = rows.max[r];
-#endif
-    }
+#if DISTFLASH_PERSISTENT
     float s[DF_S_REGS];
 #pragma unroll
     for (int i = 0; i < DF_S_REGS; ++i) {
@@ -633,71 +745,212 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
     }
     u32 p[DF_P_REGS];
     float factor[2];
-    const u32 q_rows = at.q + wg * 64 * 128;
-
 #if DISTFLASH_PINGPONG
-    // Warpgroup 0 issues first.
+    // Warpgroup 0 issues first; the turns run on from item to item.
     if (wg == 1) {
         named_arrive(DF_TURN_BARRIER, 256);
     }
 #endif
-    barrier_wait(at.q_full, 0);
+    // The ring tile of the item's first walk tile.
+    int base = 0;
+    for (u32 j = 0;; ++j) {
+        const u32 qb = j % DF_Q_BUFFERS;
+        barrier_wait(at.q_full + 8 * qb, (j / DF_Q_BUFFERS) & 1);
+        const u32 work = load_shared_u32(at.work + 4 * qb);
+        if (work >= items) {
+            break;
+        }
+        const Item item = item_of(info, docs, work, blocks);
+        const u32 slice = item.slice, block_start = item.block_start, batch = item.batch;
+        const Walk walk = item.walk;
+        const u32 q_rows = at.q + qb * DF_Q_BYTES + wg * 64 * 128;
+#else
+    {
+        const int base = 0;
+#endif
+        Rows rows;
+        // Each row's m as the state held it (natural units) and its max in base 2 at the start.
+        float m_in[2], start[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            rows.max[r] = DF_NEG_INF;
+            rows.sum[r] = 0.0f;
+            // Rows past the queries take the last one's keys (never stored).
+            const long long row = min(block_start + wg * 64 + local + 8 * r, info.q_len - 1);
+            int key_start;
+            row_keys(info, docs, batch, row, key_start, rows.key_end[r]);
+#if DF_BANDED
+            rows.key_start[r] = key_start;
+#endif
+            m_in[r] = DF_NEG_INF;
+        }
+        float o[DF_O_REGS];
+#pragma unroll
+        for (int i = 0; i < DF_O_REGS; ++i) {
+            o[i] = 0.0f;
+        }
+        StateRows state_rows;
+        state_rows.first = static_cast<u64>(slice) * info.q_len;
+        state_rows.row0 = block_start + wg * 64 + local;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            state_rows.exists[r] = state_rows.row0 + 8 * r < info.q_len;
+        }
+#if DISTFLASH_STATE_IN
+        load_state(state_o, state_m, state_l, state_rows, quad, o, rows, m_in);
+#endif
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            start[r] = rows.max[r];
+#if DISTFLASH_STATE_OUT
+            rows.seen[r] = rows.max[r];
+#endif
+        }
+#if !DISTFLASH_PERSISTENT
+        float s[DF_S_REGS];
+#pragma unroll
+        for (int i = 0; i < DF_S_REGS; ++i) {
+            s[i] = 0.0f;
+        }
+        u32 p[DF_P_REGS];
+        float factor[2];
+        const u32 q_rows = at.q + wg * 64 * 128;
+
+#if DISTFLASH_PINGPONG
+        // Warpgroup 0 issues first.
+        if (wg == 1) {
+            named_arrive(DF_TURN_BARRIER, 256);
+        }
+#endif
+        barrier_wait(at.q_full, 0);
+#else
+        if (walk.count == 0) {
+            hand_back_q(at, j, thread);
+        }
+#endif
 
 #if DISTFLASH_INTRA_OVERLAP
-    if (walk.count > 0) {
-        // The first tile: its scores alone.
-        barrier_wait(at.k_full, 0);
-        issue_scores(s, q_rows, at.k);
-        wgmma_wait<0>();
-        fence_registers(s);
-        release(at.k_empty, 0, lane);
-        // The output is still 0 unless a state came in: then it may need rescaling.
-        if (softmax_of(s, rows, walk, 0, quad, scale_log2, factor) && DISTFLASH_STATE_IN) {
-            rescale_output(o, factor);
-        }
-        pack_fragment(s, p);
-        // Then S of tile t under P V of tile t - 1.
-#pragma unroll 1
-        for (int t = 1; t < walk.count; ++t) {
-            barrier_wait(at.k_full + 8 * stage_of(t), parity_of(t));
-            await_turn(wg);
-            issue_scores(s, q_rows, at.k + stage_of(t) * DF_KV_BYTES);
-            barrier_wait(at.v_full + 8 * stage_of(t - 1), parity_of(t - 1));
-            fence_registers(p);
-            issue_values(o, p, at.v + stage_of(t - 1) * DF_KV_BYTES);
-            pass_turn(wg);
-            wgmma_wait<1>();
-            fence_registers(s);
-            release(at.k_empty, t, lane);
-            const bool rescale = softmax_of(s, rows, walk, t, quad, scale_log2, factor);
+        if (walk.count > 0) {
+            // The first tile: its scores alone.
+            barrier_wait(at.k_full + 8 * stage_of(base), parity_of(base));
+            issue_scores(s, q_rows, at.k + stage_of(base) * DF_KV_BYTES);
+#if DISTFLASH_PERSISTENT
+            hand_back_q(at, j, thread);
+#endif
             wgmma_wait<0>();
-            fence_registers(o);
-            fence_registers(p);
-            release(at.v_empty, t - 1, lane);
-            if (rescale) {
+            fence_registers(s);
+            release(at.k_empty, base, lane);
+            // The output is still 0 unless a state came in: then it may need rescaling.
+            if (softmax_of(s, rows, walk, 0, quad, scale_log2, factor) && DISTFLASH_STATE_IN) {
                 rescale_output(o, factor);
             }
             pack_fragment(s, p);
+            // Then S of tile t under P V of tile t - 1 (ring tiles `base + t`, `base + t - 1`).
+#pragma unroll 1
+            for (int t = 1; t < walk.count; ++t) {
+                const int tile = base + t;
+                barrier_wait(at.k_full + 8 * stage_of(tile), parity_of(tile));
+                await_turn(wg);
+                issue_scores(s, q_rows, at.k + stage_of(tile) * DF_KV_BYTES);
+                barrier_wait(at.v_full + 8 * stage_of(tile - 1), parity_of(tile - 1));
+                fence_registers(p);
+                issue_values(o, p, at.v + stage_of(tile - 1) * DF_KV_BYTES);
+                pass_turn(wg);
+                wgmma_wait<1>();
+                fence_registers(s);
+                release(at.k_empty, tile, lane);
+                const bool rescale = softmax_of(s, rows, walk, t, quad, scale_log2, factor);
+                wgmma_wait<0>();
+                fence_registers(o);
+                fence_registers(p);
+                release(at.v_empty, tile - 1, lane);
+                if (rescale) {
+                    rescale_output(o, factor);
+                }
+                pack_fragment(s, p);
+            }
+            values_of(o, p, at, base + walk.count - 1, lane);
         }
-        values_of(o, p, at, walk.count - 1, lane);
-    }
 #else
 #pragma unroll 1
-    for (int t = 0; t < walk.count; ++t) {
-        barrier_wait(at.k_full + 8 * stage_of(t), parity_of(t));
-        await_turn(wg);
-        issue_scores(s, q_rows, at.k + stage_of(t) * DF_KV_BYTES);
-        pass_turn(wg);
-        wgmma_wait<0>();
-        fence_registers(s);
-        release(at.k_empty, t, lane);
-        if (softmax_of(s, rows, walk, t, quad, scale_log2, factor)) {
-            rescale_output(o, factor);
-        }
-        pack_fragment(s, p);
-        values_of(o, p, at, t, lane);
-    }
+        for (int t = 0; t < walk.count; ++t) {
+            const int tile = base + t;
+            barrier_wait(at.k_full + 8 * stage_of(tile), parity_of(tile));
+            await_turn(wg);
+            issue_scores(s, q_rows, at.k + stage_of(tile) * DF_KV_BYTES);
+            pass_turn(wg);
+#if DISTFLASH_PERSISTENT
+            if (t == 0) {
+                hand_back_q(at, j, thread);
+            }
 #endif
+            wgmma_wait<0>();
+            fence_registers(s);
+            release(at.k_empty, tile, lane);
+            if (softmax_of(s, rows, walk, t, quad, scale_log2, factor)) {
+                rescale_output(o, factor);
+            }
+            pack_fragment(s, p);
+            values_of(o, p, at, tile, lane);
+        }
+#endif
+#if DISTFLASH_PINGPONG && !DISTFLASH_PERSISTENT
+        // Warpgroup 0 takes the turn warpgroup 1 passed after its last products (or, with no
+        // tile, at the start), so that every phase of both turn barriers completes.
+        if (wg == 0) {
+            named_sync(DF_TURN_BARRIER, 256);
+        }
+#endif
+
+#if DISTFLASH_STATE_OUT
+        store_state(state_o, state_m, state_l, state_rows, quad, o, rows, m_in, start);
+#else
+        // The epilogue: the quads' row sums, O / sum and lse = max + log2(sum), in natural units.
+        float inverse[2], row_lse[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float sum = rows.sum[r];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            inverse[r] = sum > 0.0f ? 1.0f / sum : 0.0f;
+            row_lse[r] = sum > 0.0f ? rows.max[r] * DF_LN_2 + logf(sum) : DF_NEG_INF;
+        }
+        rescale_output(o, inverse);
+        // O into the warpgroup's rows of Q's shared memory (Q is no longer read), as the copy
+        // engine reads it.
+        u32 packed[DF_O_REGS / 2];
+        pack_fragment(o, packed);
+        store_rows_swizzled(packed, q_rows, DF_Q_HALF, local, quad);
+        fence_shared_for_copies();
+        named_sync(DF_STORE_BARRIER + wg, 128);
+        if (thread == 0) {
+            store_halves(&o_map, q_rows, DF_Q_HALF, block_start + wg * 64, slice);
+#if DISTFLASH_PERSISTENT
+            // Waited for under the next item's first scores (`hand_back_q`) or at the end.
+            store_boxes_commit();
+#else
+            store_boxes_read();
+#endif
+        }
+        if (quad == 0) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const u32 row = block_start + wg * 64 + local + 8 * r;
+                if (row < info.q_len) {
+                    lse[static_cast<u64>(slice) * info.q_len + row] = row_lse[r];
+                }
+            }
+        }
+#endif
+#if DISTFLASH_PERSISTENT
+        base += walk.count;
+#endif
+    }
+#if DISTFLASH_PERSISTENT
+    // The last item's store reads its Q buffer before the cube ends.
+    if (thread == 0) {
+        store_boxes_wait_read();
+    }
 #if DISTFLASH_PINGPONG
     // Warpgroup 0 takes the turn warpgroup 1 passed after its last products (or, with no tile,
     // at the start), so that every phase of both turn barriers completes.
@@ -705,40 +958,5 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         named_sync(DF_TURN_BARRIER, 256);
     }
 #endif
-
-#if DISTFLASH_STATE_OUT
-    store_state(state_o, state_m, state_l, state_rows, quad, o, rows, m_in, start);
-#else
-    // The epilogue: the quads' row sums, O / sum and lse = max + log2(sum), in natural units.
-    float inverse[2], row_lse[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float sum = rows.sum[r];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        inverse[r] = sum > 0.0f ? 1.0f / sum : 0.0f;
-        row_lse[r] = sum > 0.0f ? rows.max[r] * DF_LN_2 + logf(sum) : DF_NEG_INF;
-    }
-    rescale_output(o, inverse);
-    // O into the warpgroup's rows of Q's shared memory (Q is no longer read), as the copy engine
-    // reads it.
-    u32 packed[DF_O_REGS / 2];
-    pack_fragment(o, packed);
-    store_rows_swizzled(packed, q_rows, DF_Q_HALF, local, quad);
-    fence_shared_for_copies();
-    named_sync(DF_STORE_BARRIER + wg, 128);
-    if (thread == 0) {
-        store_halves(&o_map, q_rows, DF_Q_HALF, block_start + wg * 64, slice);
-        store_boxes_read();
-    }
-    if (quad == 0) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const u32 row = block_start + wg * 64 + local + 8 * r;
-            if (row < info.q_len) {
-                lse[static_cast<u64>(slice) * info.q_len + row] = row_lse[r];
-            }
-        }
-    }
 #endif
 }

@@ -45,7 +45,7 @@ fn kernel(variant: &ForwardVariant) -> CudaSource {
             ENTRY_POINT,
             forward_source(variant),
             UNITS as u32,
-            forward_plan::shared_bytes(variant.head_dim),
+            variant.shared_bytes(),
         )
     })
 }
@@ -82,16 +82,24 @@ pub(crate) fn plan<R: Runtime>(
     let mask = (&options.mask, scale);
     let variant = ForwardVariant::for_call(dims, elem, mask, schedule::current(), ends)?;
     // One cube per block of query rows of each slice, in one dimension (see `cube_work` in the
-    // kernel).
+    // kernel), or on a persistent grid one per multiprocessor, never more than there are blocks.
+    let blocks = dims.batch * dims.q_heads * dims.q_len.div_ceil(BLOCK_ROWS);
+    let cubes = match variant.schedule.persistent {
+        true => (
+            forward_plan::persistent_cubes(
+                blocks,
+                client.properties().hardware.num_streaming_multiprocessors,
+            ),
+            "one per multiprocessor, at most one per block of 128 query rows",
+        ),
+        false => (blocks, "batch x heads x blocks of 128 query rows"),
+    };
     let grid = super::device_grid(
         client,
         "the Hopper attention forward",
         UNITS,
-        forward_plan::shared_bytes(dims.head_dim),
-        (
-            dims.batch * dims.q_heads * dims.q_len.div_ceil(BLOCK_ROWS),
-            "batch x heads x blocks of 128 query rows",
-        ),
+        variant.shared_bytes(),
+        cubes,
     )?;
     Ok(ForwardLaunch { variant, grid })
 }
@@ -207,6 +215,11 @@ pub(crate) fn enqueue<R: Runtime>(
     if launch.variant.mask.documents {
         arguments.table(&DocumentTable::of(client, &options.mask, &q.handle));
     }
+    // A persistent grid's item counter, zero at launch (each launch its own: launches on other
+    // streams may run at the same time).
+    if launch.variant.schedule.persistent {
+        arguments.handle(client.create_from_slice(&0u32.to_le_bytes()));
+    }
     let scale = options.resolved_scale(dims.head_dim);
     let grouped = launch.variant.schedule.grouped_slices;
     for value in forward_plan::scalars(dims, &options.mask, scale, grouped) {
@@ -217,10 +230,12 @@ pub(crate) fn enqueue<R: Runtime>(
     // shared memory and grid fit it; the arguments follow `distflash_hopper_attention_forward`'s
     // parameters for the variant's ends and mask (the tensor maps of q, k, v and a finished
     // output, their buffers, lse for a finished output, the state's o, m and l for a step, the
-    // documents' table with documents, the fourteen scalars). The tensor maps bound every copy to
-    // its tensor (rows past a slice read as zeros and are not stored), lse and the state are read
-    // and written only at rows below `q_len`, the table only at positions `Mask::check_call`
-    // checked against it (rows below `q_len`), and the loops are bounded by the tile counts.
+    // documents' table with documents, a persistent grid's zeroed item counter, the fourteen
+    // scalars). The tensor maps bound every copy to its tensor (rows past a slice read as zeros
+    // and are not stored), lse and the state are read and written only at rows below `q_len`, the
+    // table only at positions `Mask::check_call` checked against it (rows below `q_len`), the
+    // counter only by one atomic add per item and cube, and the loops are bounded by the tile
+    // counts and, on a persistent grid, by the number of blocks.
     unsafe { source_task::launch(client, kernel, launch.grid.clone(), arguments) };
 }
 
@@ -263,12 +278,13 @@ mod tests {
 
     /// The entry point's parameters as the preprocessor leaves them for `ends`, with or without
     /// `documents`.
-    fn parameters_for(ends: ForwardEnds, documents: bool) -> Vec<String> {
+    fn parameters_for(ends: ForwardEnds, documents: bool, persistent: bool) -> Vec<String> {
         let (state_in, state_out) = (ends.reads_state(), ends.writes_state());
         preprocessed_parameters(FORWARD_CU, ENTRY_POINT, |condition| match condition {
             "!DISTFLASH_STATE_OUT" => !state_out,
             "DISTFLASH_STATE_IN || DISTFLASH_STATE_OUT" => state_in || state_out,
             "DISTFLASH_DOCUMENTS" => documents,
+            "DISTFLASH_PERSISTENT" => persistent,
             other => panic!("unexpected condition `{other}`"),
         })
     }
@@ -291,22 +307,36 @@ mod tests {
         let output = ["void* o_buffer", "float* lse"];
         let state = ["float* state_o", "float* state_m", "float* state_l"];
         let docs = ["const u32* docs"];
+        let counter = ["u32* work_counter"];
         let info = ["const __grid_constant__ ForwardInfo info"];
         let expected = |parts: &[&[&str]]| -> Vec<String> {
             parts.concat().into_iter().map(String::from).collect()
         };
         for (documents, table) in [(false, &[][..]), (true, &docs[..])] {
             assert_eq!(
-                parameters_for(ForwardEnds::Whole, documents),
+                parameters_for(ForwardEnds::Whole, documents, false),
                 expected(&[&maps, &output_map, &buffers, &output, table, &info])
             );
+            // The persistent grid (a whole attention only) adds its item counter.
             assert_eq!(
-                parameters_for(ForwardEnds::LastStep, documents),
+                parameters_for(ForwardEnds::Whole, documents, true),
+                expected(&[
+                    &maps,
+                    &output_map,
+                    &buffers,
+                    &output,
+                    table,
+                    &counter,
+                    &info
+                ])
+            );
+            assert_eq!(
+                parameters_for(ForwardEnds::LastStep, documents, false),
                 expected(&[&maps, &output_map, &buffers, &output, &state, table, &info])
             );
             for ends in [ForwardEnds::FirstStep, ForwardEnds::Step] {
                 assert_eq!(
-                    parameters_for(ends, documents),
+                    parameters_for(ends, documents, false),
                     expected(&[&maps, &buffers, &state, table, &info])
                 );
             }

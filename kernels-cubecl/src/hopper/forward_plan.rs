@@ -26,15 +26,27 @@ pub const BOX_COLUMNS: usize = 64;
 /// the 50 MB L2 of an H100 or H200 (the rest holds queries, outputs and other heads' tails).
 pub const L2_BUDGET: usize = 32 << 20;
 
-/// Shared memory one cube uses at `head_dim`: the Q tile, `STAGES` K and V tiles (16-bit
-/// values), `1 + 4 STAGES` barriers of 8 bytes, and up to 1023 bytes to align the tiles on the
-/// 128-byte swizzle's 1024-byte period.
+/// Shared memory one cube of the grid of one cube per block uses at `head_dim`: the Q tile,
+/// `STAGES` K and V tiles (16-bit values), `1 + 4 STAGES` barriers of 8 bytes, and up to 1023
+/// bytes to align the tiles on the 128-byte swizzle's 1024-byte period.
 pub const fn shared_bytes(head_dim: usize) -> usize {
-    (BLOCK_ROWS + 2 * STAGES * BLOCK_KEYS) * head_dim * 2 + (1 + 4 * STAGES) * 8 + 1024
+    shared_bytes_for(head_dim, false)
+}
+
+/// Shared memory one cube uses at `head_dim`, on a persistent grid or not: a persistent cube
+/// holds two Q tiles, each with a second barrier (`empty`) and a 4-byte item number.
+pub const fn shared_bytes_for(head_dim: usize, persistent: bool) -> usize {
+    let q_tiles = if persistent { 2 } else { 1 };
+    let q_barriers = if persistent { 2 * q_tiles } else { q_tiles };
+    let items = if persistent { 4 * q_tiles } else { 0 };
+    (q_tiles * BLOCK_ROWS + 2 * STAGES * BLOCK_KEYS) * head_dim * 2
+        + (q_barriers + 4 * STAGES) * 8
+        + items
+        + 1024
 }
 
 // Within the 227 KiB a Hopper cube may opt into.
-const _: () = assert!(shared_bytes(128) <= 232_448);
+const _: () = assert!(shared_bytes_for(128, true) <= 232_448);
 
 /// What one compiled forward starts from and what it writes: a whole attention or one of the
 /// stat-carrying contract's steps (ARCHITECTURE.md, "The state (o, m, l)").
@@ -82,7 +94,8 @@ pub struct ForwardVariant {
 impl ForwardVariant {
     /// The variant that computes attention of `dims` in `elem` under `mask` with score `scale`
     /// from and to `ends`, or why the kernel does not cover the call: another element type or
-    /// head dim, a scale that is not positive and finite.
+    /// head dim, a scale that is not positive and finite. A persistent `schedule` holds for a
+    /// whole attention only: the steps run on a grid of one cube per block.
     pub fn for_call(
         dims: &AttentionDims,
         elem: ElemType,
@@ -95,9 +108,17 @@ impl ForwardVariant {
             head_dim: dims.head_dim,
             elem,
             mask: mask.kind(),
-            schedule,
+            schedule: ForwardSchedule {
+                persistent: schedule.persistent && ends == ForwardEnds::Whole,
+                ..schedule
+            },
             ends,
         })
+    }
+
+    /// The shared memory one cube of this variant uses.
+    pub fn shared_bytes(&self) -> usize {
+        shared_bytes_for(self.head_dim, self.schedule.persistent)
     }
 
     /// The `#define` lines that select this variant in `attention_forward.cu`.
@@ -106,7 +127,8 @@ impl ForwardVariant {
         format!(
             "#define DISTFLASH_HEAD_DIM {}\n#define DISTFLASH_F16 {}\n{}\
              #define DISTFLASH_INTRA_OVERLAP {}\n#define DISTFLASH_PINGPONG {}\n\
-             #define DISTFLASH_STATE_IN {}\n#define DISTFLASH_STATE_OUT {}\n",
+             #define DISTFLASH_STATE_IN {}\n#define DISTFLASH_STATE_OUT {}\n\
+             #define DISTFLASH_PERSISTENT {}\n",
             self.head_dim,
             flag(self.elem == ElemType::F16),
             super::band::switches(self.mask),
@@ -114,8 +136,17 @@ impl ForwardVariant {
             flag(self.schedule.pingpong),
             flag(self.ends.reads_state()),
             flag(self.ends.writes_state()),
+            flag(self.schedule.persistent),
         )
     }
+}
+
+/// Cubes of a persistent grid over `blocks` blocks of query rows: one per multiprocessor (132,
+/// an H100's or H200's, when the device does not say), never more than there are blocks. One
+/// cube fits a multiprocessor (the kernel's launch bounds and its shared memory).
+pub fn persistent_cubes(blocks: usize, multiprocessors: Option<u32>) -> usize {
+    let per_device = multiprocessors.unwrap_or(132).max(1) as usize;
+    blocks.min(per_device)
 }
 
 /// (batch, head) slices per launch group: with `grouped`, as many as share [`L2_BUDGET`] bytes
@@ -253,6 +284,7 @@ mod tests {
                 intra_overlap: false,
                 pingpong: true,
                 grouped_slices: true,
+                persistent: false,
             },
             ends: ForwardEnds::Whole,
         };
@@ -261,7 +293,8 @@ mod tests {
             "#define DISTFLASH_HEAD_DIM 64\n#define DISTFLASH_F16 1\n#define DISTFLASH_UPPER 1\n\
              #define DISTFLASH_LOWER 0\n#define DISTFLASH_DOCUMENTS 0\n\
              #define DISTFLASH_INTRA_OVERLAP 0\n#define DISTFLASH_PINGPONG 1\n\
-             #define DISTFLASH_STATE_IN 0\n#define DISTFLASH_STATE_OUT 0\n"
+             #define DISTFLASH_STATE_IN 0\n#define DISTFLASH_STATE_OUT 0\n\
+             #define DISTFLASH_PERSISTENT 0\n"
         );
         // The mask's parts.
         let mask_switches = |mask: &Mask| {
@@ -295,6 +328,55 @@ mod tests {
         assert_eq!(state_switches(ForwardEnds::FirstStep), (false, true));
         assert_eq!(state_switches(ForwardEnds::Step), (true, true));
         assert_eq!(state_switches(ForwardEnds::LastStep), (true, false));
+        // The persistent grid.
+        let persistent = ForwardVariant {
+            schedule: ForwardSchedule {
+                persistent: true,
+                ..variant.schedule
+            },
+            ..variant
+        };
+        assert!(persistent
+            .switches()
+            .ends_with("#define DISTFLASH_PERSISTENT 1\n"));
+    }
+
+    #[test]
+    fn only_a_whole_attention_runs_on_the_persistent_grid() {
+        let persistent = ForwardSchedule {
+            persistent: true,
+            ..ForwardSchedule::default()
+        };
+        for ends in [
+            ForwardEnds::Whole,
+            ForwardEnds::FirstStep,
+            ForwardEnds::Step,
+            ForwardEnds::LastStep,
+        ] {
+            let variant = ForwardVariant::for_call(
+                &dims(128),
+                ElemType::BF16,
+                (&Mask::causal(), 0.1),
+                persistent,
+                ends,
+            )
+            .unwrap();
+            let whole = ends == ForwardEnds::Whole;
+            assert_eq!(variant.schedule.persistent, whole, "{ends:?}");
+            // The steps compile to what the default schedule compiles to.
+            assert_eq!(
+                variant.schedule,
+                ForwardSchedule {
+                    persistent: whole,
+                    ..ForwardSchedule::default()
+                }
+            );
+            assert_eq!(
+                variant.shared_bytes(),
+                shared_bytes_for(128, whole),
+                "{ends:?}"
+            );
+        }
     }
 
     #[test]
@@ -314,6 +396,14 @@ mod tests {
         assert_eq!(f32::from_bits(scale), 0.125 * LOG2_E);
         assert_eq!([slice_group, slices], [16, 16]);
         assert_eq!(rest, [217, 0, 0, 4, 0]);
+    }
+
+    #[test]
+    fn a_persistent_grid_holds_a_cube_per_multiprocessor_at_most_one_per_block() {
+        assert_eq!(persistent_cubes(4096, Some(132)), 132);
+        assert_eq!(persistent_cubes(100, Some(132)), 100);
+        assert_eq!(persistent_cubes(4096, None), 132);
+        assert_eq!(persistent_cubes(1, Some(0)), 1);
     }
 
     #[test]
@@ -356,5 +446,10 @@ mod tests {
         assert!(source.contains("#define DF_HALVES (DF_D / 64)\n"));
         assert_eq!(BOX_COLUMNS, 64);
         assert_eq!(shared_bytes(128), 160 * 1024 + 72 + 1024);
+        // Two Q tiles, each with two barriers and an item number.
+        assert_eq!(shared_bytes_for(128, true), 192 * 1024 + 96 + 8 + 1024);
+        assert_eq!(shared_bytes_for(64, false), shared_bytes(64));
+        assert!(source.contains("#define DF_Q_BUFFERS (DISTFLASH_PERSISTENT ? 2 : 1)\n"));
+        assert!(source.contains("at.work = at.q_empty + DF_Q_BUFFERS * 8;"));
     }
 }

@@ -42,7 +42,8 @@ pub(crate) use forward::{
     choose as choose_forward, enqueue as enqueue_forward, plan as plan_forward,
 };
 pub use forward_plan::{
-    shared_bytes as forward_shared_bytes, ForwardEnds, ForwardVariant, BLOCK_KEYS, BLOCK_ROWS,
+    shared_bytes as forward_shared_bytes, shared_bytes_for as forward_shared_bytes_for,
+    ForwardEnds, ForwardVariant, BLOCK_KEYS, BLOCK_ROWS,
 };
 pub use gemm::{gemm, gemm_source};
 pub use gemm_shape::{GemmLayout, SHARED_BYTES, TILE_K, TILE_M, TILE_N, UNITS};

@@ -108,6 +108,17 @@ __device__ __forceinline__ void store_boxes_read() {
     asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
 }
 
+// The two halves of `store_boxes_read`, for a thread with other work between them: commits the
+// calling thread's bulk stores as one group ...
+__device__ __forceinline__ void store_boxes_commit() {
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// ... and waits until every group it committed has read its shared memory.
+__device__ __forceinline__ void store_boxes_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+
 // Makes this thread's ordinary writes to shared memory visible to the copy engine.
 __device__ __forceinline__ void fence_shared_for_copies() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");

@@ -1,6 +1,7 @@
 //! How the Hopper attention forward orders its work: FlashAttention-3's two overlaps of the
-//! consumer warpgroups, each a compile-time switch of the kernel, and the order in which cubes
-//! take the (batch, head) slices. The default is all three; a thread-local override lets
+//! consumer warpgroups, each a compile-time switch of the kernel, the order in which cubes
+//! take the (batch, head) slices, and whether the grid is persistent. The default is both
+//! overlaps and grouped slices on a grid of one cube per block; a thread-local override lets
 //! benchmarks and tests run the others.
 
 use std::cell::Cell;
@@ -20,15 +21,23 @@ pub struct ForwardSchedule {
     /// slice's block `b` starts before any slice's block `b - 1` (the grid's first wave then
     /// spans every head's keys and values).
     pub grouped_slices: bool,
+    /// A whole attention on a persistent grid: one cube per multiprocessor, each taking blocks
+    /// (in the order above, the next one claimed by whichever cube is free first) until none is
+    /// left, its producer copying the next block's Q and first K and V tiles while the consumers
+    /// finish the current one's last `P V` and store its O. The steps of the stat-carrying
+    /// contract keep a cube per block whatever this says.
+    pub persistent: bool,
 }
 
 impl Default for ForwardSchedule {
-    /// Both overlaps, as FlashAttention-3 runs head dims up to 128, and grouped slices.
+    /// Both overlaps, as FlashAttention-3 runs head dims up to 128, and grouped slices, on a
+    /// grid of one cube per block (not persistent).
     fn default() -> Self {
         Self {
             intra_overlap: true,
             pingpong: true,
             grouped_slices: true,
+            persistent: false,
         }
     }
 }
@@ -57,6 +66,7 @@ mod tests {
             intra_overlap: false,
             pingpong: false,
             grouped_slices: false,
+            persistent: true,
         };
         assert_eq!(current(), ForwardSchedule::default());
         force(Some(plain));

@@ -295,6 +295,12 @@ impl SourceArguments {
         self.buffers.push(table.handle.clone().binding());
     }
 
+    /// Registers `handle` (a buffer the caller made for this launch) as the next plain buffer
+    /// parameter.
+    pub(crate) fn handle(&mut self, handle: cubecl::server::Handle) {
+        self.buffers.push(handle.binding());
+    }
+
     /// Registers the next `u32` scalar (the kernel's struct of scalars lists them in order).
     pub(crate) fn scalar(&mut self, value: u32) {
         self.info.scalars.push(value);

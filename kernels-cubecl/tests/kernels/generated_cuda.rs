@@ -40,12 +40,14 @@ fn the_hopper_shell_gives_hand_written_kernels_the_shared_memory_they_ask_for() 
     // cubecl-cuda launches a hand-written kernel with the dynamic shared memory of its shell's
     // compiled form (`hopper::source_task`): at least what the source uses.
     let forward = distflash_kernels::hopper::forward_shared_bytes(128);
+    let persistent = distflash_kernels::hopper::forward_shared_bytes_for(128, true);
     let backward = distflash_kernels::hopper::backward_shared_bytes(128);
     for bytes in [
         4,
         1000,
         distflash_kernels::hopper::SHARED_BYTES,
         forward,
+        persistent,
         backward,
     ] {
         let given = cuda_source::hopper_shell_shared_bytes(bytes);

@@ -4,7 +4,8 @@
 //! causal diagonal crosses tiles, keys ahead of the queries (rows that see nothing), extreme
 //! scores beside a partial key tile, and scores that rise from tile to tile (the stale row max);
 //! sliding windows and packed documents (alone, combined, at offsets, at their edges); every
-//! schedule of the kernel; `Variant::Auto` running it where it covers a call (masked calls
+//! schedule of the kernel, the persistent grid on every case above and on calls with more blocks
+//! than an H200 has multiprocessors (each cube walking several); `Variant::Auto` running it where it covers a call (masked calls
 //! included) and the tensor-core kernels where not; and its refusals. The forward runs on an
 //! H100/H200 only; elsewhere it must refuse the device.
 
@@ -107,6 +108,7 @@ pub fn every_schedule_matches_the_f64_reference<R: Runtime>(client: &ComputeClie
                 intra_overlap,
                 pingpong,
                 grouped_slices: true,
+                persistent: false,
             };
             if forced == ForwardSchedule::default() {
                 continue;
@@ -169,6 +171,101 @@ pub fn every_schedule_matches_the_f64_reference<R: Runtime>(client: &ComputeClie
             ),
         ],
     );
+}
+
+/// Calls with more blocks of 128 query rows than an H100 or H200 has multiprocessors (132 or
+/// 114), so that each cube of a persistent grid walks several (of different lengths: causal, a
+/// window, documents, and keys ahead of the queries, whose first block sees no key), at odd
+/// lengths, both head dims and 16-bit types, GQA.
+fn many_blocks() -> Vec<Named> {
+    let mut cases = vec![
+        named(
+            81,
+            (4, 12, 3),
+            (555, 555, 64),
+            Mask::causal(),
+            ElemType::F16,
+        ),
+        named(
+            82,
+            (2, 16, 4),
+            (700, 1100, 128),
+            Mask::causal().at(300, 0),
+            ElemType::BF16,
+        ),
+        named(
+            83,
+            (2, 16, 8),
+            (600, 600, 128),
+            Mask::causal().with_window(SlidingWindow::causal(150).unwrap()),
+            ElemType::BF16,
+        ),
+        named(
+            84,
+            (2, 16, 4),
+            (600, 700, 64),
+            Mask::causal().at(0, 200),
+            ElemType::F16,
+        ),
+        named(
+            85,
+            (2, 40, 40),
+            (383, 517, 128),
+            Mask::none(),
+            ElemType::F16,
+        ),
+    ];
+    for mask in band_masks(BandGroup::Documents, 2, 517, 517) {
+        cases.push(named(86, (2, 16, 4), (517, 517, 64), mask, ElemType::BF16));
+    }
+    cases
+}
+
+/// The persistent grid (`ForwardSchedule::persistent`) on the default schedule's cases, the
+/// masked ones and [`many_blocks`], then with each other overlap schedule on a few; the steps,
+/// which keep a cube per block whatever the schedule says, still match the reference under it.
+pub fn the_persistent_grid_matches_the_f64_reference<R: Runtime>(client: &ComputeClient<R>) {
+    struct Restore;
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            schedule::force(None);
+        }
+    }
+    let _restore = Restore;
+    let persistent = ForwardSchedule {
+        persistent: true,
+        ..ForwardSchedule::default()
+    };
+    schedule::force(Some(persistent));
+    check_all(client, "persistent, many blocks", &many_blocks());
+    check_all(
+        client,
+        "persistent, default schedule's cases",
+        &every_type_and_head_dim(cases),
+    );
+    check_all(client, "persistent, masks", &masked_cases());
+    for (intra_overlap, pingpong) in [(false, false), (true, false), (false, true)] {
+        let forced = ForwardSchedule {
+            intra_overlap,
+            pingpong,
+            ..persistent
+        };
+        schedule::force(Some(forced));
+        let few = many_blocks().into_iter().take(3).chain([
+            rising_scores(Mask::causal().at(40, 0), ElemType::BF16, 128),
+            rising_scores(Mask::none(), ElemType::F16, 64),
+        ]);
+        check_all(client, &format!("{forced:?}"), &few.collect::<Vec<_>>());
+    }
+    // Slices in launch order (one group of all of them) on the persistent grid.
+    let ungrouped = ForwardSchedule {
+        grouped_slices: false,
+        ..persistent
+    };
+    schedule::force(Some(ungrouped));
+    check_all(client, &format!("{ungrouped:?}"), &many_blocks()[..2]);
+    schedule::force(Some(persistent));
+    super::hopper_steps::chunked_steps_match_the_f64_reference(client);
 }
 
 /// `attention` under `Variant::Hopper` and `Variant::Auto` runs the Hopper forward where it
@@ -284,6 +381,12 @@ fn cuda_hopper_forward_masks_match_f64_reference() {
 fn cuda_hopper_forward_schedules_match_f64_reference() {
     let client = hopper_client();
     every_schedule_matches_the_f64_reference(&client);
+}
+
+#[test]
+#[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
+fn cuda_hopper_forward_persistent_matches_f64_reference() {
+    the_persistent_grid_matches_the_f64_reference(&hopper_client());
 }
 
 #[test]

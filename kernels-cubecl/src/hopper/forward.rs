@@ -368,7 +368,7 @@ mod tests {
         assert_ne!(first.fingerprint(), other.fingerprint());
         assert_eq!(
             (first.units, first.shared_bytes),
-            (384, forward_plan::shared_bytes(64))
+            (384, forward_plan::shared_bytes_for(64, true))
         );
     }
 

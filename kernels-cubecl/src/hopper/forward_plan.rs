@@ -239,7 +239,11 @@ mod tests {
                             head_dim,
                             elem,
                             mask: mask.kind(),
-                            schedule,
+                            // The steps keep a cube per block.
+                            schedule: ForwardSchedule {
+                                persistent: false,
+                                ..schedule
+                            },
                             ends,
                         }
                     );

@@ -1,8 +1,8 @@
 //! How the Hopper attention forward orders its work: FlashAttention-3's two overlaps of the
 //! consumer warpgroups, each a compile-time switch of the kernel, the order in which cubes
 //! take the (batch, head) slices, and whether the grid is persistent. The default is both
-//! overlaps and grouped slices on a grid of one cube per block; a thread-local override lets
-//! benchmarks and tests run the others.
+//! overlaps and grouped slices on a persistent grid (for a whole attention; the steps keep a
+//! cube per block); a thread-local override lets benchmarks and tests run the others.
 
 use std::cell::Cell;
 
@@ -31,13 +31,14 @@ pub struct ForwardSchedule {
 
 impl Default for ForwardSchedule {
     /// Both overlaps, as FlashAttention-3 runs head dims up to 128, and grouped slices, on a
-    /// grid of one cube per block (not persistent).
+    /// persistent grid (measured on an H200 against a cube per block, 8 calls queued: +3% at
+    /// 16K, +1% at 32K, and +3-14% at 8K, whose rows spread that much; causal, head dim 128).
     fn default() -> Self {
         Self {
             intra_overlap: true,
             pingpong: true,
             grouped_slices: true,
-            persistent: false,
+            persistent: true,
         }
     }
 }

@@ -7,11 +7,15 @@
 //! [--burn-seqs 8192,16384] [--iters 5] [--head-dim 128] [--kv-heads 32] [--chunks 4]
 //! [--mask-seqs 32768] [--window 4096] [--variants auto,hopper,tensor-core]
 //! [--chunk-variants hopper,tensor-core]
-//! [--hopper-schedules overlap+pingpong+grouped,overlap+pingpong+grouped+persistent,plain]`
+//! [--hopper-schedules overlap+pingpong+grouped,overlap+pingpong+grouped+persistent,plain]
+//! [--hopper-head-splits auto,never,2,4]`
 //! (`-- --help` lists them with their defaults).
 //! `--variants` runs the whole-attention forward rows once per kernel variant (default `auto`),
 //! each with its first call's time (compilation included); `--hopper-schedules` adds rows of
-//! the Hopper forward with each of its schedules forced (see `hopper::ForwardSchedule`).
+//! the Hopper forward with each of its schedules forced (see `hopper::ForwardSchedule`);
+//! `--hopper-head-splits` adds, at the lengths of `--bwd-seqs`, backward rows of the Hopper
+//! variant with the split of each GQA group's query heads over cubes forced (`auto`: the plan's
+//! choice, `never`, or N parts: see `hopper::HeadSplit`), one after the other in one process.
 //! `--chunks C` adds rows where the sequence is cut into C chunks and run pair by pair through
 //! `forward_step` / `backward_step` with causal offsets, as the distributed pass does, and rows
 //! where each query chunk's first and last key chunks go through `forward_first_step` /
@@ -38,7 +42,7 @@ use clap::{value_parser, Parser, ValueEnum};
 use common::{CargoBench, Sizes};
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::prelude::*;
-use distflash_kernels::hopper::{schedule, ForwardSchedule};
+use distflash_kernels::hopper::{schedule, BackwardSchedule, ForwardSchedule, HeadSplit};
 use distflash_kernels::{
     DeviceTensor, Documents, ElemType, GradAccumulators, Mask, SlidingWindow, SoftmaxState,
     StepOptions, Variant,
@@ -94,6 +98,11 @@ struct Args {
     /// grouped, persistent, or plain for none; comma-separated
     #[arg(long, value_name = "SCHEDULE,..", value_delimiter = ',')]
     hopper_schedules: Vec<HopperSchedule>,
+    /// Extra Hopper backward rows at the lengths of --bwd-seqs, each with the split of a GQA
+    /// group's query heads over cubes forced: auto (the plan's), never, or a number of parts
+    /// (the largest divisor of the group not above it); comma-separated
+    #[arg(long, value_name = "SPLIT,..", value_delimiter = ',')]
+    hopper_head_splits: Vec<HopperHeadSplit>,
     #[command(flatten)]
     cargo_bench: CargoBench,
 }
@@ -145,6 +154,32 @@ impl FromStr for HopperSchedule {
         Ok(Self {
             name: text.to_string(),
             schedule,
+        })
+    }
+}
+
+/// A split of the Hopper backward's GQA groups forced for a row: `auto`, `never` or a count.
+#[derive(Clone)]
+struct HopperHeadSplit {
+    name: String,
+    split: HeadSplit,
+}
+
+impl FromStr for HopperHeadSplit {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        let split =
+            match text {
+                "auto" => HeadSplit::Auto,
+                "never" => HeadSplit::Never,
+                parts => HeadSplit::Parts(parts.parse().map_err(|_| {
+                    format!("takes auto, never or a number of parts; got {parts:?}")
+                })?),
+            };
+        Ok(Self {
+            name: text.to_string(),
+            split,
         })
     }
 }
@@ -697,6 +732,28 @@ fn main() {
                 let name = format!("{}, deterministic", run.name);
                 row(&name, "fwd+bwd", seq, secs, 3.5 * flops);
             }
+            // The Hopper backward with each forced split of the GQA groups' heads.
+            for forced in &args.hopper_head_splits {
+                schedule::force_backward(Some(BackwardSchedule {
+                    head_split: forced.split,
+                }));
+                let name = format!("distflash hopper, head split {} (bf16)", forced.name);
+                let backward_rows = BackwardRows {
+                    client: &client,
+                    inputs: (&q, &k, &v, &grad_out),
+                    name: &name,
+                    seq,
+                    flops,
+                    iters,
+                    first: false,
+                };
+                let hopper = StepOptions {
+                    variant: Variant::Hopper,
+                    ..options.clone()
+                };
+                backward_rows.print(&hopper, &row);
+            }
+            schedule::force_backward(None);
         }
         drop((q, k, v));
         if chunks > 1 {

@@ -14,10 +14,15 @@
 //                       q_offset - kv_offset; a window adds the keys after the diagonal)
 //   DISTFLASH_LOWER     1: ... and only if j >= i + lower (a sliding window)
 //   DISTFLASH_DOCUMENTS 1: ... and only if i and j lie in one document (a table argument)
-//   DISTFLASH_ACCUMULATE  1: a backward step: dK and dV are added to f32 accumulators
-//                       [B * Hkv, Skv, D] instead of stored in the inputs' type
+//   DISTFLASH_ACCUMULATE  1: dK and dV are added to f32 accumulators [B * Hkv, Skv, D] (a
+//                       backward step's, or a split whole attention's zeroed sums) instead of
+//                       stored in the inputs' type
 //   DISTFLASH_DETERMINISTIC 1: the cubes add to each tile's dQ sum in a fixed order (below), so
 //                       that the gradients are bitwise the same from run to run
+//   DISTFLASH_SPLIT     1: each block of keys of a key/value slice is walked by `head_parts`
+//                       cubes, each taking `group_size / head_parts` of the group's query heads,
+//                       which add dK and dV to the accumulators with atomics (with
+//                       DISTFLASH_ACCUMULATE, never with DISTFLASH_DETERMINISTIC)
 //
 // Tensors are row-major: q and dO [B * Hq, Sq, D], k, v, dK and dV [B * Hkv, Skv, D], seen
 // through three-dimensional tensor maps whose boxes are 64 columns (128 bytes, the 128-byte
@@ -30,8 +35,8 @@
 // order (see `add_query_grads`); after, they turn that sum into dQ.
 //
 // A cube (CTA) of 384 threads takes 128 keys of one key/value slice, keeps their K and V in
-// shared memory, and walks the 64-row query tiles of every query head of the slice's group that
-// see them: from the tile holding the first row that sees the block's first key (under a causal
+// shared memory, and walks the 64-row query tiles of every query head of the slice's group (with
+// DISTFLASH_SPLIT, of its part of the group) that see them: from the tile holding the first row that sees the block's first key (under a causal
 // mask; else the first tile) to the tile holding the last row that sees its last key (with a
 // window or documents; else the last tile). Every mask is a band (`kernels-cubecl/src/mask.rs`):
 // key j is seen by the query rows [from(j), until(j)), both ends non-decreasing in j. The tiles
@@ -56,7 +61,10 @@
 //   block no query sees stores zeros. With DISTFLASH_ACCUMULATE each thread instead adds its
 //   fragment of dK and dV to the f32 accumulators (the cube owns its keys' rows: one cube per
 //   key block and key/value slice, every query head of the group summed in its registers, so
-//   no two cubes add to one element); a block no query sees adds nothing.
+//   no two cubes add to one element); a block no query sees adds nothing. With DISTFLASH_SPLIT
+//   the `head_parts` cubes of one block (each of which has summed its own heads in registers)
+//   add to the same elements, with vector atomics (`red.global.add.v2.f32`); for a whole
+//   attention the host zeroes those f32 sums before and a row kernel converts them after.
 // - DISTFLASH_DETERMINISTIC: the cubes of one key/value slice that walk a query tile form a run
 //   of consecutive key blocks (every mask here is a band whose ends rise with the key, packed
 //   documents included, and a block that walks nothing lies before or after every block that
@@ -76,6 +84,12 @@
 #endif
 #ifndef DISTFLASH_DETERMINISTIC
 #define DISTFLASH_DETERMINISTIC 0
+#endif
+#ifndef DISTFLASH_SPLIT
+#define DISTFLASH_SPLIT 0
+#endif
+#if DISTFLASH_SPLIT && (!DISTFLASH_ACCUMULATE || DISTFLASH_DETERMINISTIC)
+#error "DISTFLASH_SPLIT adds dK and dV with atomics: it needs DISTFLASH_ACCUMULATE and excludes DISTFLASH_DETERMINISTIC"
 #endif
 
 // The scalars, as CubeCL packs sixteen u32 scalars (64 bytes).
@@ -103,7 +117,9 @@ struct BackwardInfo {
     u32 kv_pos0;
     u32 doc_stride;
     u32 doc_count;
-    u32 unused;
+    // Cubes per (key/value slice, block of keys), each walking group_size / head_parts of the
+    // group's query heads (DISTFLASH_SPLIT; else 1).
+    u32 head_parts;
 };
 
 #define DF_D DISTFLASH_HEAD_DIM
@@ -341,9 +357,10 @@ __device__ __forceinline__ Layout layout_from(u32 base) {
     return at;
 }
 
-// Which query tiles one cube walks: for each query head of the group, `per_head` tiles from
-// `first`; tiles from `unmasked_from` on (and, with a lower bound or documents, before
-// `masked_from`) see every key of the block.
+// Which query tiles one cube walks: for each query head of the group (with DISTFLASH_SPLIT, of
+// its part of the group, from head `first_head`), `per_head` tiles from `first`; tiles from
+// `unmasked_from` on (and, with a lower bound or documents, before `masked_from`) see every key
+// of the block.
 struct Walk {
     int first;
     int per_head;
@@ -351,6 +368,9 @@ struct Walk {
     int unmasked_from;
 #if DF_BANDED
     int masked_from;
+#endif
+#if DISTFLASH_SPLIT
+    int first_head;
 #endif
 };
 
@@ -429,13 +449,18 @@ __device__ __forceinline__ Walk block_walk(const BackwardInfo& info, const u32* 
     return walk;
 }
 
-// The query slice and tile of walk tile `t`: the group's query heads in turn.
+// The query slice and tile of walk tile `t`: the cube's query heads in turn.
 __device__ __forceinline__ void tile_of(const BackwardInfo& info, const Walk& walk, u32 kv_slice,
                                         int t, u32& q_slice, int& tile) {
     const int head = t / walk.per_head;
     tile = walk.first + (t - head * walk.per_head);
+#if DISTFLASH_SPLIT
+    const u32 group_head = static_cast<u32>(walk.first_head + head);
+#else
+    const u32 group_head = static_cast<u32>(head);
+#endif
     q_slice = (kv_slice / info.kv_heads) * info.kv_heads * info.group_size +
-              (kv_slice % info.kv_heads) * info.group_size + static_cast<u32>(head);
+              (kv_slice % info.kv_heads) * info.group_size + group_head;
 }
 
 // The stage and phase parity of walk tile `t` in a ring of DF_STAGES stages.
@@ -500,7 +525,9 @@ __device__ __forceinline__ void end_turn(u32* turn) {
 #if DISTFLASH_ACCUMULATE
 // Adds a warpgroup's fragment of 64 key rows (`acc`, times `factor`) to the f32 rows of `grads`
 // from `key` (the thread's fragment row; then `key + 8`) of slice `kv_slice`, rows past the keys
-// left alone: element pair i, i + 1 at row DF_ROW_OF(i), column 8 (i / 4) + 2 quad.
+// left alone: element pair i, i + 1 at row DF_ROW_OF(i), column 8 (i / 4) + 2 quad. Read, add,
+// write where the cube owns the rows; with DISTFLASH_SPLIT, where the cubes of the block's other
+// parts add to them too, one vector atomic per pair.
 __device__ __forceinline__ void add_key_grads(float* grads, const float (&acc)[DF_KV_REGS],
                                               float factor, const BackwardInfo& info,
                                               u32 kv_slice, u32 key, u32 quad) {
@@ -508,11 +535,15 @@ __device__ __forceinline__ void add_key_grads(float* grads, const float (&acc)[D
     for (int i = 0; i < DF_KV_REGS; i += 2) {
         const u32 row = key + 8 * DF_ROW_OF(i);
         if (row < info.kv_len) {
-            float2* at = reinterpret_cast<float2*>(
-                grads + (static_cast<u64>(kv_slice) * info.kv_len + row) * DF_D + 8 * (i / 4) +
-                2 * quad);
+            float* pair = grads + (static_cast<u64>(kv_slice) * info.kv_len + row) * DF_D +
+                          8 * (i / 4) + 2 * quad;
+#if DISTFLASH_SPLIT
+            reduce_add_2(pair, acc[i] * factor, acc[i + 1] * factor);
+#else
+            float2* at = reinterpret_cast<float2*>(pair);
             const float2 sum = *at;
             *at = make_float2(fmaf(acc[i], factor, sum.x), fmaf(acc[i + 1], factor, sum.y));
+#endif
         }
     }
 }
@@ -553,14 +584,30 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
 
     const u32 blocks = (info.kv_len + DF_BN - 1) / DF_BN;
     u32 kv_slice, block;
+#if DISTFLASH_SPLIT
+    // The slices of the launch order are (key/value slice, part) pairs, a key/value slice's
+    // parts side by side.
+    const u32 parts = info.head_parts;
+    u32 part_slice;
+    grouped_cube(blockIdx.x, blocks, info.slice_group, info.kv_slices * parts, part_slice, block);
+    kv_slice = part_slice / parts;
+    const int part_heads = static_cast<int>(info.group_size / parts);
+#else
     grouped_cube(blockIdx.x, blocks, info.slice_group, info.kv_slices, kv_slice, block);
+#endif
 #if DISTFLASH_DETERMINISTIC
     // Last block first: the blocks a cube waits on (see the ordered adds) start before it.
     block = blocks - 1 - block;
 #endif
     const u32 key0 = block * DF_BN;
     const u32 batch = kv_slice / info.kv_heads;
+#if DISTFLASH_SPLIT
+    Walk walk = block_walk(info, docs, batch, key0);
+    walk.first_head = static_cast<int>(part_slice % parts) * part_heads;
+    walk.count = walk.per_head * part_heads;
+#else
     const Walk walk = block_walk(info, docs, batch, key0);
+#endif
 
     if (threadIdx.x == 0) {
         barrier_init(at.kv_full, 1);

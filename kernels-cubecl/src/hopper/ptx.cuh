@@ -132,6 +132,13 @@ __device__ __forceinline__ void reduce_add_4(float* address, float a, float b, f
                  : "memory");
 }
 
+// Adds two f32 values to global memory at `address` (8-byte aligned) atomically, without
+// waiting for the result.
+__device__ __forceinline__ void reduce_add_2(float* address, float a, float b) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(address), "f"(a), "f"(b)
+                 : "memory");
+}
+
 __device__ __forceinline__ void prefetch_map(const TensorMap* map) {
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<u64>(map)) : "memory");
 }

@@ -63,9 +63,9 @@ fn every_hopper_source_has_no_include_and_its_entry_points() {
     for (name, source) in cuda_source::hopper_sources() {
         assert!(!source.contains("#include"), "{name}");
         // The backward's row kernels: one before the main kernel and one after, for a whole
-        // attention and for a step.
+        // attention and for a step, and the conversion after a split whole attention.
         let entry_points = if name.starts_with("hopper_backward_rows") {
-            4
+            5
         } else {
             1
         };

@@ -65,10 +65,10 @@ pub fn force(schedule: Option<ForwardSchedule>) {
 pub enum HeadSplit {
     /// The plan's choice: split only where a GQA/MQA call would otherwise give the device fewer
     /// than `backward_plan::MIN_CUBES_PER_SM` cubes per multiprocessor.
-    #[default]
     Auto,
     /// One cube per (key/value head, key block) walks every query head of the group, whatever
-    /// the call.
+    /// the call: the default until the split has run on a GPU.
+    #[default]
     Never,
     /// The group's heads over `n` cubes, or over the largest divisor of the group size below
     /// `n` (`usize::MAX`: one query head per cube).
@@ -108,7 +108,7 @@ mod tests {
         let never = BackwardSchedule {
             head_split: HeadSplit::Never,
         };
-        assert_eq!(current_backward().head_split, HeadSplit::Auto);
+        assert_eq!(current_backward().head_split, HeadSplit::Never);
         force_backward(Some(never));
         assert_eq!(current_backward(), never);
         // The forward's override is another.

@@ -506,16 +506,20 @@ mod tests {
         assert_eq!(key_grad_elements(&d), 4 * 517 * 128);
     }
 
-    #[test]
-    fn slice_groups_share_the_l2_budget_in_whole_slices() {
-        let long = |len, q_heads, kv_heads| AttentionDims {
+    /// One sequence of `len` tokens attending to itself, head dim 128.
+    fn long(len: usize, q_heads: usize, kv_heads: usize) -> AttentionDims {
+        AttentionDims {
             batch: 1,
             q_heads,
             kv_heads,
             q_len: len,
             kv_len: len,
             head_dim: 128,
-        };
+        }
+    }
+
+    #[test]
+    fn slice_groups_share_the_l2_budget_in_whole_slices() {
         // 8 MiB of Q, dO and dQ sums per query head at 8K: four slices; two at 16K; one at 32K.
         assert_eq!(slice_group(&long(8192, 32, 32), 1), 4);
         assert_eq!(slice_group(&long(16384, 32, 32), 1), 2);
@@ -533,14 +537,6 @@ mod tests {
 
     #[test]
     fn few_cubes_split_a_gqa_group_and_nothing_else_does() {
-        let long = |len, q_heads, kv_heads| AttentionDims {
-            batch: 1,
-            q_heads,
-            kv_heads,
-            q_len: len,
-            kv_len: len,
-            head_dim: 128,
-        };
         let auto = |d: &AttentionDims| head_parts(d, Some(132), (false, false), HeadSplit::Auto);
         // GQA 32 / 8 at 8K: 512 cubes, 3.9 per multiprocessor: split in two (7.8).
         assert_eq!(unsplit_cubes(&long(8192, 32, 8)), 512);

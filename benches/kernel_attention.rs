@@ -8,14 +8,17 @@
 //! [--mask-seqs 32768] [--window 4096] [--variants auto,hopper,tensor-core]
 //! [--chunk-variants hopper,tensor-core]
 //! [--hopper-schedules overlap+pingpong+grouped,overlap+pingpong+grouped+persistent,plain]
-//! [--hopper-head-splits auto,never,2,4]`
+//! [--hopper-head-splits auto,never,2,4] [--hopper-deterministic-adds consumers,producer]`
 //! (`-- --help` lists them with their defaults).
 //! `--variants` runs the whole-attention forward rows once per kernel variant (default `auto`),
 //! each with its first call's time (compilation included); `--hopper-schedules` adds rows of
 //! the Hopper forward with each of its schedules forced (see `hopper::ForwardSchedule`);
 //! `--hopper-head-splits` adds, at the lengths of `--bwd-seqs`, backward rows of the Hopper
 //! variant with the split of each GQA group's query heads over cubes forced (`auto`: the plan's
-//! choice, `never`, or N parts: see `hopper::HeadSplit`), one after the other in one process.
+//! choice, `never`, or N parts: see `hopper::HeadSplit`), one after the other in one process;
+//! `--hopper-deterministic-adds` adds, at the same lengths, forward+backward rows of the
+//! deterministic Hopper backward with its ordered dQ adds made by each form forced (the consumer
+//! warpgroups', or a producer warp's from shared memory: see `hopper::DeterministicAdds`).
 //! `--chunks C` adds rows where the sequence is cut into C chunks and run pair by pair through
 //! `forward_step` / `backward_step` with causal offsets, as the distributed pass does, and rows
 //! where each query chunk's first and last key chunks go through `forward_first_step` /
@@ -42,7 +45,9 @@ use clap::{value_parser, Parser, ValueEnum};
 use common::{CargoBench, Sizes};
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::prelude::*;
-use distflash_kernels::hopper::{schedule, BackwardSchedule, ForwardSchedule, HeadSplit};
+use distflash_kernels::hopper::{
+    schedule, BackwardSchedule, DeterministicAdds, ForwardSchedule, HeadSplit,
+};
 use distflash_kernels::{
     DeviceTensor, Documents, ElemType, GradAccumulators, Mask, SlidingWindow, SoftmaxState,
     StepOptions, Variant,
@@ -103,6 +108,10 @@ struct Args {
     /// (the largest divisor of the group not above it); comma-separated
     #[arg(long, value_name = "SPLIT,..", value_delimiter = ',')]
     hopper_head_splits: Vec<HopperHeadSplit>,
+    /// Extra deterministic Hopper forward+backward rows at the lengths of --bwd-seqs, each with
+    /// who makes the ordered dQ adds forced: consumers or producer; comma-separated
+    #[arg(long, value_enum, value_name = "ADDS,..", value_delimiter = ',')]
+    hopper_deterministic_adds: Vec<HopperDeterministicAdds>,
     #[command(flatten)]
     cargo_bench: CargoBench,
 }
@@ -118,6 +127,24 @@ enum ForwardVariant {
     TensorCore,
     /// The portable scalar kernels
     Portable,
+}
+
+/// Who makes the deterministic Hopper backward's ordered dQ adds in a row.
+#[derive(Clone, Copy, ValueEnum)]
+enum HopperDeterministicAdds {
+    /// The consumer warpgroups, each waiting for its turn (the default)
+    Consumers,
+    /// A producer warp per warpgroup, from a buffer in shared memory (FlashAttention-3's form)
+    Producer,
+}
+
+impl HopperDeterministicAdds {
+    fn forced(self) -> (&'static str, DeterministicAdds) {
+        match self {
+            Self::Consumers => ("consumers", DeterministicAdds::Consumers),
+            Self::Producer => ("producer", DeterministicAdds::Producer),
+        }
+    }
 }
 
 /// A Hopper forward schedule forced for a row, as `+`-joined parts (`overlap+pingpong`).
@@ -736,6 +763,7 @@ fn main() {
             for forced in &args.hopper_head_splits {
                 schedule::force_backward(Some(BackwardSchedule {
                     head_split: forced.split,
+                    ..BackwardSchedule::default()
                 }));
                 let name = format!("distflash hopper, head split {} (bf16)", forced.name);
                 let backward_rows = BackwardRows {
@@ -752,6 +780,34 @@ fn main() {
                     ..options.clone()
                 };
                 backward_rows.print(&hopper, &row);
+            }
+            // The deterministic Hopper backward with each form of its ordered dQ adds forced.
+            for forced in &args.hopper_deterministic_adds {
+                let (adds_name, adds) = forced.forced();
+                schedule::force_backward(Some(BackwardSchedule {
+                    deterministic_adds: adds,
+                    ..BackwardSchedule::default()
+                }));
+                let backward_rows = BackwardRows {
+                    client: &client,
+                    inputs: (&q, &k, &v, &grad_out),
+                    name: "",
+                    seq,
+                    flops,
+                    iters,
+                    first: false,
+                };
+                let exact = StepOptions {
+                    variant: Variant::Hopper,
+                    deterministic: true,
+                    ..options.clone()
+                };
+                // A first call out of the timing (the form's kernels compile on it).
+                backward_rows.forward_backward(&exact);
+                sync(&client);
+                let secs = backward_rows.forward_backward_seconds(&exact, false);
+                let name = format!("distflash hopper, deterministic, {adds_name} adds (bf16)");
+                row(&name, "fwd+bwd", seq, secs, 3.5 * flops);
             }
             schedule::force_backward(None);
         }

@@ -245,7 +245,11 @@ pub fn hopper_sources() -> Vec<(String, String)> {
         for (elem_name, elem) in [("bf16", ElemType::BF16), ("f16", ElemType::F16)] {
             for (mask_name, mask) in mask_kinds() {
                 for (step_name, accumulate) in [("", false), ("_step", true)] {
-                    for (order_name, deterministic) in [("", false), ("_deterministic", true)] {
+                    for (order_name, deterministic, producer_adds) in [
+                        ("", false, false),
+                        ("_deterministic", true, false),
+                        ("_deterministic_producer", true, true),
+                    ] {
                         let variant = BackwardVariant {
                             head_dim,
                             elem,
@@ -253,6 +257,7 @@ pub fn hopper_sources() -> Vec<(String, String)> {
                             accumulate,
                             deterministic,
                             split: false,
+                            producer_adds,
                         };
                         let name = format!(
                             "hopper_backward{step_name}{order_name}_{mask_name}_d{head_dim}_{elem_name}"
@@ -269,6 +274,7 @@ pub fn hopper_sources() -> Vec<(String, String)> {
                     accumulate: false,
                     deterministic: false,
                     split: true,
+                    producer_adds: false,
                 };
                 let name = format!("hopper_backward_split_{mask_name}_d{head_dim}_{elem_name}");
                 sources.push((name, hopper::backward_source(&split)));
@@ -280,6 +286,7 @@ pub fn hopper_sources() -> Vec<(String, String)> {
                 accumulate: false,
                 deterministic: false,
                 split: false,
+                producer_adds: false,
             };
             let name = format!("hopper_backward_rows_d{head_dim}_{elem_name}");
             sources.push((name, hopper::backward_rows_source(&variant)));

@@ -61,6 +61,7 @@ fn rows_variant(variant: &BackwardVariant) -> BackwardVariant {
         accumulate: false,
         deterministic: false,
         split: false,
+        producer_adds: false,
         ..*variant
     }
 }
@@ -85,7 +86,7 @@ fn kernels(variant: &BackwardVariant) -> [CudaSource; 3] {
             ENTRY_POINT,
             backward_source(variant),
             UNITS as u32,
-            backward_plan::shared_bytes(variant.head_dim),
+            variant.shared_bytes(),
         )
     });
     let (prepare, dq) = if variant.accumulate {
@@ -138,14 +139,16 @@ fn plan<R: Runtime>(
 ) -> Result<BackwardLaunch, KernelError> {
     let scale = options.resolved_scale(dims.head_dim);
     let mask = (&options.mask, scale);
+    let schedule = schedule::current_backward();
     let head_parts = backward_plan::head_parts(
         dims,
         client.properties().hardware.num_streaming_multiprocessors,
         (options.deterministic, accumulate),
-        schedule::current_backward().head_split,
+        schedule.head_split,
     );
     let variant = BackwardVariant::for_call(dims, elem, mask, options.deterministic, accumulate)?
-        .with_head_parts(head_parts);
+        .with_head_parts(head_parts)
+        .with_deterministic_adds(schedule.deterministic_adds);
     let row_grid = |what: &str, threads: usize| {
         super::device_grid(
             client,
@@ -165,7 +168,7 @@ fn plan<R: Runtime>(
         client,
         KERNEL,
         UNITS,
-        backward_plan::shared_bytes(dims.head_dim),
+        variant.shared_bytes(),
         (
             backward_plan::unsplit_cubes(dims) * head_parts,
             "batch x key/value heads x blocks of 128 keys x parts of a group's query heads",
@@ -676,6 +679,7 @@ mod tests {
             accumulate: false,
             deterministic: false,
             split: false,
+            producer_adds: false,
         };
         let [prepare, main, dq] = kernels(&variant(true));
         let [prepare_again, main_again, dq_again] = kernels(&variant(true));
@@ -718,6 +722,18 @@ mod tests {
         assert_eq!(det_prepare.fingerprint(), prepare.fingerprint());
         assert_eq!(det_dq.fingerprint(), dq.fingerprint());
         assert_ne!(det_main.fingerprint(), main.fingerprint());
+        // The producer's ordered adds: its own main kernel, with the dQ buffers' shared memory,
+        // the same row kernels.
+        let producer = deterministic.with_deterministic_adds(schedule::DeterministicAdds::Producer);
+        let [producer_prepare, producer_main, producer_dq] = kernels(&producer);
+        assert_eq!(producer_prepare.fingerprint(), prepare.fingerprint());
+        assert_eq!(producer_dq.fingerprint(), dq.fingerprint());
+        assert_ne!(producer_main.fingerprint(), det_main.fingerprint());
+        assert_eq!(
+            producer_main.shared_bytes,
+            backward_plan::shared_bytes_for(64, true)
+        );
+        assert_eq!(det_main.shared_bytes, backward_plan::shared_bytes(64));
         // The split variant: its own main kernel (a step's source with atomics), the whole
         // attention's row kernels, and the conversion from the same row source.
         let split = variant(true).with_head_parts(2);
@@ -748,6 +764,7 @@ mod tests {
             accumulate: true,
             deterministic: true,
             split: false,
+            producer_adds: false,
         };
         let main = backward_source(&variant);
         assert!(main.starts_with(&variant.switches()));

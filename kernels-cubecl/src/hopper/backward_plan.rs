@@ -5,7 +5,7 @@
 //! (`backward_rows.cu`) prepare, and the scalars they all read.
 
 use super::band::{self, BandScalars};
-use super::schedule::HeadSplit;
+use super::schedule::{DeterministicAdds, HeadSplit};
 use crate::dims::AttentionDims;
 use crate::kernel_error::KernelError;
 use crate::mask::{KernelMask, MaskKind};
@@ -44,13 +44,25 @@ pub const DEFAULT_MULTIPROCESSORS: usize = 132;
 /// `1 + 3 STAGES` barriers of 8 bytes, and up to 1023 bytes to align the tiles on the 128-byte
 /// swizzle's 1024-byte period.
 pub const fn shared_bytes(head_dim: usize) -> usize {
+    shared_bytes_for(head_dim, false)
+}
+
+/// [`shared_bytes`], plus with `producer_adds` (the deterministic backward's dQ adds by a
+/// producer warp, [`BackwardVariant::producer_adds`]) a buffer per dQ-computing warpgroup (one
+/// per 64 columns of the head dim) for its 64 x 64 f32 dQ block, a 16-byte header and two
+/// barriers: 32,832 bytes more at head dim 128 (198,776 in all), 16,416 at 64.
+pub const fn shared_bytes_for(head_dim: usize, producer_adds: bool) -> usize {
     let tiles =
         2 * BLOCK_KEYS * head_dim + STAGES * (2 * TILE_ROWS * head_dim + BLOCK_KEYS * TILE_ROWS);
-    tiles * 2 + 2 * STAGES * TILE_ROWS * 4 + (1 + 3 * STAGES) * 8 + 1024
+    let base = tiles * 2 + 2 * STAGES * TILE_ROWS * 4 + (1 + 3 * STAGES) * 8 + 1024;
+    match producer_adds {
+        true => base + (head_dim / 64) * (TILE_ROWS * 64 * 4 + 16 + 2 * 8),
+        false => base,
+    }
 }
 
 // Within the 227 KiB a Hopper cube may opt into.
-const _: () = assert!(shared_bytes(128) <= 232_448);
+const _: () = assert!(shared_bytes_for(128, true) <= 232_448);
 
 /// One compiled form of the main kernel: what its switches select (the row kernels take the
 /// head dim and the type).
@@ -75,6 +87,10 @@ pub struct BackwardVariant {
     /// accumulators would take them the same way, but the plan never splits a step). Never with
     /// `deterministic`.
     pub split: bool,
+    /// The deterministic backward's ordered dQ adds are a producer warp's, from a buffer in
+    /// shared memory ([`DeterministicAdds::Producer`]), not the consumers'. Only with
+    /// `deterministic`.
+    pub producer_adds: bool,
 }
 
 impl BackwardVariant {
@@ -97,7 +113,22 @@ impl BackwardVariant {
             accumulate,
             deterministic,
             split: false,
+            producer_adds: false,
         })
+    }
+
+    /// This variant with the deterministic backward's dQ adds made by `adds` (nothing changes
+    /// where the variant is not deterministic).
+    pub fn with_deterministic_adds(self, adds: DeterministicAdds) -> Self {
+        Self {
+            producer_adds: self.deterministic && adds == DeterministicAdds::Producer,
+            ..self
+        }
+    }
+
+    /// The shared memory one cube of this variant's main kernel uses ([`shared_bytes_for`]).
+    pub fn shared_bytes(&self) -> usize {
+        shared_bytes_for(self.head_dim, self.producer_adds)
     }
 
     /// This variant with each group's query heads split over `head_parts` cubes (where more
@@ -118,13 +149,17 @@ impl BackwardVariant {
         format!(
             "#define DISTFLASH_HEAD_DIM {}\n#define DISTFLASH_F16 {}\n{}\
              #define DISTFLASH_ACCUMULATE {}\n#define DISTFLASH_DETERMINISTIC {}\n\
-             #define DISTFLASH_SPLIT {}\n",
+             #define DISTFLASH_SPLIT {}\n{}",
             self.head_dim,
             u8::from(self.elem == ElemType::F16),
             band::switches(self.mask),
             u8::from(self.accumulate || self.split),
             u8::from(self.deterministic),
             u8::from(self.split),
+            match self.producer_adds {
+                true => "#define DISTFLASH_PRODUCER_ADDS 1\n",
+                false => "",
+            },
         )
     }
 }
@@ -305,6 +340,7 @@ mod tests {
                             accumulate,
                             deterministic: false,
                             split: false,
+                            producer_adds: false,
                         }
                     );
                     // Deterministic under every mask, packed documents included.
@@ -449,6 +485,7 @@ mod tests {
             accumulate: false,
             deterministic: false,
             split: false,
+            producer_adds: false,
         };
         assert_eq!(
             variant.switches(),
@@ -474,6 +511,53 @@ mod tests {
              #define DISTFLASH_SPLIT 1\n"
         ));
         assert_eq!(variant.with_head_parts(1), variant);
+        // The producer's ordered dQ adds: only for the deterministic backward, one more switch
+        // (and the consumers' form's switches as they were).
+        let producer = step.with_deterministic_adds(DeterministicAdds::Producer);
+        assert!(producer.producer_adds);
+        assert_eq!(
+            producer.switches(),
+            format!("{}#define DISTFLASH_PRODUCER_ADDS 1\n", step.switches())
+        );
+        assert_eq!(
+            step.with_deterministic_adds(DeterministicAdds::Consumers),
+            step
+        );
+        assert_eq!(
+            variant.with_deterministic_adds(DeterministicAdds::Producer),
+            variant
+        );
+    }
+
+    #[test]
+    fn the_producers_dq_buffers_fit_beside_the_pipeline() {
+        // A 64 x 64 f32 block, a 16-byte header and two barriers per 64 columns of the head dim.
+        assert_eq!(
+            shared_bytes_for(128, true),
+            shared_bytes(128) + 2 * (16 * 1024 + 16 + 16)
+        );
+        assert_eq!(shared_bytes_for(128, true), 198_776);
+        assert_eq!(
+            shared_bytes_for(64, true),
+            shared_bytes(64) + 16 * 1024 + 16 + 16
+        );
+        assert_eq!(shared_bytes_for(64, false), shared_bytes(64));
+        assert!(shared_bytes_for(128, true) <= 232_448);
+        let variant = BackwardVariant::for_call(
+            &dims(128),
+            ElemType::BF16,
+            (&Mask::causal(), 0.1),
+            true,
+            false,
+        )
+        .unwrap();
+        assert_eq!(variant.shared_bytes(), shared_bytes(128));
+        assert_eq!(
+            variant
+                .with_deterministic_adds(DeterministicAdds::Producer)
+                .shared_bytes(),
+            198_776
+        );
     }
 
     #[test]
@@ -610,6 +694,15 @@ mod tests {
         assert!(source.contains("at.empty = at.do_full + DF_STAGES * 8;"));
         assert!(source.contains("#define DF_DS_BYTES (DF_BN * DF_BM * 2)\n"));
         assert_eq!(shared_bytes(128), 160 * 1024 + 1024 + 56 + 1024);
+        // With the producer's ordered dQ adds: a dQ block and a header per dQ warpgroup after
+        // the deltas, a `dq_full` and a `dq_empty` barrier each after the pipeline's.
+        assert!(source.contains("#define DF_DQ_BLOCK_BYTES (DF_BM * 64 * 4)\n"));
+        assert_defines(
+            "attention_backward.cu",
+            source,
+            &[("DF_DQ_HEADER_BYTES", 16)],
+        );
+        assert!(source.contains("at.dq_empty = at.dq_full + DF_DQ_WARPGROUPS * 8;"));
         assert_defines(
             "backward_rows.cu",
             include_str!("backward_rows.cu"),

@@ -75,12 +75,29 @@ pub enum HeadSplit {
     Parts(usize),
 }
 
+/// Who adds each key block's dQ to a query tile's sum, in the fixed order, in the deterministic
+/// Hopper backward (`attention_backward.cu`, `DISTFLASH_PRODUCER_ADDS`). Both forms add the same
+/// values in the same order: the same bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum DeterministicAdds {
+    /// Each consumer warpgroup waits for its turn and adds its dQ itself (vector atomics): the
+    /// default, the form measured on a GPU.
+    #[default]
+    Consumers,
+    /// FlashAttention-3's form: the consumers write their dQ (f32) to a buffer in shared memory
+    /// and go on; a producer warp per warpgroup waits for the turn and adds the buffer with a
+    /// bulk reduction. Opt-in until it has run on a GPU.
+    Producer,
+}
+
 /// What the Hopper backward may choose per call. The deterministic backward and the backward
 /// steps never split (see `backward_plan::head_parts`), whatever this says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct BackwardSchedule {
     /// See [`HeadSplit`].
     pub head_split: HeadSplit,
+    /// See [`DeterministicAdds`] (read only by the deterministic backward).
+    pub deterministic_adds: DeterministicAdds,
 }
 
 thread_local! {
@@ -107,8 +124,13 @@ mod tests {
     fn a_forced_backward_schedule_holds_on_its_thread_until_released() {
         let never = BackwardSchedule {
             head_split: HeadSplit::Never,
+            deterministic_adds: DeterministicAdds::Producer,
         };
         assert_eq!(current_backward().head_split, HeadSplit::Never);
+        assert_eq!(
+            current_backward().deterministic_adds,
+            DeterministicAdds::Consumers
+        );
         force_backward(Some(never));
         assert_eq!(current_backward(), never);
         // The forward's override is another.

@@ -6,7 +6,8 @@
 //! windows and packed documents (alone, combined, at offsets, at their edges); `Variant::Auto`
 //! running it where it covers a call (masked calls included, and the deterministic backward,
 //! under packed documents too); the deterministic backward (dQ added in a fixed order) against
-//! the reference and bitwise the same twice, under every mask; each GQA group's query heads
+//! the reference and bitwise the same twice, under every mask, and with its ordered dQ adds made
+//! by a producer warp (forced) bitwise its consumers' form; each GQA group's query heads
 //! split over several cubes (dK and dV added with atomics), forced on every case, and the
 //! deterministic backward never splitting; and its refusals. The backward runs on an H100/H200
 //! only; elsewhere it must refuse the device.
@@ -16,7 +17,7 @@ use super::hopper_cases::{
     masked_cases, named, Named, Quantity,
 };
 use super::*;
-use distflash_kernels::hopper::{self, schedule, BackwardSchedule, HeadSplit};
+use distflash_kernels::hopper::{self, schedule, BackwardSchedule, DeterministicAdds, HeadSplit};
 
 /// The forward's output and log-sum-exp of `case` (the Hopper forward's), and its output
 /// gradient, on the device.
@@ -321,7 +322,57 @@ pub fn deterministic_backward_matches_the_f64_reference_bitwise_twice<R: Runtime
 /// Makes the Hopper backward on this thread split each GQA group's heads as `split` says (`None`:
 /// the plan's choice again).
 fn force_head_split(split: Option<HeadSplit>) {
-    schedule::force_backward(split.map(|head_split| BackwardSchedule { head_split }));
+    schedule::force_backward(split.map(|head_split| BackwardSchedule {
+        head_split,
+        ..BackwardSchedule::default()
+    }));
+}
+
+/// The deterministic backward with its ordered dQ adds made by a producer warp from shared
+/// memory (`DeterministicAdds::Producer`, forced) on the deterministic cases (every mask, both
+/// head dims and 16-bit types): against the f64 reference into gradients poisoned with NaN,
+/// bitwise the same twice, and bitwise the consumers' form (`DeterministicAdds::Consumers`):
+/// both add each key block's dQ to a tile's f32 sum in the same order, last block first, with
+/// the same f32 adds, so dQ too is the same bit for bit.
+pub fn deterministic_producer_adds_match_the_reference_and_the_consumers_bitwise<R: Runtime>(
+    client: &ComputeClient<R>,
+) {
+    check_all(
+        "hopper deterministic backward, producer adds",
+        &deterministic_cases(),
+        |case| {
+            let (q, k, v) = case.qkv(client);
+            let (out, lse, grad_out) = forward_of(client, case, (&q, &k, &v));
+            let run = |adds| {
+                schedule::force_backward(Some(BackwardSchedule {
+                    deterministic_adds: adds,
+                    ..BackwardSchedule::default()
+                }));
+                let grads =
+                    hopper_gradients(client, (case, true), (&q, &k, &v), (&out, &lse, &grad_out));
+                schedule::force_backward(None);
+                grads.map_err(|e| format!("refused: {e}"))
+            };
+            let first = run(DeterministicAdds::Producer)?;
+            compare_with_reference(client, case, &first)?;
+            let second = run(DeterministicAdds::Producer)?;
+            let consumers = run(DeterministicAdds::Consumers)?;
+            let bits_of = |grads: &[DeviceTensor; 3]| grads.each_ref().map(|g| bits(client, g));
+            let (first, second, consumers) =
+                (bits_of(&first), bits_of(&second), bits_of(&consumers));
+            if first != second {
+                return Err("a second run gave other gradients".into());
+            }
+            for (name, (producer, consumer)) in
+                ["dQ", "dK", "dV"].iter().zip(first.iter().zip(&consumers))
+            {
+                if producer != consumer {
+                    return Err(format!("{name} differs from the consumers' form's"));
+                }
+            }
+            Ok(())
+        },
+    );
 }
 
 /// The Hopper backward with each GQA group's query heads split over several cubes per block of
@@ -475,6 +526,12 @@ fn cuda_hopper_backward_masks_match_f64_reference() {
 #[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
 fn cuda_hopper_deterministic_backward_matches_f64_reference_bitwise_twice() {
     deterministic_backward_matches_the_f64_reference_bitwise_twice(&hopper_client());
+}
+
+#[test]
+#[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
+fn cuda_hopper_deterministic_producer_adds_match_f64_reference_and_consumers_bitwise() {
+    deterministic_producer_adds_match_the_reference_and_the_consumers_bitwise(&hopper_client());
 }
 
 #[test]

@@ -69,9 +69,10 @@ impl<B: FlashAttentionBackend> DistFlashAttention<B> {
             let heads = group.query.clone();
             let lse = acts.lse.clone().slice([0..batch, heads.clone(), 0..seq]);
             let columns = HeadGroup::columns(&heads, self.head_dim);
-            let grad_out = match index == last {
-                true => whole_grad_out.take(),
-                false => whole_grad_out.clone(),
+            let grad_out = if index == last {
+                whole_grad_out.take()
+            } else {
+                whole_grad_out.clone()
             }
             .expect("the output gradient is taken by the last group only");
             let grad_out = split_heads(grad_out.slice([0..batch, 0..seq, columns]), heads.len());

@@ -7,11 +7,18 @@
 //! [--burn-seqs 8192,16384] [--iters 5] [--head-dim 128] [--kv-heads 32] [--chunks 4]
 //! [--mask-seqs 32768] [--window 4096] [--variants auto,hopper,tensor-core]
 //! [--chunk-variants hopper,tensor-core]
-//! [--hopper-schedules overlap+pingpong+grouped,overlap+pingpong+grouped+persistent,plain]`
+//! [--hopper-schedules overlap+pingpong+grouped,overlap+pingpong+grouped+persistent,plain]
+//! [--hopper-head-splits auto,never,2,4] [--hopper-deterministic-adds consumers,producer]`
 //! (`-- --help` lists them with their defaults).
 //! `--variants` runs the whole-attention forward rows once per kernel variant (default `auto`),
 //! each with its first call's time (compilation included); `--hopper-schedules` adds rows of
-//! the Hopper forward with each of its schedules forced (see `hopper::ForwardSchedule`).
+//! the Hopper forward with each of its schedules forced (see `hopper::ForwardSchedule`);
+//! `--hopper-head-splits` adds, at the lengths of `--bwd-seqs`, backward rows of the Hopper
+//! variant with the split of each GQA group's query heads over cubes forced (`auto`: the plan's
+//! choice, `never`, or N parts: see `hopper::HeadSplit`), one after the other in one process;
+//! `--hopper-deterministic-adds` adds, at the same lengths, forward+backward rows of the
+//! deterministic Hopper backward with its ordered dQ adds made by each form forced (the consumer
+//! warpgroups', or a producer warp's from shared memory: see `hopper::DeterministicAdds`).
 //! `--chunks C` adds rows where the sequence is cut into C chunks and run pair by pair through
 //! `forward_step` / `backward_step` with causal offsets, as the distributed pass does, and rows
 //! where each query chunk's first and last key chunks go through `forward_first_step` /
@@ -38,7 +45,9 @@ use clap::{value_parser, Parser, ValueEnum};
 use common::{CargoBench, Sizes};
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::prelude::*;
-use distflash_kernels::hopper::{schedule, ForwardSchedule};
+use distflash_kernels::hopper::{
+    schedule, BackwardSchedule, DeterministicAdds, ForwardSchedule, HeadSplit,
+};
 use distflash_kernels::{
     DeviceTensor, Documents, ElemType, GradAccumulators, Mask, SlidingWindow, SoftmaxState,
     StepOptions, Variant,
@@ -94,6 +103,15 @@ struct Args {
     /// grouped, persistent, or plain for none; comma-separated
     #[arg(long, value_name = "SCHEDULE,..", value_delimiter = ',')]
     hopper_schedules: Vec<HopperSchedule>,
+    /// Extra Hopper backward rows at the lengths of --bwd-seqs, each with the split of a GQA
+    /// group's query heads over cubes forced: auto (the plan's), never, or a number of parts
+    /// (the largest divisor of the group not above it); comma-separated
+    #[arg(long, value_name = "SPLIT,..", value_delimiter = ',')]
+    hopper_head_splits: Vec<HopperHeadSplit>,
+    /// Extra deterministic Hopper forward+backward rows at the lengths of --bwd-seqs, each with
+    /// who makes the ordered dQ adds forced: consumers or producer; comma-separated
+    #[arg(long, value_enum, value_name = "ADDS,..", value_delimiter = ',')]
+    hopper_deterministic_adds: Vec<HopperDeterministicAdds>,
     #[command(flatten)]
     cargo_bench: CargoBench,
 }
@@ -109,6 +127,24 @@ enum ForwardVariant {
     TensorCore,
     /// The portable scalar kernels
     Portable,
+}
+
+/// Who makes the deterministic Hopper backward's ordered dQ adds in a row.
+#[derive(Clone, Copy, ValueEnum)]
+enum HopperDeterministicAdds {
+    /// The consumer warpgroups, each waiting for its turn (the default)
+    Consumers,
+    /// A producer warp per warpgroup, from a buffer in shared memory (FlashAttention-3's form)
+    Producer,
+}
+
+impl HopperDeterministicAdds {
+    fn forced(self) -> (&'static str, DeterministicAdds) {
+        match self {
+            Self::Consumers => ("consumers", DeterministicAdds::Consumers),
+            Self::Producer => ("producer", DeterministicAdds::Producer),
+        }
+    }
 }
 
 /// A Hopper forward schedule forced for a row, as `+`-joined parts (`overlap+pingpong`).
@@ -145,6 +181,32 @@ impl FromStr for HopperSchedule {
         Ok(Self {
             name: text.to_string(),
             schedule,
+        })
+    }
+}
+
+/// A split of the Hopper backward's GQA groups forced for a row: `auto`, `never` or a count.
+#[derive(Clone)]
+struct HopperHeadSplit {
+    name: String,
+    split: HeadSplit,
+}
+
+impl FromStr for HopperHeadSplit {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        let split =
+            match text {
+                "auto" => HeadSplit::Auto,
+                "never" => HeadSplit::Never,
+                parts => HeadSplit::Parts(parts.parse().map_err(|_| {
+                    format!("takes auto, never or a number of parts; got {parts:?}")
+                })?),
+            };
+        Ok(Self {
+            name: text.to_string(),
+            split,
         })
     }
 }
@@ -697,6 +759,57 @@ fn main() {
                 let name = format!("{}, deterministic", run.name);
                 row(&name, "fwd+bwd", seq, secs, 3.5 * flops);
             }
+            // The Hopper backward with each forced split of the GQA groups' heads.
+            for forced in &args.hopper_head_splits {
+                schedule::force_backward(Some(BackwardSchedule {
+                    head_split: forced.split,
+                    ..BackwardSchedule::default()
+                }));
+                let name = format!("distflash hopper, head split {} (bf16)", forced.name);
+                let backward_rows = BackwardRows {
+                    client: &client,
+                    inputs: (&q, &k, &v, &grad_out),
+                    name: &name,
+                    seq,
+                    flops,
+                    iters,
+                    first: false,
+                };
+                let hopper = StepOptions {
+                    variant: Variant::Hopper,
+                    ..options.clone()
+                };
+                backward_rows.print(&hopper, &row);
+            }
+            // The deterministic Hopper backward with each form of its ordered dQ adds forced.
+            for forced in &args.hopper_deterministic_adds {
+                let (adds_name, adds) = forced.forced();
+                schedule::force_backward(Some(BackwardSchedule {
+                    deterministic_adds: adds,
+                    ..BackwardSchedule::default()
+                }));
+                let backward_rows = BackwardRows {
+                    client: &client,
+                    inputs: (&q, &k, &v, &grad_out),
+                    name: "",
+                    seq,
+                    flops,
+                    iters,
+                    first: false,
+                };
+                let exact = StepOptions {
+                    variant: Variant::Hopper,
+                    deterministic: true,
+                    ..options.clone()
+                };
+                // A first call out of the timing (the form's kernels compile on it).
+                backward_rows.forward_backward(&exact);
+                sync(&client);
+                let secs = backward_rows.forward_backward_seconds(&exact, false);
+                let name = format!("distflash hopper, deterministic, {adds_name} adds (bf16)");
+                row(&name, "fwd+bwd", seq, secs, 3.5 * flops);
+            }
+            schedule::force_backward(None);
         }
         drop((q, k, v));
         if chunks > 1 {

@@ -14,8 +14,10 @@
 //! `hopper_attention_causal_d128_bf16_{plain,overlap,pingpong}[_persistent].cu` (the other
 //! schedules) and its steps'
 //! `hopper_attention_{first_step,step,last_step}_causal_d{64,128}_bf16.cu`, the attention
-//! backward's `hopper_backward[_step]_{causal,full}_d{64,128}_{bf16,f16}.cu` and its row kernels
-//! `hopper_backward_rows_d{64,128}_{bf16,f16}.cu`, and the matrix product's
+//! backward's `hopper_backward[_step][_deterministic[_producer]]_{mask}_d{64,128}_{bf16,f16}.cu`
+//! (`_producer`: the ordered dQ adds by a producer warp), its variant with a GQA group's query
+//! heads split over cubes `hopper_backward_split_{mask}_d{64,128}_{bf16,f16}.cu`, and its row
+//! kernels `hopper_backward_rows_d{64,128}_{bf16,f16}.cu`, and the matrix product's
 //! `hopper_gemm_{bt,rm}_{bf16,f32}.cu` (B `[N, K]` or `[K, N]`; C's type). Read them with a
 //! CUDA compiler's resource report (registers, spills) and the SASS of their loops.
 

@@ -161,7 +161,8 @@ pub fn hopper_shell_shared_bytes(bytes: usize) -> usize {
 /// The CUDA sources of the Hopper kernels' variants, by name: the attention forward's (each head
 /// dim, type and mask with the default schedule and on the persistent grid, the other schedules
 /// for bf16, head dim 128, causal, and the steps for bf16, each head dim and mask), the attention backward's (each head
-/// dim, type and mask, and its row kernels per head dim and type), then the matrix product's.
+/// dim, type and mask: whole, step, deterministic, and with a GQA group's heads split over cubes;
+/// and its row kernels per head dim and type), then the matrix product's.
 pub fn hopper_sources() -> Vec<(String, String)> {
     let mut sources = Vec::new();
     // The slices' order is not part of the source.
@@ -244,13 +245,19 @@ pub fn hopper_sources() -> Vec<(String, String)> {
         for (elem_name, elem) in [("bf16", ElemType::BF16), ("f16", ElemType::F16)] {
             for (mask_name, mask) in mask_kinds() {
                 for (step_name, accumulate) in [("", false), ("_step", true)] {
-                    for (order_name, deterministic) in [("", false), ("_deterministic", true)] {
+                    for (order_name, deterministic, producer_adds) in [
+                        ("", false, false),
+                        ("_deterministic", true, false),
+                        ("_deterministic_producer", true, true),
+                    ] {
                         let variant = BackwardVariant {
                             head_dim,
                             elem,
                             mask,
                             accumulate,
                             deterministic,
+                            split: false,
+                            producer_adds,
                         };
                         let name = format!(
                             "hopper_backward{step_name}{order_name}_{mask_name}_d{head_dim}_{elem_name}"
@@ -258,6 +265,19 @@ pub fn hopper_sources() -> Vec<(String, String)> {
                         sources.push((name, hopper::backward_source(&variant)));
                     }
                 }
+                // A GQA group's heads split over cubes, dK and dV added with atomics (one
+                // source for a whole attention and a step; the number of parts is a scalar).
+                let split = BackwardVariant {
+                    head_dim,
+                    elem,
+                    mask,
+                    accumulate: false,
+                    deterministic: false,
+                    split: true,
+                    producer_adds: false,
+                };
+                let name = format!("hopper_backward_split_{mask_name}_d{head_dim}_{elem_name}");
+                sources.push((name, hopper::backward_source(&split)));
             }
             let variant = BackwardVariant {
                 head_dim,
@@ -265,6 +285,8 @@ pub fn hopper_sources() -> Vec<(String, String)> {
                 mask: MaskKind::default(),
                 accumulate: false,
                 deterministic: false,
+                split: false,
+                producer_adds: false,
             };
             let name = format!("hopper_backward_rows_d{head_dim}_{elem_name}");
             sources.push((name, hopper::backward_rows_source(&variant)));

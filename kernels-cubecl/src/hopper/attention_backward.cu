@@ -14,10 +14,17 @@
 //                       q_offset - kv_offset; a window adds the keys after the diagonal)
 //   DISTFLASH_LOWER     1: ... and only if j >= i + lower (a sliding window)
 //   DISTFLASH_DOCUMENTS 1: ... and only if i and j lie in one document (a table argument)
-//   DISTFLASH_ACCUMULATE  1: a backward step: dK and dV are added to f32 accumulators
-//                       [B * Hkv, Skv, D] instead of stored in the inputs' type
+//   DISTFLASH_ACCUMULATE  1: dK and dV are added to f32 accumulators [B * Hkv, Skv, D] (a
+//                       backward step's, or a split whole attention's zeroed sums) instead of
+//                       stored in the inputs' type
 //   DISTFLASH_DETERMINISTIC 1: the cubes add to each tile's dQ sum in a fixed order (below), so
 //                       that the gradients are bitwise the same from run to run
+//   DISTFLASH_PRODUCER_ADDS 1 (with DISTFLASH_DETERMINISTIC): the ordered dQ adds are a producer
+//                       warp's, not the consumers' (below)
+//   DISTFLASH_SPLIT     1: each block of keys of a key/value slice is walked by `head_parts`
+//                       cubes, each taking `group_size / head_parts` of the group's query heads,
+//                       which add dK and dV to the accumulators with atomics (with
+//                       DISTFLASH_ACCUMULATE, never with DISTFLASH_DETERMINISTIC)
 //
 // Tensors are row-major: q and dO [B * Hq, Sq, D], k, v, dK and dV [B * Hkv, Skv, D], seen
 // through three-dimensional tensor maps whose boxes are 64 columns (128 bytes, the 128-byte
@@ -30,8 +37,8 @@
 // order (see `add_query_grads`); after, they turn that sum into dQ.
 //
 // A cube (CTA) of 384 threads takes 128 keys of one key/value slice, keeps their K and V in
-// shared memory, and walks the 64-row query tiles of every query head of the slice's group that
-// see them: from the tile holding the first row that sees the block's first key (under a causal
+// shared memory, and walks the 64-row query tiles of every query head of the slice's group (with
+// DISTFLASH_SPLIT, of its part of the group) that see them: from the tile holding the first row that sees the block's first key (under a causal
 // mask; else the first tile) to the tile holding the last row that sees its last key (with a
 // window or documents; else the last tile). Every mask is a band (`kernels-cubecl/src/mask.rs`):
 // key j is seen by the query rows [from(j), until(j)), both ends non-decreasing in j. The tiles
@@ -56,7 +63,10 @@
 //   block no query sees stores zeros. With DISTFLASH_ACCUMULATE each thread instead adds its
 //   fragment of dK and dV to the f32 accumulators (the cube owns its keys' rows: one cube per
 //   key block and key/value slice, every query head of the group summed in its registers, so
-//   no two cubes add to one element); a block no query sees adds nothing.
+//   no two cubes add to one element); a block no query sees adds nothing. With DISTFLASH_SPLIT
+//   the `head_parts` cubes of one block (each of which has summed its own heads in registers)
+//   add to the same elements, with vector atomics (`red.global.add.v2.f32`); for a whole
+//   attention the host zeroes those f32 sums before and a row kernel converts them after.
 // - DISTFLASH_DETERMINISTIC: the cubes of one key/value slice that walk a query tile form a run
 //   of consecutive key blocks (every mask here is a band whose ends rise with the key, packed
 //   documents included, and a block that walks nothing lies before or after every block that
@@ -67,6 +77,17 @@
 //   read while the dQ product runs, and the count (a fence, then a release) goes in once the
 //   next tile's score products are issued. Cubes start last block first (lightest first under
 //   a causal mask), so a cube only ever waits on cubes that started before it.
+// - DISTFLASH_PRODUCER_ADDS (FlashAttention-3's form of the ordered adds): each consumer
+//   warpgroup writes its dQ block (f32, fragment order, 16 KiB) to its own buffer in shared
+//   memory (once the buffer's `dq_empty` barrier says the last one was read), with the tile's
+//   index and its place in the order, arrives on `dq_full` and goes on to the next tile. One
+//   thread of producer warp 1 + wg waits for that block's turn on the same counter, adds the
+//   buffer to the tile's sum with one bulk reduction (`cp.reduce.async.bulk ... add.f32`),
+//   releases the buffer once the copy engine has read it, and counts itself in once the
+//   reduction is complete. Every element of the sum takes the same f32 adds in the same order
+//   as the consumers' form (round to nearest even, last block first): the same bits (unless the
+//   copy engine keeps subnormal f32 values, below 2^-126, that `red.add.f32` flushes to zero:
+//   the SASS of `red` says FTZ, that of the bulk reduction does not say).
 
 #ifndef DISTFLASH_HEAD_DIM
 #define DISTFLASH_HEAD_DIM 128
@@ -76,6 +97,18 @@
 #endif
 #ifndef DISTFLASH_DETERMINISTIC
 #define DISTFLASH_DETERMINISTIC 0
+#endif
+#ifndef DISTFLASH_SPLIT
+#define DISTFLASH_SPLIT 0
+#endif
+#ifndef DISTFLASH_PRODUCER_ADDS
+#define DISTFLASH_PRODUCER_ADDS 0
+#endif
+#if DISTFLASH_PRODUCER_ADDS && !DISTFLASH_DETERMINISTIC
+#error "DISTFLASH_PRODUCER_ADDS orders the deterministic backward's dQ adds: it needs DISTFLASH_DETERMINISTIC"
+#endif
+#if DISTFLASH_SPLIT && (!DISTFLASH_ACCUMULATE || DISTFLASH_DETERMINISTIC)
+#error "DISTFLASH_SPLIT adds dK and dV with atomics: it needs DISTFLASH_ACCUMULATE and excludes DISTFLASH_DETERMINISTIC"
 #endif
 
 // The scalars, as CubeCL packs sixteen u32 scalars (64 bytes).
@@ -103,7 +136,9 @@ struct BackwardInfo {
     u32 kv_pos0;
     u32 doc_stride;
     u32 doc_count;
-    u32 unused;
+    // Cubes per (key/value slice, block of keys), each walking group_size / head_parts of the
+    // group's query heads (DISTFLASH_SPLIT; else 1).
+    u32 head_parts;
 };
 
 #define DF_D DISTFLASH_HEAD_DIM
@@ -129,6 +164,10 @@ struct BackwardInfo {
 // Consumer warpgroups computing dQ (64 columns each), and the floats of one tile's dQ sum.
 #define DF_DQ_WARPGROUPS DF_HALVES
 #define DF_DQ_TILE (DF_BM * DF_D)
+// DISTFLASH_PRODUCER_ADDS: bytes of one warpgroup's dQ block (64 rows by 64 columns, f32) and of
+// its header (the tile's index, u64, and the block's place in the tile's order, u32).
+#define DF_DQ_BLOCK_BYTES (DF_BM * 64 * 4)
+#define DF_DQ_HEADER_BYTES 16
 // Named barriers: 1 gathers both consumer warpgroups once their dS^T is in shared memory, 2 once
 // both are done with K and V, 3 and 4 one warpgroup before its stores of dK and dV.
 #define DF_DS_BARRIER 1
@@ -307,6 +346,21 @@ __device__ __forceinline__ void add_query_grads(float* block, const float (&dq)[
     }
 }
 
+#if DISTFLASH_PRODUCER_ADDS
+// Writes a warpgroup's dQ fragment to its f32 block in shared memory at `block`, in the order
+// of `add_query_grads` (each warp 512 contiguous bytes per instruction, no bank conflict).
+__device__ __forceinline__ void store_query_grads(u32 block, const float (&dq)[DF_DQ_REGS],
+                                                  u32 thread) {
+#pragma unroll
+    for (int j = 0; j < DF_DQ_REGS / 4; ++j) {
+        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(block +
+                                                                       (j * 128 + thread) * 16),
+                     "f"(dq[4 * j]), "f"(dq[4 * j + 1]), "f"(dq[4 * j + 2]), "f"(dq[4 * j + 3])
+                     : "memory");
+    }
+}
+#endif
+
 // ---- pipeline ---------------------------------------------------------------------------------
 
 // The shared memory of one cube, from its first 1024-byte boundary: K, V, the stages of Q, dO
@@ -319,10 +373,18 @@ struct Layout {
     u32 ds;
     u32 lse;
     u32 delta;
+#if DISTFLASH_PRODUCER_ADDS
+    u32 dq;
+    u32 dq_header;
+#endif
     u32 kv_full;
     u32 q_full;
     u32 do_full;
     u32 empty;
+#if DISTFLASH_PRODUCER_ADDS
+    u32 dq_full;
+    u32 dq_empty;
+#endif
 };
 
 __device__ __forceinline__ Layout layout_from(u32 base) {
@@ -334,16 +396,29 @@ __device__ __forceinline__ Layout layout_from(u32 base) {
     at.ds = at.d_o + DF_STAGES * DF_Q_BYTES;
     at.lse = at.ds + DF_STAGES * DF_DS_BYTES;
     at.delta = at.lse + DF_STAGES * DF_ROW_BYTES;
+#if DISTFLASH_PRODUCER_ADDS
+    // Each dQ-computing warpgroup's dQ block and header (16-byte aligned, as the bulk copies
+    // need), then, after the pipeline's barriers, its `dq_full` and `dq_empty` barriers.
+    at.dq = at.delta + DF_STAGES * DF_ROW_BYTES;
+    at.dq_header = at.dq + DF_DQ_WARPGROUPS * DF_DQ_BLOCK_BYTES;
+    at.kv_full = at.dq_header + DF_DQ_WARPGROUPS * DF_DQ_HEADER_BYTES;
+#else
     at.kv_full = at.delta + DF_STAGES * DF_ROW_BYTES;
+#endif
     at.q_full = at.kv_full + 8;
     at.do_full = at.q_full + DF_STAGES * 8;
     at.empty = at.do_full + DF_STAGES * 8;
+#if DISTFLASH_PRODUCER_ADDS
+    at.dq_full = at.empty + DF_STAGES * 8;
+    at.dq_empty = at.dq_full + DF_DQ_WARPGROUPS * 8;
+#endif
     return at;
 }
 
-// Which query tiles one cube walks: for each query head of the group, `per_head` tiles from
-// `first`; tiles from `unmasked_from` on (and, with a lower bound or documents, before
-// `masked_from`) see every key of the block.
+// Which query tiles one cube walks: for each query head of the group (with DISTFLASH_SPLIT, of
+// its part of the group, from head `first_head`), `per_head` tiles from `first`; tiles from
+// `unmasked_from` on (and, with a lower bound or documents, before `masked_from`) see every key
+// of the block.
 struct Walk {
     int first;
     int per_head;
@@ -351,6 +426,9 @@ struct Walk {
     int unmasked_from;
 #if DF_BANDED
     int masked_from;
+#endif
+#if DISTFLASH_SPLIT
+    int first_head;
 #endif
 };
 
@@ -429,13 +507,18 @@ __device__ __forceinline__ Walk block_walk(const BackwardInfo& info, const u32* 
     return walk;
 }
 
-// The query slice and tile of walk tile `t`: the group's query heads in turn.
+// The query slice and tile of walk tile `t`: the cube's query heads in turn.
 __device__ __forceinline__ void tile_of(const BackwardInfo& info, const Walk& walk, u32 kv_slice,
                                         int t, u32& q_slice, int& tile) {
     const int head = t / walk.per_head;
     tile = walk.first + (t - head * walk.per_head);
+#if DISTFLASH_SPLIT
+    const u32 group_head = static_cast<u32>(walk.first_head + head);
+#else
+    const u32 group_head = static_cast<u32>(head);
+#endif
     q_slice = (kv_slice / info.kv_heads) * info.kv_heads * info.group_size +
-              (kv_slice % info.kv_heads) * info.group_size + static_cast<u32>(head);
+              (kv_slice % info.kv_heads) * info.group_size + group_head;
 }
 
 // The stage and phase parity of walk tile `t` in a ring of DF_STAGES stages.
@@ -495,12 +578,47 @@ __device__ __forceinline__ void end_turn(u32* turn) {
     asm volatile("fence.acq_rel.gpu;" ::: "memory");
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(turn) : "memory");
 }
+
+#if DISTFLASH_PRODUCER_ADDS
+// The ordered dQ adds of consumer warpgroup `wg` (one thread of the producer warpgroup): for
+// each of the cube's `count` tiles, once the warpgroup's block is in its buffer (`dq_full`) and
+// the blocks above this one have added theirs to the tile's sum, one bulk reduction adds the
+// buffer to the sum; the buffer is released (`dq_empty`) once the copy engine has read it, and
+// the block is counted in once the reduction is complete (its writes, made in the async proxy,
+// fenced into the generic proxy before the release, as the next block's adds are fenced after
+// its acquiring read).
+__device__ __forceinline__ void add_query_grads_in_order(const Layout& at, float* dq_sum,
+                                                         u32* dq_turns, u32 wg, int count) {
+    const u32 buffer = at.dq + wg * DF_DQ_BLOCK_BYTES;
+    const u32 header = at.dq_header + wg * DF_DQ_HEADER_BYTES;
+    const u32 full = at.dq_full + 8 * wg, empty = at.dq_empty + 8 * wg;
+    for (int t = 0; t < count; ++t) {
+        barrier_wait(full, static_cast<u32>(t) & 1);
+        u64 tile_index;
+        u32 position;
+        asm volatile("ld.shared.u64 %0, [%1];" : "=l"(tile_index) : "r"(header) : "memory");
+        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(position) : "r"(header + 8) : "memory");
+        u32* turn = dq_turns + tile_index * DF_DQ_WARPGROUPS + wg;
+        wait_for_turn(turn, position, load_acquire(turn));
+        fence_global_for_copies();
+        reduce_add_bytes(dq_sum + tile_index * DF_DQ_TILE + wg * (DF_BM * 64), buffer,
+                         DF_DQ_BLOCK_BYTES);
+        store_boxes_read();
+        barrier_arrive(empty);
+        reductions_done();
+        fence_global_for_copies();
+        end_turn(turn);
+    }
+}
+#endif
 #endif
 
 #if DISTFLASH_ACCUMULATE
 // Adds a warpgroup's fragment of 64 key rows (`acc`, times `factor`) to the f32 rows of `grads`
 // from `key` (the thread's fragment row; then `key + 8`) of slice `kv_slice`, rows past the keys
-// left alone: element pair i, i + 1 at row DF_ROW_OF(i), column 8 (i / 4) + 2 quad.
+// left alone: element pair i, i + 1 at row DF_ROW_OF(i), column 8 (i / 4) + 2 quad. Read, add,
+// write where the cube owns the rows; with DISTFLASH_SPLIT, where the cubes of the block's other
+// parts add to them too, one vector atomic per pair.
 __device__ __forceinline__ void add_key_grads(float* grads, const float (&acc)[DF_KV_REGS],
                                               float factor, const BackwardInfo& info,
                                               u32 kv_slice, u32 key, u32 quad) {
@@ -508,11 +626,15 @@ __device__ __forceinline__ void add_key_grads(float* grads, const float (&acc)[D
     for (int i = 0; i < DF_KV_REGS; i += 2) {
         const u32 row = key + 8 * DF_ROW_OF(i);
         if (row < info.kv_len) {
-            float2* at = reinterpret_cast<float2*>(
-                grads + (static_cast<u64>(kv_slice) * info.kv_len + row) * DF_D + 8 * (i / 4) +
-                2 * quad);
+            float* pair = grads + (static_cast<u64>(kv_slice) * info.kv_len + row) * DF_D +
+                          8 * (i / 4) + 2 * quad;
+#if DISTFLASH_SPLIT
+            reduce_add_2(pair, acc[i] * factor, acc[i + 1] * factor);
+#else
+            float2* at = reinterpret_cast<float2*>(pair);
             const float2 sum = *at;
             *at = make_float2(fmaf(acc[i], factor, sum.x), fmaf(acc[i + 1], factor, sum.y));
+#endif
         }
     }
 }
@@ -553,14 +675,30 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
 
     const u32 blocks = (info.kv_len + DF_BN - 1) / DF_BN;
     u32 kv_slice, block;
+#if DISTFLASH_SPLIT
+    // The slices of the launch order are (key/value slice, part) pairs, a key/value slice's
+    // parts side by side.
+    const u32 parts = info.head_parts;
+    u32 part_slice;
+    grouped_cube(blockIdx.x, blocks, info.slice_group, info.kv_slices * parts, part_slice, block);
+    kv_slice = part_slice / parts;
+    const int part_heads = static_cast<int>(info.group_size / parts);
+#else
     grouped_cube(blockIdx.x, blocks, info.slice_group, info.kv_slices, kv_slice, block);
+#endif
 #if DISTFLASH_DETERMINISTIC
     // Last block first: the blocks a cube waits on (see the ordered adds) start before it.
     block = blocks - 1 - block;
 #endif
     const u32 key0 = block * DF_BN;
     const u32 batch = kv_slice / info.kv_heads;
+#if DISTFLASH_SPLIT
+    Walk walk = block_walk(info, docs, batch, key0);
+    walk.first_head = static_cast<int>(part_slice % parts) * part_heads;
+    walk.count = walk.per_head * part_heads;
+#else
     const Walk walk = block_walk(info, docs, batch, key0);
+#endif
 
     if (threadIdx.x == 0) {
         barrier_init(at.kv_full, 1);
@@ -569,6 +707,12 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
             barrier_init(at.do_full + 8 * s, 1);
             barrier_init(at.empty + 8 * s, 8);
         }
+#if DISTFLASH_PRODUCER_ADDS
+        for (u32 w = 0; w < DF_DQ_WARPGROUPS; ++w) {
+            barrier_init(at.dq_full + 8 * w, 128);
+            barrier_init(at.dq_empty + 8 * w, 1);
+        }
+#endif
         publish_barrier_inits();
     }
     __syncthreads();
@@ -576,6 +720,19 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
     const u32 warpgroup = threadIdx.x / 128;
     if (warpgroup == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
+#if DISTFLASH_PRODUCER_ADDS
+        // Lane 0 of warps 1 and 2: the ordered dQ adds of consumer warpgroups 0 and 1. The warp's
+        // index is shown warp-uniform to the compiler (a shuffle, as CUTLASS does): computed
+        // per thread, the branch costs the copy loop below its uniform registers and 44 bytes
+        // of spills within the producer's 24 registers.
+        const u32 producer_warp = __shfl_sync(0xffffffffu, threadIdx.x / 32, 0);
+        if (producer_warp != 0) {
+            if (producer_warp <= DF_DQ_WARPGROUPS && threadIdx.x % 32 == 0) {
+                add_query_grads_in_order(at, dq_sum, dq_turns, producer_warp - 1, walk.count);
+            }
+            return;
+        }
+#endif
         if (threadIdx.x != 0 || walk.count == 0) {
             return;
         }
@@ -655,6 +812,8 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
     }
 #if DISTFLASH_DETERMINISTIC
     u32 last_walker = block;
+#endif
+#if DISTFLASH_DETERMINISTIC && !DISTFLASH_PRODUCER_ADDS
     // The counter of the tile whose dQ this warpgroup added last, counted in (by thread 0) once
     // the next tile's score products are issued, so that the fence's round trip runs under them;
     // the last one after the walk. Null when none waits.
@@ -685,7 +844,7 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         issue_transposed_scores(s, at.k + key_rows, q_rows);
         barrier_wait(at.do_full + 8 * stage, parity);
         issue_transposed_scores(dp, at.v + key_rows, do_rows);
-#if DISTFLASH_DETERMINISTIC
+#if DISTFLASH_DETERMINISTIC && !DISTFLASH_PRODUCER_ADDS
         if (thread == 0) {
             end_turn(pending_turn);
         }
@@ -735,10 +894,24 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         float dq[DF_DQ_REGS];
         const bool computes_dq = DF_DQ_WARPGROUPS == 2 || wg == 0;
         const u64 tile_index = static_cast<u64>(q_slice) * info.q_tiles + tile;
+#if DISTFLASH_PRODUCER_ADDS
+        // The warpgroup's dQ buffer, free once the producer has read the last tile's block
+        // (mostly long before), and its header, while dQ's registers are not yet live: waited on
+        // with them live, the consumers spill.
+        if (computes_dq) {
+            barrier_wait(at.dq_empty + 8 * wg, (static_cast<u32>(t) & 1) ^ 1);
+            if (thread == 0) {
+                const u32 header = at.dq_header + wg * DF_DQ_HEADER_BYTES;
+                asm volatile("st.shared.u64 [%0], %1;" ::"r"(header), "l"(tile_index) : "memory");
+                asm volatile("st.shared.u32 [%0], %1;" ::"r"(header + 8), "r"(last_walker - block)
+                             : "memory");
+            }
+        }
+#endif
         if (computes_dq) {
             issue_query_grads(dq, ds_tile, at.k + wg * DF_KV_HALF);
         }
-#if DISTFLASH_DETERMINISTIC
+#if DISTFLASH_DETERMINISTIC && !DISTFLASH_PRODUCER_ADDS
         // The tile's counter, read while the dQ product runs: mostly the turn has come by then.
         u32* turn = dq_turns + tile_index * DF_DQ_WARPGROUPS + wg;
         u32 seen = 0;
@@ -756,8 +929,16 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         }
         if (computes_dq) {
             fence_registers(dq);
+#if !DISTFLASH_PRODUCER_ADDS
             float* block_sum = dq_sum + tile_index * DF_DQ_TILE + wg * (DF_BM * 64);
-#if DISTFLASH_DETERMINISTIC
+#endif
+#if DISTFLASH_PRODUCER_ADDS
+            // Into the warpgroup's buffer (free: see above) for the producer's ordered adds; the
+            // consumers go on to the next tile.
+            store_query_grads(at.dq + wg * DF_DQ_BLOCK_BYTES, dq, thread);
+            fence_shared_for_copies();
+            barrier_arrive(at.dq_full + 8 * wg);
+#elif DISTFLASH_DETERMINISTIC
             if (thread == 0) {
                 wait_for_turn(turn, last_walker - block, seen);
             }
@@ -771,7 +952,7 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         }
     }
 
-#if DISTFLASH_DETERMINISTIC
+#if DISTFLASH_DETERMINISTIC && !DISTFLASH_PRODUCER_ADDS
     if (thread == 0) {
         end_turn(pending_turn);
     }

@@ -2,13 +2,15 @@
 //! `Variant::Auto` where it covers the call), a whole attention's backward or a backward step
 //! (gradients added to f32 accumulators), its checks against the device and the buffers, the
 //! sources of its three kernels (the row kernels of `backward_rows.cu` before and after the
-//! main kernel of `attention_backward.cu`), their scratch buffers, tensor maps and grids, and
-//! the launches.
+//! main kernel of `attention_backward.cu`; a fourth, converting dK and dV, after a whole
+//! attention whose GQA groups' heads the plan split over several cubes), their scratch buffers,
+//! tensor maps and grids, and the launches.
 
 use cubecl::prelude::*;
 
 use super::backward_plan::{self, BackwardVariant, BLOCK_KEYS, ROW_UNITS, TILE_ROWS, UNITS};
 use super::forward_plan::BOX_COLUMNS;
+use super::schedule;
 use super::source_task::{
     self, check_alignment, CudaSource, KernelCache, SourceArguments, TiledMap, ATTENTION_PRELUDE,
     PTX_PRELUDE,
@@ -35,6 +37,8 @@ const PREPARE_ENTRY_POINT: &str = "distflash_hopper_backward_prepare";
 const DQ_ENTRY_POINT: &str = "distflash_hopper_backward_dq";
 const PREPARE_STEP_ENTRY_POINT: &str = "distflash_hopper_backward_prepare_step";
 const DQ_ADD_ENTRY_POINT: &str = "distflash_hopper_backward_dq_add";
+/// The row kernel after a split whole attention's main kernel: dK and dV from their f32 sums.
+const KV_CONVERT_ENTRY_POINT: &str = "distflash_hopper_backward_kv_convert";
 
 /// What the kernel names in its messages.
 const KERNEL: &str = "the Hopper attention backward";
@@ -50,12 +54,14 @@ pub fn backward_source(variant: &BackwardVariant) -> String {
 }
 
 /// The variant whose switches the row kernels are compiled with: `variant`'s head dim and type
-/// (its mask, accumulation and determinism do not enter them).
+/// (its mask, accumulation, determinism and split do not enter them).
 fn rows_variant(variant: &BackwardVariant) -> BackwardVariant {
     BackwardVariant {
         mask: MaskKind::default(),
         accumulate: false,
         deterministic: false,
+        split: false,
+        producer_adds: false,
         ..*variant
     }
 }
@@ -74,25 +80,13 @@ pub fn backward_rows_source(variant: &BackwardVariant) -> String {
 /// kernels take the given delta and add to the dQ accumulator).
 fn kernels(variant: &BackwardVariant) -> [CudaSource; 3] {
     static MAIN: KernelCache<BackwardVariant> = KernelCache::new();
-    static ROWS: KernelCache<(BackwardVariant, &'static str)> = KernelCache::new();
-    let row_kernel = |entry_point| {
-        ROWS.get((rows_variant(variant), entry_point), || {
-            // The row kernels declare no shared memory; the shell asks a word per thread.
-            let shared = ROW_UNITS * 4;
-            CudaSource::new(
-                entry_point,
-                backward_rows_source(variant),
-                ROW_UNITS as u32,
-                shared,
-            )
-        })
-    };
+    let row_kernel = |entry_point| row_kernel(variant, entry_point);
     let main = MAIN.get(*variant, || {
         CudaSource::new(
             ENTRY_POINT,
             backward_source(variant),
             UNITS as u32,
-            backward_plan::shared_bytes(variant.head_dim),
+            variant.shared_bytes(),
         )
     });
     let (prepare, dq) = if variant.accumulate {
@@ -103,17 +97,39 @@ fn kernels(variant: &BackwardVariant) -> [CudaSource; 3] {
     [row_kernel(prepare), main, row_kernel(dq)]
 }
 
-/// A Hopper backward ready to launch on one device: the variant and the three kernels' grids.
+/// The row kernel `entry_point` for `variant`'s head dim and type, built and fingerprinted on
+/// its first launch in the process and shared after.
+fn row_kernel(variant: &BackwardVariant, entry_point: &'static str) -> CudaSource {
+    static ROWS: KernelCache<(BackwardVariant, &'static str)> = KernelCache::new();
+    ROWS.get((rows_variant(variant), entry_point), || {
+        // The row kernels declare no shared memory; the shell asks a word per thread.
+        let shared = ROW_UNITS * 4;
+        CudaSource::new(
+            entry_point,
+            backward_rows_source(variant),
+            ROW_UNITS as u32,
+            shared,
+        )
+    })
+}
+
+/// A Hopper backward ready to launch on one device: the variant, the three kernels' grids, the
+/// cubes each GQA group's query heads are split over (1: none), and with a split whole
+/// attention the grid of the conversion of dK and dV.
 #[derive(Debug, Clone)]
 pub(crate) struct BackwardLaunch {
     variant: BackwardVariant,
     grids: [CubeCount; 3],
+    head_parts: usize,
+    convert_grid: Option<CubeCount>,
 }
 
 /// The launch of a whole attention's backward (or, to `accumulate`, a backward step) of `dims`
 /// with `options` in `elem` on `client`'s device, or why the Hopper backward cannot run it
 /// there: what the kernel does not cover ([`BackwardVariant::for_call`]), a device that is not
 /// CUDA compute capability 9.0, or limits the kernels' cubes, shared memory or grids exceed.
+/// Each GQA group's query heads go over [`backward_plan::head_parts`] cubes per block of keys
+/// (the thread's [`schedule::current_backward`] forcing it or not).
 fn plan<R: Runtime>(
     client: &ComputeClient<R>,
     dims: &AttentionDims,
@@ -123,7 +139,16 @@ fn plan<R: Runtime>(
 ) -> Result<BackwardLaunch, KernelError> {
     let scale = options.resolved_scale(dims.head_dim);
     let mask = (&options.mask, scale);
-    let variant = BackwardVariant::for_call(dims, elem, mask, options.deterministic, accumulate)?;
+    let schedule = schedule::current_backward();
+    let head_parts = backward_plan::head_parts(
+        dims,
+        client.properties().hardware.num_streaming_multiprocessors,
+        (options.deterministic, accumulate),
+        schedule.head_split,
+    );
+    let variant = BackwardVariant::for_call(dims, elem, mask, options.deterministic, accumulate)?
+        .with_head_parts(head_parts)
+        .with_deterministic_adds(schedule.deterministic_adds);
     let row_grid = |what: &str, threads: usize| {
         super::device_grid(
             client,
@@ -137,25 +162,34 @@ fn plan<R: Runtime>(
         "a warp per padded query row",
         backward_plan::prepared_rows(dims) * 32,
     )?;
-    // One cube per block of keys of each key/value slice, in one dimension (see
-    // `grouped_cube` in the kernel).
+    // One cube per block of keys of each key/value slice and part of its group's query heads,
+    // in one dimension (see `grouped_cube` in the kernel).
     let main = super::device_grid(
         client,
         KERNEL,
         UNITS,
-        backward_plan::shared_bytes(dims.head_dim),
+        variant.shared_bytes(),
         (
-            dims.batch * dims.kv_heads * dims.kv_len.div_ceil(BLOCK_KEYS),
-            "batch x key/value heads x blocks of 128 keys",
+            backward_plan::unsplit_cubes(dims) * head_parts,
+            "batch x key/value heads x blocks of 128 keys x parts of a group's query heads",
         ),
     )?;
     let dq = row_grid(
         "a thread per two values of dQ",
         dims.batch * dims.q_heads * dims.q_len * dims.head_dim / 2,
     )?;
+    let convert_grid = match variant.split && !accumulate {
+        true => Some(row_grid(
+            "a thread per two values of dK and of dV",
+            backward_plan::key_grad_elements(dims) / 2,
+        )?),
+        false => None,
+    };
     Ok(BackwardLaunch {
         variant,
         grids: [prepare, main, dq],
+        head_parts,
+        convert_grid,
     })
 }
 
@@ -281,8 +315,10 @@ pub(crate) fn enqueue_step<R: Runtime>(
 /// The three launches of `launch` for q, k, v and `grad_out`: the prepare kernel reading
 /// `prepare_inputs` (a whole attention's output, output gradient and lse; a step's lse and
 /// delta), the main kernel storing (a whole attention) or adding (a step) dK and dV, the dQ
-/// kernel writing or adding dQ; a deterministic variant's counters are zeroed first. Only the
-/// fill can fail (a grid past the device's limits), before anything else is queued.
+/// kernel writing or adding dQ; a deterministic variant's counters are zeroed first. A split
+/// whole attention's main kernel adds dK and dV to f32 sums zeroed first, which a fourth launch
+/// converts into `dk` and `dv`. Only the fills can fail (a grid past the device's limits),
+/// before anything else is queued.
 fn enqueue_launches<R: Runtime>(
     client: &ComputeClient<R>,
     launch: &BackwardLaunch,
@@ -302,6 +338,21 @@ fn enqueue_launches<R: Runtime>(
         )?),
         false => None,
     };
+    // A split whole attention's dK and dV sums, zeroed: its cubes add to them with atomics.
+    let split_sums = match launch.convert_grid {
+        Some(_) => {
+            let zeros = || {
+                enqueue_filled(
+                    client,
+                    &DeviceLimits::of(client),
+                    vec![backward_plan::key_grad_elements(dims)],
+                    0.0,
+                )
+            };
+            Some((zeros()?, zeros()?))
+        }
+        None => None,
+    };
     let scale = options.resolved_scale(dims.head_dim);
     let rows = backward_plan::prepared_rows(dims);
     let lse_log2 = DeviceTensor::empty(client, vec![rows], ElemType::F32);
@@ -311,6 +362,13 @@ fn enqueue_launches<R: Runtime>(
     let [prepare_grid, main_grid, dq_grid] = launch.grids.clone();
     let row_scalars = backward_plan::row_scalars(dims, scale);
     let accumulate = launch.variant.accumulate;
+    // The main kernel adds dK and dV to f32 sums (a step's accumulators, a split whole
+    // attention's zeroed sums) instead of storing them through tensor maps.
+    let (dk_target, dv_target) = match &split_sums {
+        Some((dk_sum, dv_sum)) => (dk_sum, dv_sum),
+        None => (dk, dv),
+    };
+    let adds_key_grads = accumulate || split_sums.is_some();
 
     let mut prepare = SourceArguments::new();
     for buffer in prepare_inputs
@@ -332,7 +390,7 @@ fn enqueue_launches<R: Runtime>(
         (v, &kv_view, BLOCK_KEYS),
         (grad_out, &q_view, TILE_ROWS),
     ];
-    if !accumulate {
+    if !adds_key_grads {
         // Each consumer warpgroup stores its 64 keys.
         maps.extend([
             (dk, &kv_view, BLOCK_KEYS / 2),
@@ -353,15 +411,15 @@ fn enqueue_launches<R: Runtime>(
     for buffer in [&lse_log2, &delta, &dq_sum].into_iter().chain(&dq_turns) {
         main.buffer(buffer);
     }
-    if accumulate {
-        main.buffer(dk);
-        main.buffer(dv);
+    if adds_key_grads {
+        main.buffer(dk_target);
+        main.buffer(dv_target);
     }
     // Kept alive by the launch's binding.
     if options.mask.documents.is_some() {
         main.table(&DocumentTable::of(client, &options.mask, &q.handle));
     }
-    backward_plan::scalars(dims, &options.mask, scale)
+    backward_plan::scalars(dims, &options.mask, scale, launch.head_parts)
         .into_iter()
         .for_each(|value| main.scalar(value));
 
@@ -371,14 +429,36 @@ fn enqueue_launches<R: Runtime>(
     row_scalars
         .into_iter()
         .for_each(|value| finish.scalar(value));
+    let convert =
+        split_sums
+            .as_ref()
+            .zip(launch.convert_grid.clone())
+            .map(|((dk_sum, dv_sum), grid)| {
+                let mut arguments = SourceArguments::new();
+                for buffer in [dk_sum, dv_sum, dk, dv] {
+                    arguments.buffer(buffer);
+                }
+                backward_plan::key_row_scalars(dims, scale)
+                    .into_iter()
+                    .for_each(|value| arguments.scalar(value));
+                (
+                    row_kernel(&launch.variant, KV_CONVERT_ENTRY_POINT),
+                    grid,
+                    arguments,
+                )
+            });
 
     // SAFETY: `plan` checked that the runtime is CUDA on an sm_90 device and that the cubes,
     // shared memory and grids fit it; the arguments follow the three kernels' parameters for the
     // variant (the prepare kernel's inputs, its three buffers and four scalars; the main kernel's
     // tensor maps, their buffers, its three buffers, the deterministic variant's counters, a
-    // step's two accumulators, the documents' table with documents, and sixteen scalars; the dQ
-    // kernel's two buffers and four scalars). The counters hold one per tile and 64 columns the
-    // kernel indexes (`dq_turns`), and a wait that outlives any walk traps instead of hanging.
+    // step's two accumulators or a split whole attention's two sums, the documents' table with
+    // documents, and sixteen scalars; the dQ kernel's two buffers and four scalars; the
+    // conversion's four buffers and four scalars). The counters hold one per tile and 64 columns
+    // the kernel indexes (`dq_turns`), and a wait that outlives any walk traps instead of
+    // hanging. The grid holds `head_parts` cubes per block and key/value slice, `head_parts`
+    // divides the group (`backward_plan::head_parts`), and the sums hold the keys' rows the
+    // kernel adds to (`key_grad_elements`), which the conversion reads back pair by pair.
     // The scratch buffers hold the padded rows the kernels index (`prepared_rows`), the tensor
     // maps bound every copy to its tensor (rows past a slice read as zeros and are not stored),
     // the row kernels guard their rows and values, the main kernel reads the table at positions
@@ -388,6 +468,9 @@ fn enqueue_launches<R: Runtime>(
         source_task::launch(client, prepare_kernel, prepare_grid, prepare);
         source_task::launch(client, main_kernel, main_grid, main);
         source_task::launch(client, dq_kernel, dq_grid, finish);
+        if let Some((kernel, grid, arguments)) = convert {
+            source_task::launch(client, kernel, grid, arguments);
+        }
     }
     Ok(())
 }
@@ -566,8 +649,18 @@ mod tests {
                 "const __grid_constant__ RowsInfo info",
             ]
         );
+        assert_eq!(
+            parameters(ROWS_CU, KV_CONVERT_ENTRY_POINT),
+            [
+                "const float* dk_sum",
+                "const float* dv_sum",
+                "u32* dk",
+                "u32* dv",
+                "const __grid_constant__ RowsInfo info",
+            ]
+        );
         assert_eq!(BACKWARD_CU.matches("__global__").count(), 1);
-        assert_eq!(ROWS_CU.matches("__global__").count(), 4);
+        assert_eq!(ROWS_CU.matches("__global__").count(), 5);
         for source in [BACKWARD_CU, ROWS_CU] {
             assert!(!source.contains("#include"));
         }
@@ -585,6 +678,8 @@ mod tests {
             },
             accumulate: false,
             deterministic: false,
+            split: false,
+            producer_adds: false,
         };
         let [prepare, main, dq] = kernels(&variant(true));
         let [prepare_again, main_again, dq_again] = kernels(&variant(true));
@@ -627,6 +722,33 @@ mod tests {
         assert_eq!(det_prepare.fingerprint(), prepare.fingerprint());
         assert_eq!(det_dq.fingerprint(), dq.fingerprint());
         assert_ne!(det_main.fingerprint(), main.fingerprint());
+        // The producer's ordered adds: its own main kernel, with the dQ buffers' shared memory,
+        // the same row kernels.
+        let producer = deterministic.with_deterministic_adds(schedule::DeterministicAdds::Producer);
+        let [producer_prepare, producer_main, producer_dq] = kernels(&producer);
+        assert_eq!(producer_prepare.fingerprint(), prepare.fingerprint());
+        assert_eq!(producer_dq.fingerprint(), dq.fingerprint());
+        assert_ne!(producer_main.fingerprint(), det_main.fingerprint());
+        assert_eq!(
+            producer_main.shared_bytes,
+            backward_plan::shared_bytes_for(64, true)
+        );
+        assert_eq!(det_main.shared_bytes, backward_plan::shared_bytes(64));
+        // The split variant: its own main kernel (a step's source with atomics), the whole
+        // attention's row kernels, and the conversion from the same row source.
+        let split = variant(true).with_head_parts(2);
+        let [split_prepare, split_main, split_dq] = kernels(&split);
+        assert_eq!(split_prepare.fingerprint(), prepare.fingerprint());
+        assert_eq!(split_dq.fingerprint(), dq.fingerprint());
+        assert_ne!(split_main.fingerprint(), main.fingerprint());
+        assert_ne!(split_main.fingerprint(), step_main.fingerprint());
+        let convert = row_kernel(&split, KV_CONVERT_ENTRY_POINT);
+        assert_eq!(convert.source(), prepare.source());
+        assert_eq!(convert.entry_point, KV_CONVERT_ENTRY_POINT);
+        assert_eq!(
+            row_kernel(&variant(false), KV_CONVERT_ENTRY_POINT).fingerprint(),
+            convert.fingerprint()
+        );
     }
 
     #[test]
@@ -641,6 +763,8 @@ mod tests {
             },
             accumulate: true,
             deterministic: true,
+            split: false,
+            producer_adds: false,
         };
         let main = backward_source(&variant);
         assert!(main.starts_with(&variant.switches()));
@@ -649,7 +773,8 @@ mod tests {
         assert!(rows.starts_with(
             "#define DISTFLASH_HEAD_DIM 128\n#define DISTFLASH_F16 1\n#define DISTFLASH_UPPER 0\n\
              #define DISTFLASH_LOWER 0\n#define DISTFLASH_DOCUMENTS 0\n\
-             #define DISTFLASH_ACCUMULATE 0\n#define DISTFLASH_DETERMINISTIC 0\n"
+             #define DISTFLASH_ACCUMULATE 0\n#define DISTFLASH_DETERMINISTIC 0\n\
+             #define DISTFLASH_SPLIT 0\n"
         ));
         assert!(rows.ends_with(ROWS_CU));
     }

@@ -11,6 +11,10 @@
 //   accumulator: `distflash_hopper_backward_prepare_step` (before) pads the given delta as the
 //   prepare kernel writes its own, and `distflash_hopper_backward_dq_add` (after) adds the
 //   scaled sum to the accumulator.
+// - For a whole attention whose main kernel split the GQA groups' query heads over several cubes
+//   (DISTFLASH_SPLIT there), which added dK (scaled) and dV to zeroed f32 sums [B * Hkv, Skv, D]:
+//   `distflash_hopper_backward_kv_convert` (after), one thread per pair of dK and of dV values,
+//   writes them in the inputs' 16-bit type.
 //
 // CUDA C++ with inline PTX, no headers: the host (`hopper/backward.rs`) prepends the variant's
 // switches (DISTFLASH_HEAD_DIM 64 or 128, DISTFLASH_F16), `ptx.cuh` and `attention.cuh`.
@@ -175,4 +179,20 @@ extern "C" __global__ void __launch_bounds__(DF_ROW_UNITS)
         const float2 sum = *at;
         *at = make_float2(sum.x + value.x, sum.y + value.y);
     }
+}
+
+// A split backward's dK and dV sums (f32, dK already scaled) in the inputs' type: one thread per
+// pair of values of each. `info.q_len` holds the key rows per slice and `info.slices` the
+// key/value slices (`backward_plan::key_row_scalars`).
+extern "C" __global__ void __launch_bounds__(DF_ROW_UNITS)
+    distflash_hopper_backward_kv_convert(const float* dk_sum, const float* dv_sum, u32* dk,
+                                         u32* dv, const __grid_constant__ RowsInfo info) {
+    const u64 pair = static_cast<u64>(blockIdx.x) * DF_ROW_UNITS + threadIdx.x;
+    if (pair >= static_cast<u64>(info.slices) * info.q_len * (DF_D / 2)) {
+        return;
+    }
+    const float2 k = reinterpret_cast<const float2*>(dk_sum)[pair];
+    const float2 v = reinterpret_cast<const float2*>(dv_sum)[pair];
+    dk[pair] = pack(k.x, k.y);
+    dv[pair] = pack(v.x, v.y);
 }

@@ -35,7 +35,10 @@ pub(crate) use backward::{
     choose as choose_backward, choose_step as choose_backward_step, enqueue as enqueue_backward,
     enqueue_step as enqueue_backward_step, ForwardTensors,
 };
-pub use backward_plan::{shared_bytes as backward_shared_bytes, BackwardVariant};
+pub use backward_plan::{
+    head_parts as backward_head_parts, shared_bytes as backward_shared_bytes,
+    shared_bytes_for as backward_shared_bytes_for, BackwardVariant,
+};
 pub use coverage::HEAD_DIMS;
 pub use forward::{attention_forward, forward_source};
 pub(crate) use forward::{
@@ -47,7 +50,7 @@ pub use forward_plan::{
 };
 pub use gemm::{gemm, gemm_source};
 pub use gemm_shape::{GemmLayout, SHARED_BYTES, TILE_K, TILE_M, TILE_N, UNITS};
-pub use schedule::ForwardSchedule;
+pub use schedule::{BackwardSchedule, DeterministicAdds, ForwardSchedule, HeadSplit};
 
 /// Whether `client` runs the Hopper kernels: a CUDA device of compute capability 9.0 exactly
 /// (`wgmma` exists on sm_90a only; later GPUs have other instructions). cubecl-cuda 0.10 reports

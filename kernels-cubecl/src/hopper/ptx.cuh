@@ -132,6 +132,35 @@ __device__ __forceinline__ void reduce_add_4(float* address, float a, float b, f
                  : "memory");
 }
 
+// Adds two f32 values to global memory at `address` (8-byte aligned) atomically, without
+// waiting for the result.
+__device__ __forceinline__ void reduce_add_2(float* address, float a, float b) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(address), "f"(a), "f"(b)
+                 : "memory");
+}
+
+// Adds `bytes` (a multiple of 16) of f32 values at shared address `src` to those at `dst` with
+// the copy engine (element by element, f32 adds rounded to nearest even), in the current bulk
+// group: `store_boxes_read` waits until the engine has read them, `reductions_done` until the
+// adds are complete.
+__device__ __forceinline__ void reduce_add_bytes(float* dst, u32 src, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(
+                     dst),
+                 "r"(src), "r"(bytes)
+                 : "memory");
+}
+
+// Waits until every committed bulk group of the calling thread is complete, its writes done.
+__device__ __forceinline__ void reductions_done() {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+// Orders the calling thread's global memory accesses through the copy engine (the async proxy)
+// with its ordinary ones (the generic proxy), both ways.
+__device__ __forceinline__ void fence_global_for_copies() {
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
 __device__ __forceinline__ void prefetch_map(const TensorMap* map) {
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<u64>(map)) : "memory");
 }

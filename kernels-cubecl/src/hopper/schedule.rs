@@ -2,7 +2,9 @@
 //! consumer warpgroups, each a compile-time switch of the kernel, the order in which cubes
 //! take the (batch, head) slices, and whether the grid is persistent. The default is both
 //! overlaps and grouped slices on a persistent grid (for a whole attention; the steps keep a
-//! cube per block); a thread-local override lets benchmarks and tests run the others.
+//! cube per block); a thread-local override lets benchmarks and tests run the others. How the
+//! backward splits a GQA group's query heads over cubes ([`BackwardSchedule`], [`HeadSplit`])
+//! has its own thread-local override ([`force_backward`]).
 
 use std::cell::Cell;
 
@@ -57,9 +59,88 @@ pub fn force(schedule: Option<ForwardSchedule>) {
     FORCED.with(|forced| forced.set(schedule));
 }
 
+/// How many cubes walk the query heads of one GQA group for one block of 128 keys in the Hopper
+/// attention backward (`backward_plan::head_parts`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum HeadSplit {
+    /// The plan's choice: split only where a GQA/MQA call would otherwise give the device fewer
+    /// than `backward_plan::MIN_CUBES_PER_SM` cubes per multiprocessor.
+    Auto,
+    /// One cube per (key/value head, key block) walks every query head of the group, whatever
+    /// the call: the default until the split has run on a GPU.
+    #[default]
+    Never,
+    /// The group's heads over `n` cubes, or over the largest divisor of the group size below
+    /// `n` (`usize::MAX`: one query head per cube).
+    Parts(usize),
+}
+
+/// Who adds each key block's dQ to a query tile's sum, in the fixed order, in the deterministic
+/// Hopper backward (`attention_backward.cu`, `DISTFLASH_PRODUCER_ADDS`). Both forms add the same
+/// values in the same order: the same bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum DeterministicAdds {
+    /// Each consumer warpgroup waits for its turn and adds its dQ itself (vector atomics): the
+    /// default, the form measured on a GPU.
+    #[default]
+    Consumers,
+    /// FlashAttention-3's form: the consumers write their dQ (f32) to a buffer in shared memory
+    /// and go on; a producer warp per warpgroup waits for the turn and adds the buffer with a
+    /// bulk reduction. Opt-in until it has run on a GPU.
+    Producer,
+}
+
+/// What the Hopper backward may choose per call. The deterministic backward and the backward
+/// steps never split (see `backward_plan::head_parts`), whatever this says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct BackwardSchedule {
+    /// See [`HeadSplit`].
+    pub head_split: HeadSplit,
+    /// See [`DeterministicAdds`] (read only by the deterministic backward).
+    pub deterministic_adds: DeterministicAdds,
+}
+
+thread_local! {
+    static FORCED_BACKWARD: Cell<Option<BackwardSchedule>> = const { Cell::new(None) };
+}
+
+/// The schedule the Hopper backward uses on this thread: the forced one, else the default
+/// (the plan's choice).
+pub fn current_backward() -> BackwardSchedule {
+    FORCED_BACKWARD.with(Cell::get).unwrap_or_default()
+}
+
+/// Makes the Hopper backward launched on this thread use `schedule` (`None`: the default
+/// again).
+pub fn force_backward(schedule: Option<BackwardSchedule>) {
+    FORCED_BACKWARD.with(|forced| forced.set(schedule));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_forced_backward_schedule_holds_on_its_thread_until_released() {
+        let never = BackwardSchedule {
+            head_split: HeadSplit::Never,
+            deterministic_adds: DeterministicAdds::Producer,
+        };
+        assert_eq!(current_backward().head_split, HeadSplit::Never);
+        assert_eq!(
+            current_backward().deterministic_adds,
+            DeterministicAdds::Consumers
+        );
+        force_backward(Some(never));
+        assert_eq!(current_backward(), never);
+        // The forward's override is another.
+        assert_eq!(current(), ForwardSchedule::default());
+        std::thread::spawn(|| assert_eq!(current_backward(), BackwardSchedule::default()))
+            .join()
+            .unwrap();
+        force_backward(None);
+        assert_eq!(current_backward(), BackwardSchedule::default());
+    }
 
     #[test]
     fn a_forced_schedule_holds_on_its_thread_until_released() {

@@ -42,6 +42,8 @@ fn the_hopper_shell_gives_hand_written_kernels_the_shared_memory_they_ask_for() 
     let forward = distflash_kernels::hopper::forward_shared_bytes(128);
     let persistent = distflash_kernels::hopper::forward_shared_bytes_for(128, true);
     let backward = distflash_kernels::hopper::backward_shared_bytes(128);
+    // The deterministic backward with the producer's ordered dQ adds (its dQ buffers).
+    let producer_adds = distflash_kernels::hopper::backward_shared_bytes_for(128, true);
     for bytes in [
         4,
         1000,
@@ -49,6 +51,7 @@ fn the_hopper_shell_gives_hand_written_kernels_the_shared_memory_they_ask_for() 
         forward,
         persistent,
         backward,
+        producer_adds,
     ] {
         let given = cuda_source::hopper_shell_shared_bytes(bytes);
         assert!(
@@ -63,9 +66,9 @@ fn every_hopper_source_has_no_include_and_its_entry_points() {
     for (name, source) in cuda_source::hopper_sources() {
         assert!(!source.contains("#include"), "{name}");
         // The backward's row kernels: one before the main kernel and one after, for a whole
-        // attention and for a step.
+        // attention and for a step, and the conversion after a split whole attention.
         let entry_points = if name.starts_with("hopper_backward_rows") {
-            4
+            5
         } else {
             1
         };

@@ -6,15 +6,18 @@
 //! windows and packed documents (alone, combined, at offsets, at their edges); `Variant::Auto`
 //! running it where it covers a call (masked calls included, and the deterministic backward,
 //! under packed documents too); the deterministic backward (dQ added in a fixed order) against
-//! the reference and bitwise the same twice, under every mask; and its refusals. The backward runs on an H100/H200 only; elsewhere it must
-//! refuse the device.
+//! the reference and bitwise the same twice, under every mask, and with its ordered dQ adds made
+//! by a producer warp (forced) bitwise its consumers' form; each GQA group's query heads
+//! split over several cubes (dK and dV added with atomics), forced on every case, and the
+//! deterministic backward never splitting; and its refusals. The backward runs on an H100/H200
+//! only; elsewhere it must refuse the device.
 
 use super::hopper_cases::{
     auto_case, bits, check_all, common_cases, compare, every_type_and_head_dim, hopper_client,
     masked_cases, named, Named, Quantity,
 };
 use super::*;
-use distflash_kernels::hopper;
+use distflash_kernels::hopper::{self, schedule, BackwardSchedule, DeterministicAdds, HeadSplit};
 
 /// The forward's output and log-sum-exp of `case` (the Hopper forward's), and its output
 /// gradient, on the device.
@@ -297,7 +300,12 @@ pub fn deterministic_backward_matches_the_f64_reference_bitwise_twice<R: Runtime
             let first = run(true)?;
             compare_with_reference(client, case, &first)?;
             let second = run(true)?;
-            let default = run(false)?;
+            // The default backward with a cube per block walking its whole group: where the plan
+            // would split the group's heads, dK and dV are summed in another order.
+            force_head_split(Some(HeadSplit::Never));
+            let default = run(false);
+            force_head_split(None);
+            let default = default?;
             let bits_of = |grads: &[DeviceTensor; 3]| grads.each_ref().map(|g| bits(client, g));
             let (first, second, default) = (bits_of(&first), bits_of(&second), bits_of(&default));
             if first != second {
@@ -309,6 +317,142 @@ pub fn deterministic_backward_matches_the_f64_reference_bitwise_twice<R: Runtime
             Ok(())
         },
     );
+}
+
+/// Makes the Hopper backward on this thread split each GQA group's heads as `split` says (`None`:
+/// the plan's choice again).
+fn force_head_split(split: Option<HeadSplit>) {
+    schedule::force_backward(split.map(|head_split| BackwardSchedule {
+        head_split,
+        ..BackwardSchedule::default()
+    }));
+}
+
+/// The deterministic backward with its ordered dQ adds made by a producer warp from shared
+/// memory (`DeterministicAdds::Producer`, forced) on the deterministic cases (every mask, both
+/// head dims and 16-bit types): against the f64 reference into gradients poisoned with NaN,
+/// bitwise the same twice, and bitwise the consumers' form (`DeterministicAdds::Consumers`):
+/// both add each key block's dQ to a tile's f32 sum in the same order, last block first, with
+/// the same f32 adds, so dQ too is the same bit for bit.
+pub fn deterministic_producer_adds_match_the_reference_and_the_consumers_bitwise<R: Runtime>(
+    client: &ComputeClient<R>,
+) {
+    check_all(
+        "hopper deterministic backward, producer adds",
+        &deterministic_cases(),
+        |case| {
+            let (q, k, v) = case.qkv(client);
+            let (out, lse, grad_out) = forward_of(client, case, (&q, &k, &v));
+            let run = |adds| {
+                schedule::force_backward(Some(BackwardSchedule {
+                    deterministic_adds: adds,
+                    ..BackwardSchedule::default()
+                }));
+                let grads =
+                    hopper_gradients(client, (case, true), (&q, &k, &v), (&out, &lse, &grad_out));
+                schedule::force_backward(None);
+                grads.map_err(|e| format!("refused: {e}"))
+            };
+            let first = run(DeterministicAdds::Producer)?;
+            compare_with_reference(client, case, &first)?;
+            let second = run(DeterministicAdds::Producer)?;
+            let consumers = run(DeterministicAdds::Consumers)?;
+            let bits_of = |grads: &[DeviceTensor; 3]| grads.each_ref().map(|g| bits(client, g));
+            let (first, second, consumers) =
+                (bits_of(&first), bits_of(&second), bits_of(&consumers));
+            if first != second {
+                return Err("a second run gave other gradients".into());
+            }
+            for (name, (producer, consumer)) in
+                ["dQ", "dK", "dV"].iter().zip(first.iter().zip(&consumers))
+            {
+                if producer != consumer {
+                    return Err(format!("{name} differs from the consumers' form's"));
+                }
+            }
+            Ok(())
+        },
+    );
+}
+
+/// The Hopper backward with each GQA group's query heads split over several cubes per block of
+/// keys, forced (one query head per cube, then two parts where the group's size allows; a group
+/// of one, MHA, never splits) on the default backward's cases (GQA and MQA, odd lengths, causal,
+/// keys ahead of the queries, blocks no query sees, extreme scores, both head dims and types,
+/// GQA 32 / 8) and the masked cases (windows, documents), into gradients poisoned with NaN: the
+/// parts' dK and dV, added with atomics to zeroed f32 sums and converted after, against the f64
+/// reference. Then the deterministic backward under the forced split: it never splits (bitwise
+/// its unsplit self, twice), while the default backward does (other bits than unsplit: the
+/// comparison proves something).
+pub fn head_split_matches_the_f64_reference<R: Runtime>(client: &ComputeClient<R>) {
+    let mut all = every_type_and_head_dim(cases);
+    all.extend(masked_cases());
+    for parts in [usize::MAX, 2] {
+        force_head_split(Some(HeadSplit::Parts(parts)));
+        let what = match parts {
+            usize::MAX => "hopper backward, a query head per cube".to_string(),
+            parts => format!("hopper backward, heads split in {parts}"),
+        };
+        check_all(&what, &all, |case| check_case(client, case));
+    }
+    force_head_split(None);
+
+    let gqa = [
+        Case::new(
+            81,
+            (1, 8, 2),
+            (1100, 1100, 128),
+            Mask::causal(),
+            ElemType::BF16,
+        ),
+        Case::new(82, (1, 4, 1), (383, 517, 64), Mask::none(), ElemType::F16),
+        Case::new(
+            83,
+            (2, 6, 2),
+            (300, 300, 128),
+            Mask::causal().with_window(SlidingWindow::causal(100).unwrap()),
+            ElemType::BF16,
+        ),
+    ];
+    for (i, case) in gqa.iter().enumerate() {
+        let (q, k, v) = case.qkv(client);
+        let (out, lse, grad_out) = forward_of(client, case, (&q, &k, &v));
+        let run = |split, deterministic| {
+            force_head_split(Some(split));
+            let grads = hopper_gradients(
+                client,
+                (case, deterministic),
+                (&q, &k, &v),
+                (&out, &lse, &grad_out),
+            );
+            force_head_split(None);
+            grads.unwrap().each_ref().map(|g| bits(client, g))
+        };
+        let per_head = HeadSplit::Parts(usize::MAX);
+        let split_first = run(per_head, true);
+        let split_second = run(per_head, true);
+        let unsplit = run(HeadSplit::Never, true);
+        assert!(
+            split_first == split_second,
+            "the deterministic backward under a forced split gave other gradients on a second              run ({:?})",
+            case.dims
+        );
+        assert!(
+            split_first == unsplit,
+            "the deterministic backward split its group's heads ({:?})",
+            case.dims
+        );
+        if i == 0 {
+            // 1100 x 128 keys of two key/value heads: the default backward's dK or dV, summed
+            // per head and added with atomics, rounds otherwise than one cube's sum somewhere.
+            let default_split = run(per_head, false);
+            let default_unsplit = run(HeadSplit::Never, false);
+            assert!(
+                default_split[1..] != default_unsplit[1..],
+                "the forced split gave the unsplit dK and dV bit for bit: the comparisons above                  prove nothing"
+            );
+        }
+    }
 }
 
 /// What the Hopper backward does not cover is refused naming it, before anything runs, whatever
@@ -382,6 +526,18 @@ fn cuda_hopper_backward_masks_match_f64_reference() {
 #[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
 fn cuda_hopper_deterministic_backward_matches_f64_reference_bitwise_twice() {
     deterministic_backward_matches_the_f64_reference_bitwise_twice(&hopper_client());
+}
+
+#[test]
+#[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
+fn cuda_hopper_deterministic_producer_adds_match_f64_reference_and_consumers_bitwise() {
+    deterministic_producer_adds_match_the_reference_and_the_consumers_bitwise(&hopper_client());
+}
+
+#[test]
+#[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
+fn cuda_hopper_backward_head_split_matches_f64_reference() {
+    head_split_matches_the_f64_reference(&hopper_client());
 }
 
 #[test]

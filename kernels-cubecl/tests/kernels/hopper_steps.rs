@@ -13,6 +13,7 @@
 
 use super::hopper_cases::{bits, check_each, compare, hopper_client, Quantity};
 use super::*;
+use distflash_kernels::hopper::{schedule, BackwardSchedule, DeterministicAdds};
 
 /// A whole sequence's attention computed in chunks: the case (query and key lengths equal), the
 /// bounds of the query chunks and of the key chunks, and whether each query chunk steps over the
@@ -454,20 +455,76 @@ pub fn chunked_steps_match_the_f64_reference<R: Runtime>(client: &ComputeClient<
 pub fn deterministic_steps_match_the_f64_reference_bitwise_twice<R: Runtime>(
     client: &ComputeClient<R>,
 ) {
-    let all: Vec<Chunked> = cases()
+    let all = deterministic_cases();
+    let named = all.iter().map(|chunked| (chunked.name.as_str(), chunked));
+    check_each("hopper deterministic steps", named, |chunked| {
+        check_chunked(client, chunked)
+    });
+    let run = one_deterministic_step(client, &all[0]);
+    assert!(
+        run() == run(),
+        "the deterministic backward step gave other gradients on a second run ({})",
+        all[0].name
+    );
+}
+
+/// The deterministic Hopper backward steps with their ordered dQ adds made by a producer warp
+/// (`DeterministicAdds::Producer`, forced) on the chunked cases against the f64 reference; then
+/// one pair's step twice into zeroed accumulators: bitwise the same, and bitwise the consumers'
+/// form (`DeterministicAdds::Consumers`: the same adds in the same order).
+pub fn deterministic_producer_steps_match_the_reference_and_the_consumers_bitwise<R: Runtime>(
+    client: &ComputeClient<R>,
+) {
+    let force = |adds| {
+        schedule::force_backward(Some(BackwardSchedule {
+            deterministic_adds: adds,
+            ..BackwardSchedule::default()
+        }))
+    };
+    let all = deterministic_cases();
+    let named = all.iter().map(|chunked| (chunked.name.as_str(), chunked));
+    force(DeterministicAdds::Producer);
+    check_each(
+        "hopper deterministic steps, producer adds",
+        named,
+        |chunked| check_chunked(client, chunked),
+    );
+    let run = one_deterministic_step(client, &all[0]);
+    let (first, second) = (run(), run());
+    force(DeterministicAdds::Consumers);
+    let consumers = run();
+    schedule::force_backward(None);
+    assert!(
+        first == second,
+        "the deterministic backward step with producer adds gave other gradients on a second run \
+         ({})",
+        all[0].name
+    );
+    assert!(
+        first == consumers,
+        "the deterministic backward step with producer adds differs from the consumers' form ({})",
+        all[0].name
+    );
+}
+
+/// The chunked cases, deterministic.
+fn deterministic_cases() -> Vec<Chunked> {
+    cases()
         .into_iter()
         .map(|mut chunked| {
             chunked.deterministic = true;
             chunked.name.push_str(" deterministic");
             chunked
         })
-        .collect();
-    let named = all.iter().map(|chunked| (chunked.name.as_str(), chunked));
-    check_each("hopper deterministic steps", named, |chunked| {
-        check_chunked(client, chunked)
-    });
+        .collect()
+}
 
-    let chunked = &all[0];
+/// One pair of `chunked`'s chunks: a call of its deterministic backward step into zeroed
+/// accumulators, giving the bits of dQ, dK and dV.
+fn one_deterministic_step<'a, R: Runtime>(
+    client: &'a ComputeClient<R>,
+    chunked: &Chunked,
+) -> impl Fn() -> [Vec<u64>; 3] + 'a {
     let case = &chunked.case;
     let d = case.dims;
     let (q_chunk, kv) = ((131, 700), (0, 450));
@@ -483,19 +540,14 @@ pub fn deterministic_steps_match_the_f64_reference_bitwise_twice<R: Runtime>(
         kv_len: kv.1 - kv.0,
         ..d
     };
-    let run = || {
+    move || {
         let grads = GradAccumulators::zeros(client, &rows).unwrap();
         distflash_kernels::backward_step(
             client, &q, &k, &v, &grad_out, &lse, &delta, &grads, &opts,
         )
         .unwrap();
         [&grads.dq, &grads.dk, &grads.dv].map(|t| bits(client, t))
-    };
-    assert!(
-        run() == run(),
-        "the deterministic backward step gave other gradients on a second run ({})",
-        chunked.name
-    );
+    }
 }
 
 /// `values` (f32) uploaded into the middle of a larger f32 buffer, after `before` random values
@@ -753,6 +805,12 @@ fn cuda_hopper_steps_match_f64_reference() {
 #[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
 fn cuda_hopper_deterministic_steps_match_f64_reference_bitwise_twice() {
     deterministic_steps_match_the_f64_reference_bitwise_twice(&hopper_client());
+}
+
+#[test]
+#[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
+fn cuda_hopper_deterministic_producer_steps_match_f64_reference_and_consumers_bitwise() {
+    deterministic_producer_steps_match_the_reference_and_the_consumers_bitwise(&hopper_client());
 }
 
 #[test]

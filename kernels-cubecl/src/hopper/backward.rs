@@ -175,8 +175,8 @@ fn plan<R: Runtime>(
         ),
     )?;
     let dq = row_grid(
-        "a thread per two values of dQ",
-        dims.batch * dims.q_heads * dims.q_len * dims.head_dim / 2,
+        "a thread per four values of the padded rows' dQ sum",
+        backward_plan::prepared_rows(dims) * dims.head_dim / 4,
     )?;
     let convert_grid = match variant.split && !accumulate {
         true => Some(row_grid(

@@ -4,9 +4,10 @@
 //   (lse log2(e); FLT_MAX for a row that saw no key, lse = -inf, so that its probabilities are
 //   exactly 0), both [B * Hq, Tq * 64] f32, and for padding rows a delta of 0 and FLT_MAX; it
 //   also zeroes the row's share of the f32 dQ sum [B * Hq, Tq, 64 * D].
-// - `distflash_hopper_backward_dq` (after), one thread per pair of dQ values: the f32 sum read
-//   back from its fragment order (see `add_query_grads` in `attention_backward.cu`), times the
-//   score scale, written as the inputs' 16-bit type into dQ [B * Hq, Sq, D].
+// - `distflash_hopper_backward_dq` (after), one thread per vector of four values of the f32 dQ
+//   sum, read in the sum's fragment order (see `add_query_grads` in `attention_backward.cu`) so
+//   that a warp reads 512 contiguous bytes: the values times the score scale, written as the
+//   inputs' 16-bit type into dQ [B * Hq, Sq, D] (two pairs, 8 rows apart).
 // - For a backward step, whose delta is given ([B * Hq, Sq] f32) and whose dQ is an f32
 //   accumulator: `distflash_hopper_backward_prepare_step` (before) pads the given delta as the
 //   prepare kernel writes its own, and `distflash_hopper_backward_dq_add` (after) adds the
@@ -137,47 +138,78 @@ extern "C" __global__ void __launch_bounds__(DF_ROW_UNITS)
     delta[at.row] = query ? given_delta[row] : 0.0f;
 }
 
-// The scaled dQ sum of value pair `pair` of dQ [B * Hq, Sq, D]; false past the last pair.
-__device__ __forceinline__ bool scaled_pair(const float* dq_sum, const RowsInfo& info, u64 pair,
-                                            float2& value) {
-    if (pair >= static_cast<u64>(info.slices) * info.q_len * (DF_D / 2)) {
+// Four values of the dQ sum, scaled: what one thread of a warpgroup added as one vector (see
+// `add_query_grads` in `attention_backward.cu`), columns `column` and `column + 1` of query row
+// `i` of slice `slice` (`upper`) and of row `i + 8` (`lower`).
+struct ScaledQuad {
+    u64 slice;
+    u32 i;
+    u32 column;
+    float2 upper;
+    float2 lower;
+};
+
+// The scaled values of the dQ sum's vector `quad` [B * Hq, Tq, 64 * D / 4] (consecutive threads
+// read consecutive vectors); false past the last.
+__device__ __forceinline__ bool scaled_quad(const float* dq_sum, const RowsInfo& info, u64 quad,
+                                            ScaledQuad& at) {
+    const u32 per_tile = DF_BM * DF_D / 4, per_half = DF_BM * 64 / 4;
+    if (quad >= static_cast<u64>(info.slices) * info.q_tiles * per_tile) {
         return false;
     }
-    const u64 row = pair / (DF_D / 2);
-    const u32 column = static_cast<u32>(pair % (DF_D / 2)) * 2;
-    const u64 slice = row / info.q_len;
-    const u32 i = static_cast<u32>(row % info.q_len);
-    // Where the warpgroup that computed these two values (the 64 columns of `column`) added them:
-    // its thread of fragment row r and columns c, c + 1 of the tile (see `add_query_grads`).
-    const u32 r = i % DF_BM, c = column % 64;
-    const u32 thread = (r / 16) * 32 + (r % 8) * 4 + (c % 8) / 2;
-    const u64 at = (slice * info.q_tiles + i / DF_BM) * (DF_BM * DF_D) + (column / 64) * (DF_BM * 64) +
-                   ((c / 8) * 128 + thread) * 4 + ((r % 16) / 8) * 2;
-    const float2 sum = *reinterpret_cast<const float2*>(dq_sum + at);
+    const u64 tile = quad / per_tile;
+    const u32 within = static_cast<u32>(quad % per_tile);
+    // The fragment's thread and its group of 8 columns in its warpgroup's 64 (the half).
+    const u32 thread = within % 128, group = (within % per_half) / 128;
+    at.column = (within / per_half) * 64 + group * 8 + (thread % 4) * 2;
+    at.slice = tile / info.q_tiles;
+    at.i = static_cast<u32>(tile % info.q_tiles) * DF_BM + (thread / 32) * 16 + (thread % 32) / 4;
+    const float4 sum = reinterpret_cast<const float4*>(dq_sum)[quad];
     const float scale = __uint_as_float(info.scale_bits);
-    value = make_float2(sum.x * scale, sum.y * scale);
+    at.upper = make_float2(sum.x * scale, sum.y * scale);
+    at.lower = make_float2(sum.z * scale, sum.w * scale);
     return true;
+}
+
+// The index in dQ [B * Hq, Sq, D] of the pair of values at `column` of row `i` of `slice`.
+__device__ __forceinline__ u64 query_pair(const RowsInfo& info, u64 slice, u32 i, u32 column) {
+    return (slice * info.q_len + i) * (DF_D / 2) + column / 2;
 }
 
 extern "C" __global__ void __launch_bounds__(DF_ROW_UNITS)
     distflash_hopper_backward_dq(const float* dq_sum, u32* dq,
                                  const __grid_constant__ RowsInfo info) {
-    const u64 pair = static_cast<u64>(blockIdx.x) * DF_ROW_UNITS + threadIdx.x;
-    float2 value;
-    if (scaled_pair(dq_sum, info, pair, value)) {
-        dq[pair] = pack(value.x, value.y);
+    ScaledQuad at;
+    if (!scaled_quad(dq_sum, info, static_cast<u64>(blockIdx.x) * DF_ROW_UNITS + threadIdx.x, at)) {
+        return;
     }
+    if (at.i < info.q_len) {
+        dq[query_pair(info, at.slice, at.i, at.column)] = pack(at.upper.x, at.upper.y);
+    }
+    if (at.i + 8 < info.q_len) {
+        dq[query_pair(info, at.slice, at.i + 8, at.column)] = pack(at.lower.x, at.lower.y);
+    }
+}
+
+// Adds `value` to the f32 pair `at`.
+__device__ __forceinline__ void add_pair(float2* at, float2 value) {
+    const float2 sum = *at;
+    *at = make_float2(sum.x + value.x, sum.y + value.y);
 }
 
 extern "C" __global__ void __launch_bounds__(DF_ROW_UNITS)
     distflash_hopper_backward_dq_add(const float* dq_sum, float* dq,
                                      const __grid_constant__ RowsInfo info) {
-    const u64 pair = static_cast<u64>(blockIdx.x) * DF_ROW_UNITS + threadIdx.x;
-    float2 value;
-    if (scaled_pair(dq_sum, info, pair, value)) {
-        float2* at = reinterpret_cast<float2*>(dq) + pair;
-        const float2 sum = *at;
-        *at = make_float2(sum.x + value.x, sum.y + value.y);
+    ScaledQuad at;
+    if (!scaled_quad(dq_sum, info, static_cast<u64>(blockIdx.x) * DF_ROW_UNITS + threadIdx.x, at)) {
+        return;
+    }
+    float2* pairs = reinterpret_cast<float2*>(dq);
+    if (at.i < info.q_len) {
+        add_pair(pairs + query_pair(info, at.slice, at.i, at.column), at.upper);
+    }
+    if (at.i + 8 < info.q_len) {
+        add_pair(pairs + query_pair(info, at.slice, at.i + 8, at.column), at.lower);
     }
 }
 

@@ -63,12 +63,14 @@ pub fn force(schedule: Option<ForwardSchedule>) {
 /// attention backward (`backward_plan::head_parts`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum HeadSplit {
-    /// The plan's choice: split only where a GQA/MQA call would otherwise give the device fewer
-    /// than `backward_plan::MIN_CUBES_PER_SM` cubes per multiprocessor.
+    /// The plan's choice, the default: split only where a GQA/MQA call would otherwise give the
+    /// device fewer than `backward_plan::MIN_CUBES_PER_SM` cubes per multiprocessor (measured
+    /// on an H200, GQA 32/8 at 8K: the backward 4.5% faster than unsplit; at 16K it does not
+    /// split).
+    #[default]
     Auto,
     /// One cube per (key/value head, key block) walks every query head of the group, whatever
-    /// the call: the default until the split has run on a GPU.
-    #[default]
+    /// the call.
     Never,
     /// The group's heads over `n` cubes, or over the largest divisor of the group size below
     /// `n` (`usize::MAX`: one query head per cube).
@@ -80,13 +82,13 @@ pub enum HeadSplit {
 /// values in the same order: the same bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum DeterministicAdds {
-    /// Each consumer warpgroup waits for its turn and adds its dQ itself (vector atomics): the
-    /// default, the form measured on a GPU.
-    #[default]
+    /// Each consumer warpgroup waits for its turn and adds its dQ itself (vector atomics).
     Consumers,
-    /// FlashAttention-3's form: the consumers write their dQ (f32) to a buffer in shared memory
-    /// and go on; a producer warp per warpgroup waits for the turn and adds the buffer with a
-    /// bulk reduction. Opt-in until it has run on a GPU.
+    /// FlashAttention-3's form, the default: the consumers write their dQ (f32) to a buffer in
+    /// shared memory and go on; a producer warp per warpgroup waits for the turn and adds the
+    /// buffer with a bulk reduction (measured on an H200: forward+backward 1.13-1.17x the
+    /// consumers' form).
+    #[default]
     Producer,
 }
 
@@ -124,12 +126,12 @@ mod tests {
     fn a_forced_backward_schedule_holds_on_its_thread_until_released() {
         let never = BackwardSchedule {
             head_split: HeadSplit::Never,
-            deterministic_adds: DeterministicAdds::Producer,
+            deterministic_adds: DeterministicAdds::Consumers,
         };
-        assert_eq!(current_backward().head_split, HeadSplit::Never);
+        assert_eq!(current_backward().head_split, HeadSplit::Auto);
         assert_eq!(
             current_backward().deterministic_adds,
-            DeterministicAdds::Consumers
+            DeterministicAdds::Producer
         );
         force_backward(Some(never));
         assert_eq!(current_backward(), never);

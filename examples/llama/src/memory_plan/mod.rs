@@ -13,7 +13,9 @@
 //!   backward: `sequence_parallel`; in a pair's backward, the second block's, with its
 //!   recomputed input and the first block's attention output and lse beside it), and what the
 //!   pools hold beyond the counted tensors there (measured on H200s: see
-//!   `POOL_SLACK_OF_CHECKPOINTS` and `POOL_SLACK_OF_OPTIMIZER_VECTORS`). A block's checkpoint
+//!   `POOL_SLACK_OF_CHECKPOINTS`; with the pool classes known, the optimizer step's slices of
+//!   the classes the backward does not fill as much, `step_buffers::ClassCarry`, else the
+//!   fitted `POOL_SLACK_OF_OPTIMIZER_VECTORS`). A block's checkpoint
 //!   is freed once its backward has run, but a pool allocator does not hand those pages to the
 //!   gradients, whose buffers have other sizes: on 4 H200s, LLaMA-7B at 256K tokens peaked
 //!   2.57 GiB per GPU higher per layer (32 layers against 4, `BENCHMARKS.md`), where a layer's
@@ -33,8 +35,10 @@
 //! and the largest sliced class's ones above a third of its page (two to a page at most:
 //! `pool_classes`, listed by `step_buffers`) are counted by the pages they take, each class
 //! holding its most pages of any phase through every phase, the room those pages leave taking
-//! the phase's smaller slices of the class; `chunk_classes` keeps the loss and feed-forward
-//! chunks out of the top class.
+//! the phase's smaller slices of the class; each phase also counts the slices the other side of
+//! the step (the backward, or the optimizer step) puts in a class beyond its own
+//! (`ClassCarry`): a class's pages serve only its buffers and are never given back.
+//! `chunk_classes` keeps the loss and feed-forward chunks out of the top class.
 
 mod activations;
 mod checkpoint_count;
@@ -92,7 +96,12 @@ const POOL_SLACK_HIDDEN_ROWS: f64 = 3.33;
 /// Those steps summed the gradients as whole-model f32 vectors and kept the whole f32 weight
 /// vector under the master share; with the sum in buckets, the summed share kept as its buckets'
 /// sums and the state in chunks the vectors, and so this slack, are smaller, not yet
-/// re-measured.
+/// re-measured. Used only without [`MemoryPlanner::gpu_memory`]: with the pool classes known
+/// the step's slices that the backward does not take are counted by class instead
+/// (`step_buffers::ClassCarry`: the step's buffers, at most 256 MiB, are slices of the 2.2 GiB
+/// class on an H200, which a backward's `[tokens, d_model]` rows share at 65,536 tokens per GPU
+/// and leave for the 8.7 GiB class from 131,072; each side's pages then stand beside the
+/// other's, in the backward and in the step).
 const POOL_SLACK_OF_OPTIMIZER_VECTORS: f64 = 0.82;
 
 /// What a plan is made from: the model (with its checkpoint placement and its
@@ -269,23 +278,8 @@ impl MemoryPlanner {
             CheckpointPlacement::None => 0.0,
             _ => POOL_SLACK_OF_CHECKPOINTS * (checkpoints + prefetched) as f64,
         };
-        // The step's f32 vectors are buckets (no buffer of the step reaches the largest
-        // classes): all of them are slices, their pages' share measured.
-        let pool_slack = (slack_of_checkpoints
-            + POOL_SLACK_HIDDEN_ROWS * (rows * widths.model * widths.elem) as f64
-            + POOL_SLACK_OF_OPTIMIZER_VECTORS * optimizer_step.f32_vectors() as f64)
-            as u64;
-        let block_phase = resident
-            + checkpoints
-            + prefetched
-            + state.gradients
-            + F32 * rows
-            + block_transient
-            + pool_slack;
-        let optimizer_phase = optimizer_step.total();
-        let optimizer_transient = optimizer_phase.saturating_sub(state.total());
-        let (large_pages, counted) = match &pools {
-            None => (LargeClassPages::default(), [0; 3]),
+        let (large_pages, counted, carried) = match &pools {
+            None => (LargeClassPages::default(), [0; 3], [0; 3]),
             Some(pools) => {
                 let shapes = ActivationShapes {
                     widths,
@@ -302,12 +296,33 @@ impl MemoryPlanner {
                 LargeClassPages::of(pools, &buffers)
             }
         };
+        // The optimizer step's pages that the backward does not fill: with the pool classes,
+        // the step's slices of each class beyond the backward's (`ClassCarry`); without them,
+        // the share measured before the classes were modelled.
+        let slack_of_optimizer = match &pools {
+            Some(_) => carried[1] as f64,
+            None => POOL_SLACK_OF_OPTIMIZER_VECTORS * optimizer_step.f32_vectors() as f64,
+        };
+        let pool_slack = (slack_of_checkpoints
+            + POOL_SLACK_HIDDEN_ROWS * (rows * widths.model * widths.elem) as f64
+            + slack_of_optimizer) as u64;
+        let block_phase = resident
+            + checkpoints
+            + prefetched
+            + state.gradients
+            + F32 * rows
+            + block_transient
+            + pool_slack;
+        let optimizer_phase = optimizer_step.total();
+        let optimizer_transient = optimizer_phase.saturating_sub(state.total());
         let paged =
             |bytes: u64, phase: usize| bytes.saturating_sub(counted[phase]) + large_pages.reserved;
+        // The block phase's carry is in its pool slack; the loss's backward and the step add
+        // theirs here.
         let (loss_phase, block_phase, optimizer_phase) = (
-            paged(loss_phase, 0),
+            paged(loss_phase, 0) + carried[0],
             paged(block_phase, 1),
-            paged(optimizer_phase, 2),
+            paged(optimizer_phase, 2) + carried[2],
         );
         let (peak_phase, peak, transient) = [
             (StepPhase::LossBackward, loss_phase, loss_transient),
@@ -833,17 +848,21 @@ mod tests {
         // share of the 2.14 GB temporary; attention's distributed backward adding into its
         // accumulators, 5 of 14 `[tokens, 4096]` bf16 tensors off its transient, and keeping the
         // zigzag chunks as tensors of their own, 3 of the 9 left, where attention's backward is
-        // the block's largest transient).
+        // the block's largest transient). Since the optimizer step's slices and the backward's
+        // are counted by the pool classes they take (`ClassCarry`) rather than by the share of
+        // the step's f32 vectors fitted before buckets, the 131,072-token rows (1 GiB rows of the
+        // 8.7 GiB class beside the step's 2.2 GiB-class buckets) plan 2.5 GiB more and the
+        // shorter ones up to 1.8 GiB less.
         let rows = [
-            (AttentionOutput, 32768, 24.86, 16.892),
-            (AttentionOutput, 65536, 27.20, 20.897),
-            (AttentionOutput, 131072, 38.97, 29.664),
-            (Layer, 32768, 24.45, 16.285),
-            (Layer, 65536, 25.02, 19.682),
-            (Layer, 131072, 37.31, 27.234),
-            (None, 32768, 29.92, 23.765),
-            (None, 65536, 40.35, 35.400),
-            (None, 131072, 59.72, 58.670),
+            (AttentionOutput, 32768, 24.86, 16.239),
+            (AttentionOutput, 65536, 27.20, 20.849),
+            (AttentionOutput, 131072, 38.97, 32.132),
+            (Layer, 32768, 24.45, 16.001),
+            (Layer, 65536, 25.02, 19.646),
+            (Layer, 131072, 37.31, 29.702),
+            (None, 32768, 29.92, 21.982),
+            (None, 65536, 40.35, 35.595),
+            (None, 131072, 59.72, 61.138),
         ];
         for (placement, seq, measured_before, pinned) in rows {
             let mut planner =
@@ -862,10 +881,8 @@ mod tests {
                 plan.optimizer_step.f32_vectors() < 8 * plan.state.parameters as u64,
                 "{setting}, against {measured_before} GiB measured with the whole vectors"
             );
-            assert_eq!(
-                plan.peak_phase == StepPhase::Optimizer,
-                plan.peak == plan.optimizer_step.total()
-            );
+            // The step holds its terms and what the backward's classes keep beside them.
+            assert!(plan.peak >= plan.optimizer_step.total(), "{setting}");
         }
     }
 
@@ -983,8 +1000,9 @@ mod tests {
         use crate::optimizer::StatePlacement::{Gpu, Host};
         // The master share, moments and summed share of LLaMA-7B (12.55 GiB each at two GPUs)
         // are chunks and buckets of at most 256 MiB, and the updated weights are gathered in
-        // pieces as small: no page of the top class or near-page of the largest sliced one, and
-        // the step's f32 vectors count in the measured slack whatever the GPU's memory.
+        // pieces as small: no page of the top class or near-page of the largest sliced one.
+        // With the classes, the step's slices that the backward's do not take count in a
+        // block's pool slack (`ClassCarry`), at most the share measured before the classes.
         for world in [1, 2, 4, 8] {
             for state in [Gpu, Host] {
                 let mut with = seven_b_zero_2(4096 * world, world, state);
@@ -995,11 +1013,10 @@ mod tests {
                 let setting = format!("{world} GPU(s), {state:?}");
                 assert_eq!(with.large_pages.reserved, 0, "{setting}");
                 assert_eq!(with.large_pages.top_pages, 0, "{setting}");
-                assert_eq!(with.pool_slack, without.pool_slack, "{setting}");
-                assert_eq!(with.peak, without.peak, "{setting}");
                 let slack =
                     POOL_SLACK_OF_OPTIMIZER_VECTORS * with.optimizer_step.f32_vectors() as f64;
-                assert!(with.pool_slack as f64 >= slack, "{setting}");
+                assert!(without.pool_slack as f64 >= slack, "{setting}");
+                assert!(with.peak >= with.optimizer_step.total(), "{setting}");
             }
         }
     }
@@ -1033,12 +1050,15 @@ mod tests {
         assert!(3 * ffn > class.page && 2 * ffn <= class.page);
         assert_eq!(plan.large_pages.reserved, 3 * class.page);
         assert_eq!(plan.large_pages.top_pages, 0);
-        // Those pages stay reserved through the optimizer step, which then holds the most
-        // (its 61.79 GiB beside them); without the classes, a block's backward at 79.49 GiB.
-        assert_eq!(plan.peak_phase, StepPhase::Optimizer);
-        assert_eq!(plan.peak, plan.optimizer_step.total() + 3 * class.page);
+        // Those pages stay reserved through the optimizer step (its 61.79 GiB beside them:
+        // 87.85 GiB, the peak before `ClassCarry`). The step's buffers are slices of the 2.2 GiB
+        // class, which the backward's 1 GiB rows (8.7 GiB class) do not take: each side's slices
+        // stand beside the other's, and a block's backward, with the step's slices kept, holds
+        // the most; the pools reserved 98.30 GiB. Without the classes, 79.49 GiB.
+        assert_eq!(plan.peak_phase, StepPhase::BlockBackward);
+        assert!(plan.peak > plan.optimizer_step.total() + 3 * class.page);
         assert!(
-            (gib(plan.peak) - 87.85).abs() < 0.01,
+            (gib(plan.peak) - 96.76).abs() < 0.01,
             "{:.2}",
             gib(plan.peak)
         );

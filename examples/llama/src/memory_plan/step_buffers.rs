@@ -218,9 +218,14 @@ impl LargeClassPages {
     /// The pages `pools` reserve for `buffers`' paged ones, and for each phase the bytes of
     /// those buffers (what `reserved` replaces in the phase's count), in the order loss,
     /// block, optimizer.
-    pub(crate) fn of(pools: &PoolClasses, buffers: &StepBuffers) -> (Self, [u64; 3]) {
+    ///
+    /// Also returns, for each phase, the bytes of the pools' classes that the optimizer step
+    /// (for the loss's and a block's backward) or the backward (for the step) filled beyond
+    /// what the phase itself puts in them ([`ClassCarry`]).
+    pub(crate) fn of(pools: &PoolClasses, buffers: &StepBuffers) -> (Self, [u64; 3], [u64; 3]) {
         let phases = [&buffers.loss, &buffers.block, &buffers.optimizer];
         let mut counted = [0u64; 3];
+        let mut carry = ClassCarry::default();
         let mut pages = Self {
             top_page: pools.top().page,
             ..Self::default()
@@ -243,17 +248,54 @@ impl LargeClassPages {
             // The room those pages leave in a phase takes that phase's slices of the same class
             // (CubeCL slices a page's free space for any buffer of its class): they are in the
             // pages already, not beside them.
+            let mut footprint = [0u64; 3];
             for (phase, sizes) in phases.iter().enumerate() {
                 let slices: u64 = (sizes.iter().copied())
                     .filter(|&s| pools.class_of(s) == Some(class) && pools.paged_class(s).is_none())
+                    .map(|s| pools.aligned(s))
                     .sum();
-                counted[phase] += slices.min(most.saturating_sub(paged[phase]));
+                let room = most.saturating_sub(paged[phase]);
+                counted[phase] += slices.min(room);
+                // What the phase takes of the class beyond the pages every phase holds: the
+                // slices its pages' room does not take.
+                footprint[phase] = slices.saturating_sub(room);
             }
+            carry.add(footprint);
             pages.reserved += most;
             if pools.is_top(class) {
                 pages.top_pages = most / pools.top().page.max(1);
             }
         }
-        (pages, counted)
+        (pages, counted, carry.bytes)
+    }
+}
+
+/// The bytes each phase finds reserved in the pools' classes by the other side of the step: a
+/// class's pages serve only its own buffers and are never given back, so the pages the
+/// optimizer step fills in a class stay reserved through the next backward whatever the
+/// backward puts in that class, and the pages the backward fills stay reserved through the
+/// step. The step's buffers (its buckets, the summed share's bucket sums, the state's chunks,
+/// at most `MAX_STEP_BUFFER_BYTES` each) are slices of one of the smaller classes (the 2.2 GiB
+/// class on an H200); a backward's `[tokens, width]` tensors are slices of the class their
+/// length puts them in. Where the two share a class (LLaMA-7B at 65,536 tokens per GPU: 512 MiB
+/// rows) the backward's tensors take the step's pages; where they do not (131,072 tokens per
+/// GPU and more: 1 GiB rows, slices of the 8.7 GiB class) each side's pages stand beside the
+/// other's. For each phase and class: the most that the other side (for the loss's and a
+/// block's backward, the step; for the step, either backward) takes of the class beyond what
+/// the phase takes of it, in bytes of slices (their pages' rounding is the fitted pool slack's).
+#[derive(Debug, Clone, Copy, Default)]
+struct ClassCarry {
+    /// Loss, block, optimizer.
+    bytes: [u64; 3],
+}
+
+impl ClassCarry {
+    /// Adds one class's footprint in each phase (loss, block, optimizer).
+    fn add(&mut self, footprint: [u64; 3]) {
+        let [loss, block, step] = footprint;
+        let backward = loss.max(block);
+        self.bytes[0] += step.saturating_sub(loss);
+        self.bytes[1] += step.saturating_sub(block);
+        self.bytes[2] += backward.saturating_sub(step);
     }
 }

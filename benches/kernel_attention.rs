@@ -132,9 +132,10 @@ enum ForwardVariant {
 /// Who makes the deterministic Hopper backward's ordered dQ adds in a row.
 #[derive(Clone, Copy, ValueEnum)]
 enum HopperDeterministicAdds {
-    /// The consumer warpgroups, each waiting for its turn (the default)
+    /// The consumer warpgroups, each waiting for its turn
     Consumers,
-    /// A producer warp per warpgroup, from a buffer in shared memory (FlashAttention-3's form)
+    /// A producer warp per warpgroup, from a buffer in shared memory (FlashAttention-3's form;
+    /// the default)
     Producer,
 }
 

@@ -198,8 +198,8 @@ impl StepBuffers {
 }
 
 /// What CubeCL's pools reserve for a step's buffers that the planner counts by pages
-/// ([`PoolClasses::paged_class`]: the top class's, and the largest sliced class's near-page
-/// ones), against the bytes it counts for those buffers in each phase.
+/// ([`PoolClasses::paged_class`]: the top class's and the largest sliced class's), against the
+/// bytes it counts for those buffers in each phase.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LargeClassPages {
     /// Bytes of the pages those classes hold for them at the steady state: for each class,

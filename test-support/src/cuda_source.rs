@@ -243,6 +243,16 @@ pub fn hopper_sources() -> Vec<(String, String)> {
     }
     for head_dim in hopper::HEAD_DIMS {
         for (elem_name, elem) in [("bf16", ElemType::BF16), ("f16", ElemType::F16)] {
+            // A whole attention's unmasked backward, which the variants below change.
+            let plain = BackwardVariant {
+                head_dim,
+                elem,
+                mask: MaskKind::default(),
+                accumulate: false,
+                deterministic: false,
+                split: false,
+                producer_adds: false,
+            };
             for (mask_name, mask) in mask_kinds() {
                 for (step_name, accumulate) in [("", false), ("_step", true)] {
                     for (order_name, deterministic, producer_adds) in [
@@ -251,13 +261,11 @@ pub fn hopper_sources() -> Vec<(String, String)> {
                         ("_deterministic_producer", true, true),
                     ] {
                         let variant = BackwardVariant {
-                            head_dim,
-                            elem,
                             mask,
                             accumulate,
                             deterministic,
-                            split: false,
                             producer_adds,
+                            ..plain
                         };
                         let name = format!(
                             "hopper_backward{step_name}{order_name}_{mask_name}_d{head_dim}_{elem_name}"
@@ -268,28 +276,15 @@ pub fn hopper_sources() -> Vec<(String, String)> {
                 // A GQA group's heads split over cubes, dK and dV added with atomics (one
                 // source for a whole attention and a step; the number of parts is a scalar).
                 let split = BackwardVariant {
-                    head_dim,
-                    elem,
                     mask,
-                    accumulate: false,
-                    deterministic: false,
                     split: true,
-                    producer_adds: false,
+                    ..plain
                 };
                 let name = format!("hopper_backward_split_{mask_name}_d{head_dim}_{elem_name}");
                 sources.push((name, hopper::backward_source(&split)));
             }
-            let variant = BackwardVariant {
-                head_dim,
-                elem,
-                mask: MaskKind::default(),
-                accumulate: false,
-                deterministic: false,
-                split: false,
-                producer_adds: false,
-            };
             let name = format!("hopper_backward_rows_d{head_dim}_{elem_name}");
-            sources.push((name, hopper::backward_rows_source(&variant)));
+            sources.push((name, hopper::backward_rows_source(&plain)));
         }
     }
     for (layout_name, layout) in [

@@ -1,8 +1,10 @@
 //! Searches over [`MemoryPlanner`] predictions: the longest sequence whose step fits a GPU, the
 //! largest loss and feed-forward chunks that fit, and with them the fewest layers to offload and,
 //! where nothing fits otherwise, two layers per checkpoint (what `llama_train --memory auto`
-//! trains with). A peak grows with the sequence and with the chunks and falls with every
-//! offloaded layer, so all are monotone searches.
+//! trains with). A peak grows with the chunks and falls with every offloaded layer, so those are
+//! monotone searches. With the sequence it mostly grows, but a plan counted by CubeCL's pool pages
+//! can fall where a buffer outgrows a class's slices and moves to the next class, so the longest
+//! sequence is searched past the first length that does not fit ([`longest_fitting`]).
 
 use burn_distflash::layers::{CheckpointPlacement, Offload, RowChunks};
 
@@ -17,6 +19,16 @@ pub const FIT_FRACTION: f64 = 0.9;
 
 /// Sequences longer than this many tokens are not searched.
 const LONGEST_SEARCHED: usize = 1 << 34;
+
+/// Lengths [`longest_fitting`] tries past each first length that does not fit, evenly over the
+/// next [`PROBED_FRACTION`] of it.
+const PROBES: usize = 16;
+
+/// How far past a length that does not fit [`longest_fitting`] looks for one that does, as a
+/// share of that length (LLaMA-7B's plans on two H200s with every layer offloaded fall by 4.5
+/// GiB at 212,992 tokens and by 11 GiB at 458,752; a gap longer than this hides what lies past
+/// it).
+const PROBED_FRACTION: f64 = 0.25;
 
 /// The most groups of heads `--memory auto` splits attention into (8: a group of LLaMA-7B's
 /// 32 heads is then 4 heads, whose products of `[tokens, 512]` still fill the GPU).
@@ -158,31 +170,17 @@ impl MemoryPlanner {
         Ok(Some((longest, fitted)))
     }
 
-    /// The longest whole sequence (a multiple of `2 * world`) for which `fits` holds, `fits`
-    /// being monotone (a sequence that fits makes every shorter one fit).
+    /// The longest whole sequence (a multiple of `2 * world`) for which `fits` holds, searched
+    /// as [`longest_fitting`] says.
     fn longest_where(
         &self,
         fits: impl Fn(&Self) -> Result<bool, Error>,
     ) -> Result<Option<usize>, Error> {
         let granule = 2 * self.world.max(1);
-        let fits = |units: usize| fits(&self.at_length(units * granule));
-        if !fits(1)? {
-            return Ok(None);
-        }
-        // `low` fits, `high` does not (or is past the search).
-        let (mut low, mut high) = (1, 2);
-        while high * granule <= LONGEST_SEARCHED && fits(high)? {
-            low = high;
-            high *= 2;
-        }
-        while high - low > 1 {
-            let middle = low + (high - low) / 2;
-            match fits(middle)? {
-                true => low = middle,
-                false => high = middle,
-            }
-        }
-        Ok(Some(low * granule))
+        let longest = longest_fitting(LONGEST_SEARCHED / granule, |units| {
+            fits(&self.at_length(units * granule))
+        })?;
+        Ok(longest.map(|units| units * granule))
     }
 
     /// The largest rows per chunk of the loss, then of the feed-forward blocks (each the whole
@@ -383,6 +381,53 @@ impl MemoryPlanner {
     }
 }
 
+/// The largest `units` in `1..=max_units` for which `fits` holds, `None` when 1 does not fit.
+/// Doubling then bisection find where the lengths that fit end; then [`PROBES`] lengths spread
+/// over the next [`PROBED_FRACTION`] are tried, and the search goes on from the longest of them
+/// that fits. So a length that fits is found past a gap of lengths that do not, as long as the
+/// gap is narrower than that fraction of where it starts and the lengths that fit past it span
+/// more than the probes' spacing (a sixteenth of the fraction).
+fn longest_fitting(
+    max_units: usize,
+    mut fits: impl FnMut(usize) -> Result<bool, Error>,
+) -> Result<Option<usize>, Error> {
+    if max_units == 0 || !fits(1)? {
+        return Ok(None);
+    }
+    // `low` fits; `high` does not (or is past the search).
+    let mut low = 1;
+    loop {
+        let mut high = low * 2;
+        while high <= max_units && fits(high)? {
+            low = high;
+            high *= 2;
+        }
+        high = high.min(max_units + 1);
+        while high - low > 1 {
+            let middle = low + (high - low) / 2;
+            match fits(middle)? {
+                true => low = middle,
+                false => high = middle,
+            }
+        }
+        let reach = ((high as f64 * PROBED_FRACTION) as usize).max(PROBES);
+        let probes = (1..=PROBES)
+            .map(|i| high + reach * i / PROBES)
+            .filter(|&units| units <= max_units);
+        let mut beyond = None;
+        for units in probes.rev() {
+            if fits(units)? {
+                beyond = Some(units);
+                break;
+            }
+        }
+        match beyond {
+            Some(units) => low = units,
+            None => return Ok(Some(low)),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -419,6 +464,61 @@ mod tests {
             None,
             "7B in 1 GiB"
         );
+    }
+
+    #[test]
+    fn the_longest_search_ends_where_the_lengths_that_fit_end() {
+        assert_eq!(
+            longest_fitting(1 << 20, |u| Ok(u <= 1000)).unwrap(),
+            Some(1000)
+        );
+        assert_eq!(longest_fitting(37, |_| Ok(true)).unwrap(), Some(37));
+        assert_eq!(longest_fitting(1 << 20, |u| Ok(u == 0)).unwrap(), None);
+        assert_eq!(longest_fitting(0, |_| Ok(true)).unwrap(), None);
+        // Few plans: doubling, bisection and one round of probes.
+        let mut calls = 0;
+        let longest = longest_fitting(1 << 32, |u| {
+            calls += 1;
+            Ok(u <= 262_143)
+        });
+        assert_eq!(longest.unwrap(), Some(262_143));
+        assert!(calls <= 2 * 19 + PROBES + 2, "{calls} plans");
+    }
+
+    #[test]
+    fn the_longest_search_looks_past_a_gap_of_lengths_that_do_not_fit() {
+        // Within a quarter past the first length that does not fit (which bisection alone,
+        // landing on 96, 112, 104, 100, 102 and 101, stops at): found.
+        let fits = |u: usize| Ok(u <= 100 || (118..=122).contains(&u));
+        assert_eq!(longest_fitting(1 << 20, fits).unwrap(), Some(122));
+        // Past it again: found too.
+        let fits = |u: usize| Ok(u <= 100 || (118..=122).contains(&u) || (140..=145).contains(&u));
+        assert_eq!(longest_fitting(1 << 20, fits).unwrap(), Some(145));
+        // Beyond a gap longer than that: not searched.
+        let fits = |u: usize| Ok(u <= 100 || (200..=300).contains(&u));
+        assert_eq!(longest_fitting(1 << 20, fits).unwrap(), Some(100));
+    }
+
+    #[test]
+    fn the_longest_sequence_is_found_past_a_fall_of_the_paged_plan() {
+        use crate::optimizer::{StatePlacement, ZeroStage};
+        // LLaMA-7B on two H200s, ZeRO 2 with the state in host memory, every layer's Layer
+        // checkpoint offloaded: at 212,992 tokens the plan counted by pages falls by 4.5 GiB,
+        // so with 76.5 GiB to fill the lengths that fit stop before 196,608 and start again.
+        let mut planner = planner(2).on_gpu(H200);
+        planner.config.checkpoint = CheckpointPlacement::Layer;
+        planner.config.offload = Offload::All;
+        planner.options = (planner.options.clone())
+            .with_zero(ZeroStage::Gradients)
+            .with_optimizer_state(StatePlacement::Host)
+            .with_loss_chunks(RowChunks::rows(32768).unwrap())
+            .with_ffn_chunks(RowChunks::rows(65536).unwrap());
+        let gpu = (76.5 / FIT_FRACTION * (1u64 << 30) as f64) as u64;
+        let fits = |tokens: usize| planner.at_length(tokens).step_fits(gpu).unwrap();
+        assert!(fits(188_416) && !fits(196_608) && fits(212_992));
+        let longest = planner.longest_sequence(gpu).unwrap().expect("some fit");
+        assert!(longest > 212_992, "{longest}");
+        assert!(fits(longest) && !fits(longest + 4), "{longest}");
     }
 
     #[test]

@@ -14,6 +14,7 @@ pub mod cli;
 pub mod config;
 pub mod data;
 mod device_memory;
+pub mod disk_space;
 mod error;
 pub mod generate;
 pub mod hf_config;

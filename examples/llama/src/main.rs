@@ -22,6 +22,7 @@ use burn_distflash::device_faults;
 use burn_distflash::{AttentionContext, DeviceGroup, Documents};
 use distflash_llama::cli::{BackendKind, Dtype, TrainArgs};
 use distflash_llama::data::{Packing, TokenDataset};
+use distflash_llama::disk_space;
 use distflash_llama::format_bytes;
 use distflash_llama::generate::{generate, Sampling};
 use distflash_llama::loss_plot::{write_loss_plot_svg, Curve};
@@ -414,6 +415,11 @@ fn train_rank<B: TrainBackend>(
             trainer.set_grad_bucket_bytes(bytes);
         }
     }
+    if !output.no_checkpoint {
+        // Every rank: the directory is on a filesystem they all write to (Trainer::save).
+        disk_space::check_room(&checkpoint_dir, trainer.checkpoint_bytes())
+            .unwrap_or_else(|e| fail(e));
+    }
     let tokenizer = tokenizer(args);
     let o = trainer.options.clone();
     let corpus = TokenDataset::from_file(&args.data.text_path(), &tokenizer, o.seq_len)
@@ -535,7 +541,8 @@ fn train_rank<B: TrainBackend>(
             })
             .unwrap_or_else(|e| fail(e));
         }
-        if last || (output.save_every > 0 && trainer.step.is_multiple_of(output.save_every)) {
+        let due = last || (output.save_every > 0 && trainer.step.is_multiple_of(output.save_every));
+        if due && !output.no_checkpoint {
             trainer.save(&checkpoint_dir).unwrap_or_else(|e| fail(e));
             saved_at = Some(trainer.step);
         }
@@ -575,13 +582,16 @@ fn train_rank<B: TrainBackend>(
         let validation = val_points
             .last()
             .map_or(String::new(), |p| format!(", validation loss {:.3}", p.1));
+        let checkpoint = match output.no_checkpoint {
+            true => "no checkpoint (--no-checkpoint)".to_string(),
+            false => checkpoint_dir.display().to_string(),
+        };
         eprintln!(
-            "done: {} steps, final loss {:.3}{validation}; {}, {}, {}",
+            "done: {} steps, final loss {:.3}{validation}; {}, {}, {checkpoint}",
             trainer.step,
             points.last().map_or(f64::NAN, |p| p.1),
             metrics_path.display(),
             plot.display(),
-            checkpoint_dir.display()
         );
         print_sample(args, &trainer, &tokenizer);
     }

@@ -27,6 +27,11 @@ pub struct OutputArgs {
     #[arg(long, value_name = "STEPS", default_value_t = 100)]
     pub save_every: u64,
 
+    /// Write no checkpoint, not even at the end (a run that measures, or tries options); without
+    /// it the run first checks that the checkpoint's filesystem has room for one
+    #[arg(long, conflicts_with_all = ["save_every", "export_weights"])]
+    pub no_checkpoint: bool,
+
     /// Continue from DIR/checkpoint with its options, at the same or another number of ranks
     /// (--steps sets a new total; the chunk options replace the checkpoint's)
     #[arg(long)]

@@ -24,6 +24,7 @@ use burn::tensor::backend::Backend;
 use super::options_defaults::with_option_defaults;
 use super::{replicated_adamw, sharded_adamw, StepOptimizer, TrainBackend, TrainOptions, Trainer};
 use crate::byte_units::format_bytes;
+use crate::disk_space;
 use crate::optimizer::{
     shard_file_name, write_shard_file, FlatLayout, ShardHeader, ShardSet, StatePlacement,
 };
@@ -126,9 +127,10 @@ impl<B: TrainBackend> Trainer<B> {
     ///
     /// # Errors
     ///
-    /// [`Error::Io`] or [`Error::Checkpoint`] when a file cannot be written (on every rank,
-    /// naming the rank that failed), [`Error::Comm`] when the ranks cannot agree. The previous
-    /// checkpoint in `dir`, if any, is kept then.
+    /// [`Error::Invalid`] before anything is written when the filesystem lacks the
+    /// [`checkpoint_bytes`](Self::checkpoint_bytes); [`Error::Io`] or [`Error::Checkpoint`] when
+    /// a file cannot be written (on every rank, naming the rank that failed), [`Error::Comm`]
+    /// when the ranks cannot agree. The previous checkpoint in `dir`, if any, is kept then.
     pub fn save(&self, dir: &Path) -> Result<(), Error> {
         let (rank, world) = self.rank();
         let sharded = matches!(self.optim, StepOptimizer::Sharded(_));
@@ -136,15 +138,28 @@ impl<B: TrainBackend> Trainer<B> {
             return Ok(());
         }
         let staged = StagedDir::new(dir)?;
-        let leader = |result: fn(&StagedDir) -> Result<(), Error>| match rank {
+        let leader = |result: &dyn Fn(&StagedDir) -> Result<(), Error>| match rank {
             0 => result(&staged),
             _ => Ok(()),
         };
-        self.agree(leader(StagedDir::prepare), "prepare the checkpoint", dir)?;
+        let needed = self.checkpoint_bytes();
+        let prepared = leader(&|s| {
+            s.prepare()?;
+            disk_space::check_room(s.staging(), needed)
+        });
+        self.agree(prepared, "prepare the checkpoint", dir)?;
         let written = self.write_parts(staged.staging(), rank, world);
         self.agree(written, "write the checkpoint", dir)?;
-        let committed = leader(|s| check_shards(s.staging()).and_then(|()| s.commit()));
+        let committed = leader(&|s| check_shards(s.staging()).and_then(|()| s.commit()));
         self.agree(committed, "move the checkpoint into place", dir)
+    }
+
+    /// Bytes a [`save`](Self::save) writes ([`disk_space::checkpoint_bytes`]): the model in f32
+    /// and the optimizer's state, every rank's shard under ZeRO 1/2.
+    pub fn checkpoint_bytes(&self) -> u64 {
+        let (_, world) = self.rank();
+        let sharded = matches!(self.optim, StepOptimizer::Sharded(_));
+        disk_space::checkpoint_bytes(self.model.num_params() as u64, world, sharded)
     }
 
     /// Writes this rank's parts of the checkpoint into `staging`: its optimizer shard, and on

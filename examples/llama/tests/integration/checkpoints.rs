@@ -3,8 +3,9 @@
 //! (2 -> 3 -> 1, with padding) the f32 master weights and moments are carried over exactly and
 //! the next step agrees with the uninterrupted run's up to f32 rounding; the exported weights
 //! load through the Hugging Face loader as the master weights; bad checkpoints are refused
-//! naming the file, and a failed resume or save changes nothing on disk; the memory report's
-//! arithmetic by stage, and CubeCL's device count on wgpu.
+//! naming the file, and a failed resume or save changes nothing on disk; a checkpoint's bytes
+//! as the trainer counts them for the disk check; the memory report's arithmetic by stage, and
+//! CubeCL's device count on wgpu.
 
 use crate::common::exclusive_wgpu;
 use std::collections::BTreeMap;
@@ -22,6 +23,7 @@ use crate::train::{
 use burn::tensor::DType;
 use burn_distflash::layers::{replicate, CheckpointPlacement};
 use burn_distflash::{AttentionContext, DeviceGroup};
+use distflash_llama::disk_space::FILE_OVERHEAD;
 use distflash_llama::optimizer::{FlatLayout, ShardSet, ShardTensor, ZeroStage};
 use distflash_llama::safetensors::Checkpoint;
 use distflash_llama::train::{export_weights, MemoryReport, Trainer};
@@ -407,6 +409,40 @@ fn a_failed_save_fails_on_every_rank_and_keeps_the_previous_checkpoint() {
             "{errors:?}"
         );
         assert_eq!(fs::read_to_string(&blocker).unwrap(), "not a directory");
+    });
+}
+
+#[test]
+fn a_checkpoint_takes_the_bytes_the_trainer_counts_for_it() {
+    within(Duration::from_secs(300), || {
+        let data = dataset();
+        let stages = [
+            (1, ZeroStage::Replicated),
+            (2, ZeroStage::Gradients),
+            (3, ZeroStage::OptimizerStates),
+        ];
+        for (world, zero) in stages {
+            let tmp = TempDir::new("checkpoint-bytes");
+            let dir = tmp.path().join("checkpoint");
+            let counted = on_ranks(seeded(&padded(), 7, world), |context, model| {
+                let mut trainer = Trainer::new(model, context, zero_options(1, zero));
+                trajectory(&mut trainer, &data, 1);
+                trainer.save(&dir).unwrap();
+                trainer.checkpoint_bytes()
+            });
+            assert!(counted.iter().all(|&c| c == counted[0]), "{counted:?}");
+            let files = snapshot(&dir);
+            let written: u64 = files.values().map(|bytes| bytes.len() as u64).sum();
+            // Counted: the tensors' bytes, and FILE_OVERHEAD a file for the headers and records,
+            // which take a few KiB here.
+            let tensors = counted[0] - files.len() as u64 * FILE_OVERHEAD;
+            assert!(
+                written <= counted[0] && tensors <= written && written - tensors <= 16 << 10,
+                "{world} rank(s), {zero:?}: {written} bytes written, {tensors} counted for the \
+                 tensors of {} files",
+                files.len()
+            );
+        }
     });
 }
 

@@ -2,7 +2,8 @@
 //! option under its heading with its default and allowed values; an unknown option, a value
 //! out of range or outside its choices, and a check of ours exit with code 2 naming what is
 //! wrong; a run whose standard error is not a terminal prints one plain progress line per
-//! `--log-every` steps, with the loss metrics.jsonl records, and draws loss.svg; a resumed run
+//! `--log-every` steps, with the loss metrics.jsonl records, and draws loss.svg; a run with
+//! `--no-checkpoint` writes no checkpoint (and refuses `--export-weights`); a resumed run
 //! takes `--steps` as its new total (and refuses one below the checkpoint's step), a run
 //! without validation ends without a validation loss; the chunk options change no loss, and 0
 //! or a word for one exits with code 2; `--plan` prints the memory plan with no data file and
@@ -235,6 +236,26 @@ fn a_run_logs_plain_progress_lines_and_draws_its_loss() {
     assert!(
         svg.starts_with("<svg") && svg.contains("<polyline"),
         "{svg}"
+    );
+}
+
+#[test]
+fn a_run_without_checkpoints_writes_none_and_refuses_an_export() {
+    let dir = TempDir::new("cli-no-checkpoint");
+    let out = dir.path();
+    let stderr = stderr_of(&llama_train(out, &["--steps", "2", "--no-checkpoint"]), 0);
+    assert!(
+        stderr.contains("no checkpoint (--no-checkpoint)"),
+        "{stderr}"
+    );
+    assert!(out.join("metrics.jsonl").is_file(), "{stderr}");
+    assert!(!out.join("checkpoint").exists(), "{stderr}");
+    let export = out.join("hf").display().to_string();
+    let refused = llama_train(out, &["--no-checkpoint", "--export-weights", &export]);
+    let stderr = stderr_of(&refused, 2);
+    assert!(
+        stderr.contains("--no-checkpoint") && stderr.contains("--export-weights"),
+        "{stderr}"
     );
 }
 

@@ -8,8 +8,9 @@ use std::path::Path;
 use crate::byte_units::format_bytes;
 use crate::Error;
 
-/// Bytes counted per file of a checkpoint beyond its tensors' elements: the safetensors header,
-/// Burn's record of names and shapes, `trainer.json` (a few KiB at LLaMA-7B's 291 tensors).
+/// Bytes counted per file of a checkpoint beyond its tensors' elements: a shard's safetensors
+/// header, the Burn record's names and shapes (a few KiB at LLaMA-7B's 291 tensors), the whole
+/// of `trainer.json`.
 pub const FILE_OVERHEAD: u64 = 1 << 20;
 
 /// Bytes of a checkpoint of a model of `parameters` elements trained by `world` ranks: the model

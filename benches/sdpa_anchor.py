@@ -14,9 +14,9 @@ and two passes:
   * fwd+bwd  forward, then backward from a fixed random dO (gradients reset before each run)
 
 Timing: CUDA events around each iteration, 3 warm-up iterations, then the median of 10
-(`--wall-clock` adds FlashAttention-2 timed on the host clock, one synchronised call at a time;
-`--queued` adds it timed as 8 calls back to back and one wait on the host clock, per call, the
-method of the Rust bench's queued rows).
+(`--wall-clock` adds both backends timed on the host clock, one synchronised call at a time, the
+method of the Rust bench's one-call rows; `--queued` adds them timed as 8 calls back to back and
+one wait on the host clock, per call, the method of the Rust bench's queued rows).
 Throughput follows FlashAttention's convention: forward FLOPs = 4 * S^2 * H * D / 2 for causal
 attention (= 2 * S^2 * H * D, times the batch), forward+backward = 3.5 x forward FLOPs.
 
@@ -185,14 +185,14 @@ def main() -> int:
     parser.add_argument(
         "--wall-clock",
         action="store_true",
-        help="also time FlashAttention-2 on the host clock, one synchronised call at a time "
-        "(the method of the Rust bench's single-call rows)",
+        help="also time FlashAttention-2 and cuDNN on the host clock, one synchronised call at "
+        "a time (the method of the Rust bench's single-call rows)",
     )
     parser.add_argument(
         "--queued",
         action="store_true",
-        help=f"also time FlashAttention-2 as {QUEUED} calls back to back and one wait, on the "
-        "host clock (the method of the Rust bench's queued rows)",
+        help=f"also time FlashAttention-2 and cuDNN as {QUEUED} calls back to back and one "
+        "wait, on the host clock (the method of the Rust bench's queued rows)",
     )
     args = parser.parse_args()
     HEAD_DIM, KV_HEADS = args.head_dim, args.kv_heads
@@ -225,8 +225,10 @@ def main() -> int:
         backends.append((f"torch_sdpa_cudnn, {args.chunks} chunks", SDPBackend.CUDNN_ATTENTION))
     if args.wall_clock:
         backends.append(("torch_sdpa_flash, wall clock", SDPBackend.FLASH_ATTENTION))
+        backends.append(("torch_sdpa_cudnn, wall clock", SDPBackend.CUDNN_ATTENTION))
     if args.queued:
         backends.append(("torch_sdpa_flash, queued", SDPBackend.FLASH_ATTENTION))
+        backends.append(("torch_sdpa_cudnn, queued", SDPBackend.CUDNN_ATTENTION))
 
     torch.manual_seed(0)
     records = []

@@ -208,7 +208,7 @@ mod tests {
             let caps = planner.on_gpu(GPU).chunk_caps().unwrap().unwrap();
             assert!(fitted.plan.loss_rows <= caps.loss_rows, "{seq}: {fitted:?}");
             assert!(fitted.plan.ffn_rows <= caps.ffn_rows, "{seq}: {fitted:?}");
-            assert_eq!(fitted.plan.large_pages.largest_top_buffer, 0, "{seq}");
+            assert_eq!(fitted.plan.class_pages.largest_top_buffer, 0, "{seq}");
             let report = planner.report(Some(GPU), true).unwrap();
             let line = format!("loss at most {} rows", caps.loss_rows);
             assert!(report.contains(&line), "{report}");

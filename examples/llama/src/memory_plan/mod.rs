@@ -13,9 +13,8 @@
 //!   backward: `sequence_parallel`; in a pair's backward, the second block's, with its
 //!   recomputed input and the first block's attention output and lse beside it), and what the
 //!   pools hold beyond the counted tensors there (measured on H200s: see
-//!   `POOL_SLACK_OF_CHECKPOINTS`; with the pool classes known, the optimizer step's slices of
-//!   the classes the backward does not fill as much, `step_buffers::ClassCarry`, else the
-//!   fitted `POOL_SLACK_OF_OPTIMIZER_VECTORS`). A block's checkpoint
+//!   `POOL_SLACK_OF_CHECKPOINTS`; without the pool classes, also the fitted
+//!   `POOL_SLACK_OF_OPTIMIZER_VECTORS`). A block's checkpoint
 //!   is freed once its backward has run, but a pool allocator does not hand those pages to the
 //!   gradients, whose buffers have other sizes: on 4 H200s, LLaMA-7B at 256K tokens peaked
 //!   2.57 GiB per GPU higher per layer (32 layers against 4, `BENCHMARKS.md`), where a layer's
@@ -31,15 +30,12 @@
 //!   backward's transients are freed before it runs: the step's peak is the largest phase, not
 //!   their sum.
 //!
-//! Given the GPU's memory ([`MemoryPlanner::gpu_memory`]), the buffers of CubeCL's top pool class
-//! and of the largest sliced class (each at least a sixteenth of its page, so that the tails
-//! its pages leave add up to pages: `pool_classes`, listed by `step_buffers`) are counted by the
-//! pages they take, packed largest first, with a per-token pool slack refitted for it
-//! (`POOL_SLACK_HIDDEN_ROWS_PAGED`), each class
-//! holding its most pages of any phase through every phase, the room those pages leave taking
-//! the phase's smaller slices of the class; each phase also counts the slices the other side of
-//! the step (the backward, or the optimizer step) puts in a class beyond its own
-//! (`ClassCarry`): a class's pages serve only its buffers and are never given back.
+//! Given the GPU's memory ([`MemoryPlanner::gpu_memory`]), the buffers `step_buffers` lists
+//! (activations, checkpoints, the loss's and the optimizer step's buffers) are counted by the
+//! pages CubeCL's pool classes take for them (`pool_classes`), packed largest first, each class
+//! holding its most pages of any phase through every phase (a class's pages serve only its
+//! buffers and are never given back), with the pool slacks refitted for it
+//! (`POOL_SLACK_OF_CHECKPOINTS_PAGED`, `POOL_SLACK_HIDDEN_ROWS_PAGED`).
 //! `chunk_classes` keeps the loss and feed-forward chunks out of the top class.
 
 mod activations;
@@ -69,7 +65,7 @@ pub use chunk_classes::ChunkCaps;
 pub use optimizer_step::OptimizerStepMemory;
 pub use pool_classes::{PoolClass, PoolClasses, CUDA_ALIGNMENT};
 pub use search::{FittedMemory, AUTO_MIN_CHUNK_ROWS, FIT_FRACTION};
-pub use step_buffers::LargeClassPages;
+pub use step_buffers::ClassPages;
 
 /// Bytes of f32.
 const F32: u64 = 4;
@@ -83,23 +79,28 @@ const F32: u64 = 4;
 /// 1.7% (32 layers, 64K) (BENCHMARKS.md, "Memory planner").
 const POOL_SLACK_OF_CHECKPOINTS: f64 = 0.446;
 
+/// [`POOL_SLACK_OF_CHECKPOINTS`] with the pool classes known ([`MemoryPlanner::gpu_memory`]),
+/// where every buffer the planner lists is counted by the pages its class takes
+/// ([`ClassPages`]): the 0.446 stood partly for the checkpoints' page rounding (a `[65536, 4096]`
+/// bf16 checkpoint fills a 559 MiB page of its own on an H200), which is now counted. Fitted
+/// together with [`POOL_SLACK_HIDDEN_ROWS_PAGED`] on the 21 steps measured on H200s (BENCHMARKS.md,
+/// "Memory planner": seven 4-layer ZeRO 2 steps on two GPUs, four one-GPU steps, ten 32-layer
+/// steps on two GPUs): all within 10% of the rank's pools, -7.9% to +9.5%.
+const POOL_SLACK_OF_CHECKPOINTS_PAGED: f64 = 0.25;
+
 /// [`POOL_SLACK_OF_CHECKPOINTS`]' per-token part, in `[rows, d_model]` tensors of the
 /// activations' type, without [`MemoryPlanner::gpu_memory`] (the pool classes unknown).
 const POOL_SLACK_HIDDEN_ROWS: f64 = 3.33;
 
-/// [`POOL_SLACK_HIDDEN_ROWS`] with the pool classes known, where every buffer of the largest
-/// sliced class (each above a sixteenth of its page) is counted by the pages it takes
-/// ([`PoolClasses::paged_class`]). The 3.33 rows were fitted on H200 steps whose `[tokens,
-/// d_model]` rows (1 GiB at 131,072 tokens), f32 accumulators and feed-forward rows are slices
-/// of the 8.74 GiB class: they stood for that class's page rounding, which is now counted.
-/// Refitted with those pages on the row they were fitted on that has its checkpoints on the GPU
-/// (8 layers, 131,072 tokens, no offload: 54.74 GiB measured, 53.62 planned with no per-token
-/// slack); the one-GPU rows are then +0.5% (8 layers, 32K), +6.2% (32 layers, 64K) and +8.7%
-/// (8 layers, 128K, offload all; it asks for a negative slack, -2.1 rows), and the long
-/// two-GPU rows of `BENCHMARKS.md` within 10% (LLaMA-7B, 524,288 tokens, every layer
-/// offloaded, the lowest: -8.7%). A least-squares fit of the relative error over those twelve
-/// rows gives 0.60 rows, which leaves that last row at -9.7%.
-const POOL_SLACK_HIDDEN_ROWS_PAGED: f64 = 1.12;
+/// [`POOL_SLACK_HIDDEN_ROWS`] with the pool classes known, where every buffer the planner
+/// lists is counted by the pages its class takes ([`ClassPages`]): the 3.33 rows stood for the
+/// page rounding of the classes the `[tokens, d_model]` rows, f32 accumulators and feed-forward
+/// rows fall in, which is now counted. Fitted with [`POOL_SLACK_OF_CHECKPOINTS_PAGED`] on the
+/// 21 steps measured on H200s (see there). Before, with only the top and the largest sliced
+/// class counted by pages, 1.12 rows, and 4-layer ZeRO 2 steps of 16,384-32,768 tokens per GPU
+/// came 9-15% under: their `[tokens, 4096]` rows and the loss's f32 gradients fill pages of
+/// smaller classes one each, and each class keeps its own busiest phase's pages.
+const POOL_SLACK_HIDDEN_ROWS_PAGED: f64 = 0.6;
 
 /// The share of a sharded step's f32 vectors (`OptimizerStepMemory::f32_vectors`) whose
 /// pages the pools still hold through the next step's backward, measured rather than derived:
@@ -113,11 +114,8 @@ const POOL_SLACK_HIDDEN_ROWS_PAGED: f64 = 1.12;
 /// vector under the master share; with the sum in buckets, the summed share kept as its buckets'
 /// sums and the state in chunks the vectors, and so this slack, are smaller, not yet
 /// re-measured. Used only without [`MemoryPlanner::gpu_memory`]: with the pool classes known
-/// the step's slices that the backward does not take are counted by class instead
-/// (`step_buffers::ClassCarry`: the step's buffers, at most 256 MiB, are slices of the 2.2 GiB
-/// class on an H200, which a backward's `[tokens, d_model]` rows share at 65,536 tokens per GPU
-/// and leave for the 8.7 GiB class from 131,072; each side's pages then stand beside the
-/// other's, in the backward and in the step).
+/// every class keeps the pages of its busiest phase, the step's and the backward's
+/// ([`ClassPages`]).
 const POOL_SLACK_OF_OPTIMIZER_VECTORS: f64 = 0.82;
 
 /// What a plan is made from: the model (with its checkpoint placement and its
@@ -206,10 +204,10 @@ pub struct MemoryPlan {
     /// What the pools hold beyond the counted tensors in a block's backward (measured; see
     /// `POOL_SLACK_OF_CHECKPOINTS`), part of that phase's peak.
     pub pool_slack: u64,
-    /// The pages CubeCL's pools hold for the step's buffers in the top class and the largest
-    /// sliced class, which replace those buffers' bytes in every phase (zero
+    /// The pages CubeCL's pools hold for the step's listed buffers, class by class,
+    /// which replace those buffers' bytes in every phase (zero
     /// without [`MemoryPlanner::gpu_memory`]).
-    pub large_pages: LargeClassPages,
+    pub class_pages: ClassPages,
     /// The most the GPU holds at once.
     pub peak: u64,
 }
@@ -290,12 +288,16 @@ impl MemoryPlanner {
         // the gradients, of the same sizes, take their pages: no share of them is added.
         // Offloaded checkpoints come back one checkpoint ahead: two of them on the GPU at once.
         let prefetched = per_checkpoint * offloaded.min(2);
+        let checkpoint_share = match &pools {
+            Some(_) => POOL_SLACK_OF_CHECKPOINTS_PAGED,
+            None => POOL_SLACK_OF_CHECKPOINTS,
+        };
         let slack_of_checkpoints = match placement {
             CheckpointPlacement::None => 0.0,
-            _ => POOL_SLACK_OF_CHECKPOINTS * (checkpoints + prefetched) as f64,
+            _ => checkpoint_share * (checkpoints + prefetched) as f64,
         };
-        let (large_pages, counted, carried) = match &pools {
-            None => (LargeClassPages::default(), [0; 3], [0; 3]),
+        let (class_pages, counted) = match &pools {
+            None => (ClassPages::default(), [0; 3]),
             Some(pools) => {
                 let shapes = ActivationShapes {
                     widths,
@@ -309,19 +311,18 @@ impl MemoryPlanner {
                 };
                 let attention_is_busiest = attention_backward >= ffn_backward;
                 let buffers = StepBuffers::of(&shapes, attention_is_busiest, &optimizer_step);
-                LargeClassPages::of(pools, &buffers)
+                ClassPages::of(pools, &buffers)
             }
         };
-        // The optimizer step's pages that the backward does not fill: with the pool classes,
-        // the step's slices of each class beyond the backward's (`ClassCarry`); without them,
-        // the share measured before the classes were modelled.
+        // Without the pool classes, the share of the step's f32 vectors measured before the
+        // classes were modelled; with them, every class's pages are counted below.
         let slack_of_optimizer = match &pools {
-            Some(_) => carried[1] as f64,
+            Some(_) => 0.0,
             None => POOL_SLACK_OF_OPTIMIZER_VECTORS * optimizer_step.f32_vectors() as f64,
         };
-        // With the pool classes known, the largest sliced class's buffers are counted by the
-        // pages they take: the per-token slack, which stood for part of that rounding, is the
-        // one refitted with them.
+        // With the pool classes known, every buffer is counted by the pages its class takes:
+        // the per-token slack, which stood for part of that rounding, is the one refitted
+        // with them.
         let hidden_rows = match &pools {
             Some(_) => POOL_SLACK_HIDDEN_ROWS_PAGED,
             None => POOL_SLACK_HIDDEN_ROWS,
@@ -339,13 +340,11 @@ impl MemoryPlanner {
         let optimizer_phase = optimizer_step.total();
         let optimizer_transient = optimizer_phase.saturating_sub(state.total());
         let paged =
-            |bytes: u64, phase: usize| bytes.saturating_sub(counted[phase]) + large_pages.reserved;
-        // The block phase's carry is in its pool slack; the loss's backward and the step add
-        // theirs here.
+            |bytes: u64, phase: usize| bytes.saturating_sub(counted[phase]) + class_pages.reserved;
         let (loss_phase, block_phase, optimizer_phase) = (
-            paged(loss_phase, 0) + carried[0],
+            paged(loss_phase, 0),
             paged(block_phase, 1),
-            paged(optimizer_phase, 2) + carried[2],
+            paged(optimizer_phase, 2),
         );
         let (peak_phase, peak, transient) = [
             (StepPhase::LossBackward, loss_phase, loss_transient),
@@ -371,7 +370,7 @@ impl MemoryPlanner {
             peak_phase,
             transient,
             pool_slack,
-            large_pages,
+            class_pages,
             peak,
         })
     }
@@ -481,7 +480,7 @@ impl MemoryPlan {
     /// Whether the peak fits `gpu_bytes`, keeping [`FIT_FRACTION`] of it, and no buffer is
     /// larger than a top-class page (which CubeCL cannot allocate).
     pub fn fits(&self, gpu_bytes: u64) -> bool {
-        let pages = &self.large_pages;
+        let pages = &self.class_pages;
         self.peak as f64 <= gpu_bytes as f64 * FIT_FRACTION
             && pages.largest_top_buffer <= pages.top_page
     }
@@ -552,12 +551,12 @@ impl fmt::Display for MemoryPlan {
             "pool slack          {} (in a block's backward)",
             b(self.pool_slack)
         )?;
-        let pages = &self.large_pages;
+        let pages = &self.class_pages;
         if pages.reserved > 0 {
             writeln!(
                 f,
-                "large pool pages    {} ({} top-class page(s) of {}, largest top-class buffer \
-                 {}; with the largest sliced class's buffers)",
+                "pool pages          {} (the classes' pages for the listed buffers; {} top-class \
+                 page(s) of {}, largest top-class buffer {})",
                 b(pages.reserved),
                 pages.top_pages,
                 b(pages.top_page),
@@ -827,23 +826,18 @@ mod tests {
     fn the_replicated_rows_measured_on_an_h200_are_predicted_within_10_percent() {
         use crate::optimizer::{StatePlacement, ZeroStage};
         // BENCHMARKS.md, "Memory planner": each measured stage-0 row (steady state), and the
-        // prediction with the H200's pool classes. It was 24.70 / 54.74 / 105.54 / 37.25 GiB
-        // when the per-token slack (3.33 rows) was fitted on the two 128K rows counted by bytes;
-        // since every buffer of the 8.74 GiB class is counted by its pages (the 128K rows' 1 GiB
-        // tensors, and at 64K the 1.35 GiB feed-forward rows: 3, 1 and 2 pages) and the
-        // per-token slack refitted with them (1.12 rows, `POOL_SLACK_HIDDEN_ROWS_PAGED`, on the
-        // 128K row without offload), all four are within 10% of the measured.
+        // prediction with the H200's pool classes, every listed buffer counted by its class's
+        // pages and the pool slacks fitted with them on these rows and the two-GPU ones
+        // (`POOL_SLACK_OF_CHECKPOINTS_PAGED`, `POOL_SLACK_HIDDEN_ROWS_PAGED`). The 32-layer
+        // row's 64 attention-output checkpoints, `[65536, 4096]` bf16 rows of 512 MiB, take a
+        // 559 MiB page each.
         let rows = [
-            (8, 32768, Offload::Off, 24.03, 24.147, 0),
-            (8, 131072, Offload::Off, 54.74, 54.744, 3),
-            (32, 65536, Offload::Off, 103.75, 110.175, 1),
-            (8, 131072, Offload::All, 37.26, 40.519, 2),
+            (8, 32768, Offload::Off, 24.03, 25.91),
+            (8, 131072, Offload::Off, 54.74, 53.11),
+            (32, 65536, Offload::Off, 103.75, 109.12),
+            (8, 131072, Offload::All, 37.26, 40.81),
         ];
-        let page = PoolClasses::cuda(H200_CUDA_TOTAL)
-            .largest_sliced()
-            .unwrap()
-            .page;
-        for (layers, seq, offload, measured, gib, pages) in rows {
+        for (layers, seq, offload, measured, gib) in rows {
             let placement = CheckpointPlacement::AttentionOutput;
             let mut planner = bench_row(
                 layers,
@@ -856,8 +850,8 @@ mod tests {
             // No buffer of these steps lands in the top class.
             planner.gpu_memory = Some(H200_CUDA_TOTAL);
             let plan = planner.plan().unwrap();
-            assert_eq!(plan.large_pages.top_pages, 0);
-            assert_eq!(plan.large_pages.reserved, pages * page);
+            assert_eq!(plan.class_pages.top_pages, 0);
+            assert!(plan.class_pages.reserved > 0);
             let predicted = plan.peak as f64 / (1u64 << 30) as f64;
             assert!(
                 (predicted - gib).abs() < 0.006,
@@ -873,43 +867,29 @@ mod tests {
     }
 
     #[test]
-    fn the_zero_2_rows_measured_on_two_h200s_are_predicted_lower_since_the_bucketed_sum() {
+    fn the_zero_2_rows_measured_on_two_h200s_are_predicted_within_10_percent() {
         use crate::optimizer::{StatePlacement, ZeroStage};
         use CheckpointPlacement::{AttentionOutput, Layer, None};
         // BENCHMARKS.md, "Memory planner": LLaMA-7B shape cut to 4 layers, one sequence split
         // over two GPUs (zigzag), ZeRO 2 with the state on the GPU; rank 0's pool reserved as
-        // measured with the whole-vector gradient sum (within 10% of the planner of then, whose
-        // pool-slack share was fitted on attention-output at 131,072 and none at 65,536), and
-        // the prediction for the bucketed sum and the update in place, not yet measured (pinned,
-        // so that a change shows; the in-place update took 1.64 GiB off each: the pool slack's
-        // share of the 2.14 GB temporary; attention's distributed backward adding into its
-        // accumulators, 5 of 14 `[tokens, 4096]` bf16 tensors off its transient, and keeping the
-        // zigzag chunks as tensors of their own, 3 of the 9 left, where attention's backward is
-        // the block's largest transient). Since the optimizer step's slices and the backward's
-        // are counted by the pool classes they take (`ClassCarry`) rather than by the share of
-        // the step's f32 vectors fitted before buckets, the 131,072-token rows (1 GiB rows of the
-        // 8.7 GiB class beside the step's 2.2 GiB-class buckets) plan 2.5 GiB more and the
-        // shorter ones up to 1.8 GiB less. Since every buffer of the 8.7 GiB class is counted
-        // by its pages with the per-token slack refitted (3.33 to 1.12 `[tokens, 4096]` rows,
-        // `POOL_SLACK_HIDDEN_ROWS_PAGED`), a block's backward is 2.21 rows lower (0.28 GiB at
-        // 16,384 tokens a GPU, 0.55 at 32,768, 1.1 at 65,536) and the 65,536-token rows' 1 GiB
-        // and feed-forward rows take whole pages (+4.6 GiB net at 131,072 with attention-output
-        // and layer checkpoints, +0.9 without); `none` at 32,768 peaks in the step, unchanged,
-        // and at 65,536 in the step too, which now holds the backward's pages of that class (its
-        // 688 MiB `[32768, 11008]` rows, counted by pages): +5.4 GiB, 40.98 against the 42.54
-        // GiB measured with the bucketed sum (35.60 before, -16%).
+        // measured on 2026-11-30 with CubeCL's memory log (two rows not measured then: pinned
+        // only). The log showed where the planner of then (9-15% under at 16,384-32,768 tokens
+        // a GPU) fell short: each `[16384, 4096]` bf16 row fills a 139.8 MiB page of its own,
+        // each of the loss's `[32000, 4096]` f32 gradients a 559 MiB page, and each class keeps
+        // the pages of its own busiest phase; every listed buffer is now counted by its class's
+        // pages.
         let rows = [
-            (AttentionOutput, 32768, 24.86, 15.963),
-            (AttentionOutput, 65536, 27.20, 20.297),
-            (AttentionOutput, 131072, 38.97, 36.764),
-            (Layer, 32768, 24.45, 15.725),
-            (Layer, 65536, 25.02, 19.094),
-            (Layer, 131072, 37.31, 34.335),
-            (None, 32768, 29.92, 21.982),
-            (None, 65536, 40.35, 40.976),
-            (None, 131072, 59.72, 62.059),
+            (AttentionOutput, 32768, Some(18.65), 17.23),
+            (AttentionOutput, 65536, Some(22.22), 21.04),
+            (AttentionOutput, 131072, Some(39.71), 36.91),
+            (Layer, 32768, Some(18.24), 17.11),
+            (Layer, 65536, Some(22.22), 20.79),
+            (Layer, 131072, Option::None, 34.74),
+            (None, 32768, Some(25.92), 24.12),
+            (None, 65536, Some(46.33), 42.69),
+            (None, 131072, Option::None, 64.69),
         ];
-        for (placement, seq, measured_before, pinned) in rows {
+        for (placement, seq, measured, pinned) in rows {
             let mut planner =
                 bench_row(4, seq, placement, ZeroStage::Gradients, StatePlacement::Gpu);
             planner.world = 2;
@@ -921,11 +901,12 @@ mod tests {
                 (predicted - pinned).abs() < 0.006,
                 "{setting}, {pinned} pinned"
             );
-            // The whole-vector sum held 4n + 4n bytes of f32 in the step; a bucket holds less.
-            assert!(
-                plan.optimizer_step.f32_vectors() < 8 * plan.state.parameters as u64,
-                "{setting}, against {measured_before} GiB measured with the whole vectors"
-            );
+            if let Some(measured) = measured {
+                assert!(
+                    (predicted / measured - 1.0).abs() < 0.10,
+                    "{setting}, {measured} measured"
+                );
+            }
             // The step holds its terms and what the backward's classes keep beside them.
             assert!(plan.peak >= plan.optimizer_step.total(), "{setting}");
         }
@@ -1046,10 +1027,10 @@ mod tests {
         // The master share, moments and summed share of LLaMA-7B (12.55 GiB each at two GPUs)
         // are chunks and buckets of at most 256 MiB, and the updated weights are gathered in
         // pieces as small: no page of the top class or of the largest sliced one.
-        // With the classes, the step's slices that the backward's do not take count in a
-        // block's pool slack (`ClassCarry`): at 4,096 tokens a GPU the backward's buffers take
-        // none of the step's class, so all of them do, more than the share fitted before the
-        // classes (a pool slack of 14.2 against 1.1 GiB at one GPU).
+        // With the classes, the step's buffers are counted by the pages of their classes,
+        // which every phase keeps.
+        let pools = PoolClasses::cuda(H200_CUDA_TOTAL);
+        let largest = pools.classes().len() - 2;
         for world in [1, 2, 4, 8] {
             for state in [Gpu, Host] {
                 let mut with = seven_b_zero_2(4096 * world, world, state);
@@ -1058,8 +1039,13 @@ mod tests {
                 without.gpu_memory = None;
                 let (with, without) = (with.plan().unwrap(), without.plan().unwrap());
                 let setting = format!("{world} GPU(s), {state:?}");
-                assert_eq!(with.large_pages.reserved, 0, "{setting}");
-                assert_eq!(with.large_pages.top_pages, 0, "{setting}");
+                assert_eq!(with.class_pages.top_pages, 0, "{setting}");
+                let step_buffers = with.optimizer_step.step_buffers();
+                assert!(
+                    (step_buffers.iter()).all(|&b| pools.class_of(b) < Some(largest)),
+                    "{setting}"
+                );
+                assert!(with.class_pages.reserved > 0, "{setting}");
                 let slack =
                     POOL_SLACK_OF_OPTIMIZER_VECTORS * with.optimizer_step.f32_vectors() as f64;
                 assert!(without.pool_slack as f64 >= slack, "{setting}");
@@ -1092,23 +1078,21 @@ mod tests {
         let pools = PoolClasses::cuda(139 << 30);
         let class = pools.largest_sliced().unwrap();
         // Six [131072, 14336] bf16 tensors of the feed-forward's backward, 3.5 GiB each: above a
-        // third of the 8.69 GiB page, two to a page: three pages. Every buffer of the class is
-        // counted by pages (`PoolClasses::paged_class`): the 1 GiB `[131072, 4096]` rows and
-        // f32 accumulators take a fourth.
+        // third of the 8.69 GiB page, two to a page: three pages; the 1 GiB `[131072, 4096]`
+        // rows and f32 accumulators take a fourth, and the smaller classes' pages come beside.
         let ffn = 131_072 * 14_336 * 2;
         assert!(3 * ffn > class.page && 2 * ffn <= class.page);
-        assert_eq!(plan.large_pages.reserved, 4 * class.page);
-        assert_eq!(plan.large_pages.top_pages, 0);
-        // Those pages stay reserved through the optimizer step (its 61.79 GiB beside them:
-        // 87.85 GiB, the peak before `ClassCarry`). The step's buffers are slices of the 2.2 GiB
-        // class, which the backward's 1 GiB rows (8.7 GiB class) do not take: each side's slices
-        // stand beside the other's, and a block's backward, with the step's slices kept, holds
-        // the most; the pools reserved 98.30 GiB (96.76 planned before the fourth page and the
-        // per-token slack's refit, 98.30 since). Without the classes, 79.49 GiB.
+        assert!(plan.class_pages.reserved > 4 * class.page);
+        assert_eq!(plan.class_pages.top_pages, 0);
+        // Those pages stay reserved through the optimizer step (its 61.79 GiB beside them). The
+        // step's buffers are slices of the 2.2 GiB class, which the backward's 1 GiB rows (8.7
+        // GiB class) do not take: each class keeps its busiest phase's pages, and a block's
+        // backward holds the most. The pools reserved 98.30 GiB; planned 100.17 (+1.9%).
+        // Without the classes, 79.49 GiB.
         assert_eq!(plan.peak_phase, StepPhase::BlockBackward);
         assert!(plan.peak > plan.optimizer_step.total() + 3 * class.page);
         assert!(
-            (gib(plan.peak) - 98.30).abs() < 0.01,
+            (gib(plan.peak) - 100.17).abs() < 0.01,
             "{:.2}",
             gib(plan.peak)
         );
@@ -1121,12 +1105,11 @@ mod tests {
         );
         // The loss's chunks on CUDA: bf16 logits and their gradient (2 x 1.96 GiB, no f32
         // logits), each filling a 2.17 GiB page of the class below to 90%: a page of its own
-        // there, not a slice of the largest sliced class, counted by bytes.
+        // there, not a slice of the largest sliced class.
         assert_eq!(
             pools.class_of(8192 * 128_256 * 2),
             Some(pools.classes().len() - 3)
         );
-        assert_eq!(pools.paged_class(8192 * 128_256 * 2), None);
     }
 
     #[test]
@@ -1137,7 +1120,7 @@ mod tests {
         planner.options.loss_chunks = RowChunks::rows(262144).unwrap();
         planner.gpu_memory = Some(40 << 30);
         let plan = planner.plan().unwrap();
-        assert!(plan.large_pages.largest_top_buffer > plan.large_pages.top_page);
+        assert!(plan.class_pages.largest_top_buffer > plan.class_pages.top_page);
         assert!(!plan.fits(u64::MAX / 2));
     }
 }

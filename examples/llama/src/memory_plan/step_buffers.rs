@@ -99,15 +99,17 @@ impl ActivationShapes {
 
     /// The loss's backward as CUDA's fused kernels run it (the only backend whose pools are
     /// classed): one chunk's logits and their gradient (`cross_entropy_backward` makes the
-    /// gradient in the logits' type, no f32 row), the weight's f32 gradient sum and one chunk's,
-    /// the hidden states' gradient (its chunks and their concatenation). The two f32 rows of the
+    /// gradient in the logits' type, no f32 row), the weight's f32 gradient sum beside one
+    /// chunk's f32 gradient (both alive in `sum + chunk`) and that chunk's gradient in the
+    /// weight's type, the hidden states' gradient (its chunks and their concatenation). The two f32 rows of the
     /// vocabulary that [`loss_bytes_per_row`](crate::loss::loss_bytes_per_row) counts per row
     /// are Burn's unfused backward's: counted in the phase's bytes, never a buffer here.
     fn loss_backward(&self) -> Buffers {
         let w = &self.widths;
         [
             self.rows_of(self.loss_rows, w.vocab, w.elem, 2),
-            vec![w.vocab * w.model * F32, w.vocab * w.model * w.elem],
+            vec![w.vocab * w.model * F32; 2],
+            vec![w.vocab * w.model * w.elem],
             self.rows_of(self.rows, w.model, w.elem, 2),
         ]
         .concat()
@@ -197,13 +199,13 @@ impl StepBuffers {
     }
 }
 
-/// What CubeCL's pools reserve for a step's buffers that the planner counts by pages
-/// ([`PoolClasses::paged_class`]: the top class's and the largest sliced class's), against the
-/// bytes it counts for those buffers in each phase.
+/// What CubeCL's pools reserve for a step's buffers, class by class, against the bytes the
+/// planner counts for those buffers in each phase.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct LargeClassPages {
-    /// Bytes of the pages those classes hold for them at the steady state: for each class,
-    /// its most pages in any phase (the pools keep every page they allocate).
+pub struct ClassPages {
+    /// Bytes of the pages the classes hold for the listed buffers at the steady state: for each
+    /// class, its most pages in any phase (the pools keep every page they allocate, and a
+    /// class's pages serve only its buffers).
     pub reserved: u64,
     /// Pages of the top class among them.
     pub top_pages: u64,
@@ -214,30 +216,26 @@ pub struct LargeClassPages {
     pub largest_top_buffer: u64,
 }
 
-impl LargeClassPages {
-    /// The pages `pools` reserve for `buffers`' paged ones, and for each phase the bytes of
-    /// those buffers (what `reserved` replaces in the phase's count), in the order loss,
-    /// block, optimizer.
-    ///
-    /// Also returns, for each phase, the bytes of the pools' classes that the optimizer step
-    /// (for the loss's and a block's backward) or the backward (for the step) filled beyond
-    /// what the phase itself puts in them ([`ClassCarry`]).
-    pub(crate) fn of(pools: &PoolClasses, buffers: &StepBuffers) -> (Self, [u64; 3], [u64; 3]) {
+impl ClassPages {
+    /// The pages `pools` reserve for `buffers`, and for each phase the bytes of those buffers
+    /// (what `reserved` replaces in the phase's count), in the order loss, block, optimizer.
+    /// A buffer larger than a top page, which CubeCL refuses, is counted in the top class (the
+    /// plan then does not fit).
+    pub(crate) fn of(pools: &PoolClasses, buffers: &StepBuffers) -> (Self, [u64; 3]) {
         let phases = [&buffers.loss, &buffers.block, &buffers.optimizer];
+        let top = pools.classes().len() - 1;
+        let class_of = |size: u64| pools.class_of(size).unwrap_or(top);
         let mut counted = [0u64; 3];
-        let mut carry = ClassCarry::default();
         let mut pages = Self {
             top_page: pools.top().page,
             ..Self::default()
         };
         for class in 0..pools.classes().len() {
             let mut most = 0;
-            let mut paged = [0u64; 3];
             for (phase, sizes) in phases.iter().enumerate() {
                 let mine: Vec<u64> = (sizes.iter().copied())
-                    .filter(|&s| pools.paged_class(s) == Some(class))
+                    .filter(|&s| class_of(s) == class)
                     .collect();
-                paged[phase] = (mine.iter()).map(|&s| pools.aligned(s)).sum();
                 counted[phase] += mine.iter().sum::<u64>();
                 most = most.max(pools.pages_reserved(class, &mine));
                 if pools.is_top(class) {
@@ -245,57 +243,11 @@ impl LargeClassPages {
                     pages.largest_top_buffer = pages.largest_top_buffer.max(largest);
                 }
             }
-            // The room those pages leave in a phase takes that phase's slices of the same class
-            // (CubeCL slices a page's free space for any buffer of its class): they are in the
-            // pages already, not beside them.
-            let mut footprint = [0u64; 3];
-            for (phase, sizes) in phases.iter().enumerate() {
-                let slices: u64 = (sizes.iter().copied())
-                    .filter(|&s| pools.class_of(s) == Some(class) && pools.paged_class(s).is_none())
-                    .map(|s| pools.aligned(s))
-                    .sum();
-                let room = most.saturating_sub(paged[phase]);
-                counted[phase] += slices.min(room);
-                // What the phase takes of the class beyond the pages every phase holds: the
-                // slices its pages' room does not take.
-                footprint[phase] = slices.saturating_sub(room);
-            }
-            carry.add(footprint);
             pages.reserved += most;
             if pools.is_top(class) {
                 pages.top_pages = most / pools.top().page.max(1);
             }
         }
-        (pages, counted, carry.bytes)
-    }
-}
-
-/// The bytes each phase finds reserved in the pools' classes by the other side of the step: a
-/// class's pages serve only its own buffers and are never given back, so the pages the
-/// optimizer step fills in a class stay reserved through the next backward whatever the
-/// backward puts in that class, and the pages the backward fills stay reserved through the
-/// step. The step's buffers (its buckets, the summed share's bucket sums, the state's chunks,
-/// at most `MAX_STEP_BUFFER_BYTES` each) are slices of one of the smaller classes (the 2.2 GiB
-/// class on an H200); a backward's `[tokens, width]` tensors are slices of the class their
-/// length puts them in. Where the two share a class (LLaMA-7B at 65,536 tokens per GPU: 512 MiB
-/// rows) the backward's tensors take the step's pages; where they do not (131,072 tokens per
-/// GPU and more: 1 GiB rows, slices of the 8.7 GiB class) each side's pages stand beside the
-/// other's. For each phase and class: the most that the other side (for the loss's and a
-/// block's backward, the step; for the step, either backward) takes of the class beyond what
-/// the phase takes of it, in bytes of slices (their pages' rounding is the fitted pool slack's).
-#[derive(Debug, Clone, Copy, Default)]
-struct ClassCarry {
-    /// Loss, block, optimizer.
-    bytes: [u64; 3],
-}
-
-impl ClassCarry {
-    /// Adds one class's footprint in each phase (loss, block, optimizer).
-    fn add(&mut self, footprint: [u64; 3]) {
-        let [loss, block, step] = footprint;
-        let backward = loss.max(block);
-        self.bytes[0] += step.saturating_sub(loss);
-        self.bytes[1] += step.saturating_sub(block);
-        self.bytes[2] += backward.saturating_sub(step);
+        (pages, counted)
     }
 }

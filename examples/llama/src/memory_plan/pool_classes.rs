@@ -109,11 +109,6 @@ impl PoolClasses {
         self.classes.iter().position(|class| class.accepts(size))
     }
 
-    /// `size` rounded up to the pools' alignment (what a buffer takes of a page).
-    pub fn aligned(&self, size: u64) -> u64 {
-        size.next_multiple_of(self.alignment)
-    }
-
     /// Whether `class` is the top class.
     pub fn is_top(&self, class: usize) -> bool {
         class + 1 == self.classes.len()

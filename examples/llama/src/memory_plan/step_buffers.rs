@@ -101,9 +101,10 @@ impl ActivationShapes {
     /// classed): one chunk's logits and their gradient (`cross_entropy_backward` makes the
     /// gradient in the logits' type, no f32 row), the weight's f32 gradient sum beside one
     /// chunk's f32 gradient (both alive in `sum + chunk`) and that chunk's gradient in the
-    /// weight's type, the hidden states' gradient (its chunks and their concatenation). The two f32 rows of the
-    /// vocabulary that [`loss_bytes_per_row`](crate::loss::loss_bytes_per_row) counts per row
-    /// are Burn's unfused backward's: counted in the phase's bytes, never a buffer here.
+    /// weight's type, the hidden states' gradient (its chunks and their concatenation). The two
+    /// f32 rows of the vocabulary that [`loss_bytes_per_row`](crate::loss::loss_bytes_per_row)
+    /// counts per row are Burn's unfused backward's: counted in the phase's bytes, never a
+    /// buffer here.
     fn loss_backward(&self) -> Buffers {
         let w = &self.widths;
         [

@@ -288,9 +288,21 @@ impl MemoryPlanner {
         // the gradients, of the same sizes, take their pages: no share of them is added.
         // Offloaded checkpoints come back one checkpoint ahead: two of them on the GPU at once.
         let prefetched = per_checkpoint * offloaded.min(2);
-        let checkpoint_share = match &pools {
-            Some(_) => POOL_SLACK_OF_CHECKPOINTS_PAGED,
-            None => POOL_SLACK_OF_CHECKPOINTS,
+        // The pool slacks: with the pool classes known every listed buffer is counted by the
+        // pages its class takes, and the slacks that stood partly for that rounding are the
+        // ones refitted with it (no share of the step's f32 vectors: every class's pages are
+        // counted); without them, the shares measured before the classes were modelled.
+        let (checkpoint_share, hidden_rows, optimizer_vector_share) = match &pools {
+            Some(_) => (
+                POOL_SLACK_OF_CHECKPOINTS_PAGED,
+                POOL_SLACK_HIDDEN_ROWS_PAGED,
+                0.0,
+            ),
+            None => (
+                POOL_SLACK_OF_CHECKPOINTS,
+                POOL_SLACK_HIDDEN_ROWS,
+                POOL_SLACK_OF_OPTIMIZER_VECTORS,
+            ),
         };
         let slack_of_checkpoints = match placement {
             CheckpointPlacement::None => 0.0,
@@ -314,19 +326,7 @@ impl MemoryPlanner {
                 ClassPages::of(pools, &buffers)
             }
         };
-        // Without the pool classes, the share of the step's f32 vectors measured before the
-        // classes were modelled; with them, every class's pages are counted below.
-        let slack_of_optimizer = match &pools {
-            Some(_) => 0.0,
-            None => POOL_SLACK_OF_OPTIMIZER_VECTORS * optimizer_step.f32_vectors() as f64,
-        };
-        // With the pool classes known, every buffer is counted by the pages its class takes:
-        // the per-token slack, which stood for part of that rounding, is the one refitted
-        // with them.
-        let hidden_rows = match &pools {
-            Some(_) => POOL_SLACK_HIDDEN_ROWS_PAGED,
-            None => POOL_SLACK_HIDDEN_ROWS,
-        };
+        let slack_of_optimizer = optimizer_vector_share * optimizer_step.f32_vectors() as f64;
         let pool_slack = (slack_of_checkpoints
             + hidden_rows * (rows * widths.model * widths.elem) as f64
             + slack_of_optimizer) as u64;

@@ -831,13 +831,14 @@ mod tests {
         // (`POOL_SLACK_OF_CHECKPOINTS_PAGED`, `POOL_SLACK_HIDDEN_ROWS_PAGED`). The 32-layer
         // row's 64 attention-output checkpoints, `[65536, 4096]` bf16 rows of 512 MiB, take a
         // 559 MiB page each.
+        // The last column: the bytes of the pages the classes hold for the listed buffers.
         let rows = [
-            (8, 32768, Offload::Off, 24.03, 25.91),
-            (8, 131072, Offload::Off, 54.74, 53.11),
-            (32, 65536, Offload::Off, 103.75, 109.12),
-            (8, 131072, Offload::All, 37.26, 40.81),
+            (8, 32768, Offload::Off, 24.03, 25.91, 10_701_193_216),
+            (8, 131072, Offload::Off, 54.74, 53.11, 36_941_104_128),
+            (32, 65536, Offload::Off, 103.75, 109.12, 54_248_110_592),
+            (8, 131072, Offload::All, 37.26, 40.81, 26_972_869_632),
         ];
-        for (layers, seq, offload, measured, gib) in rows {
+        for (layers, seq, offload, measured, gib, pages) in rows {
             let placement = CheckpointPlacement::AttentionOutput;
             let mut planner = bench_row(
                 layers,
@@ -851,7 +852,7 @@ mod tests {
             planner.gpu_memory = Some(H200_CUDA_TOTAL);
             let plan = planner.plan().unwrap();
             assert_eq!(plan.class_pages.top_pages, 0);
-            assert!(plan.class_pages.reserved > 0);
+            assert_eq!(plan.class_pages.reserved, pages);
             let predicted = plan.peak as f64 / (1u64 << 30) as f64;
             assert!(
                 (predicted - gib).abs() < 0.006,
@@ -900,6 +901,11 @@ mod tests {
             assert!(
                 (predicted - pinned).abs() < 0.006,
                 "{setting}, {pinned} pinned"
+            );
+            // The whole-vector sum held 4n + 4n bytes of f32 in the step; a bucket holds less.
+            assert!(
+                plan.optimizer_step.f32_vectors() < 8 * plan.state.parameters as u64,
+                "{setting}"
             );
             if let Some(measured) = measured {
                 assert!(
@@ -1082,7 +1088,7 @@ mod tests {
         // rows and f32 accumulators take a fourth, and the smaller classes' pages come beside.
         let ffn = 131_072 * 14_336 * 2;
         assert!(3 * ffn > class.page && 2 * ffn <= class.page);
-        assert!(plan.class_pages.reserved > 4 * class.page);
+        assert_eq!(plan.class_pages.reserved, 4 * class.page + 36_875_272_192);
         assert_eq!(plan.class_pages.top_pages, 0);
         // Those pages stay reserved through the optimizer step (its 61.79 GiB beside them). The
         // step's buffers are slices of the 2.2 GiB class, which the backward's 1 GiB rows (8.7

@@ -8,8 +8,7 @@
 //! [--mask-seqs 32768] [--window 4096] [--variants auto,hopper,tensor-core]
 //! [--chunk-variants hopper,tensor-core]
 //! [--hopper-schedules overlap+pingpong+grouped,overlap+pingpong+grouped+persistent,plain]
-//! [--hopper-head-splits auto,never,2,4] [--hopper-deterministic-adds consumers,producer]
-//! [--hopper-dq-conversions main,row]`
+//! [--hopper-head-splits auto,never,2,4] [--hopper-deterministic-adds consumers,producer]`
 //! (`-- --help` lists them with their defaults).
 //! `--variants` runs the whole-attention forward rows once per kernel variant (default `auto`),
 //! each with its first call's time (compilation included); `--hopper-schedules` adds rows of
@@ -19,10 +18,7 @@
 //! choice, `never`, or N parts: see `hopper::HeadSplit`), one after the other in one process;
 //! `--hopper-deterministic-adds` adds, at the same lengths, forward+backward rows of the
 //! deterministic Hopper backward with its ordered dQ adds made by each form forced (the consumer
-//! warpgroups', or a producer warp's from shared memory: see `hopper::DeterministicAdds`);
-//! `--hopper-dq-conversions` adds, at the same lengths, backward rows of the Hopper variant with
-//! dQ converted from its f32 sum by each kernel forced (the main kernel's producer warps, or the
-//! row kernel after it: see `hopper::DqConversion`).
+//! warpgroups', or a producer warp's from shared memory: see `hopper::DeterministicAdds`).
 //! `--chunks C` adds rows where the sequence is cut into C chunks and run pair by pair through
 //! `forward_step` / `backward_step` with causal offsets, as the distributed pass does, and rows
 //! where each query chunk's first and last key chunks go through `forward_first_step` /
@@ -50,7 +46,7 @@ use common::{CargoBench, Sizes};
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::prelude::*;
 use distflash_kernels::hopper::{
-    schedule, BackwardSchedule, DeterministicAdds, DqConversion, ForwardSchedule, HeadSplit,
+    schedule, BackwardSchedule, DeterministicAdds, ForwardSchedule, HeadSplit,
 };
 use distflash_kernels::{
     DeviceTensor, Documents, ElemType, GradAccumulators, Mask, SlidingWindow, SoftmaxState,
@@ -116,10 +112,6 @@ struct Args {
     /// who makes the ordered dQ adds forced: consumers or producer; comma-separated
     #[arg(long, value_enum, value_name = "ADDS,..", value_delimiter = ',')]
     hopper_deterministic_adds: Vec<HopperDeterministicAdds>,
-    /// Extra Hopper backward rows at the lengths of --bwd-seqs, each with the kernel that turns
-    /// the f32 dQ sum into dQ forced: main or row; comma-separated
-    #[arg(long, value_enum, value_name = "KERNEL,..", value_delimiter = ',')]
-    hopper_dq_conversions: Vec<HopperDqConversion>,
     #[command(flatten)]
     cargo_bench: CargoBench,
 }
@@ -152,24 +144,6 @@ impl HopperDeterministicAdds {
         match self {
             Self::Consumers => ("consumers", DeterministicAdds::Consumers),
             Self::Producer => ("producer", DeterministicAdds::Producer),
-        }
-    }
-}
-
-/// Which kernel turns the Hopper backward's f32 dQ sum into dQ in a row.
-#[derive(Clone, Copy, ValueEnum)]
-enum HopperDqConversion {
-    /// The main kernel's producer warps, as each tile's last cube adds to it (the default)
-    Main,
-    /// The row kernel after the main kernel
-    Row,
-}
-
-impl HopperDqConversion {
-    fn forced(self) -> (&'static str, DqConversion) {
-        match self {
-            Self::Main => ("main kernel", DqConversion::MainKernel),
-            Self::Row => ("row kernel", DqConversion::RowKernel),
         }
     }
 }
@@ -793,29 +767,6 @@ fn main() {
                     ..BackwardSchedule::default()
                 }));
                 let name = format!("distflash hopper, head split {} (bf16)", forced.name);
-                let backward_rows = BackwardRows {
-                    client: &client,
-                    inputs: (&q, &k, &v, &grad_out),
-                    name: &name,
-                    seq,
-                    flops,
-                    iters,
-                    first: false,
-                };
-                let hopper = StepOptions {
-                    variant: Variant::Hopper,
-                    ..options.clone()
-                };
-                backward_rows.print(&hopper, &row);
-            }
-            // The Hopper backward with dQ converted by each kernel forced.
-            for forced in &args.hopper_dq_conversions {
-                let (kernel_name, dq_conversion) = forced.forced();
-                schedule::force_backward(Some(BackwardSchedule {
-                    dq_conversion,
-                    ..BackwardSchedule::default()
-                }));
-                let name = format!("distflash hopper, dQ by the {kernel_name} (bf16)");
                 let backward_rows = BackwardRows {
                     client: &client,
                     inputs: (&q, &k, &v, &grad_out),

@@ -16,9 +16,7 @@
 //! `hopper_attention_{first_step,step,last_step}_causal_d{64,128}_bf16.cu`, the attention
 //! backward's `hopper_backward[_step][_deterministic[_producer]]_{mask}_d{64,128}_{bf16,f16}.cu`
 //! (`_producer`: the ordered dQ adds by a producer warp), its variant with a GQA group's query
-//! heads split over cubes `hopper_backward_split_{mask}_d{64,128}_{bf16,f16}.cu`, the forms of
-//! both that write dQ in the main kernel
-//! `hopper_backward[_split]_convert_dq_{full,causal}_d{64,128}_{bf16,f16}.cu`, and its row
+//! heads split over cubes `hopper_backward_split_{mask}_d{64,128}_{bf16,f16}.cu`, and its row
 //! kernels `hopper_backward_rows_d{64,128}_{bf16,f16}.cu`, and the matrix product's
 //! `hopper_gemm_{bt,rm}_{bf16,f32}.cu` (B `[N, K]` or `[K, N]`; C's type). Read them with a
 //! CUDA compiler's resource report (registers, spills) and the SASS of their loops.

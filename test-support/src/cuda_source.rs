@@ -252,7 +252,6 @@ pub fn hopper_sources() -> Vec<(String, String)> {
                 deterministic: false,
                 split: false,
                 producer_adds: false,
-                converts_dq: false,
             };
             for (mask_name, mask) in mask_kinds() {
                 for (step_name, accumulate) in [("", false), ("_step", true)] {
@@ -283,22 +282,6 @@ pub fn hopper_sources() -> Vec<(String, String)> {
                 };
                 let name = format!("hopper_backward_split_{mask_name}_d{head_dim}_{elem_name}");
                 sources.push((name, hopper::backward_source(&split)));
-                // dQ written by the main kernel (a whole attention's, split or not, under no
-                // mask or an upper bound alone).
-                if !(mask.lower || mask.documents) {
-                    for (split_name, variant) in
-                        [("", BackwardVariant { mask, ..plain }), ("_split", split)]
-                    {
-                        let converting = BackwardVariant {
-                            converts_dq: true,
-                            ..variant
-                        };
-                        let name = format!(
-                            "hopper_backward{split_name}_convert_dq_{mask_name}_d{head_dim}_{elem_name}"
-                        );
-                        sources.push((name, hopper::backward_source(&converting)));
-                    }
-                }
             }
             let name = format!("hopper_backward_rows_d{head_dim}_{elem_name}");
             sources.push((name, hopper::backward_rows_source(&plain)));

@@ -137,24 +137,6 @@ __device__ __forceinline__ void pack_fragment(const float (&x)[REGS], u32 (&pack
     }
 }
 
-// Where vector `within` of four values lies in a 64-row tile of the backward's f32 dQ sum (64 x D
-// values in fragment order: see `add_query_grads` in `attention_backward.cu`): its two values of
-// row `row` at columns `column` and `column + 1`, and its other two 8 rows below.
-struct DqQuad {
-    u32 row;
-    u32 column;
-};
-
-__device__ __forceinline__ DqQuad dq_quad_place(u32 within) {
-    const u32 per_half = 64 * 64 / 4;
-    // The fragment's thread and its group of 8 columns in its warpgroup's 64 (the half).
-    const u32 thread = within % 128, group = (within % per_half) / 128;
-    DqQuad place;
-    place.column = (within / per_half) * 64 + group * 8 + (thread % 4) * 2;
-    place.row = (thread / 32) * 16 + (thread % 32) / 4;
-    return place;
-}
-
 // ---- named barriers ---------------------------------------------------------------------------
 
 __device__ __forceinline__ void named_sync(u32 id, u32 threads) {

@@ -21,11 +21,6 @@
 //                       that the gradients are bitwise the same from run to run
 //   DISTFLASH_PRODUCER_ADDS 1 (with DISTFLASH_DETERMINISTIC): the ordered dQ adds are a producer
 //                       warp's, not the consumers' (below)
-//   DISTFLASH_CONVERT_DQ 1: a whole attention's cubes turn each query tile's dQ sum into dQ
-//                       once the last of them has added to it (below), instead of the dQ
-//                       row kernel after them (never with DISTFLASH_DETERMINISTIC, a step's
-//                       DISTFLASH_ACCUMULATE without DISTFLASH_SPLIT, or a lower bound or
-//                       documents: the host counts a tile's cubes only for the upper bound)
 //   DISTFLASH_SPLIT     1: each block of keys of a key/value slice is walked by `head_parts`
 //                       cubes, each taking `group_size / head_parts` of the group's query heads,
 //                       which add dK and dV to the accumulators with atomics (with
@@ -93,16 +88,6 @@
 //   as the consumers' form (round to nearest even, last block first): the same bits (unless the
 //   copy engine keeps subnormal f32 values, below 2^-126, that `red.add.f32` flushes to zero:
 //   the SASS of `red` says FTZ, that of the bulk reduction does not say).
-// - DISTFLASH_CONVERT_DQ: once its adds to a tile's sum are issued (at the top of the next
-//   tile) each consumer warp arrives on one of DF_DQ_SLOTS `dq_added` barriers (its lanes'
-//   vector atomics released to the cube), and goes on. Producer warp 1 + wg, all 32 lanes, takes the tiles in the same order: once the
-//   adds are in, one lane fences them to the device and counts them on the tile's counter
-//   [B * Hq, Tq, DF_DQ_WARPGROUPS] (zeroed by the host), frees the slot (`dq_taken`), and where
-//   the count reaches the cubes that walk the tile (`tile_walkers`), the copy engine brings the
-//   tile's 64-column block of the sum back from L2 into shared memory (one copy: a warp's own
-//   loads, a few in flight per lane within the producer's 24 registers, took ten times as long
-//   and held the consumers up), and the warp scales it and writes it into dQ in the inputs'
-//   type: what the dQ row kernel did after the whole grid, now under the other cubes' products.
 
 #ifndef DISTFLASH_HEAD_DIM
 #define DISTFLASH_HEAD_DIM 128
@@ -119,14 +104,8 @@
 #ifndef DISTFLASH_PRODUCER_ADDS
 #define DISTFLASH_PRODUCER_ADDS 0
 #endif
-#ifndef DISTFLASH_CONVERT_DQ
-#define DISTFLASH_CONVERT_DQ 0
-#endif
 #if DISTFLASH_PRODUCER_ADDS && !DISTFLASH_DETERMINISTIC
 #error "DISTFLASH_PRODUCER_ADDS orders the deterministic backward's dQ adds: it needs DISTFLASH_DETERMINISTIC"
-#endif
-#if DISTFLASH_CONVERT_DQ && (DISTFLASH_DETERMINISTIC || DF_BANDED || (DISTFLASH_ACCUMULATE && !DISTFLASH_SPLIT))
-#error "DISTFLASH_CONVERT_DQ writes a whole attention's dQ as its cubes add it, without the deterministic order, a lower bound or documents"
 #endif
 #if DISTFLASH_SPLIT && (!DISTFLASH_ACCUMULATE || DISTFLASH_DETERMINISTIC)
 #error "DISTFLASH_SPLIT adds dK and dV with atomics: it needs DISTFLASH_ACCUMULATE and excludes DISTFLASH_DETERMINISTIC"
@@ -189,10 +168,6 @@ struct BackwardInfo {
 // its header (the tile's index, u64, and the block's place in the tile's order, u32).
 #define DF_DQ_BLOCK_BYTES (DF_BM * 64 * 4)
 #define DF_DQ_HEADER_BYTES 16
-// DISTFLASH_CONVERT_DQ: the `dq_added` / `dq_taken` barrier pairs per dQ-computing warpgroup,
-// a ring over its tiles, so that its producer warp may fall behind by up to this many tiles
-// (a tile's conversion takes about one tile's products) before the consumers wait.
-#define DF_DQ_SLOTS 4
 // Named barriers: 1 gathers both consumer warpgroups once their dS^T is in shared memory, 2 once
 // both are done with K and V, 3 and 4 one warpgroup before its stores of dK and dV.
 #define DF_DS_BARRIER 1
@@ -386,12 +361,6 @@ __device__ __forceinline__ void store_query_grads(u32 block, const float (&dq)[D
 }
 #endif
 
-// Whether consumer warpgroup `wg` computes dQ (64 columns each: both at head dim 128, the first
-// at 64).
-__device__ __forceinline__ bool computes_query_grads(u32 wg) {
-    return DF_DQ_WARPGROUPS == 2 || wg == 0;
-}
-
 // ---- pipeline ---------------------------------------------------------------------------------
 
 // The shared memory of one cube, from its first 1024-byte boundary: K, V, the stages of Q, dO
@@ -404,10 +373,8 @@ struct Layout {
     u32 ds;
     u32 lse;
     u32 delta;
-#if DISTFLASH_PRODUCER_ADDS || DISTFLASH_CONVERT_DQ
-    u32 dq;
-#endif
 #if DISTFLASH_PRODUCER_ADDS
+    u32 dq;
     u32 dq_header;
 #endif
     u32 kv_full;
@@ -417,11 +384,6 @@ struct Layout {
 #if DISTFLASH_PRODUCER_ADDS
     u32 dq_full;
     u32 dq_empty;
-#endif
-#if DISTFLASH_CONVERT_DQ
-    u32 dq_added;
-    u32 dq_taken;
-    u32 dq_loaded;
 #endif
 };
 
@@ -440,12 +402,6 @@ __device__ __forceinline__ Layout layout_from(u32 base) {
     at.dq = at.delta + DF_STAGES * DF_ROW_BYTES;
     at.dq_header = at.dq + DF_DQ_WARPGROUPS * DF_DQ_BLOCK_BYTES;
     at.kv_full = at.dq_header + DF_DQ_WARPGROUPS * DF_DQ_HEADER_BYTES;
-#elif DISTFLASH_CONVERT_DQ
-    // Each dQ-computing warpgroup's block of the sum as its producer warp converts it, then,
-    // after the pipeline's barriers, its rings of `dq_added` and `dq_taken` barriers and its
-    // `dq_loaded` barrier.
-    at.dq = at.delta + DF_STAGES * DF_ROW_BYTES;
-    at.kv_full = at.dq + DF_DQ_WARPGROUPS * DF_DQ_BLOCK_BYTES;
 #else
     at.kv_full = at.delta + DF_STAGES * DF_ROW_BYTES;
 #endif
@@ -455,11 +411,6 @@ __device__ __forceinline__ Layout layout_from(u32 base) {
 #if DISTFLASH_PRODUCER_ADDS
     at.dq_full = at.empty + DF_STAGES * 8;
     at.dq_empty = at.dq_full + DF_DQ_WARPGROUPS * 8;
-#endif
-#if DISTFLASH_CONVERT_DQ
-    at.dq_added = at.empty + DF_STAGES * 8;
-    at.dq_taken = at.dq_added + DF_DQ_WARPGROUPS * DF_DQ_SLOTS * 8;
-    at.dq_loaded = at.dq_taken + DF_DQ_WARPGROUPS * DF_DQ_SLOTS * 8;
 #endif
     return at;
 }
@@ -662,133 +613,6 @@ __device__ __forceinline__ void add_query_grads_in_order(const Layout& at, float
 #endif
 #endif
 
-#if DISTFLASH_CONVERT_DQ
-// How many cubes (blocks of keys) add to query tile `tile`'s dQ sum: under the upper bound every
-// block up to the last one whose first key the tile's last row sees (`block_walk` has block b walk
-// the tiles from (128 b - upper) / 64 on), without it every block.
-__device__ __forceinline__ u32 tile_walkers(const BackwardInfo& info, u32 blocks, int tile) {
-#if DISTFLASH_UPPER
-    const int last_row_sees = tile * DF_BM + DF_BM - 1 + info.upper;
-    if (last_row_sees < 0) {
-        return 0;
-    }
-    return min(static_cast<u32>(last_row_sees) / DF_BN + 1, blocks);
-#else
-    (void)info;
-    (void)tile;
-    return blocks;
-#endif
-}
-
-// Counts one warpgroup's adds to a tile's sum in (one thread, once they are visible to the cube),
-// released to the device; the count before this one.
-__device__ __forceinline__ u32 count_adds(u32* counter) {
-    u32 before;
-    asm volatile("atom.release.gpu.global.add.u32 %0, [%1], 1;"
-                 : "=r"(before)
-                 : "l"(counter)
-                 : "memory");
-    return before;
-}
-
-// Has the copy engine bring the 64 x 64 block of a tile's f32 sum at `block_sum` into shared
-// memory at `buffer` (one thread, which counted the tile's last adds in): every cube's adds
-// acquired (they were released with their counts), for the copy engine too, and the buffer's
-// last reads by the warp's lanes ordered before the copy's writes.
-__device__ __forceinline__ void load_block_sum(u32 buffer, const float* block_sum, u32 loaded) {
-    asm volatile("fence.acq_rel.gpu;" ::: "memory");
-    fence_global_for_copies();
-    fence_shared_for_copies();
-    barrier_expect_bytes(loaded, DF_DQ_BLOCK_BYTES);
-    copy_bytes(buffer, block_sum, DF_DQ_BLOCK_BYTES, loaded);
-}
-
-__device__ __forceinline__ float4 load_shared_quad(u32 address) {
-    float4 v;
-    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "r"(address)
-                 : "memory");
-    return v;
-}
-
-// Writes the 64 columns of warpgroup `wg` of query tile `tile` of slice `q_slice` into dQ
-// [B * Hq, Sq, D] (the inputs' type) from their f32 sum in shared memory at `buffer` (fragment
-// order), scaled by the score scale: one warp, each lane every 32nd vector of four values, as
-// the dQ row kernel of `backward_rows.cu` does for a whole sum.
-__device__ __forceinline__ void write_query_grads(const BackwardInfo& info, u32 buffer, u32* dq,
-                                                  u32 q_slice, int tile, u32 wg) {
-    const float scale = __uint_as_float(info.scale_bits);
-    u32* rows = dq + static_cast<u64>(q_slice) * info.q_len * (DF_D / 2);
-    const u32 row0 = static_cast<u32>(tile) * DF_BM;
-#pragma unroll 2
-    for (u32 quad = threadIdx.x % 32; quad < DF_BM * 64 / 4; quad += 32) {
-        const float4 v = load_shared_quad(buffer + quad * 16);
-        const DqQuad place = dq_quad_place(wg * (DF_BM * 64 / 4) + quad);
-        const u32 i = row0 + place.row;
-        if (i < info.q_len) {
-            rows[static_cast<u64>(i) * (DF_D / 2) + place.column / 2] =
-                pack(v.x * scale, v.y * scale);
-        }
-        if (i + 8 < info.q_len) {
-            rows[static_cast<u64>(i + 8) * (DF_D / 2) + place.column / 2] =
-                pack(v.z * scale, v.w * scale);
-        }
-    }
-}
-
-// The dQ conversion behind consumer warpgroup `wg` (producer warp 1 + wg, every lane): for each
-// of the cube's tiles, once the warpgroup's adds are in (`dq_added`), one lane counts them in on
-// the tile's counter and frees the slot (`dq_taken`); where this cube's adds were the last of
-// the `tile_walkers` cubes', the copy engine brings the tile's block of the sum into shared
-// memory (`dq_loaded`), and the warp writes it into dQ.
-__device__ __forceinline__ void convert_query_grads(const Layout& at, const BackwardInfo& info,
-                                                    const Walk& walk, u32 kv_slice, u32 blocks,
-                                                    const float* dq_sum, u32* dq_adds, u32* dq,
-                                                    u32 wg) {
-    const u32 lane = threadIdx.x % 32;
-    const u32 buffer = at.dq + wg * DF_DQ_BLOCK_BYTES, loaded = at.dq_loaded + 8 * wg;
-    u32 loads = 0;
-    for (int t = 0; t < walk.count; ++t) {
-        const u32 slot = wg * DF_DQ_SLOTS + static_cast<u32>(t) % DF_DQ_SLOTS;
-        barrier_wait(at.dq_added + 8 * slot, (static_cast<u32>(t) / DF_DQ_SLOTS) & 1);
-        u32 q_slice;
-        int tile;
-        tile_of(info, walk, kv_slice, t, q_slice, tile);
-        const u64 tile_index = static_cast<u64>(q_slice) * info.q_tiles + tile;
-        u32 last = 0;
-        if (lane == 0) {
-            const u32 before = count_adds(dq_adds + tile_index * DF_DQ_WARPGROUPS + wg);
-            last = before + 1 == tile_walkers(info, blocks, tile);
-            barrier_arrive(at.dq_taken + 8 * slot);
-        }
-        if (__shfl_sync(0xffffffffu, last, 0) != 0) {
-            if (lane == 0) {
-                load_block_sum(buffer, dq_sum + tile_index * DF_DQ_TILE + wg * (DF_BM * 64),
-                               loaded);
-            }
-            barrier_wait(loaded, loads & 1);
-            ++loads;
-            write_query_grads(info, buffer, dq, q_slice, tile, wg);
-            // Every lane's reads of the buffer before the next copy into it.
-            __syncwarp();
-        }
-    }
-}
-
-// Tells the producer warp of consumer warpgroup `wg` (each warp's lane 0, once its lanes' adds
-// are issued) that the warpgroup's adds of walk tile `t` are in, once the producer has taken
-// the slot's last tile.
-__device__ __forceinline__ void signal_adds(const Layout& at, u32 wg, int t) {
-    __syncwarp();
-    if (threadIdx.x % 32 == 0) {
-        const u32 slot = wg * DF_DQ_SLOTS + static_cast<u32>(t) % DF_DQ_SLOTS;
-        barrier_wait(at.dq_taken + 8 * slot, ((static_cast<u32>(t) / DF_DQ_SLOTS) & 1) ^ 1);
-        barrier_arrive(at.dq_added + 8 * slot);
-    }
-}
-#endif
-
 #if DISTFLASH_ACCUMULATE
 // Adds a warpgroup's fragment of 64 key rows (`acc`, times `factor`) to the f32 rows of `grads`
 // from `key` (the thread's fragment row; then `key + 8`) of slice `kv_slice`, rows past the keys
@@ -833,9 +657,6 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         const float* lse_log2, const float* delta, float* dq_sum,
 #if DISTFLASH_DETERMINISTIC
         u32* dq_turns,
-#endif
-#if DISTFLASH_CONVERT_DQ
-        u32* dq_adds, u32* dq,
 #endif
 #if DISTFLASH_ACCUMULATE
         float* dk_sum, float* dv_sum,
@@ -892,15 +713,6 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
             barrier_init(at.dq_empty + 8 * w, 1);
         }
 #endif
-#if DISTFLASH_CONVERT_DQ
-        for (u32 slot = 0; slot < DF_DQ_WARPGROUPS * DF_DQ_SLOTS; ++slot) {
-            barrier_init(at.dq_added + 8 * slot, 4);
-            barrier_init(at.dq_taken + 8 * slot, 1);
-        }
-        for (u32 w = 0; w < DF_DQ_WARPGROUPS; ++w) {
-            barrier_init(at.dq_loaded + 8 * w, 1);
-        }
-#endif
         publish_barrier_inits();
     }
     __syncthreads();
@@ -908,23 +720,16 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
     const u32 warpgroup = threadIdx.x / 128;
     if (warpgroup == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
-#if DISTFLASH_PRODUCER_ADDS || DISTFLASH_CONVERT_DQ
-        // Warps 1 and 2 serve consumer warpgroups 0 and 1: lane 0 the ordered dQ adds, or the
-        // whole warp the dQ conversion. The warp's index is shown warp-uniform to the compiler
-        // (a shuffle, as CUTLASS does): computed per thread, the branch costs the copy loop
-        // below its uniform registers and 44 bytes of spills within the producer's 24 registers.
+#if DISTFLASH_PRODUCER_ADDS
+        // Lane 0 of warps 1 and 2: the ordered dQ adds of consumer warpgroups 0 and 1. The warp's
+        // index is shown warp-uniform to the compiler (a shuffle, as CUTLASS does): computed
+        // per thread, the branch costs the copy loop below its uniform registers and 44 bytes
+        // of spills within the producer's 24 registers.
         const u32 producer_warp = __shfl_sync(0xffffffffu, threadIdx.x / 32, 0);
         if (producer_warp != 0) {
-#if DISTFLASH_PRODUCER_ADDS
             if (producer_warp <= DF_DQ_WARPGROUPS && threadIdx.x % 32 == 0) {
                 add_query_grads_in_order(at, dq_sum, dq_turns, producer_warp - 1, walk.count);
             }
-#else
-            if (producer_warp <= DF_DQ_WARPGROUPS) {
-                convert_query_grads(at, info, walk, kv_slice, blocks, dq_sum, dq_adds, dq,
-                                    producer_warp - 1);
-            }
-#endif
             return;
         }
 #endif
@@ -1023,13 +828,6 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         const u32 q_rows = at.q + stage * DF_Q_BYTES;
         const u32 do_rows = at.d_o + stage * DF_Q_BYTES;
         const u32 ds_tile = at.ds + stage * DF_DS_BYTES;
-#if DISTFLASH_CONVERT_DQ
-        // The last tile's adds, for the producer warp: here, where few registers are live (at
-        // the adds, one more costs the consumers a spill).
-        if (t > 0 && computes_query_grads(wg)) {
-            signal_adds(at, wg, t - 1);
-        }
-#endif
 #if DISTFLASH_DETERMINISTIC
         // The blocks above this one that walk the tile add their dQ first: `last_walker` is the
         // last of the run (rising with the tile; from this block again at each head). Found
@@ -1094,7 +892,7 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
         // Written by the first product (never read before), and read only where computed: no
         // value of dq lives from one tile to the next.
         float dq[DF_DQ_REGS];
-        const bool computes_dq = computes_query_grads(wg);
+        const bool computes_dq = DF_DQ_WARPGROUPS == 2 || wg == 0;
         const u64 tile_index = static_cast<u64>(q_slice) * info.q_tiles + tile;
 #if DISTFLASH_PRODUCER_ADDS
         // The warpgroup's dQ buffer, free once the producer has read the last tile's block
@@ -1157,11 +955,6 @@ extern "C" __global__ void __launch_bounds__(DF_THREADS, 1)
 #if DISTFLASH_DETERMINISTIC && !DISTFLASH_PRODUCER_ADDS
     if (thread == 0) {
         end_turn(pending_turn);
-    }
-#endif
-#if DISTFLASH_CONVERT_DQ
-    if (walk.count > 0 && computes_query_grads(wg)) {
-        signal_adds(at, wg, walk.count - 1);
     }
 #endif
 

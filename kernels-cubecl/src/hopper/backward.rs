@@ -148,8 +148,7 @@ fn plan<R: Runtime>(
     );
     let variant = BackwardVariant::for_call(dims, elem, mask, options.deterministic, accumulate)?
         .with_head_parts(head_parts)
-        .with_deterministic_adds(schedule.deterministic_adds)
-        .with_dq_conversion(dims, &options.mask, schedule.dq_conversion);
+        .with_deterministic_adds(schedule.deterministic_adds);
     let row_grid = |what: &str, threads: usize| {
         super::device_grid(
             client,
@@ -268,8 +267,7 @@ pub(crate) struct ForwardTensors<'a> {
 /// `grad_out`, writing every element of `dq` (`[B, Hq, Sq, D]`), `dk` and `dv`
 /// (`[B, Hkv, Skv, D]`), all the inputs' type; arguments checked by the caller. Three launches:
 /// the prepare kernel (deltas, base-2 log-sum-exps, the zeroed dQ sum), the main kernel, the dQ
-/// kernel (after a fill of the counters of the deterministic backward or of a main kernel that
-/// converts dQ itself, in which case the dQ kernel is not launched).
+/// kernel (after a fill of the deterministic backward's zeroed counters).
 pub(crate) fn enqueue<R: Runtime>(
     client: &ComputeClient<R>,
     launch: &BackwardLaunch,
@@ -317,8 +315,7 @@ pub(crate) fn enqueue_step<R: Runtime>(
 /// The three launches of `launch` for q, k, v and `grad_out`: the prepare kernel reading
 /// `prepare_inputs` (a whole attention's output, output gradient and lse; a step's lse and
 /// delta), the main kernel storing (a whole attention) or adding (a step) dK and dV, the dQ
-/// kernel writing or adding dQ (none where the main kernel writes dQ itself); a deterministic or
-/// dQ-converting variant's counters are zeroed first. A split
+/// kernel writing or adding dQ; a deterministic variant's counters are zeroed first. A split
 /// whole attention's main kernel adds dK and dV to f32 sums zeroed first, which a fourth launch
 /// converts into `dk` and `dv`. Only the fills can fail (a grid past the device's limits),
 /// before anything else is queued.
@@ -331,10 +328,8 @@ fn enqueue_launches<R: Runtime>(
     dims: &AttentionDims,
     options: &StepOptions,
 ) -> Result<(), KernelError> {
-    // Zero bits: the kernel reads these f32 zeros as u32 counters (of the deterministic
-    // backward's turns, or of the cubes' adds where it converts dQ).
-    let converts_dq = launch.variant.converts_dq;
-    let dq_counters = match launch.variant.deterministic || converts_dq {
+    // Zero bits: the kernel reads these f32 zeros as u32 counters.
+    let dq_turns = match launch.variant.deterministic {
         true => Some(enqueue_filled(
             client,
             &DeviceLimits::of(client),
@@ -413,11 +408,8 @@ fn enqueue_launches<R: Runtime>(
             },
         );
     }
-    for buffer in [&lse_log2, &delta, &dq_sum].into_iter().chain(&dq_counters) {
+    for buffer in [&lse_log2, &delta, &dq_sum].into_iter().chain(&dq_turns) {
         main.buffer(buffer);
-    }
-    if converts_dq {
-        main.buffer(dq);
     }
     if adds_key_grads {
         main.buffer(dk_target);
@@ -459,14 +451,12 @@ fn enqueue_launches<R: Runtime>(
     // SAFETY: `plan` checked that the runtime is CUDA on an sm_90 device and that the cubes,
     // shared memory and grids fit it; the arguments follow the three kernels' parameters for the
     // variant (the prepare kernel's inputs, its three buffers and four scalars; the main kernel's
-    // tensor maps, their buffers, its three buffers, the deterministic or dQ-converting
-    // variant's counters and the latter's dQ (the inputs' type, `[B, Hq, Sq, D]`), a step's two
-    // accumulators or a split whole attention's two sums, the documents' table with
+    // tensor maps, their buffers, its three buffers, the deterministic variant's counters, a
+    // step's two accumulators or a split whole attention's two sums, the documents' table with
     // documents, and sixteen scalars; the dQ kernel's two buffers and four scalars; the
     // conversion's four buffers and four scalars). The counters hold one per tile and 64 columns
-    // the kernel indexes (`dq_turns`), a wait that outlives any walk traps instead of
-    // hanging, and the converting kernel writes dQ rows below `q_len` only, each tile once
-    // (`with_dq_conversion` keeps it to masks under which every tile has a last cube). The grid holds `head_parts` cubes per block and key/value slice, `head_parts`
+    // the kernel indexes (`dq_turns`), and a wait that outlives any walk traps instead of
+    // hanging. The grid holds `head_parts` cubes per block and key/value slice, `head_parts`
     // divides the group (`backward_plan::head_parts`), and the sums hold the keys' rows the
     // kernel adds to (`key_grad_elements`), which the conversion reads back pair by pair.
     // The scratch buffers hold the padded rows the kernels index (`prepared_rows`), the tensor
@@ -477,9 +467,7 @@ fn enqueue_launches<R: Runtime>(
     unsafe {
         source_task::launch(client, prepare_kernel, prepare_grid, prepare);
         source_task::launch(client, main_kernel, main_grid, main);
-        if !converts_dq {
-            source_task::launch(client, dq_kernel, dq_grid, finish);
-        }
+        source_task::launch(client, dq_kernel, dq_grid, finish);
         if let Some((kernel, grid, arguments)) = convert {
             source_task::launch(client, kernel, grid, arguments);
         }
@@ -546,19 +534,13 @@ mod tests {
     use crate::hopper::source_task::{parameters, preprocessed_parameters};
 
     /// The main kernel's parameters as the preprocessor leaves them, for a step (`accumulate`)
-    /// or a whole attention, with or without `documents`, `deterministic` or not, converting dQ
-    /// or not.
-    fn main_parameters(
-        accumulate: bool,
-        documents: bool,
-        (deterministic, converts_dq): (bool, bool),
-    ) -> Vec<String> {
+    /// or a whole attention, with or without `documents`, `deterministic` or not.
+    fn main_parameters(accumulate: bool, documents: bool, deterministic: bool) -> Vec<String> {
         preprocessed_parameters(BACKWARD_CU, ENTRY_POINT, |condition| match condition {
             "DISTFLASH_ACCUMULATE" => accumulate,
             "!DISTFLASH_ACCUMULATE" => !accumulate,
             "DISTFLASH_DOCUMENTS" => documents,
             "DISTFLASH_DETERMINISTIC" => deterministic,
-            "DISTFLASH_CONVERT_DQ" => converts_dq,
             other => panic!("unexpected condition `{other}`"),
         })
     }
@@ -593,19 +575,15 @@ mod tests {
         let docs = ["const u32* docs"];
         let info = ["const __grid_constant__ BackwardInfo info"];
         let turns = ["u32* dq_turns"];
-        let converting = ["u32* dq_adds", "u32* dq"];
         let cases = [
-            (false, false, &[][..], &[][..]),
-            (false, false, &docs[..], &[][..]),
-            (true, false, &[][..], &turns[..]),
-            (false, true, &[][..], &converting[..]),
+            (false, &[][..], &[][..]),
+            (false, &docs[..], &[][..]),
+            (true, &[][..], &turns[..]),
         ];
-        for (deterministic, converts_dq, table, counters) in cases {
+        for (deterministic, table, counters) in cases {
             let documents = !table.is_empty();
-            let main_parameters =
-                |accumulate| main_parameters(accumulate, documents, (deterministic, converts_dq));
             assert_eq!(
-                main_parameters(false),
+                main_parameters(false, documents, deterministic),
                 [
                     &maps[..],
                     &stored_maps,
@@ -619,7 +597,7 @@ mod tests {
                 .concat()
             );
             assert_eq!(
-                main_parameters(true),
+                main_parameters(true, documents, deterministic),
                 [
                     &maps[..],
                     &buffers,
@@ -702,7 +680,6 @@ mod tests {
             deterministic: false,
             split: false,
             producer_adds: false,
-            converts_dq: false,
         };
         let [prepare, main, dq] = kernels(&variant(true));
         let [prepare_again, main_again, dq_again] = kernels(&variant(true));
@@ -754,7 +731,7 @@ mod tests {
         assert_ne!(producer_main.fingerprint(), det_main.fingerprint());
         assert_eq!(
             producer_main.shared_bytes,
-            backward_plan::shared_bytes_for(64, true, false)
+            backward_plan::shared_bytes_for(64, true)
         );
         assert_eq!(det_main.shared_bytes, backward_plan::shared_bytes(64));
         // The split variant: its own main kernel (a step's source with atomics), the whole
@@ -788,7 +765,6 @@ mod tests {
             deterministic: true,
             split: false,
             producer_adds: false,
-            converts_dq: false,
         };
         let main = backward_source(&variant);
         assert!(main.starts_with(&variant.switches()));

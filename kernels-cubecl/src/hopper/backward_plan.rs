@@ -5,7 +5,7 @@
 //! (`backward_rows.cu`) prepare, and the scalars they all read.
 
 use super::band::{self, BandScalars};
-use super::schedule::{DeterministicAdds, DqConversion, HeadSplit};
+use super::schedule::{DeterministicAdds, HeadSplit};
 use crate::dims::AttentionDims;
 use crate::kernel_error::KernelError;
 use crate::mask::{KernelMask, MaskKind};
@@ -36,9 +36,6 @@ pub const L2_BUDGET: usize = super::forward_plan::L2_BUDGET;
 /// GQA (1.01x forward+backward), at 8K (3.9) at 0.88x against 0.97-0.99x; a list schedule of the
 /// walks in launch order leaves 1% of the pass idle at 7.8 and 24% at 3.9.
 pub const MIN_CUBES_PER_SM: usize = 6;
-/// Tiles a producer warp that converts dQ in the main kernel ([`BackwardVariant::converts_dq`])
-/// may fall behind its consumer warpgroup before the consumers wait: a ring of barrier pairs.
-pub const DQ_SLOTS: usize = 4;
 /// Multiprocessors assumed where the device does not say (an H100 SXM or H200 has 132).
 pub const DEFAULT_MULTIPROCESSORS: usize = 132;
 
@@ -47,35 +44,25 @@ pub const DEFAULT_MULTIPROCESSORS: usize = 132;
 /// `1 + 3 STAGES` barriers of 8 bytes, and up to 1023 bytes to align the tiles on the 128-byte
 /// swizzle's 1024-byte period.
 pub const fn shared_bytes(head_dim: usize) -> usize {
-    shared_bytes_for(head_dim, false, false)
+    shared_bytes_for(head_dim, false)
 }
 
 /// [`shared_bytes`], plus with `producer_adds` (the deterministic backward's dQ adds by a
 /// producer warp, [`BackwardVariant::producer_adds`]) a buffer per dQ-computing warpgroup (one
 /// per 64 columns of the head dim) for its 64 x 64 f32 dQ block, a 16-byte header and two
-/// barriers: 32,832 bytes more at head dim 128 (198,776 in all), 16,416 at 64; with
-/// `converts_dq` (the main kernel writes dQ, [`BackwardVariant::converts_dq`]) a buffer per
-/// dQ-computing warpgroup for a 64 x 64 f32 block of the sum, a ring of [`DQ_SLOTS`] pairs of
-/// barriers and one more barrier: 32,912 bytes more at head dim 128.
-pub const fn shared_bytes_for(head_dim: usize, producer_adds: bool, converts_dq: bool) -> usize {
+/// barriers: 32,832 bytes more at head dim 128 (198,776 in all), 16,416 at 64.
+pub const fn shared_bytes_for(head_dim: usize, producer_adds: bool) -> usize {
     let tiles =
         2 * BLOCK_KEYS * head_dim + STAGES * (2 * TILE_ROWS * head_dim + BLOCK_KEYS * TILE_ROWS);
     let base = tiles * 2 + 2 * STAGES * TILE_ROWS * 4 + (1 + 3 * STAGES) * 8 + 1024;
-    let dq_warpgroups = head_dim / 64;
-    let producer = match producer_adds {
-        true => dq_warpgroups * (TILE_ROWS * 64 * 4 + 16 + 2 * 8),
-        false => 0,
-    };
-    let conversion = match converts_dq {
-        true => dq_warpgroups * (TILE_ROWS * 64 * 4 + DQ_SLOTS * 2 * 8 + 8),
-        false => 0,
-    };
-    base + producer + conversion
+    match producer_adds {
+        true => base + (head_dim / 64) * (TILE_ROWS * 64 * 4 + 16 + 2 * 8),
+        false => base,
+    }
 }
 
 // Within the 227 KiB a Hopper cube may opt into.
-const _: () = assert!(shared_bytes_for(128, true, false) <= 232_448);
-const _: () = assert!(shared_bytes_for(128, false, true) <= 232_448);
+const _: () = assert!(shared_bytes_for(128, true) <= 232_448);
 
 /// One compiled form of the main kernel: what its switches select (the row kernels take the
 /// head dim and the type).
@@ -104,11 +91,6 @@ pub struct BackwardVariant {
     /// shared memory ([`DeterministicAdds::Producer`]), not the consumers'. Only with
     /// `deterministic`.
     pub producer_adds: bool,
-    /// A whole attention's main kernel writes dQ itself: each query tile's last cube to add to
-    /// its f32 sum (a counter per tile) turns it into dQ, where the dQ row kernel did after
-    /// the grid ([`DqConversion::MainKernel`]). Never with `deterministic` or `accumulate`, a
-    /// lower bound or documents ([`BackwardVariant::with_dq_conversion`]).
-    pub converts_dq: bool,
 }
 
 impl BackwardVariant {
@@ -132,7 +114,6 @@ impl BackwardVariant {
             deterministic,
             split: false,
             producer_adds: false,
-            converts_dq: false,
         })
     }
 
@@ -145,30 +126,9 @@ impl BackwardVariant {
         }
     }
 
-    /// This variant with dQ written by its main kernel where `conversion` asks it and the call
-    /// allows it: a whole attention (split or not) that is not deterministic, under no mask or
-    /// an upper bound alone (causal), whose first query tile some key block reaches (an upper
-    /// bound of at least `-63`: then block 0 walks every tile, and every tile has a last cube to
-    /// convert it; the kernel counts a tile's cubes from the upper bound alone).
-    pub fn with_dq_conversion(
-        self,
-        dims: &AttentionDims,
-        mask: &Mask,
-        conversion: DqConversion,
-    ) -> Self {
-        let kind = self.mask;
-        let reached = !kind.upper || band::scalars(dims, mask).upper as i32 > -(TILE_ROWS as i32);
-        Self {
-            converts_dq: conversion == DqConversion::MainKernel
-                && !(self.accumulate || self.deterministic || kind.lower || kind.documents)
-                && reached,
-            ..self
-        }
-    }
-
     /// The shared memory one cube of this variant's main kernel uses ([`shared_bytes_for`]).
     pub fn shared_bytes(&self) -> usize {
-        shared_bytes_for(self.head_dim, self.producer_adds, self.converts_dq)
+        shared_bytes_for(self.head_dim, self.producer_adds)
     }
 
     /// This variant with each group's query heads split over `head_parts` cubes (where more
@@ -196,10 +156,9 @@ impl BackwardVariant {
             u8::from(self.accumulate || self.split),
             u8::from(self.deterministic),
             u8::from(self.split),
-            match (self.producer_adds, self.converts_dq) {
-                (true, _) => "#define DISTFLASH_PRODUCER_ADDS 1\n",
-                (false, true) => "#define DISTFLASH_CONVERT_DQ 1\n",
-                (false, false) => "",
+            match self.producer_adds {
+                true => "#define DISTFLASH_PRODUCER_ADDS 1\n",
+                false => "",
             },
         )
     }
@@ -260,9 +219,8 @@ pub fn prepared_rows(dims: &AttentionDims) -> usize {
     dims.batch * dims.q_heads * query_tiles(dims) * TILE_ROWS
 }
 
-/// The counters of the deterministic backward's ordered dQ adds, or of the cubes' adds where the
-/// main kernel converts dQ: one per 64 columns of the head dim of every padded query tile of
-/// every slice.
+/// The counters of the deterministic backward's ordered dQ adds: one per 64 columns of the
+/// head dim of every padded query tile of every slice.
 pub fn dq_turns(dims: &AttentionDims) -> usize {
     dims.batch * dims.q_heads * query_tiles(dims) * (dims.head_dim / 64)
 }
@@ -383,7 +341,6 @@ mod tests {
                             deterministic: false,
                             split: false,
                             producer_adds: false,
-                            converts_dq: false,
                         }
                     );
                     // Deterministic under every mask, packed documents included.
@@ -529,7 +486,6 @@ mod tests {
             deterministic: false,
             split: false,
             producer_adds: false,
-            converts_dq: false,
         };
         assert_eq!(
             variant.switches(),
@@ -571,85 +527,22 @@ mod tests {
             variant.with_deterministic_adds(DeterministicAdds::Producer),
             variant
         );
-        // A main kernel that converts dQ: one more switch.
-        let converting = BackwardVariant {
-            converts_dq: true,
-            ..variant
-        };
-        assert_eq!(
-            converting.switches(),
-            format!("{}#define DISTFLASH_CONVERT_DQ 1\n", variant.switches())
-        );
-    }
-
-    #[test]
-    fn the_main_kernel_converts_dq_where_every_tile_has_a_last_cube() {
-        let d = dims(128);
-        let variant = |mask: &Mask, deterministic, accumulate| {
-            BackwardVariant::for_call(&d, ElemType::BF16, (mask, 0.1), deterministic, accumulate)
-                .unwrap()
-        };
-        let converts = |v: BackwardVariant, mask: &Mask| {
-            v.with_dq_conversion(&d, mask, DqConversion::MainKernel)
-                .converts_dq
-        };
-        // Whole attentions, causal or unmasked, split or not: converted in the main kernel,
-        // unless the row kernel is asked for.
-        for mask in [Mask::causal(), Mask::none()] {
-            assert!(converts(variant(&mask, false, false), &mask));
-            assert!(converts(
-                variant(&mask, false, false).with_head_parts(2),
-                &mask
-            ));
-            let row =
-                variant(&mask, false, false).with_dq_conversion(&d, &mask, DqConversion::RowKernel);
-            assert!(!row.converts_dq);
-            assert_eq!(row.switches(), variant(&mask, false, false).switches());
-        }
-        // Never the deterministic backward, nor a step.
-        let causal = Mask::causal();
-        assert!(!converts(variant(&causal, true, false), &causal));
-        assert!(!converts(variant(&causal, false, true), &causal));
-        // Never a window or documents (a tile's cubes are counted from the upper bound alone).
-        let window = Mask::causal().with_window(SlidingWindow::causal(64).unwrap());
-        assert!(!converts(variant(&window, false, false), &window));
-        let documents =
-            Mask::causal().with_documents(Documents::from_cu_seqlens(&[0, 1, 200, 700]).unwrap());
-        assert!(!converts(variant(&documents, false, false), &documents));
-        // Keys ahead of the queries: converted while block 0 still reaches the first tile
-        // (query row 63 sees key 0: an upper bound of -63), not beyond.
-        let ahead = |keys| Mask::causal().at(0, keys);
-        assert!(converts(variant(&ahead(63), false, false), &ahead(63)));
-        assert!(!converts(variant(&ahead(64), false, false), &ahead(64)));
-        // Queries past the keys: converted.
-        let behind = Mask::causal().at(40, 0);
-        assert!(converts(variant(&behind, false, false), &behind));
     }
 
     #[test]
     fn the_producers_dq_buffers_fit_beside_the_pipeline() {
         // A 64 x 64 f32 block, a 16-byte header and two barriers per 64 columns of the head dim.
         assert_eq!(
-            shared_bytes_for(128, true, false),
+            shared_bytes_for(128, true),
             shared_bytes(128) + 2 * (16 * 1024 + 16 + 16)
         );
-        assert_eq!(shared_bytes_for(128, true, false), 198_776);
+        assert_eq!(shared_bytes_for(128, true), 198_776);
         assert_eq!(
-            shared_bytes_for(64, true, false),
+            shared_bytes_for(64, true),
             shared_bytes(64) + 16 * 1024 + 16 + 16
         );
-        assert_eq!(shared_bytes_for(64, false, false), shared_bytes(64));
-        assert!(shared_bytes_for(128, true, false) <= 232_448);
-        // Converting dQ in the main kernel: a ring of barrier pairs per dQ warpgroup.
-        assert_eq!(
-            shared_bytes_for(128, false, true),
-            shared_bytes(128) + 2 * (16 * 1024 + DQ_SLOTS * 16 + 8)
-        );
-        assert_eq!(shared_bytes_for(128, false, true), 198_856);
-        assert_eq!(
-            shared_bytes_for(64, false, true),
-            shared_bytes(64) + 16 * 1024 + DQ_SLOTS * 16 + 8
-        );
+        assert_eq!(shared_bytes_for(64, false), shared_bytes(64));
+        assert!(shared_bytes_for(128, true) <= 232_448);
         let variant = BackwardVariant::for_call(
             &dims(128),
             ElemType::BF16,
@@ -810,17 +703,6 @@ mod tests {
             &[("DF_DQ_HEADER_BYTES", 16)],
         );
         assert!(source.contains("at.dq_empty = at.dq_full + DF_DQ_WARPGROUPS * 8;"));
-        // Converting dQ: a ring of `dq_added` and `dq_taken` barriers per dQ warpgroup after the
-        // pipeline's.
-        assert_defines(
-            "attention_backward.cu",
-            source,
-            &[("DF_DQ_SLOTS", DQ_SLOTS)],
-        );
-        assert!(source.contains("at.dq_added = at.empty + DF_STAGES * 8;"));
-        assert!(source.contains("at.dq_taken = at.dq_added + DF_DQ_WARPGROUPS * DF_DQ_SLOTS * 8;"));
-        assert!(source.contains("at.dq_loaded = at.dq_taken + DF_DQ_WARPGROUPS * DF_DQ_SLOTS * 8;"));
-        assert!(source.contains("at.kv_full = at.dq + DF_DQ_WARPGROUPS * DF_DQ_BLOCK_BYTES;"));
         assert_defines(
             "backward_rows.cu",
             include_str!("backward_rows.cu"),

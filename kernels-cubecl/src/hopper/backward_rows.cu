@@ -153,15 +153,17 @@ struct ScaledQuad {
 // read consecutive vectors); false past the last.
 __device__ __forceinline__ bool scaled_quad(const float* dq_sum, const RowsInfo& info, u64 quad,
                                             ScaledQuad& at) {
-    const u32 per_tile = DF_BM * DF_D / 4;
+    const u32 per_tile = DF_BM * DF_D / 4, per_half = DF_BM * 64 / 4;
     if (quad >= static_cast<u64>(info.slices) * info.q_tiles * per_tile) {
         return false;
     }
     const u64 tile = quad / per_tile;
-    const DqQuad place = dq_quad_place(static_cast<u32>(quad % per_tile));
-    at.column = place.column;
+    const u32 within = static_cast<u32>(quad % per_tile);
+    // The fragment's thread and its group of 8 columns in its warpgroup's 64 (the half).
+    const u32 thread = within % 128, group = (within % per_half) / 128;
+    at.column = (within / per_half) * 64 + group * 8 + (thread % 4) * 2;
     at.slice = tile / info.q_tiles;
-    at.i = static_cast<u32>(tile % info.q_tiles) * DF_BM + place.row;
+    at.i = static_cast<u32>(tile % info.q_tiles) * DF_BM + (thread / 32) * 16 + (thread % 32) / 4;
     const float4 sum = reinterpret_cast<const float4*>(dq_sum)[quad];
     const float scale = __uint_as_float(info.scale_bits);
     at.upper = make_float2(sum.x * scale, sum.y * scale);

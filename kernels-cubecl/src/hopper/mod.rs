@@ -50,7 +50,7 @@ pub use forward_plan::{
 };
 pub use gemm::{gemm, gemm_source};
 pub use gemm_shape::{GemmLayout, SHARED_BYTES, TILE_K, TILE_M, TILE_N, UNITS};
-pub use schedule::{BackwardSchedule, DeterministicAdds, DqConversion, ForwardSchedule, HeadSplit};
+pub use schedule::{BackwardSchedule, DeterministicAdds, ForwardSchedule, HeadSplit};
 
 /// Whether `client` runs the Hopper kernels: a CUDA device of compute capability 9.0 exactly
 /// (`wgmma` exists on sm_90a only; later GPUs have other instructions). cubecl-cuda 0.10 reports

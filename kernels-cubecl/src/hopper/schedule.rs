@@ -4,8 +4,7 @@
 //! overlaps and grouped slices on a persistent grid (for a whole attention; the steps keep a
 //! cube per block); a thread-local override lets benchmarks and tests run the others. How the
 //! backward splits a GQA group's query heads over cubes ([`BackwardSchedule`], [`HeadSplit`])
-//! and where it converts dQ ([`DqConversion`]) have their own thread-local override
-//! ([`force_backward`]).
+//! has its own thread-local override ([`force_backward`]).
 
 use std::cell::Cell;
 
@@ -93,19 +92,6 @@ pub enum DeterministicAdds {
     Producer,
 }
 
-/// Where a whole attention's Hopper backward turns each query tile's f32 dQ sum into dQ in the
-/// inputs' type (`attention_backward.cu`, `DISTFLASH_CONVERT_DQ`). The deterministic backward,
-/// the steps, windows and documents always use the row kernel, whatever this says.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum DqConversion {
-    /// The default: in the main kernel, by a producer warp of the cube whose adds to the tile
-    /// come last (a counter per tile), under the other cubes' products.
-    #[default]
-    MainKernel,
-    /// A row kernel after the main kernel reads the whole sum back and writes dQ.
-    RowKernel,
-}
-
 /// What the Hopper backward may choose per call. The deterministic backward and the backward
 /// steps never split (see `backward_plan::head_parts`), whatever this says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -114,8 +100,6 @@ pub struct BackwardSchedule {
     pub head_split: HeadSplit,
     /// See [`DeterministicAdds`] (read only by the deterministic backward).
     pub deterministic_adds: DeterministicAdds,
-    /// See [`DqConversion`].
-    pub dq_conversion: DqConversion,
 }
 
 thread_local! {
@@ -143,14 +127,12 @@ mod tests {
         let never = BackwardSchedule {
             head_split: HeadSplit::Never,
             deterministic_adds: DeterministicAdds::Consumers,
-            dq_conversion: DqConversion::RowKernel,
         };
         assert_eq!(current_backward().head_split, HeadSplit::Auto);
         assert_eq!(
             current_backward().deterministic_adds,
             DeterministicAdds::Producer
         );
-        assert_eq!(current_backward().dq_conversion, DqConversion::MainKernel);
         force_backward(Some(never));
         assert_eq!(current_backward(), never);
         // The forward's override is another.

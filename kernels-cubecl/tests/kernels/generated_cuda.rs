@@ -43,9 +43,7 @@ fn the_hopper_shell_gives_hand_written_kernels_the_shared_memory_they_ask_for() 
     let persistent = distflash_kernels::hopper::forward_shared_bytes_for(128, true);
     let backward = distflash_kernels::hopper::backward_shared_bytes(128);
     // The deterministic backward with the producer's ordered dQ adds (its dQ buffers).
-    let producer_adds = distflash_kernels::hopper::backward_shared_bytes_for(128, true, false);
-    // The backward that converts dQ in its main kernel (its ring of barriers).
-    let converts_dq = distflash_kernels::hopper::backward_shared_bytes_for(128, false, true);
+    let producer_adds = distflash_kernels::hopper::backward_shared_bytes_for(128, true);
     for bytes in [
         4,
         1000,
@@ -54,7 +52,6 @@ fn the_hopper_shell_gives_hand_written_kernels_the_shared_memory_they_ask_for() 
         persistent,
         backward,
         producer_adds,
-        converts_dq,
     ] {
         let given = cuda_source::hopper_shell_shared_bytes(bytes);
         assert!(

@@ -9,8 +9,7 @@
 //! the reference and bitwise the same twice, under every mask, and with its ordered dQ adds made
 //! by a producer warp (forced) bitwise its consumers' form; each GQA group's query heads
 //! split over several cubes (dK and dV added with atomics), forced on every case, and the
-//! deterministic backward never splitting; dQ converted by the main kernel (the default where
-//! the mask allows it) and by the row kernel, each forced; and its refusals. The backward runs on an H100/H200
+//! deterministic backward never splitting; and its refusals. The backward runs on an H100/H200
 //! only; elsewhere it must refuse the device.
 
 use super::hopper_cases::{
@@ -18,9 +17,7 @@ use super::hopper_cases::{
     masked_cases, named, Named, Quantity,
 };
 use super::*;
-use distflash_kernels::hopper::{
-    self, schedule, BackwardSchedule, DeterministicAdds, DqConversion, HeadSplit,
-};
+use distflash_kernels::hopper::{self, schedule, BackwardSchedule, DeterministicAdds, HeadSplit};
 
 /// The forward's output and log-sum-exp of `case` (the Hopper forward's), and its output
 /// gradient, on the device.
@@ -458,62 +455,6 @@ pub fn head_split_matches_the_f64_reference<R: Runtime>(client: &ComputeClient<R
     }
 }
 
-/// dQ turned from its f32 sum into the inputs' type by either kernel, each forced
-/// ([`DqConversion`]): by the main kernel's producer warps as each tile's last cube adds to it
-/// (the default, where the call allows it: no mask or causal, keys at most 63 ahead of the
-/// queries; the others fall back to the row kernel) and by the row kernel after the grid, on
-/// the default backward's cases (both head dims and types, GQA and MQA, odd lengths, keys ahead
-/// of the queries, blocks no query sees) and on long causal and unmasked calls whose late
-/// tiles take the adds of 16 and 24 key blocks, into gradients poisoned with NaN, against the
-/// f64 reference; then the main kernel's form with each GQA group's heads split over cubes.
-pub fn dq_conversion_in_either_kernel_matches_the_f64_reference<R: Runtime>(
-    client: &ComputeClient<R>,
-) {
-    let mut all = every_type_and_head_dim(cases);
-    all.push(named(
-        91,
-        (1, 2, 2),
-        (2048, 2048, 64),
-        Mask::causal(),
-        ElemType::BF16,
-    ));
-    all.push(named(
-        92,
-        (1, 4, 2),
-        (700, 3000, 128),
-        Mask::none(),
-        ElemType::F16,
-    ));
-    let force = |dq_conversion, head_split| {
-        schedule::force_backward(Some(BackwardSchedule {
-            dq_conversion,
-            head_split,
-            ..BackwardSchedule::default()
-        }))
-    };
-    for (what, conversion, split) in [
-        (
-            "hopper backward, dQ by the row kernel",
-            DqConversion::RowKernel,
-            HeadSplit::Never,
-        ),
-        (
-            "hopper backward, dQ by the main kernel",
-            DqConversion::MainKernel,
-            HeadSplit::Never,
-        ),
-        (
-            "hopper backward, dQ by the main kernel, heads split",
-            DqConversion::MainKernel,
-            HeadSplit::Parts(2),
-        ),
-    ] {
-        force(conversion, split);
-        check_all(what, &all, |case| check_case(client, case));
-    }
-    schedule::force_backward(None);
-}
-
 /// What the Hopper backward does not cover is refused naming it, before anything runs, whatever
 /// the device; `Variant::Auto` runs the same calls elsewhere.
 pub fn uncovered_calls_are_refused<R: Runtime>(client: &ComputeClient<R>) {
@@ -597,12 +538,6 @@ fn cuda_hopper_deterministic_producer_adds_match_f64_reference_and_consumers_bit
 #[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
 fn cuda_hopper_backward_head_split_matches_f64_reference() {
     head_split_matches_the_f64_reference(&hopper_client());
-}
-
-#[test]
-#[ignore = "needs an H100/H200 (CUDA compute capability 9.0): run with --ignored there"]
-fn cuda_hopper_backward_dq_conversion_in_either_kernel_matches_f64_reference() {
-    dq_conversion_in_either_kernel_matches_the_f64_reference(&hopper_client());
 }
 
 #[test]

@@ -226,18 +226,19 @@ impl ClassPages {
         let phases = [&buffers.loss, &buffers.block, &buffers.optimizer];
         let top = pools.classes().len() - 1;
         let class_of = |size: u64| pools.class_of(size).unwrap_or(top);
-        let mut counted = [0u64; 3];
+        // Every listed buffer is counted by its class's pages: each phase's count gives up all
+        // of their bytes.
+        let counted = phases.map(|sizes| sizes.iter().sum());
         let mut pages = Self {
             top_page: pools.top().page,
             ..Self::default()
         };
         for class in 0..pools.classes().len() {
             let mut most = 0;
-            for (phase, sizes) in phases.iter().enumerate() {
+            for sizes in phases {
                 let mine: Vec<u64> = (sizes.iter().copied())
                     .filter(|&s| class_of(s) == class)
                     .collect();
-                counted[phase] += mine.iter().sum::<u64>();
                 most = most.max(pools.pages_reserved(class, &mine));
                 if pools.is_top(class) {
                     let largest = mine.iter().copied().max().unwrap_or(0);
